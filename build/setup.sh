@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what ecmooncake needs on a Debian or Ubuntu machine (libzmq and
+# its headers, a C compiler, binutils), fetches the Go modules, and installs
+# the Python package in editable mode with its test extras. Safe to run
+# again: it installs only what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+missing=()
+pkg-config --exists libzmq 2>/dev/null || missing+=(libzmq3-dev pkg-config)
+command -v gcc >/dev/null || missing+=(gcc)
+command -v nm >/dev/null || missing+=(binutils)
+if ((${#missing[@]})); then
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  echo "setup: installing ${missing[*]}" >&2
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+if ! command -v go >/dev/null; then
+  echo "setup: Go 1.26 or newer is required (https://go.dev/dl/)" >&2
+  exit 1
+fi
+go mod download
+
+python=${PYTHON:-python3}
+"$python" -m pip install -q -e ".[test]"
+echo "setup: ecmooncake installed for $("$python" -c 'import sys; print(sys.executable)')" >&2

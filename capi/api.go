@@ -1,0 +1,367 @@
+package capi
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"runtime"
+	"sync"
+	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/config"
+	"github.com/ecmooncake/ecmooncake/core/consumer"
+	"github.com/ecmooncake/ecmooncake/core/producer"
+	"github.com/ecmooncake/ecmooncake/core/scheduler"
+	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/transport"
+)
+
+var (
+	logLevel  = new(slog.LevelVar)
+	setupOnce sync.Once
+)
+
+// setup installs the defaults once: a small GOMAXPROCS so that many vLLM
+// processes, each with this runtime inside, do not fight PyTorch for
+// cores, and a stderr logger. No signal handlers: signals belong to Python.
+func setup() {
+	setupOnce.Do(func() {
+		def := config.DefaultRuntime()
+		if os.Getenv("GOMAXPROCS") == "" {
+			runtime.GOMAXPROCS(def.GOMAXPROCS)
+		}
+		logLevel.Set(slog.LevelInfo)
+		slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: logLevel})).With("lib", "ecmooncake"))
+	})
+}
+
+// Configure applies process-wide settings.
+func Configure(raw []byte) error {
+	setup()
+	r, err := config.DecodeRuntime(raw)
+	if err != nil {
+		return err
+	}
+	runtime.GOMAXPROCS(r.GOMAXPROCS)
+	var lv slog.Level
+	if err := lv.UnmarshalText([]byte(r.LogLevel)); err != nil {
+		return statusErr(StatusInvalid, "log_level %q: %v", r.LogLevel, err)
+	}
+	logLevel.Set(lv)
+	return nil
+}
+
+// Stats returns the counters of any object as JSON.
+func Stats(h uint64) ([]byte, error) {
+	o, err := handles.get(h)
+	if err != nil {
+		return nil, err
+	}
+	return marshal(o.(interface{ stats() any }).stats())
+}
+
+// Close closes any object.
+func Close(h uint64) error {
+	o, err := handles.remove(h)
+	if err != nil {
+		return err
+	}
+	return o.Close()
+}
+
+// OpenHandles counts live objects (for tests).
+func OpenHandles() int { return handles.open() }
+
+func marshal(v any) ([]byte, error) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return nil, statusErr(StatusInternal, "encode reply: %v", err)
+	}
+	return b, nil
+}
+
+func unmarshal(what string, raw []byte, into any) error {
+	if err := json.Unmarshal(raw, into); err != nil {
+		return statusErr(StatusInvalid, "%s: %v", what, err)
+	}
+	return nil
+}
+
+func newTransport(name string, p config.Producer) (transport.Transport, error) {
+	switch name {
+	case "tcp":
+		return transport.NewTCP(transport.TCPConfig{Conns: p.TCPConns, ChunkSize: p.TCPChunkBytes, DialTimeout: p.ControlTimeout(), Logger: slog.Default()}), nil
+	default:
+		return nil, statusErr(StatusUnavailable, "transport %q is not available in this build", name)
+	}
+}
+
+// consumer ------------------------------------------------------------------
+
+type consumerObj struct{ *consumer.Shard }
+
+func (o *consumerObj) stats() any { return o.Stats() }
+
+// ConsumerOpen opens a consumer shard over the caller's slab.
+func ConsumerOpen(raw []byte, mem []byte) (uint64, error) {
+	setup()
+	cfg, err := config.DecodeConsumer(raw)
+	if err != nil {
+		return 0, err
+	}
+	if len(mem) == 0 {
+		return 0, statusErr(StatusInvalid, "consumer: slab is empty (pointer and nbytes must describe the receive buffer)")
+	}
+	tr, err := newTransport(cfg.Transport, config.DefaultProducer())
+	if err != nil {
+		return 0, err
+	}
+	s, err := consumer.Open(cfg, slab.HostMemory(mem), consumer.Options{Transport: tr, Log: slog.Default()})
+	if err != nil {
+		return 0, err
+	}
+	return handles.add(&consumerObj{s}), nil
+}
+
+// ConsumerInfo returns the shard's endpoints.
+func ConsumerInfo(h uint64) ([]byte, error) {
+	c, err := lookup[*consumerObj](h, "consumer")
+	if err != nil {
+		return nil, err
+	}
+	return marshal(c.Info())
+}
+
+type hashesIn struct {
+	MMHashes []string `json:"mm_hashes"`
+}
+
+// ConsumerAcquire pins ready items.
+func ConsumerAcquire(h uint64, raw []byte) ([]byte, error) {
+	c, err := lookup[*consumerObj](h, "consumer")
+	if err != nil {
+		return nil, err
+	}
+	var in hashesIn
+	if err := unmarshal("acquire", raw, &in); err != nil {
+		return nil, err
+	}
+	return marshal(map[string]any{"items": c.Acquire(in.MMHashes)})
+}
+
+// ConsumerRelease unpins items.
+func ConsumerRelease(h uint64, raw []byte) ([]byte, error) {
+	c, err := lookup[*consumerObj](h, "consumer")
+	if err != nil {
+		return nil, err
+	}
+	var in hashesIn
+	if err := unmarshal("release", raw, &in); err != nil {
+		return nil, err
+	}
+	type item struct {
+		MMHash string `json:"mm_hash"`
+		Error  string `json:"error,omitempty"`
+	}
+	errs := c.Release(in.MMHashes)
+	out := make([]item, len(errs))
+	for i, e := range errs {
+		out[i].MMHash = in.MMHashes[i]
+		if e != nil {
+			out[i].Error = e.Error()
+		}
+	}
+	return marshal(map[string]any{"items": out})
+}
+
+// producer ------------------------------------------------------------------
+
+type producerObj struct{ *producer.Producer }
+
+func (o *producerObj) stats() any { return o.Stats() }
+
+// ProducerOpen opens a producer.
+func ProducerOpen(raw []byte) (uint64, error) {
+	setup()
+	cfg, err := config.DecodeProducer(raw)
+	if err != nil {
+		return 0, err
+	}
+	tr, err := newTransport(cfg.Transport, cfg)
+	if err != nil {
+		return 0, err
+	}
+	p, err := producer.Open(cfg, producer.Options{Transport: tr, Log: slog.Default()})
+	if err != nil {
+		return 0, err
+	}
+	return handles.add(&producerObj{p}), nil
+}
+
+// ProducerSubmit announces pushes.
+func ProducerSubmit(h uint64, raw []byte) ([]byte, error) {
+	p, err := lookup[*producerObj](h, "producer")
+	if err != nil {
+		return nil, err
+	}
+	var in struct {
+		Pushes []producer.Push `json:"pushes"`
+	}
+	if err := unmarshal("submit", raw, &in); err != nil {
+		return nil, err
+	}
+	type item struct {
+		TransferID string `json:"transfer_id"`
+		Error      string `json:"error,omitempty"`
+	}
+	errs := p.Submit(in.Pushes)
+	out := make([]item, len(errs))
+	for i, e := range errs {
+		out[i].TransferID = in.Pushes[i].TransferID
+		if e != nil {
+			out[i].Error = e.Error()
+		}
+	}
+	return marshal(map[string]any{"items": out})
+}
+
+// Source is one encoder output handed over by the caller.
+type Source struct {
+	MMHash string
+	Mem    []byte
+}
+
+// ProducerSources hands over encoder outputs; ids[i] is 0 where item i was
+// refused, and the error names every refused item.
+func ProducerSources(h uint64, srcs []Source) ([]uint64, error) {
+	ids := make([]uint64, len(srcs))
+	p, err := lookup[*producerObj](h, "producer")
+	if err != nil {
+		return ids, err
+	}
+	in := make([]producer.Source, len(srcs))
+	for i, s := range srcs {
+		in[i] = producer.Source{MMHash: s.MMHash, Mem: s.Mem}
+	}
+	got, errs := p.Sources(in)
+	var bad []error
+	for i := range srcs {
+		ids[i] = uint64(got[i])
+		if errs[i] != nil {
+			bad = append(bad, fmt.Errorf("item %d (%s): %w", i, srcs[i].MMHash, errs[i]))
+		}
+	}
+	if len(bad) > 0 {
+		return ids, statusErr(StatusInvalid, "%d of %d sources refused: %v", len(bad), len(srcs), errors.Join(bad...))
+	}
+	return ids, nil
+}
+
+// ProducerCancel cancels pushes.
+func ProducerCancel(h uint64, raw []byte) error {
+	p, err := lookup[*producerObj](h, "producer")
+	if err != nil {
+		return err
+	}
+	var in struct {
+		TransferIDs []string `json:"transfer_ids"`
+	}
+	if err := unmarshal("cancel", raw, &in); err != nil {
+		return err
+	}
+	p.Cancel(in.TransferIDs)
+	return nil
+}
+
+// ProducerPoll returns outcomes since the last poll.
+func ProducerPoll(h uint64, timeoutMs int32) ([]byte, error) {
+	p, err := lookup[*producerObj](h, "producer")
+	if err != nil {
+		return nil, err
+	}
+	return marshal(p.Poll(time.Duration(max(timeoutMs, 0)) * time.Millisecond))
+}
+
+// scheduler -----------------------------------------------------------------
+
+type schedulerObj struct{ *scheduler.Scheduler }
+
+func (o *schedulerObj) stats() any { return o.Stats() }
+
+// SchedulerOpen opens a consumer scheduler.
+func SchedulerOpen(raw []byte) (uint64, error) {
+	setup()
+	cfg, err := config.DecodeScheduler(raw)
+	if err != nil {
+		return 0, err
+	}
+	s, err := scheduler.Open(cfg, slog.Default())
+	if err != nil {
+		return 0, err
+	}
+	return handles.add(&schedulerObj{s}), nil
+}
+
+// SchedulerStep applies one scheduler step.
+func SchedulerStep(h uint64, raw []byte) ([]byte, error) {
+	s, err := lookup[*schedulerObj](h, "scheduler")
+	if err != nil {
+		return nil, err
+	}
+	var in scheduler.StepIn
+	if err := unmarshal("step", raw, &in); err != nil {
+		return nil, err
+	}
+	return marshal(s.Step(in))
+}
+
+// SchedulerHas answers has_cache_item.
+func SchedulerHas(h uint64, mmHash string) (bool, error) {
+	s, err := lookup[*schedulerObj](h, "scheduler")
+	if err != nil {
+		return false, err
+	}
+	return s.Has(mmHash), nil
+}
+
+// SchedulerWait blocks until the transfers are decided or the timeout.
+func SchedulerWait(h uint64, raw []byte, timeoutMs int32) ([]byte, error) {
+	s, err := lookup[*schedulerObj](h, "scheduler")
+	if err != nil {
+		return nil, err
+	}
+	var in struct {
+		TransferIDs []string `json:"transfer_ids"`
+	}
+	if err := unmarshal("wait", raw, &in); err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(max(timeoutMs, 0))*time.Millisecond)
+	defer cancel()
+	return marshal(s.Wait(ctx, in.TransferIDs))
+}
+
+// BenchTCPLoopback measures the raw TCP loopback ceiling.
+func BenchTCPLoopback(raw []byte) ([]byte, error) {
+	setup()
+	in := struct {
+		Bytes   int64 `json:"bytes"`
+		Streams int   `json:"streams"`
+	}{Bytes: 1 << 30, Streams: 1}
+	if err := unmarshal("bench_tcp_loopback", raw, &in); err != nil {
+		return nil, err
+	}
+	if in.Bytes <= 0 || in.Streams < 1 || in.Streams > 64 {
+		return nil, statusErr(StatusInvalid, "bench_tcp_loopback: bytes = %d, streams = %d; want bytes > 0 and streams in [1, 64]", in.Bytes, in.Streams)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	bps, err := transport.LoopbackCeiling(ctx, in.Bytes, in.Streams)
+	if err != nil {
+		return nil, fmt.Errorf("bench_tcp_loopback: %w", err)
+	}
+	return marshal(map[string]float64{"bytes_per_sec": bps})
+}

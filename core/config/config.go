@@ -1,0 +1,294 @@
+package config
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"net"
+	"strings"
+	"time"
+)
+
+// ErrInvalid is wrapped by every validation error.
+var ErrInvalid = errors.New("invalid config")
+
+// Transports the core knows by name.
+var Transports = []string{"tcp"}
+
+// Consumer configures one consumer shard (one TP rank of a consumer instance).
+type Consumer struct {
+	IP        string `json:"ec_ip"`
+	Port      int    `json:"ec_port"`
+	TPRank    int    `json:"tp_rank"`
+	TPSize    int    `json:"tp_size"`
+	DPRank    int    `json:"dp_rank"`
+	Transport string `json:"transport"`
+	// DataPort is the first port of the data-plane listener; 0 picks a free one.
+	DataPort int     `json:"data_port"`
+	LeaseS   float64 `json:"lease_s"`
+	// Host identifies the machine; producers use it to choose a same-host
+	// transport. Empty means the hostname.
+	Host string `json:"host"`
+	// MaxResidentBytes caps resident copies; 0 means the slab is the cap.
+	MaxResidentBytes uint64 `json:"max_resident_bytes"`
+}
+
+// ControlPort is the port of this shard's control server: vLLM's
+// convention of one port per (dp_rank, tp_rank) above ec_port.
+func (c Consumer) ControlPort() int { return ShardPort(c.Port, c.DPRank, c.TPSize, c.TPRank) }
+
+// Lease is the reservation lease as a duration.
+func (c Consumer) Lease() time.Duration { return seconds(c.LeaseS) }
+
+// ShardPort is ec_port + dp_rank*tp_size + tp_rank.
+func ShardPort(base, dpRank, tpSize, tpRank int) int { return base + dpRank*tpSize + tpRank }
+
+// Producer configures the producer (encoder instance worker).
+type Producer struct {
+	Transport       string  `json:"transport"`
+	ControlTimeoutS float64 `json:"control_timeout_s"`
+	PushWaitS       float64 `json:"push_wait_timeout_s"`
+	TCPConns        int     `json:"tcp_conns"`
+	TCPChunkBytes   int     `json:"tcp_chunk_bytes"`
+	Host            string  `json:"host"`
+}
+
+// ControlTimeout bounds every control round trip.
+func (p Producer) ControlTimeout() time.Duration { return seconds(p.ControlTimeoutS) }
+
+// PushWait bounds how long a push waits for its source or its write.
+func (p Producer) PushWait() time.Duration { return seconds(p.PushWaitS) }
+
+// Scheduler configures the consumer scheduler (the engine core's view).
+type Scheduler struct {
+	IP              string  `json:"ec_ip"`
+	Port            int     `json:"ec_port"`
+	TPSize          int     `json:"tp_size"`
+	DPRank          int     `json:"dp_rank"`
+	PushWaitS       float64 `json:"push_wait_timeout_s"`
+	LoadTimeoutS    float64 `json:"load_timeout_s"`
+	ControlTimeoutS float64 `json:"control_timeout_s"`
+	// Shards lists the shards' control endpoints explicitly; empty means
+	// derive them from ec_ip, ec_port, tp_size and dp_rank.
+	Shards []string `json:"shards"`
+}
+
+// PushWait bounds WAITING_EVENT.
+func (s Scheduler) PushWait() time.Duration { return seconds(s.PushWaitS) }
+
+// LoadTimeout bounds LOADING.
+func (s Scheduler) LoadTimeout() time.Duration { return seconds(s.LoadTimeoutS) }
+
+// ControlTimeout bounds each control round trip of the background loop.
+func (s Scheduler) ControlTimeout() time.Duration { return seconds(s.ControlTimeoutS) }
+
+// Runtime holds process-wide settings.
+type Runtime struct {
+	GOMAXPROCS int    `json:"gomaxprocs"`
+	LogLevel   string `json:"log_level"`
+}
+
+// DefaultConsumer returns the defaults a JSON document overrides.
+func DefaultConsumer() Consumer {
+	return Consumer{IP: "127.0.0.1", Port: 14579, TPSize: 1, Transport: "tcp", LeaseS: 300}
+}
+
+// DefaultProducer returns the producer defaults.
+func DefaultProducer() Producer {
+	return Producer{Transport: "tcp", ControlTimeoutS: 30, PushWaitS: 60, TCPConns: 4, TCPChunkBytes: 8 << 20}
+}
+
+// DefaultScheduler returns the scheduler defaults.
+func DefaultScheduler() Scheduler {
+	return Scheduler{IP: "127.0.0.1", Port: 14579, TPSize: 1, PushWaitS: 60, LoadTimeoutS: 30, ControlTimeoutS: 5}
+}
+
+// DefaultRuntime keeps the Go runtime small beside PyTorch.
+func DefaultRuntime() Runtime { return Runtime{GOMAXPROCS: 2, LogLevel: "info"} }
+
+// DecodeConsumer decodes and validates a consumer shard's settings.
+func DecodeConsumer(raw []byte) (Consumer, error) {
+	c := DefaultConsumer()
+	if err := decode("consumer", raw, &c); err != nil {
+		return c, err
+	}
+	return c, c.Validate()
+}
+
+// DecodeProducer decodes and validates the producer's settings.
+func DecodeProducer(raw []byte) (Producer, error) {
+	p := DefaultProducer()
+	if err := decode("producer", raw, &p); err != nil {
+		return p, err
+	}
+	return p, p.Validate()
+}
+
+// DecodeScheduler decodes and validates the consumer scheduler's settings.
+func DecodeScheduler(raw []byte) (Scheduler, error) {
+	s := DefaultScheduler()
+	if err := decode("scheduler", raw, &s); err != nil {
+		return s, err
+	}
+	return s, s.Validate()
+}
+
+// DecodeRuntime decodes and validates process-wide settings.
+func DecodeRuntime(raw []byte) (Runtime, error) {
+	r := DefaultRuntime()
+	if err := decode("runtime", raw, &r); err != nil {
+		return r, err
+	}
+	return r, r.Validate()
+}
+
+// Validate checks every field.
+func (c Consumer) Validate() error {
+	return first(
+		host("ec_ip", c.IP),
+		port("ec_port", c.Port, false),
+		atLeast("tp_size", c.TPSize, 1),
+		rangeInt("tp_rank", c.TPRank, 0, c.TPSize-1),
+		atLeast("dp_rank", c.DPRank, 0),
+		port("ec_port + dp_rank*tp_size + tp_rank", c.ControlPort(), false),
+		oneOf("transport", c.Transport, Transports),
+		port("data_port", c.DataPort, true),
+		positive("lease_s", c.LeaseS),
+	)
+}
+
+// Validate checks every field.
+func (p Producer) Validate() error {
+	return first(
+		oneOf("transport", p.Transport, Transports),
+		positive("control_timeout_s", p.ControlTimeoutS),
+		positive("push_wait_timeout_s", p.PushWaitS),
+		rangeInt("tcp_conns", p.TCPConns, 1, 64),
+		rangeInt("tcp_chunk_bytes", p.TCPChunkBytes, 64<<10, 1<<30),
+	)
+}
+
+// Validate checks every field.
+func (s Scheduler) Validate() error {
+	errs := []error{
+		positive("push_wait_timeout_s", s.PushWaitS),
+		positive("load_timeout_s", s.LoadTimeoutS),
+		positive("control_timeout_s", s.ControlTimeoutS),
+		atLeast("tp_size", s.TPSize, 1),
+		atLeast("dp_rank", s.DPRank, 0),
+	}
+	if len(s.Shards) == 0 {
+		errs = append(errs, host("ec_ip", s.IP), port("ec_port", s.Port, false),
+			port("ec_port + dp_rank*tp_size + tp_size-1", ShardPort(s.Port, s.DPRank, s.TPSize, s.TPSize-1), false))
+	} else if len(s.Shards) != s.TPSize {
+		errs = append(errs, fmt.Errorf("%w: shards lists %d endpoints but tp_size is %d; give one per TP rank", ErrInvalid, len(s.Shards), s.TPSize))
+	}
+	return first(errs...)
+}
+
+// Validate checks every field.
+func (r Runtime) Validate() error {
+	return first(
+		rangeInt("gomaxprocs", r.GOMAXPROCS, 1, 1024),
+		oneOf("log_level", r.LogLevel, []string{"debug", "info", "warn", "error"}),
+	)
+}
+
+func decode(what string, raw []byte, into any) error {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 {
+		return nil
+	}
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(into); err != nil {
+		return fmt.Errorf("%w: %s settings: %v", ErrInvalid, what, cleanJSONError(err))
+	}
+	if dec.More() {
+		return fmt.Errorf("%w: %s settings: trailing data after the JSON object", ErrInvalid, what)
+	}
+	return nil
+}
+
+// cleanJSONError rewrites encoding/json's messages so that they name the
+// key the way the user wrote it.
+func cleanJSONError(err error) string {
+	var te *json.UnmarshalTypeError
+	if errors.As(err, &te) {
+		return fmt.Sprintf("key %q: got a JSON %s, want %s", te.Field, te.Value, te.Type)
+	}
+	msg := err.Error()
+	if strings.HasPrefix(msg, "json: unknown field ") {
+		return "unknown key " + strings.TrimPrefix(msg, "json: unknown field ")
+	}
+	return msg
+}
+
+func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
+
+func first(errs ...error) error {
+	for _, e := range errs {
+		if e != nil {
+			return e
+		}
+	}
+	return nil
+}
+
+func host(key, v string) error {
+	if v == "" {
+		return fmt.Errorf("%w: %s is empty; want an IPv4 or IPv6 address or a hostname", ErrInvalid, key)
+	}
+	if net.ParseIP(strings.Trim(v, "[]")) != nil {
+		return nil
+	}
+	for _, r := range v {
+		if !(r == '-' || r == '.' || r == '_' || r >= '0' && r <= '9' || r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z') {
+			return fmt.Errorf("%w: %s = %q is neither an IP address nor a hostname", ErrInvalid, key, v)
+		}
+	}
+	return nil
+}
+
+func port(key string, v int, zeroOK bool) error {
+	lo := 1
+	if zeroOK {
+		lo = 0
+	}
+	if v < lo || v > 65535 {
+		return fmt.Errorf("%w: %s = %d; want a TCP port in [%d, 65535]", ErrInvalid, key, v, lo)
+	}
+	return nil
+}
+
+func atLeast(key string, v, lo int) error {
+	if v < lo {
+		return fmt.Errorf("%w: %s = %d; want at least %d", ErrInvalid, key, v, lo)
+	}
+	return nil
+}
+
+func rangeInt(key string, v, lo, hi int) error {
+	if v < lo || v > hi {
+		return fmt.Errorf("%w: %s = %d; want a value in [%d, %d]", ErrInvalid, key, v, lo, hi)
+	}
+	return nil
+}
+
+func positive(key string, v float64) error {
+	if !(v > 0) || math.IsInf(v, 0) || v > 1e7 {
+		return fmt.Errorf("%w: %s = %v; want a positive number of seconds", ErrInvalid, key, v)
+	}
+	return nil
+}
+
+func oneOf(key, v string, allowed []string) error {
+	for _, a := range allowed {
+		if v == a {
+			return nil
+		}
+	}
+	return fmt.Errorf("%w: %s = %q; want one of %s", ErrInvalid, key, v, strings.Join(allowed, ", "))
+}

@@ -1,0 +1,67 @@
+package config
+
+import (
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestConsumerDefaultsAndPorts(t *testing.T) {
+	c, err := DecodeConsumer([]byte(`{"ec_port": 20000, "tp_size": 2, "tp_rank": 1, "dp_rank": 3}`))
+	require.NoError(t, err)
+	require.Equal(t, 20000+3*2+1, c.ControlPort())
+	require.Equal(t, "tcp", c.Transport)
+	require.Equal(t, 300*time.Second, c.Lease())
+
+	c, err = DecodeConsumer(nil)
+	require.NoError(t, err, "empty settings mean defaults")
+	require.Equal(t, DefaultConsumer(), c)
+}
+
+func TestDecodeErrorsNameKeyValueAndAllowed(t *testing.T) {
+	cases := []struct {
+		name   string
+		decode func([]byte) error
+		in     string
+		want   []string
+	}{
+		{"unknown key", consumer, `{"ec_prot": 1}`, []string{`unknown key "ec_prot"`}},
+		{"wrong type", consumer, `{"ec_port": "x"}`, []string{`"ec_port"`, "string", "int"}},
+		{"tp_rank out of range", consumer, `{"tp_size": 2, "tp_rank": 2}`, []string{"tp_rank = 2", "[0, 1]"}},
+		{"bad transport", consumer, `{"transport": "udp"}`, []string{`transport = "udp"`, "want one of tcp"}},
+		{"port beyond range", consumer, `{"ec_port": 65535, "tp_size": 2, "tp_rank": 1}`, []string{"65536", "[1, 65535]"}},
+		{"bad host", consumer, `{"ec_ip": "a b"}`, []string{`ec_ip = "a b"`}},
+		{"negative lease", consumer, `{"lease_s": -1}`, []string{"lease_s = -1", "positive"}},
+		{"trailing data", consumer, `{} {}`, []string{"trailing data"}},
+		{"not json", consumer, `{`, []string{"consumer settings"}},
+		{"producer conns", producer, `{"tcp_conns": 0}`, []string{"tcp_conns = 0", "[1, 64]"}},
+		{"producer timeout", producer, `{"control_timeout_s": 0}`, []string{"control_timeout_s = 0"}},
+		{"scheduler shards mismatch", scheduler, `{"tp_size": 2, "shards": ["tcp://a:1"]}`, []string{"1 endpoints", "tp_size is 2"}},
+		{"runtime level", runtime, `{"log_level": "loud"}`, []string{`log_level = "loud"`, "debug, info, warn, error"}},
+		{"runtime procs", runtime, `{"gomaxprocs": 0}`, []string{"gomaxprocs = 0"}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.decode([]byte(tc.in))
+			require.Error(t, err)
+			require.True(t, errors.Is(err, ErrInvalid))
+			for _, w := range tc.want {
+				require.Contains(t, err.Error(), w)
+			}
+		})
+	}
+}
+
+func TestValidHosts(t *testing.T) {
+	for _, h := range []string{"127.0.0.1", "::1", "[::1]", "localhost", "enc-0.cluster.local"} {
+		_, err := DecodeConsumer([]byte(`{"ec_ip": "` + h + `"}`))
+		require.NoError(t, err, h)
+	}
+}
+
+func consumer(b []byte) error  { _, err := DecodeConsumer(b); return err }
+func producer(b []byte) error  { _, err := DecodeProducer(b); return err }
+func scheduler(b []byte) error { _, err := DecodeScheduler(b); return err }
+func runtime(b []byte) error   { _, err := DecodeRuntime(b); return err }

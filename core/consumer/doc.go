@@ -1,0 +1,20 @@
+// Package consumer runs one consumer shard: the process object behind one
+// TP rank of a prefill/decode instance that receives encoder outputs.
+//
+// A Shard wires the deterministic reservation table (package reserve) to
+// the outside world: a ZeroMQ ROUTER control server at
+// ec_port + dp_rank*tp_size + tp_rank, a data-plane listener of the chosen
+// transport, and a PUSH socket that carries readiness and abandon events to
+// the consumer scheduler. The table is the only state; one mutex guards it
+// and is held only for table calls, never across I/O, so a slow peer can
+// never stall the control server or another writer.
+//
+// Invariants:
+//   - every byte the data plane writes lands inside a live reservation,
+//     because the transport asks the table (BeginWrite) for the destination
+//     of every frame;
+//   - every event the table produces is sent exactly once, in order, right
+//     after the call that produced it;
+//   - after Close returns, no goroutine of the shard touches the slab, so
+//     the caller may free it.
+package consumer

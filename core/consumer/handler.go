@@ -1,0 +1,185 @@
+package consumer
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/config"
+	"github.com/ecmooncake/ecmooncake/core/control"
+	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/reserve"
+	"github.com/ecmooncake/ecmooncake/core/wire"
+)
+
+// handler answers control requests on the server goroutine. Every op is a
+// few table calls under the mutex: no I/O, so the server never stalls.
+type handler struct{ s *Shard }
+
+var _ control.Handler = handler{}
+
+func (h handler) Handle(req wire.Request) wire.Reply {
+	s := h.s
+	switch req.Op {
+	case wire.OpPeers:
+		return wire.OKReply(req.ID, s.peers())
+	case wire.OpEventPort:
+		return wire.OKReply(req.ID, wire.EventPortReply{Endpoint: s.events.Endpoint()})
+	case wire.OpReserveBatch:
+		body, err := wire.DecodeBody[wire.ReserveBatch](req.Body)
+		if err != nil {
+			return badRequest(req, err)
+		}
+		return wire.OKReply(req.ID, s.reserve(body))
+	case wire.OpCompleteBatch:
+		body, err := wire.DecodeBody[wire.CompleteBatch](req.Body)
+		if err != nil {
+			return badRequest(req, err)
+		}
+		return wire.OKReply(req.ID, s.complete(body))
+	case wire.OpCancel:
+		body, err := wire.DecodeBody[wire.Cancel](req.Body)
+		if err != nil {
+			return badRequest(req, err)
+		}
+		return wire.OKReply(req.ID, s.cancel(body))
+	case wire.OpStatus:
+		body, err := wire.DecodeBody[wire.Status](req.Body)
+		if err != nil {
+			return badRequest(req, err)
+		}
+		return wire.OKReply(req.ID, s.status(body))
+	default:
+		return wire.ErrReply(req.ID, wire.CodeUnknownOp, fmt.Sprintf("consumer shard does not serve op %q", req.Op))
+	}
+}
+
+func badRequest(req wire.Request, err error) wire.Reply {
+	return wire.ErrReply(req.ID, wire.CodeBadRequest, fmt.Sprintf("%s: %v", req.Op, err))
+}
+
+// peers describes the whole consumer as this shard knows it: every shard's
+// control endpoint follows from the port convention, but only this shard's
+// data-plane address is known here, so a producer asks each shard once.
+func (s *Shard) peers() wire.PeersReply {
+	shards := make([]wire.ShardInfo, s.cfg.TPSize)
+	for r := range shards {
+		shards[r] = wire.ShardInfo{Rank: r, Control: control.Endpoint(s.cfg.IP, config.ShardPort(s.cfg.Port, s.cfg.DPRank, s.cfg.TPSize, r))}
+	}
+	shards[s.cfg.TPRank].Control = s.server.Endpoint()
+	shards[s.cfg.TPRank].Data = map[string]string{s.cfg.Transport: s.recv.Addr()}
+	return wire.PeersReply{
+		Shards: shards, TPSize: s.cfg.TPSize, DPRank: s.cfg.DPRank, Host: s.host,
+		SlabBytes: s.slab.Size(), Transports: []string{s.cfg.Transport},
+	}
+}
+
+func (s *Shard) reserve(b wire.ReserveBatch) wire.ReserveBatchReply {
+	items := make([]reserve.Item, len(b.Items))
+	for i, it := range b.Items {
+		items[i] = reserve.Item{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes}
+	}
+	s.mu.Lock()
+	grants := s.table.Reserve(items, time.Now())
+	s.flushLocked()
+	s.mu.Unlock()
+	out := wire.ReserveBatchReply{Grants: make([]wire.Grant, len(grants))}
+	for i, g := range grants {
+		w := wire.Grant{TransferID: g.TransferID, Kind: g.Kind.String(), NBytes: g.NBytes}
+		if g.Err != nil {
+			w.Err = g.Err.Error()
+			s.log.Warn("reserve refused", "transfer_id", g.TransferID, "mm_hash", items[i].MMHash, "nbytes", items[i].NBytes, "cause", g.Err)
+		} else if g.Kind == reserve.KindWrite {
+			w.Res, w.Token = uint64(g.Res), g.Token
+		}
+		out.Grants[i] = w
+	}
+	return out
+}
+
+func (s *Shard) complete(b wire.CompleteBatch) wire.CompleteBatchReply {
+	now := time.Now()
+	out := wire.CompleteBatchReply{Results: make([]wire.ItemResult, len(b.Items))}
+	s.mu.Lock()
+	for i, it := range b.Items {
+		var err error
+		if it.Abandon {
+			err = s.table.Abandon(ids.ResID(it.Res), it.Token, it.Reason, now)
+		} else {
+			err = s.table.Complete(ids.ResID(it.Res), it.Token, now)
+		}
+		out.Results[i].TransferID = it.TransferID
+		if err != nil {
+			out.Results[i].Err = err.Error()
+		}
+	}
+	s.flushLocked()
+	s.mu.Unlock()
+	for i, r := range out.Results {
+		if r.Err != "" {
+			s.log.Warn("complete refused", "transfer_id", r.TransferID, "res", b.Items[i].Res, "cause", r.Err)
+		}
+	}
+	return out
+}
+
+func (s *Shard) cancel(b wire.Cancel) wire.CancelReply {
+	now := time.Now()
+	n := 0
+	s.mu.Lock()
+	for _, id := range b.TransferIDs {
+		if err := s.table.Cancel(id, now); err == nil {
+			n++
+		} else if !errors.Is(err, reserve.ErrUnknown) {
+			s.log.Warn("cancel refused", "transfer_id", id, "cause", err)
+		}
+	}
+	s.flushLocked()
+	s.mu.Unlock()
+	return wire.CancelReply{Cancelled: n}
+}
+
+func (s *Shard) status(b wire.Status) wire.StatusReply {
+	out := wire.StatusReply{Items: make([]wire.ItemStatus, len(b.TransferIDs))}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, id := range b.TransferIDs {
+		out.Items[i].TransferID = id
+		st, ok := s.table.Status(id)
+		if !ok {
+			continue
+		}
+		out.Items[i] = wire.ItemStatus{TransferID: id, MMHash: st.MMHash, State: st.State.String(), NBytes: st.NBytes, Known: true, Done: st.Done}
+	}
+	return out
+}
+
+// sink lets the data plane ask the table where each frame may land.
+type sink struct{ s *Shard }
+
+func (k sink) BeginWrite(res ids.ResID, tok ids.Token, off, n uint64) ([]byte, error) {
+	s := k.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	at, err := s.table.BeginWrite(res, tok, off, n, time.Now())
+	if err != nil {
+		return nil, err
+	}
+	dst, err := s.slab.View(at, n)
+	if err != nil {
+		// The table granted a region the slab cannot show: a broken
+		// invariant. Undo the write count so the region can still end.
+		s.table.EndWrite(res, false, time.Now())
+		s.flushLocked()
+		return nil, fmt.Errorf("consumer: reservation %d maps outside the slab: %w", res, err)
+	}
+	return dst, nil
+}
+
+func (k sink) EndWrite(res ids.ResID, ok bool) {
+	s := k.s
+	s.mu.Lock()
+	s.table.EndWrite(res, ok, time.Now())
+	s.flushLocked()
+	s.mu.Unlock()
+}

@@ -1,0 +1,294 @@
+package consumer
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"strconv"
+	"sync"
+	"time"
+
+	zmq "github.com/pebbe/zmq4"
+
+	"github.com/ecmooncake/ecmooncake/core/config"
+	"github.com/ecmooncake/ecmooncake/core/control"
+	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/reserve"
+	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/wire"
+)
+
+// Options carries what the caller chooses beyond the settings.
+type Options struct {
+	// Transport is the data plane to listen on; it must match cfg.Transport.
+	Transport transport.Transport
+	Log       *slog.Logger
+	// Tokens defaults to crypto/rand.
+	Tokens ids.TokenSource
+}
+
+// Shard is one consumer shard. Its methods are safe for concurrent use.
+type Shard struct {
+	cfg  config.Consumer
+	log  *slog.Logger
+	host string
+
+	mu    sync.Mutex // guards table and seq; never held across I/O
+	table *reserve.Table
+	slab  *slab.Slab
+	seq   uint64
+
+	zctx   *zmq.Context
+	server *control.Server
+	events *control.EventPub
+	recv   transport.Receiver
+
+	kick      chan struct{}
+	stop      chan struct{}
+	done      chan struct{}
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// Open starts a shard over mem, the receive slab the caller owns.
+func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if opt.Transport == nil {
+		return nil, fmt.Errorf("consumer: no transport given for %q", cfg.Transport)
+	}
+	if mem.Len < slab.Align {
+		return nil, fmt.Errorf("consumer: slab of %d bytes is smaller than one %d-byte block", mem.Len, slab.Align)
+	}
+	if opt.Log == nil {
+		opt.Log = slog.Default()
+	}
+	if opt.Tokens == nil {
+		opt.Tokens = ids.CryptoTokens
+	}
+	s = &Shard{
+		cfg:  cfg,
+		log:  opt.Log.With("shard", cfg.TPRank, "dp_rank", cfg.DPRank),
+		host: hostIdentity(cfg.Host),
+		kick: make(chan struct{}, 1),
+		stop: make(chan struct{}),
+		done: make(chan struct{}),
+	}
+	s.slab = slab.NewSlab(mem)
+	s.table = reserve.New(s.slab, reserve.Config{Lease: cfg.Lease(), MaxResidentBytes: cfg.MaxResidentBytes}, opt.Tokens)
+
+	defer func() {
+		if err != nil {
+			s.shutdown()
+		}
+	}()
+	if s.zctx, err = zmq.NewContext(); err != nil {
+		return nil, fmt.Errorf("consumer: zmq context: %w", err)
+	}
+	if s.events, err = control.NewEventPub(s.zctx, cfg.IP, s.log); err != nil {
+		return nil, fmt.Errorf("consumer: event socket on %s: %w", cfg.IP, err)
+	}
+	dataAddr := net.JoinHostPort(cfg.IP, strconv.Itoa(cfg.DataPort))
+	if s.recv, err = opt.Transport.Listen(dataAddr, sink{s}); err != nil {
+		return nil, fmt.Errorf("consumer: %s data plane on %s: %w", opt.Transport.Name(), dataAddr, err)
+	}
+	bind := control.Endpoint(cfg.IP, cfg.ControlPort())
+	if s.server, err = control.NewServer(s.zctx, bind, handler{s}, s.log); err != nil {
+		return nil, fmt.Errorf("consumer: control server on %s: %w", bind, err)
+	}
+	go s.ticker()
+	s.log.Info("consumer shard listening", "control", s.server.Endpoint(), "data", s.recv.Addr(),
+		"events", s.events.Endpoint(), "slab_bytes", mem.Len, "transport", opt.Transport.Name())
+	return s, nil
+}
+
+func hostIdentity(configured string) string {
+	if configured != "" {
+		return configured
+	}
+	if h, err := os.Hostname(); err == nil {
+		return h
+	}
+	return "unknown"
+}
+
+// Info describes where the shard listens.
+type Info struct {
+	Control   string `json:"control"`
+	Data      string `json:"data"`
+	Events    string `json:"events"`
+	Transport string `json:"transport"`
+	Host      string `json:"host"`
+	TPRank    int    `json:"tp_rank"`
+	TPSize    int    `json:"tp_size"`
+	DPRank    int    `json:"dp_rank"`
+	SlabBytes uint64 `json:"slab_bytes"`
+}
+
+// Info returns the shard's endpoints and identity.
+func (s *Shard) Info() Info {
+	return Info{
+		Control: s.server.Endpoint(), Data: s.recv.Addr(), Events: s.events.Endpoint(),
+		Transport: s.cfg.Transport, Host: s.host, TPRank: s.cfg.TPRank, TPSize: s.cfg.TPSize,
+		DPRank: s.cfg.DPRank, SlabBytes: s.slab.Size(),
+	}
+}
+
+// Loaded is where an acquired item lies in the slab.
+type Loaded struct {
+	MMHash string `json:"mm_hash"`
+	Offset uint64 `json:"offset"`
+	NBytes uint64 `json:"nbytes"`
+	Error  string `json:"error,omitempty"`
+}
+
+// Acquire pins ready items for the engine; each fails on its own.
+func (s *Shard) Acquire(hashes []string) []Loaded {
+	now := time.Now()
+	out := make([]Loaded, len(hashes))
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, h := range hashes {
+		out[i].MMHash = h
+		off, n, err := s.table.Acquire(h, now)
+		if err != nil {
+			out[i].Error = err.Error()
+			continue
+		}
+		out[i].Offset, out[i].NBytes = off, n
+	}
+	return out
+}
+
+// Release unpins items the engine freed; each fails on its own.
+func (s *Shard) Release(hashes []string) []error {
+	now := time.Now()
+	out := make([]error, len(hashes))
+	s.mu.Lock()
+	for i, h := range hashes {
+		out[i] = s.table.Release(h, now)
+	}
+	s.flushLocked()
+	s.mu.Unlock()
+	return out
+}
+
+// Stats gathers the shard's counters.
+type Stats struct {
+	Table   reserve.Stats       `json:"table"`
+	InUse   uint64              `json:"bytes_in_use"`
+	Size    uint64              `json:"slab_bytes"`
+	Server  control.ServerStats `json:"control"`
+	Data    transport.RecvStats `json:"data"`
+	Events  control.PubStats    `json:"events"`
+	EventSq uint64              `json:"events_sent"`
+}
+
+// Stats returns a snapshot of the shard's counters.
+func (s *Shard) Stats() Stats {
+	s.mu.Lock()
+	st := Stats{Table: s.table.Stats(), InUse: s.slab.InUse(), Size: s.slab.Size(), EventSq: s.seq}
+	s.mu.Unlock()
+	st.Server = s.server.Stats()
+	st.Data = s.recv.Stats()
+	st.Events = s.events.Stats()
+	return st
+}
+
+// Close stops the control server and the data plane and waits for their
+// goroutines, so that the caller may free the slab afterwards.
+func (s *Shard) Close() error {
+	s.closeOnce.Do(func() { s.closeErr = s.shutdown() })
+	return s.closeErr
+}
+
+func (s *Shard) shutdown() error {
+	var errs []error
+	if s.server != nil {
+		errs = append(errs, s.server.Close())
+	}
+	if s.recv != nil {
+		errs = append(errs, s.recv.Close())
+	}
+	select {
+	case <-s.stop:
+	default:
+		close(s.stop)
+	}
+	if s.server != nil { // the ticker runs only once Open succeeded
+		<-s.done
+	}
+	if s.events != nil {
+		errs = append(errs, s.events.Close())
+	}
+	if s.zctx != nil {
+		errs = append(errs, s.zctx.Term())
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("consumer: close: %w", err)
+	}
+	return nil
+}
+
+// ticker applies lease expiries when they fall due.
+func (s *Shard) ticker() {
+	defer close(s.done)
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	for {
+		s.mu.Lock()
+		next, ok := s.table.NextDeadline()
+		s.mu.Unlock()
+		wait := time.Hour
+		if ok {
+			wait = max(time.Until(next), time.Millisecond)
+		}
+		timer.Reset(wait)
+		select {
+		case <-s.stop:
+			return
+		case <-s.kick:
+		case <-timer.C:
+		}
+		s.safely("tick", func() {
+			s.mu.Lock()
+			s.table.Tick(time.Now())
+			s.flushLocked()
+			s.mu.Unlock()
+		})
+	}
+}
+
+// safely runs f and turns a panic into a log line: a broken invariant in
+// one tick must not take the Python process down with it.
+func (s *Shard) safely(what string, f func()) {
+	defer func() {
+		if r := recover(); r != nil {
+			s.log.Error("consumer: recovered panic", "in", what, "panic", r)
+		}
+	}()
+	f()
+}
+
+// flushLocked sends the table's pending events. The caller holds mu, which
+// is fine because Send only enqueues.
+func (s *Shard) flushLocked() {
+	evs := s.table.DrainEvents()
+	for _, e := range evs {
+		s.seq++
+		s.events.Send(wire.Event{
+			V: wire.Version, Shard: s.cfg.TPRank, Seq: s.seq, TransferID: e.TransferID,
+			MMHash: e.MMHash, Ready: e.Ready, NBytes: e.NBytes, Reason: e.Reason,
+		})
+	}
+	// A call that changed the table may have moved the next deadline
+	// earlier; the ticker recomputes it.
+	select {
+	case s.kick <- struct{}{}:
+	default:
+	}
+}

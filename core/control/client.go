@@ -1,0 +1,335 @@
+package control
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	zmq "github.com/pebbe/zmq4"
+
+	"github.com/ecmooncake/ecmooncake/core/wire"
+)
+
+// DefaultCallTimeout bounds a Call whose context has no deadline.
+const DefaultCallTimeout = 30 * time.Second
+
+// sendQueue bounds the frames waiting for the owner; a full queue makes
+// callers wait (within their deadline) rather than grow memory.
+const sendQueue = 1024
+
+// ClientOption configures Dial.
+type ClientOption func(*Client)
+
+// WithCallTimeout sets the timeout of calls whose context has no deadline.
+func WithCallTimeout(d time.Duration) ClientOption {
+	return func(c *Client) {
+		if d > 0 {
+			c.timeout = d
+		}
+	}
+}
+
+// ClientStats counts what a client received.
+type ClientStats struct {
+	RoundTrips  uint64 // replies matched to a waiting call
+	LateReplies uint64 // replies whose call had already given up; dropped
+	BadReplies  uint64 // replies that did not decode; dropped, or failing their call when the id was readable
+}
+
+// Client is a DEALER socket to one server. Calls pipeline: any number of
+// goroutines may Call at once; the owner goroutine sends their frames and
+// matches replies to callers by request id.
+type Client struct {
+	*owner
+	sock     *zmq.Socket // owner goroutine only, once Dial returns
+	endpoint string
+	timeout  time.Duration
+
+	sendq  chan outgoing
+	nextID atomic.Uint64
+
+	mu      sync.Mutex
+	pending map[uint64]chan result // calls waiting for a reply, by id
+
+	head *outgoing // owner only: a frame the socket could not take yet
+
+	roundTrips, late, bad atomic.Uint64
+}
+
+type outgoing struct {
+	id    uint64
+	frame []byte
+}
+
+type result struct {
+	rep wire.Reply
+	err error
+}
+
+// Dial connects a client to endpoint ("tcp://host:port"). It does not wait
+// for the server: calls made before the connection is up wait for it
+// within their deadline. A hostname is resolved once, here, to its first
+// address.
+func Dial(zctx *zmq.Context, endpoint string, log *slog.Logger, opts ...ClientOption) (*Client, error) {
+	target, err := connectEndpoint(endpoint)
+	if err != nil {
+		return nil, err
+	}
+	sock, err := newSocket(zctx, zmq.DEALER)
+	if err != nil {
+		return nil, err
+	}
+	// Immediate: queue only to a completed connection. Without it libzmq
+	// would hold requests for a dead server and deliver them, long after
+	// their callers gave up, when it comes back.
+	if err := sock.SetImmediate(true); err != nil {
+		sock.Close()
+		return nil, fmt.Errorf("control: dial %s: %w", endpoint, err)
+	}
+	if err := sock.Connect(target); err != nil {
+		sock.Close()
+		return nil, fmt.Errorf("control: dial %s: %w", endpoint, err)
+	}
+	w, err := newWaker(zctx)
+	if err != nil {
+		sock.Close()
+		return nil, err
+	}
+	c := &Client{
+		owner:    newOwner(log, "client "+endpoint, w),
+		sock:     sock,
+		endpoint: endpoint,
+		timeout:  DefaultCallTimeout,
+		sendq:    make(chan outgoing, sendQueue),
+		pending:  map[uint64]chan result{},
+	}
+	for _, o := range opts {
+		o(c)
+	}
+	go c.run(c.loop, sock)
+	return c, nil
+}
+
+// Endpoint is the endpoint the client was dialled with.
+func (c *Client) Endpoint() string { return c.endpoint }
+
+// Call sends op with body and waits for the reply, decoding its body into
+// out (a pointer, or nil to ignore it; validated when it has a Validate
+// method). A context without deadline gets the client's default timeout.
+// A server's refusal comes back as a *wire.Error (errors.As, or errors.Is
+// with the wire sentinels); an expired context as its ctx.Err(); a closed
+// client as ErrClosed.
+func (c *Client) Call(ctx context.Context, op wire.Op, body any, out any) error {
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, c.timeout)
+		defer cancel()
+	}
+	select {
+	case <-c.done:
+		return c.fail(op, 0, c.err)
+	default:
+	}
+	id := c.nextID.Add(1)
+	req, err := wire.NewRequest(id, op, body)
+	if err != nil {
+		return c.fail(op, id, err)
+	}
+	frame, err := wire.EncodeRequest(req)
+	if err != nil {
+		return c.fail(op, id, err)
+	}
+	ch := make(chan result, 1)
+	c.mu.Lock()
+	c.pending[id] = ch
+	c.mu.Unlock()
+	defer c.forget(id)
+
+	select {
+	case c.sendq <- outgoing{id: id, frame: frame}:
+		c.wake.wake()
+	case <-ctx.Done():
+		return c.fail(op, id, ctx.Err())
+	case <-c.done:
+		return c.fail(op, id, c.err)
+	}
+	var res result
+	select {
+	case res = <-ch:
+	case <-ctx.Done():
+		return c.fail(op, id, ctx.Err())
+	case <-c.done:
+		return c.fail(op, id, c.err)
+	}
+	if res.err != nil {
+		return c.fail(op, id, res.err)
+	}
+	if res.rep.Err != nil {
+		return c.fail(op, id, res.rep.Err)
+	}
+	if out != nil {
+		if err := wire.UnmarshalBody(res.rep.Body, out); err != nil {
+			return c.fail(op, id, err)
+		}
+	}
+	return nil
+}
+
+func (c *Client) fail(op wire.Op, id uint64, err error) error {
+	return fmt.Errorf("control: %s #%d to %s: %w", op, id, c.endpoint, err)
+}
+
+func (c *Client) forget(id uint64) {
+	c.mu.Lock()
+	delete(c.pending, id)
+	c.mu.Unlock()
+}
+
+func (c *Client) waiting(id uint64) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	_, ok := c.pending[id]
+	return ok
+}
+
+// deliver hands a result to its caller; false when nobody waits for it.
+// A reply is counted before the caller can see it, so that a caller holding
+// its reply sees it in the counters.
+func (c *Client) deliver(id uint64, r result) bool {
+	c.mu.Lock()
+	ch, ok := c.pending[id]
+	delete(c.pending, id)
+	c.mu.Unlock()
+	if !ok {
+		return false
+	}
+	if r.err == nil {
+		c.roundTrips.Add(1)
+	}
+	ch <- r // buffered, and delivered at most once: never blocks
+	return true
+}
+
+// Close fails calls in flight with ErrClosed, stops the owner and closes
+// the socket. Idempotent.
+func (c *Client) Close() error {
+	c.stop()
+	return nil
+}
+
+// RoundTrips counts replies matched to their calls.
+func (c *Client) RoundTrips() uint64 { return c.roundTrips.Load() }
+
+// Stats returns the counters.
+func (c *Client) Stats() ClientStats {
+	return ClientStats{RoundTrips: c.roundTrips.Load(), LateReplies: c.late.Load(), BadReplies: c.bad.Load()}
+}
+
+func (c *Client) loop() error {
+	p := zmq.NewPoller()
+	sockIdx := p.Add(c.sock, zmq.POLLIN)
+	p.Add(c.wake.rx, zmq.POLLIN)
+	for !c.quitting() {
+		events := zmq.POLLIN
+		if c.head != nil {
+			events |= zmq.POLLOUT
+		}
+		if _, err := p.Update(sockIdx, events); err != nil {
+			return fmt.Errorf("poller: %w", err)
+		}
+		polled, err := poll(p)
+		if err != nil {
+			return err
+		}
+		for _, ev := range polled {
+			switch ev.Socket {
+			case c.wake.rx:
+				c.wake.drain()
+			case c.sock:
+				if ev.Events&zmq.POLLIN != 0 {
+					if err := c.readReplies(); err != nil {
+						return err
+					}
+					// The callers just readied sit on this goroutine's P,
+					// which stays parked with it in the cgo poll until the
+					// runtime retakes it; yielding first lets them run now.
+					runtime.Gosched()
+				}
+			}
+		}
+		if err := c.flush(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// flush sends queued frames until the socket pushes back; the frame it
+// refused waits in head for POLLOUT. A frame whose caller gave up is not
+// sent: the server would do work nobody waits for.
+func (c *Client) flush() error {
+	for {
+		if c.head == nil {
+			select {
+			case o := <-c.sendq:
+				c.head = &o
+			default:
+				return nil
+			}
+		}
+		if !c.waiting(c.head.id) {
+			c.head = nil
+			continue
+		}
+		_, err := c.sock.SendBytes(c.head.frame, zmq.DONTWAIT)
+		if isAgain(err) {
+			return nil
+		}
+		if err != nil && isTerm(err) {
+			return fmt.Errorf("send: %w", err)
+		}
+		if err != nil {
+			c.deliver(c.head.id, result{err: fmt.Errorf("send: %w", err)})
+		}
+		c.head = nil
+	}
+}
+
+func (c *Client) readReplies() error {
+	for range recvBatch {
+		parts, err := c.sock.RecvMessageBytes(zmq.DONTWAIT)
+		if isAgain(err) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("receive: %w", err)
+		}
+		c.handleReply(parts)
+	}
+	return nil
+}
+
+func (c *Client) handleReply(parts [][]byte) {
+	var rep wire.Reply
+	err := errors.New("want one frame per reply")
+	if len(parts) == 1 {
+		rep, err = wire.DecodeReply(parts[0])
+	}
+	if err != nil {
+		c.bad.Add(1)
+		c.log.Warn("control: undecodable reply", "endpoint", c.endpoint, "id", rep.ID, "err", err)
+		// A readable id lets its caller fail now instead of at its deadline.
+		if rep.ID != 0 {
+			c.deliver(rep.ID, result{err: fmt.Errorf("undecodable reply: %w", err)})
+		}
+		return
+	}
+	if !c.deliver(rep.ID, result{rep: rep}) {
+		c.late.Add(1)
+	}
+}

@@ -1,0 +1,67 @@
+// Package control owns the ZeroMQ sockets of the control plane: the ROUTER
+// server of a consumer shard, the DEALER client a producer (or scheduler)
+// keeps per shard, and the PUSH/PULL pair that carries readiness events from
+// shards to their scheduler. Messages and their codec live in package wire;
+// what a request means lives in the Handler, which this package only calls.
+//
+// # Usage
+//
+// One *zmq.Context per process object, created and terminated by its owner
+// and passed to every constructor here:
+//
+//	zctx, _ := zmq.NewContext()
+//	defer zctx.Term() // after every Close below
+//
+//	srv, err := control.NewServer(zctx, control.Endpoint(ecIP, port), handler, log)
+//	defer srv.Close()
+//
+//	cli, err := control.Dial(zctx, srv.Endpoint(), log, control.WithCallTimeout(5*time.Second))
+//	defer cli.Close()
+//	var grants wire.ReserveBatchReply
+//	err = cli.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Items: items}, &grants)
+//	var werr *wire.Error
+//	if errors.As(err, &werr) { /* the server refused: werr.Code */ }
+//
+//	pub, err := control.NewEventPub(zctx, ecIP, log) // the shard; advertise pub.Endpoint()
+//	pub.Send(wire.Event{Shard: rank, TransferID: id, MMHash: h, Ready: true, NBytes: n})
+//
+//	sub, err := control.NewEventSub(zctx, log) // the scheduler
+//	err = sub.Connect(endpointFromEventPortOp)
+//	for ev := range sub.Events() { ... }
+//
+// Endpoints are "tcp://host:port" with IPv4, bracketed IPv6 ("tcp://[::1]:5")
+// or a hostname; Endpoint and SplitEndpoint build and parse them. Hostnames
+// are resolved with the Go resolver: a client connects to the first address,
+// a server binds every address, so both agree whatever the name maps to.
+//
+// # Invariants
+//
+//   - Each socket belongs to exactly one goroutine, started by its
+//     constructor and ended by Close. Other goroutines reach it through Go
+//     channels and a wake-up: a one-byte message on an inproc PUSH/PULL
+//     pair polled beside the real socket. The PUSH end is the only socket
+//     used by several goroutines, always under a mutex; libzmq permits a
+//     socket to change threads across a full memory barrier, which the
+//     mutex provides. So queued work is picked up at once, never on a
+//     polling interval, and no socket is ever used concurrently.
+//   - Linger is 0 on every socket, and every poll and receive has a
+//     timeout: Close and zmq context termination never hang on a peer.
+//   - Nothing blocks a caller beyond its own deadline. Call honours its
+//     context (a context without deadline gets the client's default,
+//     DefaultCallTimeout unless set with WithCallTimeout); EventPub.Send
+//     never blocks and drops when its queue is full.
+//   - Every socket goroutine recovers panics: a handler panic becomes a
+//     CodeInternal reply and the server keeps serving; any other panic is
+//     logged, stops that one object (ErrStopped for whoever waits on it)
+//     and never reaches the process.
+//   - A message the server cannot decode, of another version or of an
+//     unknown op still gets an error reply, with its id when one could be
+//     read (else id 0), and the server keeps serving.
+//   - Replies are matched to calls by id. A reply that arrives after its
+//     call gave up is dropped and counted (ClientStats.LateReplies). A
+//     request whose call gave up before the socket could take it is never
+//     sent, and a client queues nothing for a server it is not connected
+//     to, so a server that comes back is not flooded with stale work.
+//   - Close is idempotent, waits for the goroutine and closes the socket;
+//     calls in flight fail with ErrClosed.
+package control

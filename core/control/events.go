@@ -1,0 +1,342 @@
+package control
+
+import (
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+
+	zmq "github.com/pebbe/zmq4"
+
+	"github.com/ecmooncake/ecmooncake/core/wire"
+)
+
+// EventQueue bounds both the events a publisher holds for its socket and
+// the decoded events a subscriber holds for its reader.
+const EventQueue = 4096
+
+// PubStats counts what a publisher did with the events it was given.
+type PubStats struct {
+	Sent    uint64 // handed to libzmq
+	Dropped uint64 // queue full (no subscriber, or one not keeping up)
+	Invalid uint64 // refused by wire validation (a bug in the caller)
+}
+
+// EventPub is a PUSH socket on which a consumer shard publishes readiness
+// and abandon events to its scheduler.
+type EventPub struct {
+	*owner
+	sock     *zmq.Socket // owner goroutine only, once NewEventPub returns
+	endpoint string
+
+	// mu makes sequence numbers and queue order agree, so a subscriber
+	// sees seq increase by one per event unless some were dropped.
+	mu  sync.Mutex
+	seq uint64
+	q   chan []byte
+
+	head []byte // owner only: a frame the socket could not take yet
+
+	sent, dropped, invalid atomic.Uint64
+}
+
+// NewEventPub binds a PUSH socket to an ephemeral port on host ("*" for
+// every interface) and publishes on a new goroutine until Close.
+func NewEventPub(zctx *zmq.Context, host string, log *slog.Logger) (*EventPub, error) {
+	if host == "" {
+		return nil, fmt.Errorf("control: new event pub: %w: empty host", ErrBadEndpoint)
+	}
+	sock, err := newSocket(zctx, zmq.PUSH)
+	if err != nil {
+		return nil, err
+	}
+	endpoint, err := bindAll(sock, host, 0, log)
+	if err != nil {
+		sock.Close()
+		return nil, err
+	}
+	w, err := newWaker(zctx)
+	if err != nil {
+		sock.Close()
+		return nil, err
+	}
+	p := &EventPub{
+		owner:    newOwner(log, "event pub "+endpoint, w),
+		sock:     sock,
+		endpoint: endpoint,
+		q:        make(chan []byte, EventQueue),
+	}
+	go p.run(p.loop, sock)
+	return p, nil
+}
+
+// Endpoint is where subscribers connect.
+func (p *EventPub) Endpoint() string { return p.endpoint }
+
+// Send stamps ev with the protocol version and the next sequence number and
+// queues it. It never blocks: when the queue is full (no subscriber yet, or
+// one not keeping up) the event is dropped and counted, and the gap in seq
+// tells the scheduler to resync with the status op.
+func (p *EventPub) Send(ev wire.Event) {
+	p.mu.Lock()
+	p.seq++
+	ev.V = wire.Version
+	ev.Seq = p.seq
+	frame, err := wire.EncodeEvent(ev)
+	if err != nil {
+		p.mu.Unlock()
+		p.invalid.Add(1)
+		p.log.Error("control: event refused", "transfer_id", ev.TransferID, "err", err)
+		return
+	}
+	select {
+	case p.q <- frame:
+		p.mu.Unlock()
+		p.wake.wake()
+	default:
+		p.mu.Unlock()
+		p.dropped.Add(1)
+	}
+}
+
+// Stats returns the counters.
+func (p *EventPub) Stats() PubStats {
+	return PubStats{Sent: p.sent.Load(), Dropped: p.dropped.Load(), Invalid: p.invalid.Load()}
+}
+
+// Close stops publishing and closes the socket; queued events are lost.
+// Idempotent.
+func (p *EventPub) Close() error {
+	p.stop()
+	return nil
+}
+
+func (p *EventPub) loop() error {
+	pl := zmq.NewPoller()
+	sockIdx := pl.Add(p.sock, 0)
+	pl.Add(p.wake.rx, zmq.POLLIN)
+	for !p.quitting() {
+		var events zmq.State
+		if p.head != nil {
+			events = zmq.POLLOUT
+		}
+		if _, err := pl.Update(sockIdx, events); err != nil {
+			return fmt.Errorf("poller: %w", err)
+		}
+		polled, err := poll(pl)
+		if err != nil {
+			return err
+		}
+		for _, ev := range polled {
+			if ev.Socket == p.wake.rx {
+				p.wake.drain()
+			}
+		}
+		if err := p.flush(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// flush sends queued frames until the socket pushes back (no subscriber
+// connected, or its queue full); the refused frame waits in head.
+func (p *EventPub) flush() error {
+	for {
+		if p.head == nil {
+			select {
+			case f := <-p.q:
+				p.head = f
+			default:
+				return nil
+			}
+		}
+		_, err := p.sock.SendBytes(p.head, zmq.DONTWAIT)
+		if isAgain(err) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("send: %w", err)
+		}
+		p.sent.Add(1)
+		p.head = nil
+	}
+}
+
+// SubStats counts what a subscriber received.
+type SubStats struct {
+	Received uint64 // decoded and valid, handed to Events
+	Bad      uint64 // frames that did not decode or validate; dropped
+}
+
+// EventSub is a PULL socket on which a scheduler gathers the events of
+// every shard it follows.
+type EventSub struct {
+	*owner
+	sock *zmq.Socket // owner goroutine only, once NewEventSub returns
+
+	connq     chan connectReq
+	out       chan wire.Event
+	connected map[string]bool // owner only
+
+	received, bad atomic.Uint64
+}
+
+// connectQueue bounds Connect requests waiting for the owner.
+const connectQueue = 64
+
+type connectReq struct {
+	endpoint string
+	res      chan error
+}
+
+// NewEventSub opens a PULL socket and receives on a new goroutine until
+// Close. It connects to nothing until Connect.
+func NewEventSub(zctx *zmq.Context, log *slog.Logger) (*EventSub, error) {
+	sock, err := newSocket(zctx, zmq.PULL)
+	if err != nil {
+		return nil, err
+	}
+	w, err := newWaker(zctx)
+	if err != nil {
+		sock.Close()
+		return nil, err
+	}
+	s := &EventSub{
+		owner:     newOwner(log, "event sub", w),
+		sock:      sock,
+		connq:     make(chan connectReq, connectQueue),
+		out:       make(chan wire.Event, EventQueue),
+		connected: map[string]bool{},
+	}
+	go s.run(s.loop, sock)
+	return s, nil
+}
+
+// Connect adds a publisher. Any goroutine, any time; connecting twice to
+// one endpoint is a no-op. It does not wait for the publisher to be up.
+func (s *EventSub) Connect(endpoint string) error {
+	target, err := connectEndpoint(endpoint)
+	if err != nil {
+		return err
+	}
+	req := connectReq{endpoint: target, res: make(chan error, 1)}
+	select {
+	case s.connq <- req:
+	case <-s.done:
+		return fmt.Errorf("control: connect events %s: %w", endpoint, s.err)
+	}
+	s.wake.wake()
+	select {
+	case err := <-req.res:
+		if err != nil {
+			return fmt.Errorf("control: connect events %s: %w", endpoint, err)
+		}
+		return nil
+	case <-s.done:
+		return fmt.Errorf("control: connect events %s: %w", endpoint, s.err)
+	}
+}
+
+// Events delivers decoded, validated events. It is closed when the
+// subscriber stops. A reader that falls behind holds the socket back:
+// libzmq and then the publishers queue, and publishers drop when full.
+func (s *EventSub) Events() <-chan wire.Event { return s.out }
+
+// Stats returns the counters.
+func (s *EventSub) Stats() SubStats {
+	return SubStats{Received: s.received.Load(), Bad: s.bad.Load()}
+}
+
+// Close stops receiving, closes the socket and then the Events channel.
+// Idempotent.
+func (s *EventSub) Close() error {
+	s.stop()
+	return nil
+}
+
+func (s *EventSub) loop() error {
+	defer close(s.out)
+	pl := zmq.NewPoller()
+	pl.Add(s.sock, zmq.POLLIN)
+	pl.Add(s.wake.rx, zmq.POLLIN)
+	for !s.quitting() {
+		polled, err := poll(pl)
+		if err != nil {
+			return err
+		}
+		for _, ev := range polled {
+			switch ev.Socket {
+			case s.wake.rx:
+				s.wake.drain()
+			case s.sock:
+				if err := s.receive(); err != nil {
+					return err
+				}
+			}
+		}
+		s.serveConnects()
+	}
+	return nil
+}
+
+func (s *EventSub) serveConnects() {
+	for {
+		select {
+		case req := <-s.connq:
+			s.connect(req)
+		default:
+			return
+		}
+	}
+}
+
+func (s *EventSub) connect(req connectReq) {
+	if s.connected[req.endpoint] {
+		req.res <- nil
+		return
+	}
+	if err := s.sock.Connect(req.endpoint); err != nil {
+		req.res <- err
+		return
+	}
+	s.connected[req.endpoint] = true
+	req.res <- nil
+}
+
+// receive reads a batch and hands each valid event to the reader. While
+// the reader is behind it waits, still serving Connect and Close, and
+// reads nothing more: that is the back-pressure.
+func (s *EventSub) receive() error {
+	for range recvBatch {
+		parts, err := s.sock.RecvMessageBytes(zmq.DONTWAIT)
+		if isAgain(err) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("receive: %w", err)
+		}
+		if len(parts) != 1 {
+			s.bad.Add(1)
+			continue
+		}
+		ev, err := wire.DecodeEvent(parts[0])
+		if err != nil {
+			s.bad.Add(1)
+			s.log.Warn("control: undecodable event", "err", err)
+			continue
+		}
+		s.received.Add(1)
+		for delivered := false; !delivered; {
+			select {
+			case s.out <- ev:
+				delivered = true
+			case req := <-s.connq:
+				s.connect(req)
+			case <-s.quit:
+				return nil
+			}
+		}
+	}
+	return nil
+}

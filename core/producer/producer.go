@@ -1,0 +1,490 @@
+package producer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	zmq "github.com/pebbe/zmq4"
+
+	"github.com/ecmooncake/ecmooncake/core/config"
+	"github.com/ecmooncake/ecmooncake/core/control"
+	"github.com/ecmooncake/ecmooncake/core/push"
+	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/wire"
+)
+
+// ErrClosed is returned by calls on a closed producer.
+var ErrClosed = errors.New("producer: closed")
+
+// Options carries what the caller chooses beyond the settings.
+type Options struct {
+	Transport transport.Transport
+	Log       *slog.Logger
+}
+
+// Push is one item to send, as the engine announces it.
+type Push struct {
+	TransferID string `json:"transfer_id"`
+	MMHash     string `json:"mm_hash"`
+	NBytes     uint64 `json:"nbytes"`
+	// Consumer is the control endpoint of any shard of the consumer.
+	Consumer string `json:"consumer"`
+}
+
+// Failure is a push that will not arrive, with the reason.
+type Failure struct {
+	TransferID string `json:"transfer_id"`
+	MMHash     string `json:"mm_hash"`
+	Dest       string `json:"dest,omitempty"`
+	Reason     string `json:"reason"`
+}
+
+// Outcomes are what happened since the last Poll.
+type Outcomes struct {
+	Done     []string        `json:"done"`
+	Failed   []Failure       `json:"failed"`
+	Released []push.SourceID `json:"released"`
+	Pending  bool            `json:"pending"`
+}
+
+func (o Outcomes) empty() bool { return len(o.Done)+len(o.Failed)+len(o.Released) == 0 }
+
+// consumerInfo is one consumer as its shards described it.
+type consumerInfo struct {
+	dests []string // shard control endpoints, by TP rank
+	err   error
+	ready chan struct{} // closed once dests or err is set
+}
+
+// Producer is safe for concurrent use.
+type Producer struct {
+	cfg    config.Producer
+	log    *slog.Logger
+	tr     transport.Transport
+	writer transport.Writer
+	zctx   *zmq.Context
+
+	mu        sync.Mutex // guards everything below; never held across I/O
+	mgr       *push.Manager
+	sources   map[push.SourceID][]byte
+	nextSrc   push.SourceID
+	consumers map[string]*consumerInfo
+	// admitting counts, per mm_hash, pushes still waiting for their
+	// consumer's lookup; parked holds sources that arrived for them, which
+	// the manager would otherwise release at once as unwanted.
+	admitting map[string]int
+	parked    map[string][]parkedSource
+	clients   map[string]*control.Client // by shard control endpoint
+	dataAddr  map[string]string          // shard control endpoint -> data address
+	out       Outcomes
+	outReady  chan struct{} // closed and replaced when out gains something
+	roundTrip uint64
+	batches   uint64
+	closed    bool
+
+	wake chan struct{}
+	stop chan struct{}
+	wg   sync.WaitGroup
+}
+
+// Open starts a producer.
+func Open(cfg config.Producer, opt Options) (*Producer, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if opt.Transport == nil {
+		return nil, fmt.Errorf("producer: no transport given for %q", cfg.Transport)
+	}
+	if opt.Log == nil {
+		opt.Log = slog.Default()
+	}
+	zctx, err := zmq.NewContext()
+	if err != nil {
+		return nil, fmt.Errorf("producer: zmq context: %w", err)
+	}
+	wait := cfg.PushWait()
+	p := &Producer{
+		cfg: cfg, log: opt.Log.With("role", "producer"), tr: opt.Transport, writer: opt.Transport.NewWriter(), zctx: zctx,
+		mgr: push.New(push.Config{
+			ReserveWait: cfg.ControlTimeout() + wait, SourceWait: wait, WriteWait: wait, NotifyWait: cfg.ControlTimeout(),
+		}),
+		sources:   map[push.SourceID][]byte{},
+		consumers: map[string]*consumerInfo{},
+		admitting: map[string]int{},
+		parked:    map[string][]parkedSource{},
+		clients:   map[string]*control.Client{},
+		dataAddr:  map[string]string{},
+		outReady:  make(chan struct{}),
+		wake:      make(chan struct{}, 1),
+		stop:      make(chan struct{}),
+	}
+	p.wg.Add(1)
+	go p.driver()
+	return p, nil
+}
+
+// Submit announces pushes before their sources exist. It never blocks on
+// the network: pushes to a consumer seen for the first time wait, as one
+// group, for a background lookup of its shards, so that they still reach
+// the manager together and leave as one reserve batch per shard.
+func (p *Producer) Submit(pushes []Push) []error {
+	errs := make([]error, len(pushes))
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	waiting := map[*consumerInfo][]Push{}
+	now := time.Now()
+	for i, ps := range pushes {
+		switch {
+		case p.closed:
+			errs[i] = ErrClosed
+		case ps.TransferID == "" || ps.MMHash == "":
+			errs[i] = fmt.Errorf("producer: push needs transfer_id and mm_hash (got %q, %q)", ps.TransferID, ps.MMHash)
+		case ps.NBytes == 0:
+			errs[i] = fmt.Errorf("producer: push %s: nbytes is 0", ps.TransferID)
+		case ps.Consumer == "":
+			errs[i] = fmt.Errorf("producer: push %s: no consumer endpoint", ps.TransferID)
+		default:
+			ci := p.consumerLocked(ps.Consumer)
+			select {
+			case <-ci.ready:
+				errs[i] = p.addLocked(ps, ci, now)
+			default:
+				waiting[ci] = append(waiting[ci], ps)
+				p.admitting[ps.MMHash]++
+			}
+		}
+	}
+	for ci, group := range waiting {
+		p.wg.Add(1)
+		go p.admit(group, ci)
+	}
+	p.kick()
+	return errs
+}
+
+// addLocked hands one push to the manager once its consumer is known.
+func (p *Producer) addLocked(ps Push, ci *consumerInfo, now time.Time) error {
+	if ci.err != nil {
+		return fmt.Errorf("producer: push %s: %w", ps.TransferID, ci.err)
+	}
+	return p.mgr.Add(push.Push{TransferID: ps.TransferID, MMHash: ps.MMHash, NBytes: ps.NBytes, Dests: ci.dests}, now)
+}
+
+// admit waits for the consumer's shards to be known and adds the group.
+// Errors surface through Poll, since Submit has already returned.
+func (p *Producer) admit(group []Push, ci *consumerInfo) {
+	defer p.wg.Done()
+	defer p.recover("admit")
+	select {
+	case <-ci.ready:
+	case <-p.stop:
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := time.Now()
+	for _, ps := range group {
+		if err := p.addLocked(ps, ci, now); err != nil {
+			p.failLocked(Failure{TransferID: ps.TransferID, MMHash: ps.MMHash, Dest: ps.Consumer, Reason: err.Error()})
+		}
+		if p.admitting[ps.MMHash]--; p.admitting[ps.MMHash] <= 0 {
+			delete(p.admitting, ps.MMHash)
+			p.unparkLocked(ps.MMHash, now)
+		}
+	}
+	p.kick()
+}
+
+// parkedSource is a source that arrived before its push was admitted.
+type parkedSource struct {
+	id push.SourceID
+	n  uint64
+}
+
+// unparkLocked hands parked sources of mmHash to the manager now that
+// every push for it has been admitted.
+func (p *Producer) unparkLocked(mmHash string, now time.Time) {
+	for _, ps := range p.parked[mmHash] {
+		if err := p.mgr.SourceReady(mmHash, ps.id, ps.n, now); err != nil {
+			// The manager refused it (a size mismatch, say): nothing will
+			// read it, so hand it back at once.
+			p.log.Warn("source refused", "mm_hash", mmHash, "cause", err)
+			delete(p.sources, ps.id)
+			p.out.Released = append(p.out.Released, ps.id)
+			p.signalLocked()
+		}
+	}
+	delete(p.parked, mmHash)
+}
+
+// consumerLocked returns the consumer's lookup, starting it on first sight.
+func (p *Producer) consumerLocked(endpoint string) *consumerInfo {
+	if ci, ok := p.consumers[endpoint]; ok {
+		return ci
+	}
+	ci := &consumerInfo{ready: make(chan struct{})}
+	p.consumers[endpoint] = ci
+	p.wg.Add(1)
+	go p.lookup(endpoint, ci)
+	return ci
+}
+
+// lookup asks one shard for the consumer's layout, then every shard for
+// its data-plane address. A failed lookup is forgotten so that the next
+// push to that consumer tries again.
+func (p *Producer) lookup(endpoint string, ci *consumerInfo) {
+	defer p.wg.Done()
+	defer p.recover("lookup")
+	dests, err := p.describe(endpoint)
+	p.mu.Lock()
+	ci.dests, ci.err = dests, err
+	if err != nil {
+		delete(p.consumers, endpoint)
+		p.log.Warn("consumer lookup failed", "consumer", endpoint, "cause", err)
+	}
+	p.mu.Unlock()
+	close(ci.ready)
+}
+
+func (p *Producer) describe(endpoint string) ([]string, error) {
+	var first wire.PeersReply
+	if err := p.call(endpoint, wire.OpPeers, struct{}{}, &first); err != nil {
+		return nil, fmt.Errorf("peers from consumer %s: %w", endpoint, err)
+	}
+	if len(first.Shards) == 0 || first.TPSize != len(first.Shards) {
+		return nil, fmt.Errorf("peers from consumer %s: %d shards for tp_size %d", endpoint, len(first.Shards), first.TPSize)
+	}
+	dests := make([]string, len(first.Shards))
+	addrs := make([]string, len(first.Shards))
+	errs := make([]error, len(first.Shards))
+	var wg sync.WaitGroup
+	for i, sh := range first.Shards {
+		dests[i] = sh.Control
+		if a, ok := sh.Data[p.tr.Name()]; ok {
+			addrs[i] = a
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var r wire.PeersReply
+			if err := p.call(sh.Control, wire.OpPeers, struct{}{}, &r); err != nil {
+				errs[i] = fmt.Errorf("peers from shard %d at %s: %w", i, sh.Control, err)
+				return
+			}
+			for _, x := range r.Shards {
+				if x.Rank == i {
+					addrs[i] = x.Data[p.tr.Name()]
+				}
+			}
+			if addrs[i] == "" {
+				errs[i] = fmt.Errorf("shard %d at %s offers no %s data plane (it offers %v)", i, sh.Control, p.tr.Name(), r.Transports)
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	p.mu.Lock()
+	for i, d := range dests {
+		p.dataAddr[d] = addrs[i]
+	}
+	p.mu.Unlock()
+	return dests, nil
+}
+
+// Source is one encoder output.
+type Source struct {
+	MMHash string
+	Mem    []byte
+}
+
+// Sources hands over encoder outputs under one lock, so that the writes
+// they unblock leave as one batch per destination. Each mem must stay
+// valid until Poll reports its id released; ids[i] is 0 where errs[i] is
+// set.
+func (p *Producer) Sources(srcs []Source) (ids []push.SourceID, errs []error) {
+	ids = make([]push.SourceID, len(srcs))
+	errs = make([]error, len(srcs))
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := time.Now()
+	for i, s := range srcs {
+		if p.closed {
+			errs[i] = ErrClosed
+			continue
+		}
+		if len(s.Mem) == 0 {
+			errs[i] = fmt.Errorf("producer: source for %s is empty", s.MMHash)
+			continue
+		}
+		p.nextSrc++
+		id := p.nextSrc
+		p.sources[id] = s.Mem
+		if p.admitting[s.MMHash] > 0 {
+			p.parked[s.MMHash] = append(p.parked[s.MMHash], parkedSource{id: id, n: uint64(len(s.Mem))})
+			ids[i] = id
+			continue
+		}
+		if err := p.mgr.SourceReady(s.MMHash, id, uint64(len(s.Mem)), now); err != nil {
+			delete(p.sources, id)
+			errs[i] = fmt.Errorf("producer: source for %s: %w", s.MMHash, err)
+			continue
+		}
+		ids[i] = id
+	}
+	p.kick()
+	return ids, errs
+}
+
+// Cancel gives up pushes; writes in flight finish first.
+func (p *Producer) Cancel(transferIDs []string) {
+	p.mu.Lock()
+	now := time.Now()
+	for _, id := range transferIDs {
+		p.mgr.Cancel(id, now)
+	}
+	p.kick()
+	p.mu.Unlock()
+}
+
+// Poll returns the outcomes since the last call, waiting up to timeout for
+// at least one.
+func (p *Producer) Poll(timeout time.Duration) Outcomes {
+	deadline := time.Now().Add(timeout)
+	for {
+		p.mu.Lock()
+		if !p.out.empty() || timeout <= 0 || p.closed || !time.Now().Before(deadline) {
+			o := p.out
+			o.Pending = p.mgr.Pending()
+			p.out = Outcomes{}
+			p.mu.Unlock()
+			return o
+		}
+		ch := p.outReady
+		p.mu.Unlock()
+		t := time.NewTimer(time.Until(deadline))
+		select {
+		case <-ch:
+		case <-t.C:
+		}
+		t.Stop()
+	}
+}
+
+// Stats are the producer's counters.
+type Stats struct {
+	Push          push.Stats `json:"push"`
+	Sources       int        `json:"sources_held"`
+	RoundTrips    uint64     `json:"control_round_trips"`
+	Batches       uint64     `json:"write_batches"`
+	Consumers     int        `json:"consumers"`
+	Pending       bool       `json:"pending"`
+	SourceBytes   uint64     `json:"source_bytes_held"`
+	ClientsOpened int        `json:"control_clients"`
+}
+
+// Stats returns a snapshot.
+func (p *Producer) Stats() Stats {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	st := Stats{Push: p.mgr.Stats(), Sources: len(p.sources), RoundTrips: p.roundTrip, Batches: p.batches,
+		Consumers: len(p.consumers), Pending: p.mgr.Pending(), ClientsOpened: len(p.clients)}
+	for _, m := range p.sources {
+		st.SourceBytes += uint64(len(m))
+	}
+	return st
+}
+
+// Close fails what is pending, stops every goroutine and closes sockets.
+// After Close returns no source is read again.
+func (p *Producer) Close() error {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return nil
+	}
+	p.closed = true
+	close(p.stop)
+	p.mu.Unlock()
+	// Writes in flight read sources: close the writer first so they fail
+	// now instead of at their deadline, then wait for every goroutine.
+	errs := []error{p.writer.Close()}
+	p.mu.Lock()
+	for _, c := range p.clients {
+		errs = append(errs, c.Close())
+	}
+	p.mu.Unlock()
+	p.wg.Wait()
+	p.mu.Lock()
+	p.clients = map[string]*control.Client{}
+	p.sources = map[push.SourceID][]byte{}
+	p.mu.Unlock()
+	errs = append(errs, p.zctx.Term())
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("producer: close: %w", err)
+	}
+	return nil
+}
+
+func (p *Producer) kick() {
+	select {
+	case p.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (p *Producer) recover(what string) {
+	if r := recover(); r != nil {
+		p.log.Error("producer: recovered panic", "in", what, "panic", r)
+	}
+}
+
+// failLocked records a failure for Poll.
+func (p *Producer) failLocked(f Failure) {
+	p.log.Warn("push failed", "transfer_id", f.TransferID, "mm_hash", f.MMHash, "peer", f.Dest, "cause", f.Reason)
+	p.out.Failed = append(p.out.Failed, f)
+	p.signalLocked()
+}
+
+func (p *Producer) signalLocked() {
+	close(p.outReady)
+	p.outReady = make(chan struct{})
+}
+
+// client returns the DEALER for a shard, dialling it once.
+func (p *Producer) client(endpoint string) (*control.Client, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil, ErrClosed
+	}
+	if c, ok := p.clients[endpoint]; ok {
+		return c, nil
+	}
+	c, err := control.Dial(p.zctx, endpoint, p.log)
+	if err != nil {
+		return nil, fmt.Errorf("dial %s: %w", endpoint, err)
+	}
+	p.clients[endpoint] = c
+	return c, nil
+}
+
+func (p *Producer) call(endpoint string, op wire.Op, body, out any) error {
+	c, err := p.client(endpoint)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.ControlTimeout())
+	defer cancel()
+	err = c.Call(ctx, op, body, out)
+	p.mu.Lock()
+	p.roundTrip++
+	p.mu.Unlock()
+	return err
+}

@@ -1,0 +1,94 @@
+// Package push is the producer's push manager: it decides, inside the
+// encoder instance's worker, what to send to which consumer shard and when
+// an encoder output may be freed.
+//
+// It owns one record per (transfer_id, destination shard) and the sources
+// (encoder outputs) those records read, and nothing else: no sockets, no
+// goroutines, no locks, no clock. Like etcd raft's core, effects come out
+// as values: Ready returns the reservations, writes, completes and cancels
+// to send, batched per destination, and the sources to free; the runtime
+// performs them and reports each outcome back. Time comes in as an
+// argument. Its owner serialises calls.
+//
+// # Flow of one push
+//
+//	Add ─▶ Reserving ─grant write─▶ WaitingInputs ─source, Ready─▶ Writing ─WriteDone─▶ Notifying ─CompleteDone─▶ Done
+//	           └─grant follow/cached─▶ Done
+//
+//	Cancel:   Reserving, WaitingInputs ─▶ Cancelled;  Writing ─▶ CancelPending ─WriteDone─▶ Cancelled
+//	Failures: refused or invalid grant, write or complete error, size mismatch, any deadline ─▶ Failed
+//
+// Reserving is the part of the design's WAITING_INPUTS spent waiting for the
+// destination region; WaitingInputs proper waits for the source. The
+// reservation goes out before the encoder runs, so both waits overlap the
+// encoder's work. The edges are exactly those documented on the State
+// constants; transition is the only function that allows a move, and every
+// state change goes through it.
+//
+// # Sources
+//
+// Pushes of the same mm_hash share one source: SourceReady hands it over
+// once and every write of that content reads it. A source is released (it
+// appears in Ready.Releases, once) only when no write that reads it is in
+// flight and no live record may still write it (none Reserving or
+// WaitingInputs). A write in flight holds its source even after its record
+// failed by deadline or was cancelled: a timeout cannot prove the transport
+// stopped reading, so only WriteDone ends the hold. A source that no push
+// needs, or a second source for content that already has one, is released
+// at the next Ready.
+//
+// # Regions on the consumer
+//
+// A record that ends Cancelled or Failed while holding a granted region
+// emits a Cancel to that shard so the region is freed; so does a grant
+// that arrives after its record ended. Follow and cached grants need
+// nothing written and end the record Done. Once the bytes landed
+// (Notifying) the push is no longer cancelled: the complete goes out and
+// the consumer's scheduler drops what no request wants.
+//
+// # Deadlines
+//
+// Every waiting state has one: Reserving (ReserveWait), WaitingInputs
+// (SourceWait), Writing and CancelPending (WriteWait, from the moment the
+// write went out), Notifying (NotifyWait). A deadline at T fires for any
+// call with now >= T; the record fails with a reason naming the state and
+// the wait, and the failure appears in the next Ready. Every method that
+// takes now applies due deadlines first; Tick does only that.
+//
+// # Identity
+//
+// A transfer_id names one push. Adding the same push again is a no-op,
+// even after it ended (tombstones, at most MaxTombstones, remember it);
+// a transfer_id that names another mm_hash, size or set of destinations,
+// or an mm_hash announced with another size, is refused with ErrCollision
+// for that push alone.
+//
+// # Usage
+//
+//	m := push.New(push.Config{})
+//	m.Add(push.Push{TransferID: id, MMHash: h, NBytes: n, Dests: shards}, now) // before the encoder runs
+//	m.SourceReady(h, src, n, now)                                              // save_caches, after its CUDA event
+//	for {
+//		rd := m.Ready(now)
+//		for dest, items := range rd.Reserves { send one reserve_batch; m.Granted(id, dest, grant, now) per reply item }
+//		for dest, ws := range rd.Writes { start the writes; m.WriteDone(id, dest, err, now) as each ends }
+//		for dest, cs := range rd.Completes { send one complete_batch; m.CompleteDone(id, dest, err, now) }
+//		for dest, cs := range rd.Cancels { send cancels }
+//		free rd.Releases; report rd.Failures and rd.Done
+//		wait for an outcome or NextDeadline; m.Tick(now)
+//	}
+//	m.Pending() // has_pending_push_work
+//
+// # Invariants
+//
+// CheckInvariants verifies them: every write in flight reads a source that
+// is still held (a released source is never read); each content's count of
+// waiting records and of writes in flight matches its records; Writing and
+// CancelPending records have a write in flight and WaitingInputs, Writing,
+// Notifying and CancelPending records hold a write grant; a WaitingInputs
+// record whose source is held has its write queued; every live record has a
+// current deadline and no terminal one does; a transfer is retired exactly
+// when all its records ended and none has a write in flight; indexes by
+// transfer_id and mm_hash agree; tombstones stay within their bound. No
+// method ever attempted an illegal move.
+package push

@@ -1,0 +1,197 @@
+package push
+
+import (
+	"errors"
+	"fmt"
+)
+
+// CheckInvariants walks the whole manager and reports every inconsistency
+// it finds, each wrapping ErrInvariant. It costs O(size of the manager):
+// tests call it after every step, production code when it suspects a bug.
+func (m *Manager) CheckInvariants() error {
+	var errs []error
+	bad := func(format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%w: "+format, append([]any{ErrInvariant}, args...)...))
+	}
+	if m.illegalMoves > 0 {
+		bad("%d illegal moves attempted", m.illegalMoves)
+	}
+
+	inWriteQ := make(map[*rec]bool, len(m.writeQ))
+	for _, r := range m.writeQ {
+		if inWriteQ[r] || !r.queued {
+			bad("%s: write queue entry not flagged or repeated", r)
+		}
+		inWriteQ[r] = true
+	}
+	current := make(map[*rec]bool, len(m.deadlines))
+	for _, d := range m.deadlines {
+		if d.current() {
+			current[d.rec] = true
+			if !d.at.Equal(d.rec.deadline) {
+				bad("%s: deadline entry %v, record says %v", d.rec, d.at, d.rec.deadline)
+			}
+		}
+	}
+
+	type counts struct{ waiters, readers int }
+	perHash := make(map[string]*counts)
+	liveRecs, held := 0, 0
+	for id, tr := range m.transfers {
+		p := tr.push
+		if id != p.TransferID {
+			bad("transfer keyed %s names %s", id, p.TransferID)
+		}
+		if _, ok := m.tombs[id]; ok {
+			bad("transfer %s: both live and a tombstone", id)
+		}
+		if len(tr.recs) != len(p.Dests) {
+			bad("transfer %s: %d records for %d destinations", id, len(tr.recs), len(p.Dests))
+		}
+		live, inFlight := 0, 0
+		n := perHash[p.MMHash]
+		if n == nil {
+			n = &counts{}
+			perHash[p.MMHash] = n
+		}
+		for i, r := range tr.recs {
+			if r.tr != tr || i >= len(p.Dests) || r.dest != p.Dests[i] {
+				bad("%s: does not belong to its transfer", r)
+			}
+			if !r.state.Terminal() {
+				live++
+			}
+			if r.inFlight {
+				inFlight++
+				n.readers++
+			}
+			if r.state.needsSource() {
+				n.waiters++
+			}
+			if r.queued != inWriteQ[r] {
+				bad("%s: queued=%v, in write queue=%v", r, r.queued, inWriteQ[r])
+			}
+			m.checkRecord(r, current[r], bad)
+		}
+		liveRecs += live
+		if live != tr.live || inFlight != tr.inFlight {
+			bad("transfer %s: counts live=%d in flight=%d, records say %d and %d", id, tr.live, tr.inFlight, live, inFlight)
+		}
+		if live == 0 && inFlight == 0 {
+			bad("transfer %s: finished but not retired", id)
+		}
+		c := m.contents[p.MMHash]
+		if c == nil {
+			bad("transfer %s: no content entry for %s", id, p.MMHash)
+			continue
+		}
+		listed := 0
+		for _, x := range c.transfers {
+			if x == tr {
+				listed++
+			}
+		}
+		if listed != 1 || c.nbytes != p.NBytes {
+			bad("transfer %s: listed %d times under %s, content is %d bytes, push %d", id, listed, p.MMHash, c.nbytes, p.NBytes)
+		}
+	}
+	if liveRecs != m.liveRecs {
+		bad("%d live records counted, %d found", m.liveRecs, liveRecs)
+	}
+
+	for h, c := range m.contents {
+		n := perHash[h]
+		if n == nil {
+			n = &counts{}
+		}
+		if c.waiters != n.waiters || c.readers != n.readers {
+			bad("content %s: waiters=%d readers=%d, records say %d and %d", h, c.waiters, c.readers, n.waiters, n.readers)
+		}
+		for _, tr := range c.transfers {
+			if m.transfers[tr.push.TransferID] != tr {
+				bad("content %s: lists dead transfer %s", h, tr.push.TransferID)
+			}
+		}
+		if len(c.transfers) == 0 && c.src == 0 {
+			bad("content %s: neither pushes nor a source", h)
+		}
+		if c.src != 0 {
+			held++
+			if len(c.transfers) > 0 && c.srcBytes != c.nbytes {
+				bad("content %s: source of %d bytes for pushes of %d", h, c.srcBytes, c.nbytes)
+			}
+		}
+	}
+	for h, n := range perHash {
+		if m.contents[h] == nil && (n.waiters > 0 || n.readers > 0) {
+			bad("content %s: records without a content entry", h)
+		}
+	}
+	if held != m.held {
+		bad("%d sources counted, %d held", m.held, held)
+	}
+
+	if len(m.tombs) != len(m.tombQ) || len(m.tombs) > m.cfg.MaxTombstones {
+		bad("%d tombstones, %d queued, limit %d", len(m.tombs), len(m.tombQ), m.cfg.MaxTombstones)
+	}
+	for _, id := range m.tombQ {
+		tr := m.tombs[id]
+		if tr == nil {
+			bad("tombstone %s: queued but missing", id)
+			continue
+		}
+		for _, r := range tr.recs {
+			if !r.state.Terminal() || r.inFlight {
+				bad("tombstone %s: %s still live", id, r)
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// checkRecord verifies what one record's state implies. A write in flight
+// must read a source that is still held: a released source is never read.
+func (m *Manager) checkRecord(r *rec, hasEntry bool, bad func(string, ...any)) {
+	switch r.state {
+	case Writing, CancelPending:
+		if !r.inFlight {
+			bad("%s: no write in flight", r)
+		}
+	case Failed:
+	default:
+		if r.inFlight {
+			bad("%s: write in flight", r)
+		}
+	}
+	if r.inFlight {
+		if c := m.contents[r.tr.push.MMHash]; c == nil || c.src == 0 || c.src != r.src {
+			bad("%s: in-flight write reads source %d, which is not held", r, r.src)
+		}
+	}
+	switch r.state {
+	case Reserving:
+		if r.hasGrant {
+			bad("%s: holds a grant", r)
+		}
+	case WaitingInputs, Writing, Notifying, CancelPending:
+		if !r.hasGrant || r.grant.Kind != KindWrite || r.grant.Res == 0 {
+			bad("%s: without a write grant", r)
+		}
+	}
+	if r.state == WaitingInputs && !r.queued {
+		if c := m.contents[r.tr.push.MMHash]; c != nil && c.src != 0 {
+			bad("%s: source held but no write queued", r)
+		}
+	}
+	if r.state.Terminal() {
+		if r.seq != 0 {
+			bad("%s: keeps a deadline", r)
+		}
+	} else if r.seq == 0 || !hasEntry {
+		bad("%s: no current deadline", r)
+	}
+}
+
+func (r *rec) String() string {
+	return fmt.Sprintf("transfer %s to %s (%s)", r.tr.push.TransferID, r.dest, r.state)
+}

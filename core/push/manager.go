@@ -1,0 +1,786 @@
+package push
+
+import (
+	"container/heap"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/ids"
+)
+
+// Sentinel errors; callers branch on them with errors.Is.
+var (
+	// ErrCollision: a transfer_id already names another push, or an mm_hash
+	// was announced with another size.
+	ErrCollision = errors.New("push collision")
+	// ErrInvalid: an argument is missing or malformed.
+	ErrInvalid = errors.New("invalid argument")
+	// ErrSizeMismatch: an encoder output's size differs from what its
+	// pushes announced.
+	ErrSizeMismatch = errors.New("size mismatch")
+	// ErrIllegalTransition: a move the state machine does not allow.
+	ErrIllegalTransition = errors.New("illegal transition")
+	// ErrInvariant: CheckInvariants found inconsistent state.
+	ErrInvariant = errors.New("invariant violated")
+)
+
+// Defaults for the zero fields of Config.
+const (
+	DefaultReserveWait   = 30 * time.Second // control_timeout_s
+	DefaultSourceWait    = 60 * time.Second
+	DefaultWriteWait     = 60 * time.Second
+	DefaultNotifyWait    = 30 * time.Second
+	DefaultMaxTombstones = 65536
+)
+
+// Config times and sizes a Manager; zero (or negative) fields take the
+// defaults.
+type Config struct {
+	ReserveWait   time.Duration // Reserving: until the grant
+	SourceWait    time.Duration // WaitingInputs: until the encoder output
+	WriteWait     time.Duration // Writing and CancelPending: until the write finishes
+	NotifyWait    time.Duration // Notifying: until the complete is acknowledged
+	MaxTombstones int
+}
+
+func (c Config) withDefaults() Config {
+	if c.ReserveWait <= 0 {
+		c.ReserveWait = DefaultReserveWait
+	}
+	if c.SourceWait <= 0 {
+		c.SourceWait = DefaultSourceWait
+	}
+	if c.WriteWait <= 0 {
+		c.WriteWait = DefaultWriteWait
+	}
+	if c.NotifyWait <= 0 {
+		c.NotifyWait = DefaultNotifyWait
+	}
+	if c.MaxTombstones <= 0 {
+		c.MaxTombstones = DefaultMaxTombstones
+	}
+	return c
+}
+
+// Push announces one transfer: NBytes of content MMHash go to every one of
+// Dests, each an opaque key for one consumer shard.
+type Push struct {
+	TransferID string
+	MMHash     string
+	NBytes     uint64
+	Dests      []string
+}
+
+// Grant kinds, as a consumer shard answers a reservation.
+const (
+	KindWrite  = "write"  // a region was reserved: write into it, then complete
+	KindFollow = "follow" // another writer is filling the same content: nothing to do
+	KindCached = "cached" // the shard already holds the content: nothing to do
+)
+
+// Grant is a shard's answer to one reservation. Err set means refused.
+type Grant struct {
+	Kind   string
+	Res    ids.ResID
+	Token  ids.Token
+	NBytes uint64
+	Err    string
+}
+
+// SourceID names one encoder output buffer held by the runtime. Zero is
+// never valid.
+type SourceID uint64
+
+// ReserveItem asks a shard for a region.
+type ReserveItem struct {
+	TransferID string
+	MMHash     string
+	NBytes     uint64
+}
+
+// Write copies a source into a granted region.
+type Write struct {
+	TransferID string
+	MMHash     string
+	Res        ids.ResID
+	Token      ids.Token
+	Src        SourceID
+	NBytes     uint64
+}
+
+// Complete tells a shard that a region holds its bytes.
+type Complete struct {
+	TransferID string
+	Res        ids.ResID
+	Token      ids.Token
+}
+
+// Cancel tells a shard to free a region.
+type Cancel struct {
+	TransferID string
+	Res        ids.ResID
+	Token      ids.Token
+}
+
+// Failure reports that the push of a transfer to one destination failed.
+type Failure struct {
+	TransferID string
+	MMHash     string
+	Dest       string
+	Reason     string
+}
+
+// Ready holds the effects to perform now. Maps are keyed by destination and
+// each slice is one batch for that destination; every effect appears in
+// exactly one Ready. Fields are nil when empty.
+type Ready struct {
+	Reserves  map[string][]ReserveItem
+	Writes    map[string][]Write
+	Completes map[string][]Complete
+	Cancels   map[string][]Cancel
+	Releases  []SourceID // sources no push needs any more: free them
+	Failures  []Failure
+	Done      []string // transfer_ids done on every destination
+}
+
+// Empty reports whether there is nothing to perform.
+func (r Ready) Empty() bool {
+	return len(r.Reserves) == 0 && len(r.Writes) == 0 && len(r.Completes) == 0 &&
+		len(r.Cancels) == 0 && len(r.Releases) == 0 && len(r.Failures) == 0 && len(r.Done) == 0
+}
+
+// Stats is a snapshot for metrics.
+type Stats struct {
+	Records    map[State]int    // records of live transfers by state
+	Ended      map[State]uint64 // records that reached each terminal state, since New
+	Transfers  int              // live transfers
+	Sources    int              // sources held
+	InFlight   int              // writes handed out and not yet reported
+	Ignored    uint64           // grants and reports that matched no record in a state to take them
+	Collisions uint64
+	Tombstones int
+}
+
+// Manager is the producer's push manager. It is not safe for concurrent
+// use: its owner serialises calls.
+type Manager struct {
+	cfg Config
+
+	transfers map[string]*transfer // live, by transfer_id
+	contents  map[string]*content  // by mm_hash
+	tombs     map[string]*transfer
+	tombQ     []string
+
+	deadlines deadlineHeap
+	seq       uint64
+
+	// effects waiting for the next Ready, in the order they arose
+	reserveQ  []*rec
+	writeQ    []*rec
+	completeQ []*rec
+	cancels   []destCancel
+	failures  []Failure
+	done      []string
+	releases  []SourceID
+	check     []string // mm_hashes whose source may have become unneeded
+	checkSet  map[string]struct{}
+
+	liveRecs     int // records not terminal, to size the deadline heap
+	held         int // contents holding a source
+	ended        [numStates]uint64
+	ignored      uint64
+	collisions   uint64
+	illegalMoves uint64
+}
+
+type transfer struct {
+	push     Push
+	recs     []*rec // one per destination, in Dests order
+	live     int    // records not terminal
+	inFlight int    // records whose write is out
+}
+
+type rec struct {
+	tr       *transfer
+	dest     string
+	state    State
+	grant    Grant
+	hasGrant bool // holds a region on the shard that a cancel must free
+	inFlight bool // a write reading src is out; may outlive the record's failure
+	src      SourceID
+	queued   bool // in writeQ
+	deadline time.Time
+	seq      uint64 // seq of the current deadline entry; 0 when none
+}
+
+// content is what the manager knows about one mm_hash: its live pushes and
+// the one source they share.
+type content struct {
+	nbytes    uint64
+	transfers []*transfer // live, in Add order
+	waiters   int         // records in a state that needsSource
+	readers   int         // records with a write in flight
+	src       SourceID    // 0 when none is held
+	srcBytes  uint64
+}
+
+type destCancel struct {
+	dest string
+	c    Cancel
+}
+
+// New returns an empty manager.
+func New(cfg Config) *Manager {
+	return &Manager{
+		cfg:       cfg.withDefaults(),
+		transfers: make(map[string]*transfer),
+		contents:  make(map[string]*content),
+		tombs:     make(map[string]*transfer),
+		checkSet:  make(map[string]struct{}),
+	}
+}
+
+// Add announces a push; its reservations go out at the next Ready. The
+// same push again is harmless (even after it ended); a transfer_id that
+// names another push, or content announced with another size, is refused
+// with ErrCollision and changes nothing.
+func (m *Manager) Add(p Push, now time.Time) error {
+	m.advance(now)
+	if err := validate(p); err != nil {
+		return err
+	}
+	known := m.transfers[p.TransferID]
+	if known == nil {
+		known = m.tombs[p.TransferID]
+	}
+	if known != nil {
+		if samePush(known.push, p) {
+			return nil
+		}
+		m.collisions++
+		return fmt.Errorf("add %s: %w: already announced as %s", describe(p), ErrCollision, describe(known.push))
+	}
+	c := m.contents[p.MMHash]
+	if c != nil && c.size() != 0 && c.size() != p.NBytes {
+		m.collisions++
+		return fmt.Errorf("add %s: %w: mm_hash %s is %d bytes", describe(p), ErrCollision, p.MMHash, c.size())
+	}
+	if c == nil {
+		c = &content{}
+		m.contents[p.MMHash] = c
+	}
+	p.Dests = slices.Clone(p.Dests)
+	tr := &transfer{push: p, live: len(p.Dests)}
+	for _, d := range p.Dests {
+		r := &rec{tr: tr, dest: d, state: Reserving}
+		tr.recs = append(tr.recs, r)
+		m.setDeadline(r, now.Add(m.cfg.ReserveWait))
+		m.reserveQ = append(m.reserveQ, r)
+	}
+	m.transfers[p.TransferID] = tr
+	m.liveRecs += len(tr.recs)
+	c.nbytes = p.NBytes
+	c.transfers = append(c.transfers, tr)
+	c.waiters += len(tr.recs)
+	return nil
+}
+
+func validate(p Push) error {
+	switch {
+	case p.TransferID == "" || p.MMHash == "":
+		return fmt.Errorf("add %s: %w: empty transfer_id or mm_hash", describe(p), ErrInvalid)
+	case p.NBytes == 0:
+		return fmt.Errorf("add %s: %w: zero bytes", describe(p), ErrInvalid)
+	case len(p.Dests) == 0:
+		return fmt.Errorf("add %s: %w: no destination", describe(p), ErrInvalid)
+	}
+	seen := make(map[string]bool, len(p.Dests))
+	for _, d := range p.Dests {
+		if d == "" || seen[d] {
+			return fmt.Errorf("add %s: %w: empty or repeated destination %q", describe(p), ErrInvalid, d)
+		}
+		seen[d] = true
+	}
+	return nil
+}
+
+func describe(p Push) string {
+	return fmt.Sprintf("%s (mm_hash %s, %d bytes, dests %v)", p.TransferID, p.MMHash, p.NBytes, p.Dests)
+}
+
+// samePush compares destinations as a set: the engine may list them in
+// another order when it repeats an announcement.
+func samePush(a, b Push) bool {
+	if a.MMHash != b.MMHash || a.NBytes != b.NBytes || len(a.Dests) != len(b.Dests) {
+		return false
+	}
+	x, y := slices.Clone(a.Dests), slices.Clone(b.Dests)
+	slices.Sort(x)
+	slices.Sort(y)
+	return slices.Equal(x, y)
+}
+
+// size is the byte count every push and source of the content must have;
+// zero while nothing pins it.
+func (c *content) size() uint64 {
+	switch {
+	case len(c.transfers) > 0:
+		return c.nbytes
+	case c.src != 0:
+		return c.srcBytes
+	}
+	return 0
+}
+
+// Granted applies a shard's answer to the reservation of (transferID,
+// dest). A grant for a record that already ended without a region is
+// answered with a Cancel, so the shard does not keep a region nobody will
+// write; any other grant that matches no reserving record is counted and
+// dropped.
+func (m *Manager) Granted(transferID, dest string, g Grant, now time.Time) {
+	m.advance(now)
+	r := m.find(transferID, dest)
+	if r == nil {
+		m.ignored++
+		return
+	}
+	if r.state != Reserving {
+		if (r.state == Cancelled || r.state == Failed) && !r.hasGrant && g.Err == "" && g.Res != 0 {
+			r.grant, r.hasGrant = g, true
+			m.cancels = append(m.cancels, destCancel{dest, Cancel{transferID, g.Res, g.Token}})
+			return
+		}
+		m.ignored++
+		return
+	}
+	if g.Err != "" {
+		m.move(r, Failed, now, "reserve refused: "+g.Err)
+		return
+	}
+	if g.Res != 0 {
+		r.grant, r.hasGrant = g, true
+	}
+	switch g.Kind {
+	case KindFollow, KindCached:
+		m.move(r, Done, now, "")
+	case KindWrite:
+		switch {
+		case g.Res == 0 || g.Token.IsZero():
+			m.move(r, Failed, now, "write grant without reservation id or token")
+		case g.NBytes < r.tr.push.NBytes:
+			m.move(r, Failed, now, fmt.Sprintf("granted %d bytes for a %d-byte push", g.NBytes, r.tr.push.NBytes))
+		default:
+			m.move(r, WaitingInputs, now, "")
+		}
+	default:
+		m.move(r, Failed, now, fmt.Sprintf("unknown grant kind %q", g.Kind))
+	}
+}
+
+// SourceReady hands over the encoder output of mmHash. The manager keeps it
+// until no push needs it and then returns it in Ready.Releases; a second
+// source for content that already has one is not needed and is released
+// at the next Ready. A source whose size differs from what the pushes of
+// its content announced is refused with ErrSizeMismatch (the caller keeps
+// it) and those pushes fail, since no source can satisfy them.
+func (m *Manager) SourceReady(mmHash string, src SourceID, nbytes uint64, now time.Time) error {
+	m.advance(now)
+	if mmHash == "" || src == 0 || nbytes == 0 {
+		return fmt.Errorf("source %d for %q (%d bytes): %w: empty mm_hash, zero id or zero bytes", src, mmHash, nbytes, ErrInvalid)
+	}
+	c := m.contents[mmHash]
+	if c != nil && c.src != 0 {
+		switch {
+		case c.src == src && c.srcBytes == nbytes:
+		case c.src == src:
+			return fmt.Errorf("source %d for %s: %w: reported with %d bytes, earlier with %d", src, mmHash, ErrSizeMismatch, nbytes, c.srcBytes)
+		default:
+			m.releases = append(m.releases, src)
+		}
+		return nil
+	}
+	if c != nil && len(c.transfers) > 0 && c.nbytes != nbytes {
+		reason := fmt.Sprintf("encoder output is %d bytes, push announced %d", nbytes, c.nbytes)
+		for _, tr := range slices.Clone(c.transfers) {
+			for _, r := range tr.recs {
+				if r.state.needsSource() {
+					m.move(r, Failed, now, reason)
+				}
+			}
+		}
+		return fmt.Errorf("source %d for %s: %w: %s", src, mmHash, ErrSizeMismatch, reason)
+	}
+	if c == nil {
+		c = &content{}
+		m.contents[mmHash] = c
+	}
+	c.src, c.srcBytes = src, nbytes
+	m.held++
+	m.markCheck(mmHash)
+	for _, tr := range c.transfers {
+		for _, r := range tr.recs {
+			m.queueWrite(r)
+		}
+	}
+	return nil
+}
+
+func (m *Manager) queueWrite(r *rec) {
+	if r.state == WaitingInputs && !r.queued {
+		r.queued = true
+		m.writeQ = append(m.writeQ, r)
+	}
+}
+
+func (m *Manager) markCheck(mmHash string) {
+	if _, ok := m.checkSet[mmHash]; !ok {
+		m.checkSet[mmHash] = struct{}{}
+		m.check = append(m.check, mmHash)
+	}
+}
+
+// Ready returns the effects to perform now and forgets them: the caller
+// performs each and reports outcomes through Granted, WriteDone and
+// CompleteDone. Writes handed out here are in flight until WriteDone.
+func (m *Manager) Ready(now time.Time) Ready {
+	m.advance(now)
+	var out Ready
+	for _, r := range m.reserveQ {
+		if r.state == Reserving {
+			p := r.tr.push
+			out.Reserves = appendTo(out.Reserves, r.dest, ReserveItem{p.TransferID, p.MMHash, p.NBytes})
+		}
+	}
+	m.reserveQ = nil
+	for _, r := range m.writeQ {
+		r.queued = false
+		c := m.contents[r.tr.push.MMHash]
+		if r.state != WaitingInputs || c.src == 0 {
+			continue
+		}
+		m.move(r, Writing, now, "")
+		r.inFlight, r.src = true, c.src
+		r.tr.inFlight++
+		c.readers++
+		p := r.tr.push
+		out.Writes = appendTo(out.Writes, r.dest, Write{p.TransferID, p.MMHash, r.grant.Res, r.grant.Token, c.src, p.NBytes})
+	}
+	m.writeQ = nil
+	for _, r := range m.completeQ {
+		if r.state == Notifying {
+			out.Completes = appendTo(out.Completes, r.dest, Complete{r.tr.push.TransferID, r.grant.Res, r.grant.Token})
+		}
+	}
+	m.completeQ = nil
+	for _, dc := range m.cancels {
+		out.Cancels = appendTo(out.Cancels, dc.dest, dc.c)
+	}
+	m.cancels = nil
+	for _, h := range m.check {
+		delete(m.checkSet, h)
+		c := m.contents[h]
+		if c != nil && c.src != 0 && c.waiters == 0 && c.readers == 0 {
+			m.releases = append(m.releases, c.src)
+			c.src, c.srcBytes = 0, 0
+			m.held--
+			m.dropContent(h)
+		}
+	}
+	m.check = nil
+	out.Releases, m.releases = m.releases, nil
+	out.Failures, m.failures = m.failures, nil
+	out.Done, m.done = m.done, nil
+	return out
+}
+
+func appendTo[T any](m map[string][]T, dest string, v T) map[string][]T {
+	if m == nil {
+		m = make(map[string][]T)
+	}
+	m[dest] = append(m[dest], v)
+	return m
+}
+
+// WriteDone reports the outcome of a write handed out by Ready. It ends the
+// write's hold on its source whatever the record's state, because the
+// record may have failed or been cancelled while the write was in flight.
+func (m *Manager) WriteDone(transferID, dest string, err error, now time.Time) {
+	m.advance(now)
+	r := m.find(transferID, dest)
+	if r == nil || !r.inFlight {
+		m.ignored++
+		return
+	}
+	r.inFlight = false
+	r.tr.inFlight--
+	c := m.contents[r.tr.push.MMHash]
+	c.readers--
+	if c.readers == 0 {
+		m.markCheck(r.tr.push.MMHash)
+	}
+	switch {
+	case r.state == Writing && err == nil:
+		m.move(r, Notifying, now, "")
+	case r.state == Writing:
+		m.move(r, Failed, now, fmt.Sprintf("write failed: %v", err))
+	case r.state == CancelPending:
+		m.move(r, Cancelled, now, "")
+	}
+	m.maybeRetire(r.tr)
+}
+
+// CompleteDone reports the outcome of a complete handed out by Ready.
+func (m *Manager) CompleteDone(transferID, dest string, err error, now time.Time) {
+	m.advance(now)
+	r := m.find(transferID, dest)
+	if r == nil || r.state != Notifying {
+		m.ignored++
+		return
+	}
+	if err != nil {
+		m.move(r, Failed, now, fmt.Sprintf("complete failed: %v", err))
+		return
+	}
+	m.move(r, Done, now, "")
+}
+
+// Cancel stops a transfer on every destination where it can still be
+// stopped: before the write it ends at once (with a Cancel to a shard that
+// granted a region); during the write it waits in CancelPending for the
+// write to finish, because the write reads the source. Once the bytes
+// landed the push completes anyway.
+func (m *Manager) Cancel(transferID string, now time.Time) {
+	m.advance(now)
+	tr := m.transfers[transferID]
+	if tr == nil {
+		return
+	}
+	for _, r := range tr.recs {
+		switch r.state {
+		case Reserving, WaitingInputs:
+			m.move(r, Cancelled, now, "")
+		case Writing:
+			m.move(r, CancelPending, now, "")
+		}
+	}
+}
+
+// Tick applies every deadline due at now; the failures appear in the next
+// Ready. Every method that takes a time does the same first.
+func (m *Manager) Tick(now time.Time) { m.advance(now) }
+
+// NextDeadline returns the earliest deadline of a live record.
+func (m *Manager) NextDeadline() (time.Time, bool) {
+	m.pruneDeadlines()
+	if len(m.deadlines) == 0 {
+		return time.Time{}, false
+	}
+	return m.deadlines[0].at, true
+}
+
+// Pending reports whether anything is left to do or to hand back: a live
+// transfer, a held source, or effects not yet taken by Ready. It answers
+// vLLM's has_pending_push_work.
+func (m *Manager) Pending() bool {
+	if len(m.transfers) > 0 || len(m.reserveQ) > 0 || len(m.writeQ) > 0 || len(m.completeQ) > 0 ||
+		len(m.cancels) > 0 || len(m.failures) > 0 || len(m.done) > 0 || len(m.releases) > 0 {
+		return true
+	}
+	return m.held > 0
+}
+
+// Status returns the state per destination of a live or tombstoned
+// transfer.
+func (m *Manager) Status(transferID string) (map[string]State, bool) {
+	tr := m.transfers[transferID]
+	if tr == nil {
+		tr = m.tombs[transferID]
+	}
+	if tr == nil {
+		return nil, false
+	}
+	out := make(map[string]State, len(tr.recs))
+	for _, r := range tr.recs {
+		out[r.dest] = r.state
+	}
+	return out, true
+}
+
+// Stats returns a snapshot.
+func (m *Manager) Stats() Stats {
+	s := Stats{
+		Records:    make(map[State]int),
+		Ended:      make(map[State]uint64),
+		Transfers:  len(m.transfers),
+		Ignored:    m.ignored,
+		Collisions: m.collisions,
+		Tombstones: len(m.tombs),
+		Sources:    m.held,
+	}
+	for _, tr := range m.transfers {
+		for _, r := range tr.recs {
+			s.Records[r.state]++
+		}
+		s.InFlight += tr.inFlight
+	}
+	for st, n := range m.ended {
+		if n > 0 {
+			s.Ended[State(st)] = n
+		}
+	}
+	return s
+}
+
+func (m *Manager) find(transferID, dest string) *rec {
+	tr := m.transfers[transferID]
+	if tr == nil {
+		tr = m.tombs[transferID]
+	}
+	if tr == nil {
+		return nil
+	}
+	for _, r := range tr.recs {
+		if r.dest == dest {
+			return r
+		}
+	}
+	return nil
+}
+
+func (m *Manager) advance(now time.Time) {
+	for len(m.deadlines) > 0 && !m.deadlines[0].at.After(now) {
+		d := heap.Pop(&m.deadlines).(deadline)
+		if d.current() {
+			m.expire(d.rec, now)
+		}
+	}
+}
+
+func (m *Manager) expire(r *rec, now time.Time) {
+	var what string
+	var wait time.Duration
+	switch r.state {
+	case Reserving:
+		what, wait = "no reservation grant", m.cfg.ReserveWait
+	case WaitingInputs:
+		what, wait = "no encoder output", m.cfg.SourceWait
+	case Writing:
+		what, wait = "write not finished", m.cfg.WriteWait
+	case Notifying:
+		what, wait = "complete not acknowledged", m.cfg.NotifyWait
+	case CancelPending:
+		what, wait = "cancelled write not finished", m.cfg.WriteWait
+	default:
+		return
+	}
+	m.move(r, Failed, now, fmt.Sprintf("%s: %s within %s", r.state, what, secs(wait)))
+}
+
+// move is the only writer of rec.state. Every caller picks the target from
+// the current state, so a refused move is a bug in this package: it is
+// counted, never panicked on, and CheckInvariants reports it.
+func (m *Manager) move(r *rec, to State, now time.Time, reason string) {
+	if err := transition(r.state, to); err != nil {
+		m.illegalMoves++
+		return
+	}
+	from := r.state
+	r.state = to
+	p := r.tr.push
+	if from.needsSource() && !to.needsSource() {
+		c := m.contents[p.MMHash]
+		c.waiters--
+		if c.waiters == 0 {
+			m.markCheck(p.MMHash)
+		}
+	}
+	switch to {
+	case WaitingInputs:
+		m.setDeadline(r, now.Add(m.cfg.SourceWait))
+		if m.contents[p.MMHash].src != 0 {
+			m.queueWrite(r)
+		}
+	case Writing:
+		m.setDeadline(r, now.Add(m.cfg.WriteWait))
+	case Notifying:
+		m.setDeadline(r, now.Add(m.cfg.NotifyWait))
+		m.completeQ = append(m.completeQ, r)
+	case CancelPending:
+		// The write it waits for keeps the deadline it had.
+	default:
+		m.end(r, reason)
+	}
+}
+
+// end finishes a record that reached a terminal state.
+func (m *Manager) end(r *rec, reason string) {
+	r.seq, r.deadline = 0, time.Time{}
+	m.liveRecs--
+	m.ended[r.state]++
+	p := r.tr.push
+	if r.state == Failed {
+		m.failures = append(m.failures, Failure{p.TransferID, p.MMHash, r.dest, reason})
+	}
+	if r.state != Done && r.hasGrant {
+		m.cancels = append(m.cancels, destCancel{r.dest, Cancel{p.TransferID, r.grant.Res, r.grant.Token}})
+	}
+	tr := r.tr
+	tr.live--
+	if tr.live == 0 && !slices.ContainsFunc(tr.recs, func(x *rec) bool { return x.state != Done }) {
+		m.done = append(m.done, p.TransferID)
+	}
+	m.maybeRetire(tr)
+}
+
+// maybeRetire turns a transfer into a tombstone once every record ended and
+// no write of it is in flight; until then its source stays held.
+func (m *Manager) maybeRetire(tr *transfer) {
+	if tr.live > 0 || tr.inFlight > 0 {
+		return
+	}
+	if _, live := m.transfers[tr.push.TransferID]; !live {
+		return
+	}
+	delete(m.transfers, tr.push.TransferID)
+	c := m.contents[tr.push.MMHash]
+	c.transfers = slices.DeleteFunc(c.transfers, func(x *transfer) bool { return x == tr })
+	m.dropContent(tr.push.MMHash)
+	m.tombs[tr.push.TransferID] = tr
+	m.tombQ = append(m.tombQ, tr.push.TransferID)
+	for len(m.tombQ) > m.cfg.MaxTombstones {
+		delete(m.tombs, m.tombQ[0])
+		m.tombQ = m.tombQ[1:]
+	}
+}
+
+// dropContent forgets content that has neither pushes nor a source.
+func (m *Manager) dropContent(mmHash string) {
+	if c := m.contents[mmHash]; c != nil && len(c.transfers) == 0 && c.src == 0 {
+		delete(m.contents, mmHash)
+	}
+}
+
+func (m *Manager) setDeadline(r *rec, at time.Time) {
+	m.seq++
+	r.seq, r.deadline = m.seq, at
+	heap.Push(&m.deadlines, deadline{at: at, rec: r, seq: r.seq})
+	if len(m.deadlines) > 2*m.liveRecs+64 {
+		kept := m.deadlines[:0]
+		for _, d := range m.deadlines {
+			if d.current() {
+				kept = append(kept, d)
+			}
+		}
+		clear(m.deadlines[len(kept):])
+		m.deadlines = kept
+		heap.Init(&m.deadlines)
+	}
+}
+
+func (m *Manager) pruneDeadlines() {
+	for len(m.deadlines) > 0 && !m.deadlines[0].current() {
+		heap.Pop(&m.deadlines)
+	}
+}

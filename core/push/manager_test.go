@@ -1,0 +1,476 @@
+package push
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/stretchr/testify/require"
+)
+
+func TestScenarios(t *testing.T) {
+	cases := []struct {
+		name   string
+		cfg    Config
+		script string
+	}{
+		{"one push to two shards through to done", Config{}, `
+			add t1 h1 100 d1,d2
+			pending -> yes
+			state t1 -> d1=Reserving d2=Reserving
+			ready -> reserve d1:t1 d2:t1
+			ready -> -
+			grant t1 d1 write 1
+			grant t1 d2 write 2
+			state t1 -> d1=WaitingInputs d2=WaitingInputs
+			ready -> -
+			source h1 11 100
+			ready -> write d1:t1@s11 d2:t1@s11
+			state t1 -> d1=Writing d2=Writing
+			stats -> inflight=2 sources=1
+			wrote t1 d1
+			ready -> complete d1:t1
+			wrote t1 d2
+			ready -> complete d2:t1 | release s11
+			completed t1 d1
+			state t1 -> d1=Done d2=Notifying
+			ready -> -
+			completed t1 d2
+			ready -> done t1
+			state t1 -> d1=Done d2=Done
+			pending -> no
+			stats -> transfers=0 tombs=1 sources=0 ended=Done:2
+		`},
+		{"source before the grant is written when the grant comes", Config{}, `
+			add t1 h1 100 d1
+			source h1 11 100
+			ready -> reserve d1:t1
+			grant t1 d1 write 1
+			ready -> write d1:t1@s11
+		`},
+		{"follow and cached grants need no source", Config{}, `
+			add t1 h1 100 d1,d2
+			ready -> reserve d1:t1 d2:t1
+			grant t1 d1 follow
+			grant t1 d2 cached
+			ready -> done t1
+			pending -> no
+			source h1 11 100
+			pending -> yes
+			ready -> release s11
+			pending -> no
+		`},
+		{"a source is held while a grant may still ask for it", Config{}, `
+			add t1 h1 100 d1
+			source h1 11 100
+			ready -> reserve d1:t1
+			ready -> -
+			grant t1 d1 follow
+			ready -> release s11 | done t1
+		`},
+		{"same content in two transfers shares one source", Config{}, `
+			add t1 h1 100 d1
+			add t2 h1 100 d2
+			ready -> reserve d1:t1 d2:t2
+			grant t1 d1 write 1
+			grant t2 d2 write 2
+			source h1 11 100
+			ready -> write d1:t1@s11 d2:t2@s11
+			wrote t1 d1
+			ready -> complete d1:t1
+			completed t1 d1
+			ready -> done t1
+			stats -> sources=1
+			wrote t2 d2
+			ready -> complete d2:t2 | release s11
+			completed t2 d2
+			ready -> done t2
+		`},
+		{"shared source outlives the first write while a second push waits for its grant", Config{}, `
+			add t1 h1 100 d1
+			add t2 h1 100 d2
+			ready -> reserve d1:t1 d2:t2
+			grant t1 d1 write 1
+			source h1 11 100
+			ready -> write d1:t1@s11
+			wrote t1 d1
+			ready -> complete d1:t1
+			stats -> sources=1
+			grant t2 d2 write 2
+			ready -> write d2:t2@s11
+			wrote t2 d2
+			ready -> complete d2:t2 | release s11
+		`},
+		{"a second source for held content is released at once", Config{}, `
+			add t1 h1 100 d1
+			source h1 11 100
+			source h1 11 100
+			source h1 12 100
+			source h1 11 99 -> sizemismatch
+			ready -> reserve d1:t1 | release s12
+			stats -> sources=1
+		`},
+		{"cancel before the reserve went out", Config{}, `
+			add t1 h1 100 d1,d2
+			cancel t1
+			state t1 -> d1=Cancelled d2=Cancelled
+			ready -> -
+			pending -> no
+			stats -> ended=Cancelled:2
+		`},
+		{"cancel before the grant: a late grant is cancelled once", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			cancel t1
+			state t1 -> d1=Cancelled
+			grant t1 d1 write 7
+			ready -> cancel d1:t1
+			grant t1 d1 write 7
+			ready -> -
+			stats -> ignored=1
+		`},
+		{"cancel after the grant", Config{}, `
+			add t1 h1 100 d1,d2
+			ready -> reserve d1:t1 d2:t1
+			grant t1 d1 write 1
+			grant t1 d2 follow
+			cancel t1
+			state t1 -> d1=Cancelled d2=Done
+			ready -> cancel d1:t1
+			source h1 11 100
+			ready -> release s11
+			pending -> no
+		`},
+		{"cancel during the write holds the source until the write ends", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			grant t1 d1 write 1
+			source h1 11 100
+			ready -> write d1:t1@s11
+			cancel t1
+			state t1 -> d1=CancelPending
+			ready -> -
+			stats -> sources=1 inflight=1
+			pending -> yes
+			wrote t1 d1
+			state t1 -> d1=Cancelled
+			ready -> cancel d1:t1 | release s11
+			pending -> no
+		`},
+		{"cancel once the bytes landed lets the push complete", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			grant t1 d1 write 1
+			source h1 11 100
+			ready -> write d1:t1@s11
+			wrote t1 d1
+			cancel t1
+			ready -> complete d1:t1 | release s11
+			completed t1 d1
+			ready -> done t1
+		`},
+		{"reserve deadline", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			next -> 30s
+			at 29.999999999s
+			tick
+			state t1 -> d1=Reserving
+			at 30s
+			tick
+			state t1 -> d1=Failed
+			ready -> fail t1/d1=Reserving: no reservation grant within 30s
+			grant t1 d1 write 5
+			ready -> cancel d1:t1
+		`},
+		{"source deadline", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			at 1s
+			grant t1 d1 write 1
+			next -> 1m1s
+			at 60.999s
+			ready -> -
+			at 61s
+			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s
+			source h1 11 100
+			ready -> release s11
+		`},
+		{"write deadline fails the record but the source waits for the write", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			grant t1 d1 write 1
+			source h1 11 100
+			at 5s
+			ready -> write d1:t1@s11
+			next -> 1m5s
+			at 65s
+			ready -> cancel d1:t1 | fail t1/d1=Writing: write not finished within 60s
+			state t1 -> d1=Failed
+			stats -> sources=1 inflight=1 transfers=1
+			pending -> yes
+			next -> none
+			wrote t1 d1
+			ready -> release s11
+			pending -> no
+			stats -> transfers=0 tombs=1
+		`},
+		{"complete deadline", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			grant t1 d1 write 1
+			source h1 11 100
+			ready -> write d1:t1@s11
+			at 10s
+			wrote t1 d1
+			ready -> complete d1:t1 | release s11
+			at 39.9s
+			tick
+			state t1 -> d1=Notifying
+			at 40s
+			ready -> cancel d1:t1 | fail t1/d1=Notifying: complete not acknowledged within 30s
+			completed t1 d1
+			stats -> ignored=1
+		`},
+		{"cancel-pending deadline keeps the write's deadline", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			grant t1 d1 write 1
+			source h1 11 100
+			ready -> write d1:t1@s11
+			at 10s
+			cancel t1
+			next -> 1m0s
+			at 60s
+			ready -> cancel d1:t1 | fail t1/d1=CancelPending: cancelled write not finished within 60s
+			stats -> sources=1
+			wrote t1 d1
+			ready -> release s11
+		`},
+		{"write error", Config{}, `
+			add t1 h1 100 d1,d2
+			ready -> reserve d1:t1 d2:t1
+			grant t1 d1 write 1
+			grant t1 d2 write 2
+			source h1 11 100
+			ready -> write d1:t1@s11 d2:t1@s11
+			wrote t1 d1 connection reset
+			ready -> cancel d1:t1 | fail t1/d1=write failed: connection reset
+			wrote t1 d2
+			ready -> complete d2:t1 | release s11
+			completed t1 d2
+			ready -> -
+			state t1 -> d1=Failed d2=Done
+			pending -> no
+		`},
+		{"complete error", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			grant t1 d1 write 1
+			source h1 11 100
+			ready -> write d1:t1@s11
+			wrote t1 d1
+			ready -> complete d1:t1 | release s11
+			completed t1 d1 shard restarted
+			ready -> cancel d1:t1 | fail t1/d1=complete failed: shard restarted
+		`},
+		{"refused and malformed grants", Config{}, `
+			add t1 h1 100 d1,d2,d3,d4
+			ready -> reserve d1:t1 d2:t1 d3:t1 d4:t1
+			grant t1 d1 err pool full
+			grant t1 d2 write 2 64
+			grant t1 d3 write 0
+			grant t1 d4 teleport 4
+			ready -> cancel d2:t1 d4:t1 | fail t1/d1=reserve refused: pool full; t1/d2=granted 64 bytes for a 100-byte push; t1/d3=write grant without reservation id or token; t1/d4=unknown grant kind "teleport"
+		`},
+		{"size mismatch fails the pushes of the content", Config{}, `
+			add t1 h1 100 d1
+			add t2 h1 100 d2
+			ready -> reserve d1:t1 d2:t2
+			grant t1 d1 write 1
+			source h1 11 99 -> sizemismatch
+			ready -> cancel d1:t1 | fail t1/d1=encoder output is 99 bytes, push announced 100; t2/d2=encoder output is 99 bytes, push announced 100
+			stats -> sources=0
+			grant t2 d2 write 2
+			ready -> cancel d2:t2
+		`},
+		{"collision refused for that push only", Config{}, `
+			add t1 h1 100 d1,d2
+			add t1 h1 100 d2,d1
+			add t1 h1 100 d1 -> collision
+			add t1 h2 100 d1,d2 -> collision
+			add t1 h1 200 d1,d2 -> collision
+			add t2 h1 200 d3 -> collision
+			stats -> collisions=4 transfers=1
+			ready -> reserve d1:t1 d2:t1
+			state t2 -> none
+		`},
+		{"an ended push is remembered", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			grant t1 d1 cached
+			ready -> done t1
+			add t1 h1 100 d1
+			add t1 h1 100 d2 -> collision
+			ready -> -
+			state t1 -> d1=Done
+		`},
+		{"invalid input", Config{}, `
+			add t1 h1 100 -> invalid
+			add t1 h1 0 d1 -> invalid
+			add t1 h1 100 d1,d1 -> invalid
+			add t1 h1 100 d1,,d2 -> invalid
+			source h1 0 100 -> invalid
+			source h1 11 0 -> invalid
+			pending -> no
+		`},
+		{"late and unknown reports are ignored", Config{}, `
+			add t1 h1 100 d1
+			grant t9 d1 write 1
+			grant t1 d9 write 1
+			wrote t1 d1
+			completed t1 d1
+			ready -> reserve d1:t1
+			grant t1 d1 write 1
+			grant t1 d1 write 1
+			stats -> ignored=5
+		`},
+		{"tombstones are bounded", Config{MaxTombstones: 2}, `
+			add t1 h1 100 d1
+			add t2 h2 100 d1
+			add t3 h3 100 d1
+			cancel t1
+			cancel t2
+			cancel t3
+			stats -> tombs=2 transfers=0
+			state t1 -> none
+			state t2 -> d1=Cancelled
+			state t3 -> d1=Cancelled
+		`},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) { runScript(t, tc.cfg, tc.script) })
+	}
+}
+
+func TestBatchingOneDestination(t *testing.T) {
+	m := New(Config{})
+	var want []string
+	for i := 0; i < 10; i++ {
+		id := fmt.Sprint("t", i)
+		want = append(want, id)
+		require.NoError(t, m.Add(Push{TransferID: id, MMHash: fmt.Sprint("h", i), NBytes: 100, Dests: []string{"d1"}}, base))
+	}
+	rd := m.Ready(base)
+	require.Len(t, rd.Reserves, 1)
+	require.Len(t, rd.Reserves["d1"], 10)
+	for i, it := range rd.Reserves["d1"] {
+		require.Equal(t, want[i], it.TransferID)
+	}
+	for i, id := range want {
+		m.Granted(id, "d1", Grant{Kind: KindWrite, Res: ids.ResID(i + 1), Token: tokenFor(ids.ResID(i + 1)), NBytes: 100}, base)
+		require.NoError(t, m.SourceReady(fmt.Sprint("h", i), SourceID(i+1), 100, base))
+	}
+	rd = m.Ready(base)
+	require.Len(t, rd.Writes, 1)
+	require.Len(t, rd.Writes["d1"], 10)
+	for _, id := range want {
+		m.WriteDone(id, "d1", nil, base)
+	}
+	rd = m.Ready(base)
+	require.Len(t, rd.Completes, 1)
+	require.Len(t, rd.Completes["d1"], 10)
+	require.Len(t, rd.Releases, 10)
+	require.NoError(t, m.CheckInvariants())
+}
+
+func TestAddErrorsNamePushes(t *testing.T) {
+	m := New(Config{})
+	require.NoError(t, m.Add(Push{TransferID: "t1", MMHash: "h1", NBytes: 100, Dests: []string{"d1"}}, base))
+	err := m.Add(Push{TransferID: "t1", MMHash: "h2", NBytes: 100, Dests: []string{"d1"}}, base)
+	require.ErrorIs(t, err, ErrCollision)
+	require.ErrorContains(t, err, "add t1 (mm_hash h2, 100 bytes, dests [d1])")
+	require.ErrorContains(t, err, "already announced as t1 (mm_hash h1, 100 bytes, dests [d1])")
+}
+
+func TestAddCopiesDestinations(t *testing.T) {
+	m := New(Config{})
+	dests := []string{"d1", "d2"}
+	require.NoError(t, m.Add(Push{TransferID: "t1", MMHash: "h1", NBytes: 100, Dests: dests}, base))
+	dests[0] = "dX"
+	st, ok := m.Status("t1")
+	require.True(t, ok)
+	require.Contains(t, st, "d1")
+	require.NoError(t, m.CheckInvariants())
+}
+
+func TestCheckInvariantsCatchesCorruption(t *testing.T) {
+	build := func() *Manager {
+		m := New(Config{MaxTombstones: 4})
+		write := func(res ids.ResID) Grant {
+			return Grant{Kind: KindWrite, Res: res, Token: tokenFor(res), NBytes: 100}
+		}
+		require.NoError(t, m.Add(Push{TransferID: "t1", MMHash: "h1", NBytes: 100, Dests: []string{"d1", "d2"}}, base))
+		require.NoError(t, m.Add(Push{TransferID: "t2", MMHash: "h2", NBytes: 100, Dests: []string{"d1"}}, base))
+		require.NoError(t, m.Add(Push{TransferID: "t3", MMHash: "h3", NBytes: 100, Dests: []string{"d1"}}, base))
+		m.Ready(base)
+		m.Granted("t1", "d1", write(1), base)
+		m.Granted("t1", "d2", write(2), base)
+		m.Granted("t2", "d1", write(3), base)
+		m.Granted("t3", "d1", Grant{Kind: KindCached}, base)
+		require.NoError(t, m.SourceReady("h1", 1, 100, base))
+		m.Ready(base) // t1 writing on both shards; t2 waits for its source
+		require.NoError(t, m.CheckInvariants())
+		return m
+	}
+	rec := func(m *Manager, tid string, i int) *rec { return m.transfers[tid].recs[i] }
+	corruptions := map[string]func(m *Manager){
+		"illegal move":                  func(m *Manager) { m.move(rec(m, "t2", 0), Done, base, "") },
+		"source released under a write": func(m *Manager) { m.contents["h1"].src = 0; m.held-- },
+		"write reads another source":    func(m *Manager) { rec(m, "t1", 0).src = 9 },
+		"reader count":                  func(m *Manager) { m.contents["h1"].readers-- },
+		"waiter count":                  func(m *Manager) { m.contents["h2"].waiters++ },
+		"writing without a write":       func(m *Manager) { rec(m, "t1", 1).inFlight = false },
+		"waiting with a write":          func(m *Manager) { rec(m, "t2", 0).inFlight = true },
+		"no deadline":                   func(m *Manager) { rec(m, "t2", 0).seq = 0 },
+		"grant lost":                    func(m *Manager) { rec(m, "t2", 0).hasGrant = false },
+		"live count":                    func(m *Manager) { m.transfers["t2"].live = 2 },
+		"finished but not retired": func(m *Manager) {
+			r := rec(m, "t2", 0)
+			r.state, r.seq = Cancelled, 0
+			m.transfers["t2"].live = 0
+			m.contents["h2"].waiters = 0
+			m.liveRecs--
+		},
+		"content lists a dead transfer": func(m *Manager) {
+			m.contents["h2"].transfers = append(m.contents["h2"].transfers, m.tombs["t3"])
+		},
+		"source held, write not queued": func(m *Manager) {
+			m.contents["h2"].src, m.contents["h2"].srcBytes = 7, 100
+			m.held++
+		},
+		"tombstone not queued":  func(m *Manager) { m.tombs["t9"] = m.tombs["t3"] },
+		"both live and retired": func(m *Manager) { m.tombs["t2"] = m.transfers["t2"] },
+		"held count":            func(m *Manager) { m.held++ },
+	}
+	for name, corrupt := range corruptions {
+		t.Run(name, func(t *testing.T) {
+			m := build()
+			corrupt(m)
+			require.ErrorIs(t, m.CheckInvariants(), ErrInvariant)
+		})
+	}
+}
+
+func TestDeadlineHeapStaysBounded(t *testing.T) {
+	// A record that ends leaves its deadline entry behind; the heap must be
+	// rebuilt rather than grow with the number of pushes.
+	m := New(Config{})
+	for i := 0; i < 500; i++ {
+		id := fmt.Sprint("t", i)
+		require.NoError(t, m.Add(Push{TransferID: id, MMHash: "h", NBytes: 100, Dests: []string{"d1"}}, base))
+		m.Cancel(id, base)
+	}
+	require.LessOrEqual(t, len(m.deadlines), 2*m.liveRecs+64)
+	require.NoError(t, m.CheckInvariants())
+}

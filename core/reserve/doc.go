@@ -1,0 +1,79 @@
+// Package reserve is the reservation table of one consumer shard: it owns
+// the region bookkeeping of the shard's receive slab and decides, for every
+// message a producer or the engine sends, whether it is allowed.
+//
+// The Table is deterministic, like etcd's raft core: it does no I/O, starts
+// no goroutines, takes no locks and reads no clock. Time comes in as the
+// now argument; effects come out as return values and as Events collected
+// until DrainEvents. Its owner (the control server) serialises every call,
+// drains events after each call and publishes them to the consumer
+// scheduler, and calls Tick at NextDeadline.
+//
+// # Words
+//
+// A region is one slab allocation holding the bytes of one mm_hash; its
+// State is the reservation state. A transfer (a transfer_id minted by the
+// proxy, one producer push) names a region, and several transfers may name
+// one region: the first writes it (KindWrite), a transfer that arrives
+// while it is being written follows that write (KindFollow), and one that
+// arrives once it is ready is answered at once (KindCached).
+//
+// # A transfer's life
+//
+//	grants := t.Reserve(items, now)         // one Grant per item, in order
+//	off, err := t.BeginWrite(res, tok, o, n, now) // data plane, per chunk
+//	... write n bytes at slab offset off ...
+//	t.EndWrite(res, ok, now)                // exactly once per accepted write
+//	err = t.Complete(res, tok, now)         // Ready events for all transfers
+//	ev := t.DrainEvents()
+//	off, n, err := t.Acquire(mmHash, now)   // the engine loads: pinned
+//	err = t.Release(mmHash, now)            // unpinned: a resident copy
+//
+// Every transfer gets exactly one terminal Event: Ready, or a failure with
+// a reason (cancelled, abandoned, lease expired). A follower or cached
+// transfer is settled with that event and forgotten into the tombstones; a
+// writer's transfer stays with its region until the region ends, so
+// Status can report the region's life.
+//
+// # Region states
+//
+//	Writing ──Complete──▶ Ready ──(lease, never loaded; eviction)──▶ Expired
+//	   │                    └──(only transfer cancelled)──▶ Cancelled
+//	   ├──abandon / last transfer cancelled──▶ Cancelled, or CancelPending ──▶ Cancelled
+//	   └──lease ends──▶ Expired, or ExpirePending ──▶ Expired | Cancelled
+//
+// Writer grace: a region that a remote writer may still be writing is
+// never freed under it. A cancel, abandon or expiry while a write is in
+// flight moves the region to a *Pending state; its transfers fail at once,
+// but its memory returns to the slab only when the last EndWrite arrives,
+// because no timeout can prove that a writer stopped.
+//
+// Leases: a Writing region must complete within Config.Lease of its
+// reservation, and a Ready region must be acquired within Config.Lease of
+// becoming ready (a cached answer restarts that lease). Once acquired, a
+// region no longer expires: pinned, it stays; released, it is a resident
+// copy, evicted least recently used first when a reservation needs the
+// room or when resident bytes pass Config.MaxResidentBytes.
+//
+// # Safety of the data plane
+//
+// BeginWrite admits a write only into a Writing region, with that region's
+// token (compared in constant time), with 0 < n and off+n within the size
+// asked (no overflow). Region ids are never reused, so a late message for
+// a finished region gets ErrGone and can never touch a newer one; finished
+// regions and transfers are remembered in a bounded FIFO of tombstones for
+// clearer errors and for Status. A write that fails part way tears the
+// region: Complete then fails with ErrTorn until one write covering the
+// whole region is admitted, or the writer abandons.
+//
+// # Invariants
+//
+// CheckInvariants states them in code; the main ones: the slab's bytes in
+// use equal the sum of the live regions' allocations; every live transfer
+// names a live region that knows it; a pending region has writes in
+// flight; a pinned region is Ready; residents are exactly the Ready,
+// acquired, unpinned regions; only Writing and Ready regions can be joined,
+// and at most one per mm_hash; tombstones never exceed MaxTombstones.
+//
+// The table assumes it is the slab's only user.
+package reserve

@@ -1,0 +1,127 @@
+package reserve
+
+import (
+	"errors"
+	"fmt"
+)
+
+// CheckInvariants verifies the table's bookkeeping against itself and the
+// slab. It walks everything, so tests call it after every step; production
+// code may call it from a debug endpoint.
+func (t *Table) CheckInvariants() error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	if t.broken != nil {
+		bad("internal fault: %w", t.broken)
+	}
+
+	var inUse, residentBytes uint64
+	residents := 0
+	for res, r := range t.regions {
+		switch {
+		case r.res != res:
+			bad("region %d filed under %d", r.res, res)
+		case res == 0 || res > t.lastRes:
+			bad("region %d was never issued (last %d)", res, t.lastRes)
+		case r.state.final() || r.state >= numStates:
+			bad("region %d is live in state %s", res, r.state)
+		}
+		if n, ok := t.slab.Len(r.off); !ok || n != r.alloc || r.alloc < r.nbytes {
+			bad("region %d: slab allocation at %d is (%d, %v), region holds %d of %d bytes", res, r.off, n, ok, r.nbytes, r.alloc)
+		}
+		inUse += r.alloc
+		if _, ok := t.tomb.regions[res]; ok {
+			bad("region %d is both live and a tombstone", res)
+		}
+		if r.inflight < 0 || r.pins < 0 {
+			bad("region %d: %d writes in flight, %d pins", res, r.inflight, r.pins)
+		}
+		if r.state.pending() && r.inflight == 0 {
+			bad("region %d is %s with no write in flight", res, r.state)
+		}
+		if r.state == Ready && r.inflight != 0 {
+			bad("region %d is ready with %d writes in flight", res, r.inflight)
+		}
+		if r.pins > 0 && (r.state != Ready || !r.acquired) {
+			bad("region %d pinned %d times in state %s (acquired %v)", res, r.pins, r.state, r.acquired)
+		}
+		if resident := r.state == Ready && r.acquired && r.pins == 0; resident != (r.lru != nil) {
+			bad("region %d: resident %v but in the LRU %v", res, resident, r.lru != nil)
+		}
+		if r.lru != nil {
+			residents++
+			residentBytes += r.alloc
+			if r.lru.Value != r {
+				bad("region %d: LRU element names another region", res)
+			}
+		}
+		leased := r.state == Writing || (r.state == Ready && !r.acquired)
+		if leased == r.deadline.IsZero() {
+			bad("region %d in state %s (acquired %v) has deadline %v", res, r.state, r.acquired, r.deadline)
+		}
+		joinable := r.state == Writing || r.state == Ready
+		if joinable != (t.byHash[r.mmHash] == r) {
+			bad("region %d in state %s: indexed by mm_hash %v", res, r.state, t.byHash[r.mmHash] == r)
+		}
+		if r.state == Writing && r.writer == nil && len(r.followers) == 0 {
+			bad("region %d is writing for no transfer", res)
+		}
+		if r.state != Writing && len(r.followers) > 0 {
+			bad("region %d is %s with %d live followers", res, r.state, len(r.followers))
+		}
+		if r.state.pending() && r.writer != nil {
+			bad("region %d is %s with a live writer", res, r.state)
+		}
+		if w := r.writer; w != nil && (t.transfers[w.id] != w || w.kind != KindWrite || w.region != r) {
+			bad("region %d: writer %s is not its live write transfer", res, w.id)
+		}
+		for _, f := range r.followers {
+			if t.transfers[f.id] != f || f.kind != KindFollow || f.region != r || f.done {
+				bad("region %d: follower %s is not a live follow transfer", res, f.id)
+			}
+		}
+	}
+	if inUse != t.slab.InUse() || len(t.regions) != t.slab.Allocations() {
+		bad("slab has %d bytes in %d allocations, live regions %d bytes in %d", t.slab.InUse(), t.slab.Allocations(), inUse, len(t.regions))
+	}
+	if residents != t.residents.Len() || residentBytes != t.residentBytes {
+		bad("resident LRU holds %d regions / %d bytes, regions say %d / %d", t.residents.Len(), t.residentBytes, residents, residentBytes)
+	}
+	if t.cfg.MaxResidentBytes > 0 && t.residentBytes > t.cfg.MaxResidentBytes {
+		bad("resident bytes %d over the cap %d", t.residentBytes, t.cfg.MaxResidentBytes)
+	}
+	for h, r := range t.byHash {
+		if t.regions[r.res] != r || r.mmHash != h {
+			bad("mm_hash %s indexes a region that is not live under that hash", h)
+		}
+	}
+
+	for id, tr := range t.transfers {
+		r := tr.region
+		switch {
+		case tr.id != id:
+			bad("transfer %s filed under %s", tr.id, id)
+		case r == nil || t.regions[r.res] != r:
+			bad("transfer %s names no live region", id)
+		case tr.mmHash != r.mmHash || tr.nbytes != r.nbytes:
+			bad("transfer %s (%s, %d bytes) on region %d (%s, %d bytes)", id, tr.mmHash, tr.nbytes, r.res, r.mmHash, r.nbytes)
+		case tr.kind == KindWrite && r.writer != tr:
+			bad("transfer %s writes region %d, which does not know it", id, r.res)
+		case tr.kind == KindFollow && r.state != Writing:
+			bad("follow transfer %s is live on a %s region", id, r.state)
+		case tr.kind == KindCached:
+			bad("cached transfer %s is live: it should have been settled at once", id)
+		case tr.done != (r.state == Ready):
+			bad("transfer %s done %v on a %s region", id, tr.done, r.state)
+		}
+		if _, ok := t.tomb.transfers[id]; ok {
+			bad("transfer %s is both live and a tombstone", id)
+		}
+	}
+
+	ts := &t.tomb
+	if ts.len() > ts.max || ts.len() != len(ts.transfers)+len(ts.regions) {
+		bad("tombstones: %d queued (max %d), %d transfers + %d regions", ts.len(), ts.max, len(ts.transfers), len(ts.regions))
+	}
+	return errors.Join(errs...)
+}

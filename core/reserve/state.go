@@ -1,0 +1,104 @@
+package reserve
+
+import (
+	"errors"
+	"fmt"
+)
+
+// State is the state of a region (one slab allocation holding one mm_hash).
+type State uint8
+
+const (
+	// Writing: reserved, the writer may write. Next: Ready (Complete),
+	// Cancelled (abandoned or no longer wanted, no write in flight),
+	// Expired (lease ended, no write in flight), or CancelPending /
+	// ExpirePending when that happens with writes in flight.
+	Writing State = iota
+	// Ready: the bytes are complete and may be loaded. Next: Cancelled
+	// (the only transfer is cancelled before any load) or Expired (never
+	// loaded within the lease, or evicted as a resident copy).
+	Ready
+	// CancelPending: doomed by an abandon or cancel while a write was in
+	// flight; the memory waits for the write to end. Next: Cancelled.
+	CancelPending
+	// ExpirePending: the lease ended while a write was in flight. Next:
+	// Expired when the write ends, or Cancelled if the writer abandoned
+	// meanwhile.
+	ExpirePending
+	// Cancelled is final: the memory is back in the slab.
+	Cancelled
+	// Expired is final: the memory is back in the slab.
+	Expired
+	numStates
+)
+
+func (s State) String() string {
+	switch s {
+	case Writing:
+		return "writing"
+	case Ready:
+		return "ready"
+	case CancelPending:
+		return "cancel_pending"
+	case ExpirePending:
+		return "expire_pending"
+	case Cancelled:
+		return "cancelled"
+	case Expired:
+		return "expired"
+	}
+	return fmt.Sprintf("State(%d)", uint8(s))
+}
+
+// pending reports whether the region is doomed but still holds memory
+// because writes are in flight.
+func (s State) pending() bool { return s == CancelPending || s == ExpirePending }
+
+// final reports whether the region is over and its memory returned.
+func (s State) final() bool { return s == Cancelled || s == Expired }
+
+var legal = [numStates][numStates]bool{
+	Writing:       {Ready: true, CancelPending: true, ExpirePending: true, Cancelled: true, Expired: true},
+	Ready:         {Cancelled: true, Expired: true},
+	CancelPending: {Cancelled: true},
+	ExpirePending: {Cancelled: true, Expired: true},
+}
+
+// ErrBadTransition: an illegal state move (a bug in the table, never caused
+// by input).
+var ErrBadTransition = errors.New("illegal state transition")
+
+// transition is the only place a region's state changes.
+func (r *region) transition(to State) error {
+	if r.state >= numStates || to >= numStates || !legal[r.state][to] {
+		return fmt.Errorf("reserve: region %d (%s): %s -> %s: %w", r.res, r.mmHash, r.state, to, ErrBadTransition)
+	}
+	r.state = to
+	return nil
+}
+
+// Kind says how a transfer is served.
+type Kind uint8
+
+const (
+	// KindWrite: the producer writes the bytes into the granted region,
+	// then calls Complete.
+	KindWrite Kind = iota + 1
+	// KindFollow: another transfer is writing the same mm_hash; no write,
+	// readiness (or failure) comes as an event.
+	KindFollow
+	// KindCached: a ready copy exists; it is ready now, no write.
+	KindCached
+)
+
+func (k Kind) String() string {
+	switch k {
+	case KindWrite:
+		return "write"
+	case KindFollow:
+		return "follow"
+	case KindCached:
+		return "cached"
+	}
+	return fmt.Sprintf("Kind(%d)", uint8(k))
+}

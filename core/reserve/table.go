@@ -1,0 +1,767 @@
+package reserve
+
+import (
+	"cmp"
+	"container/list"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/slab"
+)
+
+// Sentinel errors; callers test them with errors.Is.
+var (
+	// ErrInvalid: an item with an empty id or zero size.
+	ErrInvalid = errors.New("invalid item")
+	// ErrPoolFull: the slab cannot hold the region even after evicting
+	// every resident copy.
+	ErrPoolFull = errors.New("pool full")
+	// ErrSizeMismatch: an mm_hash asked with a size other than its region's.
+	ErrSizeMismatch = errors.New("size mismatch")
+	// ErrCollision: a transfer id already known for another mm_hash.
+	ErrCollision = errors.New("transfer id collision")
+	// ErrUnknown: an id that was never issued here (or long forgotten).
+	ErrUnknown = errors.New("unknown")
+	// ErrGone: the transfer or region is over; a late message is harmless.
+	ErrGone = errors.New("gone")
+	// ErrBadToken: the token does not authorise this region.
+	ErrBadToken = errors.New("bad token")
+	// ErrOutOfBounds: a write that does not fit inside its region.
+	ErrOutOfBounds = errors.New("out of bounds")
+	// ErrNotWritable: the region is not in the Writing state.
+	ErrNotWritable = errors.New("not writable")
+	// ErrWritesInFlight: Complete while writes have not ended.
+	ErrWritesInFlight = errors.New("writes in flight")
+	// ErrTorn: a write failed part way; the region must be rewritten whole.
+	ErrTorn = errors.New("region torn")
+	// ErrNotReady: Acquire of an mm_hash that is still being written.
+	ErrNotReady = errors.New("not ready")
+	// ErrNotPinned: Release of an mm_hash that is not acquired.
+	ErrNotPinned = errors.New("not pinned")
+)
+
+// Reasons carried by failure events and Status.
+const (
+	ReasonCancelled = "cancelled"
+	ReasonExpired   = "lease expired"
+	ReasonEvicted   = "evicted"
+	ReasonAbandoned = "abandoned"
+)
+
+// Defaults applied to zero Config fields.
+const (
+	DefaultLease         = 300 * time.Second
+	DefaultMaxTombstones = 65536
+)
+
+// Config tunes a Table; zero fields take the defaults.
+type Config struct {
+	// Lease bounds how long a region may stay Writing, and how long a
+	// Ready region may wait for its first Acquire.
+	Lease time.Duration
+	// MaxTombstones bounds the memory of finished transfers and regions.
+	MaxTombstones int
+	// MaxResidentBytes caps the slab bytes held by resident copies;
+	// 0 means no cap other than the slab itself.
+	MaxResidentBytes uint64
+}
+
+func (c Config) withDefaults() Config {
+	if c.Lease <= 0 {
+		c.Lease = DefaultLease
+	}
+	if c.MaxTombstones <= 0 {
+		c.MaxTombstones = DefaultMaxTombstones
+	}
+	return c
+}
+
+// Item asks for room for one transfer's bytes.
+type Item struct {
+	TransferID string
+	MMHash     string
+	NBytes     uint64
+}
+
+// Grant answers one Item. Res and Token are set only for KindWrite.
+type Grant struct {
+	TransferID string
+	Kind       Kind
+	Res        ids.ResID
+	Token      ids.Token
+	NBytes     uint64
+	Err        error
+}
+
+// Event is the terminal news of one transfer: ready, or failed with a reason.
+type Event struct {
+	TransferID string
+	MMHash     string
+	Ready      bool
+	NBytes     uint64
+	Reason     string
+}
+
+// StatusInfo describes a transfer. For a live transfer State is its
+// region's state; for a finished one it is the outcome it ended with.
+type StatusInfo struct {
+	MMHash string
+	State  State
+	Kind   Kind
+	NBytes uint64
+	Done   bool   // the terminal event has been emitted
+	Reason string // why it failed, for a failed transfer
+}
+
+type region struct {
+	res    ids.ResID
+	token  ids.Token
+	mmHash string
+	off    uint64 // slab offset
+	nbytes uint64 // the size asked; the allocation is rounded up
+	alloc  uint64 // the slab allocation's length
+	state  State
+
+	inflight int
+	torn     bool
+	// abandoned: the writer gave up while an expiry was pending, so the
+	// region ends Cancelled rather than Expired.
+	abandoned bool
+	reason    string
+
+	writer    *transfer   // nil once the writer's transfer is detached
+	followers []*transfer // live KindFollow transfers, in join order
+	joined    int         // transfers that ever joined after the writer
+
+	// deadline is set only while a lease runs: Writing, and Ready before
+	// the first Acquire.
+	deadline time.Time
+	pins     int
+	acquired bool
+	lru      *list.Element // set exactly while resident
+}
+
+type transfer struct {
+	id     string
+	mmHash string
+	kind   Kind
+	nbytes uint64
+	region *region
+	done   bool // terminal event emitted (only a writer stays live after it)
+}
+
+// Rejections counts refused writes by reason.
+type Rejections struct {
+	Unknown, Gone, BadToken, OutOfBounds, NotWritable uint64
+}
+
+// Stats is a snapshot for metrics.
+type Stats struct {
+	SlabSize       uint64
+	BytesInUse     uint64
+	Regions        map[State]int // live regions by state (Writing, Ready, *Pending)
+	Cancelled      uint64        // regions ended Cancelled since New
+	Expired        uint64        // regions ended Expired since New (evictions included)
+	Pending        int           // regions whose memory waits for writes in flight
+	WritesInFlight int
+	Pinned         int
+	Residents      int
+	ResidentBytes  uint64
+	Transfers      int // live transfer records
+	Tombstones     int
+	Evictions      uint64
+	RejectedWrites Rejections
+	UnmatchedEnds  uint64 // EndWrite calls with no write in flight
+}
+
+// Table is the reservation table of one consumer shard. It is not safe for
+// concurrent use: its owner serialises every call.
+type Table struct {
+	cfg    Config
+	slab   *slab.Slab
+	tokens ids.TokenSource
+
+	resIDs  ids.Counter
+	lastRes ids.ResID
+
+	regions   map[ids.ResID]*region
+	byHash    map[string]*region // the joinable (Writing or Ready) region of each mm_hash
+	transfers map[string]*transfer
+
+	residents     *list.List // of *region, most recently used at the front
+	residentBytes uint64
+
+	tomb   tombstones
+	events []Event
+
+	rejected      Rejections
+	unmatchedEnds uint64
+	cancelled     uint64
+	expired       uint64
+	evictions     uint64
+
+	// broken records the first internal inconsistency (an illegal
+	// transition or a refused free); CheckInvariants reports it.
+	broken error
+}
+
+// New builds a table over s, which it then owns: nothing else may allocate
+// from s.
+func New(s *slab.Slab, cfg Config, tokens ids.TokenSource) *Table {
+	cfg = cfg.withDefaults()
+	return &Table{
+		cfg:       cfg,
+		slab:      s,
+		tokens:    tokens,
+		regions:   make(map[ids.ResID]*region),
+		byHash:    make(map[string]*region),
+		transfers: make(map[string]*transfer),
+		residents: list.New(),
+		tomb:      newTombstones(cfg.MaxTombstones),
+	}
+}
+
+// Reserve answers each item in order; a failed item (Grant.Err) never
+// fails the batch. For each item:
+//   - a transfer id already live or remembered for the same mm_hash and
+//     size gets its grant again, with no second event (a producer retrying
+//     a lost reply); a finished writer's transfer gets ErrGone instead;
+//   - a transfer id known for another mm_hash fails with ErrCollision, an
+//     mm_hash whose region has another size with ErrSizeMismatch;
+//   - an mm_hash being written is followed (KindFollow), a ready one is
+//     answered at once (KindCached, with a Ready event);
+//   - otherwise a region is allocated (KindWrite), evicting resident
+//     copies least recently used first when the slab is full.
+func (t *Table) Reserve(items []Item, now time.Time) []Grant {
+	out := make([]Grant, len(items))
+	for i, it := range items {
+		out[i] = t.reserve(it, now)
+		out[i].TransferID = it.TransferID
+	}
+	return out
+}
+
+func (t *Table) reserve(it Item, now time.Time) Grant {
+	fail := func(err error) Grant { return Grant{Err: err} }
+	switch {
+	case it.TransferID == "":
+		return fail(fmt.Errorf("reserve mm_hash %q: empty transfer id: %w", it.MMHash, ErrInvalid))
+	case it.MMHash == "":
+		return fail(fmt.Errorf("reserve transfer %s: empty mm_hash: %w", it.TransferID, ErrInvalid))
+	case it.NBytes == 0:
+		return fail(fmt.Errorf("reserve transfer %s (%s): zero size: %w", it.TransferID, it.MMHash, ErrInvalid))
+	}
+
+	if tr, ok := t.transfers[it.TransferID]; ok {
+		if err := sameItem(it, tr.mmHash, tr.nbytes); err != nil {
+			return fail(err)
+		}
+		return grantFor(tr)
+	}
+	if tb, ok := t.tomb.transfers[it.TransferID]; ok {
+		if err := sameItem(it, tb.mmHash, tb.nbytes); err != nil {
+			return fail(err)
+		}
+		// A producer that lost the reply retries: a finished follower or
+		// cached answer is repeated without a second event.
+		if tb.state == Ready && tb.kind != KindWrite {
+			return Grant{Kind: tb.kind, NBytes: tb.nbytes}
+		}
+		return fail(fmt.Errorf("reserve transfer %s (%s): %w: finished %s%s",
+			it.TransferID, it.MMHash, ErrGone, tb.state, because(tb.reason)))
+	}
+
+	if r := t.byHash[it.MMHash]; r != nil {
+		if r.nbytes != it.NBytes {
+			return fail(fmt.Errorf("reserve transfer %s: mm_hash %s holds %d bytes, asked %d: %w",
+				it.TransferID, it.MMHash, r.nbytes, it.NBytes, ErrSizeMismatch))
+		}
+		r.joined++
+		tr := &transfer{id: it.TransferID, mmHash: it.MMHash, nbytes: it.NBytes, region: r}
+		if r.state == Writing {
+			tr.kind = KindFollow
+			r.followers = append(r.followers, tr)
+			t.transfers[tr.id] = tr
+			return grantFor(tr)
+		}
+		// Ready: answered at once. Refreshing the lease and the LRU gives
+		// the new request time to load before the copy may go.
+		tr.kind = KindCached
+		if !r.acquired {
+			r.deadline = now.Add(t.cfg.Lease)
+		}
+		if r.lru != nil {
+			t.residents.MoveToFront(r.lru)
+		}
+		t.settle(tr, Ready, "")
+		return grantFor(tr)
+	}
+
+	tok, err := t.tokens.NewToken()
+	if err != nil {
+		return fail(fmt.Errorf("reserve transfer %s (%s): %w", it.TransferID, it.MMHash, err))
+	}
+	off, err := t.alloc(it)
+	if err != nil {
+		return fail(err)
+	}
+	alloc, _ := t.slab.Len(off)
+	res := t.resIDs.Next()
+	t.lastRes = res
+	r := &region{
+		res: res, token: tok, mmHash: it.MMHash,
+		off: off, nbytes: it.NBytes, alloc: alloc,
+		state:    Writing,
+		deadline: now.Add(t.cfg.Lease),
+	}
+	tr := &transfer{id: it.TransferID, mmHash: it.MMHash, kind: KindWrite, nbytes: it.NBytes, region: r}
+	r.writer = tr
+	t.regions[res] = r
+	t.byHash[it.MMHash] = r
+	t.transfers[tr.id] = tr
+	return grantFor(tr)
+}
+
+func sameItem(it Item, mmHash string, nbytes uint64) error {
+	if mmHash != it.MMHash {
+		return fmt.Errorf("reserve transfer %s: known for mm_hash %s, asked for %s: %w",
+			it.TransferID, mmHash, it.MMHash, ErrCollision)
+	}
+	if nbytes != it.NBytes {
+		return fmt.Errorf("reserve transfer %s (%s): known with %d bytes, asked %d: %w",
+			it.TransferID, it.MMHash, nbytes, it.NBytes, ErrSizeMismatch)
+	}
+	return nil
+}
+
+func grantFor(tr *transfer) Grant {
+	g := Grant{Kind: tr.kind, NBytes: tr.nbytes}
+	if tr.kind == KindWrite {
+		g.Res, g.Token = tr.region.res, tr.region.token
+	}
+	return g
+}
+
+// alloc carves room for it, evicting resident copies, least recently used
+// first, while that can still help.
+func (t *Table) alloc(it Item) (uint64, error) {
+	for {
+		off, err := t.slab.Alloc(it.NBytes)
+		if err == nil {
+			return off, nil
+		}
+		if !errors.Is(err, slab.ErrFull) {
+			return 0, fmt.Errorf("reserve transfer %s (%s): %w", it.TransferID, it.MMHash, err)
+		}
+		// Evicting is pointless when even all free and resident bytes
+		// together could not hold the region.
+		reclaimable := t.slab.Size() - t.slab.InUse() + t.residentBytes
+		if t.residents.Len() == 0 || it.NBytes > reclaimable {
+			return 0, fmt.Errorf("reserve transfer %s (%s): %w (%d bytes asked, %d of %d bytes in use, largest free extent %d bytes)",
+				it.TransferID, it.MMHash, ErrPoolFull, it.NBytes, t.slab.InUse(), t.slab.Size(), t.slab.LargestFree())
+		}
+		t.evict(t.residents.Back().Value.(*region))
+	}
+}
+
+func (t *Table) evict(r *region) {
+	t.evictions++
+	t.doom(r, Expired, ReasonEvicted)
+}
+
+// lookup finds a live region for a data-plane or writer message; op names
+// the message in the error.
+func (t *Table) lookup(op string, res ids.ResID) (*region, error) {
+	if r, ok := t.regions[res]; ok {
+		return r, nil
+	}
+	if tb, ok := t.tomb.regions[res]; ok {
+		return nil, fmt.Errorf("%s region %d (%s): %w: %s%s", op, res, tb.mmHash, ErrGone, tb.state, because(tb.reason))
+	}
+	// Ids come from a counter and are never reused, so an id at or below
+	// the last one issued is over even once its tombstone is forgotten.
+	if res != 0 && res <= t.lastRes {
+		return nil, fmt.Errorf("%s region %d: %w", op, res, ErrGone)
+	}
+	return nil, fmt.Errorf("%s region %d: %w", op, res, ErrUnknown)
+}
+
+// BeginWrite admits one data-plane write of n bytes at off inside region
+// res and returns where it lands in the slab. Every accepted BeginWrite
+// must be followed by exactly one EndWrite.
+func (t *Table) BeginWrite(res ids.ResID, tok ids.Token, off, n uint64, now time.Time) (slabOff uint64, err error) {
+	r, err := t.lookup("write", res)
+	if err != nil {
+		if errors.Is(err, ErrGone) {
+			t.rejected.Gone++
+		} else {
+			t.rejected.Unknown++
+		}
+		return 0, err
+	}
+	if !tok.Equal(r.token) {
+		t.rejected.BadToken++
+		return 0, fmt.Errorf("write region %d: %w", res, ErrBadToken)
+	}
+	if r.state != Writing {
+		t.rejected.NotWritable++
+		return 0, fmt.Errorf("write region %d (%s): %w: %s", res, r.mmHash, ErrNotWritable, r.state)
+	}
+	if n == 0 || off > r.nbytes || n > r.nbytes-off {
+		t.rejected.OutOfBounds++
+		return 0, fmt.Errorf("write region %d (%s): [%d,+%d) outside %d bytes: %w", res, r.mmHash, off, n, r.nbytes, ErrOutOfBounds)
+	}
+	r.inflight++
+	if off == 0 && n == r.nbytes {
+		r.torn = false
+	}
+	return r.off + off, nil
+}
+
+// EndWrite ends a write admitted by BeginWrite; ok=false tears the region.
+// The last write to end on a doomed region returns its memory.
+func (t *Table) EndWrite(res ids.ResID, ok bool, now time.Time) {
+	r, found := t.regions[res]
+	if !found || r.inflight == 0 {
+		t.unmatchedEnds++
+		return
+	}
+	r.inflight--
+	if !ok {
+		r.torn = true
+	}
+	if r.inflight > 0 || !r.state.pending() {
+		return
+	}
+	final := Expired
+	if r.state == CancelPending || r.abandoned {
+		final = Cancelled
+	}
+	if t.check(r.transition(final)) {
+		t.release(r)
+	}
+}
+
+// Complete marks the region written: Ready events go to the writer's
+// transfer and to every follower. A repeated Complete on a Ready region is
+// a no-op; one on a doomed or finished region gets ErrGone.
+func (t *Table) Complete(res ids.ResID, tok ids.Token, now time.Time) error {
+	r, err := t.lookup("complete", res)
+	if err != nil {
+		return err
+	}
+	if !tok.Equal(r.token) {
+		return fmt.Errorf("complete region %d: %w", res, ErrBadToken)
+	}
+	switch {
+	case r.state == Ready:
+		return nil
+	case r.state != Writing:
+		return fmt.Errorf("complete region %d (%s): %w: %s", res, r.mmHash, ErrGone, r.state)
+	case r.inflight > 0:
+		return fmt.Errorf("complete region %d (%s): %w (%d)", res, r.mmHash, ErrWritesInFlight, r.inflight)
+	case r.torn:
+		return fmt.Errorf("complete region %d (%s): %w: rewrite it whole or abandon", res, r.mmHash, ErrTorn)
+	}
+	if err := r.transition(Ready); err != nil {
+		return t.fault(err)
+	}
+	r.deadline = now.Add(t.cfg.Lease)
+	if w := r.writer; w != nil {
+		t.emit(w, true, "")
+		w.done = true
+	}
+	for len(r.followers) > 0 {
+		t.settle(r.followers[0], Ready, "")
+	}
+	return nil
+}
+
+// Abandon is the writer giving up. Followers fail at once; the memory
+// returns when no write is in flight any more.
+func (t *Table) Abandon(res ids.ResID, tok ids.Token, reason string, now time.Time) error {
+	r, err := t.lookup("abandon", res)
+	if err != nil {
+		return err
+	}
+	if !tok.Equal(r.token) {
+		return fmt.Errorf("abandon region %d: %w", res, ErrBadToken)
+	}
+	switch r.state {
+	case Writing:
+		why := ReasonAbandoned
+		if reason != "" {
+			why += ": " + reason
+		}
+		t.doom(r, Cancelled, why)
+	case ExpirePending:
+		r.abandoned = true
+	case Ready:
+		return fmt.Errorf("abandon region %d (%s): %w: already complete", res, r.mmHash, ErrNotWritable)
+	}
+	return nil
+}
+
+// Cancel says one transfer is no longer wanted. A follower detaches. A
+// Writing region ends when its last transfer is cancelled, the writer's
+// included; while others follow it, it stays and the writer may still
+// finish it. A Ready region is cancelled with its writer's transfer only
+// if it was never shared, pinned or loaded; otherwise the transfer just
+// detaches and the copy stays for whoever else may load it.
+func (t *Table) Cancel(transferID string, now time.Time) error {
+	tr, ok := t.transfers[transferID]
+	if !ok {
+		if _, gone := t.tomb.transfers[transferID]; gone {
+			return nil
+		}
+		return fmt.Errorf("cancel transfer %s: %w", transferID, ErrUnknown)
+	}
+	r := tr.region
+	switch r.state {
+	case Writing:
+		t.settle(tr, Cancelled, ReasonCancelled)
+		if r.writer == nil && len(r.followers) == 0 {
+			t.doom(r, Cancelled, ReasonCancelled)
+		}
+	case Ready:
+		if r.pins == 0 && !r.acquired && r.joined == 0 {
+			t.doom(r, Cancelled, ReasonCancelled)
+		} else {
+			t.settle(tr, Ready, "")
+		}
+	default:
+		return t.fault(fmt.Errorf("cancel transfer %s: live on a %s region", transferID, r.state))
+	}
+	return nil
+}
+
+// Tick ends the leases that have run out by now.
+func (t *Table) Tick(now time.Time) {
+	var due []*region
+	for _, r := range t.regions {
+		if !r.deadline.IsZero() && !now.Before(r.deadline) {
+			due = append(due, r)
+		}
+	}
+	// Map order is random; sorting keeps the event order reproducible.
+	slices.SortFunc(due, func(a, b *region) int { return cmp.Compare(a.res, b.res) })
+	for _, r := range due {
+		t.doom(r, Expired, ReasonExpired)
+	}
+}
+
+// NextDeadline is the earliest time at which Tick would change something.
+func (t *Table) NextDeadline() (time.Time, bool) {
+	var next time.Time
+	for _, r := range t.regions {
+		if !r.deadline.IsZero() && (next.IsZero() || r.deadline.Before(next)) {
+			next = r.deadline
+		}
+	}
+	return next, !next.IsZero()
+}
+
+// Acquire pins the Ready region of mmHash for loading. A pinned region
+// never expires and is never evicted.
+func (t *Table) Acquire(mmHash string, now time.Time) (slabOff, nbytes uint64, err error) {
+	r := t.byHash[mmHash]
+	if r == nil {
+		return 0, 0, fmt.Errorf("acquire mm_hash %s: %w", mmHash, ErrUnknown)
+	}
+	if r.state != Ready {
+		return 0, 0, fmt.Errorf("acquire mm_hash %s: %w: %s", mmHash, ErrNotReady, r.state)
+	}
+	if r.lru != nil {
+		t.residents.Remove(r.lru)
+		r.lru = nil
+		t.residentBytes -= r.alloc
+	}
+	r.pins++
+	r.acquired = true
+	r.deadline = time.Time{}
+	return r.off, r.nbytes, nil
+}
+
+// Release unpins; at zero pins the region becomes a resident copy.
+func (t *Table) Release(mmHash string, now time.Time) error {
+	r := t.byHash[mmHash]
+	if r == nil || r.pins == 0 {
+		return fmt.Errorf("release mm_hash %s: %w", mmHash, ErrNotPinned)
+	}
+	r.pins--
+	if r.pins > 0 {
+		return nil
+	}
+	r.lru = t.residents.PushFront(r)
+	t.residentBytes += r.alloc
+	for t.cfg.MaxResidentBytes > 0 && t.residentBytes > t.cfg.MaxResidentBytes {
+		t.evict(t.residents.Back().Value.(*region))
+	}
+	return nil
+}
+
+// Lookup finds the Ready region of mmHash without pinning it.
+func (t *Table) Lookup(mmHash string) (slabOff, nbytes uint64, ok bool) {
+	r := t.byHash[mmHash]
+	if r == nil || r.state != Ready {
+		return 0, 0, false
+	}
+	return r.off, r.nbytes, true
+}
+
+// EvictResidents drops every resident copy (on shutdown, or when the owner
+// needs the memory back) and returns how many it dropped.
+func (t *Table) EvictResidents() int {
+	n := 0
+	for t.residents.Len() > 0 {
+		t.evict(t.residents.Back().Value.(*region))
+		n++
+	}
+	return n
+}
+
+// DrainEvents returns the events produced since the last drain, in order.
+func (t *Table) DrainEvents() []Event {
+	ev := t.events
+	t.events = nil
+	return ev
+}
+
+// Status describes a live or recently finished transfer, so that a
+// scheduler that missed an event can catch up.
+func (t *Table) Status(transferID string) (StatusInfo, bool) {
+	if tr, ok := t.transfers[transferID]; ok {
+		return StatusInfo{MMHash: tr.mmHash, State: tr.region.state, Kind: tr.kind, NBytes: tr.nbytes, Done: tr.done}, true
+	}
+	if tb, ok := t.tomb.transfers[transferID]; ok {
+		return StatusInfo{MMHash: tb.mmHash, State: tb.state, Kind: tb.kind, NBytes: tb.nbytes, Done: true, Reason: tb.reason}, true
+	}
+	return StatusInfo{}, false
+}
+
+// Stats is a snapshot of the counters and gauges.
+func (t *Table) Stats() Stats {
+	s := Stats{
+		SlabSize:       t.slab.Size(),
+		BytesInUse:     t.slab.InUse(),
+		Regions:        map[State]int{Writing: 0, Ready: 0, CancelPending: 0, ExpirePending: 0},
+		Cancelled:      t.cancelled,
+		Expired:        t.expired,
+		Residents:      t.residents.Len(),
+		ResidentBytes:  t.residentBytes,
+		Transfers:      len(t.transfers),
+		Tombstones:     t.tomb.len(),
+		Evictions:      t.evictions,
+		RejectedWrites: t.rejected,
+		UnmatchedEnds:  t.unmatchedEnds,
+	}
+	for _, r := range t.regions {
+		s.Regions[r.state]++
+		s.WritesInFlight += r.inflight
+		if r.state.pending() {
+			s.Pending++
+		}
+		if r.pins > 0 {
+			s.Pinned++
+		}
+	}
+	return s
+}
+
+// doom ends a Writing or Ready region with outcome to (Cancelled or
+// Expired). Its live transfers are settled now; its memory returns now, or
+// when the last write in flight ends.
+func (t *Table) doom(r *region, to State, reason string) {
+	target := to
+	if r.inflight > 0 {
+		target = ExpirePending
+		if to == Cancelled {
+			target = CancelPending
+		}
+	}
+	if !t.check(r.transition(target)) {
+		return
+	}
+	r.reason = reason
+	r.deadline = time.Time{}
+	if r.writer != nil {
+		t.settle(r.writer, to, reason)
+	}
+	for len(r.followers) > 0 {
+		t.settle(r.followers[0], to, reason)
+	}
+	if t.byHash[r.mmHash] == r {
+		delete(t.byHash, r.mmHash)
+	}
+	if r.lru != nil {
+		t.residents.Remove(r.lru)
+		r.lru = nil
+		t.residentBytes -= r.alloc
+	}
+	if target == to {
+		t.release(r)
+	}
+}
+
+// release returns a final region's memory and remembers it as a tombstone.
+func (t *Table) release(r *region) {
+	if err := t.slab.Free(r.off); err != nil {
+		t.fault(fmt.Errorf("release region %d (%s): %w", r.res, r.mmHash, err))
+	}
+	delete(t.regions, r.res)
+	if r.state == Cancelled {
+		t.cancelled++
+	} else {
+		t.expired++
+	}
+	t.tomb.addRegion(r.res, regionTomb{mmHash: r.mmHash, state: r.state, reason: r.reason})
+}
+
+// settle gives tr its terminal event, unless it had it, and moves it from
+// the live transfers to the tombstones.
+func (t *Table) settle(tr *transfer, outcome State, reason string) {
+	if !tr.done {
+		t.emit(tr, outcome == Ready, reason)
+		tr.done = true
+	}
+	if r := tr.region; r != nil {
+		if r.writer == tr {
+			r.writer = nil
+		} else if i := slices.Index(r.followers, tr); i >= 0 {
+			r.followers = slices.Delete(r.followers, i, i+1)
+		}
+	}
+	delete(t.transfers, tr.id)
+	t.tomb.addTransfer(tr.id, transferTomb{mmHash: tr.mmHash, kind: tr.kind, nbytes: tr.nbytes, state: outcome, reason: reason})
+}
+
+func (t *Table) emit(tr *transfer, ready bool, reason string) {
+	t.events = append(t.events, Event{TransferID: tr.id, MMHash: tr.mmHash, Ready: ready, NBytes: tr.nbytes, Reason: reason})
+}
+
+// fault records an internal inconsistency for CheckInvariants and returns it.
+func (t *Table) fault(err error) error {
+	if t.broken == nil {
+		t.broken = err
+	}
+	return err
+}
+
+// check records err, if any, and reports whether there was none.
+func (t *Table) check(err error) bool {
+	if err != nil {
+		t.fault(err)
+		return false
+	}
+	return true
+}
+
+func because(reason string) string {
+	if reason == "" {
+		return ""
+	}
+	return " (" + reason + ")"
+}

@@ -1,0 +1,107 @@
+// Package sched is the consumer scheduler's transfer table: it decides,
+// inside vLLM's engine-core process of a consumer instance, whether an
+// encoder output pushed by a producer can be loaded instead of computed.
+//
+// It owns one record per transfer and nothing else: no sockets, no
+// goroutines, no locks, no clock. Every method takes the time as an
+// argument, does O(items it touches) work and never blocks, because vLLM's
+// scheduler hooks that call it must not. Its owner (the connector's
+// scheduler object) serialises calls and performs the effects it returns.
+//
+// # Identity
+//
+// A transfer_id names one push; an mm_hash names content. Records are keyed
+// by transfer_id and indexed by mm_hash. Several requests that name the same
+// transfer_id with the same mm_hash share one record. A transfer_id that
+// arrives naming a different mm_hash than the one already known (live or
+// tombstoned) is a collision: that request alone is refused with
+// ErrCollision, the record and its requests are left as they were.
+//
+// Questions about content (Has, Ensure, StartLoad) are answered by any
+// transfer of that mm_hash, because vLLM's encoder cache is keyed by
+// content: two requests with the same image and two transfer_ids are both
+// served by whichever push is loaded.
+//
+// # Lifecycle
+//
+//	Expect ─▶ WaitingEvent ─every shard ready─▶ Available ─StartLoad─▶ Loading ─Loaded ok─▶ Ready ─Freed─▶ Resident
+//	                                                                    ▲                                     │
+//	                                                                    └──────────────StartLoad──────────────┘
+//
+//	WaitingEvent: shard failure or EventWait ─▶ Unavailable; Finish ─▶ Cancelled
+//	Available:    AvailableTTL or shard failure ─▶ Expired;  Finish ─▶ Cancelled
+//	Loading:      Loaded failed ─▶ Failed; LoadWait or shard failure ─▶ Unavailable
+//	Ready:        shard failure ─▶ Expired
+//	Resident:     ResidentTTL or shard failure ─▶ Expired
+//
+// The edges are exactly those documented on the State constants; transition
+// is the only function that allows a move, and every state change goes
+// through it. Loading ─▶ Cancelled is a legal edge that no method takes on
+// its own: Finish leaves loads alone, since the worker may already hold a
+// view of the bytes. Terminal records become tombstones (at most
+// MaxTombstones, oldest dropped first), so Status answers for them and late
+// events for them are ignored rather than mistaken for a new push.
+//
+// A failure event from a shard ends a record wherever it stands: before
+// loading it becomes Unavailable; once the bytes were available it becomes
+// Expired, which is how a shard's slab evicting a resident copy reaches the
+// table when ResidentTTL is zero.
+//
+// # Requests and failures
+//
+// A request waits for each of its items until the content is loaded into
+// vLLM's encoder cache (a transfer of that mm_hash reaches Ready); from then
+// on it is served and what becomes of the transfer (resident, evicted,
+// expired) no longer fails it. While it waits, a transfer that ends fails
+// the item for that request: the failure shows in Ensure and Failures, and
+// Tick returns it once. Failures are retryable, except for an item whose
+// transfer_id had already ended when the request was registered: the push
+// it names is over, and only a new transfer_id can help. A request the
+// table does not know expects nothing: Ensure answers ready.
+//
+// # Events before requests
+//
+// A producer can finish a push before the proxy's rewritten request reaches
+// this engine. Events for an unknown transfer_id are kept as early events
+// (at most MaxEarlyEvents transfers, each for EventWait) and applied when
+// Expect registers the transfer. Events that name a shard out of range, or
+// content or a size other than the record's, are ignored and counted.
+//
+// # Deadlines
+//
+// Every waiting state has one: WaitingEvent (EventWait, the push wait),
+// Available (AvailableTTL, the reservation lease), Loading (LoadWait),
+// Resident (ResidentTTL when set). Deadlines are inclusive: a deadline at T
+// fires for any call with now >= T. Every method that takes now applies the
+// deadlines due first, so no answer rests on a deadline already passed; Has
+// takes no time and reflects the last call that did.
+//
+// # Usage
+//
+//	t := sched.New(sched.Config{Shards: tp})
+//	// request arrives with ec_transfer_params:
+//	if err := t.Expect(reqID, items, now); errors.Is(err, sched.ErrCollision) { reject reqID }
+//	// background goroutine, per readiness event from a shard:
+//	t.OnEvent(ev, now)
+//	// scheduler hooks:
+//	t.Has(mmHash)                         // has_cache_item
+//	ready, failed := t.Ensure(reqID, now) // ensure_cache_available; fail the request when failed != nil
+//	id, err := t.StartLoad(mmHash, now)   // update_state_after_alloc: put id in the step's metadata
+//	t.Loaded(id, ok, reason, now)         // update_connector_output
+//	t.Freed(mmHash, now)                  // scheduler_output.free_encoder_mm_hashes
+//	cancel := t.Finish(reqID, now)        // request_finished: cancel these on the shards
+//	// each step, or at NextDeadline:
+//	for _, f := range t.Tick(now) { fail f.RequestID with f.Reason }
+//
+// # Invariants
+//
+// CheckInvariants verifies them: every live record is in a non-terminal
+// state, listed once under its mm_hash and never also a tombstone; its
+// shard bitmap names only shards 0..Shards-1, is full in Available and
+// later states and not full in WaitingEvent; it holds a current deadline
+// exactly when its state has one; its attached requests exist and expect
+// it. Every item of a request is exactly one of: attached to a live record
+// of the same mm_hash, failed, or served; a Ready record has no request
+// attached. Tombstones and early
+// events stay within their bounds. No method ever attempted an illegal move.
+package sched

@@ -1,0 +1,218 @@
+package sched
+
+import (
+	"fmt"
+	"math/rand"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// TestRandomModel drives a Table with random calls from a fixed seed over a
+// small universe of requests, transfers and contents, so that collisions,
+// shared transfers, early and duplicate events and deadlines all happen
+// often. After every step it checks the table's own invariants and what a
+// caller can observe against a model of identity and terminal states.
+func TestRandomModel(t *testing.T) {
+	for seed := int64(1); seed <= 8; seed++ {
+		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
+			visited, stats := runModel(t, rand.New(rand.NewSource(seed)), 3000)
+			for st := State(0); st < numStates; st++ {
+				require.True(t, visited[st], "the run should visit %s", st)
+			}
+			require.NotZero(t, stats.Collisions, "the run should exercise collisions")
+			require.NotZero(t, stats.IgnoredEvents, "the run should exercise ignored events")
+			require.NotZero(t, stats.EarlyDropped, "the run should exercise early events")
+		})
+	}
+}
+
+// FuzzModel runs the same model with the fuzzer's bytes choosing every
+// call, so that coverage guidance can steer towards rare interleavings.
+func FuzzModel(f *testing.F) {
+	f.Add([]byte("ecmooncake sched model seed"))
+	f.Add(make([]byte, 64))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		runModel(t, rand.New(&byteSource{b: data}), min(len(data)/2, 400))
+	})
+}
+
+// byteSource feeds math/rand from fuzz input; exhausted, it yields zeros.
+type byteSource struct {
+	b []byte
+	i int
+}
+
+func (s *byteSource) Int63() int64 {
+	var v uint64
+	for k := 0; k < 8; k++ {
+		v <<= 8
+		if s.i < len(s.b) {
+			v |= uint64(s.b[s.i])
+			s.i++
+		}
+	}
+	return int64(v >> 1)
+}
+
+func (s *byteSource) Seed(int64) {}
+
+// runModel returns the states it saw and the final stats, so that a seeded
+// run can show what it covered.
+func runModel(t *testing.T, rng *rand.Rand, steps int) (map[State]bool, Stats) {
+	cfg := Config{
+		Shards:         2,
+		EventWait:      10 * time.Second,
+		LoadWait:       5 * time.Second,
+		AvailableTTL:   20 * time.Second,
+		ResidentTTL:    time.Duration(rng.Intn(2)) * 30 * time.Second,
+		MaxTombstones:  1 << 20, // large: the model remembers every identity
+		MaxEarlyEvents: 4,
+	}
+	tb := New(cfg)
+	now := base
+
+	pick := func(prefix string, n int) string { return fmt.Sprintf("%s%d", prefix, rng.Intn(n)) }
+	// Transfer ids come from a window that slides with the steps, so that
+	// new transfers keep arriving while recent ones are shared or collide.
+	var window int
+	pickTransfer := func() string { return fmt.Sprint("t", window+rng.Intn(10)) }
+	// Mostly each transfer carries its own content; sometimes a caller gets
+	// it wrong, which must collide.
+	hashOf := func(tid string) string {
+		if rng.Intn(12) == 0 {
+			return pick("h", 4)
+		}
+		var n int
+		fmt.Sscanf(tid, "t%d", &n)
+		return fmt.Sprint("h", n%4)
+	}
+	visited := map[State]bool{}
+	var loads []string           // transfers StartLoad handed out, as a worker would hold them
+	known := map[string]string{} // transfer_id → mm_hash, first registered
+	ended := map[string]State{}  // terminal state once observed
+
+	observe := func(where string) {
+		for tid := range known {
+			st, ok := tb.Status(tid)
+			require.True(t, ok, "%s: %s forgotten", where, tid)
+			visited[st] = true
+			if prev, done := ended[tid]; done {
+				require.Equal(t, prev, st, "%s: %s left terminal state", where, tid)
+			} else if st.Terminal() {
+				ended[tid] = st
+			}
+		}
+		for h := 0; h < 4; h++ {
+			hash := fmt.Sprint("h", h)
+			want := false
+			for tid, kh := range known {
+				if st, _ := tb.Status(tid); kh == hash && st.usable() {
+					want = true
+				}
+			}
+			require.Equal(t, want, tb.Has(hash), "%s: Has(%s)", where, hash)
+		}
+	}
+
+	for step := 0; step < steps; step++ {
+		window = step / 30
+		now = now.Add(time.Duration(rng.Intn(600)) * time.Millisecond)
+		var where string
+		switch op := rng.Intn(100); {
+		case op < 20:
+			rid := pick("r", 6)
+			n := 1 + rng.Intn(3)
+			items := make([]Expected, n)
+			collide := false
+			seen := map[string]string{}
+			for i := range items {
+				tid := pickTransfer()
+				items[i] = Expected{tid, hashOf(tid)}
+				if h, ok := seen[tid]; ok && h != items[i].MMHash {
+					collide = true
+				}
+				if h, ok := known[tid]; ok && h != items[i].MMHash {
+					collide = true
+				}
+				seen[tid] = items[i].MMHash
+			}
+			where = fmt.Sprintf("step %d: expect %s %v", step, rid, items)
+			err := tb.Expect(rid, items, now)
+			if collide {
+				require.ErrorIs(t, err, ErrCollision, where)
+			} else {
+				require.NoError(t, err, where)
+				for _, it := range items {
+					if _, ok := known[it.TransferID]; !ok {
+						known[it.TransferID] = it.MMHash
+					}
+				}
+			}
+		case op < 55:
+			tid := pickTransfer()
+			ev := Event{Shard: rng.Intn(2), TransferID: tid, MMHash: hashOf(tid), Ready: rng.Intn(40) != 0, Reason: "x"}
+			if rng.Intn(20) == 0 {
+				ev.Shard = []int{-1, 2}[rng.Intn(2)]
+			}
+			where = fmt.Sprintf("step %d: event %+v", step, ev)
+			tb.OnEvent(ev, now)
+		case op < 62:
+			rid := pick("r", 6)
+			where = fmt.Sprintf("step %d: ensure %s", step, rid)
+			ready, failed := tb.Ensure(rid, now)
+			require.False(t, ready && len(failed) > 0, where)
+			for _, f := range failed {
+				require.Equal(t, rid, f.RequestID, where)
+				require.False(t, tb.Has(f.MMHash), where)
+			}
+		case op < 72:
+			h := pick("h", 4)
+			where = fmt.Sprintf("step %d: start load %s", step, h)
+			had := tb.Has(h)
+			tid, err := tb.StartLoad(h, now)
+			if err == nil {
+				loads = append(loads, tid)
+				st, _ := tb.Status(tid)
+				require.Contains(t, []State{Loading, Ready}, st, where)
+				require.Equal(t, h, known[tid], where)
+			} else {
+				require.ErrorIs(t, err, ErrNotAvailable, where)
+				require.False(t, had && tb.Has(h), where)
+			}
+		case op < 80:
+			tid := pickTransfer()
+			if len(loads) > 0 && rng.Intn(5) != 0 {
+				i := rng.Intn(len(loads))
+				tid = loads[i]
+				loads = append(loads[:i], loads[i+1:]...)
+			}
+			where = fmt.Sprintf("step %d: loaded %s", step, tid)
+			tb.Loaded(tid, rng.Intn(6) != 0, "boom", now)
+		case op < 86:
+			h := pick("h", 4)
+			where = fmt.Sprintf("step %d: freed %s", step, h)
+			tb.Freed(h, now)
+		case op < 93:
+			rid := pick("r", 6)
+			where = fmt.Sprintf("step %d: finish %s", step, rid)
+			for _, tid := range tb.Finish(rid, now) {
+				st, _ := tb.Status(tid)
+				require.Equal(t, Cancelled, st, where)
+			}
+		default:
+			where = fmt.Sprintf("step %d: tick", step)
+			for _, f := range tb.Tick(now) {
+				require.NotEmpty(t, f.Reason, where)
+				require.Equal(t, known[f.TransferID], f.MMHash, where)
+			}
+			if at, ok := tb.NextDeadline(); ok {
+				require.True(t, at.After(now), "%s: next deadline %v not after a tick at %v", where, at, now)
+			}
+		}
+		require.NoError(t, tb.CheckInvariants(), where)
+		observe(where)
+	}
+	return visited, tb.Stats()
+}

@@ -1,0 +1,828 @@
+package sched
+
+import (
+	"container/heap"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+)
+
+// Sentinel errors; callers branch on them with errors.Is.
+var (
+	// ErrCollision: a transfer_id already names different content.
+	ErrCollision = errors.New("transfer_id collision")
+	// ErrInvalid: an argument is missing or malformed.
+	ErrInvalid = errors.New("invalid argument")
+	// ErrNotAvailable: no transfer of the content can be loaded now.
+	ErrNotAvailable = errors.New("not available")
+	// ErrIllegalTransition: a move the state machine does not allow.
+	ErrIllegalTransition = errors.New("illegal transition")
+	// ErrInvariant: CheckInvariants found inconsistent state.
+	ErrInvariant = errors.New("invariant violated")
+)
+
+// Defaults for the zero fields of Config.
+const (
+	DefaultShards         = 1
+	DefaultEventWait      = 60 * time.Second // push_wait_timeout_s
+	DefaultLoadWait       = 30 * time.Second
+	DefaultAvailableTTL   = 300 * time.Second // the consumer's reservation lease
+	DefaultMaxTombstones  = 65536
+	DefaultMaxEarlyEvents = 65536
+)
+
+// Config sizes and times a Table. Zero (or negative) fields take the
+// defaults; a zero ResidentTTL means resident copies never expire by time
+// and end only when a shard reports them evicted.
+type Config struct {
+	Shards         int
+	EventWait      time.Duration
+	LoadWait       time.Duration
+	AvailableTTL   time.Duration
+	ResidentTTL    time.Duration
+	MaxTombstones  int
+	MaxEarlyEvents int
+}
+
+func (c Config) withDefaults() Config {
+	if c.Shards <= 0 {
+		c.Shards = DefaultShards
+	}
+	if c.EventWait <= 0 {
+		c.EventWait = DefaultEventWait
+	}
+	if c.LoadWait <= 0 {
+		c.LoadWait = DefaultLoadWait
+	}
+	if c.AvailableTTL <= 0 {
+		c.AvailableTTL = DefaultAvailableTTL
+	}
+	if c.ResidentTTL < 0 {
+		c.ResidentTTL = 0
+	}
+	if c.MaxTombstones <= 0 {
+		c.MaxTombstones = DefaultMaxTombstones
+	}
+	if c.MaxEarlyEvents <= 0 {
+		c.MaxEarlyEvents = DefaultMaxEarlyEvents
+	}
+	return c
+}
+
+// Expected is one item a request will load: the push that carries it and
+// the content it must hold.
+type Expected struct {
+	TransferID string
+	MMHash     string
+}
+
+// Event is one shard's word on one transfer: its bytes are ready in the
+// shard's slab (Ready), or the shard gave up on it (Reason says why).
+type Event struct {
+	Shard      int
+	TransferID string
+	MMHash     string
+	Ready      bool
+	NBytes     uint64
+	Reason     string
+}
+
+// Failure tells a request that one of its items will not come. Retryable is
+// false only when retrying with the same transfer_id cannot help: the push
+// it names ended before the request was registered.
+type Failure struct {
+	RequestID  string
+	TransferID string
+	MMHash     string
+	Reason     string
+	Retryable  bool
+}
+
+// Stats is a snapshot for metrics.
+type Stats struct {
+	Records        map[State]int    // live records by state
+	Ended          map[State]uint64 // records that reached each terminal state, since New
+	Requests       int
+	EarlyEvents    int    // transfers with events held until their Expect
+	EarlyDropped   uint64 // early entries dropped: expired or crowded out
+	IgnoredEvents  uint64 // events for a shard out of range, other content, another size or an ended transfer
+	IgnoredReports uint64 // Loaded reports for transfers that were not loading
+	Collisions     uint64
+	Tombstones     int
+}
+
+// Table is the consumer scheduler's transfer table. It is not safe for
+// concurrent use: its owner serialises calls.
+type Table struct {
+	cfg Config
+
+	records  map[string]*record   // live transfers by transfer_id
+	byHash   map[string][]*record // live transfers by mm_hash, oldest first
+	requests map[string]*request
+
+	early  map[string]*early
+	earlyQ []queued // arrival order of early; may hold stale entries
+
+	tombs map[string]tombstone
+	tombQ []string // eviction order of tombs
+
+	deadlines deadlineHeap
+	seq       uint64
+
+	// pending holds failures not yet returned by Tick, in the order they
+	// arose, so that failures from events reach the caller as well.
+	pending []pendingFailure
+
+	ended          [numStates]uint64
+	earlyDropped   uint64
+	ignoredEvents  uint64
+	ignoredReports uint64
+	collisions     uint64
+	illegalMoves   uint64
+}
+
+type record struct {
+	id, hash string
+	state    State
+	shards   shardSet
+	nbytes   uint64
+	requests []string // attached requests, in arrival order
+	deadline time.Time
+	seq      uint64 // seq of the current deadline entry; 0 when none
+}
+
+// request tracks what one request still waits for. Each of its items is in
+// exactly one of three places: attached to a live record (still waiting),
+// in failed (will not come), or in served (loaded for it; what happens to
+// the transfer afterwards no longer concerns the request).
+type request struct {
+	id     string
+	items  []Expected
+	index  map[string]struct{}
+	failed map[string]Failure // by transfer_id
+	served map[string]struct{}
+}
+
+type early struct {
+	hash    string
+	shards  shardSet
+	nbytes  uint64
+	reason  string // the first failure a shard reported
+	events  int
+	expires time.Time
+	seq     uint64
+}
+
+type queued struct {
+	id  string
+	seq uint64
+}
+
+type tombstone struct {
+	hash   string
+	state  State
+	reason string
+}
+
+type pendingFailure struct {
+	requestID, transferID string
+	at                    time.Time
+}
+
+// New returns an empty table.
+func New(cfg Config) *Table {
+	return &Table{
+		cfg:      cfg.withDefaults(),
+		records:  make(map[string]*record),
+		byHash:   make(map[string][]*record),
+		requests: make(map[string]*request),
+		early:    make(map[string]*early),
+		tombs:    make(map[string]tombstone),
+	}
+}
+
+// Expect registers the items of a request. All or nothing: when one item's
+// transfer_id is already known with another mm_hash the whole request is
+// refused with ErrCollision and nothing else changes, so the request that
+// registered the id first keeps its record. Repeating a call, or adding
+// items to a known request, is harmless.
+func (t *Table) Expect(requestID string, items []Expected, now time.Time) error {
+	t.advance(now)
+	if requestID == "" {
+		return fmt.Errorf("expect: %w: empty request id", ErrInvalid)
+	}
+	seen := make(map[string]string, len(items))
+	for i, it := range items {
+		if it.TransferID == "" || it.MMHash == "" {
+			return fmt.Errorf("expect %s: item %d: %w: empty transfer_id or mm_hash", requestID, i, ErrInvalid)
+		}
+		known, ok := seen[it.TransferID]
+		if !ok {
+			known, ok = t.knownHash(it.TransferID)
+		}
+		if ok && known != it.MMHash {
+			t.collisions++
+			return fmt.Errorf("expect %s: transfer %s names mm_hash %s, already known as %s: %w",
+				requestID, it.TransferID, it.MMHash, known, ErrCollision)
+		}
+		seen[it.TransferID] = it.MMHash
+	}
+	if len(items) == 0 {
+		return nil
+	}
+	req := t.requests[requestID]
+	if req == nil {
+		req = &request{id: requestID, index: make(map[string]struct{}), failed: make(map[string]Failure), served: make(map[string]struct{})}
+		t.requests[requestID] = req
+	}
+	for _, it := range items {
+		if _, ok := req.index[it.TransferID]; ok {
+			continue
+		}
+		req.items = append(req.items, it)
+		req.index[it.TransferID] = struct{}{}
+		if r := t.records[it.TransferID]; r != nil {
+			if r.state == Ready {
+				req.served[r.id] = struct{}{}
+			} else {
+				r.requests = append(r.requests, requestID)
+			}
+			continue
+		}
+		if ts, ok := t.tombs[it.TransferID]; ok {
+			req.failed[it.TransferID] = Failure{
+				RequestID: requestID, TransferID: it.TransferID, MMHash: it.MMHash,
+				Reason: fmt.Sprintf("transfer %s already ended (%s: %s)", it.TransferID, ts.state, ts.reason),
+			}
+			t.pending = append(t.pending, pendingFailure{requestID, it.TransferID, now})
+			continue
+		}
+		r := &record{id: it.TransferID, hash: it.MMHash, shards: newShardSet(t.cfg.Shards), requests: []string{requestID}}
+		t.records[r.id] = r
+		t.byHash[r.hash] = append(t.byHash[r.hash], r)
+		t.setDeadline(r, now.Add(t.cfg.EventWait))
+		t.applyEarly(r, now)
+	}
+	return nil
+}
+
+func (t *Table) knownHash(transferID string) (string, bool) {
+	if r := t.records[transferID]; r != nil {
+		return r.hash, true
+	}
+	if ts, ok := t.tombs[transferID]; ok {
+		return ts.hash, true
+	}
+	return "", false
+}
+
+// OnEvent applies one shard's event. Events are facts from other processes,
+// so nothing here fails: an event that does not fit is counted and dropped.
+func (t *Table) OnEvent(ev Event, now time.Time) {
+	t.advance(now)
+	if ev.Shard < 0 || ev.Shard >= t.cfg.Shards || ev.TransferID == "" || ev.MMHash == "" {
+		t.ignoredEvents++
+		return
+	}
+	if r := t.records[ev.TransferID]; r != nil {
+		t.applyEvent(r, ev, now)
+		return
+	}
+	if _, ok := t.tombs[ev.TransferID]; ok {
+		t.ignoredEvents++
+		return
+	}
+	t.keepEarly(ev, now)
+}
+
+func (t *Table) applyEvent(r *record, ev Event, now time.Time) {
+	if ev.MMHash != r.hash {
+		t.ignoredEvents++
+		return
+	}
+	if !ev.Ready {
+		t.fail(r, shardReason(ev), now)
+		return
+	}
+	if !sameSize(&r.nbytes, ev.NBytes) {
+		t.ignoredEvents++
+		return
+	}
+	r.shards.add(ev.Shard)
+	if r.state == WaitingEvent && r.shards.count() == t.cfg.Shards {
+		t.move(r, Available, now, "")
+	}
+}
+
+// sameSize records the first size a shard reports and checks later ones
+// against it: every shard holds the whole item.
+func sameSize(have *uint64, got uint64) bool {
+	switch {
+	case got == 0 || *have == got:
+		return true
+	case *have == 0:
+		*have = got
+		return true
+	}
+	return false
+}
+
+func shardReason(ev Event) string {
+	if ev.Reason == "" {
+		return fmt.Sprintf("shard %d reported failure", ev.Shard)
+	}
+	return fmt.Sprintf("shard %d: %s", ev.Shard, ev.Reason)
+}
+
+// fail ends a live record after a shard reported it gone; the target state
+// depends on how far the transfer got.
+func (t *Table) fail(r *record, reason string, now time.Time) {
+	switch r.state {
+	case WaitingEvent, Loading:
+		t.move(r, Unavailable, now, reason)
+	default:
+		t.move(r, Expired, now, reason)
+	}
+}
+
+// keepEarly holds an event for a transfer no request expects yet: the
+// producer can finish a push before the proxy's rewritten request reaches
+// this engine.
+func (t *Table) keepEarly(ev Event, now time.Time) {
+	e := t.early[ev.TransferID]
+	if e == nil {
+		for len(t.early) >= t.cfg.MaxEarlyEvents {
+			t.dropOldestEarly()
+		}
+		t.seq++
+		e = &early{hash: ev.MMHash, shards: newShardSet(t.cfg.Shards), expires: now.Add(t.cfg.EventWait), seq: t.seq}
+		t.early[ev.TransferID] = e
+		t.earlyQ = append(t.earlyQ, queued{ev.TransferID, e.seq})
+		t.compactEarlyQ()
+	}
+	if e.hash != ev.MMHash {
+		t.ignoredEvents++
+		return
+	}
+	if !ev.Ready {
+		if e.reason == "" {
+			e.reason = shardReason(ev)
+		}
+		e.events++
+		return
+	}
+	if !sameSize(&e.nbytes, ev.NBytes) {
+		t.ignoredEvents++
+		return
+	}
+	e.shards.add(ev.Shard)
+	e.events++
+}
+
+func (t *Table) dropOldestEarly() {
+	for len(t.earlyQ) > 0 {
+		q := t.earlyQ[0]
+		t.earlyQ = t.earlyQ[1:]
+		if e := t.early[q.id]; e != nil && e.seq == q.seq {
+			delete(t.early, q.id)
+			t.earlyDropped++
+			return
+		}
+	}
+}
+
+func (t *Table) compactEarlyQ() {
+	if len(t.earlyQ) <= 2*len(t.early)+64 {
+		return
+	}
+	kept := make([]queued, 0, len(t.early))
+	for _, q := range t.earlyQ {
+		if e := t.early[q.id]; e != nil && e.seq == q.seq {
+			kept = append(kept, q)
+		}
+	}
+	t.earlyQ = kept
+}
+
+func (t *Table) applyEarly(r *record, now time.Time) {
+	e := t.early[r.id]
+	if e == nil {
+		return
+	}
+	delete(t.early, r.id)
+	if e.hash != r.hash {
+		t.ignoredEvents += uint64(e.events)
+		return
+	}
+	r.nbytes = e.nbytes
+	r.shards = e.shards
+	switch {
+	case e.reason != "":
+		t.move(r, Unavailable, now, e.reason)
+	case r.shards.count() == t.cfg.Shards:
+		t.move(r, Available, now, "")
+	}
+}
+
+// Has reports whether the content is on every shard through some transfer:
+// vLLM's has_cache_item. It reads only; a deadline that passed since the
+// last call is applied by the next call that takes a time.
+func (t *Table) Has(mmHash string) bool {
+	return t.covered(mmHash)
+}
+
+func (t *Table) covered(mmHash string) bool {
+	for _, r := range t.byHash[mmHash] {
+		if r.state.usable() {
+			return true
+		}
+	}
+	return false
+}
+
+// Ensure reports whether every item of the request can be loaded now, and
+// which items will not come. An item counts as there when any transfer of
+// its content is, because vLLM's encoder cache is keyed by content. A
+// request the table does not know expects nothing and is ready.
+func (t *Table) Ensure(requestID string, now time.Time) (ready bool, failed []Failure) {
+	t.advance(now)
+	req := t.requests[requestID]
+	if req == nil {
+		return true, nil
+	}
+	failed = t.failuresOf(req)
+	ready = len(failed) == 0
+	for _, it := range req.items {
+		if !ready {
+			break
+		}
+		ready = t.covered(it.MMHash)
+	}
+	return ready, failed
+}
+
+// failuresOf lists the items that cannot come any more. An item served
+// earlier whose content is gone since counts: a preempted request that asks
+// again would otherwise wait for a push that already happened.
+func (t *Table) failuresOf(req *request) []Failure {
+	var out []Failure
+	for _, it := range req.items {
+		if t.covered(it.MMHash) {
+			continue
+		}
+		if f, ok := req.failed[it.TransferID]; ok {
+			out = append(out, f)
+			continue
+		}
+		if _, ok := req.served[it.TransferID]; ok {
+			reason := "loaded earlier, no longer on every shard"
+			if ts, ok := t.tombs[it.TransferID]; ok {
+				reason += fmt.Sprintf(" (%s: %s)", ts.state, ts.reason)
+			}
+			out = append(out, Failure{RequestID: req.id, TransferID: it.TransferID, MMHash: it.MMHash, Reason: reason, Retryable: true})
+		}
+	}
+	return out
+}
+
+// Failures lists the request's items that will not come, in item order.
+func (t *Table) Failures(requestID string) []Failure {
+	req := t.requests[requestID]
+	if req == nil {
+		return nil
+	}
+	return t.failuresOf(req)
+}
+
+// StartLoad hands out the transfer this step's worker loads for the
+// content. A transfer already loading or loaded is returned again, so vLLM
+// asking twice in one step is harmless. Otherwise a fresh Available
+// transfer is preferred over a Resident one: it would expire unused, while
+// the resident copy stays for later.
+func (t *Table) StartLoad(mmHash string, now time.Time) (transferID string, err error) {
+	t.advance(now)
+	recs := t.byHash[mmHash]
+	for _, r := range recs {
+		if r.state == Loading || r.state == Ready {
+			return r.id, nil
+		}
+	}
+	for _, from := range []State{Available, Resident} {
+		for _, r := range recs {
+			if r.state == from {
+				t.move(r, Loading, now, "")
+				return r.id, nil
+			}
+		}
+	}
+	states := make([]string, 0, len(recs))
+	for _, r := range recs {
+		states = append(states, r.id+"="+r.state.String())
+	}
+	return "", fmt.Errorf("start load %s: %w (transfers: [%s])", mmHash, ErrNotAvailable, strings.Join(states, " "))
+}
+
+// Loaded records the outcome of a worker load. A report for a transfer that
+// is not loading (late, duplicate, or its deadline passed) is counted and
+// dropped.
+func (t *Table) Loaded(transferID string, ok bool, reason string, now time.Time) {
+	t.advance(now)
+	r := t.records[transferID]
+	if r == nil || r.state != Loading {
+		t.ignoredReports++
+		return
+	}
+	if ok {
+		t.move(r, Ready, now, "")
+		return
+	}
+	if reason == "" {
+		reason = "worker reported no reason"
+	}
+	t.move(r, Failed, now, "load failed: "+reason)
+}
+
+// Freed records that the engine dropped its encoder-cache entry for the
+// content: loaded transfers become resident copies. vLLM also frees
+// entries its own encoder computed, so an unknown hash is not an error.
+func (t *Table) Freed(mmHash string, now time.Time) {
+	t.advance(now)
+	for _, r := range t.byHash[mmHash] {
+		if r.state == Ready {
+			t.move(r, Resident, now, "")
+		}
+	}
+}
+
+// Finish detaches a finished or aborted request. Transfers it alone was
+// waiting for are cancelled and returned, so the caller can cancel them on
+// the shards. Loading and loaded transfers stay: a worker may already hold
+// a view of their bytes.
+func (t *Table) Finish(requestID string, now time.Time) (cancel []string) {
+	t.advance(now)
+	req := t.requests[requestID]
+	if req == nil {
+		return nil
+	}
+	delete(t.requests, requestID)
+	for _, it := range req.items {
+		r := t.records[it.TransferID]
+		if r == nil || !r.detach(requestID) {
+			continue
+		}
+		if len(r.requests) == 0 && (r.state == WaitingEvent || r.state == Available) {
+			t.move(r, Cancelled, now, "request "+requestID+" finished")
+			cancel = append(cancel, r.id)
+		}
+	}
+	return cancel
+}
+
+func (r *record) detach(requestID string) bool {
+	for i, v := range r.requests {
+		if v == requestID {
+			r.requests = append(r.requests[:i:i], r.requests[i+1:]...)
+			return true
+		}
+	}
+	return false
+}
+
+// Tick applies every deadline due at now and returns the failures that
+// arose since the last Tick, from deadlines and events alike, for requests
+// that still wait for those items.
+func (t *Table) Tick(now time.Time) []Failure {
+	t.advance(now)
+	var out []Failure
+	for _, p := range t.pending {
+		req := t.requests[p.requestID]
+		if req == nil {
+			continue
+		}
+		f, ok := req.failed[p.transferID]
+		if !ok || t.covered(f.MMHash) {
+			continue
+		}
+		out = append(out, f)
+	}
+	t.pending = nil
+	return out
+}
+
+// NextDeadline returns when Tick next has work: the earliest deadline, or a
+// past time when failures wait to be returned.
+func (t *Table) NextDeadline() (time.Time, bool) {
+	t.pruneDeadlines()
+	var best time.Time
+	found := false
+	consider := func(at time.Time) {
+		if !found || at.Before(best) {
+			best, found = at, true
+		}
+	}
+	if len(t.deadlines) > 0 {
+		consider(t.deadlines[0].at)
+	}
+	for len(t.earlyQ) > 0 {
+		q := t.earlyQ[0]
+		if e := t.early[q.id]; e != nil && e.seq == q.seq {
+			consider(e.expires)
+			break
+		}
+		t.earlyQ = t.earlyQ[1:]
+	}
+	if len(t.pending) > 0 {
+		consider(t.pending[0].at)
+	}
+	return best, found
+}
+
+// Status answers for live transfers and for tombstones.
+func (t *Table) Status(transferID string) (State, bool) {
+	if r := t.records[transferID]; r != nil {
+		return r.state, true
+	}
+	if ts, ok := t.tombs[transferID]; ok {
+		return ts.state, true
+	}
+	return 0, false
+}
+
+// Stats returns a snapshot.
+func (t *Table) Stats() Stats {
+	s := Stats{
+		Records:        make(map[State]int),
+		Ended:          make(map[State]uint64),
+		Requests:       len(t.requests),
+		EarlyEvents:    len(t.early),
+		EarlyDropped:   t.earlyDropped,
+		IgnoredEvents:  t.ignoredEvents,
+		IgnoredReports: t.ignoredReports,
+		Collisions:     t.collisions,
+		Tombstones:     len(t.tombs),
+	}
+	for _, r := range t.records {
+		s.Records[r.state]++
+	}
+	for st, n := range t.ended {
+		if n > 0 {
+			s.Ended[State(st)] = n
+		}
+	}
+	return s
+}
+
+// advance fires every deadline due at now. Methods that take a time call it
+// first, so no answer rests on a deadline that has passed. Early events
+// expire in arrival order, which is expiry order as long as time does not
+// run backwards.
+func (t *Table) advance(now time.Time) {
+	for len(t.deadlines) > 0 && !t.deadlines[0].at.After(now) {
+		d := heap.Pop(&t.deadlines).(deadline)
+		if r := t.records[d.id]; r != nil && r.seq == d.seq {
+			t.expire(r, now)
+		}
+	}
+	for len(t.earlyQ) > 0 {
+		q := t.earlyQ[0]
+		e := t.early[q.id]
+		if e != nil && e.seq == q.seq {
+			if e.expires.After(now) {
+				break
+			}
+			delete(t.early, q.id)
+			t.earlyDropped++
+		}
+		t.earlyQ = t.earlyQ[1:]
+	}
+}
+
+func (t *Table) expire(r *record, now time.Time) {
+	switch r.state {
+	case WaitingEvent:
+		t.move(r, Unavailable, now, fmt.Sprintf("push did not arrive within %s (%d of %d shards ready)",
+			secs(t.cfg.EventWait), r.shards.count(), t.cfg.Shards))
+	case Available:
+		t.move(r, Expired, now, fmt.Sprintf("not loaded within %s of arriving", secs(t.cfg.AvailableTTL)))
+	case Loading:
+		t.move(r, Unavailable, now, fmt.Sprintf("load did not finish within %s", secs(t.cfg.LoadWait)))
+	case Resident:
+		t.move(r, Expired, now, fmt.Sprintf("resident copy expired after %s", secs(t.cfg.ResidentTTL)))
+	}
+}
+
+// move is the only writer of record.state. Every caller picks the target
+// from the current state, so a refused move is a bug in this package: it
+// is counted, never panicked on, and CheckInvariants reports it.
+func (t *Table) move(r *record, to State, now time.Time, reason string) {
+	if err := transition(r.state, to); err != nil {
+		t.illegalMoves++
+		return
+	}
+	r.state = to
+	switch to {
+	case Available:
+		t.setDeadline(r, now.Add(t.cfg.AvailableTTL))
+	case Loading:
+		t.setDeadline(r, now.Add(t.cfg.LoadWait))
+	case Ready:
+		t.clearDeadline(r)
+		t.serve(r.hash)
+	case Resident:
+		if t.cfg.ResidentTTL > 0 {
+			t.setDeadline(r, now.Add(t.cfg.ResidentTTL))
+		} else {
+			t.clearDeadline(r)
+		}
+	default:
+		t.retire(r, reason, now)
+	}
+}
+
+// serve marks the content loaded for every request waiting for it, through
+// this transfer or another of the same mm_hash: vLLM's encoder cache now
+// holds it, and requests no longer depend on what becomes of the transfers.
+func (t *Table) serve(mmHash string) {
+	for _, r := range t.byHash[mmHash] {
+		for _, rid := range r.requests {
+			t.requests[rid].served[r.id] = struct{}{}
+		}
+		r.requests = nil
+	}
+}
+
+// retire turns a terminal record into a tombstone and tells every request
+// still attached that its item will not come.
+func (t *Table) retire(r *record, reason string, now time.Time) {
+	t.clearDeadline(r)
+	delete(t.records, r.id)
+	list := t.byHash[r.hash]
+	for i, x := range list {
+		if x == r {
+			list = append(list[:i:i], list[i+1:]...)
+			break
+		}
+	}
+	if len(list) == 0 {
+		delete(t.byHash, r.hash)
+	} else {
+		t.byHash[r.hash] = list
+	}
+	for _, rid := range r.requests {
+		req := t.requests[rid]
+		req.failed[r.id] = Failure{RequestID: rid, TransferID: r.id, MMHash: r.hash, Reason: reason, Retryable: true}
+		t.pending = append(t.pending, pendingFailure{rid, r.id, now})
+	}
+	r.requests = nil
+	t.ended[r.state]++
+	t.tombs[r.id] = tombstone{hash: r.hash, state: r.state, reason: reason}
+	t.tombQ = append(t.tombQ, r.id)
+	for len(t.tombQ) > t.cfg.MaxTombstones {
+		delete(t.tombs, t.tombQ[0])
+		t.tombQ = t.tombQ[1:]
+	}
+}
+
+func (t *Table) setDeadline(r *record, at time.Time) {
+	t.seq++
+	r.seq, r.deadline = t.seq, at
+	heap.Push(&t.deadlines, deadline{at: at, id: r.id, seq: r.seq})
+	if len(t.deadlines) > 2*len(t.records)+64 {
+		kept := t.deadlines[:0]
+		for _, d := range t.deadlines {
+			if t.current(d) {
+				kept = append(kept, d)
+			}
+		}
+		t.deadlines = kept
+		heap.Init(&t.deadlines)
+	}
+}
+
+func (t *Table) clearDeadline(r *record) { r.seq, r.deadline = 0, time.Time{} }
+
+func (t *Table) current(d deadline) bool {
+	r := t.records[d.id]
+	return r != nil && r.seq == d.seq
+}
+
+func (t *Table) pruneDeadlines() {
+	for len(t.deadlines) > 0 && !t.current(t.deadlines[0]) {
+		heap.Pop(&t.deadlines)
+	}
+}
+
+// Waiting lists the transfers that have waited in WaitingEvent for at least
+// minAge: the runtime asks the shards for their status directly, so that
+// an event lost while a socket reconnected costs latency, not a request.
+// The order is unspecified.
+func (t *Table) Waiting(now time.Time, minAge time.Duration) []string {
+	var out []string
+	for id, r := range t.records {
+		if r.state == WaitingEvent && !r.deadline.IsZero() && !now.Before(r.deadline.Add(-t.cfg.EventWait).Add(minAge)) {
+			out = append(out, id)
+		}
+	}
+	return out
+}

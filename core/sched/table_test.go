@@ -1,0 +1,484 @@
+package sched
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestScenarios(t *testing.T) {
+	two := Config{Shards: 2}
+	cases := []struct {
+		name   string
+		cfg    Config
+		script string
+	}{
+		{"both shards in order", two, `
+			expect r1 t1=h1
+			state t1 -> WaitingEvent
+			has h1 -> no
+			ensure r1 -> wait
+			ready 0 t1 h1 100
+			state t1 -> WaitingEvent
+			has h1 -> no
+			ensure r1 -> wait
+			ready 1 t1 h1 100
+			state t1 -> Available
+			has h1 -> yes
+			ensure r1 -> ready
+			stats -> live=Available:1 ignored=0 requests=1
+		`},
+		{"shards reversed and duplicated", two, `
+			expect r1 t1=h1
+			ready 1 t1 h1
+			ready 1 t1 h1
+			ready 1 t1 h1
+			state t1 -> WaitingEvent
+			ready 0 t1 h1
+			state t1 -> Available
+			ready 0 t1 h1
+			ready 1 t1 h1
+			state t1 -> Available
+			stats -> ignored=0
+		`},
+		{"one shard only never makes it available", two, `
+			expect r1 t1=h1
+			ready 0 t1 h1
+			ready 0 t1 h1
+			at 59s
+			state t1 -> WaitingEvent
+			has h1 -> no
+			ensure r1 -> wait
+			tick -> -
+			at 60s
+			tick -> r1/t1
+			state t1 -> Unavailable
+			reason r1 t1 -> push did not arrive within 60s (1 of 2 shards ready)
+			ensure r1 -> failed t1
+		`},
+		{"push that never comes fails exactly at the deadline", two, `
+			at 10s
+			expect r1 t1=h1
+			next -> 1m10s
+			at 1m9.999999999s
+			tick -> -
+			state t1 -> WaitingEvent
+			at 1m10s
+			tick -> r1/t1
+			tick -> -
+			state t1 -> Unavailable
+			next -> none
+			reason r1 t1 -> push did not arrive within 60s (0 of 2 shards ready)
+		`},
+		{"events before expect are applied at expect", two, `
+			ready 1 t1 h1
+			ready 0 t1 h1
+			stats -> early=1 live=-
+			state t1 -> none
+			has h1 -> no
+			at 5s
+			expect r1 t1=h1
+			state t1 -> Available
+			stats -> early=0 live=Available:1 ignored=0
+			ensure r1 -> ready
+		`},
+		{"early event for one shard, the other after expect", two, `
+			ready 0 t1 h1
+			expect r1 t1=h1
+			state t1 -> WaitingEvent
+			ready 1 t1 h1
+			state t1 -> Available
+		`},
+		{"early failure is applied at expect", two, `
+			ready 0 t1 h1
+			fail 1 t1 h1 pool full
+			expect r1 t1=h1
+			state t1 -> Unavailable
+			reason r1 t1 -> shard 1: pool full
+			tick -> r1/t1
+		`},
+		{"early events for other content are ignored at expect", two, `
+			ready 0 t1 hX
+			ready 1 t1 hX
+			expect r1 t1=h1
+			state t1 -> WaitingEvent
+			stats -> ignored=2 early=0
+		`},
+		{"early events expire after the event wait", two, `
+			ready 0 t1 h1
+			next -> 1m0s
+			at 59s
+			stats -> early=1
+			at 60s
+			tick -> -
+			stats -> early=0 dropped=1
+			expect r1 t1=h1
+			ready 1 t1 h1
+			state t1 -> WaitingEvent
+		`},
+		{"early events are bounded, oldest dropped first", Config{Shards: 2, MaxEarlyEvents: 2}, `
+			ready 0 t1 h1
+			ready 0 t2 h2
+			ready 0 t3 h3
+			stats -> early=2 dropped=1
+			expect r1 t1=h1 t3=h3
+			ready 1 t1 h1
+			ready 1 t3 h3
+			state t1 -> WaitingEvent
+			state t3 -> Available
+			stats -> early=1
+		`},
+		{"events that do not fit are ignored", two, `
+			expect r1 t1=h1
+			ready 2 t1 h1
+			ready -1 t1 h1
+			ready 0 t1 hX
+			fail 1 t1 hX bogus
+			ready 0 t1 h1 100
+			ready 1 t1 h1 200
+			state t1 -> WaitingEvent
+			stats -> ignored=5
+			ready 1 t1 h1 100
+			state t1 -> Available
+		`},
+		{"a failure from any shard makes it unavailable", two, `
+			expect r1 t1=h1 t2=h2
+			ready 0 t1 h1
+			fail 1 t1 h1 reservation refused: too large
+			state t1 -> Unavailable
+			ensure r1 -> failed t1
+			failures r1 -> t1:shard 1: reservation refused: too large
+			ready 0 t1 h1
+			stats -> ignored=1
+			tick -> r1/t1
+			tick -> -
+		`},
+		{"collision refuses the second request only", two, `
+			expect r1 t1=h1
+			ready 0 t1 h1
+			expect r2 t1=h2 -> collision
+			expect r3 t9=h9 t1=h2 -> collision
+			expect r4 t5=h5 t5=h6 -> collision
+			state t9 -> none
+			state t5 -> none
+			stats -> requests=1 collisions=3
+			ready 1 t1 h1
+			state t1 -> Available
+			ensure r1 -> ready
+		`},
+		{"collision with an ended transfer", two, `
+			expect r1 t1=h1
+			at 60s
+			tick -> r1/t1
+			expect r2 t1=h2 -> collision
+			expect r3 t1=h1
+			failures r3 -> t1:transfer t1 already ended (Unavailable: push did not arrive within 60s (0 of 2 shards ready)) final
+			tick -> r3/t1
+		`},
+		{"invalid items are refused", two, `
+			expect r1 t1= -> invalid
+			expect r1 =h1 -> invalid
+			stats -> requests=0
+		`},
+		{"same image in two requests shares one record", two, `
+			expect r1 t1=h1
+			expect r2 t1=h1
+			expect r1 t1=h1
+			stats -> requests=2 live=WaitingEvent:1
+			ready 0 t1 h1
+			ready 1 t1 h1
+			finish r1 -> -
+			state t1 -> Available
+			ensure r2 -> ready
+			finish r2 -> t1
+			state t1 -> Cancelled
+		`},
+		{"finishing one of two waiting requests leaves the other waiting", two, `
+			expect r1 t1=h1
+			expect r2 t1=h1
+			finish r1 -> -
+			state t1 -> WaitingEvent
+			at 60s
+			tick -> r2/t1
+		`},
+		{"same content through two transfers: one load serves both", two, `
+			expect r1 t1=h1
+			expect r2 t2=h1
+			ready 0 t1 h1
+			ready 1 t1 h1
+			has h1 -> yes
+			ensure r2 -> ready
+			load h1 -> t1
+			loaded t1 ok
+			state t1 -> Ready
+			at 60s
+			tick -> -
+			state t2 -> Unavailable
+			ensure r2 -> ready
+		`},
+		{"request aborted mid-transfer", two, `
+			expect r1 t1=h1 t2=h2 t3=h3
+			ready 0 t1 h1
+			ready 1 t1 h1
+			ready 0 t2 h2
+			ready 0 t3 h3
+			ready 1 t3 h3
+			load h1 -> t1
+			finish r1 -> t2,t3
+			state t1 -> Loading
+			state t2 -> Cancelled
+			state t3 -> Cancelled
+			ready 1 t2 h2
+			stats -> ignored=1 requests=0
+			loaded t1 ok
+			state t1 -> Ready
+			finish r1 -> -
+			tick -> -
+		`},
+		{"a failure for a finished request is not reported", two, `
+			expect r1 t1=h1
+			fail 0 t1 h1 boom
+			next -> 0s
+			finish r1 -> -
+			tick -> -
+			next -> none
+		`},
+		{"loading deadline", two, `
+			expect r1 t1=h1
+			ready 0 t1 h1
+			ready 1 t1 h1
+			at 1s
+			load h1 -> t1
+			load h1 -> t1
+			next -> 31s
+			at 30.999999999s
+			tick -> -
+			state t1 -> Loading
+			at 31s
+			tick -> r1/t1
+			state t1 -> Unavailable
+			reason r1 t1 -> load did not finish within 30s
+			loaded t1 ok
+			stats -> reports=1
+		`},
+		{"failed load", two, `
+			expect r1 t1=h1
+			ready 0 t1 h1
+			ready 1 t1 h1
+			load h1 -> t1
+			loaded t1 fail region gone
+			state t1 -> Failed
+			reason r1 t1 -> load failed: region gone
+			tick -> r1/t1
+			load h1 -> error
+		`},
+		{"available transfer expires when never loaded", two, `
+			expect r1 t1=h1
+			ready 0 t1 h1
+			ready 1 t1 h1
+			at 299s
+			tick -> -
+			at 300s
+			tick -> r1/t1
+			state t1 -> Expired
+			reason r1 t1 -> not loaded within 300s of arriving
+		`},
+		{"freed item is reloaded from resident", two, `
+			expect r1 t1=h1
+			ready 0 t1 h1
+			ready 1 t1 h1
+			load h9 -> error
+			load h1 -> t1
+			loaded t1 ok
+			load h1 -> t1
+			freed h1
+			state t1 -> Resident
+			has h1 -> yes
+			next -> none
+			# r1 is preempted and asks again: the resident copy serves it
+			ensure r1 -> ready
+			load h1 -> t1
+			state t1 -> Loading
+			loaded t1 ok
+			freed h1
+			# a later request pushed with its own transfer prefers the fresh one
+			expect r2 t2=h1
+			ready 0 t2 h1
+			ready 1 t2 h1
+			load h1 -> t2
+			state t1 -> Resident
+			loaded t2 ok
+			finish r1 -> -
+			finish r2 -> -
+			stats -> live=Ready:1,Resident:1
+		`},
+		{"resident copy expires after its time to live", Config{Shards: 2, ResidentTTL: 100 * time.Second}, `
+			expect r1 t1=h1
+			ready 0 t1 h1
+			ready 1 t1 h1
+			load h1 -> t1
+			loaded t1 ok
+			at 10s
+			freed h1
+			next -> 1m50s
+			at 110s
+			tick -> -
+			state t1 -> Expired
+			has h1 -> no
+			ensure r1 -> failed t1
+			reason r1 t1 -> loaded earlier, no longer on every shard (Expired: resident copy expired after 100s)
+		`},
+		{"evicted resident copy fails the request that waits for it", two, `
+			expect r1 t1=h1
+			ready 0 t1 h1
+			ready 1 t1 h1
+			load h1 -> t1
+			loaded t1 ok
+			expect r2 t1=h1
+			ensure r2 -> ready
+			freed h1
+			expect r3 t1=h1
+			fail 1 t1 h1 evicted
+			state t1 -> Expired
+			tick -> r3/t1
+			ensure r2 -> failed t1
+			reason r3 t1 -> shard 1: evicted
+		`},
+		{"tombstones are bounded", Config{Shards: 2, MaxTombstones: 2}, `
+			expect r1 t1=h1 t2=h2 t3=h3
+			finish r1 -> t1,t2,t3
+			stats -> tombs=2 ended=Cancelled:3 live=-
+			state t1 -> none
+			state t2 -> Cancelled
+			state t3 -> Cancelled
+		`},
+		{"defaults: one shard", Config{}, `
+			expect r1 t1=h1
+			ready 0 t1 h1
+			state t1 -> Available
+			ready 1 t1 h1
+			stats -> ignored=1
+		`},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) { runScript(t, tc.cfg, tc.script) })
+	}
+}
+
+func TestFailureCarriesIdentity(t *testing.T) {
+	tb := New(Config{Shards: 1})
+	require.NoError(t, tb.Expect("r1", []Expected{{"t1", "h1"}}, base))
+	got := tb.Tick(base.Add(DefaultEventWait))
+	require.Equal(t, []Failure{{
+		RequestID: "r1", TransferID: "t1", MMHash: "h1",
+		Reason:    "push did not arrive within 60s (0 of 1 shards ready)",
+		Retryable: true,
+	}}, got)
+}
+
+func TestCollisionErrorNamesBothHashes(t *testing.T) {
+	tb := New(Config{})
+	require.NoError(t, tb.Expect("r1", []Expected{{"t1", "h1"}}, base))
+	err := tb.Expect("r2", []Expected{{"t1", "h2"}}, base)
+	require.ErrorIs(t, err, ErrCollision)
+	require.ErrorContains(t, err, "expect r2: transfer t1 names mm_hash h2, already known as h1")
+}
+
+func TestStartLoadErrorListsTransfers(t *testing.T) {
+	tb := New(Config{Shards: 2})
+	require.NoError(t, tb.Expect("r1", []Expected{{"t1", "h1"}}, base))
+	_, err := tb.StartLoad("h1", base)
+	require.ErrorIs(t, err, ErrNotAvailable)
+	require.ErrorContains(t, err, "t1=WaitingEvent")
+}
+
+func TestDeadlineHeapStaysBounded(t *testing.T) {
+	// Each load/free cycle leaves a stale deadline entry behind; the heap
+	// must be rebuilt rather than grow with the number of cycles.
+	tb := New(Config{Shards: 1, ResidentTTL: time.Hour})
+	now := base
+	require.NoError(t, tb.Expect("r1", []Expected{{"t1", "h1"}}, now))
+	tb.OnEvent(Event{TransferID: "t1", MMHash: "h1", Ready: true}, now)
+	for i := 0; i < 1000; i++ {
+		now = now.Add(time.Millisecond)
+		_, err := tb.StartLoad("h1", now)
+		require.NoError(t, err)
+		tb.Loaded("t1", true, "", now)
+		tb.Freed("h1", now)
+	}
+	require.LessOrEqual(t, len(tb.deadlines), 2*len(tb.records)+64)
+	require.NoError(t, tb.CheckInvariants())
+}
+
+func TestCheckInvariantsCatchesCorruption(t *testing.T) {
+	build := func() *Table {
+		tb := New(Config{Shards: 2, MaxTombstones: 4})
+		require.NoError(t, tb.Expect("r1", []Expected{{"t1", "h1"}, {"t2", "h2"}}, base))
+		require.NoError(t, tb.Expect("r2", []Expected{{"t3", "h3"}}, base))
+		tb.OnEvent(Event{Shard: 0, TransferID: "t1", MMHash: "h1", Ready: true}, base)
+		tb.OnEvent(Event{Shard: 1, TransferID: "t1", MMHash: "h1", Ready: true}, base)
+		tb.OnEvent(Event{Shard: 0, TransferID: "t9", MMHash: "h9", Ready: true}, base)
+		require.Equal(t, []string{"t3"}, tb.Finish("r2", base))
+		require.NoError(t, tb.CheckInvariants())
+		return tb
+	}
+	corruptions := map[string]func(tb *Table){
+		"illegal move":             func(tb *Table) { tb.move(tb.records["t1"], Ready, base, "") },
+		"terminal live record":     func(tb *Table) { tb.records["t1"].state = Failed },
+		"shard out of range":       func(tb *Table) { tb.records["t2"].shards.add(5) },
+		"available, shard missing": func(tb *Table) { tb.records["t1"].shards[0] = 1 },
+		"waiting, every shard":     func(tb *Table) { tb.records["t2"].shards[0] = 3 },
+		"missing deadline":         func(tb *Table) { tb.clearDeadline(tb.records["t2"]) },
+		"deadline not in heap":     func(tb *Table) { tb.records["t2"].seq = 999 },
+		"hash index lost":          func(tb *Table) { delete(tb.byHash, "h1") },
+		"hash index stale":         func(tb *Table) { tb.byHash["h3"] = []*record{{id: "t3", hash: "h3"}} },
+		"unknown request attached": func(tb *Table) { tb.records["t1"].requests = append(tb.records["t1"].requests, "r9") },
+		"item lost":                func(tb *Table) { tb.records["t2"].requests = nil },
+		"item failed and live":     func(tb *Table) { tb.requests["r1"].failed["t1"] = Failure{} },
+		"live and tombstone":       func(tb *Table) { tb.tombs["t1"] = tombstone{state: Cancelled} },
+		"tombstone not queued":     func(tb *Table) { tb.tombs["t8"] = tombstone{state: Cancelled} },
+		"early for a live record":  func(tb *Table) { tb.early["t1"] = tb.early["t9"] },
+		"early not queued":         func(tb *Table) { tb.earlyQ = nil },
+		"loaded with a request": func(tb *Table) {
+			r := tb.records["t1"]
+			r.state = Ready
+			tb.clearDeadline(r)
+		},
+	}
+	for name, corrupt := range corruptions {
+		t.Run(name, func(t *testing.T) {
+			tb := build()
+			corrupt(tb)
+			require.ErrorIs(t, tb.CheckInvariants(), ErrInvariant)
+		})
+	}
+}
+
+func TestEarlyQueueIsCompacted(t *testing.T) {
+	// An entry that stays at the front keeps the consumed ones behind it
+	// from being popped; the queue must still not grow with the churn.
+	tb := New(Config{Shards: 2})
+	tb.OnEvent(Event{Shard: 0, TransferID: "first", MMHash: "h", Ready: true}, base)
+	for i := 0; i < 1000; i++ {
+		id := fmt.Sprint("t", i)
+		tb.OnEvent(Event{Shard: 0, TransferID: id, MMHash: "h", Ready: true}, base)
+		require.NoError(t, tb.Expect("r", []Expected{{id, "h"}}, base))
+	}
+	require.LessOrEqual(t, len(tb.earlyQ), 2*len(tb.early)+65)
+	require.NoError(t, tb.CheckInvariants())
+}
+
+func TestWaitingListsOnlyOldWaitingTransfers(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	tb := New(Config{Shards: 2, EventWait: time.Minute})
+	require.NoError(t, tb.Expect("r1", []Expected{{TransferID: "old", MMHash: "h1"}}, t0))
+	require.NoError(t, tb.Expect("r2", []Expected{{TransferID: "young", MMHash: "h2"}, {TransferID: "done", MMHash: "h3"}}, t0.Add(2*time.Second)))
+	for shard := 0; shard < 2; shard++ {
+		tb.OnEvent(Event{Shard: shard, TransferID: "done", MMHash: "h3", Ready: true, NBytes: 8}, t0.Add(2*time.Second))
+	}
+	require.Equal(t, []string{"old"}, tb.Waiting(t0.Add(2500*time.Millisecond), time.Second))
+	require.ElementsMatch(t, []string{"old", "young"}, tb.Waiting(t0.Add(3*time.Second), time.Second))
+	require.Empty(t, tb.Waiting(t0.Add(3*time.Second), time.Hour))
+}

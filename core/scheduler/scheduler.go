@@ -1,0 +1,289 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	zmq "github.com/pebbe/zmq4"
+
+	"github.com/ecmooncake/ecmooncake/core/config"
+	"github.com/ecmooncake/ecmooncake/core/control"
+	"github.com/ecmooncake/ecmooncake/core/sched"
+	"github.com/ecmooncake/ecmooncake/core/wire"
+)
+
+// resyncAge is how long an item waits for its event before the shard
+// goroutines ask the shards for its status directly.
+const resyncAge = time.Second
+
+// Scheduler is safe for concurrent use.
+type Scheduler struct {
+	cfg    config.Scheduler
+	log    *slog.Logger
+	shards []string
+
+	mu       sync.Mutex // guards table, changed, stats; never held across I/O
+	table    *sched.Table
+	changed  chan struct{} // closed and replaced on every table change
+	resynced uint64
+	closed   bool
+
+	zctx    *zmq.Context
+	sub     *control.EventSub
+	cancels []chan []string // per shard
+	kick    chan struct{}
+	stop    chan struct{}
+	wg      sync.WaitGroup
+}
+
+// Open starts the background goroutines; it does not wait for the shards,
+// which may start later than the scheduler.
+func Open(cfg config.Scheduler, log *slog.Logger) (*Scheduler, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if log == nil {
+		log = slog.Default()
+	}
+	shards := cfg.Shards
+	if len(shards) == 0 {
+		for r := 0; r < cfg.TPSize; r++ {
+			shards = append(shards, control.Endpoint(cfg.IP, config.ShardPort(cfg.Port, cfg.DPRank, cfg.TPSize, r)))
+		}
+	}
+	zctx, err := zmq.NewContext()
+	if err != nil {
+		return nil, fmt.Errorf("scheduler: zmq context: %w", err)
+	}
+	sub, err := control.NewEventSub(zctx, log)
+	if err != nil {
+		_ = zctx.Term()
+		return nil, fmt.Errorf("scheduler: event socket: %w", err)
+	}
+	s := &Scheduler{
+		cfg: cfg, log: log.With("role", "scheduler"), shards: shards,
+		table:   sched.New(sched.Config{Shards: len(shards), EventWait: cfg.PushWait(), LoadWait: cfg.LoadTimeout()}),
+		changed: make(chan struct{}),
+		zctx:    zctx, sub: sub,
+		kick: make(chan struct{}, 1),
+		stop: make(chan struct{}),
+	}
+	s.wg.Add(2)
+	go s.pump()
+	go s.ticker()
+	for i, ep := range shards {
+		ch := make(chan []string, 64)
+		s.cancels = append(s.cancels, ch)
+		s.wg.Add(1)
+		go s.follow(i, ep, ch)
+	}
+	return s, nil
+}
+
+// Shards returns the control endpoints the scheduler follows, by TP rank.
+func (s *Scheduler) Shards() []string { return append([]string(nil), s.shards...) }
+
+// Has answers has_cache_item.
+func (s *Scheduler) Has(mmHash string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.table.Has(mmHash)
+}
+
+// changedLocked wakes every waiter and the ticker.
+func (s *Scheduler) changedLocked() {
+	close(s.changed)
+	s.changed = make(chan struct{})
+	select {
+	case s.kick <- struct{}{}:
+	default:
+	}
+}
+
+// pump moves readiness events into the table.
+func (s *Scheduler) pump() {
+	defer s.wg.Done()
+	for {
+		select {
+		case <-s.stop:
+			return
+		case ev, ok := <-s.sub.Events():
+			if !ok {
+				return
+			}
+			s.apply(ev)
+		}
+	}
+}
+
+func (s *Scheduler) apply(evs ...wire.Event) {
+	defer s.recover("event")
+	now := time.Now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, ev := range evs {
+		s.table.OnEvent(sched.Event{Shard: ev.Shard, TransferID: ev.TransferID, MMHash: ev.MMHash, Ready: ev.Ready, NBytes: ev.NBytes, Reason: ev.Reason}, now)
+	}
+	s.changedLocked()
+}
+
+// ticker applies deadlines when they fall due.
+func (s *Scheduler) ticker() {
+	defer s.wg.Done()
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	for {
+		wait := time.Hour
+		func() {
+			defer s.recover("tick")
+			s.mu.Lock()
+			defer s.mu.Unlock()
+			if fails := s.table.Tick(time.Now()); len(fails) > 0 {
+				for _, f := range fails {
+					s.log.Warn("encoder output unavailable", "request_id", f.RequestID, "transfer_id", f.TransferID, "mm_hash", f.MMHash, "cause", f.Reason)
+				}
+				s.changedLocked()
+			}
+			if next, ok := s.table.NextDeadline(); ok {
+				wait = max(time.Until(next), time.Millisecond)
+			}
+		}()
+		timer.Reset(wait)
+		select {
+		case <-s.stop:
+			return
+		case <-s.kick:
+		case <-timer.C:
+		}
+	}
+}
+
+// follow keeps one shard's events flowing: it learns the shard's event
+// endpoint, subscribes, then resyncs items that wait too long and forwards
+// cancels. The client is owned by this goroutine alone.
+func (s *Scheduler) follow(rank int, endpoint string, cancels <-chan []string) {
+	defer s.wg.Done()
+	defer s.recover("follow")
+	log := s.log.With("shard", rank, "peer", endpoint)
+	client, err := control.Dial(s.zctx, endpoint, log)
+	if err != nil {
+		log.Error("cannot follow shard", "cause", err)
+		return
+	}
+	defer client.Close()
+	backoff := 50 * time.Millisecond
+	for {
+		var rep wire.EventPortReply
+		err := s.call(client, wire.OpEventPort, struct{}{}, &rep)
+		if err == nil {
+			err = s.sub.Connect(rep.Endpoint)
+		}
+		if err == nil {
+			log.Info("following shard events", "events", rep.Endpoint)
+			break
+		}
+		log.Debug("shard not reachable yet", "cause", err)
+		if !s.sleep(backoff) {
+			return
+		}
+		backoff = min(backoff*2, 2*time.Second)
+	}
+	resync := time.NewTicker(resyncAge / 2)
+	defer resync.Stop()
+	for {
+		select {
+		case <-s.stop:
+			return
+		case ids := <-cancels:
+			var rep wire.CancelReply
+			if err := s.call(client, wire.OpCancel, wire.Cancel{TransferIDs: ids}, &rep); err != nil {
+				log.Warn("cancel not delivered", "items", len(ids), "cause", err)
+			}
+		case <-resync.C:
+			s.resync(rank, client, log)
+		}
+	}
+}
+
+// resync asks the shard about items that have waited longer than
+// resyncAge and feeds the answers in as if they were events.
+func (s *Scheduler) resync(rank int, client *control.Client, log *slog.Logger) {
+	s.mu.Lock()
+	waiting := s.table.Waiting(time.Now(), resyncAge)
+	s.mu.Unlock()
+	if len(waiting) == 0 {
+		return
+	}
+	if len(waiting) > wire.MaxItems {
+		waiting = waiting[:wire.MaxItems]
+	}
+	var rep wire.StatusReply
+	if err := s.call(client, wire.OpStatus, wire.Status{TransferIDs: waiting}, &rep); err != nil {
+		log.Debug("status resync failed", "cause", err)
+		return
+	}
+	var evs []wire.Event
+	for _, it := range rep.Items {
+		if !it.Known {
+			continue
+		}
+		switch it.State {
+		case "ready":
+			evs = append(evs, wire.Event{Shard: rank, TransferID: it.TransferID, MMHash: it.MMHash, Ready: true, NBytes: it.NBytes})
+		case "cancelled", "expired":
+			evs = append(evs, wire.Event{Shard: rank, TransferID: it.TransferID, MMHash: it.MMHash, Reason: "shard reports the reservation " + it.State})
+		}
+	}
+	if len(evs) > 0 {
+		s.mu.Lock()
+		s.resynced += uint64(len(evs))
+		s.mu.Unlock()
+		s.apply(evs...)
+	}
+}
+
+func (s *Scheduler) call(c *control.Client, op wire.Op, body, out any) error {
+	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.ControlTimeout())
+	defer cancel()
+	return c.Call(ctx, op, body, out)
+}
+
+func (s *Scheduler) sleep(d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-s.stop:
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+func (s *Scheduler) recover(what string) {
+	if r := recover(); r != nil {
+		s.log.Error("scheduler: recovered panic", "in", what, "panic", r)
+	}
+}
+
+// Close stops every goroutine and closes the sockets.
+func (s *Scheduler) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	close(s.stop)
+	s.mu.Unlock()
+	err := s.sub.Close()
+	s.wg.Wait()
+	err = errors.Join(err, s.zctx.Term())
+	if err != nil {
+		return fmt.Errorf("scheduler: close: %w", err)
+	}
+	return nil
+}

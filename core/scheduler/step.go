@@ -1,0 +1,177 @@
+package scheduler
+
+import (
+	"context"
+	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/control"
+	"github.com/ecmooncake/ecmooncake/core/sched"
+)
+
+// ExpectIn registers one request's items.
+type ExpectIn struct {
+	RequestID string           `json:"request_id"`
+	Items     []sched.Expected `json:"items"`
+}
+
+// LoadedIn reports one worker load.
+type LoadedIn struct {
+	TransferID string `json:"transfer_id"`
+	OK         bool   `json:"ok"`
+	Reason     string `json:"reason"`
+}
+
+// StepIn is everything one scheduler step tells the table, in the order it
+// is applied: expectations, load outcomes, frees, finished requests, new
+// loads, then the questions (ensure, has).
+type StepIn struct {
+	Expect   []ExpectIn `json:"expect"`
+	Loaded   []LoadedIn `json:"loaded"`
+	Freed    []string   `json:"freed"`
+	Finished []string   `json:"finished"`
+	Load     []string   `json:"load"`
+	Ensure   []string   `json:"ensure"`
+	Has      []string   `json:"has"`
+}
+
+// LoadOut names the transfer a load reads, or why it cannot.
+type LoadOut struct {
+	MMHash     string `json:"mm_hash"`
+	TransferID string `json:"transfer_id,omitempty"`
+	Error      string `json:"error,omitempty"`
+}
+
+// EnsureOut answers ensure_cache_available for one request.
+type EnsureOut struct {
+	Ready  bool            `json:"ready"`
+	Failed []sched.Failure `json:"failed,omitempty"`
+}
+
+// StepOut is the answer to one step.
+type StepOut struct {
+	ExpectErrors map[string]string    `json:"expect_errors,omitempty"`
+	Load         []LoadOut            `json:"load,omitempty"`
+	Ensure       map[string]EnsureOut `json:"ensure,omitempty"`
+	Has          map[string]bool      `json:"has,omitempty"`
+	Cancelled    []string             `json:"cancelled,omitempty"`
+}
+
+// Step applies one scheduler step's worth of changes and answers its
+// questions under one lock acquisition, with no I/O: cancels for finished
+// requests are queued for the shard goroutines.
+func (s *Scheduler) Step(in StepIn) StepOut {
+	now := time.Now()
+	var out StepOut
+	s.mu.Lock()
+	for _, e := range in.Expect {
+		if err := s.table.Expect(e.RequestID, e.Items, now); err != nil {
+			if out.ExpectErrors == nil {
+				out.ExpectErrors = map[string]string{}
+			}
+			out.ExpectErrors[e.RequestID] = err.Error()
+			s.log.Warn("request refused", "request_id", e.RequestID, "cause", err)
+		}
+	}
+	for _, l := range in.Loaded {
+		s.table.Loaded(l.TransferID, l.OK, l.Reason, now)
+	}
+	for _, h := range in.Freed {
+		s.table.Freed(h, now)
+	}
+	for _, r := range in.Finished {
+		out.Cancelled = append(out.Cancelled, s.table.Finish(r, now)...)
+	}
+	for _, h := range in.Load {
+		id, err := s.table.StartLoad(h, now)
+		lo := LoadOut{MMHash: h, TransferID: id}
+		if err != nil {
+			lo.Error = err.Error()
+		}
+		out.Load = append(out.Load, lo)
+	}
+	for _, r := range in.Ensure {
+		if out.Ensure == nil {
+			out.Ensure = map[string]EnsureOut{}
+		}
+		ready, failed := s.table.Ensure(r, now)
+		out.Ensure[r] = EnsureOut{Ready: ready, Failed: failed}
+	}
+	for _, h := range in.Has {
+		if out.Has == nil {
+			out.Has = map[string]bool{}
+		}
+		out.Has[h] = s.table.Has(h)
+	}
+	s.changedLocked()
+	s.mu.Unlock()
+	if len(out.Cancelled) > 0 {
+		s.queueCancels(out.Cancelled)
+	}
+	return out
+}
+
+// queueCancels hands cancels to every shard goroutine without waiting; a
+// full queue drops them, which the shards' leases make harmless.
+func (s *Scheduler) queueCancels(ids []string) {
+	for i, ch := range s.cancels {
+		select {
+		case ch <- ids:
+		default:
+			s.log.Warn("cancel queue full; the shard's lease will reclaim the items", "shard", i, "items", len(ids))
+		}
+	}
+}
+
+// WaitOut sorts transfers by outcome.
+type WaitOut struct {
+	Available []string `json:"available"`
+	Failed    []string `json:"failed"`
+	Waiting   []string `json:"waiting"`
+}
+
+// Wait blocks until every transfer is available or failed, or ctx ends.
+// For tools and tests: the engine never calls it.
+func (s *Scheduler) Wait(ctx context.Context, transferIDs []string) WaitOut {
+	for {
+		s.mu.Lock()
+		var out WaitOut
+		for _, id := range transferIDs {
+			st, ok := s.table.Status(id)
+			switch {
+			case !ok:
+				out.Waiting = append(out.Waiting, id)
+			case st == sched.Available || st == sched.Loading || st == sched.Ready || st == sched.Resident:
+				out.Available = append(out.Available, id)
+			case st == sched.WaitingEvent:
+				out.Waiting = append(out.Waiting, id)
+			default:
+				out.Failed = append(out.Failed, id)
+			}
+		}
+		ch := s.changed
+		s.mu.Unlock()
+		if len(out.Waiting) == 0 {
+			return out
+		}
+		select {
+		case <-ctx.Done():
+			return out
+		case <-ch:
+		}
+	}
+}
+
+// Stats are the scheduler's counters.
+type Stats struct {
+	Table    sched.Stats      `json:"table"`
+	Resynced uint64           `json:"resynced_events"`
+	Events   control.SubStats `json:"events"`
+	Shards   []string         `json:"shards"`
+}
+
+// Stats returns a snapshot.
+func (s *Scheduler) Stats() Stats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return Stats{Table: s.table.Stats(), Resynced: s.resynced, Events: s.sub.Stats(), Shards: s.Shards()}
+}

@@ -1,0 +1,136 @@
+package transport
+
+import (
+	"bytes"
+	"encoding/binary"
+	"strings"
+	"testing"
+
+	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/stretchr/testify/require"
+)
+
+func sampleHeader() Header {
+	return Header{Seq: 7, Res: 42, Token: ids.Token{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}, Offset: 1 << 33, Length: MaxFrame}
+}
+
+func TestHeaderRoundTrip(t *testing.T) {
+	h := sampleHeader()
+	b := AppendHeader(nil, h)
+	require.Len(t, b, HeaderLen)
+	require.Equal(t, "ECMW", string(b[:4]))
+	got, err := DecodeHeader(b)
+	require.NoError(t, err)
+	require.Equal(t, h, got)
+}
+
+func TestDecodeHeaderRefuses(t *testing.T) {
+	good := AppendHeader(nil, sampleHeader())
+	with := func(f func(b []byte)) []byte {
+		b := bytes.Clone(good)
+		f(b)
+		return b
+	}
+	cases := []struct {
+		name string
+		b    []byte
+		want string
+	}{
+		{"empty", nil, "0 of 56 bytes"},
+		{"short", good[:HeaderLen-1], "55 of 56 bytes"},
+		{"bad magic", with(func(b []byte) { b[0] = 'X' }), "magic"},
+		{"ack magic", with(func(b []byte) { copy(b, ackMagic) }), "magic"},
+		{"version 0", with(func(b []byte) { b[4] = 0 }), "version 0"},
+		{"version 2", with(func(b []byte) { b[4] = 2 }), "version 2"},
+		{"flag bit", with(func(b []byte) { b[5] = 0x80 }), "flags"},
+		{"reserved low", with(func(b []byte) { b[6] = 1 }), "reserved"},
+		{"reserved high", with(func(b []byte) { b[7] = 1 }), "reserved"},
+		{"length over MaxFrame", with(func(b []byte) { binary.LittleEndian.PutUint64(b[48:], MaxFrame+1) }), "length"},
+		{"length huge", with(func(b []byte) { binary.LittleEndian.PutUint64(b[48:], ^uint64(0)) }), "length"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := DecodeHeader(c.b)
+			require.ErrorIs(t, err, ErrBadFrame)
+			require.Contains(t, err.Error(), c.want)
+		})
+	}
+}
+
+func TestAckRoundTrip(t *testing.T) {
+	cases := []struct {
+		name string
+		a    Ack
+		want Ack
+	}{
+		{"ok", Ack{Seq: 1, Status: StatusOK}, Ack{Seq: 1, Status: StatusOK}},
+		{"refusal with message", Ack{Seq: 1 << 60, Status: StatusGone, Msg: "res 3 gone"}, Ack{Seq: 1 << 60, Status: StatusGone, Msg: "res 3 gone"}},
+		{"long message truncated", Ack{Seq: 2, Status: StatusOther, Msg: strings.Repeat("x", MaxAckMsg+10)}, Ack{Seq: 2, Status: StatusOther, Msg: strings.Repeat("x", MaxAckMsg)}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			b := AppendAck(nil, c.a)
+			require.Len(t, b, AckHeaderLen+len(c.want.Msg))
+			got, err := DecodeAck(b)
+			require.NoError(t, err)
+			require.Equal(t, c.want, got)
+		})
+	}
+}
+
+func TestDecodeAckRefuses(t *testing.T) {
+	good := AppendAck(nil, Ack{Seq: 9, Status: StatusBadToken, Msg: "nope"})
+	long := AppendAck(nil, Ack{Seq: 9})
+	binary.LittleEndian.PutUint16(long[14:], MaxAckMsg+1)
+	long = append(long, make([]byte, MaxAckMsg+1)...)
+	cases := []struct {
+		name string
+		b    []byte
+		want string
+	}{
+		{"empty", nil, "0 of 16 bytes"},
+		{"short head", good[:AckHeaderLen-1], "15 of 16"},
+		{"short message", good[:len(good)-1], "message 3 of 4"},
+		{"frame magic", append([]byte(frameMagic), good[4:]...), "magic"},
+		{"message length over max", long, "message length"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := DecodeAck(c.b)
+			require.ErrorIs(t, err, ErrBadFrame)
+			require.Contains(t, err.Error(), c.want)
+		})
+	}
+}
+
+func FuzzDecodeHeader(f *testing.F) {
+	f.Add(AppendHeader(nil, sampleHeader()))
+	f.Add(AppendHeader(nil, Header{}))
+	f.Add([]byte("ECMW"))
+	f.Add(bytes.Repeat([]byte{0xff}, HeaderLen))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		h, err := DecodeHeader(b)
+		if err != nil {
+			require.ErrorIs(t, err, ErrBadFrame)
+			return
+		}
+		require.LessOrEqual(t, h.Length, uint64(MaxFrame))
+		require.Equal(t, b[:HeaderLen], AppendHeader(nil, h), "a valid header re-encodes to its input")
+	})
+}
+
+func FuzzDecodeAck(f *testing.F) {
+	f.Add(AppendAck(nil, Ack{Seq: 1, Status: StatusOK}))
+	f.Add(AppendAck(nil, Ack{Seq: 3, Status: StatusBadToken, Msg: "bad token"}))
+	f.Add([]byte("ECMA\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\xff\xff"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		a, err := DecodeAck(b)
+		if err != nil {
+			require.ErrorIs(t, err, ErrBadFrame)
+			return
+		}
+		require.LessOrEqual(t, len(a.Msg), MaxAckMsg)
+		enc := AppendAck(nil, a)
+		require.Equal(t, b[:len(enc)], enc, "a valid ack re-encodes to its input")
+	})
+}

@@ -1,0 +1,73 @@
+package transport
+
+import (
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// recvCounters backs RecvStats for every receiver implementation.
+type recvCounters struct {
+	frames, bytes, badConns atomic.Uint64
+
+	mu       sync.Mutex
+	rejected map[string]uint64
+}
+
+func (c *recvCounters) landed(n uint64) {
+	c.frames.Add(1)
+	c.bytes.Add(n)
+}
+
+func (c *recvCounters) reject(s Status) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.rejected == nil {
+		c.rejected = make(map[string]uint64)
+	}
+	c.rejected[s.String()]++
+}
+
+func (c *recvCounters) snapshot() RecvStats {
+	c.mu.Lock()
+	rej := make(map[string]uint64, len(c.rejected))
+	for k, v := range c.rejected {
+		rej[k] = v
+	}
+	c.mu.Unlock()
+	return RecvStats{
+		Frames:   c.frames.Load(),
+		Bytes:    c.bytes.Load(),
+		Rejected: rej,
+		BadConns: c.badConns.Load(),
+	}
+}
+
+// logEvery is the shortest gap between two log lines from one limiter.
+const logEvery = time.Second
+
+// logLimiter keeps a peer that sends garbage or stale frames in a loop from
+// flooding the log: one line per logEvery, carrying how many were dropped.
+type logLimiter struct {
+	mu      sync.Mutex
+	last    time.Time
+	dropped int
+}
+
+func (l *logLimiter) warn(log *slog.Logger, msg string, args ...any) {
+	l.mu.Lock()
+	now := time.Now()
+	if !l.last.IsZero() && now.Sub(l.last) < logEvery {
+		l.dropped++
+		l.mu.Unlock()
+		return
+	}
+	dropped := l.dropped
+	l.last, l.dropped = now, 0
+	l.mu.Unlock()
+	if dropped > 0 {
+		args = append(args, "suppressed", dropped)
+	}
+	log.Warn(msg, args...)
+}

@@ -1,0 +1,92 @@
+package transport
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"time"
+)
+
+// Defaults applied by NewTCP to zero fields of TCPConfig.
+const (
+	DefaultConns       = 4
+	DefaultChunkSize   = 8 << 20
+	DefaultDialTimeout = 5 * time.Second
+)
+
+// TCPConfig tunes the native TCP transport. Zero values take the defaults.
+type TCPConfig struct {
+	// Conns is the number of persistent connections per destination; a
+	// large item is split so that its chunks travel over all of them at
+	// once.
+	Conns int
+	// ChunkSize is the largest frame payload; items above it are split.
+	// Capped at MaxFrame.
+	ChunkSize int
+	// DialTimeout bounds one connection attempt (a ctx deadline that comes
+	// sooner wins).
+	DialTimeout time.Duration
+	// SocketBuffer, when positive, sets SO_SNDBUF and SO_RCVBUF on every
+	// connection; zero leaves the kernel's autotuning alone.
+	SocketBuffer int
+	// Logger receives rate-limited warnings about refused frames and bad
+	// peers. Nil means slog.Default().
+	Logger *slog.Logger
+}
+
+// TCP is the embedded default transport: host memory over plain TCP
+// connections, with no copy on either side beyond the kernel's.
+type TCP struct {
+	cfg TCPConfig
+}
+
+// NewTCP returns a TCP transport with cfg's zero fields defaulted.
+func NewTCP(cfg TCPConfig) *TCP {
+	if cfg.Conns <= 0 {
+		cfg.Conns = DefaultConns
+	}
+	if cfg.ChunkSize <= 0 {
+		cfg.ChunkSize = DefaultChunkSize
+	}
+	cfg.ChunkSize = min(cfg.ChunkSize, MaxFrame)
+	if cfg.DialTimeout <= 0 {
+		cfg.DialTimeout = DefaultDialTimeout
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return &TCP{cfg: cfg}
+}
+
+// Name implements Transport.
+func (t *TCP) Name() string { return "tcp" }
+
+// Listen starts a receiver on addr ("host:port"; port 0 picks one; IPv4,
+// bracketed IPv6 and host names all work) that feeds sink.
+func (t *TCP) Listen(addr string, sink Sink) (Receiver, error) {
+	if sink == nil {
+		return nil, errors.New("transport: tcp listen: nil sink")
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("transport: tcp listen %s: %w", addr, err)
+	}
+	r := newTCPReceiver(ln, sink, t.cfg)
+	return r, nil
+}
+
+// NewWriter returns a writer with its own connection pools.
+func (t *TCP) NewWriter() Writer { return newTCPWriter(t.cfg) }
+
+// tuneConn applies the socket settings both ends share.
+func tuneConn(c net.Conn, cfg TCPConfig) {
+	tc, ok := c.(*net.TCPConn)
+	if !ok || cfg.SocketBuffer <= 0 {
+		return
+	}
+	// Best effort: the kernel clamps to its limits and a refusal only costs
+	// throughput, never correctness.
+	_ = tc.SetReadBuffer(cfg.SocketBuffer)
+	_ = tc.SetWriteBuffer(cfg.SocketBuffer)
+}

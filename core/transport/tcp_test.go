@@ -1,0 +1,415 @@
+package transport
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/stretchr/testify/require"
+)
+
+// eventually bounds waits for something another goroutine does; it is a
+// hang guard, never a speed assertion.
+const eventually = 20 * time.Second
+
+func newTCP(cfg TCPConfig) *TCP {
+	cfg.Logger = quiet
+	return NewTCP(cfg)
+}
+
+func listenTCP(t *testing.T, tr *TCP, sink Sink) *tcpReceiver {
+	t.Helper()
+	return listen(t, tr, "127.0.0.1:0", sink).(*tcpReceiver)
+}
+
+func dialRaw(t *testing.T, addr string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	require.NoError(t, c.SetDeadline(time.Now().Add(eventually)))
+	return c
+}
+
+func sendFrame(t *testing.T, c net.Conn, h Header, payload []byte) {
+	t.Helper()
+	_, err := c.Write(append(AppendHeader(nil, h), payload...))
+	require.NoError(t, err)
+}
+
+func readAck(t *testing.T, c net.Conn) Ack {
+	t.Helper()
+	head := make([]byte, AckHeaderLen)
+	_, err := io.ReadFull(c, head)
+	require.NoError(t, err)
+	n := binary.LittleEndian.Uint16(head[14:])
+	msg := make([]byte, n)
+	_, err = io.ReadFull(c, msg)
+	require.NoError(t, err)
+	a, err := DecodeAck(append(head, msg...))
+	require.NoError(t, err)
+	return a
+}
+
+func TestTCPRefusalsKeepTheConnection(t *testing.T) {
+	sink := newMemSink(1 << 20)
+	r := listenTCP(t, newTCP(TCPConfig{}), sink)
+	res, tok := sink.reserve(t, 1000)
+	gone, goneTok := sink.reserve(t, 1000)
+	sink.markGone(gone)
+	c := dialRaw(t, r.Addr())
+
+	cases := []struct {
+		name      string
+		h         Header
+		want      Status
+		sinkCalls int
+	}{
+		{"offset+length overflows", Header{Res: res, Token: tok, Offset: ^uint64(0) - 10, Length: 100}, StatusOutOfBounds, 0},
+		{"offset past the end", Header{Res: res, Token: tok, Offset: 1000, Length: 1}, StatusOutOfBounds, 1},
+		{"length past the end", Header{Res: res, Token: tok, Offset: 1, Length: 1000}, StatusOutOfBounds, 1},
+		{"bad token", Header{Res: res, Token: ids.Token{9}, Length: 10}, StatusBadToken, 1},
+		{"zero token", Header{Res: res, Length: 10}, StatusBadToken, 1},
+		{"unknown res", Header{Res: 777, Token: tok, Length: 10}, StatusUnknownRes, 1},
+		{"gone", Header{Res: gone, Token: goneTok, Length: 10}, StatusGone, 1},
+		{"valid", Header{Res: res, Token: tok, Offset: 100, Length: 900}, StatusOK, 1},
+	}
+	for i, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			before := sink.beginCount()
+			tc.h.Seq = uint64(100 + i)
+			payload := randBytes(uint64(i), int(tc.h.Length))
+			sendFrame(t, c, tc.h, payload)
+			a := readAck(t, c)
+			require.Equal(t, tc.h.Seq, a.Seq, "the ack names the frame")
+			require.Equal(t, tc.want, a.Status, a.Msg)
+			require.Equal(t, tc.sinkCalls, sink.beginCount()-before)
+			if tc.want == StatusOK {
+				require.Empty(t, a.Msg)
+				require.Equal(t, payload, sink.region(res)[100:])
+			} else {
+				require.NotEmpty(t, a.Msg, "a refusal says why")
+				require.NotContains(t, a.Msg, tok.String(), "the token never goes back on the wire")
+			}
+		})
+	}
+	st := r.Stats()
+	require.Equal(t, map[string]uint64{"out_of_bounds": 3, "bad_token": 2, "unknown_res": 1, "gone": 1}, st.Rejected)
+	require.Equal(t, uint64(1), st.Frames)
+	require.Zero(t, st.BadConns)
+	require.Equal(t, uint64(1), r.accepted.Load(), "every frame used the one connection")
+}
+
+func TestTCPGarbageClosesOnlyThatConnection(t *testing.T) {
+	tr := newTCP(TCPConfig{})
+	sink := newMemSink(1 << 20)
+	r := listenTCP(t, tr, sink)
+	w := newWriter(t, tr)
+	res, tok := sink.reserve(t, 4096)
+	check := func(seed uint64) {
+		it := WriteItem{res, tok, randBytes(seed, 4096)}
+		requireLanded(t, sink, []WriteItem{it}, write(t, w, r.Addr(), it))
+	}
+	check(1)
+
+	good := AppendHeader(nil, Header{Res: res, Token: tok, Length: 1})
+	mutate := func(f func(b []byte)) []byte {
+		b := bytes.Clone(good)
+		f(b)
+		return b
+	}
+	cases := []struct {
+		name string
+		b    []byte
+	}{
+		{"text", []byte(strings.Repeat("GET / HTTP/1.1\r\n", 4))[:HeaderLen]},
+		{"random", randBytes(99, HeaderLen)},
+		{"ack instead of frame", append(AppendAck(nil, Ack{Seq: 1}), make([]byte, HeaderLen-AckHeaderLen)...)},
+		{"future version", mutate(func(b []byte) { b[4] = 9 })},
+		{"flag set", mutate(func(b []byte) { b[5] = 1 })},
+		{"reserved set", mutate(func(b []byte) { b[6] = 1 })},
+		{"length over MaxFrame", mutate(func(b []byte) { binary.LittleEndian.PutUint64(b[48:], MaxFrame+1) })},
+	}
+	for i, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			c := dialRaw(t, r.Addr())
+			_, err := c.Write(tc.b)
+			require.NoError(t, err)
+			_, err = c.Read(make([]byte, 1))
+			require.ErrorIs(t, err, io.EOF, "the receiver hangs up")
+			require.Equal(t, uint64(i+1), r.Stats().BadConns)
+			check(uint64(10 + i))
+		})
+	}
+
+	t.Run("half a header then hang up", func(t *testing.T) {
+		c := dialRaw(t, r.Addr())
+		_, err := c.Write(good[:10])
+		require.NoError(t, err)
+		require.NoError(t, c.Close())
+		check(50)
+	})
+	require.Zero(t, sink.beginCount()-len(sink.beginsOf(res)), "garbage never reached the sink")
+}
+
+func TestTCPWriterDiesMidPayload(t *testing.T) {
+	sink := newMemSink(1 << 20)
+	r := listenTCP(t, newTCP(TCPConfig{}), sink)
+	res, tok := sink.reserve(t, 1000)
+	c := dialRaw(t, r.Addr())
+	sendFrame(t, c, Header{Seq: 1, Res: res, Token: tok, Length: 1000}, randBytes(1, 400))
+	require.NoError(t, c.Close())
+	require.Eventually(t, func() bool { return len(sink.endsOf(res)) == 1 }, eventually, time.Millisecond)
+	require.Equal(t, []bool{false}, sink.endsOf(res))
+	require.Zero(t, r.Stats().Frames)
+	require.Zero(t, r.Stats().BadConns, "a torn frame is a dead peer, not a bad one")
+}
+
+func TestTCPReceiverClosedMidWrite(t *testing.T) {
+	tr := newTCP(TCPConfig{})
+	sink := newGateSink(64 << 20)
+	r, err := tr.Listen("127.0.0.1:0", sink)
+	require.NoError(t, err)
+	t.Cleanup(func() { sink.open(); _ = r.Close() })
+	w := newWriter(t, tr)
+	res, tok := sink.reserve(t, 32<<20)
+
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	done := make(chan []error)
+	go func() { done <- w.Write(ctx, r.Addr(), []WriteItem{{res, tok, randBytes(1, 32<<20)}}) }()
+	<-sink.began
+	closed := make(chan struct{})
+	go func() { _ = r.Close(); close(closed) }()
+
+	errs := <-done
+	require.ErrorIs(t, errs[0], ErrConnLost)
+	require.NoError(t, ctx.Err(), "Write returned because the connection broke, not because time ran out")
+	require.Contains(t, errs[0].Error(), r.Addr())
+
+	sink.open()
+	<-closed
+	sink.requireBalanced(t)
+	require.NotContains(t, sink.endsOf(res), true)
+}
+
+func TestTCPWriteReturnsByDeadline(t *testing.T) {
+	tr := newTCP(TCPConfig{})
+	sink := newGateSink(64 << 20)
+	r := listenTCP(t, tr, sink)
+	t.Cleanup(sink.open)
+	w := newWriter(t, tr)
+	res, tok := sink.reserve(t, 32<<20)
+	src := randBytes(1, 32<<20)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	errs := w.Write(ctx, r.Addr(), []WriteItem{{res, tok, src}})
+	require.ErrorIs(t, errs[0], context.DeadlineExceeded)
+	require.Contains(t, errs[0].Error(), r.Addr())
+
+	// The writer stays usable. A fresh reservation, because the torn frames
+	// may still be draining into the old one.
+	sink.open()
+	res2, tok2 := sink.reserve(t, 32<<20)
+	it := WriteItem{res2, tok2, src}
+	requireLanded(t, sink.memSink, []WriteItem{it}, write(t, w, r.Addr(), it))
+}
+
+func TestTCPCloseWithWritesInFlight(t *testing.T) {
+	tr := newTCP(TCPConfig{})
+	sink := newGateSink(64 << 20)
+	r := listenTCP(t, tr, sink)
+	t.Cleanup(sink.open)
+	w := tr.NewWriter()
+	res, tok := sink.reserve(t, 32<<20)
+
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	done := make(chan []error)
+	go func() {
+		done <- w.Write(ctx, r.Addr(), []WriteItem{{res, tok, randBytes(1, 32<<20)}, {res, tok, []byte{1}}})
+	}()
+	<-sink.began
+	require.NoError(t, w.Close())
+	for _, err := range <-done {
+		require.ErrorIs(t, err, ErrClosed)
+	}
+	require.NoError(t, ctx.Err())
+	require.NoError(t, w.Close())
+
+	sink.open()
+	require.NoError(t, r.Close())
+	sink.requireBalanced(t)
+}
+
+func TestTCPChunksSpreadOverThePool(t *testing.T) {
+	const chunk = 1 << 20
+	tr := newTCP(TCPConfig{Conns: 4, ChunkSize: chunk})
+	sink := newMemSink(32 << 20)
+	r := listenTCP(t, tr, sink)
+	w := newWriter(t, tr)
+
+	big, bigTok := sink.reserve(t, 4*chunk)
+	it := WriteItem{big, bigTok, randBytes(1, 4*chunk)}
+	requireLanded(t, sink, []WriteItem{it}, write(t, w, r.Addr(), it))
+	var offs []uint64
+	for _, b := range sink.beginsOf(big) {
+		require.Equal(t, uint64(chunk), b.n)
+		offs = append(offs, b.off)
+	}
+	require.ElementsMatch(t, []uint64{0, chunk, 2 * chunk, 3 * chunk}, offs)
+	require.Equal(t, uint64(4), r.accepted.Load(), "the four chunks took the four connections")
+
+	var items []WriteItem
+	for i := range 20 {
+		res, tok := sink.reserve(t, chunk/2)
+		items = append(items, WriteItem{res, tok, randBytes(uint64(i), chunk/2)})
+	}
+	requireLanded(t, sink, items, write(t, w, r.Addr(), items...))
+	require.Equal(t, uint64(4), r.accepted.Load(), "connections persist between writes")
+}
+
+func TestTCPRedialsAfterThePeerDrops(t *testing.T) {
+	tr := newTCP(TCPConfig{Conns: 2})
+	sink := newMemSink(1 << 20)
+	r := listenTCP(t, tr, sink)
+	w := newWriter(t, tr).(*tcpWriter)
+	res, tok := sink.reserve(t, 1000)
+	it := WriteItem{res, tok, randBytes(1, 1000)}
+	requireLanded(t, sink, []WriteItem{it}, write(t, w, r.Addr(), it))
+
+	r.mu.Lock()
+	for c := range r.conns {
+		_ = c.Close()
+	}
+	r.mu.Unlock()
+	require.Eventually(t, func() bool {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return len(w.conns) == 0
+	}, eventually, time.Millisecond, "the writer notices the dropped connection")
+
+	it.Src = randBytes(2, 1000)
+	requireLanded(t, sink, []WriteItem{it}, write(t, w, r.Addr(), it))
+	require.Equal(t, uint64(2), r.accepted.Load())
+}
+
+func TestTCPListenAddresses(t *testing.T) {
+	cases := []struct {
+		name, listen string
+		dest         func(addr string) string
+	}{
+		{"ipv4", "127.0.0.1:0", func(a string) string { return a }},
+		{"ipv6", "[::1]:0", func(a string) string { return a }},
+		{"hostname", "localhost:0", func(a string) string {
+			_, port, _ := net.SplitHostPort(a)
+			return net.JoinHostPort("localhost", port)
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			tr := newTCP(TCPConfig{})
+			sink := newMemSink(1 << 20)
+			r, err := tr.Listen(tc.listen, sink)
+			if err != nil && tc.name == "ipv6" {
+				t.Skipf("no IPv6 loopback here: %v", err)
+			}
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = r.Close() })
+			w := newWriter(t, tr)
+			res, tok := sink.reserve(t, 5000)
+			it := WriteItem{res, tok, randBytes(1, 5000)}
+			requireLanded(t, sink, []WriteItem{it}, write(t, w, tc.dest(r.Addr()), it))
+		})
+	}
+}
+
+func TestTCPListenErrors(t *testing.T) {
+	tr := newTCP(TCPConfig{})
+	_, err := tr.Listen("127.0.0.1:0", nil)
+	require.Error(t, err)
+	_, err = tr.Listen("256.0.0.1:0", newMemSink(1))
+	require.ErrorContains(t, err, "256.0.0.1:0")
+}
+
+func TestNewTCPDefaults(t *testing.T) {
+	cases := []struct {
+		in   TCPConfig
+		want TCPConfig
+	}{
+		{TCPConfig{}, TCPConfig{Conns: DefaultConns, ChunkSize: DefaultChunkSize, DialTimeout: DefaultDialTimeout}},
+		{TCPConfig{Conns: 2, ChunkSize: 2 * MaxFrame, DialTimeout: time.Second, SocketBuffer: 1 << 20},
+			TCPConfig{Conns: 2, ChunkSize: MaxFrame, DialTimeout: time.Second, SocketBuffer: 1 << 20}},
+	}
+	for _, tc := range cases {
+		got := NewTCP(tc.in).cfg
+		require.NotNil(t, got.Logger)
+		got.Logger = nil
+		require.Equal(t, tc.want, got)
+	}
+}
+
+// transportGoroutines lists live goroutines running this package's
+// methods (test goroutines run plain functions and do not match).
+func transportGoroutines() []string {
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	var out []string
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if strings.Contains(g, "core/transport.(*") {
+			out = append(out, g)
+		}
+	}
+	return out
+}
+
+func TestTCPNoGoroutineLeftAfterClose(t *testing.T) {
+	tr := newTCP(TCPConfig{SocketBuffer: 1 << 20})
+	sink := newMemSink(32 << 20)
+	r, err := tr.Listen("127.0.0.1:0", sink)
+	require.NoError(t, err)
+	w := tr.NewWriter()
+	res, tok := sink.reserve(t, 16<<20)
+	it := WriteItem{res, tok, randBytes(1, 16<<20)}
+	requireLanded(t, sink, []WriteItem{it}, write(t, w, r.Addr(), it))
+	errs := write(t, w, r.Addr(), WriteItem{res, ids.Token{1}, []byte{1}})
+	require.ErrorIs(t, errs[0], ErrBadToken)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	w.Write(ctx, r.Addr(), []WriteItem{it})
+	raw := dialRaw(t, r.Addr())
+	_, err = raw.Write([]byte("garbage"))
+	require.NoError(t, err)
+
+	require.NotEmpty(t, transportGoroutines())
+	require.NoError(t, w.Close())
+	require.NoError(t, r.Close())
+	require.Eventually(t, func() bool { return len(transportGoroutines()) == 0 }, eventually, time.Millisecond,
+		"left behind: %v", transportGoroutines())
+	sink.requireBalanced(t)
+}
+
+func TestLoopbackCeiling(t *testing.T) {
+	bps, err := LoopbackCeiling(context.Background(), 16<<20, 2)
+	require.NoError(t, err)
+	require.Positive(t, bps)
+
+	_, err = LoopbackCeiling(context.Background(), 0, 2)
+	require.Error(t, err)
+	_, err = LoopbackCeiling(context.Background(), 1, 0)
+	require.Error(t, err)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err = LoopbackCeiling(ctx, 1<<30, 2)
+	require.True(t, errors.Is(err, context.Canceled), "%v", err)
+}

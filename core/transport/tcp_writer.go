@@ -1,0 +1,622 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"runtime/debug"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// ackDrain bounds how long a connection whose sending side broke keeps
+// reading acks for the frames it had already sent in full.
+const ackDrain = 5 * time.Second
+
+// longAgo is a deadline in the past: setting it interrupts a blocked write.
+var longAgo = time.Unix(1, 0)
+
+// tcpWriter owns one pool of connection slots per destination. Each slot
+// has a sender goroutine that writes queued chunks in order on the slot's
+// current connection, dialing lazily; each connection has an ack-reader
+// goroutine that settles chunks by seq.
+type tcpWriter struct {
+	cfg    TCPConfig
+	log    *slog.Logger
+	dialer net.Dialer
+	seq    atomic.Uint64
+
+	// ctx is cancelled by Close so that dials in progress give up.
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	closeOnce sync.Once
+	shut      atomic.Bool
+	wg        sync.WaitGroup
+
+	mu     sync.Mutex
+	closed bool
+	pools  map[string]*pool
+	conns  map[*wconn]struct{}
+}
+
+func newTCPWriter(cfg TCPConfig) *tcpWriter {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &tcpWriter{
+		cfg:    cfg,
+		log:    cfg.Logger.With("transport", "tcp"),
+		dialer: net.Dialer{Timeout: cfg.DialTimeout},
+		ctx:    ctx,
+		cancel: cancel,
+		pools:  make(map[string]*pool),
+		conns:  make(map[*wconn]struct{}),
+	}
+}
+
+type pool struct {
+	next  atomic.Uint64
+	slots []*slot
+}
+
+func (w *tcpWriter) pool(dest string) (*pool, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed {
+		return nil, ErrClosed
+	}
+	p := w.pools[dest]
+	if p == nil {
+		p = &pool{slots: make([]*slot, w.cfg.Conns)}
+		for i := range p.slots {
+			s := &slot{w: w, dest: dest, q: newChunkQueue()}
+			p.slots[i] = s
+			w.wg.Add(1)
+			go s.run()
+		}
+		w.pools[dest] = p
+	}
+	return p, nil
+}
+
+// Write implements Writer. Chunks are dealt round-robin over the pool,
+// continuing where the previous call stopped, so that both one large item
+// and many small ones keep every connection busy.
+func (w *tcpWriter) Write(ctx context.Context, dest string, items []WriteItem) []error {
+	c := newCall(ctx, dest, items)
+	if len(items) == 0 {
+		return c.errs
+	}
+	if err := ctx.Err(); err != nil {
+		return c.failAll(err)
+	}
+	p, err := w.pool(dest)
+	if err != nil {
+		return c.failAll(err)
+	}
+	chunks := c.chunks(w.cfg.ChunkSize)
+	n := uint64(len(chunks))
+	start := p.next.Add(n) - n
+	for j := range chunks {
+		ch := &chunks[j]
+		if !p.slots[(start+uint64(j))%uint64(len(p.slots))].q.push(ch) {
+			ch.settle(ErrClosed)
+		}
+	}
+	select {
+	case <-c.done:
+	case <-ctx.Done():
+	}
+	return c.finish()
+}
+
+// Close implements Writer.
+func (w *tcpWriter) Close() error {
+	w.closeOnce.Do(func() {
+		w.mu.Lock()
+		w.closed = true
+		w.shut.Store(true)
+		pools := w.pools
+		conns := make([]*wconn, 0, len(w.conns))
+		for wc := range w.conns {
+			conns = append(conns, wc)
+		}
+		w.mu.Unlock()
+		w.cancel()
+		for _, p := range pools {
+			for _, s := range p.slots {
+				for _, ch := range s.q.close() {
+					ch.settle(ErrClosed)
+				}
+			}
+		}
+		for _, wc := range conns {
+			wc.failAll(ErrClosed)
+			_ = wc.c.Close()
+		}
+	})
+	w.wg.Wait()
+	return nil
+}
+
+// lost names why a chunk on a dead connection failed: the writer's own
+// Close, or the connection.
+func (w *tcpWriter) lost(cause error) error {
+	if w.shut.Load() {
+		return ErrClosed
+	}
+	if errors.Is(cause, io.EOF) {
+		cause = errors.New("receiver closed the connection")
+	}
+	return fmt.Errorf("%w: %w", ErrConnLost, cause)
+}
+
+func (w *tcpWriter) track(wc *wconn) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed {
+		return false
+	}
+	w.conns[wc] = struct{}{}
+	w.wg.Add(1)
+	go wc.readAcks()
+	return true
+}
+
+func (w *tcpWriter) forget(wc *wconn) {
+	w.mu.Lock()
+	delete(w.conns, wc)
+	w.mu.Unlock()
+}
+
+// call is the state of one Write: per-item outcomes, and a count of the
+// chunks whose Src a sender is reading, so that Write never returns while
+// the transport still holds a reference into the caller's memory.
+type call struct {
+	ctx   context.Context
+	dest  string
+	items []WriteItem
+	done  chan struct{}
+
+	mu        sync.Mutex
+	errs      []error
+	left      []int
+	itemsLeft int
+	finished  bool
+	writing   int
+	idle      chan struct{}
+}
+
+func newCall(ctx context.Context, dest string, items []WriteItem) *call {
+	return &call{
+		ctx:   ctx,
+		dest:  dest,
+		items: items,
+		done:  make(chan struct{}),
+		errs:  make([]error, len(items)),
+		left:  make([]int, len(items)),
+	}
+}
+
+func (c *call) failAll(err error) []error {
+	for i, it := range c.items {
+		c.errs[i] = itemErr("tcp", c.dest, it.Res, 0, len(it.Src), err)
+	}
+	return c.errs
+}
+
+func (c *call) chunks(size int) []chunk {
+	var out []chunk
+	for i, it := range c.items {
+		spans := split(len(it.Src), size)
+		c.left[i] = len(spans)
+		for _, sp := range spans {
+			out = append(out, chunk{call: c, item: i, off: sp.off, end: sp.end})
+		}
+	}
+	c.itemsLeft = len(c.items)
+	return out
+}
+
+// begin reports whether a sender may start reading a chunk's Src.
+func (c *call) begin() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.finished {
+		return false
+	}
+	c.writing++
+	return true
+}
+
+func (c *call) end() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.writing--
+	if c.writing == 0 && c.idle != nil {
+		close(c.idle)
+		c.idle = nil
+	}
+}
+
+func (c *call) settle(item int, err error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.finished {
+		return
+	}
+	if err != nil && c.errs[item] == nil {
+		c.errs[item] = err
+	}
+	c.left[item]--
+	if c.left[item] == 0 {
+		c.itemsLeft--
+		if c.itemsLeft == 0 {
+			close(c.done)
+		}
+	}
+}
+
+// finish freezes the outcome. Items still open can only be left because
+// ctx ended. It then waits for senders still inside this call's Src; a
+// cancelled ctx has already interrupted their writes, so the wait is short.
+func (c *call) finish() []error {
+	c.mu.Lock()
+	c.finished = true
+	for i, it := range c.items {
+		if c.left[i] > 0 && c.errs[i] == nil {
+			c.errs[i] = itemErr("tcp", c.dest, it.Res, 0, len(it.Src), c.ctx.Err())
+		}
+	}
+	var idle chan struct{}
+	if c.writing > 0 {
+		c.idle = make(chan struct{})
+		idle = c.idle
+	}
+	c.mu.Unlock()
+	if idle != nil {
+		<-idle
+	}
+	return c.errs
+}
+
+// chunk is one frame of one item.
+type chunk struct {
+	call     *call
+	item     int
+	off, end int
+	seq      uint64
+	hdr      [HeaderLen]byte
+	settled  atomic.Bool
+}
+
+// settle records the chunk's outcome once, whoever gets there first: the
+// ack reader, the sender, or Close.
+func (ch *chunk) settle(cause error) {
+	if !ch.settled.CompareAndSwap(false, true) {
+		return
+	}
+	var err error
+	if cause != nil {
+		c := ch.call
+		err = itemErr("tcp", c.dest, c.items[ch.item].Res, ch.off, ch.end, cause)
+	}
+	ch.call.settle(ch.item, err)
+}
+
+// chunkQueue is an unbounded FIFO so that Write never blocks on a busy
+// connection; the ctx of each call bounds how long its chunks wait.
+type chunkQueue struct {
+	mu     sync.Mutex
+	q      []*chunk
+	closed bool
+	ready  chan struct{}
+}
+
+func newChunkQueue() chunkQueue { return chunkQueue{ready: make(chan struct{}, 1)} }
+
+func (q *chunkQueue) push(ch *chunk) bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.closed {
+		return false
+	}
+	q.q = append(q.q, ch)
+	select {
+	case q.ready <- struct{}{}:
+	default:
+	}
+	return true
+}
+
+// pop blocks for the next chunk; nil means the queue was closed.
+func (q *chunkQueue) pop() *chunk {
+	for {
+		q.mu.Lock()
+		if q.closed {
+			q.mu.Unlock()
+			return nil
+		}
+		if len(q.q) > 0 {
+			ch := q.q[0]
+			q.q[0] = nil
+			q.q = q.q[1:]
+			q.mu.Unlock()
+			return ch
+		}
+		q.mu.Unlock()
+		<-q.ready
+	}
+}
+
+func (q *chunkQueue) close() []*chunk {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.closed {
+		return nil
+	}
+	q.closed = true
+	rest := q.q
+	q.q = nil
+	close(q.ready)
+	return rest
+}
+
+// slot is one connection's worth of a pool. wc belongs to run's goroutine.
+type slot struct {
+	w    *tcpWriter
+	dest string
+	q    chunkQueue
+	wc   *wconn
+}
+
+func (s *slot) run() {
+	defer s.w.wg.Done()
+	for ch := s.q.pop(); ch != nil; ch = s.q.pop() {
+		s.send(ch)
+	}
+}
+
+func (s *slot) send(ch *chunk) {
+	c := ch.call
+	if !c.begin() {
+		return // Write has returned: its Src may already be gone.
+	}
+	defer c.end()
+	defer func() {
+		if p := recover(); p != nil {
+			s.w.log.Error("transport: panic sending frame", "dest", s.dest, "panic", p, "stack", string(debug.Stack()))
+			if s.wc != nil {
+				s.retire(s.wc)
+			}
+			ch.settle(fmt.Errorf("%w: panic: %v", ErrConnLost, p))
+		}
+	}()
+	wc, err := s.conn(c.ctx)
+	if err != nil {
+		ch.settle(err)
+		return
+	}
+	it := c.items[ch.item]
+	ch.seq = s.w.seq.Add(1)
+	AppendHeader(ch.hdr[:0], Header{
+		Seq: ch.seq, Res: it.Res, Token: it.Token,
+		Offset: uint64(ch.off), Length: uint64(ch.end - ch.off),
+	})
+	// Registered before the first byte goes out: the ack can overtake the
+	// return from the write.
+	if !wc.add(ch) {
+		s.retire(wc)
+		ch.settle(s.w.lost(errors.New("connection closed")))
+		return
+	}
+	err = wc.writeFrame(c.ctx, ch.hdr[:], it.Src[ch.off:ch.end])
+	if err == nil {
+		return
+	}
+	// The stream is out of step after a partial frame: stop sending on it.
+	s.retire(wc)
+	if wc.take(ch.seq) == nil {
+		return
+	}
+	if ctxErr := ctxEnded(c.ctx, err); ctxErr != nil {
+		ch.settle(ctxErr)
+		return
+	}
+	ch.settle(s.w.lost(err))
+}
+
+// ctxEnded reports ctx's error when err came from ctx ending. The write
+// deadline copied from ctx can fire a moment before ctx's own timer does, so
+// a timeout at or past the deadline counts as the deadline.
+func ctxEnded(ctx context.Context, err error) error {
+	if ctxErr := ctx.Err(); ctxErr != nil {
+		return ctxErr
+	}
+	if dl, ok := ctx.Deadline(); ok && errors.Is(err, os.ErrDeadlineExceeded) && !time.Now().Before(dl) {
+		return context.DeadlineExceeded
+	}
+	return nil
+}
+
+func (s *slot) conn(ctx context.Context) (*wconn, error) {
+	if s.wc != nil {
+		if s.wc.usable() {
+			return s.wc, nil
+		}
+		s.wc = nil
+	}
+	w := s.w
+	dctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stop := context.AfterFunc(w.ctx, cancel)
+	defer stop()
+	c, err := w.dialer.DialContext(dctx, "tcp", s.dest)
+	if err != nil {
+		if w.shut.Load() {
+			return nil, ErrClosed
+		}
+		if ctxErr := ctx.Err(); ctxErr != nil {
+			return nil, fmt.Errorf("dial: %w", ctxErr)
+		}
+		return nil, fmt.Errorf("%w: %w", ErrUnreachable, err)
+	}
+	tuneConn(c, w.cfg)
+	wc := &wconn{w: w, c: c, pending: make(map[uint64]*chunk)}
+	if !w.track(wc) {
+		_ = c.Close()
+		return nil, ErrClosed
+	}
+	s.wc = wc
+	return wc, nil
+}
+
+func (s *slot) retire(wc *wconn) {
+	if s.wc == wc {
+		s.wc = nil
+	}
+	wc.stopSending()
+}
+
+// wconn is one live connection: the slot's sender writes on it, its ack
+// reader reads from it and owns closing it.
+type wconn struct {
+	w *tcpWriter
+	c net.Conn
+
+	mu      sync.Mutex
+	dead    bool
+	pending map[uint64]*chunk
+
+	// dlMu and gen keep a late ctx interrupt of one frame from hitting the
+	// write deadline of the next.
+	dlMu sync.Mutex
+	gen  uint64
+}
+
+func (wc *wconn) usable() bool {
+	wc.mu.Lock()
+	defer wc.mu.Unlock()
+	return !wc.dead
+}
+
+func (wc *wconn) add(ch *chunk) bool {
+	wc.mu.Lock()
+	defer wc.mu.Unlock()
+	if wc.dead {
+		return false
+	}
+	wc.pending[ch.seq] = ch
+	return true
+}
+
+func (wc *wconn) take(seq uint64) *chunk {
+	wc.mu.Lock()
+	defer wc.mu.Unlock()
+	ch := wc.pending[seq]
+	delete(wc.pending, seq)
+	return ch
+}
+
+func (wc *wconn) failAll(err error) {
+	wc.mu.Lock()
+	wc.dead = true
+	pending := wc.pending
+	wc.pending = make(map[uint64]*chunk)
+	wc.mu.Unlock()
+	for _, ch := range pending {
+		ch.settle(err)
+	}
+}
+
+// writeFrame writes header and payload in one writev, straight from the
+// caller's memory. ctx bounds it through the write deadline, and a cancel
+// without a deadline interrupts it the same way.
+func (wc *wconn) writeFrame(ctx context.Context, hdr, payload []byte) error {
+	deadline, _ := ctx.Deadline()
+	wc.dlMu.Lock()
+	gen := wc.gen
+	err := wc.c.SetWriteDeadline(deadline)
+	wc.dlMu.Unlock()
+	if err != nil {
+		return err
+	}
+	stop := context.AfterFunc(ctx, func() {
+		wc.dlMu.Lock()
+		defer wc.dlMu.Unlock()
+		if wc.gen == gen {
+			_ = wc.c.SetWriteDeadline(longAgo)
+		}
+	})
+	bufs := net.Buffers{hdr, payload}
+	_, err = bufs.WriteTo(wc.c)
+	stop()
+	wc.dlMu.Lock()
+	wc.gen++
+	wc.dlMu.Unlock()
+	return err
+}
+
+// stopSending half-closes: the receiver sees EOF on the torn frame and
+// settles it with EndWrite(false), while acks for the frames sent in full
+// before it can still come back.
+func (wc *wconn) stopSending() {
+	wc.mu.Lock()
+	wc.dead = true
+	wc.mu.Unlock()
+	if tc, ok := wc.c.(*net.TCPConn); ok && tc.CloseWrite() == nil {
+		_ = wc.c.SetReadDeadline(time.Now().Add(ackDrain))
+		return
+	}
+	_ = wc.c.Close()
+}
+
+func (wc *wconn) readAcks() {
+	defer wc.w.wg.Done()
+	err := wc.ackLoop()
+	_ = wc.c.Close()
+	wc.failAll(wc.w.lost(err))
+	wc.w.forget(wc)
+}
+
+func (wc *wconn) ackLoop() (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			wc.w.log.Error("transport: panic reading acks", "panic", p, "stack", string(debug.Stack()))
+			err = fmt.Errorf("panic reading acks: %v", p)
+		}
+	}()
+	var head [AckHeaderLen]byte
+	var msg []byte
+	for {
+		if _, err := io.ReadFull(wc.c, head[:]); err != nil {
+			return err
+		}
+		a, n, err := decodeAckHead(head[:])
+		if err != nil {
+			return err
+		}
+		if n > 0 {
+			if msg == nil {
+				msg = make([]byte, MaxAckMsg)
+			}
+			if _, err := io.ReadFull(wc.c, msg[:n]); err != nil {
+				return err
+			}
+			a.Msg = string(msg[:n])
+		}
+		ch := wc.take(a.Seq)
+		if ch == nil {
+			return fmt.Errorf("ack for unknown seq %d: %w", a.Seq, ErrBadFrame)
+		}
+		if e := errOf(a.Status); e != nil {
+			ch.settle(fmt.Errorf("%w (receiver: %q)", e, a.Msg))
+		} else {
+			ch.settle(nil)
+		}
+	}
+}

@@ -1,0 +1,222 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/ecmooncake/ecmooncake/core/ids"
+)
+
+// Sink is the receiving end of the data plane: the consumer shard's
+// reservation table and slab. The transport calls it once per incoming
+// frame, from one goroutine per connection, so implementations must be safe
+// for concurrent use.
+//
+// BeginWrite checks that [off, off+n) lies inside the live reservation res
+// authorised by tok and returns the destination bytes (len(dst) == n). A
+// non-nil error refuses the frame; wrap one of ErrBadToken, ErrUnknownRes,
+// ErrOutOfBounds or ErrGone so that the refusal reaches the writer with its
+// reason (anything else reaches it as plain ErrRejected). The error text is
+// sent to the writer, so it must not contain the token.
+//
+// EndWrite is called exactly once for every successful BeginWrite, after
+// the transport has stopped touching dst: ok is true when all n bytes
+// landed, false when the frame was torn (the peer vanished mid-payload or
+// the receiver closed). The writer learns that a frame landed only after
+// EndWrite(res, true) has returned.
+type Sink interface {
+	BeginWrite(res ids.ResID, tok ids.Token, off, n uint64) (dst []byte, err error)
+	EndWrite(res ids.ResID, ok bool)
+}
+
+// WriteItem is one source buffer to write into one reservation, starting at
+// offset 0 of the reserved region. Src is host memory; it must stay valid
+// and unchanged until Write returns, and no transport touches it after.
+type WriteItem struct {
+	Res   ids.ResID
+	Token ids.Token
+	Src   []byte
+}
+
+// Writer is the producer side. Write blocks until every item is
+// acknowledged by the receiver or has failed, and returns one error per item
+// (nil means every byte landed and the sink accepted it). It returns by
+// ctx's deadline at the latest; items still in flight then get ctx's error.
+// Errors name the destination and the cause, and wrap the sentinels below.
+// Write is safe for concurrent use. Close fails pending writes with
+// ErrClosed and releases everything; it is idempotent.
+type Writer interface {
+	Write(ctx context.Context, dest string, items []WriteItem) []error
+	Close() error
+}
+
+// Receiver is a listening data-plane endpoint feeding one Sink. After Close
+// returns, the sink is never called again.
+type Receiver interface {
+	Addr() string
+	Close() error
+	Stats() RecvStats
+}
+
+// RecvStats counts what a Receiver has seen since it started. Frames and
+// Bytes count frames that landed; Rejected counts refused frames by reason
+// (Status.String()); BadConns counts connections closed because the peer
+// sent something that is not a frame.
+type RecvStats struct {
+	Frames, Bytes uint64
+	Rejected      map[string]uint64
+	BadConns      uint64
+}
+
+// Transport is one way of moving bytes into remote reservations.
+type Transport interface {
+	Name() string
+	Listen(addr string, sink Sink) (Receiver, error)
+	NewWriter() Writer
+}
+
+var (
+	_ Transport = (*TCP)(nil)
+	_ Transport = (*Inmem)(nil)
+)
+
+// Sentinel errors. Every refusal by a receiver wraps ErrRejected, and the
+// specific reasons wrap it too, so callers can test either.
+var (
+	ErrRejected    = errors.New("rejected by receiver")
+	ErrBadToken    = fmt.Errorf("%w: bad token", ErrRejected)
+	ErrUnknownRes  = fmt.Errorf("%w: unknown reservation", ErrRejected)
+	ErrOutOfBounds = fmt.Errorf("%w: outside the reservation", ErrRejected)
+	ErrGone        = fmt.Errorf("%w: reservation gone", ErrRejected)
+
+	// ErrConnLost: the path to the receiver broke before the frame was
+	// acknowledged. Part of the item may have landed; the sink saw
+	// EndWrite(false) for any torn frame.
+	ErrConnLost = errors.New("connection lost before acknowledgement")
+	// ErrUnreachable: nothing is listening at the destination.
+	ErrUnreachable = errors.New("destination unreachable")
+	// ErrClosed: the Writer or Receiver was closed.
+	ErrClosed = errors.New("transport closed")
+	// ErrBadFrame: bytes that do not decode as a frame header or an ack.
+	ErrBadFrame = errors.New("bad frame")
+)
+
+// Status is the outcome a receiver reports for one frame.
+type Status uint16
+
+// Status values on the wire. New reasons may be added; a writer treats a
+// value it does not know as StatusOther.
+const (
+	StatusOK Status = iota
+	// StatusOther is a refusal for a reason the others do not name.
+	StatusOther
+	StatusBadToken
+	StatusUnknownRes
+	StatusOutOfBounds
+	StatusGone
+)
+
+// String returns the reason name used as the key of RecvStats.Rejected.
+func (s Status) String() string {
+	switch s {
+	case StatusOK:
+		return "ok"
+	case StatusOther:
+		return "other"
+	case StatusBadToken:
+		return "bad_token"
+	case StatusUnknownRes:
+		return "unknown_res"
+	case StatusOutOfBounds:
+		return "out_of_bounds"
+	case StatusGone:
+		return "gone"
+	}
+	return fmt.Sprintf("status_%d", uint16(s))
+}
+
+// statusOf classifies a refusal returned by a Sink.
+func statusOf(err error) Status {
+	switch {
+	case err == nil:
+		return StatusOK
+	case errors.Is(err, ErrBadToken):
+		return StatusBadToken
+	case errors.Is(err, ErrUnknownRes):
+		return StatusUnknownRes
+	case errors.Is(err, ErrOutOfBounds):
+		return StatusOutOfBounds
+	case errors.Is(err, ErrGone):
+		return StatusGone
+	}
+	return StatusOther
+}
+
+// errOf is the inverse of statusOf on the writer's side of the wire.
+func errOf(s Status) error {
+	switch s {
+	case StatusOK:
+		return nil
+	case StatusBadToken:
+		return ErrBadToken
+	case StatusUnknownRes:
+		return ErrUnknownRes
+	case StatusOutOfBounds:
+		return ErrOutOfBounds
+	case StatusGone:
+		return ErrGone
+	}
+	return ErrRejected
+}
+
+// openFrame runs the checks every transport owes the sink and asks it for
+// the destination bytes. The returned error always wraps ErrRejected.
+func openFrame(sink Sink, res ids.ResID, tok ids.Token, off, n uint64) ([]byte, error) {
+	if off+n < off {
+		return nil, fmt.Errorf("offset %d + length %d overflows: %w", off, n, ErrOutOfBounds)
+	}
+	dst, err := sink.BeginWrite(res, tok, off, n)
+	if err != nil {
+		if !errors.Is(err, ErrRejected) {
+			err = fmt.Errorf("%w: %w", ErrRejected, err)
+		}
+		return nil, err
+	}
+	if uint64(len(dst)) != n {
+		// A sink bug must not let a frame write outside what it asked for.
+		sink.EndWrite(res, false)
+		return nil, fmt.Errorf("%w: sink gave %d bytes for a %d-byte frame", ErrRejected, len(dst), n)
+	}
+	return dst, nil
+}
+
+// span is one frame's share of an item.
+type span struct{ off, end int }
+
+// chunkAlign keeps chunk boundaries on large, page-friendly multiples.
+const chunkAlign = 64 << 10
+
+// split cuts an n-byte item into frames of at most chunk bytes, of nearly
+// equal size so that the connections they are spread over finish together.
+// A zero-length item is one empty frame: the receiver still checks it.
+func split(n, chunk int) []span {
+	if n <= chunk {
+		return []span{{0, n}}
+	}
+	k := (n + chunk - 1) / chunk
+	size := (n + k - 1) / k
+	if chunk%chunkAlign == 0 {
+		size = (size + chunkAlign - 1) / chunkAlign * chunkAlign
+	}
+	out := make([]span, 0, k)
+	for off := 0; off < n; off += size {
+		out = append(out, span{off, min(off+size, n)})
+	}
+	return out
+}
+
+// itemErr builds the error one item reports: who, where, which bytes, why.
+func itemErr(kind, dest string, res ids.ResID, off, end int, err error) error {
+	return fmt.Errorf("transport: %s write to %s: res %d bytes [%d,%d): %w", kind, dest, res, off, end, err)
+}

@@ -1,0 +1,376 @@
+package wire
+
+import (
+	"encoding/json"
+	"fmt"
+	"reflect"
+
+	"github.com/ecmooncake/ecmooncake/core/ids"
+)
+
+// Grant kinds: what a reservation asks of the producer.
+const (
+	// KindWrite: write the bytes into the granted region, then complete.
+	KindWrite = "write"
+	// KindFollow: another transfer of the same mm_hash is writing the
+	// region; do not write; completing is a harmless no-op.
+	KindFollow = "follow"
+	// KindCached: the content is already resident; nothing to write.
+	KindCached = "cached"
+)
+
+// ShardInfo describes one TP shard of a consumer.
+type ShardInfo struct {
+	Rank    int    `json:"rank"`
+	Control string `json:"control"` // ZeroMQ endpoint of the shard's control server
+	// Data maps a transport name to that transport's data-plane address.
+	Data map[string]string `json:"data,omitempty"`
+}
+
+// PeersReply answers OpPeers: every shard of the consumer (one entry per TP
+// rank), so that a producer that knows one shard can reserve on all.
+type PeersReply struct {
+	Shards     []ShardInfo `json:"shards"`
+	TPSize     int         `json:"tp_size"`
+	DPRank     int         `json:"dp_rank"`
+	Host       string      `json:"host"` // host identity: equal hosts may use same-host transports
+	SlabBytes  uint64      `json:"slab_bytes"`
+	Transports []string    `json:"transports"`
+}
+
+// Validate requires exactly one shard per rank in [0, TPSize).
+func (p PeersReply) Validate() error {
+	if p.TPSize < 1 || p.TPSize > MaxItems {
+		return fmt.Errorf("%w: tp_size: %d not in [1, %d]", ErrInvalid, p.TPSize, MaxItems)
+	}
+	if len(p.Shards) != p.TPSize {
+		return fmt.Errorf("%w: shards: %d entries for tp_size %d", ErrInvalid, len(p.Shards), p.TPSize)
+	}
+	seen := make([]bool, p.TPSize)
+	for i, s := range p.Shards {
+		if s.Rank < 0 || s.Rank >= p.TPSize {
+			return fmt.Errorf("%w: shards[%d].rank: %d not in [0, %d)", ErrInvalid, i, s.Rank, p.TPSize)
+		}
+		if seen[s.Rank] {
+			return fmt.Errorf("%w: shards[%d].rank: %d listed twice", ErrInvalid, i, s.Rank)
+		}
+		seen[s.Rank] = true
+		if err := checkID(fmt.Sprintf("shards[%d].control", i), s.Control); err != nil {
+			return err
+		}
+		if len(s.Data) > MaxItems {
+			return fmt.Errorf("%w: shards[%d].data: %d entries, limit %d", ErrInvalid, i, len(s.Data), MaxItems)
+		}
+		for name, addr := range s.Data {
+			if err := checkID(fmt.Sprintf("shards[%d].data key", i), name); err != nil {
+				return err
+			}
+			if err := checkID(fmt.Sprintf("shards[%d].data[%q]", i, name), addr); err != nil {
+				return err
+			}
+		}
+	}
+	if p.DPRank < 0 {
+		return fmt.Errorf("%w: dp_rank: %d is negative", ErrInvalid, p.DPRank)
+	}
+	if err := checkID("host", p.Host); err != nil {
+		return err
+	}
+	if p.SlabBytes == 0 {
+		return fmt.Errorf("%w: slab_bytes: must be positive", ErrInvalid)
+	}
+	if err := checkList("transports", p.Transports); err != nil {
+		return err
+	}
+	if len(p.Transports) == 0 {
+		return fmt.Errorf("%w: transports: empty", ErrInvalid)
+	}
+	return nil
+}
+
+// EventPortReply answers OpEventPort: where the shard publishes its events.
+type EventPortReply struct {
+	Endpoint string `json:"endpoint"`
+}
+
+// Validate requires an endpoint.
+func (e EventPortReply) Validate() error { return checkID("endpoint", e.Endpoint) }
+
+// ReserveItem asks for room for one transfer.
+type ReserveItem struct {
+	TransferID string `json:"transfer_id"`
+	MMHash     string `json:"mm_hash"`
+	NBytes     uint64 `json:"nbytes"`
+}
+
+// ReserveBatch is the body of OpReserveBatch: one producer step's items for
+// one shard.
+type ReserveBatch struct {
+	Items []ReserveItem `json:"items"`
+}
+
+// Validate requires 1..MaxItems items, each with both ids and a size.
+func (b ReserveBatch) Validate() error {
+	if err := checkCount("items", len(b.Items)); err != nil {
+		return err
+	}
+	for i, it := range b.Items {
+		if err := checkID(fmt.Sprintf("items[%d].transfer_id", i), it.TransferID); err != nil {
+			return err
+		}
+		if err := checkID(fmt.Sprintf("items[%d].mm_hash", i), it.MMHash); err != nil {
+			return err
+		}
+		if it.NBytes == 0 {
+			return fmt.Errorf("%w: items[%d].nbytes: must be positive", ErrInvalid, i)
+		}
+	}
+	return nil
+}
+
+// Grant answers one ReserveItem. Err, when set, refuses the item and the
+// other fields may be empty.
+type Grant struct {
+	TransferID string    `json:"transfer_id"`
+	Kind       string    `json:"kind,omitempty"` // KindWrite, KindFollow or KindCached
+	Res        uint64    `json:"res,omitempty"`
+	Token      ids.Token `json:"token,omitzero"`
+	NBytes     uint64    `json:"nbytes,omitempty"`
+	Err        string    `json:"err,omitempty"`
+}
+
+// ReserveBatchReply answers ReserveBatch, one grant per item, in order.
+type ReserveBatchReply struct {
+	Grants []Grant `json:"grants"`
+}
+
+// Validate requires every accepted grant to say what to do, and a write
+// grant to carry the reservation and token the write will present.
+func (r ReserveBatchReply) Validate() error {
+	if len(r.Grants) > MaxItems {
+		return fmt.Errorf("%w: grants: %d entries, limit %d", ErrInvalid, len(r.Grants), MaxItems)
+	}
+	for i, g := range r.Grants {
+		if err := checkID(fmt.Sprintf("grants[%d].transfer_id", i), g.TransferID); err != nil {
+			return err
+		}
+		if g.Err != "" {
+			continue
+		}
+		switch g.Kind {
+		case KindWrite:
+			if g.Res == 0 {
+				return fmt.Errorf("%w: grants[%d].res: a write grant needs a reservation", ErrInvalid, i)
+			}
+			if g.Token.IsZero() {
+				return fmt.Errorf("%w: grants[%d].token: a write grant needs a token", ErrInvalid, i)
+			}
+		case KindFollow, KindCached:
+		default:
+			return fmt.Errorf("%w: grants[%d].kind: %q is not write, follow or cached", ErrInvalid, i, g.Kind)
+		}
+		if g.NBytes == 0 {
+			return fmt.Errorf("%w: grants[%d].nbytes: must be positive", ErrInvalid, i)
+		}
+	}
+	return nil
+}
+
+// CompleteItem reports the end of one transfer's write: done, or abandoned
+// with a reason. Res and Token are checked against the reservation by the
+// consumer, not here.
+type CompleteItem struct {
+	TransferID string    `json:"transfer_id"`
+	Res        uint64    `json:"res,omitempty"`
+	Token      ids.Token `json:"token,omitzero"`
+	Abandon    bool      `json:"abandon,omitempty"`
+	Reason     string    `json:"reason,omitempty"`
+}
+
+// CompleteBatch is the body of OpCompleteBatch.
+type CompleteBatch struct {
+	Items []CompleteItem `json:"items"`
+}
+
+// Validate requires 1..MaxItems items with transfer ids.
+func (b CompleteBatch) Validate() error {
+	if err := checkCount("items", len(b.Items)); err != nil {
+		return err
+	}
+	for i, it := range b.Items {
+		if err := checkID(fmt.Sprintf("items[%d].transfer_id", i), it.TransferID); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// ItemResult answers one item of a batch; Err is empty on success.
+type ItemResult struct {
+	TransferID string `json:"transfer_id"`
+	Err        string `json:"err,omitempty"`
+}
+
+// CompleteBatchReply answers CompleteBatch, one result per item, in order.
+type CompleteBatchReply struct {
+	Results []ItemResult `json:"results"`
+}
+
+// Validate requires transfer ids on at most MaxItems results.
+func (r CompleteBatchReply) Validate() error {
+	if len(r.Results) > MaxItems {
+		return fmt.Errorf("%w: results: %d entries, limit %d", ErrInvalid, len(r.Results), MaxItems)
+	}
+	for i, it := range r.Results {
+		if err := checkID(fmt.Sprintf("results[%d].transfer_id", i), it.TransferID); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Cancel is the body of OpCancel.
+type Cancel struct {
+	TransferIDs []string `json:"transfer_ids"`
+}
+
+// Validate requires 1..MaxItems transfer ids.
+func (c Cancel) Validate() error {
+	if err := checkCount("transfer_ids", len(c.TransferIDs)); err != nil {
+		return err
+	}
+	return checkList("transfer_ids", c.TransferIDs)
+}
+
+// CancelReply answers Cancel with how many transfers it stopped.
+type CancelReply struct {
+	Cancelled int `json:"cancelled"`
+}
+
+// Validate rejects a negative count.
+func (c CancelReply) Validate() error {
+	if c.Cancelled < 0 {
+		return fmt.Errorf("%w: cancelled: %d is negative", ErrInvalid, c.Cancelled)
+	}
+	return nil
+}
+
+// Status is the body of OpStatus. An empty list asks for every transfer the
+// shard holds (the scheduler's resync after it missed events); the reply is
+// then capped at MaxItems.
+type Status struct {
+	TransferIDs []string `json:"transfer_ids,omitempty"`
+}
+
+// Validate requires at most MaxItems well-formed ids.
+func (s Status) Validate() error { return checkList("transfer_ids", s.TransferIDs) }
+
+// ItemStatus is one transfer as a shard sees it. Known is false for an id
+// the shard has never seen (or has forgotten); Done is true once the bytes
+// are ready to load.
+type ItemStatus struct {
+	TransferID string `json:"transfer_id"`
+	MMHash     string `json:"mm_hash,omitempty"`
+	State      string `json:"state,omitempty"`
+	NBytes     uint64 `json:"nbytes,omitempty"`
+	Known      bool   `json:"known"`
+	Done       bool   `json:"done"`
+}
+
+// StatusReply answers Status.
+type StatusReply struct {
+	Items []ItemStatus `json:"items"`
+}
+
+// Validate requires transfer ids on at most MaxItems items, and a hash and
+// state on every known one.
+func (r StatusReply) Validate() error {
+	if len(r.Items) > MaxItems {
+		return fmt.Errorf("%w: items: %d entries, limit %d", ErrInvalid, len(r.Items), MaxItems)
+	}
+	for i, it := range r.Items {
+		if err := checkID(fmt.Sprintf("items[%d].transfer_id", i), it.TransferID); err != nil {
+			return err
+		}
+		if !it.Known {
+			continue
+		}
+		if err := checkID(fmt.Sprintf("items[%d].mm_hash", i), it.MMHash); err != nil {
+			return err
+		}
+		if it.State == "" {
+			return fmt.Errorf("%w: items[%d].state: empty on a known item", ErrInvalid, i)
+		}
+	}
+	return nil
+}
+
+// DecodeBody decodes and validates a request or reply body. Unknown fields
+// are ignored so that a newer peer may add some; a missing or out-of-bounds
+// required field is an error (wrapping ErrInvalid) that names it.
+func DecodeBody[T interface{ Validate() error }](raw json.RawMessage) (T, error) {
+	var v T
+	err := UnmarshalBody(raw, &v)
+	return v, err
+}
+
+// UnmarshalBody is DecodeBody for a destination known only at run time (a
+// pointer); it validates when the destination has a Validate method.
+func UnmarshalBody(raw json.RawMessage, out any) error {
+	name := typeName(out)
+	if len(raw) == 0 {
+		return fmt.Errorf("wire: decode %s: %w: missing body", name, ErrMalformed)
+	}
+	if err := decode(name, raw, out); err != nil {
+		return err
+	}
+	if v, ok := out.(validator); ok {
+		if err := v.Validate(); err != nil {
+			return fmt.Errorf("wire: decode %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+func typeName(v any) string {
+	t := reflect.TypeOf(v)
+	for t != nil && t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	if t == nil || t.Name() == "" {
+		return "body"
+	}
+	return t.Name()
+}
+
+func checkID(field, s string) error {
+	if s == "" {
+		return fmt.Errorf("%w: %s: empty", ErrInvalid, field)
+	}
+	if len(s) > MaxIDLen {
+		return fmt.Errorf("%w: %s: %d bytes, limit %d", ErrInvalid, field, len(s), MaxIDLen)
+	}
+	return nil
+}
+
+func checkCount(field string, n int) error {
+	if n == 0 {
+		return fmt.Errorf("%w: %s: empty", ErrInvalid, field)
+	}
+	if n > MaxItems {
+		return fmt.Errorf("%w: %s: %d entries, limit %d", ErrInvalid, field, n, MaxItems)
+	}
+	return nil
+}
+
+func checkList(field string, ss []string) error {
+	if len(ss) > MaxItems {
+		return fmt.Errorf("%w: %s: %d entries, limit %d", ErrInvalid, field, len(ss), MaxItems)
+	}
+	for i, s := range ss {
+		if err := checkID(fmt.Sprintf("%s[%d]", field, i), s); err != nil {
+			return err
+		}
+	}
+	return nil
+}

@@ -1,0 +1,129 @@
+/*
+ * ecmooncake — encoder-cache transport for disaggregated multimodal serving.
+ *
+ * The public C ABI of libecmooncake.so. This header is kept by hand and is the
+ * contract: tests/python/test_abi.py fails when it and the library's exports
+ * drift apart, and python/ecmooncake/_ffi.py mirrors it one to one.
+ *
+ * Conventions (every function):
+ *   - returns an int status, ECM_OK (0) on success;
+ *   - on failure fills *err with a message the caller frees with ecm_free;
+ *     err may be NULL when the caller does not want the text;
+ *   - objects cross as opaque ecm_handle_t values, never as pointers;
+ *   - structured values cross as UTF-8 JSON; JSON the library returns is
+ *     written to *out_json and freed by the caller with ecm_free;
+ *   - memory the caller owns (slabs, encoder outputs) is passed as
+ *     (pointer, nbytes); the library reads or writes it only while the
+ *     object that received it is open, and never frees it;
+ *   - calls are coarse (one per batch or scheduler step) and never block
+ *     unless their name or a timeout argument says so;
+ *   - a Go panic never crosses this boundary: it becomes ECM_ERR_INTERNAL.
+ */
+#ifndef ECMOONCAKE_H
+#define ECMOONCAKE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ECM_ABI_VERSION 1
+
+#define ECM_OK 0
+#define ECM_ERR_INVALID 1     /* bad argument, config or JSON */
+#define ECM_ERR_HANDLE 2      /* unknown, closed or wrong-kind handle */
+#define ECM_ERR_STATE 3       /* the object cannot do that now */
+#define ECM_ERR_IO 4          /* network or transport failure */
+#define ECM_ERR_TIMEOUT 5     /* a deadline passed */
+#define ECM_ERR_INTERNAL 6    /* a recovered panic or a broken invariant */
+#define ECM_ERR_UNAVAILABLE 7 /* a feature this build or host lacks */
+
+typedef uint64_t ecm_handle_t;
+
+/* Library. */
+int ecm_abi_version(int32_t *out_version, char **err);
+void ecm_free(char *p);
+/* Process-wide settings, JSON: {"gomaxprocs": 2, "log_level": "info"}.
+ * Call before opening objects; later calls change only the log level. */
+int ecm_configure(const char *config_json, char **err);
+/* Counters and state of any open object, as JSON. */
+int ecm_stats(ecm_handle_t h, char **out_json, char **err);
+/* Closes any object; closing twice is ECM_ERR_HANDLE. */
+int ecm_close(ecm_handle_t h, char **err);
+
+/* Consumer shard (one per TP rank of a consumer instance): owns the receive
+ * slab [slab, slab+slab_len) given by the caller, the control server at
+ * ec_port + dp_rank*tp_size + tp_rank and the data-plane listeners. */
+int ecm_consumer_open(const char *config_json, void *slab, uint64_t slab_len,
+                      ecm_handle_t *out, char **err);
+/* Endpoints and identity, as JSON. */
+int ecm_consumer_info(ecm_handle_t h, char **out_json, char **err);
+/* Pins ready items for the engine and says where they lie in the slab.
+ * in: {"mm_hashes": [...]}; out: {"items": [{"mm_hash", "offset", "nbytes",
+ * "error"}]}. */
+int ecm_consumer_acquire(ecm_handle_t h, const char *in_json, char **out_json,
+                         char **err);
+/* Unpins items the engine freed; they stay as resident copies.
+ * in: {"mm_hashes": [...]}; out: {"items": [{"mm_hash", "error"}]}. */
+int ecm_consumer_release(ecm_handle_t h, const char *in_json, char **out_json,
+                         char **err);
+
+/* Producer (the encoder instance's worker). */
+int ecm_producer_open(const char *config_json, ecm_handle_t *out, char **err);
+/* Announces pushes before their sources exist; reservations start in the
+ * background. in: {"pushes": [{"transfer_id", "mm_hash", "nbytes",
+ * "consumer"}]}; out: {"items": [{"transfer_id", "error"}]}. */
+int ecm_producer_submit(ecm_handle_t h, const char *in_json, char **out_json,
+                        char **err);
+/* Hands over encoder outputs in one call, so that they go out as one write
+ * batch per consumer shard: item i is mm_hashes[i] at [ptrs[i],
+ * ptrs[i]+nbytes[i]). out_sources[i] receives the source id, or 0 when that
+ * item was refused (the call then fails and *err names every refused item).
+ * The library reads a source until ecm_producer_poll reports its id
+ * released; the caller keeps the memory alive until then. */
+int ecm_producer_sources(ecm_handle_t h, uint64_t n,
+                         const char *const *mm_hashes, void *const *ptrs,
+                         const uint64_t *nbytes, uint64_t *out_sources,
+                         char **err);
+/* Cancels pushes. in: {"transfer_ids": [...]}. */
+int ecm_producer_cancel(ecm_handle_t h, const char *in_json, char **err);
+/* Outcomes since the last poll: {"done": [...], "failed": [{"transfer_id",
+ * "mm_hash", "reason"}], "released": [source ids], "pending": bool}. Waits up
+ * to timeout_ms for at least one outcome (0 = do not wait). */
+int ecm_producer_poll(ecm_handle_t h, int32_t timeout_ms, char **out_json,
+                      char **err);
+
+/* Consumer scheduler (the consumer instance's engine core): answers from
+ * state that a background goroutine keeps current from the shards'
+ * readiness events; no call does network I/O. */
+int ecm_scheduler_open(const char *config_json, ecm_handle_t *out, char **err);
+/* One call per scheduler step. in: {"expect": [{"request_id", "items":
+ * [{"transfer_id", "mm_hash"}]}], "load": [mm_hash], "loaded":
+ * [{"transfer_id", "ok", "reason"}], "freed": [mm_hash], "finished":
+ * [request_id], "ensure": [request_id], "has": [mm_hash]}; every key
+ * optional. out: {"expect_errors": {request_id: reason}, "load":
+ * [{"mm_hash", "transfer_id", "error"}], "ensure": {request_id: {"ready",
+ * "failed": [...]}}, "has": {mm_hash: bool}, "failures": [...]}. */
+int ecm_scheduler_step(ecm_handle_t h, const char *in_json, char **out_json,
+                       char **err);
+/* has_cache_item: *out = 1 when mm_hash can be loaded now. */
+int ecm_scheduler_has(ecm_handle_t h, const char *mm_hash, int32_t *out,
+                      char **err);
+/* Blocks up to timeout_ms until every named transfer is available or has
+ * failed (for tools and tests; the engine never calls it). in:
+ * {"transfer_ids": [...]}; out: {"available": [...], "failed": [...],
+ * "waiting": [...]}. */
+int ecm_scheduler_wait(ecm_handle_t h, const char *in_json, int32_t timeout_ms,
+                       char **out_json, char **err);
+
+/* Measures raw Go TCP loopback throughput, the ceiling for the TCP data
+ * plane. in: {"bytes": N, "streams": S}; out: {"bytes_per_sec": x}. */
+int ecm_bench_tcp_loopback(const char *in_json, char **out_json, char **err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ECMOONCAKE_H */

@@ -1,0 +1,78 @@
+package gotests
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecmooncake/ecmooncake/core/sched"
+	"github.com/ecmooncake/ecmooncake/core/scheduler"
+)
+
+func schedulerStepExpect(req, tid, hash string) scheduler.StepIn {
+	return scheduler.StepIn{Expect: []scheduler.ExpectIn{{RequestID: req, Items: []sched.Expected{{TransferID: tid, MMHash: hash}}}}}
+}
+
+// The producer dies with writes in flight: the consumer's lease reclaims
+// the region (slab back to zero bytes in use) and the scheduler fails the
+// item within its deadline instead of waiting forever.
+func TestProducerDiesMidWrite(t *testing.T) {
+	c := newCluster(t, clusterOpts{tp: 2, lease: 2 * time.Second, pushWait: 3 * time.Second, slabBytes: 256 << 20})
+	items := makeItems(6, 4, 32<<20, 32<<20, 0)
+	exp := schedulerStepExpect("req", items[0].tid, items[0].hash)
+	for _, it := range items[1:] {
+		exp.Expect[0].Items = append(exp.Expect[0].Items, sched.Expected{TransferID: it.tid, MMHash: it.hash})
+	}
+	c.sched.Step(exp)
+	var pushes []producerPush
+	for _, it := range items {
+		pushes = append(pushes, producerPush{TransferID: it.tid, MMHash: it.hash, NBytes: uint64(len(it.data)), Consumer: c.consumer})
+	}
+	for _, err := range c.prod.Submit(pushes) {
+		require.NoError(t, err)
+	}
+	var srcs []producerSource
+	for _, it := range items {
+		srcs = append(srcs, producerSource{MMHash: it.hash, Mem: it.data})
+	}
+	c.prod.Sources(srcs)
+	// Kill the producer as soon as bytes start to land.
+	require.Eventually(t, func() bool { return c.shards[0].Stats().Data.Bytes > 0 }, 10*time.Second, time.Millisecond)
+	require.NoError(t, c.prod.Close())
+	c.prod = nil
+
+	w := c.wait(tids(items), 10*time.Second)
+	require.Empty(t, w.Waiting, "every item must be decided within the deadline")
+	require.Empty(t, w.Available, "no item may look available after its producer died mid-write")
+	for r, s := range c.shards {
+		require.Eventually(t, func() bool { return s.Stats().InUse == 0 }, 10*time.Second, 20*time.Millisecond, "shard %d slab must drain", r)
+	}
+}
+
+// A shard dies with writes in flight: the producer reports every push
+// failed within its deadline and releases every source.
+func TestConsumerDiesMidWrite(t *testing.T) {
+	c := newCluster(t, clusterOpts{tp: 2, pushWait: 3 * time.Second, slabBytes: 256 << 20})
+	items := makeItems(7, 4, 32<<20, 32<<20, 0)
+	var pushes []producerPush
+	for _, it := range items {
+		pushes = append(pushes, producerPush{TransferID: it.tid, MMHash: it.hash, NBytes: uint64(len(it.data)), Consumer: c.consumer})
+	}
+	for _, err := range c.prod.Submit(pushes) {
+		require.NoError(t, err)
+	}
+	var srcs []producerSource
+	for _, it := range items {
+		srcs = append(srcs, producerSource{MMHash: it.hash, Mem: it.data})
+	}
+	c.prod.Sources(srcs)
+	require.Eventually(t, func() bool { return c.shards[1].Stats().Data.Bytes > 0 }, 10*time.Second, time.Millisecond)
+	require.NoError(t, c.shards[1].Close())
+	c.shards[1] = nil
+
+	out := c.drain(len(items), 15*time.Second)
+	require.NotEmpty(t, out.Failed, "pushes to a dead shard must fail")
+	require.Eventually(t, func() bool { return c.prod.Stats().Sources == 0 }, 10*time.Second, 20*time.Millisecond)
+	require.False(t, c.prod.Stats().Pending)
+}

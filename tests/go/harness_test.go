@@ -1,0 +1,246 @@
+package gotests
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecmooncake/ecmooncake/core/config"
+	"github.com/ecmooncake/ecmooncake/core/consumer"
+	"github.com/ecmooncake/ecmooncake/core/producer"
+	"github.com/ecmooncake/ecmooncake/core/sched"
+	"github.com/ecmooncake/ecmooncake/core/scheduler"
+	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/transport"
+)
+
+// cluster is one consumer instance (TP shards + scheduler) and a producer.
+type cluster struct {
+	t        *testing.T
+	base     int
+	slabs    [][]byte
+	shards   []*consumer.Shard
+	sched    *scheduler.Scheduler
+	prod     *producer.Producer
+	consumer string // control endpoint of shard 0
+}
+
+type clusterOpts struct {
+	tp        int
+	slabBytes int
+	lease     time.Duration
+	pushWait  time.Duration
+}
+
+func quietLog() *slog.Logger {
+	lv := slog.LevelWarn
+	if os.Getenv("ECM_TEST_LOG") != "" {
+		lv = slog.LevelDebug
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lv}))
+}
+
+// freeBase finds n consecutive free TCP ports on loopback.
+func freeBase(t *testing.T, n int) int {
+	t.Helper()
+	for try := 0; try < 200; try++ {
+		base := 20000 + rand.IntN(30000)
+		ok := true
+		var ls []net.Listener
+		for i := 0; i < n && ok; i++ {
+			l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", base+i))
+			if err != nil {
+				ok = false
+				break
+			}
+			ls = append(ls, l)
+		}
+		for _, l := range ls {
+			l.Close()
+		}
+		if ok {
+			return base
+		}
+	}
+	t.Fatal("no free port range on loopback")
+	return 0
+}
+
+func newCluster(t *testing.T, o clusterOpts) *cluster {
+	t.Helper()
+	if o.tp == 0 {
+		o.tp = 2
+	}
+	if o.slabBytes == 0 {
+		o.slabBytes = 64 << 20
+	}
+	if o.lease == 0 {
+		o.lease = 30 * time.Second
+	}
+	if o.pushWait == 0 {
+		o.pushWait = 20 * time.Second
+	}
+	c := &cluster{t: t, base: freeBase(t, o.tp)}
+	log := quietLog()
+	for r := 0; r < o.tp; r++ {
+		mem := make([]byte, o.slabBytes)
+		cfg := config.DefaultConsumer()
+		cfg.Port, cfg.TPSize, cfg.TPRank, cfg.LeaseS = c.base, o.tp, r, o.lease.Seconds()
+		s, err := consumer.Open(cfg, slab.HostMemory(mem), consumer.Options{Transport: transport.NewTCP(transport.TCPConfig{Logger: log}), Log: log})
+		require.NoError(t, err)
+		c.slabs = append(c.slabs, mem)
+		c.shards = append(c.shards, s)
+	}
+	c.consumer = c.shards[0].Info().Control
+	scfg := config.DefaultScheduler()
+	scfg.Port, scfg.TPSize, scfg.PushWaitS = c.base, o.tp, o.pushWait.Seconds()
+	var err error
+	c.sched, err = scheduler.Open(scfg, log)
+	require.NoError(t, err)
+	pcfg := config.DefaultProducer()
+	pcfg.PushWaitS = o.pushWait.Seconds()
+	pcfg.ControlTimeoutS = 5
+	c.prod, err = producer.Open(pcfg, producer.Options{Transport: transport.NewTCP(transport.TCPConfig{Conns: 4, Logger: log}), Log: log})
+	require.NoError(t, err)
+	t.Cleanup(c.close)
+	return c
+}
+
+func (c *cluster) close() {
+	if c.prod != nil {
+		require.NoError(c.t, c.prod.Close())
+	}
+	if c.sched != nil {
+		require.NoError(c.t, c.sched.Close())
+	}
+	for _, s := range c.shards {
+		if s != nil {
+			require.NoError(c.t, s.Close())
+		}
+	}
+}
+
+// item is one synthetic encoder output.
+type item struct {
+	tid, hash string
+	data      []byte
+}
+
+func makeItems(seed uint64, n int, minB, maxB int, dupEvery int) []item {
+	r := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	var out []item
+	byHash := map[string][]byte{}
+	for i := 0; i < n; i++ {
+		h := fmt.Sprintf("mm-%d-%d", seed, i)
+		if dupEvery > 0 && i%dupEvery == dupEvery-1 && i > 0 {
+			h = out[i-1].hash // the same image again under a new transfer id
+		}
+		data, ok := byHash[h]
+		if !ok {
+			data = make([]byte, minB+r.IntN(maxB-minB+1))
+			for j := range data {
+				data[j] = byte(1 + r.IntN(255))
+			}
+			byHash[h] = data
+		}
+		out = append(out, item{tid: fmt.Sprintf("tx-%d-%d", seed, i), hash: h, data: data})
+	}
+	return out
+}
+
+// pushAll expects, submits and sources every item, and waits for the
+// producer to report them all done or failed.
+func (c *cluster) pushAll(req string, items []item) producer.Outcomes {
+	c.t.Helper()
+	exp := make([]sched.Expected, len(items))
+	pushes := make([]producer.Push, len(items))
+	for i, it := range items {
+		exp[i] = sched.Expected{TransferID: it.tid, MMHash: it.hash}
+		pushes[i] = producer.Push{TransferID: it.tid, MMHash: it.hash, NBytes: uint64(len(it.data)), Consumer: c.consumer}
+	}
+	out := c.sched.Step(scheduler.StepIn{Expect: []scheduler.ExpectIn{{RequestID: req, Items: exp}}})
+	require.Empty(c.t, out.ExpectErrors)
+	for _, err := range c.prod.Submit(pushes) {
+		require.NoError(c.t, err)
+	}
+	seen := map[string]bool{}
+	var srcs []producer.Source
+	for _, it := range items {
+		if !seen[it.hash] {
+			seen[it.hash] = true
+			srcs = append(srcs, producer.Source{MMHash: it.hash, Mem: it.data})
+		}
+	}
+	_, errs := c.prod.Sources(srcs)
+	for _, err := range errs {
+		require.NoError(c.t, err)
+	}
+	return c.drain(len(items), 30*time.Second)
+}
+
+// drain polls the producer until n distinct pushes are done or failed (a
+// push to several shards can fail on more than one).
+func (c *cluster) drain(n int, within time.Duration) producer.Outcomes {
+	c.t.Helper()
+	var all producer.Outcomes
+	decided := map[string]bool{}
+	deadline := time.Now().Add(within)
+	for len(decided) < n && time.Now().Before(deadline) {
+		o := c.prod.Poll(200 * time.Millisecond)
+		all.Done = append(all.Done, o.Done...)
+		all.Failed = append(all.Failed, o.Failed...)
+		all.Released = append(all.Released, o.Released...)
+		for _, id := range o.Done {
+			decided[id] = true
+		}
+		for _, f := range o.Failed {
+			decided[f.TransferID] = true
+		}
+	}
+	require.Len(c.t, decided, n, "pushes still outstanding after %s", within)
+	return all
+}
+
+func (c *cluster) wait(ids []string, within time.Duration) scheduler.WaitOut {
+	ctx, cancel := context.WithTimeout(context.Background(), within)
+	defer cancel()
+	return c.sched.Wait(ctx, ids)
+}
+
+// verify acquires every item on every shard, compares bytes and releases.
+func (c *cluster) verify(items []item) {
+	c.t.Helper()
+	for r, s := range c.shards {
+		for _, it := range items {
+			got := s.Acquire([]string{it.hash})[0]
+			require.Empty(c.t, got.Error, "shard %d acquire %s", r, it.hash)
+			require.Equal(c.t, uint64(len(it.data)), got.NBytes)
+			region := c.slabs[r][got.Offset : got.Offset+got.NBytes]
+			require.True(c.t, bytes.Equal(it.data, region), "shard %d item %s differs", r, it.tid)
+			for _, err := range s.Release([]string{it.hash}) {
+				require.NoError(c.t, err)
+			}
+		}
+	}
+}
+
+func tids(items []item) []string {
+	out := make([]string, len(items))
+	for i, it := range items {
+		out[i] = it.tid
+	}
+	return out
+}
+
+type (
+	producerPush   = producer.Push
+	producerSource = producer.Source
+)
