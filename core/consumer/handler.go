@@ -9,6 +9,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/reserve"
+	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
 
@@ -163,7 +164,7 @@ func (k sink) BeginWrite(res ids.ResID, tok ids.Token, off, n uint64) ([]byte, e
 	defer s.mu.Unlock()
 	at, err := s.table.BeginWrite(res, tok, off, n, time.Now())
 	if err != nil {
-		return nil, err
+		return nil, refusal(err)
 	}
 	dst, err := s.slab.View(at, n)
 	if err != nil {
@@ -182,4 +183,23 @@ func (k sink) EndWrite(res ids.ResID, ok bool) {
 	s.table.EndWrite(res, ok, time.Now())
 	s.flushLocked()
 	s.mu.Unlock()
+}
+
+// refusal tags a table refusal with the data plane's reason, so the writer
+// learns why (and the receiver counts it) without knowing the table.
+func refusal(err error) error {
+	var reason error
+	switch {
+	case errors.Is(err, reserve.ErrBadToken):
+		reason = transport.ErrBadToken
+	case errors.Is(err, reserve.ErrUnknown):
+		reason = transport.ErrUnknownRes
+	case errors.Is(err, reserve.ErrOutOfBounds):
+		reason = transport.ErrOutOfBounds
+	case errors.Is(err, reserve.ErrGone), errors.Is(err, reserve.ErrNotWritable):
+		reason = transport.ErrGone
+	default:
+		return err
+	}
+	return fmt.Errorf("%w: %w", reason, err)
 }

@@ -73,8 +73,8 @@ func (c Config) withDefaults() Config {
 // Expected is one item a request will load: the push that carries it and
 // the content it must hold.
 type Expected struct {
-	TransferID string
-	MMHash     string
+	TransferID string `json:"transfer_id"`
+	MMHash     string `json:"mm_hash"`
 }
 
 // Event is one shard's word on one transfer: its bytes are ready in the
@@ -92,11 +92,11 @@ type Event struct {
 // false only when retrying with the same transfer_id cannot help: the push
 // it names ended before the request was registered.
 type Failure struct {
-	RequestID  string
-	TransferID string
-	MMHash     string
-	Reason     string
-	Retryable  bool
+	RequestID  string `json:"request_id"`
+	TransferID string `json:"transfer_id"`
+	MMHash     string `json:"mm_hash"`
+	Reason     string `json:"reason"`
+	Retryable  bool   `json:"retryable"`
 }
 
 // Stats is a snapshot for metrics.

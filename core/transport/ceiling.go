@@ -55,7 +55,6 @@ func LoopbackCeiling(ctx context.Context, total int64, streams int) (bytesPerSec
 	})
 	defer stop()
 
-	src := make([]byte, ceilingBuf)
 	var (
 		wg      sync.WaitGroup
 		mu      sync.Mutex
@@ -79,9 +78,11 @@ func LoopbackCeiling(ctx context.Context, total int64, streams int) (bytesPerSec
 			fail(err)
 		}
 	}
-	dsts := make([][]byte, streams)
+	// Each stream has its own source and destination, as distinct items
+	// do: one shared source would sit in cache and flatter the ceiling.
+	srcs, dsts := make([][]byte, streams), make([][]byte, streams)
 	for i := range dsts {
-		dsts[i] = make([]byte, ceilingBuf)
+		srcs[i], dsts[i] = make([]byte, ceilingBuf), make([]byte, ceilingBuf)
 	}
 	start := time.Now()
 	for i, p := range pairs {
@@ -91,6 +92,7 @@ func LoopbackCeiling(ctx context.Context, total int64, streams int) (bytesPerSec
 		}
 		wg.Add(2)
 		go guard(func() error {
+			src := srcs[i]
 			for left := n; left > 0; {
 				k := min(left, int64(len(src)))
 				if _, err := p[0].Write(src[:k]); err != nil {

@@ -171,19 +171,21 @@ func (r *tcpReceiver) serve(c net.Conn) {
 	}
 }
 
-// endOpen settles the owed EndWrite; a panicking sink must not stop the
-// connection's cleanup.
-func (rc *rconn) endOpen(ok bool) {
+// endOpen settles the owed EndWrite. It reports false when the sink
+// panicked: its state is then unknown, so the frame must not be acked.
+func (rc *rconn) endOpen(ok bool) (settled bool) {
 	if !rc.open {
-		return
+		return true
 	}
 	rc.open = false
 	defer func() {
 		if p := recover(); p != nil {
-			rc.r.log.Error("transport: panic in sink EndWrite", "res", rc.openRes, "panic", p)
+			rc.r.log.Error("transport: panic in sink EndWrite", "res", rc.openRes, "panic", p, "stack", string(debug.Stack()))
+			settled = false
 		}
 	}()
 	rc.r.sink.EndWrite(rc.openRes, ok)
+	return true
 }
 
 // frame handles one frame and reports whether the connection is still in
@@ -210,7 +212,9 @@ func (rc *rconn) frame() bool {
 		rc.endOpen(false)
 		return false
 	}
-	rc.endOpen(true)
+	if !rc.endOpen(true) {
+		return false
+	}
 	r.stats.landed(h.Length)
 	return rc.sendAck(Ack{Seq: h.Seq, Status: StatusOK})
 }
@@ -243,4 +247,3 @@ func (rc *rconn) sendAck(a Ack) bool {
 	}
 	return true
 }
-

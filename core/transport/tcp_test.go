@@ -157,7 +157,7 @@ func TestTCPGarbageClosesOnlyThatConnection(t *testing.T) {
 		require.NoError(t, c.Close())
 		check(50)
 	})
-	require.Zero(t, sink.beginCount()-len(sink.beginsOf(res)), "garbage never reached the sink")
+	require.Equal(t, 2+len(cases), sink.beginCount(), "only the writer's frames reached the sink")
 }
 
 func TestTCPWriterDiesMidPayload(t *testing.T) {
@@ -279,7 +279,7 @@ func TestTCPChunksSpreadOverThePool(t *testing.T) {
 }
 
 func TestTCPRedialsAfterThePeerDrops(t *testing.T) {
-	tr := newTCP(TCPConfig{Conns: 2})
+	tr := newTCP(TCPConfig{Conns: 1})
 	sink := newMemSink(1 << 20)
 	r := listenTCP(t, tr, sink)
 	w := newWriter(t, tr).(*tcpWriter)
@@ -300,7 +300,7 @@ func TestTCPRedialsAfterThePeerDrops(t *testing.T) {
 
 	it.Src = randBytes(2, 1000)
 	requireLanded(t, sink, []WriteItem{it}, write(t, w, r.Addr(), it))
-	require.Equal(t, uint64(2), r.accepted.Load())
+	require.Equal(t, uint64(2), r.accepted.Load(), "the one slot dialed again")
 }
 
 func TestTCPListenAddresses(t *testing.T) {
@@ -412,4 +412,91 @@ func TestLoopbackCeiling(t *testing.T) {
 	cancel()
 	_, err = LoopbackCeiling(ctx, 1<<30, 2)
 	require.True(t, errors.Is(err, context.Canceled), "%v", err)
+}
+
+// fakeReceiver accepts one connection, reads one frame and answers with
+// reply, standing in for a receiver that speaks the protocol wrongly.
+func fakeReceiver(t *testing.T, reply func(h Header) []byte) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	done := make(chan struct{})
+	t.Cleanup(func() { _ = ln.Close(); <-done })
+	go func() {
+		defer close(done)
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		hb := make([]byte, HeaderLen)
+		if _, err := io.ReadFull(c, hb); err != nil {
+			return
+		}
+		h, err := DecodeHeader(hb)
+		if err != nil {
+			return
+		}
+		if _, err := io.CopyN(io.Discard, c, int64(h.Length)); err != nil {
+			return
+		}
+		b := reply(h)
+		if len(b) == 0 {
+			return
+		}
+		_, _ = c.Write(b)
+		_, _ = io.Copy(io.Discard, c)
+	}()
+	return ln.Addr().String()
+}
+
+func TestTCPWriterRefusesBadAcks(t *testing.T) {
+	cases := []struct {
+		name  string
+		reply func(h Header) []byte
+		want  error
+	}{
+		{"not an ack", func(Header) []byte { return []byte("HTTP/1.1 400 Bad Request\r\n\r\n") }, ErrBadFrame},
+		{"ack for another frame", func(h Header) []byte { return AppendAck(nil, Ack{Seq: h.Seq + 1}) }, ErrBadFrame},
+		{"hang up without an ack", func(Header) []byte { return nil }, ErrConnLost},
+		{"unknown status", func(h Header) []byte { return AppendAck(nil, Ack{Seq: h.Seq, Status: 4242, Msg: "new"}) }, ErrRejected},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			addr := fakeReceiver(t, tc.reply)
+			w := newWriter(t, newTCP(TCPConfig{Conns: 1}))
+			errs := write(t, w, addr, WriteItem{1, ids.Token{1}, []byte("payload")})
+			require.ErrorIs(t, errs[0], tc.want)
+			require.Contains(t, errs[0].Error(), addr)
+		})
+	}
+}
+
+// panicSink panics on one reservation and behaves on the others.
+type panicSink struct {
+	*memSink
+	bad ids.ResID
+}
+
+func (p panicSink) BeginWrite(res ids.ResID, tok ids.Token, off, n uint64) ([]byte, error) {
+	if res == p.bad {
+		panic("sink bug")
+	}
+	return p.memSink.BeginWrite(res, tok, off, n)
+}
+
+func TestTCPSinkPanicCostsOnlyTheConnection(t *testing.T) {
+	tr := newTCP(TCPConfig{Conns: 1})
+	sink := panicSink{memSink: newMemSink(1 << 20), bad: 999}
+	r := listenTCP(t, tr, sink)
+	w := newWriter(t, tr)
+	errs := write(t, w, r.Addr(), WriteItem{999, ids.Token{1}, []byte("boom")})
+	require.ErrorIs(t, errs[0], ErrConnLost)
+
+	res, tok := sink.reserve(t, 100)
+	it := WriteItem{res, tok, randBytes(1, 100)}
+	require.Eventually(t, func() bool {
+		return write(t, w, r.Addr(), it)[0] == nil
+	}, eventually, time.Millisecond, "the receiver keeps serving")
+	require.True(t, bytes.Equal(it.Src, sink.region(res)))
 }

@@ -209,13 +209,22 @@ func (c *call) failAll(err error) []error {
 	return c.errs
 }
 
+// chunks cuts every item into frames, in one allocation sized up front so
+// that no chunk is moved once made.
 func (c *call) chunks(size int) []chunk {
-	var out []chunk
+	spans := make([][]span, len(c.items))
+	total := 0
 	for i, it := range c.items {
-		spans := split(len(it.Src), size)
-		c.left[i] = len(spans)
-		for _, sp := range spans {
-			out = append(out, chunk{call: c, item: i, off: sp.off, end: sp.end})
+		spans[i] = split(len(it.Src), size)
+		c.left[i] = len(spans[i])
+		total += len(spans[i])
+	}
+	out := make([]chunk, total)
+	k := 0
+	for i := range c.items {
+		for _, sp := range spans[i] {
+			out[k].call, out[k].item, out[k].off, out[k].end = c, i, sp.off, sp.end
+			k++
 		}
 	}
 	c.itemsLeft = len(c.items)

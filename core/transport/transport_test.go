@@ -302,7 +302,7 @@ func TestOpenFrame(t *testing.T) {
 type errSink struct{ err error }
 
 func (s errSink) BeginWrite(ids.ResID, ids.Token, uint64, uint64) ([]byte, error) { return nil, s.err }
-func (s errSink) EndWrite(ids.ResID, bool)                                      { panic("EndWrite after a failed BeginWrite") }
+func (s errSink) EndWrite(ids.ResID, bool)                                        { panic("EndWrite after a failed BeginWrite") }
 
 func TestStatusMapping(t *testing.T) {
 	cases := []struct {

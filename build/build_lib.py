@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Builds libecmooncake.so from the Go sources.
+
+    python build/build_lib.py [--out DIR]
+
+Runs ``go build -buildmode=c-shared`` on ./export from the repository root and
+writes DIR/libecmooncake.so (default: python/ecmooncake/, where the Python
+package looks for it). setup.py imports this file for ``pip install``, so it
+uses the standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_DIR = ROOT / "python" / "ecmooncake"
+LIBRARY_NAME = "libecmooncake.so"
+ZMQ_HINT = "install libzmq and its headers (Debian/Ubuntu: apt-get install libzmq3-dev)"
+INCLUDE_DIRS = [Path("/usr/include"), Path("/usr/local/include")]
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def check_toolchain(env: dict[str, str]) -> str:
+    """The go binary to use; raises BuildError naming what is missing."""
+    go = shutil.which("go", path=env.get("PATH"))
+    if go is None:
+        raise BuildError(
+            "the Go toolchain ('go') is not on PATH: install Go 1.26 or newer "
+            "from https://go.dev/dl/ and put its bin/ on PATH"
+        )
+    cc = env.get("CC") or "gcc"
+    if shutil.which(cc.split()[0], path=env.get("PATH")) is None:
+        raise BuildError(
+            f"no C compiler ('{cc}'): cgo needs one (Debian/Ubuntu: apt-get install gcc)"
+        )
+    if not _has_libzmq(env):
+        raise BuildError(f"libzmq was not found (pkg-config libzmq, zmq.h): {ZMQ_HINT}")
+    return go
+
+
+def _has_libzmq(env: dict[str, str]) -> bool:
+    pkg_config = shutil.which("pkg-config", path=env.get("PATH"))
+    if pkg_config is not None:
+        probe = subprocess.run(
+            [pkg_config, "--exists", "libzmq"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        if probe.returncode == 0:
+            return True
+    # The zmq4 binding asks pkg-config, but a plain system install is found by
+    # the compiler's default search paths even when pkg-config is absent.
+    include_dirs = INCLUDE_DIRS + [Path(p) for p in env.get("CPATH", "").split(os.pathsep) if p]
+    return any((d / "zmq.h").is_file() for d in include_dirs)
+
+
+def build(out_dir: Path | str = PACKAGE_DIR, verbose: bool = True) -> Path:
+    """Builds the library into out_dir and returns its path."""
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / LIBRARY_NAME
+    env = dict(os.environ, CGO_ENABLED="1")
+    go = check_toolchain(env)
+    cmd = [
+        go,
+        "build",
+        "-buildmode=c-shared",
+        "-trimpath",
+        # $ORIGIN lets libzmq and its dependencies travel beside the library
+        # to hosts that lack them. An old-style DT_RPATH rather than RUNPATH:
+        # the loader also searches it for libzmq's own dependencies.
+        "-ldflags=-extldflags=-Wl,-rpath,$ORIGIN,--disable-new-dtags",
+        "-o",
+        str(target),
+        "./export",
+    ]
+    if verbose:
+        print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    result = subprocess.run(cmd, cwd=ROOT, env=env)
+    # go writes its own generated header beside the library; the contract is
+    # include/ecmooncake.h, so a second, different header must not ship.
+    target.with_suffix(".h").unlink(missing_ok=True)
+    if result.returncode != 0:
+        raise BuildError(f"go build failed with exit status {result.returncode}")
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out",
+        default=str(PACKAGE_DIR),
+        help=f"directory for {LIBRARY_NAME} (default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        path = build(args.out)
+    except BuildError as exc:
+        print(f"build_lib: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

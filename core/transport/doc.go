@@ -1,0 +1,73 @@
+// Package transport is the data plane: it moves encoder outputs from a
+// producer's host memory into regions that a consumer has reserved, and
+// nothing else. Reservations, tokens and readiness belong to the control
+// plane; this package only carries bytes and reports, per item, whether
+// they landed.
+//
+// # Pieces
+//
+//   - Transport: one way of moving bytes (Listen on the consumer, NewWriter
+//     on the producer). TCP is the embedded default; Inmem is the
+//     in-process fake with fault injection, for tests of everything above.
+//   - Sink: what the consumer shard plugs into a Receiver. The transport
+//     asks it, frame by frame, where the bytes may go.
+//   - Writer: what the producer uses. Write blocks until every item of a
+//     batch is acknowledged or has failed and returns one error per item.
+//
+// # Consumer side
+//
+//	tr := transport.NewTCP(transport.TCPConfig{Logger: log})
+//	recv, err := tr.Listen("10.0.0.5:0", shardSink) // publish recv.Addr() on the control plane
+//	...
+//	defer recv.Close() // after Close returns the sink is never called again
+//
+// # Producer side
+//
+//	w := tr.NewWriter() // one per process: it keeps a connection pool per destination
+//	defer w.Close()
+//	errs := w.Write(ctx, dataAddr, []transport.WriteItem{{Res: r, Token: tok, Src: buf}})
+//	for i, err := range errs {
+//		switch {
+//		case err == nil: // landed; now send `complete` on the control plane
+//		case errors.Is(err, transport.ErrRejected): // the consumer refused (see ErrGone, ErrBadToken, ...)
+//		case errors.Is(err, transport.ErrConnLost): // may have partly landed; retry or fail the request
+//		}
+//	}
+//
+// # Invariants
+//
+//   - A write lands only inside what Sink.BeginWrite hands out for that
+//     reservation id, token, offset and length. Nothing on the wire names an
+//     address the receiver trusts; offset+length overflow is refused before
+//     the sink is asked.
+//   - EndWrite is called exactly once per successful BeginWrite, after the
+//     transport has stopped touching dst, and before the writer can learn
+//     that the frame landed.
+//   - When Write returns, no goroutine of the transport still reads any Src:
+//     the caller may free or reuse its buffers at once, also after a
+//     deadline or a Close.
+//   - Write returns by ctx's deadline; items still open get ctx's error.
+//   - A refused frame costs only itself: its payload is drained, an ack says
+//     why, and the connection carries the next frame. Bytes that do not
+//     decode as a frame cost that connection, never the listener.
+//
+// # TCP wire format and behaviour
+//
+// Each frame is a fixed 56-byte little-endian header (see AppendHeader)
+// followed by its payload; each frame is answered by one ack (see
+// AppendAck) in order on the same connection. The writer keeps
+// TCPConfig.Conns persistent connections per destination, dialed lazily
+// and redialed after a failure. Items larger than ChunkSize are cut into
+// nearly equal chunks dealt round-robin over the pool, so one large item
+// uses every connection at once. Header and payload go out in one writev
+// straight from Src, and the receiver reads the payload straight into the
+// sink's dst: neither side copies in user space.
+//
+// A connection whose write fails (deadline, cancel, peer gone) is
+// half-closed: the receiver sees the torn frame end (EndWrite(false)),
+// while acks for the frames sent in full before it still arrive.
+//
+// LoopbackCeiling measures raw TCP over 127.0.0.1 so that benchmarks report
+// the transport's throughput as a ratio to the machine's ceiling measured
+// in the same run.
+package transport

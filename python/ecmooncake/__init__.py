@@ -1,0 +1,44 @@
+"""ecmooncake: moves encoder outputs from encode-only vLLM instances to the
+prefill/decode instances that need them.
+
+Importing the package does not load libecmooncake.so; the first call that
+needs it does (see ``_ffi.lib``), so vLLM can import this package in a process
+that forks afterwards.
+"""
+
+from .native import (
+    Consumer,
+    EcmError,
+    EcmHandleError,
+    EcmInternal,
+    EcmInvalid,
+    EcmIOError,
+    EcmStateError,
+    EcmTimeout,
+    EcmUnavailable,
+    Producer,
+    Scheduler,
+    bench_tcp_loopback,
+    buffer_of,
+    configure,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Consumer",
+    "EcmError",
+    "EcmHandleError",
+    "EcmIOError",
+    "EcmInternal",
+    "EcmInvalid",
+    "EcmStateError",
+    "EcmTimeout",
+    "EcmUnavailable",
+    "Producer",
+    "Scheduler",
+    "__version__",
+    "bench_tcp_loopback",
+    "buffer_of",
+    "configure",
+]

@@ -1,0 +1,170 @@
+"""Raw ctypes prototypes of libecmooncake.so, one to one with include/ecmooncake.h.
+
+Nothing here loads the library at import: vLLM imports this package in
+processes that later fork, and a Go runtime started before a fork is broken
+in the child. The first call to :func:`lib` loads it.
+
+Out-parameters that receive strings from the library (``out_json``, ``err``)
+are declared as ``void **`` rather than ``char **`` so that the caller keeps
+the raw pointer and can hand it back to ``ecm_free``; ctypes would otherwise
+copy the text into a Python bytes object and lose the pointer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from ctypes import POINTER, c_char_p, c_int, c_int32, c_uint64, c_void_p
+from pathlib import Path
+
+ABI_VERSION = 1
+
+ECM_OK = 0
+ECM_ERR_INVALID = 1
+ECM_ERR_HANDLE = 2
+ECM_ERR_STATE = 3
+ECM_ERR_IO = 4
+ECM_ERR_TIMEOUT = 5
+ECM_ERR_INTERNAL = 6
+ECM_ERR_UNAVAILABLE = 7
+
+LIBRARY_NAME = "libecmooncake.so"
+LIBRARY_ENV = "ECMOONCAKE_LIBRARY"
+
+ecm_handle_t = c_uint64
+c_str_out = POINTER(c_void_p)
+
+# name -> (restype, argtypes), in header order.
+PROTOTYPES: dict[str, tuple[object, tuple[object, ...]]] = {
+    "ecm_abi_version": (c_int, (POINTER(c_int32), c_str_out)),
+    "ecm_free": (None, (c_void_p,)),
+    "ecm_configure": (c_int, (c_char_p, c_str_out)),
+    "ecm_stats": (c_int, (ecm_handle_t, c_str_out, c_str_out)),
+    "ecm_close": (c_int, (ecm_handle_t, c_str_out)),
+    "ecm_consumer_open": (
+        c_int,
+        (c_char_p, c_void_p, c_uint64, POINTER(ecm_handle_t), c_str_out),
+    ),
+    "ecm_consumer_info": (c_int, (ecm_handle_t, c_str_out, c_str_out)),
+    "ecm_consumer_acquire": (c_int, (ecm_handle_t, c_char_p, c_str_out, c_str_out)),
+    "ecm_consumer_release": (c_int, (ecm_handle_t, c_char_p, c_str_out, c_str_out)),
+    "ecm_producer_open": (c_int, (c_char_p, POINTER(ecm_handle_t), c_str_out)),
+    "ecm_producer_submit": (c_int, (ecm_handle_t, c_char_p, c_str_out, c_str_out)),
+    "ecm_producer_sources": (
+        c_int,
+        (
+            ecm_handle_t,
+            c_uint64,
+            POINTER(c_char_p),
+            POINTER(c_void_p),
+            POINTER(c_uint64),
+            POINTER(c_uint64),
+            c_str_out,
+        ),
+    ),
+    "ecm_producer_cancel": (c_int, (ecm_handle_t, c_char_p, c_str_out)),
+    "ecm_producer_poll": (c_int, (ecm_handle_t, c_int32, c_str_out, c_str_out)),
+    "ecm_scheduler_open": (c_int, (c_char_p, POINTER(ecm_handle_t), c_str_out)),
+    "ecm_scheduler_step": (c_int, (ecm_handle_t, c_char_p, c_str_out, c_str_out)),
+    "ecm_scheduler_has": (
+        c_int,
+        (ecm_handle_t, c_char_p, POINTER(c_int32), c_str_out),
+    ),
+    "ecm_scheduler_wait": (
+        c_int,
+        (ecm_handle_t, c_char_p, c_int32, c_str_out, c_str_out),
+    ),
+    "ecm_bench_tcp_loopback": (c_int, (c_char_p, c_str_out, c_str_out)),
+}
+
+
+class LibraryError(OSError):
+    """The library could not be found, loaded, or is of the wrong ABI."""
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def candidates() -> list[Path]:
+    """Paths tried, in order: $ECMOONCAKE_LIBRARY, then the package directory."""
+    paths = []
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        paths.append(Path(override))
+    paths.append(Path(__file__).resolve().parent / LIBRARY_NAME)
+    return paths
+
+
+def find() -> Path | None:
+    """The library that :func:`lib` would load, without loading it."""
+    for path in candidates():
+        if path.is_file():
+            return path
+    return None
+
+
+def loaded() -> bool:
+    return _lib is not None
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library, loading it on first use (thread-safe)."""
+    dll = _lib
+    if dll is not None:
+        return dll
+    with _lock:
+        if _lib is None:
+            _load()
+        return _lib  # type: ignore[return-value]
+
+
+def _load() -> None:
+    global _lib
+    path = find()
+    if path is None:
+        tried = ", ".join(str(p) for p in candidates())
+        raise LibraryError(
+            f"{LIBRARY_NAME} not found (tried {tried}); build it with "
+            f"'python build/build_lib.py' or 'pip install .', or point "
+            f"{LIBRARY_ENV} at it"
+        )
+    try:
+        dll = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise LibraryError(f"cannot load {path}: {exc}") from exc
+    missing = [name for name in PROTOTYPES if not hasattr(dll, name)]
+    if missing:
+        raise LibraryError(f"{path} lacks {', '.join(missing)}: library and package differ")
+    for name, (restype, argtypes) in PROTOTYPES.items():
+        fn = getattr(dll, name)
+        fn.restype = restype
+        fn.argtypes = list(argtypes)
+    _check_abi(dll, path)
+    _lib = dll
+
+
+def _check_abi(dll: ctypes.CDLL, path: Path) -> None:
+    version = c_int32(-1)
+    err = c_void_p()
+    rc = dll.ecm_abi_version(ctypes.byref(version), ctypes.byref(err))
+    message = take_string(dll, err)
+    if rc != ECM_OK:
+        raise LibraryError(f"{path}: ecm_abi_version failed ({rc}): {message}")
+    if version.value != ABI_VERSION:
+        raise LibraryError(
+            f"{path} speaks ABI version {version.value}, this package speaks "
+            f"{ABI_VERSION}: rebuild the library or reinstall the package"
+        )
+
+
+def take_string(dll: ctypes.CDLL, ptr: c_void_p) -> str | None:
+    """Copies a library-owned C string and frees it; None for NULL."""
+    if not ptr.value:
+        return None
+    try:
+        return ctypes.string_at(ptr.value).decode("utf-8", errors="replace")
+    finally:
+        dll.ecm_free(ptr.value)
+        ptr.value = None

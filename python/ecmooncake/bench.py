@@ -1,0 +1,179 @@
+"""The transfer benchmark: host memory over loopback TCP, large and small items,
+reported as ratios to the raw Go TCP loopback ceiling measured in the same run.
+
+One consumer shard and one producer run in spawned processes. Each batch is
+one submit of distinct items; its time runs from the submit until the producer
+has seen every push done. Between batches the consumer acquires and releases
+the items so that their space can be reused; that is off the clock.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from . import harness
+from .demo import GB, MiB, measure_ceiling
+from .harness import Worker, WorkerError
+from .native import EcmError, configure
+
+KiB = 1 << 10
+
+
+def _numeric_deltas(before: dict, after: dict, prefix: str = "") -> dict[str, float]:
+    deltas: dict[str, float] = {}
+    for key, value in after.items():
+        name = f"{prefix}{key}"
+        old = before.get(key) if isinstance(before, dict) else None
+        if isinstance(value, dict):
+            deltas.update(_numeric_deltas(old if isinstance(old, dict) else {}, value, name + "."))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            deltas[name] = value - (old if isinstance(old, (int, float)) else 0)
+    return deltas
+
+
+def _phase(
+    consumer: Worker,
+    producer: Worker,
+    address: str,
+    name: str,
+    nbytes: int,
+    batch: int,
+    batches: int,
+) -> dict:
+    """Runs one warm-up batch, then `batches` timed ones."""
+    seconds = 0.0
+    failures: list[str] = []
+    stats_before = None
+    for b in range(-1, batches):
+        if b == 0:
+            stats_before = producer.call("stats", 30)
+        items = [
+            {"transfer_id": f"bench-{name}-{b}-{i}", "mm_hash": f"bench-{name}-{b}-{i}", "nbytes": nbytes}
+            for i in range(batch)
+        ]
+        timeout = 30 + batch * nbytes / (50 * MiB)
+        out = producer.call("push", timeout + 30, items=items, consumer=address, timeout_s=timeout, fill="zeros")
+        if b >= 0:
+            seconds += out["t_done"] - out["t_submit"]
+            failures += [f"{tid}: {why}" for tid, why in out["failed"].items()]
+            failures += [f"{tid}: timed out" for tid in out["timed_out"]]
+        consumer.call("drain", 60, mm_hashes=[it["mm_hash"] for it in items])
+    deltas = _numeric_deltas(stats_before or {}, producer.call("stats", 30))
+    trips = deltas.get("control_round_trips")
+    count = batch * batches
+    return {
+        "item_bytes": nbytes,
+        "batch": batch,
+        "batches": batches,
+        "seconds": seconds,
+        "bytes_per_sec": count * nbytes / seconds if seconds > 0 else 0.0,
+        "us_per_item": seconds / count * 1e6 if count else 0.0,
+        "round_trips_per_batch": trips / batches if trips is not None and batches else None,
+        "producer_stat_deltas": deltas,
+        "failures": failures,
+    }
+
+
+def run(
+    mb: float = 32,
+    batch: int = 8,
+    batches: int = 8,
+    small_kb: float = 64,
+    small_batch: int = 256,
+    small_batches: int = 8,
+    progress: bool = True,
+) -> dict:
+    large_bytes = int(mb * MiB)
+    small_bytes = int(small_kb * KiB)
+    slab_bytes = 2 * max(large_bytes * batch, small_bytes * small_batch) + 64 * MiB
+    ip = "127.0.0.1"
+    port = harness.free_port_range(1, ip)
+    address = f"tcp://{ip}:{port}"
+    settings = {"log_level": "warn"}
+    consumer = Worker(
+        "consumer",
+        "consumer-0",
+        config={"ec_ip": ip, "ec_port": port, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "transport": "tcp"},
+        slab_bytes=slab_bytes,
+        settings=settings,
+    )
+    producer = Worker("producer", "producer", config={"transport": "tcp"}, settings=settings)
+    workers = [consumer, producer]
+    try:
+        for worker in workers:
+            worker.wait_ready(120)
+        configure(**settings)
+        ceiling = measure_ceiling()
+        phases = {}
+        for label, nbytes, n, count in (
+            ("large", large_bytes, batch, batches),
+            ("small", small_bytes, small_batch, small_batches),
+        ):
+            if progress:
+                print(f"bench: {count} batches of {n} x {nbytes} bytes", file=sys.stderr, flush=True)
+            phases[label] = _phase(consumer, producer, address, label, nbytes, n, count)
+    finally:
+        harness.stop_all(workers)
+
+    ceiling_bps = ceiling["bytes_per_sec"]
+    large, small = phases["large"], phases["small"]
+    # What a small item costs beyond moving its bytes at the ceiling's rate.
+    small["overhead_us_per_item"] = small["us_per_item"] - (small_bytes / ceiling_bps * 1e6 if ceiling_bps else 0.0)
+    for phase in phases.values():
+        phase["ceiling_ratio"] = phase["bytes_per_sec"] / ceiling_bps if ceiling_bps else 0.0
+    return {
+        "ok": not large["failures"] and not small["failures"],
+        "transport": "tcp",
+        "ceiling": {
+            "name": "Go TCP loopback",
+            "gb_per_s": ceiling_bps / GB,
+            "streams": ceiling["streams"],
+            "by_streams_gb_per_s": {k: v / GB for k, v in ceiling["by_streams"].items()},
+        },
+        "large": large,
+        "small": small,
+    }
+
+
+def format_summary(s: dict) -> str:
+    def trips(phase: dict) -> str:
+        value = phase["round_trips_per_batch"]
+        return "n/a" if value is None else f"{value:.1f}"
+
+    large, small, ceiling = s["large"], s["small"], s["ceiling"]
+    lines = [
+        "ecmooncake bench: host memory, one consumer shard, tcp over loopback",
+        f"  ceiling        {ceiling['name']} {ceiling['gb_per_s']:.2f} GB/s ({ceiling['streams']} streams, same run)",
+        f"  {large['item_bytes'] // MiB} MiB items   {large['batches']} batches of {large['batch']}: "
+        f"{large['bytes_per_sec'] / GB:.2f} GB/s = {large['ceiling_ratio']:.2f} of the ceiling; "
+        f"{trips(large)} control round trips per batch",
+        f"  {small['item_bytes'] // KiB} KiB items   {small['batches']} batches of {small['batch']}: "
+        f"{small['us_per_item']:.1f} us per item ({small['overhead_us_per_item']:.1f} us above the ceiling's "
+        f"data time), {small['bytes_per_sec'] / GB:.3f} GB/s; {trips(small)} control round trips per batch",
+    ]
+    for phase in (large, small):
+        lines += [f"  failed: {f}" for f in phase["failures"]]
+    lines.append("  result         " + ("OK" if s["ok"] else "FAILED"))
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    try:
+        summary = run(
+            mb=args.mb,
+            batch=args.batch,
+            batches=args.batches,
+            small_kb=args.small_kb,
+            small_batch=args.small_batch,
+            small_batches=args.small_batches,
+            progress=not args.quiet,
+        )
+    except (EcmError, WorkerError, OSError, ValueError) as exc:
+        print(f"ecmooncake bench: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+    else:
+        print(format_summary(summary))
+    return 0 if summary["ok"] else 1

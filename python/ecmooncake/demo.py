@@ -1,0 +1,386 @@
+"""The end-to-end demo: a sharded consumer, a producer and a consumer
+scheduler, each where vLLM would put it, moving synthetic encoder outputs over
+loopback and checking every byte.
+
+Layout: one spawned process per consumer shard (TP rank), one spawned producer
+process, and the scheduler in this process. Items go in windows that fit the
+shards' slabs; for each window the producer submits every push at once, the
+scheduler waits until each item is available on every shard, and then (off the
+clock) each shard acquires, verifies and releases each item.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import harness
+from .harness import Worker, WorkerError, percentile
+from .native import EcmError, Scheduler, bench_tcp_loopback, configure
+
+MiB = 1 << 20
+GB = 1e9
+# How often the scheduler is asked which items became available: the
+# resolution of the latency figures.
+_WAIT_SLICE_MS = 1
+_CEILING_BYTES = 1 << 30
+
+
+@dataclass
+class Item:
+    index: int
+    transfer_id: str
+    mm_hash: str
+    nbytes: int
+    seed: int
+    duplicate_of: int | None = None
+
+    def wire(self) -> dict:
+        return {
+            "transfer_id": self.transfer_id,
+            "mm_hash": self.mm_hash,
+            "nbytes": self.nbytes,
+            "seed": self.seed,
+        }
+
+
+def plan_items(count: int, min_bytes: int, max_bytes: int, dup_ratio: float, seed: int) -> list[Item]:
+    """Synthetic encoder outputs; dup_ratio of them (rounded) repeat an earlier
+    item's content (same mm_hash, size and bytes) under a new transfer_id."""
+    rng = np.random.default_rng(seed)
+    n_dups = min(max(count - 1, 0), round(dup_ratio * count))
+    dup_at = set(rng.choice(np.arange(1, count), size=n_dups, replace=False).tolist()) if n_dups else set()
+    items: list[Item] = []
+    for i in range(count):
+        transfer_id = f"demo-{seed}-{i}"
+        if i in dup_at:
+            original = items[int(rng.integers(0, len(items)))]
+            while original.duplicate_of is not None:
+                original = items[original.duplicate_of]
+            items.append(
+                Item(i, transfer_id, original.mm_hash, original.nbytes, original.seed, original.index)
+            )
+            continue
+        item_seed = int(rng.integers(1, 2**62))
+        nbytes = int(rng.integers(min_bytes, max_bytes + 1))
+        mm_hash = hashlib.sha256(f"{seed}:{i}:{item_seed}:{nbytes}".encode()).hexdigest()
+        items.append(Item(i, transfer_id, mm_hash, nbytes, item_seed))
+    return items
+
+
+def windows(items: list[Item], budget: int) -> list[list[Item]]:
+    """Consecutive groups whose new bytes fit in budget (at least one item)."""
+    groups: list[list[Item]] = []
+    current: list[Item] = []
+    hashes: set[str] = set()
+    used = 0
+    for item in items:
+        extra = 0 if item.mm_hash in hashes else item.nbytes
+        if current and used + extra > budget:
+            groups.append(current)
+            current, hashes, used = [], set(), 0
+            extra = item.nbytes
+        current.append(item)
+        hashes.add(item.mm_hash)
+        used += extra
+    if current:
+        groups.append(current)
+    return groups
+
+
+def measure_ceiling(nbytes: int = _CEILING_BYTES) -> dict:
+    """Raw Go TCP loopback with 1 and 2 streams; the best is the ceiling."""
+    per_streams = {s: bench_tcp_loopback(nbytes, s) for s in (1, 2)}
+    best = max(per_streams, key=per_streams.get)
+    return {
+        "bytes_per_sec": per_streams[best],
+        "streams": best,
+        "by_streams": {str(s): v for s, v in per_streams.items()},
+    }
+
+
+class Progress:
+    def __init__(self, total: int, enabled: bool = True):
+        self.total = total
+        self.enabled = enabled
+
+    def update(self, done: int, nbytes: int, verified: int, failed: int) -> None:
+        if self.enabled:
+            print(
+                f"demo: {done}/{self.total} items, {nbytes / MiB:.0f} MiB, "
+                f"verified {verified}, failed {failed}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def run(
+    items: int = 48,
+    min_mb: float = 1.0,
+    max_mb: float = 64.0,
+    dup_ratio: float = 0.15,
+    seed: int = 1,
+    tp_size: int = 2,
+    slab_mb: float | None = None,
+    timeout_s: float | None = None,
+    progress: bool = True,
+) -> dict:
+    """Runs the demo and returns its summary (see :func:`format_summary`)."""
+    min_bytes = max(1, int(min_mb * MiB))
+    max_bytes = max(min_bytes, int(max_mb * MiB))
+    slab_bytes = int(slab_mb * MiB) if slab_mb else min(max(8 * max_bytes, 64 * MiB), 512 * MiB)
+    if slab_bytes < 2 * max_bytes:
+        raise ValueError(f"slab of {slab_bytes} bytes cannot hold two {max_bytes}-byte items")
+    plan = plan_items(items, min_bytes, max_bytes, dup_ratio, seed)
+    groups = windows(plan, slab_bytes // 2)
+
+    ip = "127.0.0.1"
+    port = harness.free_port_range(tp_size, ip)
+    consumer_address = f"tcp://{ip}:{port}"
+    settings = {"log_level": "warn"}
+    workers: list[Worker] = []
+    try:
+        for rank in range(tp_size):
+            config = {
+                "ec_ip": ip,
+                "ec_port": port,
+                "tp_rank": rank,
+                "tp_size": tp_size,
+                "dp_rank": 0,
+                "transport": "tcp",
+                "lease_s": 300,
+            }
+            workers.append(
+                Worker("consumer", f"consumer-{rank}", config=config, slab_bytes=slab_bytes, settings=settings)
+            )
+        producer = Worker(
+            "producer",
+            "producer",
+            config={"transport": "tcp", "control_timeout_s": 30, "push_wait_timeout_s": 60},
+            settings=settings,
+        )
+        workers.append(producer)
+        shards = workers[:tp_size]
+        for worker in workers:
+            worker.wait_ready(120)
+
+        configure(**settings)
+        ceiling = measure_ceiling()
+        scheduler_config = {
+            "ec_ip": ip,
+            "ec_port": port,
+            "tp_size": tp_size,
+            "dp_rank": 0,
+            "push_wait_timeout_s": 60,
+            "load_timeout_s": 30,
+        }
+        with Scheduler(scheduler_config) as scheduler:
+            result = _drive(plan, groups, scheduler, shards, producer, consumer_address, timeout_s, progress)
+            result["producer_stats"] = producer.call("stats", 30)
+    finally:
+        harness.stop_all(workers)
+
+    return _summarize(plan, result, ceiling, tp_size)
+
+
+def _drive(plan, groups, scheduler, shards, producer, consumer_address, timeout_s, progress_on) -> dict:
+    """Moves each window and then, off the clock, plays the engine's part:
+    load each available hash, verify it on every shard, report it loaded,
+    free it (it stays resident on the shards) and finish the requests."""
+    progress = Progress(len(plan), progress_on)
+    latencies: dict[int, float] = {}
+    failed: dict[int, str] = {}
+    verified: set[int] = set()
+    mismatched: dict[int, str] = {}
+    transfer_seconds = 0.0
+    done = 0
+    done_bytes = 0
+    for group in groups:
+        by_tid = {item.transfer_id: item for item in group}
+        new_bytes = sum({it.mm_hash: it.nbytes for it in group}.values())
+        deadline_s = timeout_s or (30.0 + new_bytes / (50 * MiB))
+        expected = scheduler.step(
+            {
+                "expect": [
+                    {"request_id": _request(it), "items": [{"transfer_id": it.transfer_id, "mm_hash": it.mm_hash}]}
+                    for it in group
+                ]
+            }
+        )
+        for it in group:
+            reason = (expected.get("expect_errors") or {}).get(_request(it))
+            if reason:
+                failed[it.index] = f"scheduler refused the request: {reason}"
+        producer.send("push", items=[it.wire() for it in group], consumer=consumer_address, timeout_s=deadline_s)
+        accepted = [it.transfer_id for it in group if it.index not in failed]
+        available, unavailable = _await_available(scheduler, accepted, deadline_s + 5)
+        pushed = producer.result(deadline_s + 30)
+
+        t_submit = pushed["t_submit"]
+        for tid, reason in list(pushed["failed"].items()) + [(t, "push timed out") for t in pushed["timed_out"]]:
+            failed.setdefault(by_tid[tid].index, f"producer: {reason}")
+        for tid, reason in unavailable.items():
+            failed.setdefault(by_tid[tid].index, f"scheduler: {reason}")
+        for tid, t_avail in available.items():
+            latencies[by_tid[tid].index] = t_avail - t_submit
+        if available:
+            transfer_seconds += max(available.values()) - t_submit
+
+        ready = [it for it in group if it.index not in failed]
+        hashes = list(dict.fromkeys(it.mm_hash for it in ready))
+        loads = scheduler.step({"load": hashes}).get("load") or []
+        loading = {lo["mm_hash"]: lo["transfer_id"] for lo in loads if not lo.get("error")}
+        for lo in loads:
+            if lo.get("error"):
+                for it in ready:
+                    if it.mm_hash == lo["mm_hash"]:
+                        failed.setdefault(it.index, f"scheduler load: {lo['error']}")
+        to_check = [it for it in ready if it.mm_hash in loading]
+        for shard in shards:
+            shard.send("verify", items=[it.wire() for it in to_check])
+        results = [shard.result(60 + sum(it.nbytes for it in to_check) / (20 * MiB)) for shard in shards]
+        bad_hashes = set()
+        for position, item in enumerate(to_check):
+            errors = [f"{shard.name}: {r[position]['error']}" for shard, r in zip(shards, results) if not r[position]["ok"]]
+            if errors:
+                mismatched[item.index] = "; ".join(errors)
+                bad_hashes.add(item.mm_hash)
+            else:
+                verified.add(item.index)
+        scheduler.step(
+            {
+                "loaded": [
+                    {"transfer_id": tid, "ok": h not in bad_hashes, "reason": "bytes differ" if h in bad_hashes else ""}
+                    for h, tid in loading.items()
+                ],
+                "freed": list(loading),
+                "finished": [_request(it) for it in group],
+            }
+        )
+
+        done += len(group)
+        done_bytes += sum(it.nbytes for it in group)
+        progress.update(done, done_bytes, len(verified), len(failed) + len(mismatched))
+    return {
+        "latencies": latencies,
+        "failed": failed,
+        "verified": verified,
+        "mismatched": mismatched,
+        "transfer_seconds": transfer_seconds,
+    }
+
+
+def _request(item: Item) -> str:
+    # One request per item, as if each image came in its own chat request.
+    return f"req-{item.transfer_id}"
+
+
+def _await_available(scheduler: Scheduler, transfer_ids: list[str], timeout_s: float) -> tuple[dict, dict]:
+    """Polls until every transfer is available or failed; returns
+    ({transfer_id: time available}, {transfer_id: reason not available})."""
+    available: dict[str, float] = {}
+    unavailable: dict[str, str] = {}
+    waiting = list(transfer_ids)
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        out = scheduler.wait(waiting, _WAIT_SLICE_MS)
+        now = time.monotonic()
+        for tid in out.get("available") or ():
+            available.setdefault(tid, now)
+        for tid in out.get("failed") or ():
+            unavailable.setdefault(tid, "failed before it was available")
+        waiting = [t for t in waiting if t not in available and t not in unavailable]
+    for tid in waiting:
+        unavailable[tid] = f"not available within {timeout_s:.0f}s"
+    return available, unavailable
+
+
+def _summarize(plan: list[Item], result: dict, ceiling: dict, tp_size: int) -> dict:
+    seconds = result["transfer_seconds"]
+    latencies_ms = [v * 1e3 for v in result["latencies"].values()]
+    payload_bytes = sum(it.nbytes for it in plan)
+    unique_bytes = sum(it.nbytes for it in plan if it.duplicate_of is None)
+    delivered = payload_bytes * tp_size
+    wire = unique_bytes * tp_size
+    rate = (lambda n: n / seconds) if seconds > 0 else (lambda n: 0.0)
+    failures = {str(i): reason for i, reason in sorted(result["failed"].items())}
+    failures.update({str(i): reason for i, reason in sorted(result["mismatched"].items())})
+    ok = not result["failed"] and not result["mismatched"] and len(result["verified"]) == len(plan)
+    return {
+        "ok": ok,
+        "items": len(plan),
+        "duplicates": sum(1 for it in plan if it.duplicate_of is not None),
+        "shards": tp_size,
+        "transport": "tcp",
+        "bytes": payload_bytes,
+        "unique_bytes": unique_bytes,
+        "seconds": seconds,
+        "items_per_s": rate(len(plan)),
+        "gb_per_s": rate(delivered) / GB,
+        "wire_gb_per_s": rate(wire) / GB,
+        "latency_ms": {"p50": percentile(latencies_ms, 50), "p99": percentile(latencies_ms, 99)},
+        "verified": len(result["verified"]),
+        "failed": len(result["failed"]),
+        "mismatched": len(result["mismatched"]),
+        "failures": failures,
+        "ceiling": {
+            "name": "Go TCP loopback",
+            "gb_per_s": ceiling["bytes_per_sec"] / GB,
+            "streams": ceiling["streams"],
+            "by_streams_gb_per_s": {k: v / GB for k, v in ceiling["by_streams"].items()},
+        },
+        "ceiling_ratio": (rate(wire) / ceiling["bytes_per_sec"]) if ceiling["bytes_per_sec"] else 0.0,
+        "producer_stats": result.get("producer_stats"),
+    }
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f} ms"
+
+
+def format_summary(s: dict) -> str:
+    lat = s["latency_ms"]
+    ceiling = s["ceiling"]
+    lines = [
+        f"ecmooncake demo: {s['items']} items ({s['duplicates']} repeat an earlier mm_hash), "
+        f"{s['shards']} consumer shards, {s['transport']} over loopback",
+        f"  payload     {s['bytes'] / GB:.2f} GB per shard ({s['unique_bytes'] / GB:.2f} GB distinct)",
+        f"  throughput  {s['items_per_s']:.1f} items/s, {s['gb_per_s']:.2f} GB/s delivered to all shards, "
+        f"{s['wire_gb_per_s']:.2f} GB/s of distinct bytes, in {s['seconds']:.2f} s of transfer",
+        f"  latency     p50 {_ms(lat['p50'])}, p99 {_ms(lat['p99'])} (submit to available on every shard)",
+        f"  verified    {s['verified']}/{s['items']} items, every byte on every shard "
+        f"({s['failed']} failed, {s['mismatched']} mismatched)",
+        f"  ceiling     {ceiling['name']} {ceiling['gb_per_s']:.2f} GB/s ({ceiling['streams']} streams, same run); "
+        f"distinct-byte throughput is {s['ceiling_ratio']:.2f} of it",
+    ]
+    for index, reason in s["failures"].items():
+        lines.append(f"  item {index}: {reason}")
+    lines.append("  result      " + ("OK" if s["ok"] else "FAILED"))
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    try:
+        summary = run(
+            items=args.items,
+            min_mb=args.min_mb,
+            max_mb=args.max_mb,
+            dup_ratio=args.dup_ratio,
+            seed=args.seed,
+            slab_mb=args.slab_mb,
+            timeout_s=args.timeout,
+            progress=not args.quiet,
+        )
+    except (EcmError, WorkerError, OSError, ValueError) as exc:
+        print(f"ecmooncake demo: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+    else:
+        print(format_summary(summary))
+    return 0 if summary["ok"] else 1

@@ -1,0 +1,208 @@
+"""Round trips through the public API across processes, and the errors that
+bad input must raise."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+from conftest import wait_until
+from ecmooncake import _ffi, native
+from ecmooncake.harness import free_port_range, payload
+from ecmooncake.native import Consumer, EcmError, EcmHandleError, EcmInvalid, Producer, Scheduler
+
+pytestmark = pytest.mark.usefixtures("library")
+
+IP = "127.0.0.1"
+MiB = 1 << 20
+
+
+def consumer_config(port: int, rank: int = 0, tp_size: int = 1, **extra) -> dict:
+    return {"ec_ip": IP, "ec_port": port, "tp_rank": rank, "tp_size": tp_size, "dp_rank": 0, "transport": "tcp", **extra}
+
+
+def scheduler_config(port: int, tp_size: int, **extra) -> dict:
+    return {"ec_ip": IP, "ec_port": port, "tp_size": tp_size, "dp_rank": 0, "push_wait_timeout_s": 20, "load_timeout_s": 10, **extra}
+
+
+def item(tag: str, mm_hash: str, nbytes: int, seed: int) -> dict:
+    return {"transfer_id": f"t-{tag}", "mm_hash": mm_hash, "nbytes": nbytes, "seed": seed}
+
+
+def expect(scheduler: Scheduler, items: list[dict]) -> None:
+    out = scheduler.step(
+        {"expect": [{"request_id": f"r-{it['transfer_id']}", "items": [{"transfer_id": it["transfer_id"], "mm_hash": it["mm_hash"]}]} for it in items]}
+    )
+    assert not out.get("expect_errors"), out
+
+
+def push_and_check(scheduler, shards, producer, address, items):
+    """Pushes items as one batch; asserts every one arrives on every shard, bit-exact."""
+    tids = [it["transfer_id"] for it in items]
+    expect(scheduler, items)
+    pushed = producer.call("push", 90, items=items, consumer=address, timeout_s=60)
+    assert pushed["failed"] == {} and pushed["timed_out"] == [], pushed
+    assert sorted(pushed["done"]) == sorted(tids)
+    assert pushed["held_sources"] == 0, "sources are released once their writes finished"
+    waited = scheduler.wait(tids, 20_000)
+    assert sorted(waited["available"]) == sorted(tids), waited
+    for shard in shards:
+        results = shard.call("verify", 60, items=items)
+        assert [r["ok"] for r in results] == [True] * len(items), results
+    for it in items:
+        assert scheduler.has(it["mm_hash"])
+
+
+def test_two_shards_round_trip_with_duplicates(workers):
+    port = free_port_range(2, IP)
+    shards = [
+        workers("consumer", f"consumer-{rank}", config=consumer_config(port, rank, 2), slab_bytes=64 * MiB)
+        for rank in range(2)
+    ]
+    producer = workers("producer", "producer", config={"transport": "tcp", "control_timeout_s": 10, "push_wait_timeout_s": 30})
+    for worker in [*shards, producer]:
+        worker.wait_ready(60)
+    address = f"tcp://{IP}:{port}"
+    with Scheduler(scheduler_config(port, 2)) as scheduler:
+        first = [
+            item("a", "a" * 64, 1, 11),
+            item("b", "b" * 64, 257, 12),
+            item("c", "c" * 64, 3 * MiB + 5, 13),
+            item("a2", "a" * 64, 1, 11),  # same content as a, in the same batch
+            item("d", "d" * 64, 9 * MiB, 14),
+        ]
+        push_and_check(scheduler, shards, producer, address, first)
+        # b is now a resident copy on both shards; e is new.
+        second = [item("b2", "b" * 64, 257, 12), item("e", "e" * 64, 2 * MiB + 1, 15)]
+        push_and_check(scheduler, shards, producer, address, second)
+        tiny = shards[1].call("read", 30, mm_hash="b" * 64)
+        assert tiny == payload(12, 257).tobytes()
+        assert 0 not in tiny
+
+
+def test_source_stays_alive_until_released():
+    port = free_port_range(1, IP)
+    slab = np.zeros(16 * MiB, dtype=np.uint8)
+    with Consumer(consumer_config(port), slab) as consumer, Producer({"transport": "tcp", "control_timeout_s": 10}) as producer:
+        data = payload(7, 4 * MiB + 3)
+        alive = weakref.ref(data)
+        submitted = producer.submit([{"transfer_id": "keep", "mm_hash": "k" * 64, "nbytes": data.nbytes, "consumer": f"tcp://{IP}:{port}"}])
+        assert not submitted[0].get("error"), submitted
+        source_id = producer.source("k" * 64, data)
+        del data
+        gc.collect()
+        assert alive() is not None, "the producer holds a source until it is released"
+        assert producer.held_sources == 1
+        seen: dict[str, list] = {"done": [], "released": []}
+
+        def finished():
+            out = producer.poll(200)
+            assert not out.get("failed"), out
+            seen["done"] += out.get("done") or []
+            seen["released"] += out.get("released") or []
+            return "keep" in seen["done"] and source_id in seen["released"]
+
+        wait_until(finished, 30, interval=0, what="push done and source released")
+        gc.collect()
+        assert alive() is None
+        assert producer.held_sources == 0
+        (got,) = consumer.acquire(["k" * 64])
+        assert not got.get("error"), got
+        assert np.array_equal(consumer.view(got["offset"], got["nbytes"]), payload(7, 4 * MiB + 3))
+        consumer.release(["k" * 64])
+
+
+def test_consumer_in_process_api():
+    port = free_port_range(1, IP)
+    slab = np.zeros((1024, 1024), dtype=np.float32)
+    with Consumer(consumer_config(port), slab) as consumer:
+        info = consumer.info()
+        assert info["control"].endswith(f":{port}")
+        assert info["slab_bytes"] == slab.nbytes == consumer.slab_nbytes
+        assert consumer.stats()["bytes_in_use"] == 0
+        (missing,) = consumer.acquire(["no-such-hash"])
+        assert missing["mm_hash"] == "no-such-hash" and missing["error"]
+        (unknown,) = consumer.release(["no-such-hash"])
+        assert unknown["error"]
+        with pytest.raises(EcmInvalid, match="outside"):
+            consumer.view(slab.nbytes - 1, 2)
+        consumer.view(4, 16)[:] = 5
+        assert slab.view(np.uint8).reshape(-1)[:24].tolist() == [0] * 4 + [5] * 16 + [0] * 4, "a view, not a copy"
+
+
+def test_scheduler_refuses_a_transfer_id_reused_for_other_content():
+    port = free_port_range(1, IP)
+    with Scheduler(scheduler_config(port, 1)) as scheduler:
+        ok = scheduler.step({"expect": [{"request_id": "r1", "items": [{"transfer_id": "t1", "mm_hash": "h1"}]}]})
+        assert not ok.get("expect_errors")
+        clash = scheduler.step({"expect": [{"request_id": "r2", "items": [{"transfer_id": "t1", "mm_hash": "h2"}]}]})
+        assert "r2" in clash["expect_errors"] and "t1" in clash["expect_errors"]["r2"]
+        assert scheduler.has("h1") is False
+        waited = scheduler.wait(["t1"], 0)
+        assert waited["waiting"] == ["t1"]
+
+
+@pytest.mark.parametrize(
+    "open_object, words",
+    [
+        (lambda: Producer("{not json"), ["producer"]),
+        (lambda: Producer({"transport": "tcp", "bogus_key": 1}), ["bogus_key"]),
+        (lambda: Producer({"tcp_conns": "four"}), ["tcp_conns"]),
+        (lambda: Producer({"transport": "carrier-pigeon"}), ["transport"]),
+        (lambda: Scheduler({"tp_size": 0}), ["tp_size"]),
+        (lambda: Consumer({"ec_port": 70000}, np.zeros(4096, np.uint8)), ["ec_port"]),
+        (lambda: Consumer({"lease_s": -1}, np.zeros(4096, np.uint8)), ["lease_s"]),
+    ],
+)
+def test_bad_config_is_refused_with_a_message(open_object, words):
+    with pytest.raises(EcmError) as info:
+        open_object()
+    assert info.value.code == _ffi.ECM_ERR_INVALID
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(EcmInvalid, match="gomaxprocs"):
+        native.configure(gomaxprocs="many")
+    with pytest.raises(EcmInvalid, match="bytes"):
+        native.bench_tcp_loopback(0, 1)
+    with Scheduler(scheduler_config(free_port_range(1, IP), 1)) as scheduler:
+        with pytest.raises(EcmInvalid, match="step"):
+            scheduler.step("{not json")
+
+
+def test_closed_handles():
+    producer = Producer({"transport": "tcp"})
+    handle = producer.handle
+    assert isinstance(producer.stats(), dict)
+    producer.close()
+    producer.close()
+    assert producer.closed
+    with pytest.raises(EcmHandleError, match="producer is closed"):
+        producer.poll()
+    with pytest.raises(EcmHandleError) as info:
+        native._call("ecm_close", handle)
+    assert "ecm_close" in str(info.value)
+    with pytest.raises(EcmHandleError):
+        native._call("ecm_stats", handle, out=True)
+    with Scheduler(scheduler_config(free_port_range(1, IP), 1)) as scheduler:
+        other = scheduler.handle
+    with pytest.raises(EcmHandleError):
+        native._call("ecm_scheduler_step", other, b"{}", out=True)
+
+
+def test_wrong_kind_of_handle_is_refused():
+    with Producer({"transport": "tcp"}) as producer:
+        with pytest.raises(EcmHandleError):
+            native._call("ecm_scheduler_step", producer.handle, b"{}", out=True)
+
+
+def test_producer_refuses_a_strided_source():
+    with Producer({"transport": "tcp"}) as producer:
+        with pytest.raises(EcmInvalid, match="C-contiguous"):
+            producer.source("h", np.zeros((64, 64), dtype=np.uint8)[::2, ::2])
+        assert producer.held_sources == 0
