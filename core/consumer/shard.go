@@ -36,10 +36,9 @@ type Shard struct {
 	log  *slog.Logger
 	host string
 
-	mu    sync.Mutex // guards table and seq; never held across I/O
+	mu    sync.Mutex // guards table; never held across I/O
 	table *reserve.Table
 	slab  *slab.Slab
-	seq   uint64
 
 	zctx   *zmq.Context
 	server *control.Server
@@ -179,19 +178,18 @@ func (s *Shard) Release(hashes []string) []error {
 
 // Stats gathers the shard's counters.
 type Stats struct {
-	Table   reserve.Stats       `json:"table"`
-	InUse   uint64              `json:"bytes_in_use"`
-	Size    uint64              `json:"slab_bytes"`
-	Server  control.ServerStats `json:"control"`
-	Data    transport.RecvStats `json:"data"`
-	Events  control.PubStats    `json:"events"`
-	EventSq uint64              `json:"events_sent"`
+	Table  reserve.Stats       `json:"table"`
+	InUse  uint64              `json:"bytes_in_use"`
+	Size   uint64              `json:"slab_bytes"`
+	Server control.ServerStats `json:"control"`
+	Data   transport.RecvStats `json:"data"`
+	Events control.PubStats    `json:"events"`
 }
 
 // Stats returns a snapshot of the shard's counters.
 func (s *Shard) Stats() Stats {
 	s.mu.Lock()
-	st := Stats{Table: s.table.Stats(), InUse: s.slab.InUse(), Size: s.slab.Size(), EventSq: s.seq}
+	st := Stats{Table: s.table.Stats(), InUse: s.slab.InUse(), Size: s.slab.Size()}
 	s.mu.Unlock()
 	st.Server = s.server.Stats()
 	st.Data = s.recv.Stats()
@@ -257,7 +255,7 @@ func (s *Shard) ticker() {
 		s.safely("tick", func() {
 			s.mu.Lock()
 			s.table.Tick(time.Now())
-			s.flushLocked()
+			s.sendEventsLocked()
 			s.mu.Unlock()
 		})
 	}
@@ -274,21 +272,23 @@ func (s *Shard) safely(what string, f func()) {
 	f()
 }
 
-// flushLocked sends the table's pending events. The caller holds mu, which
-// is fine because Send only enqueues.
+// flushLocked sends the table's pending events and wakes the ticker: a
+// call that changed the table may have moved the next deadline earlier.
+// The caller holds mu, which is fine because neither step blocks.
 func (s *Shard) flushLocked() {
-	evs := s.table.DrainEvents()
-	for _, e := range evs {
-		s.seq++
-		s.events.Send(wire.Event{
-			V: wire.Version, Shard: s.cfg.TPRank, Seq: s.seq, TransferID: e.TransferID,
-			MMHash: e.MMHash, Ready: e.Ready, NBytes: e.NBytes, Reason: e.Reason,
-		})
-	}
-	// A call that changed the table may have moved the next deadline
-	// earlier; the ticker recomputes it.
+	s.sendEventsLocked()
 	select {
 	case s.kick <- struct{}{}:
 	default:
+	}
+}
+
+// sendEventsLocked sends the table's pending events, in order.
+func (s *Shard) sendEventsLocked() {
+	for _, e := range s.table.DrainEvents() {
+		s.events.Send(wire.Event{
+			V: wire.Version, Shard: s.cfg.TPRank, TransferID: e.TransferID,
+			MMHash: e.MMHash, Ready: e.Ready, NBytes: e.NBytes, Reason: e.Reason,
+		})
 	}
 }

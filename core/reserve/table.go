@@ -1,7 +1,6 @@
 package reserve
 
 import (
-	"cmp"
 	"container/list"
 	"errors"
 	"fmt"
@@ -188,6 +187,7 @@ type Table struct {
 	lastRes ids.ResID
 
 	regions   map[ids.ResID]*region
+	deadlines deadlineHeap       // lease ends, with stale entries skipped lazily
 	byHash    map[string]*region // the joinable (Writing or Ready) region of each mm_hash
 	transfers map[string]*transfer
 
@@ -291,7 +291,7 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 		// the new request time to load before the copy may go.
 		tr.kind = KindCached
 		if !r.acquired {
-			r.deadline = now.Add(t.cfg.Lease)
+			t.setDeadline(r, now.Add(t.cfg.Lease))
 		}
 		if r.lru != nil {
 			t.residents.MoveToFront(r.lru)
@@ -314,9 +314,9 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 	r := &region{
 		res: res, token: tok, mmHash: it.MMHash,
 		off: off, nbytes: it.NBytes, alloc: alloc,
-		state:    Writing,
-		deadline: now.Add(t.cfg.Lease),
+		state: Writing,
 	}
+	t.setDeadline(r, now.Add(t.cfg.Lease))
 	tr := &transfer{id: it.TransferID, mmHash: it.MMHash, kind: KindWrite, nbytes: it.NBytes, region: r}
 	r.writer = tr
 	t.regions[res] = r
@@ -469,7 +469,7 @@ func (t *Table) Complete(res ids.ResID, tok ids.Token, now time.Time) error {
 	if err := r.transition(Ready); err != nil {
 		return t.fault(err)
 	}
-	r.deadline = now.Add(t.cfg.Lease)
+	t.setDeadline(r, now.Add(t.cfg.Lease))
 	if w := r.writer; w != nil {
 		t.emit(w, true, "")
 		w.done = true
@@ -540,28 +540,22 @@ func (t *Table) Cancel(transferID string, now time.Time) error {
 
 // Tick ends the leases that have run out by now.
 func (t *Table) Tick(now time.Time) {
-	var due []*region
-	for _, r := range t.regions {
-		if !r.deadline.IsZero() && !now.Before(r.deadline) {
-			due = append(due, r)
+	for {
+		r := t.dueRegion(now)
+		if r == nil {
+			return
 		}
-	}
-	// Map order is random; sorting keeps the event order reproducible.
-	slices.SortFunc(due, func(a, b *region) int { return cmp.Compare(a.res, b.res) })
-	for _, r := range due {
 		t.doom(r, Expired, ReasonExpired)
 	}
 }
 
 // NextDeadline is the earliest time at which Tick would change something.
 func (t *Table) NextDeadline() (time.Time, bool) {
-	var next time.Time
-	for _, r := range t.regions {
-		if !r.deadline.IsZero() && (next.IsZero() || r.deadline.Before(next)) {
-			next = r.deadline
-		}
+	t.dropStaleDeadlines()
+	if len(t.deadlines) == 0 {
+		return time.Time{}, false
 	}
-	return next, !next.IsZero()
+	return t.deadlines[0].at, true
 }
 
 // Acquire pins the Ready region of mmHash for loading. A pinned region
