@@ -78,7 +78,7 @@ func (s *Shard) peers() wire.PeersReply {
 func (s *Shard) reserve(b wire.ReserveBatch) wire.ReserveBatchReply {
 	items := make([]reserve.Item, len(b.Items))
 	for i, it := range b.Items {
-		items[i] = reserve.Item{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes}
+		items[i] = reserve.Item{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Meta: it.Meta}
 	}
 	s.mu.Lock()
 	grants := s.table.Reserve(items, time.Now())

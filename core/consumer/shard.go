@@ -142,6 +142,7 @@ type Loaded struct {
 	MMHash string `json:"mm_hash"`
 	Offset uint64 `json:"offset"`
 	NBytes uint64 `json:"nbytes"`
+	Meta   string `json:"meta,omitempty"`
 	Error  string `json:"error,omitempty"`
 }
 
@@ -159,6 +160,7 @@ func (s *Shard) Acquire(hashes []string) []Loaded {
 			continue
 		}
 		out[i].Offset, out[i].NBytes = off, n
+		out[i].Meta, _ = s.table.Meta(h)
 	}
 	return out
 }

@@ -128,7 +128,7 @@ func (p *Producer) launch(f func()) {
 func (p *Producer) reserve(dest string, items []push.ReserveItem) {
 	req := wire.ReserveBatch{Items: make([]wire.ReserveItem, len(items))}
 	for i, it := range items {
-		req.Items[i] = wire.ReserveItem{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes}
+		req.Items[i] = wire.ReserveItem{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Meta: it.Meta}
 	}
 	var rep wire.ReserveBatchReply
 	err := p.call(dest, wire.OpReserveBatch, req, &rep)

@@ -33,6 +33,9 @@ type Push struct {
 	NBytes     uint64 `json:"nbytes"`
 	// Consumer is the control endpoint of any shard of the consumer.
 	Consumer string `json:"consumer"`
+	// Meta describes the bytes (dtype, shape); the consumer's engine reads
+	// it back when it loads the item.
+	Meta string `json:"meta,omitempty"`
 }
 
 // Failure is a push that will not arrive, with the reason.
@@ -171,7 +174,7 @@ func (p *Producer) addLocked(ps Push, ci *consumerInfo, now time.Time) error {
 	if ci.err != nil {
 		return fmt.Errorf("producer: push %s: %w", ps.TransferID, ci.err)
 	}
-	return p.mgr.Add(push.Push{TransferID: ps.TransferID, MMHash: ps.MMHash, NBytes: ps.NBytes, Dests: ci.dests}, now)
+	return p.mgr.Add(push.Push{TransferID: ps.TransferID, MMHash: ps.MMHash, NBytes: ps.NBytes, Dests: ci.dests, Meta: ps.Meta}, now)
 }
 
 // admit waits for the consumer's shards to be known and adds the group.

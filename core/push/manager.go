@@ -71,6 +71,7 @@ type Push struct {
 	MMHash     string
 	NBytes     uint64
 	Dests      []string
+	Meta       string // opaque description of the bytes, carried to the consumer
 }
 
 // Grant kinds, as a consumer shard answers a reservation.
@@ -98,6 +99,7 @@ type ReserveItem struct {
 	TransferID string
 	MMHash     string
 	NBytes     uint64
+	Meta       string
 }
 
 // Write copies a source into a granted region.
@@ -313,7 +315,7 @@ func describe(p Push) string {
 // samePush compares destinations as a set: the engine may list them in
 // another order when it repeats an announcement.
 func samePush(a, b Push) bool {
-	if a.MMHash != b.MMHash || a.NBytes != b.NBytes || len(a.Dests) != len(b.Dests) {
+	if a.MMHash != b.MMHash || a.NBytes != b.NBytes || a.Meta != b.Meta || len(a.Dests) != len(b.Dests) {
 		return false
 	}
 	x, y := slices.Clone(a.Dests), slices.Clone(b.Dests)
@@ -450,7 +452,7 @@ func (m *Manager) Ready(now time.Time) Ready {
 	for _, r := range m.reserveQ {
 		if r.state == Reserving {
 			p := r.tr.push
-			out.Reserves = appendTo(out.Reserves, r.dest, ReserveItem{p.TransferID, p.MMHash, p.NBytes})
+			out.Reserves = appendTo(out.Reserves, r.dest, ReserveItem{p.TransferID, p.MMHash, p.NBytes, p.Meta})
 		}
 	}
 	m.reserveQ = nil

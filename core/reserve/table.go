@@ -83,6 +83,7 @@ type Item struct {
 	TransferID string
 	MMHash     string
 	NBytes     uint64
+	Meta       string // opaque; kept with the region and returned by Meta
 }
 
 // Grant answers one Item. Res and Token are set only for KindWrite.
@@ -119,6 +120,7 @@ type region struct {
 	res    ids.ResID
 	token  ids.Token
 	mmHash string
+	meta   string // the writer's description of the bytes
 	off    uint64 // slab offset
 	nbytes uint64 // the size asked; the allocation is rounded up
 	alloc  uint64 // the slab allocation's length
@@ -312,7 +314,7 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 	res := t.resIDs.Next()
 	t.lastRes = res
 	r := &region{
-		res: res, token: tok, mmHash: it.MMHash,
+		res: res, token: tok, mmHash: it.MMHash, meta: it.Meta,
 		off: off, nbytes: it.NBytes, alloc: alloc,
 		state: Writing,
 	}
@@ -556,6 +558,16 @@ func (t *Table) NextDeadline() (time.Time, bool) {
 		return time.Time{}, false
 	}
 	return t.deadlines[0].at, true
+}
+
+// Meta returns the description the writer gave the bytes of mmHash's
+// joinable region.
+func (t *Table) Meta(mmHash string) (string, bool) {
+	r := t.byHash[mmHash]
+	if r == nil {
+		return "", false
+	}
+	return r.meta, true
 }
 
 // Acquire pins the Ready region of mmHash for loading. A pinned region

@@ -101,7 +101,14 @@ type ReserveItem struct {
 	TransferID string `json:"transfer_id"`
 	MMHash     string `json:"mm_hash"`
 	NBytes     uint64 `json:"nbytes"`
+	// Meta is opaque to the core: the producer describes the bytes (dtype
+	// and shape of the tensor), and the consumer's engine reads it back
+	// when it loads the item, so an item is self-describing.
+	Meta string `json:"meta,omitempty"`
 }
+
+// MaxMetaLen bounds ReserveItem.Meta.
+const MaxMetaLen = 4096
 
 // ReserveBatch is the body of OpReserveBatch: one producer step's items for
 // one shard.
@@ -123,6 +130,9 @@ func (b ReserveBatch) Validate() error {
 		}
 		if it.NBytes == 0 {
 			return fmt.Errorf("%w: items[%d].nbytes: must be positive", ErrInvalid, i)
+		}
+		if len(it.Meta) > MaxMetaLen {
+			return fmt.Errorf("%w: items[%d].meta: %d bytes, at most %d", ErrInvalid, i, len(it.Meta), MaxMetaLen)
 		}
 	}
 	return nil

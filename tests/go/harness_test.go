@@ -164,7 +164,7 @@ func (c *cluster) pushAll(req string, items []item) producer.Outcomes {
 	pushes := make([]producer.Push, len(items))
 	for i, it := range items {
 		exp[i] = sched.Expected{TransferID: it.tid, MMHash: it.hash}
-		pushes[i] = producer.Push{TransferID: it.tid, MMHash: it.hash, NBytes: uint64(len(it.data)), Consumer: c.consumer}
+		pushes[i] = producer.Push{TransferID: it.tid, MMHash: it.hash, NBytes: uint64(len(it.data)), Consumer: c.consumer, Meta: metaOf(it)}
 	}
 	out := c.sched.Step(scheduler.StepIn{Expect: []scheduler.ExpectIn{{RequestID: req, Items: exp}}})
 	require.Empty(c.t, out.ExpectErrors)
@@ -223,6 +223,7 @@ func (c *cluster) verify(items []item) {
 			got := s.Acquire([]string{it.hash})[0]
 			require.Empty(c.t, got.Error, "shard %d acquire %s", r, it.hash)
 			require.Equal(c.t, uint64(len(it.data)), got.NBytes)
+			require.Equal(c.t, metaOf(it), got.Meta, "the producer's description travels with the bytes")
 			region := c.slabs[r][got.Offset : got.Offset+got.NBytes]
 			require.True(c.t, bytes.Equal(it.data, region), "shard %d item %s differs", r, it.tid)
 			for _, err := range s.Release([]string{it.hash}) {
@@ -244,3 +245,5 @@ type (
 	producerPush   = producer.Push
 	producerSource = producer.Source
 )
+
+func metaOf(it item) string { return fmt.Sprintf(`{"dtype":"uint8","shape":[%d]}`, len(it.data)) }
