@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--mb", type=float, default=32, help="large item size, MiB (default %(default)s)")
     bench.add_argument("--batch", type=int, default=8, help="large items per batch (default %(default)s)")
-    bench.add_argument("--batches", type=int, default=8, help="timed large batches (default %(default)s)")
+    bench.add_argument("--batches", type=int, default=16, help="timed large batches (default %(default)s)")
     bench.add_argument("--small-kb", type=float, default=64, help="small item size, KiB (default %(default)s)")
     bench.add_argument("--small-batch", type=int, default=256, help="small items per batch (default %(default)s)")
     bench.add_argument("--small-batches", type=int, default=8, help="timed small batches (default %(default)s)")

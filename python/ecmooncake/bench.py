@@ -78,7 +78,7 @@ def _phase(
 def run(
     mb: float = 32,
     batch: int = 8,
-    batches: int = 8,
+    batches: int = 16,
     small_kb: float = 64,
     small_batch: int = 256,
     small_batches: int = 8,

@@ -350,13 +350,13 @@ def format_summary(s: dict) -> str:
         f"ecmooncake demo: {s['items']} items ({s['duplicates']} repeat an earlier mm_hash), "
         f"{s['shards']} consumer shards, {s['transport']} over loopback",
         f"  payload     {s['bytes'] / GB:.2f} GB per shard ({s['unique_bytes'] / GB:.2f} GB distinct)",
-        f"  throughput  {s['items_per_s']:.1f} items/s, {s['gb_per_s']:.2f} GB/s delivered to all shards, "
-        f"{s['wire_gb_per_s']:.2f} GB/s of distinct bytes, in {s['seconds']:.2f} s of transfer",
+        f"  throughput  {s['items_per_s']:.1f} items/s, {s['wire_gb_per_s']:.2f} GB/s on the wire (each distinct "
+        f"item to every shard), {s['gb_per_s']:.2f} GB/s served, in {s['seconds']:.2f} s of transfer",
         f"  latency     p50 {_ms(lat['p50'])}, p99 {_ms(lat['p99'])} (submit to available on every shard)",
         f"  verified    {s['verified']}/{s['items']} items, every byte on every shard "
         f"({s['failed']} failed, {s['mismatched']} mismatched)",
         f"  ceiling     {ceiling['name']} {ceiling['gb_per_s']:.2f} GB/s ({ceiling['streams']} streams, same run); "
-        f"distinct-byte throughput is {s['ceiling_ratio']:.2f} of it",
+        f"the wire throughput is {s['ceiling_ratio']:.2f} of it",
     ]
     for index, reason in s["failures"].items():
         lines.append(f"  item {index}: {reason}")
