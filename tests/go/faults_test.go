@@ -20,23 +20,8 @@ func schedulerStepExpect(req, tid, hash string) scheduler.StepIn {
 func TestProducerDiesMidWrite(t *testing.T) {
 	c := newCluster(t, clusterOpts{tp: 2, lease: 2 * time.Second, pushWait: 3 * time.Second, slabBytes: 256 << 20})
 	items := makeItems(6, 4, 32<<20, 32<<20, 0)
-	exp := schedulerStepExpect("req", items[0].tid, items[0].hash)
-	for _, it := range items[1:] {
-		exp.Expect[0].Items = append(exp.Expect[0].Items, sched.Expected{TransferID: it.tid, MMHash: it.hash})
-	}
-	c.sched.Step(exp)
-	var pushes []producerPush
-	for _, it := range items {
-		pushes = append(pushes, producerPush{TransferID: it.tid, MMHash: it.hash, NBytes: uint64(len(it.data)), Consumer: c.consumer})
-	}
-	for _, err := range c.prod.Submit(pushes) {
-		require.NoError(t, err)
-	}
-	var srcs []producerSource
-	for _, it := range items {
-		srcs = append(srcs, producerSource{MMHash: it.hash, Mem: it.data})
-	}
-	c.prod.Sources(srcs)
+	c.expect("req", items)
+	c.send(items)
 	// Kill the producer as soon as bytes start to land.
 	require.Eventually(t, func() bool { return c.shards[0].Stats().Data.Bytes > 0 }, 10*time.Second, time.Millisecond)
 	require.NoError(t, c.prod.Close())
@@ -55,18 +40,7 @@ func TestProducerDiesMidWrite(t *testing.T) {
 func TestConsumerDiesMidWrite(t *testing.T) {
 	c := newCluster(t, clusterOpts{tp: 2, pushWait: 3 * time.Second, slabBytes: 256 << 20})
 	items := makeItems(7, 4, 32<<20, 32<<20, 0)
-	var pushes []producerPush
-	for _, it := range items {
-		pushes = append(pushes, producerPush{TransferID: it.tid, MMHash: it.hash, NBytes: uint64(len(it.data)), Consumer: c.consumer})
-	}
-	for _, err := range c.prod.Submit(pushes) {
-		require.NoError(t, err)
-	}
-	var srcs []producerSource
-	for _, it := range items {
-		srcs = append(srcs, producerSource{MMHash: it.hash, Mem: it.data})
-	}
-	c.prod.Sources(srcs)
+	c.send(items)
 	require.Eventually(t, func() bool { return c.shards[1].Stats().Data.Bytes > 0 }, 10*time.Second, time.Millisecond)
 	require.NoError(t, c.shards[1].Close())
 	c.shards[1] = nil

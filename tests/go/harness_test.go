@@ -160,14 +160,29 @@ func makeItems(seed uint64, n int, minB, maxB int, dupEvery int) []item {
 // producer to report them all done or failed.
 func (c *cluster) pushAll(req string, items []item) producer.Outcomes {
 	c.t.Helper()
+	c.expect(req, items)
+	c.send(items)
+	return c.drain(len(items), 30*time.Second)
+}
+
+// expect registers the items as one request with the scheduler.
+func (c *cluster) expect(req string, items []item) {
+	c.t.Helper()
 	exp := make([]sched.Expected, len(items))
-	pushes := make([]producer.Push, len(items))
 	for i, it := range items {
 		exp[i] = sched.Expected{TransferID: it.tid, MMHash: it.hash}
-		pushes[i] = producer.Push{TransferID: it.tid, MMHash: it.hash, NBytes: uint64(len(it.data)), Consumer: c.consumer, Meta: metaOf(it)}
 	}
 	out := c.sched.Step(scheduler.StepIn{Expect: []scheduler.ExpectIn{{RequestID: req, Items: exp}}})
 	require.Empty(c.t, out.ExpectErrors)
+}
+
+// send submits the pushes, then hands over each distinct source once.
+func (c *cluster) send(items []item) {
+	c.t.Helper()
+	pushes := make([]producer.Push, len(items))
+	for i, it := range items {
+		pushes[i] = producer.Push{TransferID: it.tid, MMHash: it.hash, NBytes: uint64(len(it.data)), Consumer: c.consumer, Meta: metaOf(it)}
+	}
 	for _, err := range c.prod.Submit(pushes) {
 		require.NoError(c.t, err)
 	}
@@ -183,7 +198,6 @@ func (c *cluster) pushAll(req string, items []item) producer.Outcomes {
 	for _, err := range errs {
 		require.NoError(c.t, err)
 	}
-	return c.drain(len(items), 30*time.Second)
 }
 
 // drain polls the producer until n distinct pushes are done or failed (a
@@ -240,10 +254,5 @@ func tids(items []item) []string {
 	}
 	return out
 }
-
-type (
-	producerPush   = producer.Push
-	producerSource = producer.Source
-)
 
 func metaOf(it item) string { return fmt.Sprintf(`{"dtype":"uint8","shape":[%d]}`, len(it.data)) }
