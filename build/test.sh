@@ -21,4 +21,6 @@ grep -rl --include='*_test.go' '^func Fuzz' core capi tests/go 2>/dev/null | xar
     done
   done
 echo "== pytest" >&2
-ECMOONCAKE_REQUIRE_LIB=1 "$python" -m pytest -q tests/python
+require_vllm=1
+[ "${ECMOONCAKE_SKIP_VLLM:-0}" = 1 ] && require_vllm=0
+ECMOONCAKE_REQUIRE_LIB=1 ECMOONCAKE_REQUIRE_VLLM=$require_vllm "$python" -m pytest -q tests/python
