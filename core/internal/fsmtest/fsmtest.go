@@ -1,0 +1,69 @@
+// Package fsmtest checks the state enums of the core's state machines the
+// same way everywhere: every pair of states against an independently
+// written list of legal edges, terminal states without exits, and distinct
+// names. It is imported by tests only.
+package fsmtest
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// State is a state enum: small unsigned values, named by String.
+type State interface {
+	~uint8
+	String() string
+}
+
+// Machine describes one enum and its transition function.
+type Machine[S State] struct {
+	// N is the number of states; values 0..N-1 are valid.
+	N S
+	// Transition is the machine's one transition function.
+	Transition func(from, to S) error
+	// Legal lists the edges the test expects, written independently of the
+	// table the transition function uses, so that a change to either shows.
+	Legal map[[2]S]bool
+	// Illegal is the sentinel every refused move wraps.
+	Illegal error
+	// Terminal reports states that must have no exits.
+	Terminal func(S) bool
+}
+
+// CheckAll runs every check on m, including one value past the last state.
+func CheckAll[S State](t *testing.T, m Machine[S]) {
+	t.Helper()
+	for from := S(0); from <= m.N; from++ {
+		for to := S(0); to <= m.N; to++ {
+			err := m.Transition(from, to)
+			if m.Legal[[2]S{from, to}] {
+				require.NoError(t, err, "%s -> %s", from, to)
+				continue
+			}
+			require.Error(t, err, "%s -> %s must be refused", from, to)
+			require.True(t, errors.Is(err, m.Illegal), "%s -> %s: %v does not wrap %v", from, to, err, m.Illegal)
+			require.Contains(t, err.Error(), from.String())
+			require.Contains(t, err.Error(), to.String())
+		}
+	}
+	for s := S(0); s < m.N; s++ {
+		exits := 0
+		for to := S(0); to < m.N; to++ {
+			if m.Transition(s, to) == nil {
+				exits++
+			}
+		}
+		if m.Terminal != nil {
+			require.Equal(t, m.Terminal(s), exits == 0, "%s: terminal=%v with %d exits", s, m.Terminal(s), exits)
+		}
+	}
+	seen := map[string]bool{}
+	for s := S(0); s < m.N; s++ {
+		name := s.String()
+		require.NotEmpty(t, name)
+		require.False(t, seen[name], "duplicate name %s", name)
+		seen[name] = true
+	}
+}
