@@ -13,10 +13,12 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/consumer"
+	"github.com/ecmooncake/ecmooncake/core/metadata"
 	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
 	"github.com/ecmooncake/ecmooncake/core/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/mooncake"
 )
 
 var (
@@ -51,7 +53,7 @@ func Configure(raw []byte) error {
 		return statusErr(StatusInvalid, "log_level %q: %v", r.LogLevel, err)
 	}
 	logLevel.Set(lv)
-	return nil
+	return startMetrics(r)
 }
 
 // Stats returns the counters of any object as JSON.
@@ -94,6 +96,8 @@ func newTransport(name string, p config.Producer) (transport.Transport, error) {
 	switch name {
 	case "tcp":
 		return transport.NewTCP(transport.TCPConfig{Conns: p.TCPConns, ChunkSize: p.TCPChunkBytes, DialTimeout: p.ControlTimeout(), Logger: slog.Default()}), nil
+	case mooncake.Name:
+		return newMooncake(mooncake.FromProducer(p, slog.Default()))
 	default:
 		return nil, statusErr(StatusUnavailable, "transport %q is not available in this build", name)
 	}
@@ -101,7 +105,19 @@ func newTransport(name string, p config.Producer) (transport.Transport, error) {
 
 // consumer ------------------------------------------------------------------
 
-type consumerObj struct{ *consumer.Shard }
+type consumerObj struct {
+	*consumer.Shard
+	meta *metadata.Server // the Mooncake metadata store it serves, if any
+}
+
+// Close closes the shard, then the metadata store its engine used.
+func (o *consumerObj) Close() error {
+	err := o.Shard.Close()
+	if o.meta != nil {
+		err = errors.Join(err, o.meta.Close())
+	}
+	return err
+}
 
 func (o *consumerObj) stats() any { return o.Stats() }
 
@@ -115,15 +131,21 @@ func ConsumerOpen(raw []byte, mem []byte) (uint64, error) {
 	if len(mem) == 0 {
 		return 0, statusErr(StatusInvalid, "consumer: slab is empty (pointer and nbytes must describe the receive buffer)")
 	}
-	tr, err := newTransport(cfg.Transport, config.DefaultProducer())
+	meta, err := startMetadata(cfg)
 	if err != nil {
 		return 0, err
 	}
-	s, err := consumer.Open(cfg, slab.HostMemory(mem), consumer.Options{Transport: tr, Log: slog.Default()})
-	if err != nil {
-		return 0, err
+	tr, err := consumerTransport(cfg)
+	if err == nil {
+		var s *consumer.Shard
+		if s, err = consumer.Open(cfg, slab.HostMemory(mem), consumer.Options{Transport: tr, Log: slog.Default()}); err == nil {
+			return handles.add(&consumerObj{Shard: s, meta: meta}), nil
+		}
 	}
-	return handles.add(&consumerObj{s}), nil
+	if meta != nil {
+		meta.Close()
+	}
+	return 0, err
 }
 
 // ConsumerInfo returns the shard's endpoints.
@@ -190,7 +212,7 @@ func ProducerOpen(raw []byte) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
-	tr, err := newTransport(cfg.Transport, cfg)
+	tr, err := producerTransport(cfg)
 	if err != nil {
 		return 0, err
 	}

@@ -11,6 +11,10 @@ package main
 /*
 #include <stdint.h>
 #include <stdlib.h>
+
+// Pointers that may be GPU addresses cross as uintptr_t, so that a GPU
+// address never sits in a Go pointer; host ones become pointers here.
+static void *ecm_host_ptr(uintptr_t p) { return (void *)p; }
 */
 import "C"
 
@@ -81,6 +85,11 @@ func ecm_configure(cfg *C.char, errOut **C.char) C.int {
 	return finish(errOut, func() error { return capi.Configure(goBytes(cfg)) })
 }
 
+//export ecm_gpu_info
+func ecm_gpu_info(out **C.char, errOut **C.char) C.int {
+	return finish(errOut, func() error { b, err := capi.GPUInfo(); return putJSON(out, b, err) })
+}
+
 //export ecm_stats
 func ecm_stats(h C.uint64_t, out **C.char, errOut **C.char) C.int {
 	return finish(errOut, func() error { b, err := capi.Stats(uint64(h)); return putJSON(out, b, err) })
@@ -95,6 +104,15 @@ func ecm_close(h C.uint64_t, errOut **C.char) C.int {
 func ecm_consumer_open(cfg *C.char, slab unsafe.Pointer, n C.uint64_t, out *C.uint64_t, errOut **C.char) C.int {
 	return finish(errOut, func() error {
 		h, err := capi.ConsumerOpen(goBytes(cfg), memory(slab, n))
+		*out = C.uint64_t(h)
+		return err
+	})
+}
+
+//export ecm_consumer_open_device
+func ecm_consumer_open_device(cfg *C.char, slab C.uintptr_t, n C.uint64_t, device C.int32_t, out *C.uint64_t, errOut **C.char) C.int {
+	return finish(errOut, func() error {
+		h, err := capi.ConsumerOpenDevice(goBytes(cfg), uintptr(slab), uint64(n), int(device))
 		*out = C.uint64_t(h)
 		return err
 	})
@@ -135,6 +153,30 @@ func ecm_producer_sources(h C.uint64_t, n C.uint64_t, hashes **C.char, ptrs *uns
 			srcs[i] = capi.Source{MMHash: goString(hs[i]), Mem: memory(ps[i], ns[i])}
 		}
 		ids, err := capi.ProducerSources(uint64(h), srcs)
+		outs := unsafe.Slice(out, k)
+		for i := range outs {
+			outs[i] = C.uint64_t(ids[i])
+		}
+		return err
+	})
+}
+
+//export ecm_producer_sources_device
+func ecm_producer_sources_device(h C.uint64_t, n C.uint64_t, hashes **C.char, ptrs *C.uintptr_t, nbytes *C.uint64_t, devices *C.int32_t, streams *C.uint64_t, out *C.uint64_t, errOut **C.char) C.int {
+	return finish(errOut, func() error {
+		k := int(n)
+		srcs := make([]capi.DeviceSource, k)
+		hs, ps, ns := unsafe.Slice(hashes, k), unsafe.Slice(ptrs, k), unsafe.Slice(nbytes, k)
+		ds, ss := unsafe.Slice(devices, k), unsafe.Slice(streams, k)
+		for i := range srcs {
+			srcs[i] = capi.DeviceSource{MMHash: goString(hs[i]), Ordinal: int(ds[i])}
+			if ds[i] < 0 {
+				srcs[i].Mem = memory(C.ecm_host_ptr(ps[i]), ns[i])
+			} else {
+				srcs[i].Addr, srcs[i].N, srcs[i].Stream = uintptr(ps[i]), uint64(ns[i]), uintptr(ss[i])
+			}
+		}
+		ids, err := capi.ProducerSourcesDevice(uint64(h), srcs)
 		outs := unsafe.Slice(out, k)
 		for i := range outs {
 			outs[i] = C.uint64_t(ids[i])
@@ -186,4 +228,24 @@ func ecm_scheduler_wait(h C.uint64_t, in *C.char, timeoutMs C.int32_t, out **C.c
 //export ecm_bench_tcp_loopback
 func ecm_bench_tcp_loopback(in *C.char, out **C.char, errOut **C.char) C.int {
 	return finish(errOut, func() error { b, err := capi.BenchTCPLoopback(goBytes(in)); return putJSON(out, b, err) })
+}
+
+//export ecm_proxy_open
+func ecm_proxy_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
+	return finish(errOut, func() error { h, err := capi.ProxyOpen(goBytes(cfg)); *out = C.uint64_t(h); return err })
+}
+
+//export ecm_registrar_open
+func ecm_registrar_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
+	return finish(errOut, func() error { h, err := capi.RegistrarOpen(goBytes(cfg)); *out = C.uint64_t(h); return err })
+}
+
+//export ecm_metrics_text
+func ecm_metrics_text(out **C.char, errOut **C.char) C.int {
+	return finish(errOut, func() error { b, err := capi.MetricsText(); return putJSON(out, b, err) })
+}
+
+//export ecm_metadata_server_open
+func ecm_metadata_server_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
+	return finish(errOut, func() error { h, err := capi.MetadataServerOpen(goBytes(cfg)); *out = C.uint64_t(h); return err })
 }

@@ -13,8 +13,9 @@
  *   - structured values cross as UTF-8 JSON; JSON the library returns is
  *     written to *out_json and freed by the caller with ecm_free;
  *   - memory the caller owns (slabs, encoder outputs) is passed as
- *     (pointer, nbytes); the library reads or writes it only while the
- *     object that received it is open, and never frees it;
+ *     (pointer, nbytes), with a device where it may be GPU memory; the
+ *     library reads or writes it only while the object that received it
+ *     is open, and never frees it;
  *   - calls are coarse (one per batch or scheduler step) and never block
  *     unless their name or a timeout argument says so;
  *   - a Go panic never crosses this boundary: it becomes ECM_ERR_INTERNAL.
@@ -48,6 +49,11 @@ void ecm_free(char *p);
 /* Process-wide settings, JSON: {"gomaxprocs": 2, "log_level": "info"}.
  * Call before opening objects; later calls change only the log level. */
 int ecm_configure(const char *config_json, char **err);
+/* Whether this process can use GPU memory: {"available": bool, "reason",
+ * "driver_version", "devices"}. The CUDA driver (libcuda.so.1) is opened
+ * with dlopen on first use; without it every GPU feature fails with
+ * ECM_ERR_UNAVAILABLE and everything else works. */
+int ecm_gpu_info(char **out_json, char **err);
 /* Counters and state of any open object, as JSON. */
 int ecm_stats(ecm_handle_t h, char **out_json, char **err);
 /* Closes any object; closing twice is ECM_ERR_HANDLE. */
@@ -58,6 +64,14 @@ int ecm_close(ecm_handle_t h, char **err);
  * ec_port + dp_rank*tp_size + tp_rank and the data-plane listeners. */
 int ecm_consumer_open(const char *config_json, void *slab, uint64_t slab_len,
                       ecm_handle_t *out, char **err);
+/* The same over a receive slab in GPU memory: slab is a device pointer on
+ * the CUDA device of ordinal device (as this process numbers them). The
+ * shard offers the configured network transport, staged through
+ * page-locked host memory, and cuda_ipc to producers on the same host;
+ * a frame is published only after its bytes are in the slab. */
+int ecm_consumer_open_device(const char *config_json, void *slab,
+                             uint64_t slab_len, int32_t device,
+                             ecm_handle_t *out, char **err);
 /* Endpoints and identity, as JSON. */
 int ecm_consumer_info(ecm_handle_t h, char **out_json, char **err);
 /* Pins ready items for the engine and says where they lie in the slab.
@@ -87,6 +101,18 @@ int ecm_producer_sources(ecm_handle_t h, uint64_t n,
                          const char *const *mm_hashes, void *const *ptrs,
                          const uint64_t *nbytes, uint64_t *out_sources,
                          char **err);
+/* The same for outputs that may live on a GPU: devices[i] is -1 for host
+ * memory, else the CUDA ordinal of ptrs[i]; streams[i] is the CUDA stream
+ * (cudaStream_t; 0 is the legacy default stream) whose queued work
+ * produces item i. The call records an event on that stream and returns
+ * at once: the library reads the item only after that work completed.
+ * streams[i] is ignored for host memory. */
+int ecm_producer_sources_device(ecm_handle_t h, uint64_t n,
+                                const char *const *mm_hashes,
+                                void *const *ptrs, const uint64_t *nbytes,
+                                const int32_t *devices,
+                                const uint64_t *streams,
+                                uint64_t *out_sources, char **err);
 /* Cancels pushes. in: {"transfer_ids": [...]}. */
 int ecm_producer_cancel(ecm_handle_t h, const char *in_json, char **err);
 /* Outcomes since the last poll: {"done": [...], "failed": [{"transfer_id",
@@ -121,6 +147,30 @@ int ecm_scheduler_wait(ecm_handle_t h, const char *in_json, int32_t timeout_ms,
 /* Measures raw Go TCP loopback throughput, the ceiling for the TCP data
  * plane. in: {"bytes": N, "streams": S}; out: {"bytes_per_sec": x}. */
 int ecm_bench_tcp_loopback(const char *in_json, char **out_json, char **err);
+
+/* EPD proxy: the OpenAI-compatible HTTP front for encoder and
+ * prefill/decode instances (see `python -m ecmooncake proxy --help` for
+ * the settings). Serves in the background until ecm_close; ecm_stats
+ * gives its address, backends and counters. */
+int ecm_proxy_open(const char *config_json, ecm_handle_t *out, char **err);
+/* Keeps this instance registered with EPD proxies (heartbeat) until
+ * ecm_close, which deregisters it. config: {"proxies": [url], "role",
+ * "url", "consumer", "tp_size", "dp_size", "host", "ttl_s",
+ * "interval_s"}. */
+int ecm_registrar_open(const char *config_json, ecm_handle_t *out,
+                       char **err);
+/* This process's metrics in the Prometheus text format (what its
+ * metrics_port serves on /metrics). */
+int ecm_metrics_text(char **out_text, char **err);
+
+/* Mooncake-compatible metadata store (GET/PUT/DELETE /metadata?key=K,
+ * GET /health) for TransferEngines in HTTP metadata mode, served in the
+ * background until ecm_close. config: {"host": "0.0.0.0", "port": 8080,
+ * "token": ""}; port 0 picks a free one; with a token every /metadata
+ * request needs "Authorization: Bearer <token>". ecm_stats gives its
+ * address, URL and counters. */
+int ecm_metadata_server_open(const char *config_json, ecm_handle_t *out,
+                             char **err);
 
 #ifdef __cplusplus
 }

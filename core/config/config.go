@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"math"
 	"net"
+	"net/url"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -15,7 +17,34 @@ import (
 var ErrInvalid = errors.New("invalid config")
 
 // Transports the core knows by name.
-var Transports = []string{"tcp"}
+var Transports = []string{"tcp", "mooncake"}
+
+// MooncakeProtocols are the Mooncake transports a user may install with
+// mooncake_protocol; both ends of a transfer must name the same one.
+var MooncakeProtocols = []string{"rdma", "tcp", "efa", "barex", "nvlink", "nvlink_intra", "hip"}
+
+// Mooncake holds the settings of the mooncake transport that a consumer
+// shard and a producer share. Empty fields take the defaults documented on
+// each.
+type Mooncake struct {
+	// Library is the path of libtransfer_engine.so; empty means the
+	// loader's default search path.
+	Library string `json:"mooncake_library"`
+	// Metadata is P2PHANDSHAKE or http(s)://host:port/path; empty means
+	// P2PHANDSHAKE, or this shard's own metadata server when it starts one.
+	Metadata string `json:"mooncake_metadata"`
+	// Protocol is the Mooncake transport installed on the engine.
+	Protocol string `json:"mooncake_protocol"`
+	// LocalServerName names the engine's segment in HTTP metadata mode;
+	// empty means host:port with a port this process holds.
+	LocalServerName string `json:"mooncake_local_server_name"`
+	// Host is the address peers reach the engine at; empty means ec_ip on
+	// a consumer and the host's outbound address on a producer.
+	Host string `json:"mooncake_host"`
+}
+
+// P2PHandshake is Mooncake's metadata mode without a metadata service.
+const P2PHandshake = "P2PHANDSHAKE"
 
 // Consumer configures one consumer shard (one TP rank of a consumer instance).
 type Consumer struct {
@@ -33,6 +62,27 @@ type Consumer struct {
 	Host string `json:"host"`
 	// MaxResidentBytes caps resident copies; 0 means the slab is the cap.
 	MaxResidentBytes uint64 `json:"max_resident_bytes"`
+	Mooncake
+	GPU
+	// MooncakeMetadataServer, "host:port", makes the shard serve a
+	// Mooncake metadata store there (or use the one already serving there).
+	MooncakeMetadataServer string `json:"mooncake_metadata_server"`
+}
+
+// MooncakeMetadataURL is the metadata connection string the shard's engine
+// uses: the configured one, else its own metadata server, else P2PHANDSHAKE.
+func (c Consumer) MooncakeMetadataURL() string {
+	switch {
+	case c.Metadata != "":
+		return c.Metadata
+	case c.MooncakeMetadataServer != "":
+		h, p, _ := net.SplitHostPort(c.MooncakeMetadataServer)
+		if ip := net.ParseIP(h); h == "" || ip != nil && ip.IsUnspecified() {
+			h = "127.0.0.1" // a server bound to every address is reached locally
+		}
+		return "http://" + net.JoinHostPort(h, p) + "/metadata"
+	}
+	return P2PHandshake
 }
 
 // ControlPort is the port of this shard's control server: vLLM's
@@ -53,6 +103,21 @@ type Producer struct {
 	TCPConns        int     `json:"tcp_conns"`
 	TCPChunkBytes   int     `json:"tcp_chunk_bytes"`
 	Host            string  `json:"host"`
+	Mooncake
+	GPU
+	Routing
+	// MooncakeStagingBytes sizes the registered staging slab that sources
+	// are copied into before an RDMA write.
+	MooncakeStagingBytes int64 `json:"mooncake_staging_bytes"`
+}
+
+// MooncakeMetadataURL is the metadata connection string of the producer's
+// engine: the configured one, else P2PHANDSHAKE.
+func (p Producer) MooncakeMetadataURL() string {
+	if p.Metadata != "" {
+		return p.Metadata
+	}
+	return P2PHandshake
 }
 
 // ControlTimeout bounds every control round trip.
@@ -88,17 +153,25 @@ func (s Scheduler) ControlTimeout() time.Duration { return seconds(s.ControlTime
 type Runtime struct {
 	GOMAXPROCS int    `json:"gomaxprocs"`
 	LogLevel   string `json:"log_level"`
+	// MetricsPort, when not 0, serves this process's metrics (Prometheus
+	// text on /metrics) on MetricsIP:MetricsPort. Opt-in: every vLLM
+	// process that loads the library needs a port of its own.
+	MetricsPort int    `json:"metrics_port"`
+	MetricsIP   string `json:"metrics_ip"`
 }
 
 // DefaultConsumer returns the defaults a JSON document overrides.
 func DefaultConsumer() Consumer {
-	return Consumer{IP: "127.0.0.1", Port: 14579, TPSize: 1, Transport: "tcp", LeaseS: 300}
+	return Consumer{IP: "127.0.0.1", Port: 14579, TPSize: 1, Transport: "tcp", LeaseS: 300, Mooncake: defaultMooncake()}
 }
 
 // DefaultProducer returns the producer defaults.
 func DefaultProducer() Producer {
-	return Producer{Transport: "tcp", ControlTimeoutS: 30, PushWaitS: 60, TCPConns: 4, TCPChunkBytes: 8 << 20}
+	return Producer{Transport: "tcp", ControlTimeoutS: 30, PushWaitS: 60, TCPConns: 4, TCPChunkBytes: 8 << 20,
+		Mooncake: defaultMooncake(), MooncakeStagingBytes: 256 << 20}
 }
+
+func defaultMooncake() Mooncake { return Mooncake{Protocol: "rdma"} }
 
 // DefaultScheduler returns the scheduler defaults.
 func DefaultScheduler() Scheduler {
@@ -106,7 +179,7 @@ func DefaultScheduler() Scheduler {
 }
 
 // DefaultRuntime keeps the Go runtime small beside PyTorch.
-func DefaultRuntime() Runtime { return Runtime{GOMAXPROCS: 2, LogLevel: "info"} }
+func DefaultRuntime() Runtime { return Runtime{GOMAXPROCS: 2, LogLevel: "info", MetricsIP: "0.0.0.0"} }
 
 // DecodeConsumer decodes and validates a consumer shard's settings.
 func DecodeConsumer(raw []byte) (Consumer, error) {
@@ -156,6 +229,9 @@ func (c Consumer) Validate() error {
 		oneOf("transport", c.Transport, Transports),
 		port("data_port", c.DataPort, true),
 		positive("lease_s", c.LeaseS),
+		c.Mooncake.validate(),
+		hostPort("mooncake_metadata_server", c.MooncakeMetadataServer),
+		c.GPU.validate(),
 	)
 }
 
@@ -167,7 +243,54 @@ func (p Producer) Validate() error {
 		positive("push_wait_timeout_s", p.PushWaitS),
 		rangeInt("tcp_conns", p.TCPConns, 1, 64),
 		rangeInt("tcp_chunk_bytes", p.TCPChunkBytes, 64<<10, 1<<30),
+		p.Mooncake.validate(),
+		rangeInt64("mooncake_staging_bytes", p.MooncakeStagingBytes, 1<<20, 1<<40),
+		p.GPU.validate(),
+		p.Routing.validate(),
 	)
+}
+
+func (m Mooncake) validate() error {
+	errs := []error{
+		oneOf("mooncake_protocol", m.Protocol, MooncakeProtocols),
+		MooncakeMetadata(m.Metadata),
+	}
+	if m.Host != "" {
+		errs = append(errs, host("mooncake_host", m.Host))
+	}
+	if len(m.LocalServerName) > 200 || strings.ContainsAny(m.LocalServerName, " \t\n\r\x00") {
+		errs = append(errs, fmt.Errorf("%w: mooncake_local_server_name = %q; want at most 200 characters without spaces", ErrInvalid, m.LocalServerName))
+	}
+	return first(errs...)
+}
+
+// MooncakeMetadata checks a Mooncake metadata connection string before it
+// can reach Mooncake, which aborts the whole process on a scheme it was not
+// built with. Only the modes every build has are allowed: P2PHANDSHAKE and
+// HTTP (the default build's USE_HTTP); empty means the default.
+func MooncakeMetadata(s string) error {
+	const key = "mooncake_metadata"
+	const allowed = `"P2PHANDSHAKE" or "http://host:port/metadata" (also https)`
+	if s == "" || s == P2PHandshake {
+		return nil
+	}
+	u, err := url.Parse(s)
+	if err != nil || !strings.Contains(s, "://") {
+		return fmt.Errorf("%w: %s = %q is not a URL; want %s", ErrInvalid, key, s, allowed)
+	}
+	if u.Scheme != "http" && u.Scheme != "https" {
+		return fmt.Errorf("%w: %s = %q: scheme %q is not supported (Mooncake aborts the process on a scheme its build lacks); want %s",
+			ErrInvalid, key, s, u.Scheme, allowed)
+	}
+	if u.Hostname() == "" || u.User != nil || u.Fragment != "" || u.RawQuery != "" {
+		return fmt.Errorf("%w: %s = %q: want a host, optional port and path, nothing else; want %s", ErrInvalid, key, s, allowed)
+	}
+	if p := u.Port(); p != "" {
+		if n, err := strconv.Atoi(p); err != nil || n < 1 || n > 65535 {
+			return fmt.Errorf("%w: %s = %q: port %q is not in [1, 65535]", ErrInvalid, key, s, p)
+		}
+	}
+	return nil
 }
 
 // Validate checks every field.
@@ -193,6 +316,8 @@ func (r Runtime) Validate() error {
 	return first(
 		rangeInt("gomaxprocs", r.GOMAXPROCS, 1, 1024),
 		oneOf("log_level", r.LogLevel, []string{"debug", "info", "warn", "error"}),
+		port("metrics_port", r.MetricsPort, true),
+		host("metrics_ip", r.MetricsIP),
 	)
 }
 
@@ -252,6 +377,27 @@ func host(key, v string) error {
 	return nil
 }
 
+// hostPort checks an optional "host:port" listen address.
+func hostPort(key, v string) error {
+	if v == "" {
+		return nil
+	}
+	h, p, err := net.SplitHostPort(v)
+	if err != nil {
+		return fmt.Errorf("%w: %s = %q is not host:port: %v", ErrInvalid, key, v, err)
+	}
+	if h != "" {
+		if err := host(key+" host", h); err != nil {
+			return err
+		}
+	}
+	n, err := strconv.Atoi(p)
+	if err != nil || n < 0 || n > 65535 {
+		return fmt.Errorf("%w: %s = %q: port %q is not in [0, 65535]", ErrInvalid, key, v, p)
+	}
+	return nil
+}
+
 func port(key string, v int, zeroOK bool) error {
 	lo := 1
 	if zeroOK {
@@ -271,6 +417,13 @@ func atLeast(key string, v, lo int) error {
 }
 
 func rangeInt(key string, v, lo, hi int) error {
+	if v < lo || v > hi {
+		return fmt.Errorf("%w: %s = %d; want a value in [%d, %d]", ErrInvalid, key, v, lo, hi)
+	}
+	return nil
+}
+
+func rangeInt64(key string, v, lo, hi int64) error {
 	if v < lo || v > hi {
 		return fmt.Errorf("%w: %s = %d; want a value in [%d, %d]", ErrInvalid, key, v, lo, hi)
 	}

@@ -41,6 +41,16 @@ func TestDecodeErrorsNameKeyValueAndAllowed(t *testing.T) {
 		{"scheduler shards mismatch", scheduler, `{"tp_size": 2, "shards": ["tcp://a:1"]}`, []string{"1 endpoints", "tp_size is 2"}},
 		{"runtime level", runtime, `{"log_level": "loud"}`, []string{`log_level = "loud"`, "debug, info, warn, error"}},
 		{"runtime procs", runtime, `{"gomaxprocs": 0}`, []string{"gomaxprocs = 0"}},
+		{"mooncake protocol", producer, `{"mooncake_protocol": "ucx"}`, []string{`mooncake_protocol = "ucx"`, "rdma, tcp"}},
+		{"mooncake metadata scheme", consumer, `{"mooncake_metadata": "etcd://h:2379"}`, []string{`mooncake_metadata = "etcd://h:2379"`, `scheme "etcd"`, "P2PHANDSHAKE"}},
+		{"mooncake metadata no scheme", producer, `{"mooncake_metadata": "h:2379"}`, []string{`mooncake_metadata = "h:2379"`, "not a URL"}},
+		{"mooncake metadata port", producer, `{"mooncake_metadata": "http://h:0/metadata"}`, []string{"port", "[1, 65535]"}},
+		{"mooncake metadata query", producer, `{"mooncake_metadata": "http://h:1/metadata?x=1"}`, []string{"nothing else"}},
+		{"mooncake host", consumer, `{"mooncake_host": "a b"}`, []string{`mooncake_host = "a b"`}},
+		{"mooncake server name", consumer, `{"mooncake_local_server_name": "a b"}`, []string{"mooncake_local_server_name", "without spaces"}},
+		{"metadata server addr", consumer, `{"mooncake_metadata_server": "8090"}`, []string{`mooncake_metadata_server = "8090"`, "host:port"}},
+		{"metadata server port", consumer, `{"mooncake_metadata_server": ":70000"}`, []string{"[0, 65535]"}},
+		{"staging bytes", producer, `{"mooncake_staging_bytes": 1024}`, []string{"mooncake_staging_bytes = 1024", "[1048576,"}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -58,6 +68,28 @@ func TestValidHosts(t *testing.T) {
 	for _, h := range []string{"127.0.0.1", "::1", "[::1]", "localhost", "enc-0.cluster.local"} {
 		_, err := DecodeConsumer([]byte(`{"ec_ip": "` + h + `"}`))
 		require.NoError(t, err, h)
+	}
+}
+
+func TestMooncakeDefaultsAndMetadataURL(t *testing.T) {
+	p, err := DecodeProducer([]byte(`{"transport": "mooncake"}`))
+	require.NoError(t, err)
+	require.Equal(t, "rdma", p.Protocol)
+	require.Equal(t, P2PHandshake, p.MooncakeMetadataURL())
+	require.Equal(t, int64(256<<20), p.MooncakeStagingBytes)
+
+	cases := []struct{ in, want string }{
+		{`{}`, P2PHandshake},
+		{`{"mooncake_metadata_server": "0.0.0.0:8090"}`, "http://127.0.0.1:8090/metadata"},
+		{`{"mooncake_metadata_server": "10.0.0.5:8090"}`, "http://10.0.0.5:8090/metadata"},
+		{`{"mooncake_metadata_server": "[::]:8090"}`, "http://127.0.0.1:8090/metadata"},
+		{`{"mooncake_metadata_server": ":8090", "mooncake_metadata": "http://store:1/metadata"}`, "http://store:1/metadata"},
+		{`{"mooncake_metadata": "P2PHANDSHAKE"}`, P2PHandshake},
+	}
+	for _, tc := range cases {
+		c, err := DecodeConsumer([]byte(tc.in))
+		require.NoError(t, err, tc.in)
+		require.Equal(t, tc.want, c.MooncakeMetadataURL(), tc.in)
 	}
 }
 

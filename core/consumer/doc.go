@@ -12,7 +12,11 @@
 // Invariants:
 //   - every byte the data plane writes lands inside a live reservation,
 //     because the transport asks the table (BeginWrite) for the destination
-//     of every frame;
+//     of every frame; a one-sided data plane (transport.Direct: RDMA writes
+//     straight into the slab) cannot ask, so the shard admits its writer
+//     for the whole region at the grant, hands it the region's address
+//     and nothing else, and ends the write at the writer's complete or
+//     abandon, or after two leases if the writer vanished (direct.go);
 //   - every event the table produces is sent exactly once, in order, right
 //     after the call that produced it;
 //   - after Close returns, no goroutine of the shard touches the slab, so

@@ -68,10 +68,11 @@ func (s *Shard) peers() wire.PeersReply {
 		shards[r] = wire.ShardInfo{Rank: r, Control: control.Endpoint(s.cfg.IP, config.ShardPort(s.cfg.Port, s.cfg.DPRank, s.cfg.TPSize, r))}
 	}
 	shards[s.cfg.TPRank].Control = s.server.Endpoint()
-	shards[s.cfg.TPRank].Data = map[string]string{s.cfg.Transport: s.recv.Addr()}
+	offer := transport.Offer(s.recv, s.cfg.Transport)
+	shards[s.cfg.TPRank].Data = offer
 	return wire.PeersReply{
 		Shards: shards, TPSize: s.cfg.TPSize, DPRank: s.cfg.DPRank, Host: s.host,
-		SlabBytes: s.slab.Size(), Transports: []string{s.cfg.Transport},
+		SlabBytes: s.slab.Size(), Transports: transport.Names(offer),
 	}
 }
 
@@ -81,7 +82,9 @@ func (s *Shard) reserve(b wire.ReserveBatch) wire.ReserveBatchReply {
 		items[i] = reserve.Item{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Meta: it.Meta}
 	}
 	s.mu.Lock()
-	grants := s.table.Reserve(items, time.Now())
+	now := time.Now()
+	grants := s.table.Reserve(items, now)
+	s.admitRemoteLocked(grants, now)
 	s.flushLocked()
 	s.mu.Unlock()
 	out := wire.ReserveBatchReply{Grants: make([]wire.Grant, len(grants))}
@@ -91,7 +94,7 @@ func (s *Shard) reserve(b wire.ReserveBatch) wire.ReserveBatchReply {
 			w.Err = g.Err.Error()
 			s.log.Warn("reserve refused", "transfer_id", g.TransferID, "mm_hash", items[i].MMHash, "nbytes", items[i].NBytes, "cause", g.Err)
 		} else if g.Kind == reserve.KindWrite {
-			w.Res, w.Token = uint64(g.Res), g.Token
+			w.Res, w.Token, w.Addr = uint64(g.Res), g.Token, s.remoteAddr(g)
 		}
 		out.Grants[i] = w
 	}
@@ -105,8 +108,10 @@ func (s *Shard) complete(b wire.CompleteBatch) wire.CompleteBatchReply {
 	for i, it := range b.Items {
 		var err error
 		if it.Abandon {
+			s.endRemoteLocked(ids.ResID(it.Res), it.Token, false, now)
 			err = s.table.Abandon(ids.ResID(it.Res), it.Token, it.Reason, now)
 		} else {
+			s.endRemoteLocked(ids.ResID(it.Res), it.Token, true, now)
 			err = s.table.Complete(ids.ResID(it.Res), it.Token, now)
 		}
 		out.Results[i].TransferID = it.TransferID
@@ -158,6 +163,8 @@ func (s *Shard) status(b wire.Status) wire.StatusReply {
 // sink lets the data plane ask the table where each frame may land.
 type sink struct{ s *Shard }
 
+var _ transport.RegionSink = sink{}
+
 func (k sink) BeginWrite(res ids.ResID, tok ids.Token, off, n uint64) ([]byte, error) {
 	s := k.s
 	s.mu.Lock()
@@ -175,6 +182,19 @@ func (k sink) BeginWrite(res ids.ResID, tok ids.Token, off, n uint64) ([]byte, e
 		return nil, fmt.Errorf("consumer: reservation %d maps outside the slab: %w", res, err)
 	}
 	return dst, nil
+}
+
+// BeginRegion admits a frame like BeginWrite but answers with where it
+// lands in the slab: the way in for transports that write a GPU slab.
+func (k sink) BeginRegion(res ids.ResID, tok ids.Token, off, n uint64) (uint64, error) {
+	s := k.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	at, err := s.table.BeginWrite(res, tok, off, n, time.Now())
+	if err != nil {
+		return 0, refusal(err)
+	}
+	return at, nil
 }
 
 func (k sink) EndWrite(res ids.ResID, ok bool) {

@@ -15,6 +15,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/reserve"
 	"github.com/ecmooncake/ecmooncake/core/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
@@ -44,12 +45,17 @@ type Shard struct {
 	server *control.Server
 	events *control.EventPub
 	recv   transport.Receiver
+	// direct is recv when the data plane is one-sided; remote holds the
+	// regions admitted for its writers (see direct.go). Guarded by mu.
+	direct transport.Direct
+	remote map[ids.ResID]remoteWrite
 
 	kick      chan struct{}
 	stop      chan struct{}
 	done      chan struct{}
 	closeOnce sync.Once
 	closeErr  error
+	unwatch   func() // detaches the metrics probe
 }
 
 // Open starts a shard over mem, the receive slab the caller owns.
@@ -95,11 +101,14 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 	if s.recv, err = opt.Transport.Listen(dataAddr, sink{s}); err != nil {
 		return nil, fmt.Errorf("consumer: %s data plane on %s: %w", opt.Transport.Name(), dataAddr, err)
 	}
+	s.direct, _ = s.recv.(transport.Direct)
+	s.remote = map[ids.ResID]remoteWrite{}
 	bind := control.Endpoint(cfg.IP, cfg.ControlPort())
 	if s.server, err = control.NewServer(s.zctx, bind, handler{s}, s.log); err != nil {
 		return nil, fmt.Errorf("consumer: control server on %s: %w", bind, err)
 	}
 	go s.ticker()
+	s.unwatch = metrics.Watch(s.metricsName(), s.probe)
 	s.log.Info("consumer shard listening", "control", s.server.Endpoint(), "data", s.recv.Addr(),
 		"events", s.events.Endpoint(), "slab_bytes", mem.Len, "transport", opt.Transport.Name())
 	return s, nil
@@ -186,6 +195,9 @@ type Stats struct {
 	Server control.ServerStats `json:"control"`
 	Data   transport.RecvStats `json:"data"`
 	Events control.PubStats    `json:"events"`
+
+	// Planes splits Data by data plane when the shard serves several.
+	Planes map[string]transport.RecvStats `json:"data_planes,omitempty"`
 }
 
 // Stats returns a snapshot of the shard's counters.
@@ -195,6 +207,11 @@ func (s *Shard) Stats() Stats {
 	s.mu.Unlock()
 	st.Server = s.server.Stats()
 	st.Data = s.recv.Stats()
+	if m, ok := s.recv.(interface {
+		PlaneStats() map[string]transport.RecvStats
+	}); ok {
+		st.Planes = m.PlaneStats()
+	}
 	st.Events = s.events.Stats()
 	return st
 }
@@ -207,6 +224,9 @@ func (s *Shard) Close() error {
 }
 
 func (s *Shard) shutdown() error {
+	if s.unwatch != nil {
+		s.unwatch()
+	}
 	var errs []error
 	if s.server != nil {
 		errs = append(errs, s.server.Close())
@@ -241,7 +261,7 @@ func (s *Shard) ticker() {
 	defer timer.Stop()
 	for {
 		s.mu.Lock()
-		next, ok := s.table.NextDeadline()
+		next, ok := s.nextDeadlineLocked()
 		s.mu.Unlock()
 		wait := time.Hour
 		if ok {
@@ -257,6 +277,7 @@ func (s *Shard) ticker() {
 		s.safely("tick", func() {
 			s.mu.Lock()
 			s.table.Tick(time.Now())
+			s.expireRemoteLocked(time.Now())
 			s.sendEventsLocked()
 			s.mu.Unlock()
 		})

@@ -56,11 +56,11 @@ func (p *Producer) applyLocked(r push.Ready) {
 		var missing []int
 		for i, w := range ws {
 			src, ok := p.sources[w.Src]
-			if !ok || uint64(len(src)) < w.NBytes {
+			if !ok || src.size() < w.NBytes {
 				missing = append(missing, i)
 				continue
 			}
-			items[i] = transport.WriteItem{Res: w.Res, Token: w.Token, Src: src[:w.NBytes]}
+			items[i] = src.writeItem(w)
 		}
 		if len(missing) > 0 {
 			// The manager asked to write from a source it released: a
@@ -87,7 +87,7 @@ func (p *Producer) applyLocked(r push.Ready) {
 		p.launch(func() { p.cancel(dest, cs) })
 	}
 	for _, id := range r.Releases {
-		delete(p.sources, id)
+		p.releaseSourceLocked(id)
 		p.out.Released = append(p.out.Released, id)
 	}
 	for _, f := range r.Failures {
@@ -142,7 +142,7 @@ func (p *Producer) reserve(dest string, items []push.ReserveItem) {
 		g := push.Grant{Err: errText(err)}
 		if err == nil {
 			w := rep.Grants[i]
-			g = push.Grant{Kind: w.Kind, Res: ids.ResID(w.Res), Token: w.Token, NBytes: w.NBytes, Err: w.Err}
+			g = push.Grant{Kind: w.Kind, Res: ids.ResID(w.Res), Token: w.Token, NBytes: w.NBytes, Addr: w.Addr, Err: w.Err}
 			if w.TransferID != it.TransferID {
 				g.Err = fmt.Sprintf("reserve_batch to %s: grant %d names %q, want %q", dest, i, w.TransferID, it.TransferID)
 			}
@@ -161,8 +161,10 @@ func (p *Producer) write(dest, addr string, ws []push.Write, items []transport.W
 		}
 	} else {
 		ctx, cancel := context.WithTimeout(context.Background(), p.cfg.PushWait())
+		start := time.Now()
 		errs = p.writer.Write(ctx, addr, items)
 		cancel()
+		p.observeWrite(start, items, errs)
 	}
 	now := time.Now()
 	p.mu.Lock()

@@ -12,6 +12,7 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/push"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
@@ -73,7 +74,7 @@ type Producer struct {
 
 	mu        sync.Mutex // guards everything below; never held across I/O
 	mgr       *push.Manager
-	sources   map[push.SourceID][]byte
+	sources   map[push.SourceID]Source
 	nextSrc   push.SourceID
 	consumers map[string]*consumerInfo
 	// admitting counts, per mm_hash, pushes still waiting for their
@@ -92,6 +93,8 @@ type Producer struct {
 	wake chan struct{}
 	stop chan struct{}
 	wg   sync.WaitGroup
+
+	unwatch func() // detaches the metrics probe
 }
 
 // Open starts a producer.
@@ -115,7 +118,7 @@ func Open(cfg config.Producer, opt Options) (*Producer, error) {
 		mgr: push.New(push.Config{
 			ReserveWait: cfg.ControlTimeout() + wait, SourceWait: wait, WriteWait: wait, NotifyWait: cfg.ControlTimeout(),
 		}),
-		sources:   map[push.SourceID][]byte{},
+		sources:   map[push.SourceID]Source{},
 		consumers: map[string]*consumerInfo{},
 		admitting: map[string]int{},
 		parked:    map[string][]parkedSource{},
@@ -127,6 +130,7 @@ func Open(cfg config.Producer, opt Options) (*Producer, error) {
 	}
 	p.wg.Add(1)
 	go p.driver()
+	p.unwatch = metrics.Watch("producer", p.probe)
 	return p, nil
 }
 
@@ -216,7 +220,7 @@ func (p *Producer) unparkLocked(mmHash string, now time.Time) {
 			// The manager refused it (a size mismatch, say): nothing will
 			// read it, so hand it back at once.
 			p.log.Warn("source refused", "mm_hash", mmHash, "cause", err)
-			delete(p.sources, ps.id)
+			p.releaseSourceLocked(ps.id)
 			p.out.Released = append(p.out.Released, ps.id)
 			p.signalLocked()
 		}
@@ -267,8 +271,8 @@ func (p *Producer) describe(endpoint string) ([]string, error) {
 	var wg sync.WaitGroup
 	for i, sh := range first.Shards {
 		dests[i] = sh.Control
-		if a, ok := sh.Data[p.tr.Name()]; ok {
-			addrs[i] = a
+		if len(sh.Data) > 0 {
+			addrs[i], errs[i] = p.pick(i, sh.Control, first.Host, sh.Data)
 			continue
 		}
 		wg.Add(1)
@@ -281,11 +285,11 @@ func (p *Producer) describe(endpoint string) ([]string, error) {
 			}
 			for _, x := range r.Shards {
 				if x.Rank == i {
-					addrs[i] = x.Data[p.tr.Name()]
+					addrs[i], errs[i] = p.pick(i, sh.Control, r.Host, x.Data)
 				}
 			}
-			if addrs[i] == "" {
-				errs[i] = fmt.Errorf("shard %d at %s offers no %s data plane (it offers %v)", i, sh.Control, p.tr.Name(), r.Transports)
+			if addrs[i] == "" && errs[i] == nil {
+				errs[i] = fmt.Errorf("shard %d at %s offers no data plane (it lists %v)", i, sh.Control, r.Transports)
 			}
 		}()
 	}
@@ -301,10 +305,12 @@ func (p *Producer) describe(endpoint string) ([]string, error) {
 	return dests, nil
 }
 
-// Source is one encoder output.
+// Source is one encoder output: host memory in Mem, or GPU memory in Dev
+// (whose Ready event the producer closes when it releases the source).
 type Source struct {
 	MMHash string
 	Mem    []byte
+	Dev    *transport.DeviceSrc
 }
 
 // Sources hands over encoder outputs under one lock, so that the writes
@@ -322,19 +328,19 @@ func (p *Producer) Sources(srcs []Source) (ids []push.SourceID, errs []error) {
 			errs[i] = ErrClosed
 			continue
 		}
-		if len(s.Mem) == 0 {
+		if s.size() == 0 {
 			errs[i] = fmt.Errorf("producer: source for %s is empty", s.MMHash)
 			continue
 		}
 		p.nextSrc++
 		id := p.nextSrc
-		p.sources[id] = s.Mem
+		p.sources[id] = s
 		if p.admitting[s.MMHash] > 0 {
-			p.parked[s.MMHash] = append(p.parked[s.MMHash], parkedSource{id: id, n: uint64(len(s.Mem))})
+			p.parked[s.MMHash] = append(p.parked[s.MMHash], parkedSource{id: id, n: s.size()})
 			ids[i] = id
 			continue
 		}
-		if err := p.mgr.SourceReady(s.MMHash, id, uint64(len(s.Mem)), now); err != nil {
+		if err := p.mgr.SourceReady(s.MMHash, id, s.size(), now); err != nil {
 			delete(p.sources, id)
 			errs[i] = fmt.Errorf("producer: source for %s: %w", s.MMHash, err)
 			continue
@@ -399,7 +405,7 @@ func (p *Producer) Stats() Stats {
 	st := Stats{Push: p.mgr.Stats(), Sources: len(p.sources), RoundTrips: p.roundTrip, Batches: p.batches,
 		Consumers: len(p.consumers), Pending: p.mgr.Pending(), ClientsOpened: len(p.clients)}
 	for _, m := range p.sources {
-		st.SourceBytes += uint64(len(m))
+		st.SourceBytes += m.size()
 	}
 	return st
 }
@@ -415,6 +421,7 @@ func (p *Producer) Close() error {
 	p.closed = true
 	close(p.stop)
 	p.mu.Unlock()
+	p.unwatch()
 	// Writes in flight read sources: close the writer first so they fail
 	// now instead of at their deadline, then wait for every goroutine.
 	errs := []error{p.writer.Close()}
@@ -426,7 +433,9 @@ func (p *Producer) Close() error {
 	p.wg.Wait()
 	p.mu.Lock()
 	p.clients = map[string]*control.Client{}
-	p.sources = map[push.SourceID][]byte{}
+	for id := range p.sources {
+		p.releaseSourceLocked(id)
+	}
 	p.mu.Unlock()
 	errs = append(errs, p.zctx.Term())
 	if err := errors.Join(errs...); err != nil {
@@ -452,6 +461,7 @@ func (p *Producer) recover(what string) {
 func (p *Producer) failLocked(f Failure) {
 	p.log.Warn("push failed", "transfer_id", f.TransferID, "mm_hash", f.MMHash, "peer", f.Dest, "cause", f.Reason)
 	p.out.Failed = append(p.out.Failed, f)
+	metrics.Failed("producer", metrics.Reason(f.Reason))
 	p.signalLocked()
 }
 
@@ -485,7 +495,9 @@ func (p *Producer) call(endpoint string, op wire.Op, body, out any) error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.ControlTimeout())
 	defer cancel()
+	start := time.Now()
 	err = c.Call(ctx, op, body, out)
+	metrics.RoundTrip(string(op), time.Since(start), err)
 	p.mu.Lock()
 	p.roundTrip++
 	p.mu.Unlock()

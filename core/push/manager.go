@@ -87,7 +87,9 @@ type Grant struct {
 	Res    ids.ResID
 	Token  ids.Token
 	NBytes uint64
-	Err    string
+	// Addr is the region's remote address on a one-sided data plane.
+	Addr uint64
+	Err  string
 }
 
 // SourceID names one encoder output buffer held by the runtime. Zero is
@@ -110,6 +112,7 @@ type Write struct {
 	Token      ids.Token
 	Src        SourceID
 	NBytes     uint64
+	Addr       uint64 // the grant's remote address, for one-sided data planes
 }
 
 // Complete tells a shard that a region holds its bytes.
@@ -467,7 +470,7 @@ func (m *Manager) Ready(now time.Time) Ready {
 		r.tr.inFlight++
 		c.readers++
 		p := r.tr.push
-		out.Writes = appendTo(out.Writes, r.dest, Write{p.TransferID, p.MMHash, r.grant.Res, r.grant.Token, c.src, p.NBytes})
+		out.Writes = appendTo(out.Writes, r.dest, Write{p.TransferID, p.MMHash, r.grant.Res, r.grant.Token, c.src, p.NBytes, r.grant.Addr})
 	}
 	m.writeQ = nil
 	for _, r := range m.completeQ {

@@ -86,14 +86,18 @@ type Item struct {
 	Meta       string // opaque; kept with the region and returned by Meta
 }
 
-// Grant answers one Item. Res and Token are set only for KindWrite.
+// Grant answers one Item. Res, Token and Offset are set only for
+// KindWrite.
 type Grant struct {
 	TransferID string
 	Kind       Kind
 	Res        ids.ResID
 	Token      ids.Token
-	NBytes     uint64
-	Err        error
+	// Offset is where the region starts in the slab: a one-sided data
+	// plane turns it into the remote address the writer targets.
+	Offset uint64
+	NBytes uint64
+	Err    error
 }
 
 // Event is the terminal news of one transfer: ready, or failed with a reason.
@@ -342,7 +346,7 @@ func sameItem(it Item, mmHash string, nbytes uint64) error {
 func grantFor(tr *transfer) Grant {
 	g := Grant{Kind: tr.kind, NBytes: tr.nbytes}
 	if tr.kind == KindWrite {
-		g.Res, g.Token = tr.region.res, tr.region.token
+		g.Res, g.Token, g.Offset = tr.region.res, tr.region.token, tr.region.off
 	}
 	return g
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/sched"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
@@ -31,6 +32,8 @@ type Scheduler struct {
 	changed  chan struct{} // closed and replaced on every table change
 	resynced uint64
 	closed   bool
+	waits    waitClock
+	unwatch  func() // detaches the metrics probe
 
 	zctx    *zmq.Context
 	sub     *control.EventSub
@@ -72,6 +75,8 @@ func Open(cfg config.Scheduler, log *slog.Logger) (*Scheduler, error) {
 		kick: make(chan struct{}, 1),
 		stop: make(chan struct{}),
 	}
+	s.waits = waitClock{}
+	s.unwatch = metrics.Watch(s.metricsName(), s.probe)
 	s.wg.Add(2)
 	go s.pump()
 	go s.ticker()
@@ -125,9 +130,12 @@ func (s *Scheduler) apply(evs ...wire.Event) {
 	now := time.Now()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for _, ev := range evs {
+	ids := make([]string, len(evs))
+	for i, ev := range evs {
 		s.table.OnEvent(sched.Event{Shard: ev.Shard, TransferID: ev.TransferID, MMHash: ev.MMHash, Ready: ev.Ready, NBytes: ev.NBytes, Reason: ev.Reason}, now)
+		ids[i] = ev.TransferID
 	}
+	s.waits.settle(s.table, ids, now)
 	s.changedLocked()
 }
 
@@ -145,6 +153,7 @@ func (s *Scheduler) ticker() {
 			if fails := s.table.Tick(time.Now()); len(fails) > 0 {
 				for _, f := range fails {
 					s.log.Warn("encoder output unavailable", "request_id", f.RequestID, "transfer_id", f.TransferID, "mm_hash", f.MMHash, "cause", f.Reason)
+					metrics.Failed("scheduler", metrics.Reason(f.Reason))
 				}
 				s.changedLocked()
 			}
@@ -249,7 +258,10 @@ func (s *Scheduler) resync(rank int, client *control.Client, log *slog.Logger) {
 func (s *Scheduler) call(c *control.Client, op wire.Op, body, out any) error {
 	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.ControlTimeout())
 	defer cancel()
-	return c.Call(ctx, op, body, out)
+	start := time.Now()
+	err := c.Call(ctx, op, body, out)
+	metrics.RoundTrip(string(op), time.Since(start), err)
+	return err
 }
 
 func (s *Scheduler) sleep(d time.Duration) bool {
@@ -279,6 +291,7 @@ func (s *Scheduler) Close() error {
 	s.closed = true
 	close(s.stop)
 	s.mu.Unlock()
+	s.unwatch()
 	err := s.sub.Close()
 	s.wg.Wait()
 	err = errors.Join(err, s.zctx.Term())

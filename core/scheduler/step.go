@@ -64,6 +64,7 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 	var out StepOut
 	s.mu.Lock()
 	for _, e := range in.Expect {
+		s.waits.expect(e.Items, now)
 		if err := s.table.Expect(e.RequestID, e.Items, now); err != nil {
 			if out.ExpectErrors == nil {
 				out.ExpectErrors = map[string]string{}
@@ -71,6 +72,11 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 			out.ExpectErrors[e.RequestID] = err.Error()
 			s.log.Warn("request refused", "request_id", e.RequestID, "cause", err)
 		}
+	}
+	// An item whose bytes came before its request was available at once;
+	// one cancelled by a finished request is forgotten below.
+	for _, e := range in.Expect {
+		s.waits.settleItems(s.table, e.Items, now)
 	}
 	for _, l := range in.Loaded {
 		s.table.Loaded(l.TransferID, l.OK, l.Reason, now)
@@ -102,6 +108,7 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 		}
 		out.Has[h] = s.table.Has(h)
 	}
+	s.waits.settle(s.table, out.Cancelled, now)
 	s.changedLocked()
 	s.mu.Unlock()
 	if len(out.Cancelled) > 0 {

@@ -21,7 +21,7 @@ func BenchmarkTCPWrite32MB(b *testing.B) {
 	r := listen(b, tr, "127.0.0.1:0", sink)
 	w := newWriter(b, tr)
 	res, tok := sink.reserve(b, size)
-	items := []WriteItem{{res, tok, randBytes(1, size)}}
+	items := []WriteItem{{Res: res, Token: tok, Src: randBytes(1, size)}}
 	ctx := context.Background()
 
 	streams := []int{tr.cfg.Conns, 1, 2}

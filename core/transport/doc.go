@@ -13,6 +13,10 @@
 //     asks it, frame by frame, where the bytes may go.
 //   - Writer: what the producer uses. Write blocks until every item of a
 //     batch is acknowledged or has failed and returns one error per item.
+//   - Direct, DirectSink: the hooks of one-sided transports, which write
+//     into registered memory without asking the sink per frame (package
+//     mooncake, RDMA through Mooncake TransferEngine); the sink's owner
+//     then admits the writer per region (see Direct).
 //
 // # Consumer side
 //

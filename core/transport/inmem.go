@@ -183,7 +183,7 @@ func (r *inmemReceiver) deliver(it WriteItem, sp span, tear int) error {
 	if r.closed {
 		return fmt.Errorf("%w: listener closed", ErrUnreachable)
 	}
-	dst, err := openFrame(r.sink, it.Res, it.Token, uint64(sp.off), uint64(sp.end-sp.off))
+	dst, end, err := openFrame(r.sink, it.Res, it.Token, it.Off+uint64(sp.off), uint64(sp.end-sp.off))
 	if err != nil {
 		r.stats.reject(statusOf(err))
 		return err
@@ -191,11 +191,15 @@ func (r *inmemReceiver) deliver(it WriteItem, sp span, tear int) error {
 	src := it.Src[sp.off:sp.end]
 	if tear >= 0 && tear < len(src) {
 		copy(dst, src[:tear])
-		r.sink.EndWrite(it.Res, false)
+		_ = end(false)
 		return fmt.Errorf("%w: injected tear after %d of %d bytes", ErrConnLost, tear, len(src))
 	}
 	copy(dst, src)
-	r.sink.EndWrite(it.Res, true)
+	if err := end(true); err != nil {
+		err = rejected(err)
+		r.stats.reject(statusOf(err))
+		return err
+	}
 	r.stats.landed(uint64(len(src)))
 	return nil
 }
@@ -210,6 +214,9 @@ type inmemWriter struct {
 // even after one fails, as with TCP, where they travel independently; the
 // item reports the first failure.
 func (w *inmemWriter) Write(ctx context.Context, dest string, items []WriteItem) []error {
+	if errs := refuseDevice("inmem", dest, items); errs != nil {
+		return errs
+	}
 	errs := make([]error, len(items))
 	for i, it := range items {
 		for _, sp := range split(len(it.Src), w.t.chunkSize) {

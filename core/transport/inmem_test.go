@@ -53,7 +53,7 @@ func TestInmemFaults(t *testing.T) {
 			var items []WriteItem
 			for i := range 3 {
 				res, tok := sink.reserve(t, 100)
-				items = append(items, WriteItem{res, tok, randBytes(uint64(i), 100)})
+				items = append(items, WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), 100)})
 			}
 			tc.inject(network)
 			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
@@ -80,7 +80,7 @@ func TestInmemTearKeepsThePrefix(t *testing.T) {
 	res, tok := sink.reserve(t, 100)
 	network.TearNext(r.Addr(), 40)
 	src := randBytes(1, 100)
-	errs := write(t, w, r.Addr(), WriteItem{res, tok, src})
+	errs := write(t, w, r.Addr(), WriteItem{Res: res, Token: tok, Src: src})
 	require.ErrorIs(t, errs[0], ErrConnLost)
 	require.Equal(t, src[:40], sink.region(res)[:40])
 	require.Equal(t, make([]byte, 60), sink.region(res)[40:])

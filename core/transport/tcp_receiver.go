@@ -149,9 +149,10 @@ type rconn struct {
 	ack     []byte
 	scratch []byte
 
-	// open is the reservation whose EndWrite is owed, if any.
+	// open is the reservation whose frame end is owed, if any; end ends it.
 	open    bool
 	openRes ids.ResID
+	end     func(ok bool) error
 }
 
 func (r *tcpReceiver) serve(c net.Conn) {
@@ -173,9 +174,10 @@ func (r *tcpReceiver) serve(c net.Conn) {
 
 // endOpen settles the owed EndWrite. It reports false when the sink
 // panicked: its state is then unknown, so the frame must not be acked.
-func (rc *rconn) endOpen(ok bool) (settled bool) {
+// failed is a frame sink's refusal of a frame whose bytes all arrived.
+func (rc *rconn) endOpen(ok bool) (settled bool, failed error) {
 	if !rc.open {
-		return true
+		return true, nil
 	}
 	rc.open = false
 	defer func() {
@@ -184,8 +186,7 @@ func (rc *rconn) endOpen(ok bool) (settled bool) {
 			settled = false
 		}
 	}()
-	rc.r.sink.EndWrite(rc.openRes, ok)
-	return true
+	return true, rc.end(ok)
 }
 
 // frame handles one frame and reports whether the connection is still in
@@ -203,17 +204,23 @@ func (rc *rconn) frame() bool {
 		r.logs.warn(r.log, "transport: closing connection that sent a bad frame", "peer", rc.peer, "err", err)
 		return false
 	}
-	dst, err := openFrame(r.sink, h.Res, h.Token, h.Offset, h.Length)
+	dst, end, err := openFrame(r.sink, h.Res, h.Token, h.Offset, h.Length)
 	if err != nil {
 		return rc.refuse(h, err)
 	}
-	rc.open, rc.openRes = true, h.Res
+	rc.open, rc.openRes, rc.end = true, h.Res, end
 	if _, err := io.ReadFull(rc.c, dst); err != nil {
 		rc.endOpen(false)
 		return false
 	}
-	if !rc.endOpen(true) {
+	settled, failed := rc.endOpen(true)
+	if !settled {
 		return false
+	}
+	if failed != nil {
+		st := statusOf(failed)
+		r.stats.reject(st)
+		return rc.sendAck(Ack{Seq: h.Seq, Status: st, Msg: failed.Error()})
 	}
 	r.stats.landed(h.Length)
 	return rc.sendAck(Ack{Seq: h.Seq, Status: StatusOK})

@@ -115,7 +115,7 @@ func TestTCPGarbageClosesOnlyThatConnection(t *testing.T) {
 	w := newWriter(t, tr)
 	res, tok := sink.reserve(t, 4096)
 	check := func(seed uint64) {
-		it := WriteItem{res, tok, randBytes(seed, 4096)}
+		it := WriteItem{Res: res, Token: tok, Src: randBytes(seed, 4096)}
 		requireLanded(t, sink, []WriteItem{it}, write(t, w, r.Addr(), it))
 	}
 	check(1)
@@ -185,7 +185,7 @@ func TestTCPReceiverClosedMidWrite(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	done := make(chan []error)
-	go func() { done <- w.Write(ctx, r.Addr(), []WriteItem{{res, tok, randBytes(1, 32<<20)}}) }()
+	go func() { done <- w.Write(ctx, r.Addr(), []WriteItem{{Res: res, Token: tok, Src: randBytes(1, 32<<20)}}) }()
 	<-sink.began
 	closed := make(chan struct{})
 	go func() { _ = r.Close(); close(closed) }()
@@ -212,7 +212,7 @@ func TestTCPWriteReturnsByDeadline(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancel()
-	errs := w.Write(ctx, r.Addr(), []WriteItem{{res, tok, src}})
+	errs := w.Write(ctx, r.Addr(), []WriteItem{{Res: res, Token: tok, Src: src}})
 	require.ErrorIs(t, errs[0], context.DeadlineExceeded)
 	require.Contains(t, errs[0].Error(), r.Addr())
 
@@ -220,7 +220,7 @@ func TestTCPWriteReturnsByDeadline(t *testing.T) {
 	// may still be draining into the old one.
 	sink.open()
 	res2, tok2 := sink.reserve(t, 32<<20)
-	it := WriteItem{res2, tok2, src}
+	it := WriteItem{Res: res2, Token: tok2, Src: src}
 	requireLanded(t, sink.memSink, []WriteItem{it}, write(t, w, r.Addr(), it))
 }
 
@@ -236,7 +236,7 @@ func TestTCPCloseWithWritesInFlight(t *testing.T) {
 	defer cancel()
 	done := make(chan []error)
 	go func() {
-		done <- w.Write(ctx, r.Addr(), []WriteItem{{res, tok, randBytes(1, 32<<20)}, {res, tok, []byte{1}}})
+		done <- w.Write(ctx, r.Addr(), []WriteItem{{Res: res, Token: tok, Src: randBytes(1, 32<<20)}, {Res: res, Token: tok, Src: []byte{1}}})
 	}()
 	<-sink.began
 	require.NoError(t, w.Close())
@@ -259,7 +259,7 @@ func TestTCPChunksSpreadOverThePool(t *testing.T) {
 	w := newWriter(t, tr)
 
 	big, bigTok := sink.reserve(t, 4*chunk)
-	it := WriteItem{big, bigTok, randBytes(1, 4*chunk)}
+	it := WriteItem{Res: big, Token: bigTok, Src: randBytes(1, 4*chunk)}
 	requireLanded(t, sink, []WriteItem{it}, write(t, w, r.Addr(), it))
 	var offs []uint64
 	for _, b := range sink.beginsOf(big) {
@@ -272,7 +272,7 @@ func TestTCPChunksSpreadOverThePool(t *testing.T) {
 	var items []WriteItem
 	for i := range 20 {
 		res, tok := sink.reserve(t, chunk/2)
-		items = append(items, WriteItem{res, tok, randBytes(uint64(i), chunk/2)})
+		items = append(items, WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), chunk/2)})
 	}
 	requireLanded(t, sink, items, write(t, w, r.Addr(), items...))
 	require.Equal(t, uint64(4), r.accepted.Load(), "connections persist between writes")
@@ -284,7 +284,7 @@ func TestTCPRedialsAfterThePeerDrops(t *testing.T) {
 	r := listenTCP(t, tr, sink)
 	w := newWriter(t, tr).(*tcpWriter)
 	res, tok := sink.reserve(t, 1000)
-	it := WriteItem{res, tok, randBytes(1, 1000)}
+	it := WriteItem{Res: res, Token: tok, Src: randBytes(1, 1000)}
 	requireLanded(t, sink, []WriteItem{it}, write(t, w, r.Addr(), it))
 
 	r.mu.Lock()
@@ -327,7 +327,7 @@ func TestTCPListenAddresses(t *testing.T) {
 			t.Cleanup(func() { _ = r.Close() })
 			w := newWriter(t, tr)
 			res, tok := sink.reserve(t, 5000)
-			it := WriteItem{res, tok, randBytes(1, 5000)}
+			it := WriteItem{Res: res, Token: tok, Src: randBytes(1, 5000)}
 			requireLanded(t, sink, []WriteItem{it}, write(t, w, tc.dest(r.Addr()), it))
 		})
 	}
@@ -379,9 +379,9 @@ func TestTCPNoGoroutineLeftAfterClose(t *testing.T) {
 	require.NoError(t, err)
 	w := tr.NewWriter()
 	res, tok := sink.reserve(t, 16<<20)
-	it := WriteItem{res, tok, randBytes(1, 16<<20)}
+	it := WriteItem{Res: res, Token: tok, Src: randBytes(1, 16<<20)}
 	requireLanded(t, sink, []WriteItem{it}, write(t, w, r.Addr(), it))
-	errs := write(t, w, r.Addr(), WriteItem{res, ids.Token{1}, []byte{1}})
+	errs := write(t, w, r.Addr(), WriteItem{Res: res, Token: ids.Token{1}, Src: []byte{1}})
 	require.ErrorIs(t, errs[0], ErrBadToken)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
@@ -465,7 +465,7 @@ func TestTCPWriterRefusesBadAcks(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			addr := fakeReceiver(t, tc.reply)
 			w := newWriter(t, newTCP(TCPConfig{Conns: 1}))
-			errs := write(t, w, addr, WriteItem{1, ids.Token{1}, []byte("payload")})
+			errs := write(t, w, addr, WriteItem{Res: 1, Token: ids.Token{1}, Src: []byte("payload")})
 			require.ErrorIs(t, errs[0], tc.want)
 			require.Contains(t, errs[0].Error(), addr)
 		})
@@ -490,11 +490,11 @@ func TestTCPSinkPanicCostsOnlyTheConnection(t *testing.T) {
 	sink := panicSink{memSink: newMemSink(1 << 20), bad: 999}
 	r := listenTCP(t, tr, sink)
 	w := newWriter(t, tr)
-	errs := write(t, w, r.Addr(), WriteItem{999, ids.Token{1}, []byte("boom")})
+	errs := write(t, w, r.Addr(), WriteItem{Res: 999, Token: ids.Token{1}, Src: []byte("boom")})
 	require.ErrorIs(t, errs[0], ErrConnLost)
 
 	res, tok := sink.reserve(t, 100)
-	it := WriteItem{res, tok, randBytes(1, 100)}
+	it := WriteItem{Res: res, Token: tok, Src: randBytes(1, 100)}
 	require.Eventually(t, func() bool {
 		return write(t, w, r.Addr(), it)[0] == nil
 	}, eventually, time.Millisecond, "the receiver keeps serving")

@@ -87,6 +87,9 @@ func (w *tcpWriter) pool(dest string) (*pool, error) {
 // continuing where the previous call stopped, so that both one large item
 // and many small ones keep every connection busy.
 func (w *tcpWriter) Write(ctx context.Context, dest string, items []WriteItem) []error {
+	if errs := refuseDevice("tcp", dest, items); errs != nil {
+		return errs
+	}
 	c := newCall(ctx, dest, items)
 	if len(items) == 0 {
 		return c.errs
@@ -414,7 +417,7 @@ func (s *slot) send(ch *chunk) {
 	ch.seq = s.w.seq.Add(1)
 	AppendHeader(ch.hdr[:0], Header{
 		Seq: ch.seq, Res: it.Res, Token: it.Token,
-		Offset: uint64(ch.off), Length: uint64(ch.end - ch.off),
+		Offset: it.Off + uint64(ch.off), Length: uint64(ch.end - ch.off),
 	})
 	// Registered before the first byte goes out: the ack can overtake the
 	// return from the write.

@@ -31,12 +31,29 @@ type Sink interface {
 }
 
 // WriteItem is one source buffer to write into one reservation, starting at
-// offset 0 of the reserved region. Src is host memory; it must stay valid
-// and unchanged until Write returns, and no transport touches it after.
+// offset Off of the reserved region (0 for a whole item). Src is host
+// memory; it must stay valid and unchanged until Write returns, and no
+// transport touches it after. A source in GPU memory comes as Dev instead,
+// with Src nil; only the transports that can read device memory accept it
+// (see DeviceSrc).
 type WriteItem struct {
 	Res   ids.ResID
 	Token ids.Token
 	Src   []byte
+	Off   uint64
+	Dev   *DeviceSrc
+	// Addr is the remote address of the reserved region that the grant
+	// carried, for one-sided transports (see Direct): the item lands at
+	// Addr+Off. Transports that ask the sink for every frame ignore it.
+	Addr uint64
+}
+
+// Len is the number of bytes the item writes.
+func (it WriteItem) Len() uint64 {
+	if it.Dev != nil {
+		return it.Dev.Len
+	}
+	return uint64(len(it.Src))
 }
 
 // Writer is the producer side. Write blocks until every item is
@@ -171,24 +188,41 @@ func errOf(s Status) error {
 }
 
 // openFrame runs the checks every transport owes the sink and asks it for
-// the destination bytes. The returned error always wraps ErrRejected.
-func openFrame(sink Sink, res ids.ResID, tok ids.Token, off, n uint64) ([]byte, error) {
+// the destination bytes, and for the function that ends the frame (called
+// exactly once). The returned error always wraps ErrRejected.
+func openFrame(sink Sink, res ids.ResID, tok ids.Token, off, n uint64) ([]byte, func(ok bool) error, error) {
 	if off+n < off {
-		return nil, fmt.Errorf("offset %d + length %d overflows: %w", off, n, ErrOutOfBounds)
+		return nil, nil, fmt.Errorf("offset %d + length %d overflows: %w", off, n, ErrOutOfBounds)
 	}
-	dst, err := sink.BeginWrite(res, tok, off, n)
-	if err != nil {
-		if !errors.Is(err, ErrRejected) {
-			err = fmt.Errorf("%w: %w", ErrRejected, err)
+	var dst []byte
+	var end func(ok bool) error
+	if fs, ok := sink.(FrameSink); ok {
+		f, err := fs.BeginFrame(res, tok, off, n)
+		if err != nil {
+			return nil, nil, rejected(err)
 		}
-		return nil, err
+		dst, end = f.Bytes(), f.End
+	} else {
+		var err error
+		if dst, err = sink.BeginWrite(res, tok, off, n); err != nil {
+			return nil, nil, rejected(err)
+		}
+		end = func(ok bool) error { sink.EndWrite(res, ok); return nil }
 	}
 	if uint64(len(dst)) != n {
 		// A sink bug must not let a frame write outside what it asked for.
-		sink.EndWrite(res, false)
-		return nil, fmt.Errorf("%w: sink gave %d bytes for a %d-byte frame", ErrRejected, len(dst), n)
+		_ = end(false)
+		return nil, nil, fmt.Errorf("%w: sink gave %d bytes for a %d-byte frame", ErrRejected, len(dst), n)
 	}
-	return dst, nil
+	return dst, end, nil
+}
+
+// rejected makes a sink's refusal wrap ErrRejected.
+func rejected(err error) error {
+	if !errors.Is(err, ErrRejected) {
+		err = fmt.Errorf("%w: %w", ErrRejected, err)
+	}
+	return err
 }
 
 // span is one frame's share of an item.

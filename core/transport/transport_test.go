@@ -180,13 +180,13 @@ func TestRejectionsArePerItem(t *testing.T) {
 				item WriteItem
 				want error
 			}{
-				{"good", WriteItem{good, goodTok, randBytes(1, 1000)}, nil},
-				{"bad token", WriteItem{good, wrongTok, randBytes(2, 10)}, ErrBadToken},
-				{"unknown res", WriteItem{ids.ResID(9999), goodTok, randBytes(3, 10)}, ErrUnknownRes},
-				{"larger than reservation", WriteItem{small, smallTok, randBytes(4, 1001)}, ErrOutOfBounds},
-				{"chunked, larger than reservation", WriteItem{small, smallTok, randBytes(5, DefaultChunkSize+1)}, ErrOutOfBounds},
-				{"sink says gone", WriteItem{gone, goneTok, randBytes(6, 10)}, ErrGone},
-				{"good after refusals", WriteItem{small, smallTok, randBytes(7, 1000)}, nil},
+				{"good", WriteItem{Res: good, Token: goodTok, Src: randBytes(1, 1000)}, nil},
+				{"bad token", WriteItem{Res: good, Token: wrongTok, Src: randBytes(2, 10)}, ErrBadToken},
+				{"unknown res", WriteItem{Res: ids.ResID(9999), Token: goodTok, Src: randBytes(3, 10)}, ErrUnknownRes},
+				{"larger than reservation", WriteItem{Res: small, Token: smallTok, Src: randBytes(4, 1001)}, ErrOutOfBounds},
+				{"chunked, larger than reservation", WriteItem{Res: small, Token: smallTok, Src: randBytes(5, DefaultChunkSize+1)}, ErrOutOfBounds},
+				{"sink says gone", WriteItem{Res: gone, Token: goneTok, Src: randBytes(6, 10)}, ErrGone},
+				{"good after refusals", WriteItem{Res: small, Token: smallTok, Src: randBytes(7, 1000)}, nil},
 			}
 			items := make([]WriteItem, len(cases))
 			for i, c := range cases {
@@ -206,7 +206,7 @@ func TestRejectionsArePerItem(t *testing.T) {
 			require.Equal(t, map[string]uint64{"bad_token": 1, "unknown_res": 1, "out_of_bounds": 3, "gone": 1}, r.Stats().Rejected)
 
 			// The path stays usable after refusals.
-			again := WriteItem{good, goodTok, randBytes(8, 1000)}
+			again := WriteItem{Res: good, Token: goodTok, Src: randBytes(8, 1000)}
 			requireLanded(t, sink, []WriteItem{again}, write(t, w, r.Addr(), again))
 			require.Zero(t, r.Stats().BadConns)
 		})
@@ -222,7 +222,7 @@ func TestWriteAfterClose(t *testing.T) {
 			w := h.tr.NewWriter()
 			require.NoError(t, w.Close())
 			require.NoError(t, w.Close(), "Close is idempotent")
-			errs := write(t, w, r.Addr(), WriteItem{res, tok, make([]byte, 10)})
+			errs := write(t, w, r.Addr(), WriteItem{Res: res, Token: tok, Src: make([]byte, 10)})
 			require.ErrorIs(t, errs[0], ErrClosed)
 			require.Zero(t, sink.beginCount())
 		})
@@ -237,7 +237,7 @@ func TestWriteToNobody(t *testing.T) {
 			dest := r.Addr()
 			require.NoError(t, r.Close())
 			w := newWriter(t, h.tr)
-			errs := write(t, w, dest, WriteItem{1, ids.Token{1}, make([]byte, 10)}, WriteItem{2, ids.Token{1}, nil})
+			errs := write(t, w, dest, WriteItem{Res: 1, Token: ids.Token{1}, Src: make([]byte, 10)}, WriteItem{Res: 2, Token: ids.Token{1}, Src: nil})
 			for _, err := range errs {
 				require.ErrorIs(t, err, ErrUnreachable)
 				require.Contains(t, err.Error(), dest)
@@ -255,7 +255,7 @@ func TestExpiredContextSendsNothing(t *testing.T) {
 			w := newWriter(t, h.tr)
 			ctx, cancel := context.WithCancel(context.Background())
 			cancel()
-			errs := w.Write(ctx, r.Addr(), []WriteItem{{res, tok, make([]byte, 10)}})
+			errs := w.Write(ctx, r.Addr(), []WriteItem{{Res: res, Token: tok, Src: make([]byte, 10)}})
 			require.ErrorIs(t, errs[0], context.Canceled)
 			require.Zero(t, sink.beginCount())
 			require.Empty(t, w.Write(context.Background(), r.Addr(), nil))
@@ -288,7 +288,7 @@ func TestOpenFrame(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			_, err := openFrame(c.sink, 1, ids.Token{1}, c.off, c.n)
+			_, _, err := openFrame(c.sink, 1, ids.Token{1}, c.off, c.n)
 			require.ErrorIs(t, err, c.want)
 			require.ErrorIs(t, err, ErrRejected)
 			require.Equal(t, c.wantStatus, statusOf(err))

@@ -146,7 +146,11 @@ type Grant struct {
 	Res        uint64    `json:"res,omitempty"`
 	Token      ids.Token `json:"token,omitzero"`
 	NBytes     uint64    `json:"nbytes,omitempty"`
-	Err        string    `json:"err,omitempty"`
+	// Addr is set on a write grant of a one-sided data plane (mooncake):
+	// the remote address of the reserved region, the only place the
+	// producer may write. Other data planes leave it out.
+	Addr uint64 `json:"addr,omitempty"`
+	Err  string `json:"err,omitempty"`
 }
 
 // ReserveBatchReply answers ReserveBatch, one grant per item, in order.

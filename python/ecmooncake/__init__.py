@@ -16,11 +16,14 @@ from .native import (
     EcmStateError,
     EcmTimeout,
     EcmUnavailable,
+    MetadataServer,
     Producer,
     Scheduler,
     bench_tcp_loopback,
     buffer_of,
     configure,
+    gpu_info,
+    memory_of,
 )
 
 __version__ = "0.1.0"
@@ -35,10 +38,13 @@ __all__ = [
     "EcmStateError",
     "EcmTimeout",
     "EcmUnavailable",
+    "MetadataServer",
     "Producer",
     "Scheduler",
     "__version__",
     "bench_tcp_loopback",
     "buffer_of",
     "configure",
+    "gpu_info",
+    "memory_of",
 ]

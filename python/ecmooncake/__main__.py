@@ -51,15 +51,72 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--small-batches", type=int, default=8, help="timed small batches (default %(default)s)")
     bench.add_argument("--json", action="store_true", help="print the summary as JSON")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+    from . import bench_vllm as _bench_vllm  # argument table only; imports no vLLM
+
+    _bench_vllm.add_arguments(
+        commands.add_parser(
+            "bench-vllm",
+            help="time vLLM's ECExampleConnector against ECMooncakeConnector through the same hooks",
+            description="Drives vLLM's ECExampleConnector (a shared directory on /dev/shm) and "
+            "ECMooncakeConnector through the same hook sequence, in an encoder and a PD process, "
+            "and prints the time from save_caches to the tensor in the PD worker's encoder cache "
+            "for each item size, their ratio, and the ceilings measured in the same run. "
+            "Needs vLLM and torch.",
+        )
+    )
+
+    from . import proxy as _proxy  # argument tables only; loads no library
+
+    _proxy.add_proxy_arguments(
+        commands.add_parser(
+            "proxy",
+            help="run the EPD proxy in front of encoder and prefill/decode instances",
+            description="OpenAI-compatible front: sends each media item to an encoder with the "
+            "consumer to push to, rewrites the request for the consumer, streams its answer back. "
+            "Runs until SIGINT or SIGTERM.",
+        )
+    )
+    _proxy.add_register_arguments(
+        commands.add_parser(
+            "register",
+            help="keep an instance registered with EPD proxies (a sidecar next to vllm serve)",
+            description="Registers the instance with each proxy and keeps a heartbeat until "
+            "SIGINT or SIGTERM, then deregisters it.",
+        )
+    )
+    from . import metadata_server as _metadata_server  # argument table only; loads no library
+
+    _metadata_server.add_arguments(
+        commands.add_parser(
+            "metadata-server",
+            help="serve a Mooncake-compatible metadata store (GET/PUT/DELETE /metadata?key=K)",
+            description="Serves the HTTP metadata protocol of Mooncake TransferEngine, for engines "
+            "started with mooncake_metadata 'http://HOST:PORT/metadata', until SIGINT or SIGTERM. "
+            "Prints its URL as the first line of stdout.",
+        )
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "metadata-server":
+        from . import metadata_server
+
+        return metadata_server.main(args)
     if args.command == "demo":
         from . import demo
 
         return demo.main(args)
+    if args.command == "bench-vllm":
+        from . import bench_vllm
+
+        return bench_vllm.main(args)
+    if args.command in ("proxy", "register"):
+        from . import proxy
+
+        return proxy.proxy_main(args) if args.command == "proxy" else proxy.register_main(args)
     from . import bench
 
     return bench.main(args)

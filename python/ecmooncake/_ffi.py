@@ -40,11 +40,16 @@ PROTOTYPES: dict[str, tuple[object, tuple[object, ...]]] = {
     "ecm_abi_version": (c_int, (POINTER(c_int32), c_str_out)),
     "ecm_free": (None, (c_void_p,)),
     "ecm_configure": (c_int, (c_char_p, c_str_out)),
+    "ecm_gpu_info": (c_int, (c_str_out, c_str_out)),
     "ecm_stats": (c_int, (ecm_handle_t, c_str_out, c_str_out)),
     "ecm_close": (c_int, (ecm_handle_t, c_str_out)),
     "ecm_consumer_open": (
         c_int,
         (c_char_p, c_void_p, c_uint64, POINTER(ecm_handle_t), c_str_out),
+    ),
+    "ecm_consumer_open_device": (
+        c_int,
+        (c_char_p, c_void_p, c_uint64, c_int32, POINTER(ecm_handle_t), c_str_out),
     ),
     "ecm_consumer_info": (c_int, (ecm_handle_t, c_str_out, c_str_out)),
     "ecm_consumer_acquire": (c_int, (ecm_handle_t, c_char_p, c_str_out, c_str_out)),
@@ -63,6 +68,20 @@ PROTOTYPES: dict[str, tuple[object, tuple[object, ...]]] = {
             c_str_out,
         ),
     ),
+    "ecm_producer_sources_device": (
+        c_int,
+        (
+            ecm_handle_t,
+            c_uint64,
+            POINTER(c_char_p),
+            POINTER(c_void_p),
+            POINTER(c_uint64),
+            POINTER(c_int32),
+            POINTER(c_uint64),
+            POINTER(c_uint64),
+            c_str_out,
+        ),
+    ),
     "ecm_producer_cancel": (c_int, (ecm_handle_t, c_char_p, c_str_out)),
     "ecm_producer_poll": (c_int, (ecm_handle_t, c_int32, c_str_out, c_str_out)),
     "ecm_scheduler_open": (c_int, (c_char_p, POINTER(ecm_handle_t), c_str_out)),
@@ -76,6 +95,10 @@ PROTOTYPES: dict[str, tuple[object, tuple[object, ...]]] = {
         (ecm_handle_t, c_char_p, c_int32, c_str_out, c_str_out),
     ),
     "ecm_bench_tcp_loopback": (c_int, (c_char_p, c_str_out, c_str_out)),
+    "ecm_proxy_open": (c_int, (c_char_p, POINTER(ecm_handle_t), c_str_out)),
+    "ecm_registrar_open": (c_int, (c_char_p, POINTER(ecm_handle_t), c_str_out)),
+    "ecm_metrics_text": (c_int, (c_str_out, c_str_out)),
+    "ecm_metadata_server_open": (c_int, (c_char_p, POINTER(ecm_handle_t), c_str_out)),
 }
 
 

@@ -221,9 +221,14 @@ class ProducerHost:
         ]
         t_submit = time.monotonic()
         submitted = self.producer.submit(pushes)
-        failed = {s["transfer_id"]: s["error"] for s in submitted if s.get("error")}
         self.producer.sources(list(sources.items()))
         del sources
+        return self._await(pushes, submitted, t_submit, timeout_s)
+
+    def _await(self, pushes: list[dict], submitted: list[dict], t_submit: float, timeout_s: float) -> dict:
+        """Polls until every submitted push is done or failed and every
+        source is released, or the deadline; returns op_push's report."""
+        failed = {s["transfer_id"]: s["error"] for s in submitted if s.get("error")}
         outstanding = {p["transfer_id"] for p in pushes} - set(failed)
         done: dict[str, float] = {}
         deadline = t_submit + timeout_s
@@ -267,6 +272,18 @@ class ProducerHost:
 
 _HOSTS = {"consumer": ConsumerHost, "producer": ProducerHost}
 
+# Roles whose hosts keep their memory on a GPU. They live in gpubench, which
+# imports torch, so they are looked up only in a worker that plays one.
+_GPU_ROLES = {"gpu_consumer": "GPUConsumerHost", "gpu_producer": "GPUProducerHost"}
+
+
+def _host_class(role: str) -> Any:
+    if role in _GPU_ROLES:
+        from . import gpubench
+
+        return getattr(gpubench, _GPU_ROLES[role])
+    return _HOSTS[role]
+
 
 def _reply_error(conn: Any, exc: BaseException) -> None:
     if isinstance(exc, EcmError):
@@ -280,7 +297,7 @@ def _serve(conn: Any, role: str, kwargs: dict) -> None:
     # before the parent has collected their answers and stopped them.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        host = _HOSTS[role](**kwargs)
+        host = _host_class(role)(**kwargs)
         conn.send(("ok", host.ready()))
     except BaseException as exc:
         _reply_error(conn, exc)
@@ -317,7 +334,7 @@ class Worker:
     """
 
     def __init__(self, role: str, name: str, **kwargs: Any):
-        if role not in _HOSTS:
+        if role not in _HOSTS and role not in _GPU_ROLES:
             raise ValueError(f"unknown role {role!r}")
         ctx = multiprocessing.get_context("spawn")
         self.name = name

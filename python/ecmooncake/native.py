@@ -10,6 +10,7 @@ of what Go validates: a config dict goes through as it is.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from ctypes import byref, c_char_p, c_int32, c_uint64, c_void_p
 from typing import Any
@@ -120,6 +121,31 @@ def _call(name: str, *args: Any, out: bool = False) -> Any:
         raise EcmInternal(f"{name}: returned undecodable JSON: {exc}") from exc
 
 
+MOONCAKE_LIBRARY_ENV = "ECMOONCAKE_MOONCAKE_LIBRARY"
+
+
+def with_mooncake_library(config: Any) -> Any:
+    """Fills ``mooncake_library`` from $ECMOONCAKE_MOONCAKE_LIBRARY.
+
+    Only for an object whose ``transport`` is ``"mooncake"`` and whose
+    settings leave the key out. Go reads no environment variables (it sees
+    only the environment the process started with), so Python passes the
+    path down as a setting. Anything else is returned unchanged.
+    """
+    path = os.environ.get(MOONCAKE_LIBRARY_ENV)
+    if not path:
+        return config
+    parsed = config
+    if isinstance(config, (str, bytes)):
+        try:
+            parsed = json.loads(config)
+        except ValueError:
+            return config  # the library reports what is wrong with it
+    if not isinstance(parsed, dict) or parsed.get("transport") != "mooncake" or "mooncake_library" in parsed:
+        return config
+    return {**parsed, "mooncake_library": path}
+
+
 def configure(**settings: Any) -> None:
     """Process-wide settings, e.g. ``configure(gomaxprocs=2, log_level="warn")``.
 
@@ -166,6 +192,47 @@ def buffer_of(obj: Any, writable: bool = False) -> tuple[int, int]:
     raise EcmInvalid(
         f"expected a numpy array or a CPU torch tensor, got {type(obj).__name__}"
     )
+
+
+def memory_of(obj: Any, writable: bool = False) -> tuple[int, int, int]:
+    """(data pointer, nbytes, device) of a C-contiguous numpy array or a
+    contiguous torch tensor in host or CUDA memory.
+
+    device is -1 for host memory, else the CUDA device ordinal; the calls
+    that take memory with a device (a Consumer's slab, Producer.sources)
+    accept both. The caller keeps ``obj`` alive for as long as the library
+    may touch it.
+    """
+    if _is_tensor(obj) and obj.device.type == "cuda":
+        if not obj.is_contiguous():
+            raise EcmInvalid(
+                f"tensor of shape {tuple(obj.shape)} is not contiguous; "
+                "pass t.contiguous()"
+            )
+        index = getattr(obj.device, "index", None)
+        return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), int(index or 0)
+    if _is_tensor(obj) and obj.device.type != "cpu":
+        raise EcmInvalid(f"tensor is on {obj.device}; the library takes host or CUDA memory")
+    ptr, nbytes = buffer_of(obj, writable)
+    return ptr, nbytes, -1
+
+
+def gpu_info() -> dict:
+    """Whether this process can use GPU memory: available, reason,
+    driver_version, devices. Opens the CUDA driver on first use."""
+    return _call("ecm_gpu_info", out=True)
+
+
+def _stream_handle(stream: Any, tensor: Any) -> int:
+    """The cudaStream_t whose queued work produces ``tensor``: ``stream``
+    (a torch.cuda.Stream or a raw handle), else the tensor device's current
+    stream."""
+    if stream is None:
+        torch = sys.modules["torch"]
+        return int(torch.cuda.current_stream(tensor.device).cuda_stream)
+    if isinstance(stream, int):
+        return stream
+    return int(stream.cuda_stream)
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -249,22 +316,32 @@ class _Handle:
 class Consumer(_Handle):
     """One consumer shard: a receive slab and the control server of its TP rank.
 
-    ``slab`` is a writable C-contiguous numpy array or CPU torch tensor of any
-    dtype; items land in it and :meth:`view` reads them without copying.
+    ``slab`` is a writable C-contiguous numpy array or torch tensor of any
+    dtype, in host memory or on a CUDA device; items land in it and
+    :meth:`view` reads them without copying.
     """
 
     kind = "consumer"
 
     def __init__(self, config: dict | str, slab: Any):
         super().__init__()
-        ptr, nbytes = buffer_of(slab, writable=True)
+        ptr, nbytes, device = memory_of(slab, writable=True)
         self._slab = slab
-        self._bytes = np.asarray(_Region(slab, ptr, nbytes))
+        self.device = "cpu" if device < 0 else f"cuda:{device}"
+        encoded = _encode(with_mooncake_library(config), "consumer config")
+        if device < 0:
+            self._bytes = np.asarray(_Region(slab, ptr, nbytes))
+            self._open("ecm_consumer_open", encoded, c_void_p(ptr), c_uint64(nbytes))
+            return
+        # A flat byte view of the whole slab, on its device.
+        torch = sys.modules["torch"]
+        self._bytes = slab.reshape(-1).view(torch.uint8)
         self._open(
-            "ecm_consumer_open",
-            _encode(config, "consumer config"),
+            "ecm_consumer_open_device",
+            encoded,
             c_void_p(ptr),
             c_uint64(nbytes),
+            c_int32(device),
         )
 
     @property
@@ -283,8 +360,10 @@ class Consumer(_Handle):
         body = _encode({"mm_hashes": list(mm_hashes)}, "release")
         return _call("ecm_consumer_release", self.handle, body, out=True)["items"]
 
-    def view(self, offset: int, nbytes: int) -> np.ndarray:
-        """A zero-copy uint8 view of ``[offset, offset+nbytes)`` of the slab."""
+    def view(self, offset: int, nbytes: int) -> Any:
+        """A zero-copy uint8 view of ``[offset, offset+nbytes)`` of the slab:
+        a numpy array for a host slab, a torch tensor on the slab's device
+        for a CUDA one."""
         self._check_open()
         if offset < 0 or nbytes < 0 or offset + nbytes > self._bytes.nbytes:
             raise EcmInvalid(
@@ -302,7 +381,7 @@ class Producer(_Handle):
     def __init__(self, config: dict | str):
         super().__init__()
         self._sources: dict[int, Any] = {}
-        self._open("ecm_producer_open", _encode(config, "producer config"))
+        self._open("ecm_producer_open", _encode(with_mooncake_library(config), "producer config"))
 
     def submit(self, pushes: list[dict]) -> list[dict]:
         """Announces pushes; per-item dicts carry transfer_id and error."""
@@ -316,9 +395,14 @@ class Producer(_Handle):
         """
         return self.sources([(mm_hash, array)])[0]
 
-    def sources(self, items: list[tuple[str, Any]]) -> list[int]:
+    def sources(self, items: list[tuple[str, Any]], stream: Any = None) -> list[int]:
         """Hands over several encoder outputs in one call, so that they go
         out as one write batch per consumer shard; returns their source ids.
+
+        Outputs may be CUDA tensors: the library then reads each only after
+        the work queued so far on ``stream`` (a torch.cuda.Stream or a raw
+        cudaStream_t; by default the tensor device's current stream) has
+        completed. The call does not wait for that work.
 
         When the library refuses some, the call raises, and the ones it took
         are still held until :meth:`poll` reports them released.
@@ -327,13 +411,32 @@ class Producer(_Handle):
         n = len(items)
         if n == 0:
             return []
-        buffers = [buffer_of(array) for _, array in items]
+        buffers = [memory_of(array) for _, array in items]
         hashes = (c_char_p * n)(*[h.encode("utf-8") for h, _ in items])
-        ptrs = (c_void_p * n)(*[ptr for ptr, _ in buffers])
-        sizes = (c_uint64 * n)(*[nbytes for _, nbytes in buffers])
+        ptrs = (c_void_p * n)(*[ptr for ptr, _, _ in buffers])
+        sizes = (c_uint64 * n)(*[nbytes for _, nbytes, _ in buffers])
         ids = (c_uint64 * n)()
         try:
-            _call("ecm_producer_sources", self.handle, c_uint64(n), hashes, ptrs, sizes, ids)
+            if all(device < 0 for _, _, device in buffers):
+                _call("ecm_producer_sources", self.handle, c_uint64(n), hashes, ptrs, sizes, ids)
+            else:
+                devices = (c_int32 * n)(*[device for _, _, device in buffers])
+                handles: dict[int, int] = {}
+                for (_, array), (_, _, device) in zip(items, buffers):
+                    if device >= 0 and device not in handles:
+                        handles[device] = _stream_handle(stream, array)
+                streams = (c_uint64 * n)(*[handles.get(device, 0) for _, _, device in buffers])
+                _call(
+                    "ecm_producer_sources_device",
+                    self.handle,
+                    c_uint64(n),
+                    hashes,
+                    ptrs,
+                    sizes,
+                    devices,
+                    streams,
+                    ids,
+                )
         finally:
             for source_id, (_, array) in zip(ids, items):
                 if source_id:
@@ -387,6 +490,37 @@ class Scheduler(_Handle):
         )
 
 
+class MetadataServer(_Handle):
+    """A Mooncake-compatible metadata store (``GET/PUT/DELETE /metadata?key=K``,
+    ``GET /health``) for TransferEngines in HTTP metadata mode, served in the
+    background until :meth:`close`.
+
+    ``port=0`` picks a free port; :attr:`url` is the metadata connection
+    string an engine on this host uses. With ``token`` set, every /metadata
+    request must carry ``Authorization: Bearer <token>`` (what Mooncake sends
+    when MC_METADATA_HTTP_TOKEN is set).
+    """
+
+    kind = "metadata server"
+
+    def __init__(self, host: str = "0.0.0.0", port: int = 8080, token: str | None = None):
+        super().__init__()
+        config: dict[str, Any] = {"host": host, "port": int(port)}
+        if token:
+            config["token"] = token
+        self._open("ecm_metadata_server_open", _encode(config, "metadata server config"))
+
+    @property
+    def address(self) -> str:
+        """host:port it listens on."""
+        return str(self.stats()["addr"])
+
+    @property
+    def url(self) -> str:
+        """``http://host:port/metadata``."""
+        return str(self.stats()["url"])
+
+
 __all__ = [
     "Consumer",
     "EcmError",
@@ -398,10 +532,14 @@ __all__ = [
     "EcmTimeout",
     "EcmUnavailable",
     "ERRORS",
+    "MetadataServer",
     "Producer",
     "Scheduler",
     "bench_tcp_loopback",
     "buffer_of",
     "configure",
     "error_for",
+    "gpu_info",
+    "memory_of",
+    "with_mooncake_library",
 ]

@@ -47,6 +47,7 @@ func TestConsumerDiesMidWrite(t *testing.T) {
 
 	out := c.drain(len(items), 15*time.Second)
 	require.NotEmpty(t, out.Failed, "pushes to a dead shard must fail")
-	require.Eventually(t, func() bool { return c.prod.Stats().Sources == 0 }, 10*time.Second, 20*time.Millisecond)
-	require.False(t, c.prod.Stats().Pending)
+	// The cancels for the dead shard's grants leave on the driver's next
+	// turn; until then the producer rightly reports work pending.
+	require.Eventually(t, func() bool { st := c.prod.Stats(); return st.Sources == 0 && !st.Pending }, 10*time.Second, 20*time.Millisecond)
 }

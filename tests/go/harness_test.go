@@ -38,6 +38,10 @@ type clusterOpts struct {
 	slabBytes int
 	lease     time.Duration
 	pushWait  time.Duration
+	// Data plane and slabs; TCP over Go memory when nil.
+	consumerTr func(rank int) transport.Transport
+	producerTr func() transport.Transport
+	slab       func(n int) []byte
 }
 
 func quietLog() *slog.Logger {
@@ -90,11 +94,21 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 	}
 	c := &cluster{t: t, base: freeBase(t, o.tp)}
 	log := quietLog()
+	if o.consumerTr == nil {
+		o.consumerTr = func(int) transport.Transport { return transport.NewTCP(transport.TCPConfig{Logger: log}) }
+	}
+	if o.producerTr == nil {
+		o.producerTr = func() transport.Transport { return transport.NewTCP(transport.TCPConfig{Conns: 4, Logger: log}) }
+	}
+	if o.slab == nil {
+		o.slab = func(n int) []byte { return make([]byte, n) }
+	}
 	for r := 0; r < o.tp; r++ {
-		mem := make([]byte, o.slabBytes)
+		mem := o.slab(o.slabBytes)
+		tr := o.consumerTr(r)
 		cfg := config.DefaultConsumer()
-		cfg.Port, cfg.TPSize, cfg.TPRank, cfg.LeaseS = c.base, o.tp, r, o.lease.Seconds()
-		s, err := consumer.Open(cfg, slab.HostMemory(mem), consumer.Options{Transport: transport.NewTCP(transport.TCPConfig{Logger: log}), Log: log})
+		cfg.Port, cfg.TPSize, cfg.TPRank, cfg.LeaseS, cfg.Transport = c.base, o.tp, r, o.lease.Seconds(), tr.Name()
+		s, err := consumer.Open(cfg, slab.HostMemory(mem), consumer.Options{Transport: tr, Log: log})
 		require.NoError(t, err)
 		c.slabs = append(c.slabs, mem)
 		c.shards = append(c.shards, s)
@@ -108,7 +122,9 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 	pcfg := config.DefaultProducer()
 	pcfg.PushWaitS = o.pushWait.Seconds()
 	pcfg.ControlTimeoutS = 5
-	c.prod, err = producer.Open(pcfg, producer.Options{Transport: transport.NewTCP(transport.TCPConfig{Conns: 4, Logger: log}), Log: log})
+	ptr := o.producerTr()
+	pcfg.Transport = ptr.Name()
+	c.prod, err = producer.Open(pcfg, producer.Options{Transport: ptr, Log: log})
 	require.NoError(t, err)
 	t.Cleanup(c.close)
 	return c

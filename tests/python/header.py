@@ -23,6 +23,7 @@ C_TO_CTYPES = {
     "const char**": POINTER(c_char_p),
     "void**": POINTER(c_void_p),
     "const uint64_t*": POINTER(c_uint64),
+    "const int32_t*": POINTER(c_int32),
     "char*": c_void_p,
     "void*": c_void_p,
     "char**": POINTER(c_void_p),

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The GPU proof run, in two halves:
+#
+#   bash build/gpu_run.sh pack        on the CPU build machine: puts what a
+#                                     GPU host lacks into .artifacts/ (the
+#                                     library, libzmq and the libraries it
+#                                     loads, the Go test binary of core/cuda)
+#   bash build/gpu_run.sh run [DIR]   on a host with a GPU, from a copy of the
+#                                     working tree plus .artifacts/: the Go
+#                                     GPU tests, the Python GPU tests and the
+#                                     GPU benchmark; logs and JSON go to DIR;
+#                                     a summary table comes last.
+#
+# The GPU host needs python3 with PyTorch (CUDA), numpy and pytest, and
+# libcuda.so.1 on the loader path; no Go, no libzmq, no network. Never ship
+# the build machine's libstdc++ or libgcc_s: PyTorch needs the host's newer
+# ones. Exit status: 0 when every step passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ART=${ECM_ARTIFACTS:-$PWD/.artifacts}
+# What libzmq.so.5 loads that a fresh Ubuntu lacks.
+ZMQ_LIBS="libzmq.so.5 libsodium.so.23 libpgm-5.3.so.0 libnorm.so.1 libbsd.so.0 libmd.so.0"
+
+pack() {
+	set -e
+	mkdir -p "$ART"
+	python3 build/build_lib.py --out "$ART" >/dev/null
+	for lib in $ZMQ_LIBS; do
+		path=$(ldd "$ART/libecmooncake.so" | awk -v l="$lib" '$1 == l { print $3 }')
+		[ -n "$path" ] || { echo "gpu_run: $lib not found by ldd" >&2; exit 1; }
+		[ "$path" -ef "$ART/$lib" ] || cp -L "$path" "$ART/$lib"
+	done
+	CGO_ENABLED=1 go test -c -o "$ART/cuda.test" ./core/cuda
+	ls -l "$ART"
+}
+
+declare -a NAMES RESULTS DETAILS
+
+record() { NAMES+=("$1"); RESULTS+=("$2"); DETAILS+=("$3"); }
+
+run() {
+	local out=${1:-/tmp/ecm-gpu-run} rc=0 log
+	mkdir -p "$out"
+	export ECMOONCAKE_LIBRARY="$ART/libecmooncake.so" PYTHONUNBUFFERED=1
+	export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+
+	echo "== host"
+	nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+	python3 -c 'import torch, numpy; print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count(), "numpy", numpy.__version__)'
+	if ldd "$ECMOONCAKE_LIBRARY" | grep "not found"; then
+		record "library loads" FAIL "missing libraries (above)"
+		rc=1
+	else
+		record "library loads" PASS "$(python3 -c 'from ecmooncake import gpu_info; print(gpu_info())')"
+	fi
+
+	echo "== go: core/cuda against the driver"
+	log="$out/go_cuda.log"
+	(cd core/cuda && "$ART/cuda.test" -test.v -test.count=1) 2>&1 | tee "$log"
+	local go_rc=${PIPESTATUS[0]}
+	record "go test core/cuda" "$([ "$go_rc" = 0 ] && echo PASS || echo FAIL)" \
+		"$(grep -c -- '^--- PASS' "$log") passed, $(grep -c -- '^--- SKIP' "$log") skipped, $(grep -c -- '^--- FAIL' "$log") failed"
+	[ "$go_rc" = 0 ] || rc=1
+
+	echo "== pytest: GPU transfers and the ABI"
+	log="$out/pytest.log"
+	python3 -m pytest -q -p no:cacheprovider -rs tests/python/test_gpu_transfer.py tests/python/test_gpu_api.py \
+		tests/python/test_abi.py 2>&1 | tee "$log"
+	local py_rc=${PIPESTATUS[0]}
+	record "pytest GPU" "$([ "$py_rc" = 0 ] && echo PASS || echo FAIL)" "$(grep -E '(passed|failed|error)' "$log" | tail -1)"
+	[ "$py_rc" = 0 ] || rc=1
+
+	echo "== gpubench"
+	log="$out/bench.log"
+	python3 -m ecmooncake.gpubench --json "$out/bench.json" 2>&1 | tee "$log"
+	local bench_rc=${PIPESTATUS[0]}
+	record "gpubench" "$([ "$bench_rc" = 0 ] && echo PASS || echo FAIL)" "figures below; JSON in $out/bench.json"
+	[ "$bench_rc" = 0 ] || rc=1
+
+	echo
+	echo "== summary ($(date -u +%Y-%m-%dT%H:%MZ))"
+	printf '%-20s %-6s %s\n' step result detail
+	for i in "${!NAMES[@]}"; do
+		printf '%-20s %-6s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${DETAILS[$i]}"
+	done
+	sed -n '/^ecmooncake GPU bench/,$p' "$out/bench.log"
+	return $rc
+}
+
+case "${1:-run}" in
+pack) pack ;;
+run) shift; run "$@" ;;
+*) echo "usage: $0 pack | run [DIR]" >&2; exit 2 ;;
+esac

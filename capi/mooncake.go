@@ -1,0 +1,85 @@
+package capi
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"net"
+	"strconv"
+	"strings"
+
+	"github.com/ecmooncake/ecmooncake/core/config"
+	"github.com/ecmooncake/ecmooncake/core/metadata"
+	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/mooncake"
+)
+
+// newMooncake loads the TransferEngine library; a missing library or
+// symbol is ECM_ERR_UNAVAILABLE, and only the objects that chose this
+// transport ever see it.
+func newMooncake(c mooncake.Config) (transport.Transport, error) {
+	tr, err := mooncake.New(c)
+	if errors.Is(err, mooncake.ErrUnavailable) {
+		return nil, &Error{Code: StatusUnavailable, Err: err}
+	}
+	if err != nil {
+		return nil, err
+	}
+	return tr, nil
+}
+
+// consumerTransport is the data plane a consumer shard listens on.
+func consumerTransport(cfg config.Consumer) (transport.Transport, error) {
+	if cfg.Transport == mooncake.Name {
+		return newMooncake(mooncake.FromConsumer(cfg, slog.Default()))
+	}
+	return newTransport(cfg.Transport, config.DefaultProducer())
+}
+
+// startMetadata serves the Mooncake metadata store a consumer asked for,
+// or finds the one another shard of this host already serves there (then
+// it returns nil: that shard owns it).
+func startMetadata(cfg config.Consumer) (*metadata.Server, error) {
+	if cfg.MooncakeMetadataServer == "" {
+		return nil, nil
+	}
+	return metadata.Ensure(metadata.Config{Addr: cfg.MooncakeMetadataServer, Logger: slog.Default()})
+}
+
+// metadata server --------------------------------------------------------------
+
+type metadataObj struct{ *metadata.Server }
+
+func (o *metadataObj) stats() any { return o.Stats() }
+
+type metadataIn struct {
+	Host  string `json:"host"`
+	Port  int    `json:"port"`
+	Token string `json:"token"`
+}
+
+// MetadataServerOpen serves a Mooncake-compatible metadata store until the
+// handle is closed. config: {"host": "0.0.0.0", "port": 8080, "token": ""}.
+func MetadataServerOpen(raw []byte) (uint64, error) {
+	setup()
+	in := metadataIn{Host: "0.0.0.0", Port: 8080}
+	if len(bytes.TrimSpace(raw)) > 0 {
+		dec := json.NewDecoder(bytes.NewReader(raw))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&in); err != nil {
+			return 0, statusErr(StatusInvalid, "metadata server config: %v (keys: host, port, token)", err)
+		}
+	}
+	if in.Port < 0 || in.Port > 65535 {
+		return 0, statusErr(StatusInvalid, "metadata server: port = %d; want a TCP port in [0, 65535] (0 picks a free one)", in.Port)
+	}
+	if in.Host == "" || strings.ContainsAny(in.Host, " /?#") {
+		return 0, statusErr(StatusInvalid, "metadata server: host = %q; want an IP address or a hostname", in.Host)
+	}
+	s, err := metadata.Listen(metadata.Config{Addr: net.JoinHostPort(in.Host, strconv.Itoa(in.Port)), Token: in.Token, Logger: slog.Default()})
+	if err != nil {
+		return 0, statusErr(StatusIO, "%v", err)
+	}
+	return handles.add(&metadataObj{s}), nil
+}

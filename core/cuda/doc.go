@@ -1,0 +1,31 @@
+// Package cuda is the real gpu.Device: the CUDA driver API, opened with
+// dlopen("libcuda.so.1") at run time, so that building needs no CUDA
+// toolkit and a host without a driver still runs everything else. There,
+// Open fails with an error that wraps gpu.ErrUnavailable and says why.
+//
+// It covers what the transports need and nothing more: primary contexts,
+// streams, events, copies, pointer attributes, page-locked host memory
+// and IPC memory handles.
+//
+// # Threads and contexts
+//
+// A CUDA context is current per OS thread, and goroutines move between
+// threads; so every driver call runs inside Device.with, which locks the
+// goroutine to its thread and makes the device's primary context current
+// there first. The primary context is the one PyTorch uses too, so events
+// recorded on PyTorch's streams and memory it allocated are valid here.
+//
+// # Copies
+//
+// Each device has two non-blocking streams of its own, one per direction
+// of PCIe traffic, so a device-to-host copy never queues behind a
+// host-to-device one. A copy is queued behind the events it must follow
+// (cuStreamWaitEvent: the GPU waits, no thread does), then an event with
+// blocking synchronisation is recorded and waited for, all inside one C
+// call: host memory is touched only while that call runs, which is what
+// cgo's pointer rules ask, and the waiting thread sleeps instead of
+// spinning a core that PyTorch wants.
+//
+// Devices, their contexts and streams live for the life of the process:
+// a library loaded into a vLLM worker never unloads.
+package cuda

@@ -1,0 +1,480 @@
+package cuda
+
+/*
+#cgo LDFLAGS: -ldl
+#include <stdlib.h>
+#include "shim.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"runtime"
+	"sync"
+	"unsafe"
+
+	"github.com/ecmooncake/ecmooncake/core/gpu"
+)
+
+// DefaultLibrary is the driver library opened when none is named.
+const DefaultLibrary = "libcuda.so.1"
+
+// Driver is the loaded driver library. It implements gpu.Devices.
+type Driver struct {
+	path    string
+	version int
+	count   int
+
+	mu   sync.Mutex
+	devs map[int]*Device
+}
+
+var (
+	loadMu sync.Mutex
+	loaded *Driver
+)
+
+// Open loads the driver library at path (DefaultLibrary when empty) and
+// initialises it. The function table is process-wide, so once a load has
+// succeeded every later Open returns that driver. Every error wraps
+// gpu.ErrUnavailable.
+func Open(path string) (*Driver, error) {
+	if path == "" {
+		path = DefaultLibrary
+	}
+	loadMu.Lock()
+	defer loadMu.Unlock()
+	if loaded != nil {
+		return loaded, nil
+	}
+	if err := loadLibrary(path); err != nil {
+		return nil, err
+	}
+	if r := C.ecm_cuInit(0); r != C.ECM_CUDA_SUCCESS {
+		return nil, fmt.Errorf("cuda: the CUDA driver (%s) loaded but cuInit failed: %w: %w", path, resultErr(r), gpu.ErrUnavailable)
+	}
+	d := &Driver{path: path, devs: map[int]*Device{}}
+	var v, n C.int
+	if r := C.ecm_cuDriverGetVersion(&v); r != C.ECM_CUDA_SUCCESS {
+		return nil, fmt.Errorf("cuda: cuDriverGetVersion: %w: %w", resultErr(r), gpu.ErrUnavailable)
+	}
+	if r := C.ecm_cuDeviceGetCount(&n); r != C.ECM_CUDA_SUCCESS {
+		return nil, fmt.Errorf("cuda: cuDeviceGetCount: %w: %w", resultErr(r), gpu.ErrUnavailable)
+	}
+	d.version, d.count = int(v), int(n)
+	if d.count == 0 {
+		return nil, fmt.Errorf("cuda: the CUDA driver (%s) sees no device: %w", path, gpu.ErrUnavailable)
+	}
+	loaded = d
+	return d, nil
+}
+
+// loadLibrary fills the function table from the library at path. A failed
+// load leaves the table as it was.
+func loadLibrary(path string) error {
+	cpath := C.CString(path)
+	defer C.free(unsafe.Pointer(cpath))
+	var msg [512]C.char
+	if C.ecm_cu_load(cpath, &msg[0], C.size_t(len(msg))) != 0 {
+		return fmt.Errorf("cuda: cannot use the CUDA driver (%s): %s: %w", path, C.GoString(&msg[0]), gpu.ErrUnavailable)
+	}
+	return nil
+}
+
+var defaultDriver = sync.OnceValues(func() (*Driver, error) { return Open("") })
+
+// Default is the driver from DefaultLibrary, opened on first use.
+func Default() (*Driver, error) { return defaultDriver() }
+
+// Version is the driver's CUDA version, e.g. 13000 for 13.0.
+func (d *Driver) Version() int { return d.version }
+
+// Count is the number of devices this process sees.
+func (d *Driver) Count() int { return d.count }
+
+// Device returns the device of an ordinal, retaining its primary context
+// and creating its streams on first use.
+func (d *Driver) Device(ordinal int) (gpu.Device, error) {
+	return d.device(ordinal)
+}
+
+func (d *Driver) device(ordinal int) (*Device, error) {
+	if ordinal < 0 || ordinal >= d.count {
+		return nil, fmt.Errorf("cuda: %s: no such device (this process sees %d): %w", gpu.Name(ordinal), d.count, gpu.ErrUnavailable)
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if dev := d.devs[ordinal]; dev != nil {
+		return dev, nil
+	}
+	dev, err := newDevice(ordinal)
+	if err != nil {
+		return nil, err
+	}
+	d.devs[ordinal] = dev
+	return dev, nil
+}
+
+var _ gpu.Devices = (*Driver)(nil)
+
+// resultErr describes a driver result code.
+func resultErr(r C.ecm_CUresult) error {
+	return fmt.Errorf("%s (%s)", C.GoString(C.ecm_cu_error_name(r)), C.GoString(C.ecm_cu_error_string(r)))
+}
+
+func check(what string, r C.ecm_CUresult) error {
+	if r == C.ECM_CUDA_SUCCESS {
+		return nil
+	}
+	return fmt.Errorf("cuda: %s: %w", what, resultErr(r))
+}
+
+// Device is one GPU's primary context and the streams this package copies
+// on. It implements gpu.Device.
+type Device struct {
+	ordinal int
+	model   string
+	ctx     C.ecm_CUcontext
+	// d2x carries device-to-host and device-to-device copies, h2d the
+	// other direction, so that the two PCIe directions overlap.
+	d2x, h2d C.ecm_CUstream
+
+	evMu sync.Mutex
+	done []C.ecm_CUevent // free events for waiting on copies
+}
+
+func newDevice(ordinal int) (*Device, error) {
+	var cd C.ecm_CUdevice
+	if r := C.ecm_cuDeviceGet(&cd, C.int(ordinal)); r != C.ECM_CUDA_SUCCESS {
+		return nil, fmt.Errorf("cuda: %s: cuDeviceGet: %w", gpu.Name(ordinal), resultErr(r))
+	}
+	dev := &Device{ordinal: ordinal}
+	var name [256]C.char
+	if C.ecm_cuDeviceGetName(&name[0], C.int(len(name)), cd) == C.ECM_CUDA_SUCCESS {
+		dev.model = C.GoString(&name[0])
+	}
+	if r := C.ecm_cuDevicePrimaryCtxRetain(&dev.ctx, cd); r != C.ECM_CUDA_SUCCESS {
+		return nil, fmt.Errorf("cuda: %s: cuDevicePrimaryCtxRetain: %w", gpu.Name(ordinal), resultErr(r))
+	}
+	err := dev.with(func() error {
+		if err := check("cuStreamCreate", C.ecm_cuStreamCreate(&dev.d2x, C.ECM_CU_STREAM_NON_BLOCKING)); err != nil {
+			return err
+		}
+		return check("cuStreamCreate", C.ecm_cuStreamCreate(&dev.h2d, C.ECM_CU_STREAM_NON_BLOCKING))
+	})
+	if err != nil {
+		return nil, fmt.Errorf("cuda: %s: %w", gpu.Name(ordinal), err)
+	}
+	return dev, nil
+}
+
+// with runs f on this goroutine's OS thread, locked for the duration, with
+// the device's primary context current.
+func (d *Device) with(f func() error) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if err := check("cuCtxSetCurrent", C.ecm_cuCtxSetCurrent(d.ctx)); err != nil {
+		return err
+	}
+	return f()
+}
+
+// Name implements gpu.Device.
+func (d *Device) Name() string { return gpu.Name(d.ordinal) }
+
+// Ordinal implements gpu.Device.
+func (d *Device) Ordinal() int { return d.ordinal }
+
+// Model is the device's product name, e.g. "NVIDIA H200".
+func (d *Device) Model() string { return d.model }
+
+// getDone returns a free blocking-sync event; the caller holds the thread
+// with the context current.
+func (d *Device) getDone() (C.ecm_CUevent, error) {
+	d.evMu.Lock()
+	if n := len(d.done); n > 0 {
+		ev := d.done[n-1]
+		d.done = d.done[:n-1]
+		d.evMu.Unlock()
+		return ev, nil
+	}
+	d.evMu.Unlock()
+	var ev C.ecm_CUevent
+	err := check("cuEventCreate", C.ecm_cuEventCreate(&ev, C.ECM_CU_EVENT_BLOCKING_SYNC|C.ECM_CU_EVENT_DISABLE_TIMING))
+	return ev, err
+}
+
+func (d *Device) putDone(ev C.ecm_CUevent) {
+	d.evMu.Lock()
+	d.done = append(d.done, ev)
+	d.evMu.Unlock()
+}
+
+// copyErr names the failed driver call of a copy helper.
+func copyErr(what string, failed *C.char, r C.ecm_CUresult) error {
+	if r == C.ECM_CUDA_SUCCESS {
+		return nil
+	}
+	fn := "copy"
+	if failed != nil {
+		fn = C.GoString(failed)
+	}
+	return fmt.Errorf("cuda: %s: %s: %w", what, fn, resultErr(r))
+}
+
+// event is an event this package created, recorded on a caller's stream.
+type event struct {
+	d    *Device
+	ev   C.ecm_CUevent
+	once sync.Once
+}
+
+func (e *event) Close() error {
+	var err error
+	e.once.Do(func() {
+		err = e.d.with(func() error { return check("cuEventDestroy", C.ecm_cuEventDestroy(e.ev)) })
+	})
+	return err
+}
+
+func handleOf(ev gpu.Event) (C.ecm_CUevent, error) {
+	if ev == nil {
+		return nil, nil
+	}
+	e, ok := gpu.Base(ev).(*event)
+	if !ok {
+		return nil, fmt.Errorf("cuda: an event of type %T is not a CUDA event", ev)
+	}
+	return e.ev, nil
+}
+
+// RecordEvent implements gpu.Device.
+func (d *Device) RecordEvent(stream uintptr) (gpu.Event, error) {
+	e := &event{d: d}
+	err := d.with(func() error {
+		if err := check("cuEventCreate", C.ecm_cuEventCreate(&e.ev, C.ECM_CU_EVENT_DISABLE_TIMING)); err != nil {
+			return err
+		}
+		if err := check("cuEventRecord", C.ecm_cuEventRecordOn(e.ev, C.uintptr_t(stream))); err != nil {
+			C.ecm_cuEventDestroy(e.ev)
+			return err
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("cuda: %s: record event on stream %#x: %w", d.Name(), stream, err)
+	}
+	return e, nil
+}
+
+// CopyDevice implements gpu.Device: every copy is queued on one stream,
+// then one wait covers them all.
+func (d *Device) CopyDevice(ops []gpu.DeviceCopy) error {
+	if len(ops) == 0 {
+		return nil
+	}
+	cops := make([]C.ecm_copy, len(ops))
+	for i, op := range ops {
+		after, err := handleOf(op.After)
+		if err != nil {
+			return err
+		}
+		cops[i] = C.ecm_copy{dst: C.ecm_CUdeviceptr(op.Dst), src: C.ecm_CUdeviceptr(op.Src), n: C.uint64_t(op.N), after: after}
+	}
+	return d.with(func() error {
+		done, err := d.getDone()
+		if err != nil {
+			return err
+		}
+		var failed *C.char
+		r := C.ecm_cu_copy_batch(d.d2x, done, &cops[0], C.int(len(cops)), &failed)
+		if r != C.ECM_CUDA_SUCCESS {
+			// A failed copy can leave the event recorded or not; a fresh
+			// one is cheaper than finding out.
+			C.ecm_cuEventDestroy(done)
+			return copyErr(fmt.Sprintf("%s: %d device copies", d.Name(), len(ops)), failed, r)
+		}
+		d.putDone(done)
+		return nil
+	})
+}
+
+// CopyToHost implements gpu.Device.
+func (d *Device) CopyToHost(dst []byte, src uintptr, after gpu.Event) error {
+	if len(dst) == 0 {
+		return nil
+	}
+	ev, err := handleOf(after)
+	if err != nil {
+		return err
+	}
+	return d.with(func() error {
+		done, err := d.getDone()
+		if err != nil {
+			return err
+		}
+		var failed *C.char
+		r := C.ecm_cu_copy_dtoh(d.d2x, done, ev, unsafe.Pointer(unsafe.SliceData(dst)), C.ecm_CUdeviceptr(src), C.size_t(len(dst)), &failed)
+		if r != C.ECM_CUDA_SUCCESS {
+			C.ecm_cuEventDestroy(done)
+			return copyErr(fmt.Sprintf("%s: %d bytes to host from %#x", d.Name(), len(dst), src), failed, r)
+		}
+		d.putDone(done)
+		return nil
+	})
+}
+
+// CopyFromHost implements gpu.Device.
+func (d *Device) CopyFromHost(dst uintptr, src []byte) error {
+	if len(src) == 0 {
+		return nil
+	}
+	return d.with(func() error {
+		done, err := d.getDone()
+		if err != nil {
+			return err
+		}
+		var failed *C.char
+		r := C.ecm_cu_copy_htod(d.h2d, done, C.ecm_CUdeviceptr(dst), unsafe.Pointer(unsafe.SliceData(src)), C.size_t(len(src)), &failed)
+		if r != C.ECM_CUDA_SUCCESS {
+			C.ecm_cuEventDestroy(done)
+			return copyErr(fmt.Sprintf("%s: %d bytes from host to %#x", d.Name(), len(src), dst), failed, r)
+		}
+		d.putDone(done)
+		return nil
+	})
+}
+
+// hostMem is memory from cuMemHostAlloc.
+type hostMem struct {
+	d    *Device
+	p    unsafe.Pointer
+	b    []byte
+	once sync.Once
+}
+
+func (m *hostMem) Bytes() []byte { return m.b }
+
+func (m *hostMem) Free() error {
+	var err error
+	m.once.Do(func() {
+		err = m.d.with(func() error { return check("cuMemFreeHost", C.ecm_cuMemFreeHost(m.p)) })
+		m.b = nil
+	})
+	return err
+}
+
+// AllocHost implements gpu.Device. The memory is portable: pinned for
+// every context, so any device may copy to or from it.
+func (d *Device) AllocHost(n int) (gpu.HostMem, error) {
+	if n <= 0 {
+		return nil, fmt.Errorf("cuda: page-locked allocation of %d bytes", n)
+	}
+	m := &hostMem{d: d}
+	err := d.with(func() error {
+		return check("cuMemHostAlloc", C.ecm_cuMemHostAlloc(&m.p, C.size_t(n), C.ECM_CU_MEMHOSTALLOC_PORTABLE))
+	})
+	if err != nil {
+		return nil, fmt.Errorf("cuda: %s: %d bytes of page-locked memory: %w", d.Name(), n, err)
+	}
+	m.b = unsafe.Slice((*byte)(m.p), n)
+	return m, nil
+}
+
+// allocation returns the base and size of the device allocation that holds
+// [addr, addr+n), checking that it is this device's memory.
+func (d *Device) allocation(addr uintptr, n uint64) (base uintptr, size uint64, err error) {
+	err = d.with(func() error {
+		var memType C.uint
+		var ordinal C.int
+		var b C.ecm_CUdeviceptr
+		var s C.size_t
+		if err := check("cuPointerGetAttributes", C.ecm_cu_pointer_info(C.ecm_CUdeviceptr(addr), &memType, &ordinal, &b, &s)); err != nil {
+			return err
+		}
+		if memType != C.ECM_CU_MEMORYTYPE_DEVICE {
+			return fmt.Errorf("memory type %d is not device memory", memType)
+		}
+		if int(ordinal) != d.ordinal {
+			return fmt.Errorf("the memory belongs to %s", gpu.Name(int(ordinal)))
+		}
+		base, size = uintptr(b), uint64(s)
+		return nil
+	})
+	if err == nil && (addr < base || n > size || uint64(addr-base) > size-n) {
+		err = fmt.Errorf("[%#x,+%d) runs past its allocation [%#x,+%d)", addr, n, base, size)
+	}
+	if err != nil {
+		return 0, 0, fmt.Errorf("cuda: %s: memory at %#x: %w", d.Name(), addr, err)
+	}
+	return base, size, nil
+}
+
+// CheckDevice implements gpu.Device.
+func (d *Device) CheckDevice(addr uintptr, n uint64) error {
+	_, _, err := d.allocation(addr, n)
+	return err
+}
+
+// ExportIPC implements gpu.Device.
+func (d *Device) ExportIPC(addr uintptr, n uint64) (gpu.Export, error) {
+	base, _, err := d.allocation(addr, n)
+	if err != nil {
+		return gpu.Export{}, err
+	}
+	var h C.ecm_CUipcMemHandle
+	if err := d.with(func() error { return check("cuIpcGetMemHandle", C.ecm_cuIpcGetMemHandle(&h, C.ecm_CUdeviceptr(base))) }); err != nil {
+		return gpu.Export{}, fmt.Errorf("cuda: %s: export %#x: %w", d.Name(), addr, err)
+	}
+	var out gpu.Export
+	copy(out.Handle[:], unsafe.Slice((*byte)(unsafe.Pointer(&h)), gpu.IPCHandleLen))
+	out.Offset = uint64(addr - base)
+	return out, nil
+}
+
+type mapping struct {
+	d    *Device
+	addr uintptr
+	once sync.Once
+}
+
+func (m *mapping) Addr() uintptr { return m.addr }
+
+func (m *mapping) Close() error {
+	var err error
+	m.once.Do(func() {
+		err = m.d.with(func() error {
+			return check("cuIpcCloseMemHandle", C.ecm_cuIpcCloseMemHandle(C.ecm_CUdeviceptr(m.addr)))
+		})
+	})
+	return err
+}
+
+// OpenIPC implements gpu.Device. Peer access is enabled lazily, so memory
+// of another GPU of the host opens too.
+func (d *Device) OpenIPC(h gpu.IPCHandle) (gpu.Mapping, error) {
+	var ch C.ecm_CUipcMemHandle
+	copy(unsafe.Slice((*byte)(unsafe.Pointer(&ch)), gpu.IPCHandleLen), h[:])
+	var p C.ecm_CUdeviceptr
+	err := d.with(func() error {
+		return check("cuIpcOpenMemHandle", C.ecm_cuIpcOpenMemHandle(&p, &ch, C.ECM_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
+	})
+	if err != nil {
+		return nil, fmt.Errorf("cuda: %s: open IPC handle: %w", d.Name(), err)
+	}
+	return &mapping{d: d, addr: uintptr(p)}, nil
+}
+
+var _ gpu.Device = (*Device)(nil)
+
+// memAlloc and memFree serve this package's tests on a GPU host:
+// production code never allocates device memory, PyTorch does.
+func (d *Device) memAlloc(n int) (uintptr, error) {
+	var p C.ecm_CUdeviceptr
+	err := d.with(func() error { return check("cuMemAlloc", C.ecm_cuMemAlloc(&p, C.size_t(n))) })
+	return uintptr(p), err
+}
+
+func (d *Device) memFree(p uintptr) error {
+	return d.with(func() error { return check("cuMemFree", C.ecm_cuMemFree(C.ecm_CUdeviceptr(p))) })
+}

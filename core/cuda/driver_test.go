@@ -1,0 +1,186 @@
+package cuda
+
+import (
+	"bytes"
+	"testing"
+	"unsafe"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecmooncake/ecmooncake/core/gpu"
+)
+
+func TestLoadFailuresSayWhy(t *testing.T) {
+	tests := []struct {
+		name, path, want string
+	}{
+		{"no such library", "/nonexistent/libcuda.so.1", "/nonexistent/libcuda.so.1"},
+		{"a library that is not the driver", "libc.so.6", "lacks cuInit"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			err := loadLibrary(tc.path)
+			require.ErrorIs(t, err, gpu.ErrUnavailable)
+			require.ErrorContains(t, err, tc.want)
+			require.ErrorContains(t, err, "cannot use the CUDA driver")
+		})
+	}
+}
+
+// gpuDevice returns cuda:0, or skips on a machine without a usable driver.
+func gpuDevice(t *testing.T) *Device {
+	t.Helper()
+	drv, err := Default()
+	if err != nil {
+		require.ErrorIs(t, err, gpu.ErrUnavailable)
+		t.Skipf("no GPU here: %v", err)
+	}
+	dev, err := drv.device(0)
+	require.NoError(t, err)
+	return dev
+}
+
+func TestDefaultWithoutDriverIsUnavailable(t *testing.T) {
+	drv, err := Default()
+	if err == nil {
+		t.Skipf("a CUDA driver is present (version %d, %d devices)", drv.Version(), drv.Count())
+	}
+	require.ErrorIs(t, err, gpu.ErrUnavailable)
+	require.ErrorContains(t, err, DefaultLibrary)
+	_, err = gpu.Unavailable{Err: err}.Device(0)
+	require.ErrorIs(t, err, gpu.ErrUnavailable)
+}
+
+func TestDeviceOutOfRange(t *testing.T) {
+	dev := gpuDevice(t)
+	drv, _ := Default()
+	_, err := drv.Device(drv.Count())
+	require.ErrorIs(t, err, gpu.ErrUnavailable)
+	again, err := drv.Device(0)
+	require.NoError(t, err)
+	require.Same(t, dev, again)
+}
+
+func pattern(n int, seed byte) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(i*7) + seed
+	}
+	return b
+}
+
+func TestCopiesRoundTrip(t *testing.T) {
+	dev := gpuDevice(t)
+	const n = 3<<20 + 123
+	a, err := dev.memAlloc(2 * n)
+	require.NoError(t, err)
+	defer dev.memFree(a)
+	b, err := dev.memAlloc(n)
+	require.NoError(t, err)
+	defer dev.memFree(b)
+
+	pinned, err := dev.AllocHost(n)
+	require.NoError(t, err)
+	defer pinned.Free()
+	want := pattern(n, 3)
+	copy(pinned.Bytes(), want)
+	// Into the second half of a, from page-locked memory; then a plain Go
+	// buffer the other way, which the driver stages.
+	require.NoError(t, dev.CopyFromHost(a+n, pinned.Bytes()))
+	require.NoError(t, dev.CopyDevice([]gpu.DeviceCopy{{Dst: b, Src: a + n, N: n}}))
+	ev, err := dev.RecordEvent(0)
+	require.NoError(t, err)
+	got := make([]byte, n)
+	require.NoError(t, dev.CopyToHost(got, b, ev))
+	require.NoError(t, ev.Close())
+	require.True(t, bytes.Equal(want, got), "bytes differ after host -> device -> device -> host")
+}
+
+func TestCheckAndExport(t *testing.T) {
+	dev := gpuDevice(t)
+	const n = 4 << 20
+	a, err := dev.memAlloc(n)
+	require.NoError(t, err)
+	defer dev.memFree(a)
+
+	require.NoError(t, dev.CheckDevice(a+4096, n-4096))
+	require.ErrorContains(t, dev.CheckDevice(a+4096, n), "runs past its allocation")
+	pinned, err := dev.AllocHost(4096)
+	require.NoError(t, err)
+	defer pinned.Free()
+	require.Error(t, dev.CheckDevice(hostAddr(pinned.Bytes()), 4096), "page-locked host memory is not device memory")
+
+	whole, err := dev.ExportIPC(a, n)
+	require.NoError(t, err)
+	inner, err := dev.ExportIPC(a+1<<20, 1<<20)
+	require.NoError(t, err)
+	require.Equal(t, uint64(0), whole.Offset)
+	require.Equal(t, uint64(1<<20), inner.Offset, "an interior pointer exports its allocation plus an offset")
+	require.Equal(t, whole.Handle, inner.Handle)
+}
+
+// hostAddr is the address of host memory as the driver sees it.
+func hostAddr(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(b))) }
+
+// benchCopy reports the bandwidth of one kind of copy of n bytes.
+func benchCopy(b *testing.B, n int, copyOnce func(dev *Device, dst, src uintptr, host []byte) error) {
+	drv, err := Default()
+	if err != nil {
+		b.Skipf("no GPU here: %v", err)
+	}
+	dev, err := drv.device(0)
+	require.NoError(b, err)
+	src, err := dev.memAlloc(n)
+	require.NoError(b, err)
+	defer dev.memFree(src)
+	dst, err := dev.memAlloc(n)
+	require.NoError(b, err)
+	defer dev.memFree(dst)
+	host, err := dev.AllocHost(n)
+	require.NoError(b, err)
+	defer host.Free()
+	require.NoError(b, copyOnce(dev, dst, src, host.Bytes()))
+	b.SetBytes(int64(n))
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if err := copyOnce(dev, dst, src, host.Bytes()); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func BenchmarkCopyDevice128MiB(b *testing.B) {
+	benchCopy(b, 128<<20, func(dev *Device, dst, src uintptr, _ []byte) error {
+		return dev.CopyDevice([]gpu.DeviceCopy{{Dst: dst, Src: src, N: 128 << 20}})
+	})
+}
+
+func BenchmarkCopyDevice8x4MiB(b *testing.B) {
+	benchCopy(b, 32<<20, func(dev *Device, dst, src uintptr, _ []byte) error {
+		ops := make([]gpu.DeviceCopy, 8)
+		for i := range ops {
+			off := uintptr(i) << 22
+			ops[i] = gpu.DeviceCopy{Dst: dst + off, Src: src + off, N: 4 << 20}
+		}
+		return dev.CopyDevice(ops)
+	})
+}
+
+func BenchmarkCopyToPinnedHost32MiB(b *testing.B) {
+	benchCopy(b, 32<<20, func(dev *Device, _, src uintptr, host []byte) error {
+		return dev.CopyToHost(host, src, nil)
+	})
+}
+
+func BenchmarkRecordEventAndCheck(b *testing.B) {
+	benchCopy(b, 1<<20, func(dev *Device, dst, _ uintptr, _ []byte) error {
+		if err := dev.CheckDevice(dst, 1<<20); err != nil {
+			return err
+		}
+		ev, err := dev.RecordEvent(0)
+		if err != nil {
+			return err
+		}
+		return ev.Close()
+	})
+}

@@ -1,0 +1,185 @@
+#include "shim.h"
+
+#include <dlfcn.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <string.h>
+
+struct cu_table {
+	ecm_CUresult (*cuInit)(unsigned);
+	ecm_CUresult (*cuDriverGetVersion)(int *);
+	ecm_CUresult (*cuDeviceGetCount)(int *);
+	ecm_CUresult (*cuDeviceGet)(ecm_CUdevice *, int);
+	ecm_CUresult (*cuDeviceGetName)(char *, int, ecm_CUdevice);
+	ecm_CUresult (*cuDevicePrimaryCtxRetain)(ecm_CUcontext *, ecm_CUdevice);
+	ecm_CUresult (*cuCtxSetCurrent)(ecm_CUcontext);
+	ecm_CUresult (*cuStreamCreate)(ecm_CUstream *, unsigned);
+	ecm_CUresult (*cuStreamWaitEvent)(ecm_CUstream, ecm_CUevent, unsigned);
+	ecm_CUresult (*cuEventCreate)(ecm_CUevent *, unsigned);
+	ecm_CUresult (*cuEventDestroy)(ecm_CUevent);
+	ecm_CUresult (*cuEventRecord)(ecm_CUevent, ecm_CUstream);
+	ecm_CUresult (*cuEventSynchronize)(ecm_CUevent);
+	ecm_CUresult (*cuMemcpyAsync)(ecm_CUdeviceptr, ecm_CUdeviceptr, size_t, ecm_CUstream);
+	ecm_CUresult (*cuMemcpyHtoDAsync)(ecm_CUdeviceptr, const void *, size_t, ecm_CUstream);
+	ecm_CUresult (*cuMemcpyDtoHAsync)(void *, ecm_CUdeviceptr, size_t, ecm_CUstream);
+	ecm_CUresult (*cuMemHostAlloc)(void **, size_t, unsigned);
+	ecm_CUresult (*cuMemFreeHost)(void *);
+	ecm_CUresult (*cuMemGetAddressRange)(ecm_CUdeviceptr *, size_t *, ecm_CUdeviceptr);
+	ecm_CUresult (*cuPointerGetAttributes)(unsigned, int *, void **, ecm_CUdeviceptr);
+	ecm_CUresult (*cuIpcGetMemHandle)(ecm_CUipcMemHandle *, ecm_CUdeviceptr);
+	ecm_CUresult (*cuIpcOpenMemHandle)(ecm_CUdeviceptr *, ecm_CUipcMemHandle, unsigned);
+	ecm_CUresult (*cuIpcCloseMemHandle)(ecm_CUdeviceptr);
+	ecm_CUresult (*cuMemAlloc)(ecm_CUdeviceptr *, size_t);
+	ecm_CUresult (*cuMemFree)(ecm_CUdeviceptr);
+	ecm_CUresult (*cuGetErrorName)(ecm_CUresult, const char **);
+	ecm_CUresult (*cuGetErrorString)(ecm_CUresult, const char **);
+};
+
+static struct cu_table cu;
+
+/* The exported names: where cuda.h maps a name to a _v2 entry point, the
+ * _v2 symbol is the one with the signature above. */
+static const struct {
+	const char *name;
+	size_t offset;
+} symbols[] = {
+	{"cuInit", offsetof(struct cu_table, cuInit)},
+	{"cuDriverGetVersion", offsetof(struct cu_table, cuDriverGetVersion)},
+	{"cuDeviceGetCount", offsetof(struct cu_table, cuDeviceGetCount)},
+	{"cuDeviceGet", offsetof(struct cu_table, cuDeviceGet)},
+	{"cuDeviceGetName", offsetof(struct cu_table, cuDeviceGetName)},
+	{"cuDevicePrimaryCtxRetain", offsetof(struct cu_table, cuDevicePrimaryCtxRetain)},
+	{"cuCtxSetCurrent", offsetof(struct cu_table, cuCtxSetCurrent)},
+	{"cuStreamCreate", offsetof(struct cu_table, cuStreamCreate)},
+	{"cuStreamWaitEvent", offsetof(struct cu_table, cuStreamWaitEvent)},
+	{"cuEventCreate", offsetof(struct cu_table, cuEventCreate)},
+	{"cuEventDestroy_v2", offsetof(struct cu_table, cuEventDestroy)},
+	{"cuEventRecord", offsetof(struct cu_table, cuEventRecord)},
+	{"cuEventSynchronize", offsetof(struct cu_table, cuEventSynchronize)},
+	{"cuMemcpyAsync", offsetof(struct cu_table, cuMemcpyAsync)},
+	{"cuMemcpyHtoDAsync_v2", offsetof(struct cu_table, cuMemcpyHtoDAsync)},
+	{"cuMemcpyDtoHAsync_v2", offsetof(struct cu_table, cuMemcpyDtoHAsync)},
+	{"cuMemHostAlloc", offsetof(struct cu_table, cuMemHostAlloc)},
+	{"cuMemFreeHost", offsetof(struct cu_table, cuMemFreeHost)},
+	{"cuMemGetAddressRange_v2", offsetof(struct cu_table, cuMemGetAddressRange)},
+	{"cuPointerGetAttributes", offsetof(struct cu_table, cuPointerGetAttributes)},
+	{"cuIpcGetMemHandle", offsetof(struct cu_table, cuIpcGetMemHandle)},
+	{"cuIpcOpenMemHandle_v2", offsetof(struct cu_table, cuIpcOpenMemHandle)},
+	{"cuIpcCloseMemHandle", offsetof(struct cu_table, cuIpcCloseMemHandle)},
+	{"cuMemAlloc_v2", offsetof(struct cu_table, cuMemAlloc)},
+	{"cuMemFree_v2", offsetof(struct cu_table, cuMemFree)},
+	{"cuGetErrorName", offsetof(struct cu_table, cuGetErrorName)},
+	{"cuGetErrorString", offsetof(struct cu_table, cuGetErrorString)},
+};
+
+int ecm_cu_load(const char *path, char *err, size_t errlen) {
+	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (h == NULL) {
+		const char *why = dlerror();
+		snprintf(err, errlen, "%s", why ? why : "dlopen failed");
+		return -1;
+	}
+	/* Resolved into a copy first: a library that lacks a symbol must not
+	 * spoil a table an earlier load filled. */
+	char *table = (char *)&cu;
+	void *resolved[sizeof(symbols) / sizeof(symbols[0])];
+	for (size_t i = 0; i < sizeof(symbols) / sizeof(symbols[0]); i++) {
+		resolved[i] = dlsym(h, symbols[i].name);
+		if (resolved[i] == NULL) {
+			snprintf(err, errlen, "%s lacks %s (a driver older than CUDA 11?)", path, symbols[i].name);
+			dlclose(h);
+			return -1;
+		}
+	}
+	for (size_t i = 0; i < sizeof(symbols) / sizeof(symbols[0]); i++) {
+		memcpy(table + symbols[i].offset, &resolved[i], sizeof(void *));
+	}
+	/* The handle stays open for the life of the process: the table points
+	 * into it. */
+	return 0;
+}
+
+ecm_CUresult ecm_cuInit(unsigned f) { return cu.cuInit(f); }
+ecm_CUresult ecm_cuDriverGetVersion(int *v) { return cu.cuDriverGetVersion(v); }
+ecm_CUresult ecm_cuDeviceGetCount(int *n) { return cu.cuDeviceGetCount(n); }
+ecm_CUresult ecm_cuDeviceGet(ecm_CUdevice *d, int o) { return cu.cuDeviceGet(d, o); }
+ecm_CUresult ecm_cuDeviceGetName(char *s, int n, ecm_CUdevice d) { return cu.cuDeviceGetName(s, n, d); }
+ecm_CUresult ecm_cuDevicePrimaryCtxRetain(ecm_CUcontext *c, ecm_CUdevice d) { return cu.cuDevicePrimaryCtxRetain(c, d); }
+ecm_CUresult ecm_cuCtxSetCurrent(ecm_CUcontext c) { return cu.cuCtxSetCurrent(c); }
+ecm_CUresult ecm_cuStreamCreate(ecm_CUstream *s, unsigned f) { return cu.cuStreamCreate(s, f); }
+ecm_CUresult ecm_cuEventCreate(ecm_CUevent *e, unsigned f) { return cu.cuEventCreate(e, f); }
+ecm_CUresult ecm_cuEventDestroy(ecm_CUevent e) { return cu.cuEventDestroy(e); }
+ecm_CUresult ecm_cuEventRecord(ecm_CUevent e, ecm_CUstream s) { return cu.cuEventRecord(e, s); }
+ecm_CUresult ecm_cuEventRecordOn(ecm_CUevent e, uintptr_t s) { return cu.cuEventRecord(e, (ecm_CUstream)s); }
+ecm_CUresult ecm_cuMemHostAlloc(void **p, size_t n, unsigned f) { return cu.cuMemHostAlloc(p, n, f); }
+ecm_CUresult ecm_cuMemFreeHost(void *p) { return cu.cuMemFreeHost(p); }
+ecm_CUresult ecm_cuMemGetAddressRange(ecm_CUdeviceptr *b, size_t *s, ecm_CUdeviceptr p) { return cu.cuMemGetAddressRange(b, s, p); }
+ecm_CUresult ecm_cu_pointer_info(ecm_CUdeviceptr p, unsigned *mem_type, int *ordinal, ecm_CUdeviceptr *base, size_t *size) {
+	int attrs[] = {ECM_CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ECM_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+	               ECM_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, ECM_CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+	void *data[] = {mem_type, ordinal, base, size};
+	*mem_type = 0;
+	*ordinal = -1;
+	*base = 0;
+	*size = 0;
+	return cu.cuPointerGetAttributes(4, attrs, data, p);
+}
+ecm_CUresult ecm_cuIpcGetMemHandle(ecm_CUipcMemHandle *h, ecm_CUdeviceptr p) { return cu.cuIpcGetMemHandle(h, p); }
+ecm_CUresult ecm_cuIpcOpenMemHandle(ecm_CUdeviceptr *p, const ecm_CUipcMemHandle *h, unsigned f) { return cu.cuIpcOpenMemHandle(p, *h, f); }
+ecm_CUresult ecm_cuIpcCloseMemHandle(ecm_CUdeviceptr p) { return cu.cuIpcCloseMemHandle(p); }
+ecm_CUresult ecm_cuMemAlloc(ecm_CUdeviceptr *p, size_t n) { return cu.cuMemAlloc(p, n); }
+ecm_CUresult ecm_cuMemFree(ecm_CUdeviceptr p) { return cu.cuMemFree(p); }
+
+const char *ecm_cu_error_name(ecm_CUresult r) {
+	const char *s = NULL;
+	if (cu.cuGetErrorName == NULL || cu.cuGetErrorName(r, &s) != ECM_CUDA_SUCCESS || s == NULL) {
+		return "CUDA_ERROR_UNKNOWN_CODE";
+	}
+	return s;
+}
+
+const char *ecm_cu_error_string(ecm_CUresult r) {
+	const char *s = NULL;
+	if (cu.cuGetErrorString == NULL || cu.cuGetErrorString(r, &s) != ECM_CUDA_SUCCESS || s == NULL) {
+		return "no description";
+	}
+	return s;
+}
+
+#define TRY(call, name)          \
+	do {                         \
+		ecm_CUresult r_ = (call); \
+		if (r_ != ECM_CUDA_SUCCESS) { \
+			*failed = (name);    \
+			return r_;           \
+		}                        \
+	} while (0)
+
+ecm_CUresult ecm_cu_copy_batch(ecm_CUstream s, ecm_CUevent done, const ecm_copy *ops, int n, const char **failed) {
+	for (int i = 0; i < n; i++) {
+		if (ops[i].after != NULL) {
+			TRY(cu.cuStreamWaitEvent(s, ops[i].after, 0), "cuStreamWaitEvent");
+		}
+		TRY(cu.cuMemcpyAsync(ops[i].dst, ops[i].src, (size_t)ops[i].n, s), "cuMemcpyAsync");
+	}
+	TRY(cu.cuEventRecord(done, s), "cuEventRecord");
+	TRY(cu.cuEventSynchronize(done), "cuEventSynchronize");
+	return ECM_CUDA_SUCCESS;
+}
+
+ecm_CUresult ecm_cu_copy_dtoh(ecm_CUstream s, ecm_CUevent done, ecm_CUevent after, void *dst, ecm_CUdeviceptr src, size_t n, const char **failed) {
+	if (after != NULL) {
+		TRY(cu.cuStreamWaitEvent(s, after, 0), "cuStreamWaitEvent");
+	}
+	TRY(cu.cuMemcpyDtoHAsync(dst, src, n, s), "cuMemcpyDtoHAsync");
+	TRY(cu.cuEventRecord(done, s), "cuEventRecord");
+	TRY(cu.cuEventSynchronize(done), "cuEventSynchronize");
+	return ECM_CUDA_SUCCESS;
+}
+
+ecm_CUresult ecm_cu_copy_htod(ecm_CUstream s, ecm_CUevent done, ecm_CUdeviceptr dst, const void *src, size_t n, const char **failed) {
+	TRY(cu.cuMemcpyHtoDAsync(dst, src, n, s), "cuMemcpyHtoDAsync");
+	TRY(cu.cuEventRecord(done, s), "cuEventRecord");
+	TRY(cu.cuEventSynchronize(done), "cuEventSynchronize");
+	return ECM_CUDA_SUCCESS;
+}

@@ -1,0 +1,90 @@
+/* The part of the CUDA driver API that ecmooncake uses, declared here so
+ * that no CUDA header is needed to build; the library is opened with dlopen
+ * at run time. Types and constants follow cuda.h (CUDA 12 and 13). */
+#ifndef ECM_CUDA_SHIM_H
+#define ECM_CUDA_SHIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Nothing here is part of the library's ABI: keep it out of the exported
+ * symbols of libecmooncake.so. */
+#pragma GCC visibility push(hidden)
+
+typedef int ecm_CUresult;
+typedef int ecm_CUdevice;
+typedef void *ecm_CUcontext;
+typedef void *ecm_CUstream;
+typedef void *ecm_CUevent;
+typedef unsigned long long ecm_CUdeviceptr;
+typedef struct {
+	char reserved[64];
+} ecm_CUipcMemHandle;
+
+#define ECM_CUDA_SUCCESS 0
+#define ECM_CUDA_ERROR_NOT_READY 600
+#define ECM_CU_STREAM_NON_BLOCKING 0x1
+#define ECM_CU_EVENT_BLOCKING_SYNC 0x1
+#define ECM_CU_EVENT_DISABLE_TIMING 0x2
+#define ECM_CU_MEMHOSTALLOC_PORTABLE 0x1
+#define ECM_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 0x1
+#define ECM_CU_POINTER_ATTRIBUTE_MEMORY_TYPE 2
+#define ECM_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
+#define ECM_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR 11
+#define ECM_CU_POINTER_ATTRIBUTE_RANGE_SIZE 12
+#define ECM_CU_MEMORYTYPE_DEVICE 2
+
+/* Opens the library at path and resolves every symbol. Returns 0, or -1
+ * with a message in err (dlerror's text or the missing symbol). */
+int ecm_cu_load(const char *path, char *err, size_t errlen);
+
+/* Each wrapper calls the driver function of the same name through the
+ * pointer ecm_cu_load resolved. */
+ecm_CUresult ecm_cuInit(unsigned flags);
+ecm_CUresult ecm_cuDriverGetVersion(int *v);
+ecm_CUresult ecm_cuDeviceGetCount(int *n);
+ecm_CUresult ecm_cuDeviceGet(ecm_CUdevice *d, int ordinal);
+ecm_CUresult ecm_cuDeviceGetName(char *name, int len, ecm_CUdevice d);
+ecm_CUresult ecm_cuDevicePrimaryCtxRetain(ecm_CUcontext *c, ecm_CUdevice d);
+ecm_CUresult ecm_cuCtxSetCurrent(ecm_CUcontext c);
+ecm_CUresult ecm_cuStreamCreate(ecm_CUstream *s, unsigned flags);
+ecm_CUresult ecm_cuEventCreate(ecm_CUevent *e, unsigned flags);
+ecm_CUresult ecm_cuEventDestroy(ecm_CUevent e);
+ecm_CUresult ecm_cuEventRecord(ecm_CUevent e, ecm_CUstream s);
+/* Records on a stream named by its handle's value (PyTorch's cuda_stream). */
+ecm_CUresult ecm_cuEventRecordOn(ecm_CUevent e, uintptr_t s);
+ecm_CUresult ecm_cuMemHostAlloc(void **p, size_t n, unsigned flags);
+ecm_CUresult ecm_cuMemFreeHost(void *p);
+ecm_CUresult ecm_cuMemGetAddressRange(ecm_CUdeviceptr *base, size_t *size, ecm_CUdeviceptr p);
+/* Memory type, device ordinal and the allocation [base, base+size) that
+ * holds p, in one driver call. Host memory the driver does not know reads
+ * as memory type 0. */
+ecm_CUresult ecm_cu_pointer_info(ecm_CUdeviceptr p, unsigned *mem_type, int *ordinal, ecm_CUdeviceptr *base, size_t *size);
+ecm_CUresult ecm_cuIpcGetMemHandle(ecm_CUipcMemHandle *h, ecm_CUdeviceptr p);
+ecm_CUresult ecm_cuIpcOpenMemHandle(ecm_CUdeviceptr *p, const ecm_CUipcMemHandle *h, unsigned flags);
+ecm_CUresult ecm_cuIpcCloseMemHandle(ecm_CUdeviceptr p);
+ecm_CUresult ecm_cuMemAlloc(ecm_CUdeviceptr *p, size_t n);
+ecm_CUresult ecm_cuMemFree(ecm_CUdeviceptr p);
+
+/* "NAME (description)" for a result code; never NULL. */
+const char *ecm_cu_error_name(ecm_CUresult r);
+const char *ecm_cu_error_string(ecm_CUresult r);
+
+/* One device-to-device copy of a batch. */
+typedef struct {
+	ecm_CUdeviceptr dst, src;
+	uint64_t n;
+	ecm_CUevent after; /* NULL: no wait */
+} ecm_copy;
+
+/* The copy helpers queue their work on stream s behind the events they
+ * are given, record done on s, and wait for done, all in one call: host
+ * memory is touched only while the call runs. On failure *failed names
+ * the driver function that failed. */
+ecm_CUresult ecm_cu_copy_batch(ecm_CUstream s, ecm_CUevent done, const ecm_copy *ops, int n, const char **failed);
+ecm_CUresult ecm_cu_copy_dtoh(ecm_CUstream s, ecm_CUevent done, ecm_CUevent after, void *dst, ecm_CUdeviceptr src, size_t n, const char **failed);
+ecm_CUresult ecm_cu_copy_htod(ecm_CUstream s, ecm_CUevent done, ecm_CUdeviceptr dst, const void *src, size_t n, const char **failed);
+
+#pragma GCC visibility pop
+
+#endif

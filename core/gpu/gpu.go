@@ -1,0 +1,145 @@
+package gpu
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+)
+
+// ErrUnavailable is wrapped by every error that means "this process has
+// no usable GPU": no driver library, no device, a driver too old.
+var ErrUnavailable = errors.New("GPU support unavailable")
+
+// IPCHandleLen is the size of an IPC memory handle (CUipcMemHandle).
+const IPCHandleLen = 64
+
+// IPCHandle names a device allocation across processes of one host.
+type IPCHandle [IPCHandleLen]byte
+
+// Export describes exported device memory: Handle names the whole
+// allocation that contains it, and the memory starts Offset bytes into it
+// (PyTorch's caching allocator hands out pieces of larger allocations).
+type Export struct {
+	Handle IPCHandle
+	Offset uint64
+}
+
+// Event marks completed work on a stream. Close releases it; a copy
+// already ordered behind it is unaffected.
+type Event interface {
+	Close() error
+}
+
+// HostMem is page-locked host memory: the GPU reads and writes it at full
+// speed. Bytes stays valid until Free.
+type HostMem interface {
+	Bytes() []byte
+	Free() error
+}
+
+// Mapping is another process's device memory opened in this one. Addr is
+// where the exported allocation starts here; Close unmaps it.
+type Mapping interface {
+	Addr() uintptr
+	Close() error
+}
+
+// DeviceCopy is one device-to-device copy of N bytes from Src to Dst, both
+// addresses this device can reach (its own memory, a peer's, a Mapping),
+// ordered after After when that is not nil.
+type DeviceCopy struct {
+	Dst, Src uintptr
+	N        uint64
+	After    Event
+}
+
+// Device is one GPU as this process sees it. Every method is safe for
+// concurrent use, and every copy has completed when its method returns.
+type Device interface {
+	// Name is "cuda:N", N being Ordinal.
+	Name() string
+	Ordinal() int
+	// CheckDevice fails unless [addr, addr+n) is device memory of this
+	// device inside one allocation.
+	CheckDevice(addr uintptr, n uint64) error
+	// RecordEvent records an event on a stream this process created
+	// elsewhere (0 is the legacy default stream): it completes once the
+	// work queued there so far has.
+	RecordEvent(stream uintptr) (Event, error)
+	// CopyDevice performs ops and returns the first error.
+	CopyDevice(ops []DeviceCopy) error
+	// CopyToHost copies len(dst) bytes from src after `after`.
+	CopyToHost(dst []byte, src uintptr, after Event) error
+	// CopyFromHost copies src to dst.
+	CopyFromHost(dst uintptr, src []byte) error
+	// AllocHost allocates n bytes of page-locked host memory.
+	AllocHost(n int) (HostMem, error)
+	// ExportIPC exports the device memory [addr, addr+n).
+	ExportIPC(addr uintptr, n uint64) (Export, error)
+	// OpenIPC opens memory another process exported, for this device.
+	OpenIPC(h IPCHandle) (Mapping, error)
+}
+
+// Devices opens devices by ordinal. Implementations cache: asking twice
+// returns the same Device.
+type Devices interface {
+	Device(ordinal int) (Device, error)
+}
+
+// Name is the name of the device of an ordinal, or "cpu" for a negative one.
+func Name(ordinal int) string {
+	if ordinal < 0 {
+		return "cpu"
+	}
+	return fmt.Sprintf("cuda:%d", ordinal)
+}
+
+// Unavailable is a Devices that has none, saying why.
+type Unavailable struct{ Err error }
+
+// Device implements Devices.
+func (u Unavailable) Device(ordinal int) (Device, error) {
+	return nil, fmt.Errorf("gpu: %s: %w", Name(ordinal), u.Err)
+}
+
+// Share turns one event into n handles, so that n sources produced by the
+// same stream wait on one recorded event; each handle closes once, and ev
+// is closed with the last of them.
+func Share(ev Event, n int) []Event {
+	if n == 1 {
+		return []Event{ev}
+	}
+	left := &atomic.Int32{}
+	left.Store(int32(n))
+	out := make([]Event, n)
+	for i := range out {
+		out[i] = &shared{ev: ev, left: left}
+	}
+	return out
+}
+
+type shared struct {
+	ev   Event
+	left *atomic.Int32
+	once sync.Once
+}
+
+func (s *shared) Close() error {
+	var err error
+	s.once.Do(func() {
+		if s.left.Add(-1) == 0 {
+			err = s.ev.Close()
+		}
+	})
+	return err
+}
+
+// Base is the event a handle from Share stands for, or ev itself: what a
+// Device waits on.
+func Base(ev Event) Event {
+	if s, ok := ev.(*shared); ok {
+		return s.ev
+	}
+	return ev
+}

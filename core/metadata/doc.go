@@ -1,0 +1,37 @@
+// Package metadata is a Mooncake-compatible metadata store: the small HTTP
+// service that Mooncake TransferEngines in HTTP metadata mode
+// (metadata "http://host:port/metadata") use to publish and look up their
+// segments, so that such a deployment needs no etcd or Redis.
+//
+// # Protocol
+//
+// The semantics are those of Mooncake's HTTP metadata plugin and of its
+// reference server:
+//
+//	GET    /metadata?key=K   200 and the stored JSON body; 404 when K is missing
+//	PUT    /metadata?key=K   stores the JSON body; 200; a second PUT overwrites
+//	DELETE /metadata?key=K   200, whether or not K was there
+//	GET    /health           200 "ok"
+//
+// Keys arrive URL-escaped in the query string (curl_easy_escape on the
+// engine's side) and are stored unescaped; Mooncake's keys look like
+// "mooncake/rpc_meta/<segment>" and "mooncake/ram/<segment>". A PUT must
+// carry JSON, since every engine parses what it reads back. Overwriting is
+// deliberate: an engine that restarts re-publishes under the same key, and
+// refusing that strands it. Any status but 200 is an error to the engine,
+// which gives up after 3 s.
+//
+// With Config.Token set, /metadata requires "Authorization: Bearer
+// <token>", which Mooncake sends when MC_METADATA_HTTP_TOKEN is set.
+//
+// # Lifetime
+//
+// The store lives in memory: it is lost when its process ends, and engines
+// that published into it must then be restarted (or re-register). A
+// consumer shard that starts one on demand (mooncake_metadata_server) owns
+// it for its own lifetime; Ensure lets the other shards of the host find
+// and use it instead of failing on the bound port. For a store that
+// outlives consumers, run `python -m ecmooncake metadata-server` on its own.
+//
+// Every handler and the serving goroutine recover panics.
+package metadata

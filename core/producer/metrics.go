@@ -1,0 +1,37 @@
+package producer
+
+import (
+	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/metrics"
+	"github.com/ecmooncake/ecmooncake/core/transport"
+)
+
+// probe reports the producer's state at scrape time.
+func (p *Producer) probe(e *metrics.Emitter) {
+	st := p.Stats()
+	for state, n := range st.Push.Records {
+		e.Set(metrics.Pushes, float64(n), state.String())
+	}
+	for state, n := range st.Push.Ended {
+		e.Set(metrics.PushesEnded, float64(n), state.String())
+	}
+	e.Set(metrics.SourceBytesHeld, float64(st.SourceBytes))
+}
+
+// observeWrite counts one write batch: its duration, and each item that
+// landed.
+func (p *Producer) observeWrite(start time.Time, items []transport.WriteItem, errs []error) {
+	name := p.tr.Name()
+	var first error
+	for i, it := range items {
+		if i < len(errs) && errs[i] != nil {
+			if first == nil {
+				first = errs[i]
+			}
+			continue
+		}
+		metrics.Moved(name, it.Len())
+	}
+	metrics.WriteBatch(name, time.Since(start), first)
+}

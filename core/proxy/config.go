@@ -1,0 +1,161 @@
+package proxy
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/discovery"
+)
+
+// ErrInvalid is wrapped by every validation error.
+var ErrInvalid = errors.New("invalid proxy config")
+
+// Config holds the proxy's settings; JSON keys are what the C ABI and the
+// command line pass.
+type Config struct {
+	Host        string `json:"host"`
+	Port        int    `json:"port"`
+	MetricsPort int    `json:"metrics_port"`
+	// Encode, PD, Prefill and Decode list backends by base URL. A PD or
+	// prefill URL may carry its consumer layout in the fragment:
+	// http://h:8100#ec=tcp://h:14579&tp_size=2&dp_size=2 (ec defaults to
+	// tcp://<url host>:<ec_port>).
+	Encode  []string `json:"encode"`
+	PD      []string `json:"pd"`
+	Prefill []string `json:"prefill"`
+	Decode  []string `json:"decode"`
+	// Retries is how many times a request whose consumer failed before the
+	// first streamed byte is encoded again and resent.
+	Retries int `json:"retries"`
+	// ECPort is the consumers' ec_port assumed for static URLs without ec=.
+	ECPort          int     `json:"ec_port"`
+	EncodeTimeoutS  float64 `json:"encode_timeout_s"`
+	RequestTimeoutS float64 `json:"request_timeout_s"`
+	HealthIntervalS float64 `json:"health_interval_s"`
+	// FailThreshold consecutive failures (health checks or calls) drop a
+	// backend until a health check passes again.
+	FailThreshold int     `json:"fail_threshold"`
+	DefaultTTLS   float64 `json:"registration_ttl_s"`
+	MaxBodyBytes  int     `json:"max_body_bytes"`
+	// AllowRegister enables POST /v1/ecm/register.
+	AllowRegister bool `json:"allow_register"`
+}
+
+// DefaultConfig returns the defaults a JSON document overrides.
+func DefaultConfig() Config {
+	return Config{
+		Host: "0.0.0.0", Port: 8000, Retries: 2, ECPort: 14579,
+		EncodeTimeoutS: 60, RequestTimeoutS: 600, HealthIntervalS: 2, FailThreshold: 3,
+		DefaultTTLS: discovery.DefaultTTL.Seconds(), MaxBodyBytes: 256 << 20, AllowRegister: true,
+	}
+}
+
+// DecodeConfig decodes and validates settings.
+func DecodeConfig(raw []byte) (Config, error) {
+	c := DefaultConfig()
+	raw = bytes.TrimSpace(raw)
+	if len(raw) > 0 {
+		dec := json.NewDecoder(bytes.NewReader(raw))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&c); err != nil {
+			return c, fmt.Errorf("%w: %v", ErrInvalid, err)
+		}
+	}
+	return c, c.Validate()
+}
+
+func (c Config) encodeTimeout() time.Duration  { return secs(c.EncodeTimeoutS) }
+func (c Config) requestTimeout() time.Duration { return secs(c.RequestTimeoutS) }
+func (c Config) healthInterval() time.Duration { return secs(c.HealthIntervalS) }
+func (c Config) defaultTTL() time.Duration     { return secs(c.DefaultTTLS) }
+
+func secs(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
+
+// Split reports whether prefill and decode run on separate instances.
+func (c Config) Split() bool { return len(c.Prefill) > 0 || len(c.Decode) > 0 }
+
+// Validate checks every field and every static backend.
+func (c Config) Validate() error {
+	switch {
+	case c.Host == "":
+		return fmt.Errorf("%w: host is empty", ErrInvalid)
+	case c.Port < 0 || c.Port > 65535:
+		return fmt.Errorf("%w: port = %d; want [0, 65535] (0 picks a free port)", ErrInvalid, c.Port)
+	case c.MetricsPort < 0 || c.MetricsPort > 65535:
+		return fmt.Errorf("%w: metrics_port = %d; want [0, 65535] (0 serves /metrics on the main port only)", ErrInvalid, c.MetricsPort)
+	case c.Retries < 0 || c.Retries > 10:
+		return fmt.Errorf("%w: retries = %d; want [0, 10]", ErrInvalid, c.Retries)
+	case c.ECPort < 1 || c.ECPort > 65535:
+		return fmt.Errorf("%w: ec_port = %d; want [1, 65535]", ErrInvalid, c.ECPort)
+	case c.EncodeTimeoutS <= 0 || c.RequestTimeoutS <= 0 || c.HealthIntervalS <= 0 || c.DefaultTTLS <= 0:
+		return fmt.Errorf("%w: encode_timeout_s, request_timeout_s, health_interval_s and registration_ttl_s must be positive", ErrInvalid)
+	case c.FailThreshold < 1:
+		return fmt.Errorf("%w: fail_threshold = %d; want at least 1", ErrInvalid, c.FailThreshold)
+	case c.MaxBodyBytes < 1<<10:
+		return fmt.Errorf("%w: max_body_bytes = %d; want at least 1024", ErrInvalid, c.MaxBodyBytes)
+	case c.Split() && len(c.PD) > 0:
+		return fmt.Errorf("%w: give either pd or prefill+decode backends, not both", ErrInvalid)
+	case c.Split() && (len(c.Prefill) == 0) != (len(c.Decode) == 0):
+		return fmt.Errorf("%w: prefill and decode backends go together (got %d prefill, %d decode)", ErrInvalid, len(c.Prefill), len(c.Decode))
+	case len(c.PD)+len(c.Prefill) == 0 && !c.AllowRegister:
+		return fmt.Errorf("%w: no pd or prefill backend and registration is off: nothing could serve a request", ErrInvalid)
+	}
+	for role, urls := range map[string][]string{discovery.RoleEncode: c.Encode, discovery.RolePD: c.PD, discovery.RolePrefill: c.Prefill, discovery.RoleDecode: c.Decode} {
+		for _, u := range urls {
+			if _, err := c.static(role, u); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// static turns one command-line URL into a registration.
+func (c Config) static(role, raw string) (discovery.Registration, error) {
+	base, frag, _ := strings.Cut(raw, "#")
+	r := discovery.Registration{Role: role, URL: strings.TrimSuffix(base, "/")}
+	if frag != "" {
+		q, err := url.ParseQuery(frag)
+		if err != nil {
+			return r, fmt.Errorf("%w: %s backend %q: fragment: %v", ErrInvalid, role, raw, err)
+		}
+		for k, vs := range q {
+			v := vs[len(vs)-1]
+			switch k {
+			case "ec":
+				r.Consumer = v
+			case "tp_size", "dp_size":
+				n, err := strconv.Atoi(v)
+				if err != nil {
+					return r, fmt.Errorf("%w: %s backend %q: %s = %q is not an integer", ErrInvalid, role, raw, k, v)
+				}
+				if k == "tp_size" {
+					r.TPSize = n
+				} else {
+					r.DPSize = n
+				}
+			default:
+				return r, fmt.Errorf("%w: %s backend %q: unknown fragment key %q (want ec, tp_size, dp_size)", ErrInvalid, role, raw, k)
+			}
+		}
+	}
+	if discovery.Receives(role) && r.Consumer == "" {
+		u, err := url.Parse(r.URL)
+		if err == nil {
+			r.Consumer = fmt.Sprintf("tcp://%s:%d", u.Hostname(), c.ECPort)
+			if strings.Contains(u.Hostname(), ":") {
+				r.Consumer = fmt.Sprintf("tcp://[%s]:%d", u.Hostname(), c.ECPort)
+			}
+		}
+	}
+	if err := r.Normalize(); err != nil {
+		return r, fmt.Errorf("%s backend %q: %w", role, raw, err)
+	}
+	return r, nil
+}

@@ -1,0 +1,57 @@
+// Package proxy is the EPD proxy: the OpenAI-compatible HTTP front an
+// operator runs before encoder and prefill/decode (PD) vLLM instances.
+//
+// # One request
+//
+// For POST /v1/chat/completions (and /v1/completions, which carries no
+// media and is forwarded as it is) the proxy:
+//
+//  1. picks the consumer: the healthy PD instance with the fewest requests
+//     in flight, and its least-loaded DP rank, sent as X-data-parallel-rank;
+//  2. sends each distinct media part (image_url, input_audio, audio_url,
+//     video_url) to the least-loaded encoder, one item per call, all
+//     concurrently, with ec_transfer_params naming the consumer's control
+//     endpoint (ec_port + dp_rank*tp_size) and a fresh transfer_id;
+//  3. rewrites the request for the consumer: each encoded part becomes an
+//     image_embeds / audio_embeds / video_embeds part carrying the
+//     encoder's metadata, with uuid = the encoder's identifier, and
+//     ec_transfer_params.ec_items lists {mm_hash, transfer_id} per media
+//     part in prompt order (a repeated image is encoded once and listed at
+//     each place);
+//  4. streams the consumer's answer back unchanged.
+//
+// An item the encoder could not serve keeps its original media part (the
+// consumer encodes it itself). A consumer that fails before the first
+// output byte — unreachable, a 5xx answer, or an SSE error event before
+// any token (vLLM sends a role-only chunk first; it is held back) — is
+// retried up to Retries times on another consumer, with every item encoded
+// again under new transfer ids. Once output has reached the client nothing
+// is retried. With prefill and decode instances (Config.Prefill/Decode),
+// the prefill is the consumer and is called with vLLM's P/D parameters
+// (max_tokens 1, kv_transfer_params.do_remote_decode), then the decode
+// instance gets the same rewritten request with the prefill's
+// kv_transfer_params.
+//
+// # Cancellation
+//
+// Every backend call of a request shares one context. A client that
+// closes its connection cancels it — a peek at the socket notices while
+// the proxy waits, a failed write while it streams — and a cancelled
+// context closes the backend connections at once, so vLLM aborts the
+// request. The backend connection pool (upstream.go) exists for this:
+// fasthttp's own client cannot abandon a call in flight.
+//
+// # Backends
+//
+// Static backends come from Config; others register through package
+// discovery and lapse when their heartbeat stops. Every backend's /health
+// is checked each HealthInterval; FailThreshold consecutive failures
+// (checks or calls) drop it until a check passes again.
+//
+// # Metrics
+//
+// /metrics on the main port (and on MetricsPort when set) serves the
+// proxy's own series — requests by route and outcome, latency, the
+// encode / transfer_wait / pd phases, media items by fate, retries,
+// backend health — together with the process registry of package metrics.
+package proxy

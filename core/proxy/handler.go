@@ -1,0 +1,702 @@
+package proxy
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/ecmooncake/ecmooncake/core/discovery"
+	"github.com/ecmooncake/ecmooncake/core/metrics"
+)
+
+// Headers vLLM reads.
+const (
+	headerRequestID = "X-Request-Id"
+	headerDPRank    = "X-data-parallel-rank"
+)
+
+func (p *Proxy) handle(ctx *fasthttp.RequestCtx) {
+	defer func() {
+		if r := recover(); r != nil {
+			p.log.Error("proxy: recovered panic in handler", "path", string(ctx.Path()), "panic", r)
+			writeError(ctx, fasthttp.StatusInternalServerError, "InternalServerError", fmt.Sprintf("proxy internal error: %v", r))
+		}
+	}()
+	path := string(ctx.Path())
+	post := ctx.IsPost()
+	switch {
+	case post && path == "/v1/chat/completions":
+		p.serveGenerate(ctx, "chat", true)
+	case post && path == "/v1/completions":
+		p.serveGenerate(ctx, "completions", false)
+	case path == "/health":
+		p.serveHealth(ctx)
+	case path == "/metrics":
+		metrics.Write(ctx, p.m.gatherer)
+	case post && path == discovery.RegisterPath:
+		p.serveRegister(ctx)
+	case post && path == discovery.DeregisterPath:
+		p.serveDeregister(ctx)
+	case path == discovery.BackendsPath:
+		writeJSON(ctx, fasthttp.StatusOK, p.backends())
+	case ctx.IsGet() && path == "/v1/models":
+		p.serveModels(ctx)
+	default:
+		writeError(ctx, fasthttp.StatusNotFound, "NotFoundError", fmt.Sprintf("the proxy does not serve %s %s", ctx.Method(), path))
+	}
+}
+
+func writeJSON(ctx *fasthttp.RequestCtx, status int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		status, b = fasthttp.StatusInternalServerError, []byte(`{"error":{"message":"encode reply failed"}}`)
+	}
+	ctx.SetStatusCode(status)
+	ctx.SetContentType("application/json")
+	ctx.SetBody(b)
+}
+
+// writeError answers in vLLM's error shape, so clients parse one format.
+func writeError(ctx *fasthttp.RequestCtx, status int, typ, msg string) {
+	writeJSON(ctx, status, map[string]any{"error": map[string]any{"message": msg, "type": typ, "param": nil, "code": status}})
+}
+
+func (p *Proxy) serveHealth(ctx *fasthttp.RequestCtx) {
+	for _, b := range p.consumers().snapshot() {
+		if b.isHealthy() {
+			writeJSON(ctx, fasthttp.StatusOK, map[string]string{"status": "ok"})
+			return
+		}
+	}
+	writeJSON(ctx, fasthttp.StatusServiceUnavailable, map[string]string{"status": "no healthy consumer instance"})
+}
+
+func (p *Proxy) serveRegister(ctx *fasthttp.RequestCtx) {
+	if !p.cfg.AllowRegister {
+		p.m.registers.WithLabelValues("refused").Inc()
+		writeError(ctx, fasthttp.StatusForbidden, "ForbiddenError", "registration is off on this proxy")
+		return
+	}
+	reg, err := discovery.Decode(ctx.PostBody())
+	if err != nil {
+		p.m.registers.WithLabelValues("refused").Inc()
+		writeError(ctx, fasthttp.StatusBadRequest, "BadRequestError", err.Error())
+		return
+	}
+	ttl := reg.TTL()
+	if ttl == 0 {
+		ttl = p.cfg.defaultTTL()
+	}
+	_, added, err := p.poolOf(reg.Role).add(reg, false, ttl, time.Now())
+	if err != nil {
+		p.m.registers.WithLabelValues("refused").Inc()
+		writeError(ctx, fasthttp.StatusBadRequest, "BadRequestError", err.Error())
+		return
+	}
+	kind := "heartbeat"
+	if added {
+		kind = "new"
+		p.log.Info("instance registered", "backend_role", reg.Role, "url", reg.URL, "consumer", reg.Consumer,
+			"tp_size", reg.TPSize, "dp_size", reg.DPSize, "host", reg.Host, "ttl", ttl)
+	}
+	p.m.registers.WithLabelValues(kind).Inc()
+	writeJSON(ctx, fasthttp.StatusOK, map[string]any{"ok": true, "ttl_s": ttl.Seconds()})
+}
+
+func (p *Proxy) serveDeregister(ctx *fasthttp.RequestCtx) {
+	var in struct {
+		Role string `json:"role"`
+		URL  string `json:"url"`
+	}
+	if err := json.Unmarshal(ctx.PostBody(), &in); err != nil || in.URL == "" {
+		writeError(ctx, fasthttp.StatusBadRequest, "BadRequestError", "deregister wants {\"role\": ..., \"url\": ...}")
+		return
+	}
+	removed := false
+	for _, pl := range p.pools() {
+		if in.Role == "" || in.Role == pl.role {
+			removed = pl.remove(in.URL) || removed
+		}
+	}
+	if removed {
+		p.m.registers.WithLabelValues("deregister").Inc()
+		p.log.Info("instance deregistered", "backend_role", in.Role, "url", in.URL)
+	}
+	writeJSON(ctx, fasthttp.StatusOK, map[string]any{"ok": true, "removed": removed})
+}
+
+// serveModels asks one answering instance for its model list.
+func (p *Proxy) serveModels(ctx *fasthttp.RequestCtx) {
+	pl := p.consumers()
+	if p.split() {
+		pl = p.dec
+	}
+	b := pl.pick(nil)
+	if b == nil {
+		writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", "no healthy instance to ask")
+		return
+	}
+	rctx, cancel := context.WithTimeout(context.Background(), p.cfg.encodeTimeout())
+	defer cancel()
+	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseRequest(req)
+	defer fasthttp.ReleaseResponse(resp)
+	req.Header.SetMethod(fasthttp.MethodGet)
+	req.SetRequestURI("/v1/models")
+	copyAuth(ctx, req)
+	if _, err := b.up.do(rctx, req, resp, false, p.cfg.MaxBodyBytes); err != nil {
+		p.noteHealth(pl, b, err)
+		writeError(ctx, fasthttp.StatusBadGateway, "BadGatewayError", err.Error())
+		return
+	}
+	ctx.SetStatusCode(resp.StatusCode())
+	ctx.Response.Header.SetContentTypeBytes(resp.Header.ContentType())
+	ctx.SetBody(resp.Body())
+}
+
+func copyAuth(ctx *fasthttp.RequestCtx, req *fasthttp.Request) {
+	if a := ctx.Request.Header.Peek(fasthttp.HeaderAuthorization); len(a) > 0 {
+		req.Header.SetBytesV(fasthttp.HeaderAuthorization, a)
+	}
+}
+
+// call is one request's journey; it lives until the last byte is written.
+type call struct {
+	p      *Proxy
+	route  string
+	path   string
+	id     string
+	req    *chatRequest
+	auth   []byte
+	start  time.Time
+	ctx    context.Context
+	cancel context.CancelFunc
+	gone   atomic.Bool
+}
+
+// answer is what goes back to the client: a whole body, or a stream whose
+// first events were read (and held) before the proxy committed to it.
+type answer struct {
+	status  int
+	ctype   []byte
+	body    []byte
+	x       *exchange
+	events  *sseReader
+	held    [][]byte
+	release func()
+	// after runs with release: the decode instance's in-flight count.
+	after   func()
+	pdStart time.Time
+}
+
+func (p *Proxy) serveGenerate(ctx *fasthttp.RequestCtx, route string, chat bool) {
+	c := &call{p: p, route: route, path: string(ctx.Path()), id: p.newID(), start: time.Now()}
+	body := append([]byte(nil), ctx.PostBody()...)
+	r, err := parseRequest(body, chat)
+	if err != nil {
+		p.finish(c, fasthttp.StatusBadRequest)
+		writeError(ctx, fasthttp.StatusBadRequest, "BadRequestError", err.Error())
+		return
+	}
+	c.req = r
+	if a := ctx.Request.Header.Peek(fasthttp.HeaderAuthorization); len(a) > 0 {
+		c.auth = append([]byte(nil), a...)
+	}
+	c.ctx, c.cancel = context.WithTimeout(context.Background(), p.cfg.requestTimeout())
+	stopWatch := watchPeer(ctx.Conn(), func() {
+		c.gone.Store(true)
+		c.cancel()
+	})
+	ans, status, err := c.run()
+	if err != nil {
+		stopWatch()
+		c.cancel()
+		if c.gone.Load() {
+			p.m.gone.Inc()
+			p.log.Info("client went away; backend calls cancelled", "request_id", c.id)
+		}
+		p.finish(c, status)
+		writeError(ctx, status, errorType(status), err.Error())
+		return
+	}
+	ctx.SetStatusCode(ans.status)
+	if len(ans.ctype) > 0 {
+		ctx.Response.Header.SetContentTypeBytes(ans.ctype)
+	}
+	ctx.Response.Header.Set(headerRequestID, c.id)
+	if ans.x == nil {
+		stopWatch()
+		c.cancel()
+		ans.release()
+		ctx.SetBody(ans.body)
+		p.m.phase.WithLabelValues("pd").Observe(time.Since(ans.pdStart).Seconds())
+		p.finish(c, ans.status)
+		return
+	}
+	ctx.Response.Header.Set("Cache-Control", "no-cache")
+	ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
+		defer p.recover("stream")
+		defer func() {
+			stopWatch()
+			c.cancel()
+			ans.x.Close()
+			ans.release()
+			p.m.phase.WithLabelValues("pd").Observe(time.Since(ans.pdStart).Seconds())
+		}()
+		if err := c.stream(w, ans); err != nil {
+			if c.gone.Load() || errors.Is(err, errClientWrite) {
+				p.m.gone.Inc()
+				p.finish(c, 499)
+				p.log.Info("client went away during the stream; backend call cancelled", "request_id", c.id, "cause", err)
+				return
+			}
+			p.log.Warn("consumer stream broke after the first byte; the client sees a cut answer", "request_id", c.id, "cause", err)
+			p.finish(c, fasthttp.StatusBadGateway)
+			return
+		}
+		p.finish(c, ans.status)
+	})
+}
+
+var errClientWrite = errors.New("write to client")
+
+// stream writes the held events, then copies the rest as it comes,
+// flushing after each event so tokens reach the client one by one.
+func (c *call) stream(w *bufio.Writer, ans *answer) error {
+	for _, ev := range ans.held {
+		if _, err := w.Write(ev); err != nil {
+			return fmt.Errorf("%w: %w", errClientWrite, err)
+		}
+	}
+	if err := w.Flush(); err != nil {
+		return fmt.Errorf("%w: %w", errClientWrite, err)
+	}
+	for {
+		ev, err := ans.events.next()
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			return fmt.Errorf("read consumer stream: %w", err)
+		}
+		if _, err := w.Write(ev); err != nil {
+			return fmt.Errorf("%w: %w", errClientWrite, err)
+		}
+		if err := w.Flush(); err != nil {
+			return fmt.Errorf("%w: %w", errClientWrite, err)
+		}
+	}
+}
+
+func errorType(status int) string {
+	switch {
+	case status == fasthttp.StatusServiceUnavailable:
+		return "ServiceUnavailableError"
+	case status == fasthttp.StatusGatewayTimeout:
+		return "TimeoutError"
+	case status >= 500:
+		return "BadGatewayError"
+	default:
+		return "BadRequestError"
+	}
+}
+
+// finish counts one answered request.
+func (p *Proxy) finish(c *call, status int) {
+	p.served.Add(1)
+	outcome := "ok"
+	switch {
+	case status == 499:
+		outcome = "cancelled"
+	case status >= 500:
+		outcome = "upstream_error"
+	case status >= 400:
+		outcome = "client_error"
+	}
+	p.m.requests.WithLabelValues(c.route, outcome).Inc()
+	p.m.latency.WithLabelValues(c.route).Observe(time.Since(c.start).Seconds())
+}
+
+// errRetry marks a consumer failure before the first byte that another
+// attempt may fix.
+type errRetry struct {
+	reason string
+	err    error
+}
+
+func (e *errRetry) Error() string { return e.err.Error() }
+func (e *errRetry) Unwrap() error { return e.err }
+
+// run makes up to 1+Retries attempts. Each attempt picks a consumer (and
+// DP rank), encodes every media item for it under fresh transfer ids, and
+// sends the rewritten request. The status returned with an error is what
+// the client gets.
+func (c *call) run() (*answer, int, error) {
+	p := c.p
+	exclude := map[*backend]bool{}
+	var last error
+	for attempt := 0; attempt <= p.cfg.Retries; attempt++ {
+		if attempt > 0 {
+			p.m.retries.WithLabelValues(retryReason(last)).Inc()
+			p.log.Info("retrying with fresh transfer ids", "request_id", c.id, "attempt", attempt, "cause", last)
+		}
+		pl := p.consumers()
+		cons := pl.pick(exclude)
+		if cons == nil && len(exclude) > 0 {
+			// Every consumer failed once: try them again rather than give up.
+			clear(exclude)
+			cons = pl.pick(nil)
+		}
+		if cons == nil {
+			return nil, fasthttp.StatusServiceUnavailable, fmt.Errorf("no healthy %s instance (see %s)", pl.role, discovery.BackendsPath)
+		}
+		ans, err := c.attempt(pl, cons, attempt, attempt == p.cfg.Retries)
+		if err == nil {
+			return ans, 0, nil
+		}
+		if c.gone.Load() {
+			return nil, 499, errors.New("client disconnected")
+		}
+		var rt *errRetry
+		if !errors.As(err, &rt) {
+			return nil, fasthttp.StatusBadGateway, err
+		}
+		exclude[cons] = true
+		last = err
+	}
+	if errors.Is(last, context.DeadlineExceeded) {
+		return nil, fasthttp.StatusGatewayTimeout, fmt.Errorf("request timed out after %s: %w", p.cfg.requestTimeout(), last)
+	}
+	return nil, fasthttp.StatusBadGateway, fmt.Errorf("consumer failed %d times: %w", p.cfg.Retries+1, last)
+}
+
+func retryReason(err error) string {
+	var rt *errRetry
+	if errors.As(err, &rt) {
+		return rt.reason
+	}
+	return "other"
+}
+
+// attempt runs one try against one consumer. On the last try a consumer's
+// own error answer goes to the client as it is, as vLLM would send it.
+func (c *call) attempt(pl *pool, cons *backend, attempt int, last bool) (*answer, error) {
+	p := c.p
+	rank := cons.pickRank()
+	cons.inflight.Add(1)
+	cons.ranks[rank].Add(1)
+	var once sync.Once
+	release := func() {
+		once.Do(func() {
+			cons.inflight.Add(-1)
+			cons.ranks[rank].Add(-1)
+		})
+	}
+	top := c.req.top
+	rewritten := false
+	if c.req.hasMedia() {
+		endpoint, err := discovery.RankEndpoint(cons.reg.Consumer, cons.reg.TPSize, rank)
+		if err != nil {
+			release()
+			return nil, err
+		}
+		t0 := time.Now()
+		done := c.encodeAll(endpoint, attempt)
+		p.m.phase.WithLabelValues("encode").Observe(time.Since(t0).Seconds())
+		if err := c.ctx.Err(); err != nil {
+			release()
+			return nil, fmt.Errorf("while encoding: %w", context.Cause(c.ctx))
+		}
+		if top, rewritten, err = c.req.consumerTop(done); err != nil {
+			release()
+			return nil, err
+		}
+	}
+	var ans *answer
+	var err error
+	if p.split() {
+		ans, err = c.splitCall(pl, cons, rank, top, last)
+	} else {
+		body := c.req.raw
+		if rewritten {
+			if body, err = marshalTop(top); err != nil {
+				release()
+				return nil, err
+			}
+		}
+		ans, err = c.send(pl, cons, rank, body, c.req.stream, last)
+	}
+	if err != nil {
+		release()
+		return nil, err
+	}
+	ans.release = func() {
+		release()
+		if ans.after != nil {
+			ans.after()
+		}
+	}
+	return ans, nil
+}
+
+// splitCall prefills on the consumer (which waits for the pushed items),
+// then decodes on a decode instance with the prefill's KV parameters.
+func (c *call) splitCall(pl *pool, cons *backend, rank int, top map[string]json.RawMessage, last bool) (*answer, error) {
+	p := c.p
+	body, err := marshalTop(prefillTop(top))
+	if err != nil {
+		return nil, err
+	}
+	pre, err := c.send(pl, cons, rank, body, false, false)
+	if err != nil {
+		if !last {
+			return nil, err
+		}
+		var rt *errRetry
+		if !errors.As(err, &rt) {
+			return nil, err
+		}
+		return nil, fmt.Errorf("prefill: %w", err)
+	}
+	var kv struct {
+		KV json.RawMessage `json:"kv_transfer_params"`
+	}
+	if pre.status != fasthttp.StatusOK {
+		return pre, nil // a client error from the prefill: the client sees it
+	}
+	_ = json.Unmarshal(pre.body, &kv)
+	dec := p.dec.pick(nil)
+	if dec == nil {
+		return nil, &errRetry{reason: "no_decode", err: errors.New("no healthy decode instance")}
+	}
+	body, err = marshalTop(decodeTop(top, kv.KV))
+	if err != nil {
+		return nil, err
+	}
+	dec.inflight.Add(1)
+	ans, err := c.sendTo(p.dec, dec, -1, body, c.req.stream, last)
+	if err != nil {
+		dec.inflight.Add(-1)
+		return nil, err
+	}
+	ans.after = func() { dec.inflight.Add(-1) }
+	return ans, nil
+}
+
+func (c *call) send(pl *pool, b *backend, rank int, body []byte, stream, last bool) (*answer, error) {
+	if b.reg.DPSize <= 1 {
+		rank = -1
+	}
+	return c.sendTo(pl, b, rank, body, stream, last)
+}
+
+// sendTo posts body to one instance. A streamed answer is read up to its
+// first event that carries output; what came before is held, so that a
+// failure there can still be retried.
+func (c *call) sendTo(pl *pool, b *backend, rank int, body []byte, stream, last bool) (*answer, error) {
+	p := c.p
+	req := fasthttp.AcquireRequest()
+	defer fasthttp.ReleaseRequest(req)
+	req.Header.SetMethod(fasthttp.MethodPost)
+	req.SetRequestURI(c.path)
+	req.Header.SetContentType("application/json")
+	req.Header.Set(headerRequestID, c.id)
+	if rank >= 0 {
+		req.Header.Set(headerDPRank, strconv.Itoa(rank))
+	}
+	if len(c.auth) > 0 {
+		req.Header.SetBytesV(fasthttp.HeaderAuthorization, c.auth)
+	}
+	req.SetBodyRaw(body)
+	resp := fasthttp.AcquireResponse()
+	start := time.Now()
+	x, err := b.up.do(c.ctx, req, resp, stream, p.cfg.MaxBodyBytes)
+	if err != nil {
+		fasthttp.ReleaseResponse(resp)
+		if c.ctx.Err() != nil {
+			return nil, fmt.Errorf("%s %s: %w", pl.role, b.reg.URL, err)
+		}
+		p.noteHealth(pl, b, err)
+		return nil, &errRetry{reason: "unreachable", err: fmt.Errorf("%s %s: %w", pl.role, b.reg.URL, err)}
+	}
+	ans := &answer{status: resp.StatusCode(), ctype: append([]byte(nil), resp.Header.ContentType()...), pdStart: start}
+	if x == nil || resp.StatusCode() != fasthttp.StatusOK {
+		if x != nil {
+			// A streamed request answered with an error status: vLLM sends
+			// those as plain JSON. Read it whole (bounded) to decide.
+			data, rerr := readAllLimited(x.body, 1<<20)
+			x.Close()
+			if rerr != nil {
+				fasthttp.ReleaseResponse(resp)
+				return nil, &errRetry{reason: "broken_stream", err: fmt.Errorf("%s %s: %w", pl.role, b.reg.URL, rerr)}
+			}
+			ans.body = data
+		} else {
+			ans.body = append([]byte(nil), resp.Body()...)
+		}
+		fasthttp.ReleaseResponse(resp)
+		p.m.phase.WithLabelValues("transfer_wait").Observe(time.Since(start).Seconds())
+		if retryableStatus(ans.status) && !last {
+			return nil, &errRetry{reason: "status_" + strconv.Itoa(ans.status), err: fmt.Errorf("%s %s answered %d: %s", pl.role, b.reg.URL, ans.status, firstLine(ans.body))}
+		}
+		if ans.status < 500 {
+			pl.report(b, nil)
+		}
+		return ans, nil
+	}
+	ans.x, ans.events = x, newSSEReader(x.body)
+	for {
+		ev, err := ans.events.next()
+		if err != nil {
+			x.Close()
+			fasthttp.ReleaseResponse(resp)
+			if errors.Is(err, io.EOF) && len(ans.held) > 0 {
+				// The stream ended without output; let the client see it.
+				return &answer{status: ans.status, ctype: ans.ctype, body: joinEvents(ans.held), pdStart: start}, nil
+			}
+			return nil, &errRetry{reason: "broken_stream", err: fmt.Errorf("%s %s: stream ended before any output: %w", pl.role, b.reg.URL, err)}
+		}
+		kind, msg := classify(ev)
+		if kind == eventRetry && !last {
+			x.Close()
+			fasthttp.ReleaseResponse(resp)
+			return nil, &errRetry{reason: "stream_error", err: fmt.Errorf("%s %s failed before the first token: %s", pl.role, b.reg.URL, msg)}
+		}
+		ans.held = append(ans.held, ev)
+		if kind != eventHold {
+			break
+		}
+	}
+	p.m.phase.WithLabelValues("transfer_wait").Observe(time.Since(start).Seconds())
+	pl.report(b, nil)
+	// The response object backs the stream: it is released with the
+	// exchange, never here.
+	x.release = func() { fasthttp.ReleaseResponse(resp) }
+	return ans, nil
+}
+
+func readAllLimited(r io.Reader, n int64) ([]byte, error) {
+	return io.ReadAll(io.LimitReader(r, n))
+}
+
+func joinEvents(evs [][]byte) []byte {
+	var out []byte
+	for _, e := range evs {
+		out = append(out, e...)
+	}
+	return out
+}
+
+func firstLine(b []byte) string {
+	const max = 200
+	s := string(b)
+	for i, r := range s {
+		if r == '\n' || i >= max {
+			return s[:i]
+		}
+	}
+	return s
+}
+
+// encodeAll sends every distinct media item to an encoder, concurrently.
+// done[i] is nil where item i could not be encoded; that item falls back
+// to its original media, which the consumer encodes itself.
+func (c *call) encodeAll(consumer string, attempt int) []*encoded {
+	p := c.p
+	n := len(c.req.items)
+	done := make([]*encoded, n)
+	p.m.items.WithLabelValues("duplicate").Add(float64(len(c.req.refs) - n))
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer p.recover("encode")
+			tid := fmt.Sprintf("%s-%d-%d", c.id, attempt, i)
+			e, err := c.encodeOne(i, consumer, tid)
+			if err != nil {
+				p.m.items.WithLabelValues("fallback").Inc()
+				p.log.Warn("media item falls back to the consumer's own encoder", "request_id", c.id, "item", i, "cause", err)
+				return
+			}
+			p.m.items.WithLabelValues("encoded").Inc()
+			done[i] = e
+		}()
+	}
+	wg.Wait()
+	return done
+}
+
+// encodeOne tries the least-loaded encoder, and one more when the first
+// cannot be reached.
+func (c *call) encodeOne(item int, consumer, tid string) (*encoded, error) {
+	p := c.p
+	body, err := c.req.encoderBody(item, consumer, tid)
+	if err != nil {
+		return nil, err
+	}
+	tried := map[*backend]bool{}
+	var last error = errors.New("no healthy encoder")
+	for range 2 {
+		enc := p.enc.pick(tried)
+		if enc == nil {
+			break
+		}
+		tried[enc] = true
+		e, retry, err := c.encodeAt(enc, item, body, tid)
+		if err == nil {
+			p.m.encodes.WithLabelValues("ok").Inc()
+			return e, nil
+		}
+		last = err
+		if !retry {
+			break
+		}
+	}
+	p.m.encodes.WithLabelValues("failed").Inc()
+	return nil, last
+}
+
+func (c *call) encodeAt(enc *backend, item int, body []byte, tid string) (*encoded, bool, error) {
+	p := c.p
+	enc.inflight.Add(1)
+	defer enc.inflight.Add(-1)
+	ctx, cancel := context.WithTimeout(c.ctx, p.cfg.encodeTimeout())
+	defer cancel()
+	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+	defer fasthttp.ReleaseRequest(req)
+	defer fasthttp.ReleaseResponse(resp)
+	req.Header.SetMethod(fasthttp.MethodPost)
+	req.SetRequestURI("/v1/chat/completions")
+	req.Header.SetContentType("application/json")
+	req.Header.Set(headerRequestID, fmt.Sprintf("%s-enc%d", c.id, item))
+	if len(c.auth) > 0 {
+		req.Header.SetBytesV(fasthttp.HeaderAuthorization, c.auth)
+	}
+	req.SetBodyRaw(body)
+	if _, err := enc.up.do(ctx, req, resp, false, p.cfg.MaxBodyBytes); err != nil {
+		if c.ctx.Err() != nil {
+			return nil, false, err
+		}
+		p.noteHealth(p.enc, enc, err)
+		return nil, true, fmt.Errorf("encoder %s: %w", enc.reg.URL, err)
+	}
+	if resp.StatusCode() != fasthttp.StatusOK {
+		return nil, false, fmt.Errorf("encoder %s answered %d: %s", enc.reg.URL, resp.StatusCode(), firstLine(resp.Body()))
+	}
+	p.enc.report(enc, nil)
+	e, err := parseEncoderReply(resp.Body(), tid)
+	if err != nil {
+		return nil, false, fmt.Errorf("encoder %s: %w", enc.reg.URL, err)
+	}
+	return e, false, nil
+}

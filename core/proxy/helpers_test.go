@@ -1,0 +1,174 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecmooncake/ecmooncake/core/proxy/fakevllm"
+)
+
+// rig is a proxy in front of fake encoders and PD instances, all on
+// loopback.
+type rig struct {
+	t     *testing.T
+	enc   []*fakevllm.Server
+	pd    []*fakevllm.Server
+	p     *Proxy
+	url   string
+	httpc *http.Client
+}
+
+type rigOpts struct {
+	encoders, pds int
+	fake          fakevllm.Config
+	mut           func(*Config)
+}
+
+func newRig(t *testing.T, o rigOpts) *rig {
+	t.Helper()
+	r := &rig{t: t, httpc: &http.Client{Timeout: 30 * time.Second}}
+	cfg := DefaultConfig()
+	cfg.Host, cfg.Port = "127.0.0.1", 0
+	cfg.HealthIntervalS, cfg.FailThreshold = 0.05, 2
+	cfg.EncodeTimeoutS, cfg.RequestTimeoutS = 10, 20
+	for i := 0; i < o.encoders; i++ {
+		fc := o.fake
+		fc.Role = fakevllm.RoleEncode
+		s, err := fakevllm.Start(fc)
+		require.NoError(t, err)
+		t.Cleanup(s.Close)
+		r.enc = append(r.enc, s)
+		cfg.Encode = append(cfg.Encode, s.URL())
+	}
+	for i := 0; i < o.pds; i++ {
+		fc := o.fake
+		fc.Role = fakevllm.RolePD
+		s, err := fakevllm.Start(fc)
+		require.NoError(t, err)
+		t.Cleanup(s.Close)
+		r.pd = append(r.pd, s)
+		cfg.PD = append(cfg.PD, s.URL())
+	}
+	if o.mut != nil {
+		o.mut(&cfg)
+	}
+	p, err := Open(cfg, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, p.Close()) })
+	r.p, r.url = p, "http://"+p.Addr()
+	return r
+}
+
+// post sends a JSON body and returns the status and the whole answer.
+func (r *rig) post(path string, body any) (int, []byte) {
+	r.t.Helper()
+	b, err := json.Marshal(body)
+	require.NoError(r.t, err)
+	resp, err := r.httpc.Post(r.url+path, "application/json", bytes.NewReader(b))
+	require.NoError(r.t, err)
+	defer resp.Body.Close()
+	out, err := io.ReadAll(resp.Body)
+	require.NoError(r.t, err)
+	return resp.StatusCode, out
+}
+
+// sseText joins the content of every chunk of an SSE answer and reports
+// whether it ended with [DONE] and whether it carried an error event.
+func sseText(t *testing.T, body []byte) (text string, done, errored bool) {
+	t.Helper()
+	sc := bufio.NewScanner(bytes.NewReader(body))
+	for sc.Scan() {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		if data == "[DONE]" {
+			done = true
+			continue
+		}
+		var ch struct {
+			Error   any `json:"error"`
+			Choices []struct {
+				Delta struct {
+					Content string `json:"content"`
+				} `json:"delta"`
+				Text string `json:"text"`
+			} `json:"choices"`
+		}
+		require.NoError(t, json.Unmarshal([]byte(data), &ch), data)
+		if ch.Error != nil {
+			errored = true
+		}
+		for _, c := range ch.Choices {
+			text += c.Delta.Content + c.Text
+		}
+	}
+	return text, done, errored
+}
+
+// eventually polls cond until it holds or the deadline passes.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("still not true after 10s: %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func image(url string) map[string]any {
+	return map[string]any{"type": "image_url", "image_url": map[string]any{"url": url}}
+}
+
+func text(s string) map[string]any { return map[string]any{"type": "text", "text": s} }
+
+func chat(stream bool, parts ...map[string]any) map[string]any {
+	content := make([]any, len(parts))
+	for i, p := range parts {
+		content[i] = p
+	}
+	return map[string]any{"model": "m", "stream": stream, "max_tokens": 16,
+		"messages": []any{map[string]any{"role": "system", "content": "be brief"}, map[string]any{"role": "user", "content": content}}}
+}
+
+func mustJSON(t *testing.T, v any) string {
+	t.Helper()
+	b, err := json.Marshal(v)
+	require.NoError(t, err)
+	return string(b)
+}
+
+func partID(t *testing.T, part map[string]any) string {
+	t.Helper()
+	return fakevllm.Identifier("m", json.RawMessage(mustJSON(t, part)))
+}
+
+func stringReader(s string) io.Reader { return strings.NewReader(s) }
+
+func readAll(t *testing.T, resp *http.Response) string {
+	t.Helper()
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return string(b)
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}

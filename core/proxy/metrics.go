@@ -1,0 +1,85 @@
+package proxy
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/ecmooncake/ecmooncake/core/metrics"
+)
+
+// proxyMetrics are one proxy's series, in a registry of its own so that
+// several proxies in one process (tests) do not share counters.
+type proxyMetrics struct {
+	reg       *prometheus.Registry
+	gatherer  prometheus.Gatherer
+	requests  *prometheus.CounterVec
+	latency   *prometheus.HistogramVec
+	phase     *prometheus.HistogramVec
+	items     *prometheus.CounterVec
+	retries   *prometheus.CounterVec
+	encodes   *prometheus.CounterVec
+	gone      prometheus.Counter
+	registers *prometheus.CounterVec
+}
+
+var latencyBuckets = prometheus.ExponentialBuckets(0.0005, 2, 18) // 0.5 ms .. 65 s
+
+func newProxyMetrics(p *Proxy) *proxyMetrics {
+	m := &proxyMetrics{
+		reg: prometheus.NewRegistry(),
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ecm_proxy_requests_total", Help: "Requests answered, by route and outcome.",
+		}, []string{"route", "outcome"}),
+		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "ecm_proxy_request_seconds", Help: "Time from a request's arrival to the last byte of its answer, by route.", Buckets: latencyBuckets,
+		}, []string{"route"}),
+		phase: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "ecm_proxy_phase_seconds",
+			Help:    "Request time by phase: encode (all encoder calls of an attempt), transfer_wait (consumer request sent to its first byte: the consumer waits there for pushed items, then prefills), pd (consumer request sent to its last byte).",
+			Buckets: latencyBuckets,
+		}, []string{"phase"}),
+		items: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ecm_proxy_media_items_total", Help: "Media items, by what became of them: encoded (sent as embeds), fallback (sent as media), duplicate (repeated in one request, encoded once).",
+		}, []string{"outcome"}),
+		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ecm_proxy_retries_total", Help: "Consumer attempts retried, by reason.",
+		}, []string{"reason"}),
+		encodes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ecm_proxy_encoder_calls_total", Help: "Encoder calls, by outcome.",
+		}, []string{"outcome"}),
+		gone: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ecm_proxy_client_disconnects_total", Help: "Requests whose client went away before the answer ended; their backend calls were cancelled.",
+		}),
+		registers: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ecm_proxy_registrations_total", Help: "Discovery calls, by kind (new, heartbeat, deregister, expired, refused).",
+		}, []string{"kind"}),
+	}
+	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.retries, m.encodes, m.gone, m.registers, backendCollector{p})
+	m.gatherer = prometheus.Gatherers{m.reg, metrics.Registry()}
+	return m
+}
+
+var (
+	descHealthy  = prometheus.NewDesc("ecm_proxy_backend_healthy", "1 while the backend takes requests, 0 while it is dropped.", []string{"role", "url"}, nil)
+	descInFlight = prometheus.NewDesc("ecm_proxy_backend_in_flight", "Requests in flight to the backend.", []string{"role", "url"}, nil)
+)
+
+// backendCollector reads the pools at scrape time.
+type backendCollector struct{ p *Proxy }
+
+func (c backendCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descHealthy
+	ch <- descInFlight
+}
+
+func (c backendCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, pl := range c.p.pools() {
+		for _, b := range pl.snapshot() {
+			h := 0.0
+			if b.isHealthy() {
+				h = 1
+			}
+			ch <- prometheus.MustNewConstMetric(descHealthy, prometheus.GaugeValue, h, pl.role, b.reg.URL)
+			ch <- prometheus.MustNewConstMetric(descInFlight, prometheus.GaugeValue, float64(b.inflight.Load()), pl.role, b.reg.URL)
+		}
+	}
+}

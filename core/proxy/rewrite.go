@@ -1,0 +1,297 @@
+package proxy
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+)
+
+// Content part types that carry media the encoder can serve, and the
+// embeds part that replaces each modality on the consumer.
+var (
+	mediaPart = map[string]bool{"image_url": true, "input_audio": true, "audio_url": true, "video_url": true}
+	embedsOf  = map[string]string{"image": "image_embeds", "audio": "audio_embeds", "video": "video_embeds"}
+)
+
+// encoderKeys are the request fields that change what the encoder
+// computes (and so the identifier it reports); every other field is about
+// generation, which the encoder does not do.
+var encoderKeys = []string{"model", "mm_processor_kwargs", "media_io_kwargs", "chat_template_kwargs"}
+
+// chatRequest is a parsed /v1/chat/completions body: only the parts the
+// rewrite touches are decoded, the rest stays raw.
+type chatRequest struct {
+	raw      []byte
+	top      map[string]json.RawMessage
+	messages []map[string]json.RawMessage
+	parts    map[int][]json.RawMessage // content arrays, by message index
+	refs     []mediaRef                // every media part, in prompt order
+	items    []json.RawMessage         // distinct media parts
+	stream   bool
+}
+
+// mediaRef places one media part in the prompt and names its distinct item.
+type mediaRef struct{ msg, part, item int }
+
+var errNotJSON = errors.New("request body is not a JSON object")
+
+// parseRequest reads a chat or completions body. A body of a shape it does
+// not know (no messages, content not a list) has no media as far as the
+// proxy is concerned and goes to the consumer unchanged, which answers as
+// vLLM would.
+func parseRequest(body []byte, chat bool) (*chatRequest, error) {
+	r := &chatRequest{raw: body}
+	if err := json.Unmarshal(body, &r.top); err != nil || r.top == nil {
+		return nil, errNotJSON
+	}
+	if s, ok := r.top["stream"]; ok {
+		_ = json.Unmarshal(s, &r.stream)
+	}
+	msgs, ok := r.top["messages"]
+	if !chat || !ok {
+		return r, nil
+	}
+	var raws []json.RawMessage
+	if json.Unmarshal(msgs, &raws) != nil {
+		return r, nil
+	}
+	seen := map[string]int{}
+	var decoded []map[string]json.RawMessage
+	for mi, m := range raws {
+		var msg map[string]json.RawMessage
+		if json.Unmarshal(m, &msg) != nil {
+			return r, nil
+		}
+		decoded = append(decoded, msg)
+		var parts []json.RawMessage
+		if c, ok := msg["content"]; !ok || json.Unmarshal(c, &parts) != nil {
+			continue
+		}
+		for pi, p := range parts {
+			var head struct {
+				Type string `json:"type"`
+			}
+			if json.Unmarshal(p, &head) != nil || !mediaPart[head.Type] {
+				continue
+			}
+			if r.parts == nil {
+				r.parts = map[int][]json.RawMessage{}
+			}
+			r.parts[mi] = parts
+			// Identical parts (the same image twice) are encoded once: the
+			// bytes, uuid included, decide.
+			var key bytes.Buffer
+			if json.Compact(&key, p) != nil {
+				continue
+			}
+			item, dup := seen[key.String()]
+			if !dup {
+				item = len(r.items)
+				seen[key.String()] = item
+				r.items = append(r.items, p)
+			}
+			r.refs = append(r.refs, mediaRef{msg: mi, part: pi, item: item})
+		}
+	}
+	r.messages = decoded
+	return r, nil
+}
+
+// hasMedia reports whether any part can go to an encoder.
+func (r *chatRequest) hasMedia() bool { return len(r.items) > 0 }
+
+// encoderBody is the request that sends one media item to an encoder,
+// telling it which consumer to push to and under which transfer id.
+func (r *chatRequest) encoderBody(item int, consumer, transferID string) ([]byte, error) {
+	out := map[string]any{}
+	for _, k := range encoderKeys {
+		if v, ok := r.top[k]; ok {
+			out[k] = v
+		}
+	}
+	out["messages"] = []any{map[string]any{"role": "user", "content": []json.RawMessage{r.items[item]}}}
+	out["max_tokens"] = 1
+	out["stream"] = false
+	out["ec_transfer_params"] = map[string]any{
+		// Both spellings: ours, and the one vLLM's in-tree connector reads.
+		"consumer":     consumer,
+		"consumer_zmq": consumer,
+		"ec_items":     []any{map[string]string{"transfer_id": transferID}},
+	}
+	return json.Marshal(out)
+}
+
+// encoded is what an encoder reported for one item.
+type encoded struct {
+	identifier string
+	modality   string
+	metadata   json.RawMessage
+	entry      json.RawMessage // the encoder's whole per-item entry
+	transferID string
+}
+
+// parseEncoderReply finds the item pushed under transferID in an encoder's
+// response: the entry naming that transfer id, or the only entry when the
+// encoder does not echo ids.
+func parseEncoderReply(body []byte, transferID string) (*encoded, error) {
+	var reply struct {
+		Params map[string]json.RawMessage `json:"ec_transfer_params"`
+	}
+	if err := json.Unmarshal(body, &reply); err != nil {
+		return nil, fmt.Errorf("encoder reply is not JSON: %w", err)
+	}
+	if len(reply.Params) == 0 {
+		return nil, errors.New("encoder reply has no ec_transfer_params (is it an EC producer?)")
+	}
+	var found []*encoded
+	for id, raw := range reply.Params {
+		var e struct {
+			Modality   string          `json:"modality"`
+			Metadata   json.RawMessage `json:"metadata"`
+			TransferID string          `json:"transfer_id"`
+		}
+		if json.Unmarshal(raw, &e) != nil || id == "" {
+			continue
+		}
+		it := &encoded{identifier: id, modality: e.Modality, metadata: e.Metadata, entry: raw, transferID: e.TransferID}
+		if e.TransferID == transferID {
+			found = []*encoded{it}
+			break
+		}
+		if e.TransferID == "" {
+			found = append(found, it)
+		}
+	}
+	if len(found) != 1 {
+		return nil, fmt.Errorf("encoder reply names %d items, none of them transfer %s", len(reply.Params), transferID)
+	}
+	it := found[0]
+	if _, ok := embedsOf[it.modality]; !ok {
+		return nil, fmt.Errorf("encoder reports modality %q for %s; want image, audio or video", it.modality, it.identifier)
+	}
+	if len(bytes.TrimSpace(it.metadata)) == 0 || string(bytes.TrimSpace(it.metadata)) == "null" {
+		it.metadata = json.RawMessage(`{}`)
+	}
+	it.transferID = transferID
+	return it, nil
+}
+
+// consumerTop returns the top-level fields of the consumer's request:
+// every media part that was encoded becomes an embeds reference to the
+// pushed item, and ec_transfer_params lists the items to wait for. done[i]
+// is nil where item i falls back to its original media. The second result
+// is false when nothing was encoded, and the body can go unchanged.
+func (r *chatRequest) consumerTop(done []*encoded) (map[string]json.RawMessage, bool, error) {
+	top := make(map[string]json.RawMessage, len(r.top)+1)
+	for k, v := range r.top {
+		top[k] = v
+	}
+	some := false
+	for _, d := range done {
+		some = some || d != nil
+	}
+	if !some {
+		return top, false, nil
+	}
+	parts := make(map[int][]json.RawMessage, len(r.parts))
+	for mi, ps := range r.parts {
+		parts[mi] = append([]json.RawMessage(nil), ps...)
+	}
+	type ecItem struct {
+		MMHash     string `json:"mm_hash"`
+		TransferID string `json:"transfer_id"`
+	}
+	params := map[string]any{}
+	var items []ecItem
+	for _, ref := range r.refs {
+		d := done[ref.item]
+		if d == nil {
+			continue
+		}
+		typ := embedsOf[d.modality]
+		part, err := json.Marshal(map[string]any{"type": typ, typ: d.metadata, "uuid": d.identifier})
+		if err != nil {
+			return nil, false, fmt.Errorf("encode %s part: %w", typ, err)
+		}
+		parts[ref.msg][ref.part] = part
+		items = append(items, ecItem{MMHash: d.identifier, TransferID: d.transferID})
+		// vLLM's in-tree connector reads the encoder's per-item entries
+		// from the same dict; ours reads ec_items.
+		params[d.identifier] = d.entry
+	}
+	params["ec_items"] = items
+	msgs := make([]json.RawMessage, len(r.messages))
+	for mi, m := range r.messages {
+		ps, ok := parts[mi]
+		if !ok {
+			raw, err := json.Marshal(m)
+			if err != nil {
+				return nil, false, err
+			}
+			msgs[mi] = raw
+			continue
+		}
+		msg := make(map[string]json.RawMessage, len(m))
+		for k, v := range m {
+			msg[k] = v
+		}
+		content, err := json.Marshal(ps)
+		if err != nil {
+			return nil, false, err
+		}
+		msg["content"] = content
+		raw, err := json.Marshal(msg)
+		if err != nil {
+			return nil, false, err
+		}
+		msgs[mi] = raw
+	}
+	var err error
+	if top["messages"], err = json.Marshal(msgs); err != nil {
+		return nil, false, err
+	}
+	if top["ec_transfer_params"], err = json.Marshal(params); err != nil {
+		return nil, false, err
+	}
+	return top, true, nil
+}
+
+// prefillTop turns a consumer request into the prefill half of a split
+// prefill/decode pair: one token, no stream, and a request for the KV
+// transfer parameters the decode instance needs (vLLM's P/D protocol).
+func prefillTop(top map[string]json.RawMessage) map[string]json.RawMessage {
+	out := make(map[string]json.RawMessage, len(top)+2)
+	for k, v := range top {
+		out[k] = v
+	}
+	delete(out, "stream_options")
+	delete(out, "max_completion_tokens")
+	out["stream"] = json.RawMessage(`false`)
+	out["max_tokens"] = json.RawMessage(`1`)
+	out["kv_transfer_params"] = json.RawMessage(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
+	return out
+}
+
+// decodeTop is the decode half: the consumer request without the EC
+// parameters (the decode instance receives KV, not encoder outputs) and
+// with the prefill's kv_transfer_params.
+func decodeTop(top map[string]json.RawMessage, kv json.RawMessage) map[string]json.RawMessage {
+	out := make(map[string]json.RawMessage, len(top))
+	for k, v := range top {
+		out[k] = v
+	}
+	delete(out, "ec_transfer_params")
+	if len(kv) > 0 {
+		out["kv_transfer_params"] = kv
+	}
+	return out
+}
+
+func marshalTop(top map[string]json.RawMessage) ([]byte, error) {
+	b, err := json.Marshal(top)
+	if err != nil {
+		return nil, fmt.Errorf("encode request: %w", err)
+	}
+	return b, nil
+}

@@ -1,0 +1,152 @@
+package proxy
+
+import (
+	"io"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestClassify(t *testing.T) {
+	cases := []struct {
+		name string
+		ev   string
+		want eventKind
+	}{
+		{"role-only chunk is held", `data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}` + "\n\n", eventHold},
+		{"keep-alive comment is held", ": ping\n\n", eventHold},
+		{"token commits", `data: {"choices":[{"delta":{"content":"Hi"}}]}` + "\n\n", eventCommit},
+		{"completion text commits", `data: {"choices":[{"text":"Hi","finish_reason":null}]}` + "\n\n", eventCommit},
+		{"reasoning commits", `data: {"choices":[{"delta":{"reasoning_content":"hmm"}}]}` + "\n\n", eventCommit},
+		{"tool call commits", `data: {"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}` + "\n\n", eventCommit},
+		{"finish reason commits", `data: {"choices":[{"delta":{},"finish_reason":"length"}]}` + "\n\n", eventCommit},
+		{"usage-only chunk commits", `data: {"choices":[],"usage":{"total_tokens":3}}` + "\n\n", eventCommit},
+		{"done commits", "data: [DONE]\n\n", eventCommit},
+		{"500 error retries", `data: {"error":{"message":"Internal server error","type":"InternalServerError","code":500}}` + "\n\n", eventRetry},
+		{"503 error retries", `data: {"error":{"message":"retry","type":"ServiceUnavailableError","code":503}}` + "\n\n", eventRetry},
+		{"400 error commits", `data: {"error":{"message":"bad","type":"BadRequestError","code":400}}` + "\n\n", eventCommit},
+		{"not JSON commits", "data: hello\n\n", eventCommit},
+		{"CRLF lines", "data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\r\n\r\n", eventCommit},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got, _ := classify([]byte(tc.ev))
+			require.Equal(t, tc.want, got)
+		})
+	}
+}
+
+func TestSSEReaderSplitsEvents(t *testing.T) {
+	in := "\n\ndata: a\n\n: comment\n\ndata: b\ndata: c\n\ndata: tail"
+	r := newSSEReader(strings.NewReader(in))
+	var got []string
+	for {
+		ev, err := r.next()
+		if err == io.EOF {
+			break
+		}
+		require.NoError(t, err)
+		got = append(got, string(ev))
+	}
+	require.Equal(t, []string{"data: a\n\n", ": comment\n\n", "data: b\ndata: c\n\n", "data: tail"}, got)
+}
+
+func TestConfigValidation(t *testing.T) {
+	cases := map[string]struct {
+		json string
+		want string
+	}{
+		"defaults with a pd":        {`{"pd": ["http://h:8100"]}`, ""},
+		"fragment layout":           {`{"pd": ["http://h:8100#ec=tcp://h:15000&tp_size=2&dp_size=4"]}`, ""},
+		"unknown key":               {`{"pdd": []}`, "unknown field"},
+		"https backend":             {`{"pd": ["https://h:8100"]}`, "want http://host:port"},
+		"backend with a path":       {`{"encode": ["http://h:8100/v1"]}`, "no path"},
+		"bad fragment key":          {`{"pd": ["http://h:8100#colour=red"]}`, "unknown fragment key"},
+		"pd and prefill":            {`{"pd": ["http://a:1"], "prefill": ["http://b:1"], "decode": ["http://c:1"]}`, "not both"},
+		"prefill without decode":    {`{"prefill": ["http://b:1"]}`, "go together"},
+		"negative retries":          {`{"pd": ["http://a:1"], "retries": -1}`, "retries"},
+		"no consumer, no discovery": {`{"allow_register": false}`, "nothing could serve"},
+		"bad ec in fragment":        {`{"pd": ["http://h:1#ec=udp://h:2"]}`, "tcp://host:port"},
+	}
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			_, err := DecodeConfig([]byte(tc.json))
+			if tc.want == "" {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
+	c, err := DecodeConfig([]byte(`{"pd": ["http://[::1]:8100"]}`))
+	require.NoError(t, err)
+	reg, err := c.static("pd", c.PD[0])
+	require.NoError(t, err)
+	require.Equal(t, "tcp://[::1]:14579", reg.Consumer, "IPv6 hosts are bracketed")
+}
+
+func TestParseEncoderReply(t *testing.T) {
+	cases := map[string]struct {
+		body, want, err string
+	}{
+		"entry naming the transfer":  {`{"ec_transfer_params":{"h1":{"modality":"image","metadata":{"a":[1]},"transfer_id":"t"},"h2":{"modality":"image","transfer_id":"u"}}}`, "h1", ""},
+		"single entry without an id": {`{"ec_transfer_params":{"h1":{"modality":"audio"}}}`, "h1", ""},
+		"no params":                  {`{"choices":[]}`, "", "no ec_transfer_params"},
+		"other transfer only":        {`{"ec_transfer_params":{"h1":{"modality":"image","transfer_id":"u"}}}`, "", "none of them transfer t"},
+		"unknown modality":           {`{"ec_transfer_params":{"h1":{"modality":"smell","transfer_id":"t"}}}`, "", "modality"},
+		"not json":                   {`<html>`, "", "not JSON"},
+	}
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			e, err := parseEncoderReply([]byte(tc.body), "t")
+			if tc.err != "" {
+				require.ErrorContains(t, err, tc.err)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.want, e.identifier)
+			require.Equal(t, "t", e.transferID)
+			require.NotEmpty(t, e.metadata)
+		})
+	}
+}
+
+// Request bodies come from the network: no input may panic the parser or
+// the rewrite, and a rewrite must stay valid JSON.
+func FuzzRewrite(f *testing.F) {
+	f.Add([]byte(`{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"t"}]}]}`))
+	f.Add([]byte(`{"messages":"x"}`))
+	f.Add([]byte(`{"messages":[{"content":[{"type":"input_audio"},{"type":"input_audio"}]}]}`))
+	f.Add([]byte(`[]`))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		r, err := parseRequest(body, true)
+		if err != nil {
+			return
+		}
+		for i := range r.items {
+			if _, err := r.encoderBody(i, "tcp://h:1", "t"); err != nil {
+				t.Fatalf("encoder body: %v", err)
+			}
+		}
+		done := make([]*encoded, len(r.items))
+		for i := range done {
+			done[i] = &encoded{identifier: "h", modality: "image", metadata: []byte(`{}`), entry: []byte(`{}`), transferID: "t"}
+		}
+		top, _, err := r.consumerTop(done)
+		if err != nil {
+			t.Fatalf("rewrite: %v", err)
+		}
+		if _, err := marshalTop(top); err != nil {
+			t.Fatalf("marshal: %v", err)
+		}
+	})
+}
+
+func FuzzEncoderReply(f *testing.F) {
+	f.Add([]byte(`{"ec_transfer_params":{"h1":{"modality":"image","metadata":{"a":[1]},"transfer_id":"t"}}}`))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		_, _ = parseEncoderReply(body, "t")
+		_, _ = classify(body)
+	})
+}

@@ -1,0 +1,34 @@
+package transport
+
+// DirectSink is a Sink whose memory a one-sided transport registers with
+// its engine once, so that writers can put bytes straight into it.
+type DirectSink interface {
+	Sink
+	// Memory describes the receive slab: address, length and device
+	// ("cpu" or "cuda:N"). The address is never turned into a Go pointer.
+	Memory() (addr uintptr, n uint64, device string)
+}
+
+// Direct is implemented by the Receiver of a one-sided transport (RDMA):
+// writers put bytes straight into its registered memory, so the transport
+// never asks the sink per frame and cannot check each write. The sink's
+// owner keeps the data-plane invariant itself instead:
+//   - when it grants a reservation it admits one write of the whole region
+//     (Sink.BeginWrite) and ends it (EndWrite) only when the writer
+//     completes or abandons, so the region is never reused under a writer
+//     whose bytes may still arrive;
+//   - the grant carries RemoteAddr(the region's slab offset), the only
+//     address the writer may target, and the writer refuses any write that
+//     would reach past the slab it was told about.
+type Direct interface {
+	Receiver
+	RemoteAddr(slabOff uint64) uint64
+}
+
+// AddrChecker is implemented by transports that can tell from a data-plane
+// address alone that they cannot write there (the other end speaks another
+// protocol, say), so that a producer refuses a consumer before any write
+// rather than failing each one.
+type AddrChecker interface {
+	CheckAddr(addr string) error
+}

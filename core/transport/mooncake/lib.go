@@ -1,0 +1,244 @@
+package mooncake
+
+/*
+#cgo LDFLAGS: -ldl
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+// transfer_engine_c.h's structs, with addresses as uintptr_t (the same
+// layout as void *) so that Go fills them without turning numbers into
+// pointers. The request is laid out as in Mooncake releases that added
+// file_id after target_id; older ones had padding there, so the one layout
+// fits both as long as file_id is zero.
+struct mc_request {
+	int opcode;
+	uintptr_t source;
+	int32_t target_id;
+	uint32_t file_id;
+	uint64_t target_offset;
+	uint64_t length;
+};
+struct mc_status { int status; uint64_t transferred_bytes; };
+struct mc_buffer { uintptr_t addr; size_t length; };
+
+typedef void *(*create_fn)(const char *, const char *, const char *, uint64_t, int);
+typedef void (*destroy_fn)(void *);
+typedef int (*ipport_fn)(void *, char *, size_t);
+typedef void *(*install_fn)(void *, const char *, void **);
+typedef int (*regbatch_fn)(void *, struct mc_buffer *, size_t, const char *);
+typedef int (*unregbatch_fn)(void *, uintptr_t *, size_t);
+typedef int32_t (*open_fn)(void *, const char *);
+typedef uint64_t (*alloc_fn)(void *, size_t);
+typedef int (*submit_fn)(void *, uint64_t, struct mc_request *, size_t);
+typedef int (*status_fn)(void *, uint64_t, size_t, struct mc_status *);
+typedef int (*free_fn)(void *, uint64_t);
+
+// dlerror's text lives in a buffer the next dl call overwrites, so it is
+// copied inside the same C call that failed.
+static void *mc_dlopen(const char *path, char **err) {
+	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (!h) { const char *e = dlerror(); *err = strdup(e ? e : "dlopen failed"); }
+	return h;
+}
+static void *mc_dlsym(void *h, const char *name, char **err) {
+	dlerror();
+	void *f = dlsym(h, name);
+	if (!f) { const char *e = dlerror(); *err = strdup(e ? e : "symbol is NULL"); }
+	return f;
+}
+
+static void *mc_create(void *f, const char *m, const char *n, const char *h, uint64_t p, int a) { return ((create_fn)f)(m, n, h, p, a); }
+static void mc_destroy(void *f, void *e) { ((destroy_fn)f)(e); }
+static int mc_ipport(void *f, void *e, char *buf, size_t n) { return ((ipport_fn)f)(e, buf, n); }
+static void *mc_install(void *f, void *e, const char *proto) { return ((install_fn)f)(e, proto, NULL); }
+static int mc_regbatch(void *f, void *e, struct mc_buffer *b, size_t n, const char *loc) { return ((regbatch_fn)f)(e, b, n, loc); }
+static int mc_unregbatch(void *f, void *e, uintptr_t *a, size_t n) { return ((unregbatch_fn)f)(e, a, n); }
+static int32_t mc_open(void *f, void *e, const char *name) { return ((open_fn)f)(e, name); }
+static uint64_t mc_alloc(void *f, void *e, size_t n) { return ((alloc_fn)f)(e, n); }
+static int mc_submit(void *f, void *e, uint64_t b, struct mc_request *r, size_t n) { return ((submit_fn)f)(e, b, r, n); }
+static int mc_free(void *f, void *e, uint64_t b) { return ((free_fn)f)(e, b); }
+
+// mc_poll asks for the status of n tasks in one crossing of the cgo
+// boundary: rcs[i] is getTransferStatus's return code, sts[i] the status.
+static void mc_poll(void *f, void *e, uint64_t b, const uint64_t *ids, size_t n, int *rcs, int *sts) {
+	for (size_t i = 0; i < n; i++) {
+		struct mc_status s = {0, 0};
+		rcs[i] = ((status_fn)f)(e, b, (size_t)ids[i], &s);
+		sts[i] = s.status;
+	}
+}
+*/
+import "C"
+
+import (
+	"fmt"
+	"sync"
+	"unsafe"
+)
+
+// DefaultLibrary is what dlopen looks for on the default search path when
+// no path is configured.
+const DefaultLibrary = "libtransfer_engine.so"
+
+// symbols are the C functions the transport calls, all resolved at load.
+var symbols = []string{
+	"createTransferEngine", "destroyTransferEngine", "getLocalIpAndPort", "installTransport",
+	"registerLocalMemoryBatch", "unregisterLocalMemoryBatch", "openSegment", "openSegmentNoCache",
+	"allocateBatchID", "submitTransfer", "getTransferStatus", "freeBatchID",
+}
+
+// library is a loaded libtransfer_engine.so with every function resolved.
+type library struct {
+	path string
+	fn   map[string]unsafe.Pointer
+}
+
+var (
+	libMu sync.Mutex
+	libs  = map[string]*library{}
+)
+
+// load opens the library at path once per process. It is never closed: an
+// engine library runs threads of its own, and unloading code under them is
+// not worth the memory it would return. A failed load is not remembered, so
+// fixing the path or installing the library works without a restart.
+func load(path string) (*library, error) {
+	if path == "" {
+		path = DefaultLibrary
+	}
+	libMu.Lock()
+	defer libMu.Unlock()
+	if l, ok := libs[path]; ok {
+		return l, nil
+	}
+	cpath := C.CString(path)
+	defer C.free(unsafe.Pointer(cpath))
+	var cerr *C.char
+	h := C.mc_dlopen(cpath, &cerr)
+	if h == nil {
+		defer C.free(unsafe.Pointer(cerr))
+		return nil, fmt.Errorf("%w: cannot load %s: %s (build Mooncake with -DBUILD_SHARED_LIBS=ON and set mooncake_library, or ECMOONCAKE_MOONCAKE_LIBRARY, to the library's path)",
+			ErrUnavailable, path, C.GoString(cerr))
+	}
+	l := &library{path: path, fn: make(map[string]unsafe.Pointer, len(symbols))}
+	for _, name := range symbols {
+		cname := C.CString(name)
+		f := C.mc_dlsym(h, cname, &cerr)
+		C.free(unsafe.Pointer(cname))
+		if f == nil {
+			msg := C.GoString(cerr)
+			C.free(unsafe.Pointer(cerr))
+			// The handle stays open: dlclose of a half-checked C++
+			// library buys nothing and can run its static destructors.
+			return nil, fmt.Errorf("%w: %s lacks %s (%s): not a Mooncake TransferEngine library with the C API",
+				ErrUnavailable, path, name, msg)
+		}
+		l.fn[name] = f
+	}
+	libs[path] = l
+	return l, nil
+}
+
+// The methods below are the C API, one to one, with C types converted.
+// Each returns what the C function returns; decoding into errors is the
+// caller's (see codes.go), because only it knows the convention.
+
+func (l *library) create(metadata, serverName, host string, port uint64) unsafe.Pointer {
+	cm, cn, ch := C.CString(metadata), C.CString(serverName), C.CString(host)
+	defer C.free(unsafe.Pointer(cm))
+	defer C.free(unsafe.Pointer(cn))
+	defer C.free(unsafe.Pointer(ch))
+	// auto_discover 0: nothing is installed until installTransport, so the
+	// protocol is the configured one and not the engine's guess.
+	return C.mc_create(l.fn["createTransferEngine"], cm, cn, ch, C.uint64_t(port), 0)
+}
+
+func (l *library) destroy(e unsafe.Pointer) { C.mc_destroy(l.fn["destroyTransferEngine"], e) }
+
+func (l *library) localIPAndPort(e unsafe.Pointer) (string, int) {
+	buf := (*C.char)(C.calloc(1, 512))
+	defer C.free(unsafe.Pointer(buf))
+	rc := C.mc_ipport(l.fn["getLocalIpAndPort"], e, buf, 512)
+	return C.GoString(buf), int(rc)
+}
+
+func (l *library) install(e unsafe.Pointer, proto string) bool {
+	cp := C.CString(proto)
+	defer C.free(unsafe.Pointer(cp))
+	return C.mc_install(l.fn["installTransport"], e, cp) != nil
+}
+
+// registerBatch registers regions given as (address, length) pairs.
+func (l *library) registerBatch(e unsafe.Pointer, regions []region, location string) int {
+	n := len(regions)
+	entries := make([]C.struct_mc_buffer, max(n, 1))
+	for i, r := range regions {
+		entries[i].addr = C.uintptr_t(r.addr)
+		entries[i].length = C.size_t(r.n)
+	}
+	cl := C.CString(location)
+	defer C.free(unsafe.Pointer(cl))
+	return int(C.mc_regbatch(l.fn["registerLocalMemoryBatch"], e, &entries[0], C.size_t(n), cl))
+}
+
+func (l *library) unregisterBatch(e unsafe.Pointer, regions []region) int {
+	n := len(regions)
+	addrs := make([]C.uintptr_t, max(n, 1))
+	for i, r := range regions {
+		addrs[i] = C.uintptr_t(r.addr)
+	}
+	list := &addrs[0]
+	return int(C.mc_unregbatch(l.fn["unregisterLocalMemoryBatch"], e, list, C.size_t(n)))
+}
+
+func (l *library) openSegment(e unsafe.Pointer, name string, noCache bool) int32 {
+	cn := C.CString(name)
+	defer C.free(unsafe.Pointer(cn))
+	f := l.fn["openSegment"]
+	if noCache {
+		f = l.fn["openSegmentNoCache"]
+	}
+	return int32(C.mc_open(f, e, cn))
+}
+
+func (l *library) allocBatch(e unsafe.Pointer, capacity int) uint64 {
+	return uint64(C.mc_alloc(l.fn["allocateBatchID"], e, C.size_t(capacity)))
+}
+
+// request is one WRITE of n bytes from src (registered local memory) to
+// remote on segment seg.
+type request struct {
+	src    uintptr
+	seg    int32
+	remote uint64
+	n      uint64
+}
+
+func (l *library) submit(e unsafe.Pointer, batch uint64, reqs []request) int {
+	if len(reqs) == 0 {
+		return 0
+	}
+	cr := make([]C.struct_mc_request, len(reqs))
+	for i, r := range reqs {
+		cr[i] = C.struct_mc_request{
+			opcode: 1, source: C.uintptr_t(r.src), target_id: C.int32_t(r.seg),
+			target_offset: C.uint64_t(r.remote), length: C.uint64_t(r.n),
+		}
+	}
+	return int(C.mc_submit(l.fn["submitTransfer"], e, C.uint64_t(batch), &cr[0], C.size_t(len(reqs))))
+}
+
+// poll fills rcs and sts for the tasks in ids.
+func (l *library) poll(e unsafe.Pointer, batch uint64, ids []uint64, rcs, sts []int32) {
+	if len(ids) == 0 {
+		return
+	}
+	C.mc_poll(l.fn["getTransferStatus"], e, C.uint64_t(batch), (*C.uint64_t)(unsafe.Pointer(&ids[0])), C.size_t(len(ids)),
+		(*C.int)(unsafe.Pointer(&rcs[0])), (*C.int)(unsafe.Pointer(&sts[0])))
+}
+
+func (l *library) freeBatch(e unsafe.Pointer, batch uint64) int {
+	return int(C.mc_free(l.fn["freeBatchID"], e, C.uint64_t(batch)))
+}

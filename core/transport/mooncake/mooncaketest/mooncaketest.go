@@ -1,0 +1,157 @@
+// Package mooncaketest builds and drives the test double of Mooncake
+// TransferEngine's C API (../testdata/transfer_engine_double.c): a small C
+// library that keeps the API's contract and moves real bytes between
+// engines over TCP, with functions to inject faults and read counters.
+//
+// Tests build it with the system C compiler (Build), point the mooncake
+// transport's Config.Library at the result, and load it here too (Open)
+// to reach the double's own functions. Both dlopen the same file, so they
+// share one copy of the library and its state.
+package mooncaketest
+
+/*
+#cgo LDFLAGS: -ldl
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct mcd_stats {
+	int64_t engines_live, batches_live, batches_allocated, batches_freed, busy_frees, bad_batch_ids;
+	int64_t regs_live, register_calls, unregister_calls, unregister_unknown, open_calls, open_nocache_calls;
+	int64_t tasks_submitted, tasks_failed, bytes_landed, writes_refused;
+};
+
+static void *t_open(const char *path, char **err) {
+	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (!h) { const char *e = dlerror(); *err = strdup(e ? e : "dlopen failed"); }
+	return h;
+}
+static void *t_sym(void *h, const char *name) { return dlsym(h, name); }
+static void t_fail_next(void *f, int n) { ((void (*)(int))f)(n); }
+static int t_by_name(void *f, const char *s, int v) { return ((int (*)(const char *, int))f)(s, v); }
+static int t_kill(void *f, const char *s) { return ((int (*)(const char *))f)(s); }
+static void t_stats(void *f, struct mcd_stats *out) { ((void (*)(struct mcd_stats *))f)(out); }
+static int t_raw(void *f, void *e, uintptr_t src, int32_t seg, uint64_t remote, uint64_t item, size_t n) {
+	return ((int (*)(void *, void *, int32_t, uint64_t, uint64_t, size_t))f)(e, (void *)src, seg, remote, item, n);
+}
+*/
+import "C"
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"unsafe"
+)
+
+// Source is the path of the double's C source.
+func Source() string {
+	_, file, _, _ := runtime.Caller(0)
+	return filepath.Join(filepath.Dir(file), "..", "testdata", "transfer_engine_double.c")
+}
+
+// Build compiles the double into dir/name with the system C compiler
+// and returns its path. With omitFreeBatchID the library lacks that one
+// function, as a library of the wrong kind or version would.
+func Build(dir, name string, omitFreeBatchID bool) (string, error) {
+	cc, err := exec.LookPath("cc")
+	if err != nil {
+		return "", fmt.Errorf("mooncaketest: no C compiler (cc) to build the double: %w", err)
+	}
+	out := filepath.Join(dir, name)
+	args := []string{"-shared", "-fPIC", "-O2", "-pthread", "-o", out, Source()}
+	if omitFreeBatchID {
+		args = append(args, "-DMCD_OMIT_FREEBATCHID")
+	}
+	cmd := exec.Command(cc, args...)
+	cmd.Stderr = os.Stderr
+	if err := cmd.Run(); err != nil {
+		return "", fmt.Errorf("mooncaketest: %s %v: %w", cc, args, err)
+	}
+	return out, nil
+}
+
+// Stats are the double's process-wide counters.
+type Stats struct {
+	EnginesLive, BatchesLive, BatchesAllocated, BatchesFreed, BusyFrees, BadBatchIDs         int64
+	RegsLive, RegisterCalls, UnregisterCalls, UnregisterUnknown, OpenCalls, OpenNoCacheCalls int64
+	TasksSubmitted, TasksFailed, BytesLanded, WritesRefused                                  int64
+}
+
+// Double is the loaded double's fault injection and counters.
+type Double struct {
+	fn map[string]unsafe.Pointer
+}
+
+// Open loads the double at path (the same copy the transport loads).
+func Open(path string) (*Double, error) {
+	cp := C.CString(path)
+	defer C.free(unsafe.Pointer(cp))
+	var cerr *C.char
+	h := C.t_open(cp, &cerr)
+	if h == nil {
+		defer C.free(unsafe.Pointer(cerr))
+		return nil, fmt.Errorf("mooncaketest: load %s: %s", path, C.GoString(cerr))
+	}
+	d := &Double{fn: map[string]unsafe.Pointer{}}
+	for _, name := range []string{"mcd_fail_next", "mcd_set_delay_us", "mcd_kill", "mcd_stats", "mcd_raw_write"} {
+		cn := C.CString(name)
+		f := C.t_sym(h, cn)
+		C.free(unsafe.Pointer(cn))
+		if f == nil {
+			return nil, fmt.Errorf("mooncaketest: %s lacks %s", path, name)
+		}
+		d.fn[name] = f
+	}
+	return d, nil
+}
+
+// FailNext makes the next n tasks of any engine end FAILED unsent.
+func (d *Double) FailNext(n int) { C.t_fail_next(d.fn["mcd_fail_next"], C.int(n)) }
+
+// SetDelay makes the engine serving segment hold every incoming write for
+// us microseconds before reading it.
+func (d *Double) SetDelay(segment string, us int) error {
+	cs := C.CString(segment)
+	defer C.free(unsafe.Pointer(cs))
+	if C.t_by_name(d.fn["mcd_set_delay_us"], cs, C.int(us)) != 0 {
+		return fmt.Errorf("mooncaketest: no engine serves %q", segment)
+	}
+	return nil
+}
+
+// Kill makes the engine serving segment vanish as if its process died.
+func (d *Double) Kill(segment string) error {
+	cs := C.CString(segment)
+	defer C.free(unsafe.Pointer(cs))
+	if C.t_kill(d.fn["mcd_kill"], cs) != 0 {
+		return fmt.Errorf("mooncaketest: no engine serves %q", segment)
+	}
+	return nil
+}
+
+// Stats reads the counters.
+func (d *Double) Stats() Stats {
+	var s C.struct_mcd_stats
+	C.t_stats(d.fn["mcd_stats"], &s)
+	return Stats{
+		EnginesLive: int64(s.engines_live), BatchesLive: int64(s.batches_live), BatchesAllocated: int64(s.batches_allocated),
+		BatchesFreed: int64(s.batches_freed), BusyFrees: int64(s.busy_frees), BadBatchIDs: int64(s.bad_batch_ids),
+		RegsLive: int64(s.regs_live), RegisterCalls: int64(s.register_calls), UnregisterCalls: int64(s.unregister_calls),
+		UnregisterUnknown: int64(s.unregister_unknown), OpenCalls: int64(s.open_calls), OpenNoCacheCalls: int64(s.open_nocache_calls),
+		TasksSubmitted: int64(s.tasks_submitted), TasksFailed: int64(s.tasks_failed), BytesLanded: int64(s.bytes_landed),
+		WritesRefused: int64(s.writes_refused),
+	}
+}
+
+// RawWrite moves n items of item bytes from src, src+item, ... (memory
+// registered with engine) to remote, remote+item, ... on segment seg as one
+// batch, entirely inside
+// the double: the baseline a benchmark compares the transport against. It
+// returns 0 or the double's error code.
+func (d *Double) RawWrite(engine unsafe.Pointer, src uintptr, seg int32, remote, item uint64, n int) int {
+	return int(C.t_raw(d.fn["mcd_raw_write"], engine, C.uintptr_t(src), C.int32_t(seg), C.uint64_t(remote), C.uint64_t(item), C.size_t(n)))
+}

@@ -1,0 +1,24 @@
+// Package staged carries GPU memory over a transport that moves host
+// memory (TCP), by staging it through page-locked host buffers on both
+// sides.
+//
+// Producer side: a device source is cut into chunks; each chunk is copied
+// to a page-locked buffer (ordered after the source's readiness event) and
+// handed to the inner writer as a frame of its own at its offset in the
+// reservation, while the next chunk is already being copied. So the PCIe
+// copy of chunk k+1 runs while chunk k is on the socket, and the number of
+// chunks in flight is bounded by the staging budget. Host sources pass
+// straight through.
+//
+// Consumer side: a sink over a device slab admits each frame through the
+// shard's RegionSink, hands the transport a page-locked buffer to read the
+// payload into, and when the frame ends copies the buffer to its place in
+// the slab before ending the frame in the shard. A frame is acknowledged,
+// and so the item can be completed and published, only after its bytes
+// are on the GPU. Frames of different connections stage at the same time,
+// so one connection's PCIe copy overlaps the others' socket reads.
+//
+// The receive side never waits for a buffer: a frame that finds the
+// budget spent stages through ordinary (pageable) memory instead, slower
+// but never stuck behind a peer that stopped sending mid-frame.
+package staged

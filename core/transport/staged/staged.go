@@ -1,0 +1,298 @@
+package staged
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime/debug"
+	"sync"
+	"sync/atomic"
+
+	"github.com/ecmooncake/ecmooncake/core/gpu"
+	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/transport"
+)
+
+// Defaults for zero fields of Config.
+const (
+	DefaultStagingBytes = 64 << 20
+	DefaultChunkBytes   = 8 << 20
+	// receiveRound keeps receive buffers reusable across frames of
+	// slightly different sizes.
+	receiveRound = 1 << 20
+)
+
+// Config wires a staged transport.
+type Config struct {
+	// Inner moves host memory (TCP).
+	Inner transport.Transport
+	// Devices resolves the device of each device source (producer side).
+	Devices gpu.Devices
+	// Slab and SlabDevice describe the receive slab when it is device
+	// memory (consumer side); a host slab needs no staging and leaves
+	// Listen to Inner alone.
+	Slab       slab.Memory
+	SlabDevice gpu.Device
+	// StagingBytes bounds the page-locked memory of each side.
+	StagingBytes int
+	// ChunkBytes is the size of a staged chunk on the producer side; it
+	// should match Inner's frame size so that one chunk is one frame.
+	ChunkBytes int
+	Logger     *slog.Logger
+}
+
+// Transport is Inner with device memory staged through host buffers.
+type Transport struct {
+	cfg Config
+}
+
+var _ transport.Transport = (*Transport)(nil)
+
+// New returns a staged transport; zero fields take the defaults.
+func New(cfg Config) *Transport {
+	if cfg.StagingBytes <= 0 {
+		cfg.StagingBytes = DefaultStagingBytes
+	}
+	if cfg.ChunkBytes <= 0 {
+		cfg.ChunkBytes = DefaultChunkBytes
+	}
+	if cfg.Devices == nil {
+		cfg.Devices = gpu.Unavailable{Err: errors.New("no GPU devices configured for staging")}
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return &Transport{cfg: cfg}
+}
+
+// Name is the inner transport's: staging is invisible on the wire.
+func (t *Transport) Name() string { return t.cfg.Inner.Name() }
+
+// Listen listens on Inner; over a device slab the sink is wrapped so that
+// frames stage through host buffers. sink must then be a RegionSink.
+func (t *Transport) Listen(addr string, sink transport.Sink) (transport.Receiver, error) {
+	if t.cfg.SlabDevice == nil {
+		return t.cfg.Inner.Listen(addr, sink)
+	}
+	rs, ok := sink.(transport.RegionSink)
+	if !ok {
+		return nil, fmt.Errorf("staged: listen %s: a %T cannot place frames in device memory (it is no RegionSink)", addr, sink)
+	}
+	s := &stagingSink{
+		inner: rs, dev: t.cfg.SlabDevice, slab: t.cfg.Slab,
+		pool: newPool(t.cfg.StagingBytes, receiveRound),
+		log:  t.cfg.Logger.With("transport", t.Name(), "staging", t.cfg.SlabDevice.Name()),
+	}
+	r, err := t.cfg.Inner.Listen(addr, s)
+	if err != nil {
+		s.pool.close()
+		return nil, err
+	}
+	return &receiver{Receiver: r, sink: s}, nil
+}
+
+// NewWriter wraps Inner's writer so that device sources are staged.
+func (t *Transport) NewWriter() transport.Writer {
+	return &writer{
+		inner: t.cfg.Inner.NewWriter(), devs: t.cfg.Devices, chunk: t.cfg.ChunkBytes,
+		pool: newPool(max(t.cfg.StagingBytes, t.cfg.ChunkBytes), t.cfg.ChunkBytes),
+		kind: "staged " + t.Name(),
+	}
+}
+
+// receiver frees the staging buffers once the inner receiver is closed.
+type receiver struct {
+	transport.Receiver
+	sink *stagingSink
+}
+
+func (r *receiver) Close() error {
+	err := r.Receiver.Close()
+	r.sink.pool.close()
+	return err
+}
+
+// stagingSink admits frames into a device slab through host buffers.
+type stagingSink struct {
+	inner     transport.RegionSink
+	dev       gpu.Device
+	slab      slab.Memory
+	pool      *pool
+	log       *slog.Logger
+	fallbacks atomic.Uint64
+}
+
+var _ transport.FrameSink = (*stagingSink)(nil)
+
+func (s *stagingSink) BeginWrite(ids.ResID, ids.Token, uint64, uint64) ([]byte, error) {
+	return nil, errors.New("staged: a device slab takes frames only through BeginFrame")
+}
+
+func (s *stagingSink) EndWrite(res ids.ResID, ok bool) { s.inner.EndWrite(res, ok) }
+
+func (s *stagingSink) BeginFrame(res ids.ResID, tok ids.Token, off, n uint64) (transport.Frame, error) {
+	at, err := s.inner.BeginRegion(res, tok, off, n)
+	if err != nil {
+		return nil, err
+	}
+	if at > s.slab.Len || n > s.slab.Len-at {
+		// The shard granted a region past its own slab: a broken
+		// invariant, and a GPU write there would land in someone else's
+		// memory.
+		s.inner.EndWrite(res, false)
+		return nil, fmt.Errorf("staged: reservation %d maps to [%d,+%d), outside the %d-byte slab", res, at, n, s.slab.Len)
+	}
+	f := &stagedFrame{s: s, res: res, dst: s.slab.Addr + uintptr(at)}
+	m, err := s.pool.get(context.Background(), s.dev, int(n), false)
+	switch {
+	case m != nil:
+		f.host, f.buf = m, m.Bytes()[:n]
+	default:
+		if s.fallbacks.Add(1) == 1 {
+			s.log.Warn("staging budget spent; staging through pageable memory", "frame_bytes", n, "pinned_bytes", s.pool.bytes(), "cause", err)
+		}
+		f.buf = make([]byte, n)
+	}
+	return f, nil
+}
+
+type stagedFrame struct {
+	s    *stagingSink
+	res  ids.ResID
+	dst  uintptr
+	host gpu.HostMem // nil when buf is pageable
+	buf  []byte
+}
+
+func (f *stagedFrame) Bytes() []byte { return f.buf }
+
+// End copies a complete frame to the GPU before the shard hears of it, so
+// that nothing is published before its bytes are there.
+func (f *stagedFrame) End(ok bool) error {
+	var err error
+	if ok {
+		if err = f.s.dev.CopyFromHost(f.dst, f.buf); err != nil {
+			err = fmt.Errorf("staged: copy of %d bytes to the slab on %s: %w", len(f.buf), f.s.dev.Name(), err)
+			f.s.log.Error("staged: frame torn", "res", f.res, "cause", err)
+			ok = false
+		}
+	}
+	if f.host != nil {
+		f.s.pool.put(f.host)
+	}
+	f.host, f.buf = nil, nil
+	f.s.inner.EndWrite(f.res, ok)
+	return err
+}
+
+// writer stages device sources and passes host ones straight through.
+type writer struct {
+	inner transport.Writer
+	devs  gpu.Devices
+	chunk int
+	pool  *pool
+	kind  string
+}
+
+func (w *writer) Write(ctx context.Context, dest string, items []transport.WriteItem) []error {
+	errs := make([]error, len(items))
+	var mu sync.Mutex
+	fail := func(i int, err error) {
+		mu.Lock()
+		if errs[i] == nil {
+			errs[i] = err
+		}
+		mu.Unlock()
+	}
+	var wg sync.WaitGroup
+	// Host items go out as one batch, alongside the staging below.
+	var host []int
+	for i, it := range items {
+		if it.Dev == nil {
+			host = append(host, i)
+		}
+	}
+	if len(host) > 0 {
+		batch := make([]transport.WriteItem, len(host))
+		for j, i := range host {
+			batch[j] = items[i]
+		}
+		w.spawn(&wg, func() {
+			for j, err := range w.inner.Write(ctx, dest, batch) {
+				if err != nil {
+					fail(host[j], err)
+				}
+			}
+		}, func(err error) {
+			for _, i := range host {
+				fail(i, err)
+			}
+		})
+	}
+	for i, it := range items {
+		if it.Dev != nil {
+			w.stage(ctx, dest, &wg, it, func(err error) { fail(i, err) })
+		}
+	}
+	wg.Wait()
+	return errs
+}
+
+// stage copies one device item chunk by chunk and sends each chunk while
+// the next is being copied; it returns once every chunk is copied or the
+// item failed, with the sends still running under wg.
+func (w *writer) stage(ctx context.Context, dest string, wg *sync.WaitGroup, it transport.WriteItem, fail func(error)) {
+	src := it.Dev
+	errAt := func(off, end uint64, err error) error {
+		return transport.ItemErr(w.kind, dest, it.Res, it.Off+off, it.Off+end, err)
+	}
+	dev, err := w.devs.Device(src.Ordinal)
+	if err != nil {
+		fail(errAt(0, src.Len, err))
+		return
+	}
+	for off := uint64(0); off < src.Len; {
+		n := min(uint64(w.chunk), src.Len-off)
+		m, err := w.pool.get(ctx, dev, int(n), true)
+		if err != nil {
+			fail(errAt(off, off+n, err))
+			return
+		}
+		buf := m.Bytes()[:n]
+		if err := dev.CopyToHost(buf, src.Addr+uintptr(off), src.Ready); err != nil {
+			w.pool.put(m)
+			fail(errAt(off, off+n, err))
+			return
+		}
+		frame := transport.WriteItem{Res: it.Res, Token: it.Token, Off: it.Off + off, Src: buf}
+		w.spawn(wg, func() {
+			defer w.pool.put(m)
+			if errs := w.inner.Write(ctx, dest, []transport.WriteItem{frame}); errs[0] != nil {
+				fail(errs[0])
+			}
+		}, fail)
+		off += n
+	}
+}
+
+// spawn runs f on a goroutine under wg; a panic becomes onPanic's error.
+func (w *writer) spawn(wg *sync.WaitGroup, f func(), onPanic func(error)) {
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer func() {
+			if p := recover(); p != nil {
+				onPanic(fmt.Errorf("staged: panic: %v\n%s", p, debug.Stack()))
+			}
+		}()
+		f()
+	}()
+}
+
+func (w *writer) Close() error {
+	err := w.inner.Close()
+	w.pool.close()
+	return err
+}

@@ -1,0 +1,4 @@
+// Package transporttest holds fakes for testing data planes: Regions, a
+// reservation table over a host or device slab that checks what every
+// transport owes its sink.
+package transporttest

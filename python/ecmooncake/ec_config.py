@@ -1,0 +1,389 @@
+"""Settings of the vLLM connector, read from vLLM's ``ECTransferConfig``.
+
+Everything is checked here, before any native object exists, so that a bad
+``--ec-transfer-config`` stops ``vllm serve`` at startup with a message that
+names the key, the value given and what is allowed, instead of surfacing as
+a failure deep inside an engine process. The library checks its own inputs
+again; the two agree on names and defaults (see the README's table).
+
+This module imports neither vLLM nor torch: it reads the config object by
+attribute, so it works on any vLLM release that has these fields.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+TRANSPORTS = ("tcp", "mooncake")
+LOG_LEVELS = ("debug", "info", "warn", "error")
+BUFFER_DEVICES = ("cpu", "cuda")
+# The slab must hold at least one item; below this it is a typo (a size in
+# MB or GB given as bytes), not a choice.
+MIN_BUFFER_BYTES = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A setting of ``--ec-transfer-config`` that ECMooncakeConnector refuses."""
+
+
+def _fail(key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"ECMooncakeConnector: {key} = {value!r} is not allowed; want {allowed}")
+
+
+def _number(key: str, value: Any, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise _fail(key, value, allowed)
+    try:
+        number = float(value)
+    except ValueError:
+        raise _fail(key, value, allowed) from None
+    if not math.isfinite(number):
+        raise _fail(key, value, allowed)
+    return number
+
+
+def seconds(key: str, value: Any) -> float:
+    allowed = "a positive number of seconds, at most 1e7"
+    number = _number(key, value, allowed)
+    if not 0 < number <= 1e7:
+        raise _fail(key, value, allowed)
+    return number
+
+
+def integer(key: str, value: Any, low: int, high: int) -> int:
+    allowed = f"an integer in [{low}, {high}]"
+    number = _number(key, value, allowed)
+    if not number.is_integer() or not low <= number <= high:
+        raise _fail(key, value, allowed)
+    return int(number)
+
+
+def one_of(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value.lower() not in choices:
+        raise _fail(key, value, "one of " + ", ".join(repr(c) for c in choices))
+    return value.lower()
+
+
+def text(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise _fail(key, value, "a string")
+    return value
+
+
+_HOSTNAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def host(key: str, value: Any) -> str:
+    allowed = "an IPv4 or IPv6 address or a hostname"
+    if not isinstance(value, str) or not value:
+        raise _fail(key, value, allowed)
+    try:
+        ipaddress.ip_address(value.strip("[]"))
+        return value
+    except ValueError:
+        pass
+    if not _HOSTNAME.match(value):
+        raise _fail(key, value, allowed)
+    return value
+
+
+@dataclass(frozen=True)
+class ExtraKey:
+    """One key of ``ec_connector_extra_config``."""
+
+    default: Any
+    check: Callable[[str, Any], Any]
+    # Which native objects take it: "producer", "consumer" (each TP shard),
+    # "scheduler" (the consumer's engine core), "process" (configure()).
+    targets: tuple[str, ...]
+    meaning: str
+    # Sent to the library only when the user sets it, so that the library's
+    # own default applies (and a build without the feature never sees it).
+    only_if_set: bool = False
+
+
+def _transport(key: str, value: Any) -> str:
+    return one_of(key, value, TRANSPORTS)
+
+
+def _log_level(key: str, value: Any) -> str:
+    return one_of(key, value, LOG_LEVELS)
+
+
+EXTRA_KEYS: dict[str, ExtraKey] = {
+    "transport": ExtraKey(
+        "tcp", _transport, ("producer", "consumer"),
+        "data plane: `tcp` (any two hosts, host memory) or `mooncake` (RDMA, needs libtransfer_engine.so)",
+    ),
+    "push_wait_timeout_s": ExtraKey(
+        60.0, seconds, ("producer", "scheduler"),
+        "consumer: a request whose encoder output has not arrived by then fails (retryable); "
+        "producer: how long a push waits for its encoder output and for its write",
+    ),
+    "control_timeout_s": ExtraKey(
+        None, seconds, ("producer", "scheduler"),
+        "deadline of one control round trip: 30 on the producer, 5 for the consumer scheduler's background loop",
+        only_if_set=True,
+    ),
+    "load_timeout_s": ExtraKey(
+        30.0, seconds, ("scheduler",),
+        "a load handed to the workers that is not reported back by then fails the request (retryable)",
+    ),
+    "lease_s": ExtraKey(
+        300.0, seconds, ("consumer",),
+        "a reservation not completed, or an arrived item never loaded, is reclaimed after this",
+    ),
+    "tcp_conns": ExtraKey(
+        4, lambda k, v: integer(k, v, 1, 64), ("producer",),
+        "TCP connections from the producer to each consumer shard",
+    ),
+    "tcp_chunk_bytes": ExtraKey(
+        8 << 20, lambda k, v: integer(k, v, 64 << 10, 1 << 30), ("producer",),
+        "large items are split into chunks of at most this many bytes, spread over the connections",
+    ),
+    "data_port": ExtraKey(
+        0, lambda k, v: integer(k, v, 0, 65535), ("consumer",),
+        "first TCP data-plane port; shard i listens at `data_port + dp_rank*tp_size + tp_rank` (0: any free port)",
+    ),
+    "max_resident_bytes": ExtraKey(
+        0, lambda k, v: integer(k, v, 0, 1 << 50), ("consumer",),
+        "bytes of each shard's slab kept as resident copies after the engine freed them (0: the slab is the cap)",
+    ),
+    "host": ExtraKey(
+        "", lambda k, v: v if v == "" else host(k, v), ("producer", "consumer"),
+        "this machine's identity, used to pick a same-host transport (empty: the hostname)",
+        only_if_set=True,
+    ),
+    "gomaxprocs": ExtraKey(
+        2, lambda k, v: integer(k, v, 1, 1024), ("process",),
+        "threads of the Go runtime in each vLLM process; small, so that it does not compete with PyTorch",
+    ),
+    "log_level": ExtraKey(
+        "info", _log_level, ("process",),
+        "the library's log level (to stderr)",
+    ),
+    "mooncake_library": ExtraKey(
+        "", text, ("producer", "consumer"),
+        "path of `libtransfer_engine.so` (empty: the loader's search path)",
+        only_if_set=True,
+    ),
+    "mooncake_protocol": ExtraKey(
+        "rdma", text, ("producer", "consumer"),
+        "Mooncake transport; both ends must name the same one",
+        only_if_set=True,
+    ),
+    "mooncake_metadata": ExtraKey(
+        "", text, ("producer", "consumer"),
+        "`P2PHANDSHAKE` or `http://host:port/metadata` (empty: P2PHANDSHAKE, or the shard's own metadata server)",
+        only_if_set=True,
+    ),
+    "mooncake_metadata_server": ExtraKey(
+        "", text, ("consumer",),
+        "`host:port` at which a consumer shard serves a Mooncake metadata store",
+        only_if_set=True,
+    ),
+    "mooncake_local_server_name": ExtraKey(
+        "", text, ("producer", "consumer"),
+        "the engine's segment name in HTTP metadata mode (empty: host:port)",
+        only_if_set=True,
+    ),
+    "mooncake_host": ExtraKey(
+        "", text, ("producer", "consumer"),
+        "address peers reach the Mooncake engine at (empty: ec_ip on a consumer)",
+        only_if_set=True,
+    ),
+    "mooncake_staging_bytes": ExtraKey(
+        256 << 20, lambda k, v: integer(k, v, 1 << 20, 1 << 40), ("producer",),
+        "registered staging memory the producer copies encoder outputs into before an RDMA write",
+        only_if_set=True,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in its vLLM instance."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_size: int = 1
+    first_pp_stage: bool = True
+    dp_rank: int = 0
+    dp_size: int = 1
+
+
+@dataclass(frozen=True)
+class ECMooncakeConfig:
+    """The connector's validated settings."""
+
+    is_producer: bool
+    is_consumer: bool
+    ec_ip: str
+    ec_port: int
+    buffer_size: int
+    buffer_device: str
+    topology: Topology
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def value(self, key: str) -> Any:
+        return self.extra.get(key, EXTRA_KEYS[key].default)
+
+    @property
+    def consumer_endpoint(self) -> str:
+        """The control endpoint a proxy names for this consumer instance:
+        its first TP shard (each shard describes all of them)."""
+        t = self.topology
+        port = self.ec_port + t.dp_rank * t.tp_size
+        ip = self.ec_ip.strip("[]")
+        if ":" in ip:
+            ip = f"[{ip}]"
+        return f"tcp://{ip}:{port}"
+
+    def _settings(self, target: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, spec in EXTRA_KEYS.items():
+            if target not in spec.targets:
+                continue
+            if key in self.extra:
+                out[key] = self.extra[key]
+            elif not spec.only_if_set:
+                out[key] = spec.default
+        return out
+
+    def consumer_settings(self) -> dict[str, Any]:
+        t = self.topology
+        out = {
+            "ec_ip": self.ec_ip,
+            "ec_port": self.ec_port,
+            "tp_rank": t.tp_rank,
+            "tp_size": t.tp_size,
+            "dp_rank": t.dp_rank,
+            **self._settings("consumer"),
+        }
+        if out.get("data_port"):
+            out["data_port"] += t.dp_rank * t.tp_size + t.tp_rank
+        return out
+
+    def producer_settings(self) -> dict[str, Any]:
+        return self._settings("producer")
+
+    def scheduler_settings(self) -> dict[str, Any]:
+        t = self.topology
+        return {
+            "ec_ip": self.ec_ip,
+            "ec_port": self.ec_port,
+            "tp_size": t.tp_size,
+            "dp_rank": t.dp_rank,
+            **self._settings("scheduler"),
+        }
+
+    def process_settings(self) -> dict[str, Any]:
+        return self._settings("process")
+
+
+def parse_extra(extra: Any) -> dict[str, Any]:
+    """Checks ``ec_connector_extra_config``; returns the keys set, normalised."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise _fail("ec_connector_extra_config", extra, "a JSON object")
+    out: dict[str, Any] = {}
+    for key, value in extra.items():
+        spec = EXTRA_KEYS.get(key)
+        if spec is None:
+            raise ConfigError(
+                f"ECMooncakeConnector: ec_connector_extra_config has unknown key {key!r} "
+                f"(value {value!r}); allowed keys: {', '.join(sorted(EXTRA_KEYS))}"
+            )
+        out[key] = spec.check(f"ec_connector_extra_config.{key}", value)
+    return out
+
+
+def topology_of(vllm_config: Any) -> Topology:
+    """TP/PP/DP placement of this process.
+
+    Inside a vLLM worker the model-parallel groups are set up before the
+    connector is built, and they are the truth. Elsewhere (the engine-core
+    process, tools, tests) the parallel config is: vLLM numbers a worker's
+    ranks with TP innermost, so tp_rank = rank % tp_size.
+    """
+    pc = getattr(vllm_config, "parallel_config", None)
+    tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+    pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
+    dp_rank = getattr(pc, "data_parallel_index", None)
+    if dp_rank is None:
+        dp_rank = getattr(pc, "data_parallel_rank", 0)
+    rank = int(getattr(pc, "rank", 0) or 0)
+    tp_rank = rank % tp_size
+    first_pp = rank // tp_size % pp_size == 0
+    try:
+        from vllm.distributed import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            tp = parallel_state.get_tp_group()
+            tp_rank, tp_size = tp.rank_in_group, tp.world_size
+            first_pp = parallel_state.get_pp_group().is_first_rank
+    except (ImportError, AttributeError, AssertionError):
+        pass
+    return Topology(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_size=pp_size,
+        first_pp_stage=first_pp,
+        dp_rank=int(dp_rank or 0),
+        dp_size=dp_size,
+    )
+
+
+def from_vllm_config(vllm_config: Any, topology: Topology | None = None) -> ECMooncakeConfig:
+    """Validates the EC settings of ``vllm_config``; raises ConfigError."""
+    ec = getattr(vllm_config, "ec_transfer_config", None)
+    if ec is None:
+        raise ConfigError("ECMooncakeConnector: vllm_config has no ec_transfer_config")
+    is_producer = bool(getattr(ec, "is_ec_producer", False))
+    is_consumer = bool(getattr(ec, "is_ec_consumer", False))
+    if not (is_producer or is_consumer):
+        raise _fail("ec_role", getattr(ec, "ec_role", None), "'ec_producer', 'ec_consumer' or 'ec_both'")
+    topology = topology or topology_of(vllm_config)
+    if is_producer:
+        for key, size in (
+            ("tensor_parallel_size", topology.tp_size),
+            ("pipeline_parallel_size", topology.pp_size),
+            ("data_parallel_size", topology.dp_size),
+        ):
+            if size != 1:
+                raise ConfigError(
+                    f"ECMooncakeConnector: an encoder (ec_producer) instance needs {key} = 1, "
+                    f"got {size}; run more encoder instances instead of sharding one"
+                )
+    ec_ip = host("ec_ip", getattr(ec, "ec_ip", "127.0.0.1"))
+    ec_port = integer("ec_port", getattr(ec, "ec_port", 14579), 1, 65535)
+    highest = ec_port + topology.dp_rank * topology.tp_size + topology.tp_size - 1
+    if is_consumer and highest > 65535:
+        raise ConfigError(
+            f"ECMooncakeConnector: ec_port = {ec_port} is not allowed with tp_size "
+            f"{topology.tp_size} and dp_rank {topology.dp_rank}: shard ports reach {highest}; "
+            f"want ec_port + dp_rank*tp_size + tp_size - 1 <= 65535"
+        )
+    buffer_size = integer("ec_buffer_size", getattr(ec, "ec_buffer_size", 1e9), MIN_BUFFER_BYTES, 1 << 50)
+    device = getattr(ec, "ec_buffer_device", None) or "cuda"
+    if not isinstance(device, str) or device.split(":")[0].lower() not in BUFFER_DEVICES or (
+        ":" in device and not device.split(":", 1)[1].isdigit()
+    ):
+        raise _fail("ec_buffer_device", device, "'cpu', 'cuda' or 'cuda:N'")
+    extra = parse_extra(getattr(ec, "ec_connector_extra_config", None))
+    return ECMooncakeConfig(
+        is_producer=is_producer,
+        is_consumer=is_consumer,
+        ec_ip=ec_ip,
+        ec_port=ec_port,
+        buffer_size=buffer_size,
+        buffer_device=device.lower(),
+        topology=topology,
+        extra=extra,
+    )

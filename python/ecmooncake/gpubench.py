@@ -1,0 +1,411 @@
+"""GPU memory end to end: worker hosts whose slab and encoder outputs live on
+a CUDA device, and the GPU benchmark.
+
+``python -m ecmooncake.gpubench`` runs on a host with a GPU. One consumer
+shard (its receive slab on one GPU) and two producers (their outputs on a
+GPU; one free to choose cuda_ipc for the same host, one told to use TCP) run
+in spawned processes; the consumer scheduler runs in this process. An item's
+time runs from the producer's submit until the scheduler sees it available
+(reserve, copy, complete, readiness event). In the same run it measures the
+ceilings the figures are compared with:
+
+- PyTorch's own device-to-device copy between the same two devices, at each
+  item size (the ceiling of cuda_ipc);
+- a device-to-host copy into page-locked memory, and raw Go TCP loopback
+  (TCP with GPU memory crosses PCIe on each side and the socket between;
+  its ceiling is the smaller of the two).
+
+Phases run one batch at a time; between batches, off the clock, the engine's
+part is played (load, free, finish) and the shard drains its residents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from . import harness
+from .demo import _await_available
+from .harness import ConsumerHost, ProducerHost, Worker, WorkerError
+from .native import Consumer, EcmError, Producer, Scheduler, bench_tcp_loopback, configure
+
+MiB = 1 << 20
+GB = 1e9
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def gpu_payload(seed: int, nbytes: int, device: str) -> Any:
+    """Deterministic bf16 random values filling nbytes on a device.
+
+    The same (seed, nbytes) gives the same bits on any CUDA device, so a
+    consumer regenerates what a producer sent and compares bit for bit.
+    """
+    if nbytes % 2:
+        raise ValueError(f"a bf16 payload needs an even number of bytes, got {nbytes}")
+    torch = _torch()
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device, generator=gen)
+
+
+class GPUConsumerHost(ConsumerHost):
+    """A consumer shard whose receive slab is on a CUDA device."""
+
+    def __init__(self, config: dict, slab_bytes: int, device: str = "cuda:0", settings: dict | None = None):
+        torch = _torch()
+        if settings:
+            configure(**settings)
+        torch.cuda.set_device(device)
+        self.device = device
+        # Zeroed, so that a region reserved but never written cannot pass.
+        self.slab = torch.zeros(slab_bytes, dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(device)
+        self.consumer = Consumer(config, self.slab)
+
+    def ready(self) -> dict:
+        return {"info": self.consumer.info(), "pid": os.getpid(), "device": self.device}
+
+    def op_read(self, mm_hash: str) -> bytes:
+        (item,) = self.consumer.acquire([mm_hash])
+        if item.get("error"):
+            raise WorkerError(f"acquire {mm_hash}: {item['error']}")
+        try:
+            return self.consumer.view(item["offset"], item["nbytes"]).cpu().numpy().tobytes()
+        finally:
+            self.consumer.release([mm_hash])
+
+    def _verify_one(self, mm_hash: str, nbytes: int, seed: int) -> dict:
+        torch = _torch()
+        (got,) = self.consumer.acquire([mm_hash])
+        if got.get("error"):
+            return {"mm_hash": mm_hash, "ok": False, "error": f"acquire: {got['error']}"}
+        try:
+            if got["nbytes"] != nbytes:
+                return {"mm_hash": mm_hash, "ok": False, "error": f"size {got['nbytes']}, expected {nbytes}"}
+            # The zero-copy view the engine would get, compared on the GPU.
+            region = self.consumer.view(got["offset"], got["nbytes"])
+            expected = gpu_payload(seed, nbytes, self.device).view(torch.uint8)
+            if torch.equal(region, expected):
+                return {"mm_hash": mm_hash, "ok": True, "error": ""}
+            wrong = torch.nonzero(region != expected).flatten()
+            first = int(wrong[0])
+            return {
+                "mm_hash": mm_hash,
+                "ok": False,
+                "error": f"{wrong.numel()} of {nbytes} bytes differ, first at {first} "
+                f"(got {int(region[first])}, expected {int(expected[first])})",
+            }
+        finally:
+            self.consumer.release([mm_hash])
+
+
+class GPUProducerHost(ProducerHost):
+    """A producer whose encoder outputs are on a CUDA device."""
+
+    def __init__(self, config: dict, device: str = "cuda:0", settings: dict | None = None):
+        torch = _torch()
+        if settings:
+            configure(**settings)
+        torch.cuda.set_device(device)
+        self.device = device
+        self.producer = Producer(config)
+        self._gpu_filler = None
+
+    def ready(self) -> dict:
+        return {"pid": os.getpid(), "device": self.device}
+
+    def op_source(self, mm_hash: str, nbytes: int, seed: int) -> int:
+        return self.producer.source(mm_hash, gpu_payload(seed, nbytes, self.device))
+
+    def _sources(self, items: list[dict], fill: str) -> dict[str, Any]:
+        # Made on the current stream and handed over without waiting: the
+        # library orders its reads after that stream's work.
+        torch = _torch()
+        sizes: dict[str, tuple[int, int]] = {}
+        for it in items:
+            sizes.setdefault(it["mm_hash"], (int(it["nbytes"]), int(it.get("seed", 0))))
+        if fill == "seed":
+            return {h: gpu_payload(seed, n, self.device) for h, (n, seed) in sizes.items()}
+        if fill == "zeros":
+            largest = max((n for n, _ in sizes.values()), default=0)
+            if self._gpu_filler is None or self._gpu_filler.numel() < largest:
+                self._gpu_filler = torch.zeros(largest, dtype=torch.uint8, device=self.device)
+            return {h: self._gpu_filler[:n] for h, (n, _) in sizes.items()}
+        raise ValueError(f"unknown fill {fill!r}")
+
+    def op_push(self, items: list[dict], consumer: str, timeout_s: float, fill: str = "seed") -> dict:
+        """ProducerHost.op_push, also timing its steps: t_submitted after
+        submit returned, t_handed after the outputs were handed over."""
+        sources = self._sources(items, fill)
+        pushes = [
+            {"transfer_id": it["transfer_id"], "mm_hash": it["mm_hash"], "nbytes": int(it["nbytes"]), "consumer": consumer}
+            for it in items
+        ]
+        t_submit = time.monotonic()
+        submitted = self.producer.submit(pushes)
+        t_submitted = time.monotonic()
+        self.producer.sources(list(sources.items()))
+        t_handed = time.monotonic()
+        del sources
+        report = self._await(pushes, submitted, t_submit, timeout_s)
+        report.update(t_submitted=t_submitted, t_handed=t_handed)
+        return report
+
+    def op_push_after_kernel(self, items: list[dict], consumer: str, timeout_s: float, sleep_cycles: int) -> dict:
+        """Pushes a batch whose outputs a long kernel is still writing when
+        they are handed over: on a side stream, a sleep kernel runs first,
+        then the outputs are filled. A library that read them before the
+        stream's work completed would send zeros."""
+        torch = _torch()
+        payloads = self._sources(items, "seed")
+        outputs = {h: torch.zeros_like(p) for h, p in payloads.items()}
+        torch.cuda.synchronize(self.device)
+        side = torch.cuda.Stream(device=self.device)
+        pushes = [
+            {"transfer_id": it["transfer_id"], "mm_hash": it["mm_hash"], "nbytes": int(it["nbytes"]), "consumer": consumer}
+            for it in items
+        ]
+        t_submit = time.monotonic()
+        submitted = self.producer.submit(pushes)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(int(sleep_cycles))
+            for h, out in outputs.items():
+                out.copy_(payloads[h])
+        self.producer.sources(list(outputs.items()), stream=side)
+        # Whether the kernel was still running at hand-over, for the test to
+        # check that it proved something.
+        pending_at_handover = not side.query()
+        del outputs
+        report = self._await(pushes, submitted, t_submit, timeout_s)
+        # The payloads are read by the side stream: keep them until it is done.
+        side.synchronize()
+        del payloads
+        report["pending_at_handover"] = pending_at_handover
+        return report
+
+
+# --- the benchmark (parent side) ------------------------------------------
+
+
+def _timed(fn, iters: int, sync) -> float:
+    """Seconds per call of fn, after warm-up, on the wall clock."""
+    for _ in range(3):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / iters
+
+
+def device_copy_ceiling(nbytes: int, src: str, dst: str) -> float:
+    """PyTorch's device-to-device copy from src to dst, bytes/s."""
+    torch = _torch()
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+
+    def sync() -> None:
+        torch.cuda.synchronize(src)
+        torch.cuda.synchronize(dst)
+
+    iters = max(5, min(200, int(8 * 1024 * MiB // nbytes)))
+    seconds = _timed(lambda: b.copy_(a, non_blocking=True), iters, sync)
+    del a, b
+    return nbytes / seconds
+
+
+def pinned_d2h_ceiling(nbytes: int, device: str) -> float:
+    """A device-to-host copy into page-locked memory, bytes/s."""
+    torch = _torch()
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    seconds = _timed(lambda: host.copy_(a, non_blocking=True), 10, lambda: torch.cuda.synchronize(device))
+    return nbytes / seconds
+
+
+def tcp_ceiling(nbytes: int = 1 << 30) -> dict:
+    """Raw Go TCP loopback with 1, 2 and 4 streams; the best is the ceiling."""
+    by = {s: bench_tcp_loopback(nbytes, s) for s in (1, 2, 4)}
+    best = max(by, key=by.get)
+    return {"bytes_per_sec": by[best], "streams": best, "by_streams_gb_per_s": {str(s): v / GB for s, v in by.items()}}
+
+
+def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, name: str,
+           nbytes: int, batch: int, batches: int) -> dict:
+    """One warm-up batch, then `batches` timed ones, one at a time."""
+    seconds = 0.0
+    steps = {"submit": 0.0, "hand_over": 0.0, "producer_done": 0.0, "available": 0.0}
+    failures: list[str] = []
+    for b in range(-1, batches):
+        items = [{"transfer_id": f"{name}-{b}-{i}", "mm_hash": f"{name}-{b}-{i}", "nbytes": nbytes} for i in range(batch)]
+        tids = [it["transfer_id"] for it in items]
+        sched.step({"expect": [{"request_id": f"req-{t}", "items": [{"transfer_id": t, "mm_hash": t}]} for t in tids]})
+        timeout = 30 + batch * nbytes / (200 * MiB)
+        producer.send("push", items=items, consumer=address, timeout_s=timeout, fill="zeros")
+        available, unavailable = _await_available(sched, tids, timeout + 5)
+        pushed = producer.result(timeout + 30)
+        if b >= 0:
+            if available:
+                t_avail = max(available.values())
+                seconds += t_avail - pushed["t_submit"]
+                # Where a batch's time goes, in order.
+                steps["submit"] += pushed["t_submitted"] - pushed["t_submit"]
+                steps["hand_over"] += pushed["t_handed"] - pushed["t_submitted"]
+                steps["producer_done"] += pushed["t_done"] - pushed["t_handed"]
+                steps["available"] += t_avail - pushed["t_done"]
+            failures += [f"{t}: {why}" for t, why in pushed["failed"].items()]
+            failures += [f"{t}: {why}" for t, why in unavailable.items()]
+        # Off the clock: the engine loads and frees them; the shard keeps
+        # them as residents that the next batch may evict.
+        loads = sched.step({"load": list(available)}).get("load") or []
+        sched.step({
+            "loaded": [{"transfer_id": lo["transfer_id"], "ok": True} for lo in loads if not lo.get("error")],
+            "freed": [lo["mm_hash"] for lo in loads if not lo.get("error")],
+            "finished": [f"req-{t}" for t in tids],
+        })
+        consumer.call("drain", 60, mm_hashes=tids)
+    count = batch * batches
+    return {
+        "name": name,
+        "item_bytes": nbytes,
+        "batch": batch,
+        "batches": batches,
+        "seconds": seconds,
+        "bytes_per_sec": count * nbytes / seconds if seconds > 0 else 0.0,
+        "us_per_item": seconds / count * 1e6 if count else 0.0,
+        "us_per_batch": {k: v / batches * 1e6 for k, v in steps.items()} if batches else {},
+        "failures": failures,
+    }
+
+
+# (label, transport, item MiB, items per batch, timed batches)
+PHASES = [
+    ("ipc-4m", "cuda_ipc", 4, 8, 16),
+    ("ipc-32m", "cuda_ipc", 32, 8, 8),
+    ("ipc-128m", "cuda_ipc", 128, 8, 6),
+    ("ipc-128m-x64", "cuda_ipc", 128, 64, 3),
+    ("tcp-4m", "tcp", 4, 8, 8),
+    ("tcp-32m", "tcp", 32, 8, 4),
+]
+
+
+def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progress: bool = True,
+        phases: list[tuple] | None = None) -> dict:
+    torch = _torch()
+    phases = phases or PHASES
+    settings = {"log_level": "warn", "gomaxprocs": 4}
+    slab_bytes = max(mib * batch for _, _, mib, batch, _ in phases) * MiB * 5 // 4 + 256 * MiB
+    ip = "127.0.0.1"
+    port = harness.free_port_range(1, ip)
+    address = f"tcp://{ip}:{port}"
+    shard = {"ec_ip": ip, "ec_port": port, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "transport": "tcp"}
+    consumer = Worker("gpu_consumer", "consumer", config=shard, slab_bytes=slab_bytes, device=consumer_device, settings=settings)
+    producers = {
+        "cuda_ipc": Worker("gpu_producer", "producer-ipc", config={}, device=producer_device, settings=settings),
+        "tcp": Worker("gpu_producer", "producer-tcp", config={"local_transport": "none"}, device=producer_device, settings=settings),
+    }
+    workers = [consumer, *producers.values()]
+    try:
+        for w in workers:
+            w.wait_ready(180)
+        configure(**settings)
+        sizes = sorted({mib * MiB for _, _, mib, _, _ in phases})
+        ceilings = {
+            "device_copy": {str(n): device_copy_ceiling(n, producer_device, consumer_device) for n in sizes},
+            "pinned_d2h": pinned_d2h_ceiling(max(sizes), producer_device),
+            "tcp": tcp_ceiling(),
+        }
+        results = []
+        with Scheduler({"ec_ip": ip, "ec_port": port, "tp_size": 1, "dp_rank": 0}) as sched:
+            for label, plane, mib, batch, batches in phases:
+                if progress:
+                    print(f"gpubench: {label}: {batches} batches of {batch} x {mib} MiB over {plane}", file=sys.stderr, flush=True)
+                r = _phase(sched, consumer, producers[plane], address, label, mib * MiB, batch, batches)
+                r["transport"] = plane
+                results.append(r)
+        planes = consumer.call("stats", 30).get("data_planes") or {}
+    finally:
+        harness.stop_all(workers)
+
+    tcp_cap = min(ceilings["pinned_d2h"], ceilings["tcp"]["bytes_per_sec"])
+    for r in results:
+        if r["transport"] == "cuda_ipc":
+            cap = ceilings["device_copy"][str(r["item_bytes"])]
+        else:
+            cap = tcp_cap
+        r["ceiling_bytes_per_sec"] = cap
+        r["ratio"] = r["bytes_per_sec"] / cap if cap else 0.0
+        # What an item costs beyond moving its bytes at the ceiling's rate.
+        r["overhead_us_per_item"] = r["us_per_item"] - r["item_bytes"] / cap * 1e6
+    return {
+        "ok": all(not r["failures"] for r in results),
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(consumer_device),
+        "devices": f"{producer_device} -> {consumer_device}",
+        "torch": torch.__version__,
+        "ceilings": {
+            "device_copy_gb_per_s": {str(int(k) // MiB) + " MiB": v / GB for k, v in ceilings["device_copy"].items()},
+            "pinned_d2h_gb_per_s": ceilings["pinned_d2h"] / GB,
+            "tcp_loopback_gb_per_s": ceilings["tcp"]["bytes_per_sec"] / GB,
+            "tcp_loopback_streams": ceilings["tcp"]["streams"],
+            "tcp_by_streams_gb_per_s": ceilings["tcp"]["by_streams_gb_per_s"],
+        },
+        "phases": results,
+        "data_planes": {k: {"frames": v.get("Frames"), "bytes": v.get("Bytes")} for k, v in planes.items()},
+    }
+
+
+def format_summary(s: dict) -> str:
+    c = s["ceilings"]
+    copy = ", ".join(f"{k} {v:.0f}" for k, v in c["device_copy_gb_per_s"].items())
+    lines = [
+        f"ecmooncake GPU bench, {s['date']}, {s['gpu']}, {s['devices']}, torch {s['torch']}",
+        f"  ceilings (same run): PyTorch device copy GB/s: {copy}; pinned D2H {c['pinned_d2h_gb_per_s']:.1f} GB/s; "
+        f"Go TCP loopback {c['tcp_loopback_gb_per_s']:.2f} GB/s ({c['tcp_loopback_streams']} streams)",
+        f"  {'phase':<14}{'plane':<10}{'item':>8}{'batch':>7}{'GB/s':>9}{'ceiling':>9}{'ratio':>7}{'us/item':>10}{'over':>9}",
+    ]
+    for r in s["phases"]:
+        lines.append(
+            f"  {r['name']:<14}{r['transport']:<10}{r['item_bytes'] // MiB:>5} MiB{r['batch']:>7}"
+            f"{r['bytes_per_sec'] / GB:>9.1f}{r['ceiling_bytes_per_sec'] / GB:>9.1f}{r['ratio']:>7.2f}"
+            f"{r['us_per_item']:>10.1f}{r['overhead_us_per_item']:>9.1f}"
+        )
+        steps = ", ".join(f"{k} {v:.0f}" for k, v in r["us_per_batch"].items())
+        lines.append(f"    us per batch: {steps}")
+        lines += [f"    failed: {f}" for f in r["failures"][:5]]
+    lines.append("  (ratio: end-to-end throughput over the ceiling; over: us per item above moving its bytes at the ceiling)")
+    lines.append("  result " + ("OK" if s["ok"] else "FAILED"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ecmooncake.gpubench", description=__doc__.splitlines()[0])
+    parser.add_argument("--consumer-device", default="cuda:0")
+    parser.add_argument("--producer-device", default="cuda:0")
+    parser.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        summary = run(args.consumer_device, args.producer_device, progress=not args.quiet)
+    except (EcmError, WorkerError, OSError, ValueError) as exc:
+        print(f"ecmooncake gpubench: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2, sort_keys=True)
+    print(format_summary(summary))
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

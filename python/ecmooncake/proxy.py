@@ -1,0 +1,186 @@
+"""The EPD proxy and consumer discovery, driven through the library.
+
+``python -m ecmooncake proxy`` (also the ``ecmooncake-proxy`` script) runs
+the Go proxy in this process until SIGINT or SIGTERM; ``python -m
+ecmooncake register`` keeps an instance registered with proxies, as a
+sidecar next to ``vllm serve``. Python owns the signals: the library never
+installs a handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Any
+
+from .native import _call, _encode, _Handle
+
+
+class Proxy(_Handle):
+    """A running EPD proxy; serves in the background until :meth:`close`."""
+
+    kind = "proxy"
+
+    def __init__(self, config: dict | str):
+        super().__init__()
+        self._open("ecm_proxy_open", _encode(config, "proxy config"))
+
+    @property
+    def address(self) -> str:
+        """host:port the proxy listens on."""
+        return self.stats()["addr"]
+
+    def backends(self) -> dict:
+        return self.stats()["backends"]
+
+
+class Registrar(_Handle):
+    """Keeps one instance registered with proxies until :meth:`close`."""
+
+    kind = "registrar"
+
+    def __init__(self, config: dict | str):
+        super().__init__()
+        self._open("ecm_registrar_open", _encode(config, "registrar config"))
+
+
+def metrics_text() -> str:
+    """This process's metrics in the Prometheus text format."""
+    from . import _ffi
+    from ctypes import byref, c_void_p
+
+    dll = _ffi.lib()
+    out, err = c_void_p(), c_void_p()
+    rc = dll.ecm_metrics_text(byref(out), byref(err))
+    message = _ffi.take_string(dll, err)
+    text = _ffi.take_string(dll, out)
+    if rc != _ffi.ECM_OK:
+        from .native import error_for
+
+        raise error_for(rc, f"ecm_metrics_text: {message}")
+    return text or ""
+
+
+def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--encode", nargs="*", default=[], metavar="URL", help="encoder instances (http://host:port)")
+    p.add_argument(
+        "--pd",
+        nargs="*",
+        default=[],
+        metavar="URL",
+        help="prefill/decode instances; a URL may carry its consumer layout in the fragment: "
+        "http://h:8100#ec=tcp://h:14579&tp_size=2&dp_size=2 (ec defaults to tcp://<host>:--ec-port)",
+    )
+    p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill instances (the consumers) of a split P/D deployment")
+    p.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode instances of a split P/D deployment")
+    p.add_argument("--retries", type=int, default=2, help="re-encode and resend a request whose consumer failed before the first byte, up to N times (default %(default)s)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=0, help="also serve /metrics on this port (it is always on the main port)")
+    p.add_argument("--ec-port", type=int, default=14579, help="consumers' ec_port for --pd/--prefill URLs without ec= (default %(default)s)")
+    p.add_argument("--encode-timeout", type=float, default=60, help="seconds allowed per encoder call (default %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=600, help="seconds allowed per request, end to end (default %(default)s)")
+    p.add_argument("--health-interval", type=float, default=2, help="seconds between /health checks of each backend (default %(default)s)")
+    p.add_argument("--fail-threshold", type=int, default=3, help="consecutive failures that drop a backend (default %(default)s)")
+    p.add_argument("--no-register", action="store_true", help="refuse POST /v1/ecm/register (static lists only)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
+
+
+def proxy_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "host": args.host,
+        "port": args.port,
+        "metrics_port": args.metrics_port,
+        "encode": args.encode,
+        "pd": args.pd,
+        "prefill": args.prefill,
+        "decode": args.decode,
+        "retries": args.retries,
+        "ec_port": args.ec_port,
+        "encode_timeout_s": args.encode_timeout,
+        "request_timeout_s": args.request_timeout,
+        "health_interval_s": args.health_interval,
+        "fail_threshold": args.fail_threshold,
+        "allow_register": not args.no_register,
+    }
+
+
+def add_register_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--proxy", nargs="+", required=True, metavar="URL", help="proxies to register with (http://host:port)")
+    p.add_argument("--role", default="pd", choices=["pd", "prefill", "decode", "encode"])
+    p.add_argument("--url", required=True, help="this instance's base URL, as the proxy reaches it (http://host:port)")
+    p.add_argument("--consumer", default="", help="control endpoint of the first consumer shard, tcp://<ec_ip>:<ec_port> (pd, prefill)")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--host-id", default="", help="machine identity shown by the proxy (default: none)")
+    p.add_argument("--ttl", type=float, default=10, help="seconds the proxy keeps the entry without a heartbeat (default %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
+
+
+def register_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "proxies": args.proxy,
+        "role": args.role,
+        "url": args.url,
+        "consumer": args.consumer,
+        "tp_size": args.tp_size,
+        "dp_size": args.dp_size,
+        "host": args.host_id,
+        "ttl_s": args.ttl,
+    }
+
+
+def _run_until_signal(obj: _Handle, banner: str) -> int:
+    stop = threading.Event()
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    print(banner, flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        obj.close()
+    return 0
+
+
+def proxy_main(args: argparse.Namespace) -> int:
+    from .native import configure
+
+    configure(log_level=args.log_level)
+    proxy = Proxy(proxy_config(args))
+    stats = proxy.stats()
+    banner = f"ecmooncake proxy listening on http://{stats['addr']}"
+    if stats.get("metrics_addr"):
+        banner += f" (metrics also on http://{stats['metrics_addr']}/metrics)"
+    return _run_until_signal(proxy, banner)
+
+
+def register_main(args: argparse.Namespace) -> int:
+    from .native import configure
+
+    configure(log_level=args.log_level)
+    reg = Registrar(register_config(args))
+    return _run_until_signal(reg, f"registering {args.role} {args.url} with {', '.join(args.proxy)}")
+
+
+def console_main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ecmooncake-proxy`` script."""
+    parser = argparse.ArgumentParser(
+        prog="ecmooncake-proxy",
+        description="EPD proxy: an OpenAI-compatible front that sends media to encoder instances "
+        "and the rewritten request to prefill/decode instances.",
+    )
+    add_proxy_arguments(parser)
+    return proxy_main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(console_main())
+
+
+__all__ = ["Proxy", "Registrar", "metrics_text", "console_main"]

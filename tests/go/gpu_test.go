@@ -1,0 +1,251 @@
+package gotests
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecmooncake/ecmooncake/core/config"
+	"github.com/ecmooncake/ecmooncake/core/consumer"
+	"github.com/ecmooncake/ecmooncake/core/gpu"
+	"github.com/ecmooncake/ecmooncake/core/producer"
+	"github.com/ecmooncake/ecmooncake/core/sched"
+	"github.com/ecmooncake/ecmooncake/core/scheduler"
+	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/cudaipc"
+	"github.com/ecmooncake/ecmooncake/core/transport/route"
+	"github.com/ecmooncake/ecmooncake/core/transport/staged"
+)
+
+// gpuCluster is a consumer whose TP shards each hold their slab on a GPU of
+// one fake host, a scheduler, and two producers on the same host: one
+// free to use cuda_ipc, one told to use the network.
+type gpuCluster struct {
+	t        testing.TB
+	host     *gpu.FakeHost
+	windows  [][]byte // each shard's slab, as the test sees it
+	shards   []*consumer.Shard
+	sched    *scheduler.Scheduler
+	prods    map[string]*producer.Producer
+	consumer string
+}
+
+const gpuHostName = "gpu-host-0"
+
+func newGPUCluster(t testing.TB, tp, slabBytes int) *gpuCluster {
+	log := quietLog()
+	c := &gpuCluster{t: t, host: gpu.NewFakeHost(tp), prods: map[string]*producer.Producer{}}
+	base := freeBaseTB(t, tp)
+	for r := 0; r < tp; r++ {
+		dev, err := c.host.Device(r)
+		require.NoError(t, err)
+		addr, window := c.host.Alloc(r, slabBytes)
+		mem := slab.DeviceMemory(addr, uint64(slabBytes), dev.Name())
+		tr := route.New(route.Config{
+			Network: staged.New(staged.Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: log}), Slab: mem, SlabDevice: dev, Logger: log}),
+			Local:   cudaipc.New(cudaipc.Config{Slab: mem, SlabDevice: dev, Logger: log}),
+			Host:    gpuHostName, Logger: log,
+		})
+		cfg := config.DefaultConsumer()
+		cfg.Port, cfg.TPSize, cfg.TPRank, cfg.Host = base, tp, r, gpuHostName
+		s, err := consumer.Open(cfg, mem, consumer.Options{Transport: tr, Log: log})
+		require.NoError(t, err)
+		c.windows = append(c.windows, window)
+		c.shards = append(c.shards, s)
+	}
+	c.consumer = c.shards[0].Info().Control
+	scfg := config.DefaultScheduler()
+	scfg.Port, scfg.TPSize = base, tp
+	var err error
+	c.sched, err = scheduler.Open(scfg, log)
+	require.NoError(t, err)
+	for _, plane := range []string{cudaipc.Name, "tcp"} {
+		rc := route.Config{
+			Network: staged.New(staged.Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: log}), Devices: c.host, Logger: log}),
+			Host:    gpuHostName, Logger: log, LocalOff: "local_transport is none",
+		}
+		if plane == cudaipc.Name {
+			rc.Local, rc.LocalOff = cudaipc.New(cudaipc.Config{Devices: c.host, Logger: log}), ""
+		}
+		pcfg := config.DefaultProducer()
+		pcfg.ControlTimeoutS, pcfg.PushWaitS = 5, 20
+		c.prods[plane], err = producer.Open(pcfg, producer.Options{Transport: route.New(rc), Log: log})
+		require.NoError(t, err)
+	}
+	t.Cleanup(c.close)
+	return c
+}
+
+func (c *gpuCluster) close() {
+	for plane, p := range c.prods {
+		require.NoError(c.t, p.Close())
+		delete(c.prods, plane)
+	}
+	if c.sched != nil {
+		require.NoError(c.t, c.sched.Close())
+		c.sched = nil
+	}
+	for i, s := range c.shards {
+		if s != nil {
+			require.NoError(c.t, s.Close())
+			c.shards[i] = nil
+		}
+	}
+}
+
+// freeBaseTB is freeBase for benchmarks too.
+func freeBaseTB(t testing.TB, n int) int {
+	if tt, ok := t.(*testing.T); ok {
+		return freeBase(tt, n)
+	}
+	return freeBase(&testing.T{}, n)
+}
+
+// push expects, submits and hands over items whose outputs are in device
+// memory of GPU 0, and waits until every push is done.
+func (c *gpuCluster) push(plane, req string, items []item, stream uintptr) {
+	c.t.Helper()
+	p := c.prods[plane]
+	exp := make([]sched.Expected, len(items))
+	pushes := make([]producer.Push, len(items))
+	for i, it := range items {
+		exp[i] = sched.Expected{TransferID: it.tid, MMHash: it.hash}
+		pushes[i] = producer.Push{TransferID: it.tid, MMHash: it.hash, NBytes: uint64(len(it.data)), Consumer: c.consumer}
+	}
+	require.Empty(c.t, c.sched.Step(scheduler.StepIn{Expect: []scheduler.ExpectIn{{RequestID: req, Items: exp}}}).ExpectErrors)
+	for _, err := range p.Submit(pushes) {
+		require.NoError(c.t, err)
+	}
+	dev, err := c.host.Device(0)
+	require.NoError(c.t, err)
+	seen := map[string]bool{}
+	var srcs []producer.Source
+	for _, it := range items {
+		if seen[it.hash] {
+			continue
+		}
+		seen[it.hash] = true
+		addr, window := c.host.Alloc(0, len(it.data))
+		copy(window, it.data)
+		ready, err := dev.RecordEvent(stream)
+		require.NoError(c.t, err)
+		srcs = append(srcs, producer.Source{MMHash: it.hash, Dev: &transport.DeviceSrc{Addr: addr, Len: uint64(len(it.data)), Ready: ready}})
+	}
+	_, errs := p.Sources(srcs)
+	for _, err := range errs {
+		require.NoError(c.t, err)
+	}
+	decided := map[string]bool{}
+	deadline := time.Now().Add(30 * time.Second)
+	for len(decided) < len(items) && time.Now().Before(deadline) {
+		o := p.Poll(200 * time.Millisecond)
+		require.Empty(c.t, o.Failed)
+		for _, id := range o.Done {
+			decided[id] = true
+		}
+	}
+	require.Len(c.t, decided, len(items))
+}
+
+// verify checks every item's bytes in every shard's slab.
+func (c *gpuCluster) verify(items []item) {
+	c.t.Helper()
+	for r, s := range c.shards {
+		for _, it := range items {
+			got := s.Acquire([]string{it.hash})[0]
+			require.Empty(c.t, got.Error, "shard %d acquire %s", r, it.hash)
+			region := c.windows[r][got.Offset : got.Offset+got.NBytes]
+			require.True(c.t, bytes.Equal(it.data, region), "shard %d item %s differs", r, it.tid)
+			for _, err := range s.Release([]string{it.hash}) {
+				require.NoError(c.t, err)
+			}
+		}
+	}
+}
+
+func TestGPUSlabsOverEachPlane(t *testing.T) {
+	c := newGPUCluster(t, 2, 64<<20)
+	for i, plane := range []string{cudaipc.Name, "tcp"} {
+		items := makeItems(uint64(40+i), 6, 1, 3<<20, 3)
+		c.push(plane, "req-"+plane, items, 0)
+		w := c.wait(tids(items), 10*time.Second)
+		require.Len(t, w.Available, len(items), "every item is available on every shard")
+		c.verify(items)
+		for r, s := range c.shards {
+			planes := s.Stats().Planes
+			require.Positive(t, planes[plane].Frames, "shard %d: %s carried the %s pushes (%v)", r, plane, plane, planes)
+			if plane == cudaipc.Name {
+				require.Zero(t, planes["tcp"].Frames, "shard %d: a producer on the same host uses cuda_ipc", r)
+			}
+		}
+	}
+	require.Eventually(t, func() bool { return c.host.OpenEvents() == 0 }, 10*time.Second, 10*time.Millisecond,
+		"every source's readiness event is closed once the source is released")
+	require.Positive(t, c.host.OpenMappings())
+	c.close()
+	require.Zero(t, c.host.OpenMappings(), "closing the producer closes its mappings of the shards' slabs")
+}
+
+func (c *gpuCluster) wait(ids []string, within time.Duration) scheduler.WaitOut {
+	ctx, cancel := context.WithTimeout(context.Background(), within)
+	defer cancel()
+	return c.sched.Wait(ctx, ids)
+}
+
+// TestGPUSourceWaitsForItsStream hands over outputs whose stream is still
+// busy: nothing may be published before the work completes and the bytes
+// published are the final ones.
+func TestGPUSourceWaitsForItsStream(t *testing.T) {
+	c := newGPUCluster(t, 1, 32<<20)
+	for _, plane := range []string{cudaipc.Name, "tcp"} {
+		t.Run(plane, func(t *testing.T) {
+			stream := c.host.NewStream()
+			stream.Hold()
+			items := makeItems(50, 2, 1<<20, 2<<20, 0)
+			for i := range items {
+				items[i].tid += plane
+				items[i].hash += plane
+			}
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				c.push(plane, "req-wait-"+plane, items, stream.Handle())
+			}()
+			w := c.wait(tids(items), 50*time.Millisecond)
+			require.Empty(t, w.Available, "nothing is published while the producing stream is busy")
+			stream.Release()
+			<-done
+			require.Len(t, c.wait(tids(items), 10*time.Second).Available, len(items))
+			c.verify(items)
+		})
+	}
+}
+
+// BenchmarkGPUBatch64 measures what an item costs beyond its bytes: small
+// items over cuda_ipc between fake GPUs, whose copies are memcpy.
+func BenchmarkGPUBatch64(b *testing.B) {
+	c := newGPUCluster(b, 1, 64<<20)
+	const n, size = 64, 64 << 10
+	var total time.Duration
+	for i := 0; i < b.N; i++ {
+		items := make([]item, n)
+		for j := range items {
+			items[j] = item{tid: fmt.Sprintf("g%d-%d", i, j), hash: fmt.Sprintf("g%d-%d", i, j), data: make([]byte, size)}
+		}
+		start := time.Now()
+		c.push(cudaipc.Name, fmt.Sprintf("req-%d", i), items, 0)
+		total += time.Since(start)
+		hashes := make([]string, n)
+		for j, it := range items {
+			hashes[j] = it.hash
+		}
+		c.shards[0].Acquire(hashes)
+		c.shards[0].Release(hashes)
+	}
+	b.ReportMetric(float64(total.Microseconds())/float64(b.N*n), "us/item")
+}

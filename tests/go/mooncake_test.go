@@ -1,0 +1,183 @@
+package gotests
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	zmq "github.com/pebbe/zmq4"
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecmooncake/ecmooncake/core/config"
+	"github.com/ecmooncake/ecmooncake/core/consumer"
+	"github.com/ecmooncake/ecmooncake/core/control"
+	"github.com/ecmooncake/ecmooncake/core/metadata"
+	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/mooncake"
+	"github.com/ecmooncake/ecmooncake/core/transport/mooncake/mooncaketest"
+	"github.com/ecmooncake/ecmooncake/core/wire"
+)
+
+// The Mooncake TransferEngine test double, built for this run.
+var (
+	mcLibrary string
+	mcDouble  *mooncaketest.Double
+)
+
+func TestMain(m *testing.M) {
+	os.Exit(func() int {
+		dir, err := os.MkdirTemp("", "ecm-gotests-mooncake-")
+		if err != nil {
+			panic(err)
+		}
+		defer os.RemoveAll(dir)
+		if mcLibrary, err = mooncaketest.Build(dir, "libtransfer_engine.so", false); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		if mcDouble, err = mooncaketest.Open(mcLibrary); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		return m.Run()
+	}())
+}
+
+// offHeap is slab memory outside the Go heap, as Python's is: the
+// engine's threads write it.
+func offHeap(t *testing.T) func(n int) []byte {
+	return func(n int) []byte {
+		mem, err := syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE|syscall.MAP_ANONYMOUS)
+		require.NoError(t, err)
+		// After the cluster's own cleanup, which closes the shards.
+		t.Cleanup(func() { _ = syscall.Munmap(mem) })
+		return mem
+	}
+}
+
+func mooncakeTr(t *testing.T, mod func(*mooncake.Config)) transport.Transport {
+	c := mooncake.Config{Library: mcLibrary, Host: "127.0.0.1", StagingBytes: 16 << 20, ChunkBytes: 1 << 20, Logger: quietLog()}
+	if mod != nil {
+		mod(&c)
+	}
+	tr, err := mooncake.New(c)
+	require.NoError(t, err)
+	return tr
+}
+
+func mooncakeCluster(t *testing.T, o clusterOpts, consumerMod, producerMod func(*mooncake.Config)) *cluster {
+	o.slab = offHeap(t)
+	o.consumerTr = func(int) transport.Transport { return mooncakeTr(t, consumerMod) }
+	o.producerTr = func() transport.Transport { return mooncakeTr(t, producerMod) }
+	return newCluster(t, o)
+}
+
+// The whole path over the mooncake data plane: two shards, several items
+// per batch, duplicates, a resident copy answered without a write.
+func TestMooncakePushToShardedConsumer(t *testing.T) {
+	before := mcDouble.Stats()
+	c := mooncakeCluster(t, clusterOpts{tp: 2}, nil, nil)
+	items := makeItems(11, 10, 1, 3<<20, 4)
+	out := c.pushAll("req-mc", items)
+	require.Empty(t, out.Failed)
+	w := c.wait(tids(items), 10*time.Second)
+	require.ElementsMatch(t, tids(items), w.Available)
+	c.verify(items)
+
+	landed := mcDouble.Stats().BytesLanded
+	again := []item{{tid: "tx-mc-again", hash: items[0].hash, data: items[0].data}}
+	require.Empty(t, c.pushAll("req-mc-2", again).Failed)
+	require.Equal(t, landed, mcDouble.Stats().BytesLanded, "a cached item is not written again")
+
+	for _, s := range c.shards {
+		st := s.Stats()
+		require.Zero(t, st.Table.WritesInFlight, "every one-sided write was ended by its complete")
+	}
+	require.Equal(t, before.BatchesLive, mcDouble.Stats().BatchesLive)
+}
+
+func TestMooncakeOverHTTPMetadata(t *testing.T) {
+	store, err := metadata.Listen(metadata.Config{Addr: "127.0.0.1:0", Logger: quietLog()})
+	require.NoError(t, err)
+	defer store.Close()
+	http := func(c *mooncake.Config) { c.Metadata = store.URL() }
+	c := mooncakeCluster(t, clusterOpts{tp: 2}, http, http)
+	items := makeItems(12, 4, 1000, 100_000, 0)
+	require.Empty(t, c.pushAll("req-http", items).Failed)
+	c.verify(items)
+	require.GreaterOrEqual(t, store.Stats().Keys, 3, "each engine published itself")
+}
+
+// Both ends must install the same protocol; a mismatch fails the push at
+// lookup, before anything is reserved or written.
+func TestMooncakeProtocolMismatchFailsThePush(t *testing.T) {
+	tcp := func(c *mooncake.Config) { c.Protocol = "tcp" }
+	c := mooncakeCluster(t, clusterOpts{tp: 1}, tcp, nil)
+	before := mcDouble.Stats()
+	items := makeItems(13, 2, 100, 100, 0)
+	out := c.pushAll("req-proto", items)
+	require.Len(t, out.Failed, 2)
+	for _, f := range out.Failed {
+		require.Contains(t, f.Reason, "mooncake_protocol")
+	}
+	require.Equal(t, before.TasksSubmitted, mcDouble.Stats().TasksSubmitted)
+	require.Zero(t, c.shards[0].Stats().InUse, "nothing was reserved")
+}
+
+// A write that fails makes the producer abandon the region; the shard ends
+// the one-sided write and returns the memory at once.
+func TestMooncakeFailedWriteAbandonsTheRegion(t *testing.T) {
+	c := mooncakeCluster(t, clusterOpts{tp: 1}, nil, nil)
+	items := makeItems(14, 1, 4096, 4096, 0)
+	c.expect("req-fail", items)
+	mcDouble.FailNext(1)
+	c.send(items)
+	out := c.drain(1, 30*time.Second)
+	require.Len(t, out.Failed, 1)
+	require.Contains(t, out.Failed[0].Reason, "FAILED")
+	require.Eventually(t, func() bool {
+		st := c.shards[0].Stats()
+		return st.InUse == 0 && st.Table.WritesInFlight == 0
+	}, 10*time.Second, 5*time.Millisecond)
+	w := c.wait(tids(items), 10*time.Second)
+	require.Equal(t, tids(items), w.Failed)
+}
+
+// A producer that reserves and vanishes never completes nor abandons: the
+// shard ends the one-sided write itself after two leases, and the region's
+// memory comes back.
+func TestMooncakeVanishedWriterReleasedAfterTwoLeases(t *testing.T) {
+	base := freeBase(t, 1)
+	mem := offHeap(t)(1 << 20)
+	cfg := config.DefaultConsumer()
+	cfg.Port, cfg.LeaseS, cfg.Transport = base, 0.2, mooncake.Name
+	s, err := consumer.Open(cfg, slab.HostMemory(mem), consumer.Options{Transport: mooncakeTr(t, nil), Log: quietLog()})
+	require.NoError(t, err)
+	defer s.Close()
+
+	zctx, err := zmq.NewContext()
+	require.NoError(t, err)
+	defer zctx.Term()
+	cl, err := control.Dial(zctx, s.Info().Control, quietLog())
+	require.NoError(t, err)
+	defer cl.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	var rep wire.ReserveBatchReply
+	require.NoError(t, cl.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Items: []wire.ReserveItem{{TransferID: "t-gone", MMHash: "h-gone", NBytes: 4096}}}, &rep))
+	require.Equal(t, wire.KindWrite, rep.Grants[0].Kind)
+	require.NotZero(t, rep.Grants[0].Addr, "a one-sided grant says where to write")
+	require.True(t, strings.HasPrefix(s.Info().Data, "mooncake://"))
+
+	st := s.Stats()
+	require.Equal(t, 1, st.Table.WritesInFlight, "the writer is admitted from the grant on")
+	require.Eventually(t, func() bool {
+		st := s.Stats()
+		return st.InUse == 0 && st.Table.WritesInFlight == 0
+	}, 20*time.Second, 10*time.Millisecond)
+}

@@ -1,0 +1,419 @@
+"""The behaviours vLLM's own tests assert for its example connector
+(tests/v1/ec_connector/unit/test_ec_example_connector.py), re-expressed for
+ECMooncakeConnector, plus the contract of each hook: never raise, never
+block, small picklable metadata.
+
+Both roles run in this process here, as with vLLM's single-process executor.
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from conftest import subprocess_env, wait_until
+from vllm_engine import HIDDEN, Item, make_config, make_request, require_vllm, tiny_model
+
+require_vllm()
+
+import torch  # noqa: E402
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole  # noqa: E402
+from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory  # noqa: E402
+from vllm.distributed.ec_transfer.ec_connector.utils import ECOutputAggregator  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ECConnectorOutput, ModelRunnerOutput  # noqa: E402
+
+from ecmooncake import connector as ecm_connector  # noqa: E402
+from ecmooncake import plugin  # noqa: E402
+from ecmooncake.connector import LoadSpec  # noqa: E402
+from ecmooncake.harness import free_port_range  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("library")
+
+MiB = 1 << 20
+WIDTH = 2 * HIDDEN
+EXTRA = {"push_wait_timeout_s": 10, "control_timeout_s": 5, "log_level": "warn"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("model"))
+
+
+def create(config, role):
+    plugin.register()
+    return ECConnectorFactory.create_connector(config, role)
+
+
+@dataclass
+class Instance:
+    """Both instances of a deployment, in one process."""
+
+    port: int
+    consumer_sched: object
+    consumer_worker: object
+    producer_sched: object
+    producer_worker: object
+
+    def close(self):
+        for c in (self.producer_worker, self.consumer_worker, self.producer_sched, self.consumer_sched):
+            c.shutdown()
+
+    def push(self, items: list[Item], consumer_ids: list[str]) -> dict:
+        """Runs one encoder request through the producer's hooks."""
+        req = make_request(f"enc-{consumer_ids[0]}", items, {"consumer": f"127.0.0.1:{self.port}", "ec_items": [{"transfer_id": t} for t in consumer_ids]})
+        s, w = self.producer_sched, self.producer_worker
+        assert s.ensure_cache_available(req, 0)
+        for i in range(len(items)):
+            assert not s.has_cache_item(items[i].identifier)
+            s.update_state_after_alloc(req, i)
+        meta = pickle.loads(pickle.dumps(s.build_connector_meta(SchedulerOutput.make_empty())))
+        cache: dict = {}
+        w.bind_connector_metadata(meta)
+        w.start_save_caches(encoder_cache=cache)
+        for it in items:
+            cache[it.identifier] = tensor_for(it)
+            w.save_caches(encoder_cache=cache, mm_hash=it.identifier)
+        w.get_finished(set())
+        report = w.build_connector_worker_meta()
+        w.clear_connector_metadata()
+        s.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
+        delay_free, params = s.request_finished(req)
+        assert delay_free is False
+        return params
+
+    def expect(self, request_id: str, items: list[Item], transfer_ids: list[str]):
+        req = make_request(request_id, items, {"ec_items": [{"mm_hash": it.identifier, "transfer_id": t} for it, t in zip(items, transfer_ids)]})
+        self.consumer_sched.ensure_cache_available(req, 0)
+        return req
+
+    def wait_available(self, req, timeout=20):
+        wait_until(lambda: self.consumer_sched.ensure_cache_available(req, 0), timeout, interval=0.01, what="items available")
+
+
+def tensor_for(item: Item) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(int(item.identifier[:15], 16))
+    return torch.randn(item.shape, generator=gen).to(torch.bfloat16)
+
+
+@pytest.fixture
+def instance(model_dir):
+    port = free_port_range(1)
+    consumer = make_config("ec_consumer", model_dir=model_dir, port=port, buffer_size=64 * MiB, extra=EXTRA)
+    producer = make_config("ec_producer", model_dir=model_dir, port=port, extra=EXTRA, widths={"image": WIDTH})
+    made = []
+    try:
+        for config, role in ((consumer, ECConnectorRole.SCHEDULER), (consumer, ECConnectorRole.WORKER), (producer, ECConnectorRole.SCHEDULER), (producer, ECConnectorRole.WORKER)):
+            made.append(create(config, role))
+        made[1].start_worker_services()
+        made[3].start_worker_services()
+        inst = Instance(port, *made)
+        yield inst
+    finally:
+        for c in made:
+            c.shutdown()
+
+
+def step_load(inst: Instance, scheduler_output=None):
+    meta = pickle.loads(pickle.dumps(inst.consumer_sched.build_connector_meta(scheduler_output or SchedulerOutput.make_empty())))
+    cache: dict = {}
+    w = inst.consumer_worker
+    w.bind_connector_metadata(meta)
+    w.start_load_caches(cache)
+    w.get_finished(set())
+    report = w.build_connector_worker_meta()
+    w.clear_connector_metadata()
+    inst.consumer_sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
+    return meta, cache, report
+
+
+def test_roles_after_init(model_dir):
+    port = free_port_range(1)
+    producer = make_config("ec_producer", model_dir=model_dir, port=port, extra=EXTRA, widths={"image": WIDTH})
+    both = make_config("ec_both", model_dir=model_dir, port=port, extra=EXTRA, widths={"image": WIDTH})
+    plugin.register()
+    cls = ECConnectorFactory.get_connector_class(producer.ec_transfer_config)
+    assert cls is ecm_connector.ECMooncakeConnector
+    assert issubclass(cls, ECConnectorBase) and not cls.__abstractmethods__
+    for config, role, is_producer, is_consumer in (
+        (producer, ECConnectorRole.SCHEDULER, True, False),
+        (producer, ECConnectorRole.WORKER, True, False),
+        (both, ECConnectorRole.WORKER, True, True),
+    ):
+        c = create(config, role)
+        try:
+            assert (c.role, c.is_producer, c.is_consumer) == (role, is_producer, is_consumer)
+        finally:
+            c.shutdown()
+            c.shutdown()  # idempotent
+
+
+def test_every_hook_of_the_base_class_is_implemented():
+    inherited = {"update_state_after_free", "get_ec_connector_stats", "register_caches", "build_ec_connector_stats", "build_prom_metrics", "clear_connector_metadata", "_get_connector_metadata"}
+    hooks = {name for name in dir(ECConnectorBase) if callable(getattr(ECConnectorBase, name)) and not name.startswith("__")}
+    cls = ecm_connector.ECMooncakeConnector
+    missing = sorted(name for name in hooks - inherited if getattr(cls, name) is getattr(ECConnectorBase, name))
+    assert missing == []
+    assert all(cls._hooks.values()), "vLLM 0.33 has every optional hook"
+
+
+def test_has_cache_item_for_pushed_items_only(instance):
+    items = [Item(f"has/{i}", 100 + 50 * i, WIDTH) for i in range(3)]
+    assert not any(instance.consumer_sched.has_cache_item(it.identifier) for it in items), "nothing pushed yet"
+    req = instance.expect("pd-has", items, ["h0", "h1", "h2"])
+    instance.push(items[:1], ["h0"])
+    wait_until(lambda: instance.consumer_sched.has_cache_item(items[0].identifier), 20, interval=0.01, what="first item")
+    assert [instance.consumer_sched.has_cache_item(it.identifier) for it in items] == [True, False, False]
+    assert instance.consumer_sched.ensure_cache_available(req, 0) is False, "1 of 3 is not enough"
+    # Items that lie before the computed tokens are not waited for.
+    after_first = req.mm_features[1].mm_position.offset
+    assert instance.consumer_sched.ensure_cache_available(req, after_first) is False
+    assert instance.consumer_sched.ensure_cache_available(req, req.num_tokens) is True
+
+
+def test_update_state_after_alloc_records_loads_and_build_clears(instance):
+    items = [Item(f"alloc/{n}", n, WIDTH) for n in (100, 150, 200)]
+    local = Item("alloc/local", 64, WIDTH)
+    tids = ["a100", "a150", "a200"]
+    req = instance.expect("pd-alloc", items + [local], tids + ["never"])
+    instance.push(items, tids)
+    s = instance.consumer_sched
+    wait_until(lambda: all(s.has_cache_item(it.identifier) for it in items), 20, interval=0.01, what="items available")
+    for i, it in enumerate(items + [local]):
+        if s.has_cache_item(it.identifier):
+            s.update_state_after_alloc(req, i)
+    # The local item goes to the encoder (has_cache_item said no) and
+    # update_state_after_alloc must not turn it into a load.
+    s.update_state_after_alloc(req, 3)
+    so = SchedulerOutput.make_empty()
+    so.free_encoder_mm_hashes = ["some-other-hash"]
+    before = pickle.dumps(so)
+    meta = s.build_connector_meta(so)
+    assert pickle.dumps(so) == before, "build_connector_meta must not modify the scheduler output"
+    assert [(spec.mm_hash, spec.num_embeds, spec.transfer_id) for spec in meta.loads] == [
+        (it.identifier, it.num_embeds, t) for it, t in zip(items, tids)
+    ]
+    assert all(not spec.error for spec in meta.loads)
+    again = s.build_connector_meta(SchedulerOutput.make_empty())
+    assert again.loads == [] and again.pushes == []
+
+
+def test_loads_are_zero_copy_views_that_equal_the_source(instance):
+    items = [Item("view/a", 300, WIDTH), Item("view/b", 77, WIDTH)]
+    req = instance.expect("pd-view", items, ["va", "vb"])
+    params = instance.push(items, ["va", "vb"])
+    assert params[items[0].identifier]["shape"] == [300, WIDTH]
+    instance.wait_available(req)
+    for i, it in enumerate(items):
+        assert instance.consumer_sched.has_cache_item(it.identifier)
+        instance.consumer_sched.update_state_after_alloc(req, i)
+    meta, cache, report = step_load(instance)
+    assert report.loaded == {"va", "vb"} and report.failed_loads == {}
+    slab = instance.consumer_worker._consumer_worker._slab
+    for it in items:
+        got = cache[it.identifier]
+        assert got.dtype == torch.bfloat16 and tuple(got.shape) == it.shape
+        assert torch.equal(got.view(torch.int16), tensor_for(it).view(torch.int16))
+        assert got.untyped_storage().data_ptr() == slab.untyped_storage().data_ptr(), "a view of the slab, not a copy"
+
+
+def test_start_load_caches_skips_items_already_present(instance):
+    item = Item("present/a", 128, WIDTH)
+    req = instance.expect("pd-present", [item], ["pa"])
+    instance.push([item], ["pa"])
+    instance.wait_available(req)
+    assert instance.consumer_sched.has_cache_item(item.identifier)
+    instance.consumer_sched.update_state_after_alloc(req, 0)
+    meta = instance.consumer_sched.build_connector_meta(SchedulerOutput.make_empty())
+    mine = torch.ones(4, 4)
+    cache = {item.identifier: mine}
+    w = instance.consumer_worker
+    w.bind_connector_metadata(meta)
+    w.start_load_caches(cache)
+    report = w.build_connector_worker_meta()
+    w.clear_connector_metadata()
+    assert cache[item.identifier] is mine
+    assert report.loaded == {"pa"}
+    assert instance.consumer_worker.native_stats()["consumer"]["table"]["Pinned"] == 0, "nothing was acquired"
+    # Empty metadata is a no-op.
+    w.bind_connector_metadata(ecm_connector.ECMooncakeConnectorMetadata())
+    w.start_load_caches(cache)
+    w.clear_connector_metadata()
+    assert list(cache) == [item.identifier]
+
+
+def test_freed_items_are_released_and_stay_resident(instance):
+    item = Item("freed/a", 256, WIDTH)
+    req = instance.expect("pd-freed", [item], ["fa"])
+    instance.push([item], ["fa"])
+    instance.wait_available(req)
+    instance.consumer_sched.has_cache_item(item.identifier)
+    instance.consumer_sched.update_state_after_alloc(req, 0)
+    _, cache, _ = step_load(instance)
+    assert instance.consumer_worker.native_stats()["consumer"]["table"]["Pinned"] == 1
+    instance.consumer_sched.request_finished(req)
+    so = SchedulerOutput.make_empty()
+    so.free_encoder_mm_hashes = [item.identifier]
+    meta = instance.consumer_sched.build_connector_meta(so)
+    cache.pop(item.identifier)  # vLLM's runner drops freed entries first
+    w = instance.consumer_worker
+    w.bind_connector_metadata(meta)
+    w.start_load_caches(cache)
+    w.clear_connector_metadata()
+    table = instance.consumer_worker.native_stats()["consumer"]["table"]
+    assert (table["Pinned"], table["Residents"]) == (0, 1)
+    assert instance.consumer_sched.has_cache_item(item.identifier), "a resident copy can be loaded again"
+
+
+def test_consumer_save_caches_does_nothing(instance):
+    item = Item("save/consumer", 10, WIDTH)
+    w = instance.consumer_worker
+    w.bind_connector_metadata(ecm_connector.ECMooncakeConnectorMetadata())
+    w.save_caches(encoder_cache={item.identifier: tensor_for(item)}, mm_hash=item.identifier)
+    w.clear_connector_metadata()
+    assert "producer" not in w.native_stats()
+
+
+def test_bind_and_clear_connector_metadata(instance):
+    w = instance.producer_worker
+    with pytest.raises(AssertionError):
+        w._get_connector_metadata()
+    meta = ecm_connector.ECMooncakeConnectorMetadata()
+    w.bind_connector_metadata(meta)
+    assert w._get_connector_metadata() is meta
+    w.clear_connector_metadata()
+    with pytest.raises(AssertionError):
+        w._get_connector_metadata()
+
+
+def test_saving_an_empty_tensor_does_not_raise(instance):
+    item = Item("empty/a", 8, WIDTH)
+    req = make_request("enc-empty", [item], {"consumer": f"127.0.0.1:{instance.port}", "ec_items": [{"transfer_id": "e0"}]})
+    s, w = instance.producer_sched, instance.producer_worker
+    s.update_state_after_alloc(req, 0)
+    w.bind_connector_metadata(s.build_connector_meta(SchedulerOutput.make_empty()))
+    w.start_save_caches(encoder_cache={})
+    w.save_caches(encoder_cache={item.identifier: torch.empty(0, WIDTH, dtype=torch.bfloat16)}, mm_hash=item.identifier)
+    w.get_finished(set())
+    report = w.build_connector_worker_meta()
+    w.clear_connector_metadata()
+    assert "e0" in report.pushes_failed, "a size that does not match the announcement fails the push"
+
+
+def test_loading_a_missing_item_does_not_raise(instance):
+    item = Item("missing/a", 32, WIDTH)
+    meta = ecm_connector.ECMooncakeConnectorMetadata(loads=[LoadSpec(item.identifier, "m0", item.num_embeds, "image")])
+    cache: dict = {}
+    w = instance.consumer_worker
+    w.bind_connector_metadata(meta)
+    w.start_load_caches(cache)
+    report = w.build_connector_worker_meta()
+    w.clear_connector_metadata()
+    assert "m0" in report.failed_loads and report.loaded == set()
+    stand_in = cache[item.identifier]
+    assert tuple(stand_in.shape) == (item.num_embeds, HIDDEN), "the gather finds an entry of the model's width"
+    assert not stand_in.any()
+
+
+def test_a_failed_load_fails_its_request(instance):
+    item = Item("failed-load/a", 32, WIDTH)
+    req = instance.expect("pd-failed-load", [item], ["f0"])
+    instance.push([item], ["f0"])
+    instance.wait_available(req)
+    s = instance.consumer_sched
+    assert s.has_cache_item(item.identifier)
+    s.update_state_after_alloc(req, 0)
+    (spec,) = s.build_connector_meta(SchedulerOutput.make_empty()).loads
+    assert spec.transfer_id == "f0"
+    # What a TP rank whose shard lost the item reports.
+    report = ecm_connector.ECMooncakeWorkerMetadata(failed_loads={"f0": "acquire: not ready"})
+    s.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
+    assert s.take_unavailable_requests() == {req.request_id}
+    assert s.take_unavailable_requests() == set()
+
+
+def test_request_finished_keeps_repeated_positions(instance):
+    a, b = Item("repeat/a", 16, WIDTH), Item("repeat/b", 24, WIDTH)
+    req = make_request("enc-repeat", [a, b, a], {"consumer": f"127.0.0.1:{instance.port}", "ec_items": [{"transfer_id": t} for t in ("r0", "r1", "r2")]})
+    s = instance.producer_sched
+    s.ensure_cache_available(req, 0)
+    delay_free, params = s.request_finished(req)
+    assert delay_free is False
+    assert params[a.identifier]["item_indices"] == [0, 2]
+    assert params[b.identifier]["item_indices"] == [1]
+    assert params[b.identifier]["transfer_id"] == "r1"
+    assert params[b.identifier]["shape"] == [24, WIDTH]
+    assert instance.consumer_sched.request_finished(make_request("pd-x", [a], None)) == (False, None)
+
+
+def test_worker_metadata_merges_across_tp_ranks():
+    report = ecm_connector.ECMooncakeWorkerMetadata
+    ranks = [
+        report(loaded={"t1", "t2"}, failed_loads={}, pushes_done=set(), pushes_failed={}, pending_pushes=False),
+        report(loaded={"t1"}, failed_loads={"t2": "shard 1 lost it"}, pushes_done=set(), pushes_failed={}, pending_pushes=True),
+    ]
+    outputs = [ModelRunnerOutput.with_ec_conn_output(EMPTY_MODEL_RUNNER_OUTPUT, ECConnectorOutput(ec_connector_worker_meta=r)) for r in ranks]
+    merged = ECOutputAggregator().aggregate(outputs, output_rank=0).ec_connector_output.ec_connector_worker_meta
+    assert merged.loaded == {"t1"}
+    assert merged.failed_loads == {"t2": "shard 1 lost it"}
+    assert merged.pending_pushes is True
+
+
+def test_metadata_is_small_and_loads_in_a_fresh_process():
+    meta = ecm_connector.ECMooncakeConnectorMetadata(
+        loads=[LoadSpec(f"{i:064x}", f"transfer-{i:027d}", 1296, "image") for i in range(64)],
+    )
+    blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+    assert len(blob) < 16 << 10
+    probe = "import pickle, sys; m = pickle.loads(sys.stdin.buffer.read()); print(type(m).__mro__[1].__name__, len(m.loads))"
+    done = subprocess.run([sys.executable, "-c", probe], input=blob, capture_output=True, timeout=120, env=subprocess_env())
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().split() == ["_StepMetadata", "64"]
+
+
+def test_scheduler_hooks_do_not_block_on_unreachable_peers(model_dir):
+    # Nobody listens at this port: the scheduler's background loop keeps
+    # retrying, and no hook may wait for it.
+    control_timeout_s = 30.0
+    port = free_port_range(1)
+    config = make_config("ec_consumer", model_dir=model_dir, port=port, extra={"control_timeout_s": control_timeout_s, "log_level": "error"})
+    s = create(config, ECConnectorRole.SCHEDULER)
+    try:
+        items = [Item(f"unreachable/{i}", 64, WIDTH) for i in range(4)]
+        requests = [make_request(f"pd-u{i}", items, {"ec_items": [{"transfer_id": f"u{i}-{j}"} for j in range(4)]}) for i in range(50)]
+        started = time.monotonic()
+        answers = set()
+        for n in range(1000):
+            answers.add(s.has_cache_item(items[n % 4].identifier))
+            answers.add(s.ensure_cache_available(requests[n % 50], 0))
+            if n % 10 == 0:
+                s.build_connector_meta(SchedulerOutput.make_empty())
+        elapsed = time.monotonic() - started
+        assert answers == {False}
+        assert elapsed < control_timeout_s, f"1000 rounds of hooks took {elapsed:.1f}s: something waited on the network"
+    finally:
+        s.shutdown()
+
+
+def test_hooks_never_raise_into_the_engine(instance):
+    item = Item("closed/a", 16, WIDTH)
+    req = instance.expect("pd-closed", [item], ["c0"])
+    instance.close()  # every native object is gone: each call below fails inside
+    s, w = instance.consumer_sched, instance.consumer_worker
+    assert s.has_cache_item(item.identifier) is False
+    assert s.ensure_cache_available(make_request("pd-closed-2", [item], {"ec_items": [{"transfer_id": "c1"}]}), 0) is False
+    s.update_state_after_alloc(req, 0)
+    assert isinstance(s.build_connector_meta(SchedulerOutput.make_empty()), ecm_connector.ECMooncakeConnectorMetadata)
+    assert s.request_finished(req) == (False, None)
+    cache: dict = {}
+    w.bind_connector_metadata(ecm_connector.ECMooncakeConnectorMetadata(loads=[LoadSpec(item.identifier, "c0", 16, "image")]))
+    w.start_load_caches(cache)
+    assert w.get_finished({"pd-closed"}) == (None, None)
+    assert w.build_connector_worker_meta().failed_loads.keys() == {"c0"}
+    w.clear_connector_metadata()
+    assert item.identifier in cache, "a stand-in keeps vLLM's gather from failing"

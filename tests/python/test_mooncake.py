@@ -1,0 +1,200 @@
+"""The `mooncake` transport through the C ABI, against the test double of
+Mooncake TransferEngine's C API, and the Mooncake metadata store (object and
+`python -m ecmooncake metadata-server`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, subprocess_env
+from ecmooncake import native
+from ecmooncake.harness import free_port_range
+from ecmooncake.native import EcmUnavailable, MetadataServer, Producer, Scheduler
+
+pytestmark = pytest.mark.usefixtures("library")
+
+IP = "127.0.0.1"
+MiB = 1 << 20
+
+
+def _load_build_script():
+    spec = importlib.util.spec_from_file_location("build_mooncake_double", REPO / "build" / "build_mooncake_double.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def double(tmp_path_factory) -> Path:
+    """The TransferEngine test double, built with the system C compiler."""
+    return _load_build_script().build(tmp_path_factory.mktemp("mooncake-double"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((IP, 0))
+        return s.getsockname()[1]
+
+
+def _http(method: str, url: str, body: dict | None = None) -> tuple[int, bytes]:
+    """One request as Mooncake's HTTP metadata plugin sends it."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=3) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _key_url(base: str, key: str) -> str:
+    return f"{base}?key={urllib.parse.quote(key, safe='')}"
+
+
+def _check_store(url: str) -> None:
+    key = "mooncake/rpc_meta/10.0.0.5:15432"
+    assert _http("GET", _key_url(url, key))[0] == 404
+    assert _http("PUT", _key_url(url, key), {"ip_or_host_name": "10.0.0.5", "rpc_port": 15432})[0] == 200
+    assert _http("PUT", _key_url(url, key), {"rpc_port": 1})[0] == 200, "a second PUT overwrites"
+    status, body = _http("GET", _key_url(url, key))
+    assert status == 200 and json.loads(body) == {"rpc_port": 1}
+    assert _http("DELETE", _key_url(url, key))[0] == 200
+    assert _http("DELETE", _key_url(url, key))[0] == 200
+    assert _http("GET", _key_url(url, key))[0] == 404
+    health = url.rsplit("/", 1)[0] + "/health"
+    assert _http("GET", health) == (200, b"ok")
+
+
+def test_metadata_server_cli(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ecmooncake", "metadata-server", "--host", IP, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith(f"http://{IP}:") and url.endswith("/metadata"), (url, proc.stderr.read() if proc.poll() is not None else "")
+        _check_store(url)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_metadata_server_object():
+    with MetadataServer(IP, 0) as server:
+        assert server.url.startswith(f"http://{IP}:")
+        _check_store(server.url)
+        stats = server.stats()
+        assert stats["puts"] == 2 and stats["deletes"] == 2 and stats["keys"] == 0
+    assert server.closed
+
+
+def test_metadata_server_token():
+    with MetadataServer(IP, 0, token="s3cret") as server:
+        assert _http("PUT", _key_url(server.url, "k"), {"a": 1})[0] == 401
+
+
+@pytest.mark.parametrize(
+    "config, env, want",
+    [
+        ({"transport": "mooncake"}, "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/x/libte.so"}),
+        ('{"transport": "mooncake"}', "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/x/libte.so"}),
+        ({"transport": "mooncake", "mooncake_library": "/mine.so"}, "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/mine.so"}),
+        ({"transport": "tcp"}, "/x/libte.so", {"transport": "tcp"}),
+        ({"transport": "mooncake"}, None, {"transport": "mooncake"}),
+        ("not json", "/x/libte.so", "not json"),
+    ],
+)
+def test_library_path_comes_from_the_environment(monkeypatch, config, env, want):
+    if env is None:
+        monkeypatch.delenv(native.MOONCAKE_LIBRARY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(native.MOONCAKE_LIBRARY_ENV, env)
+    assert native.with_mooncake_library(config) == want
+
+
+def test_missing_library_is_unavailable(monkeypatch):
+    monkeypatch.setenv(native.MOONCAKE_LIBRARY_ENV, "/nonexistent/env/libtransfer_engine.so")
+    with pytest.raises(EcmUnavailable, match="/nonexistent/env/libtransfer_engine.so"):
+        Producer({"transport": "mooncake"})
+    with pytest.raises(EcmUnavailable, match="/nonexistent/key/libtransfer_engine.so"):
+        Producer({"transport": "mooncake", "mooncake_library": "/nonexistent/key/libtransfer_engine.so"})
+    # Other transports do not need the library.
+    with Producer({"transport": "tcp"}):
+        pass
+
+
+def _consumer(port: int, rank: int, tp: int, **extra) -> dict:
+    return {
+        "ec_ip": IP, "ec_port": port, "tp_rank": rank, "tp_size": tp, "dp_rank": 0,
+        "transport": "mooncake", "mooncake_host": IP, **extra,
+    }
+
+
+def _items(tag: str) -> list[dict]:
+    sizes = [1, 4099, 3 * MiB + 5, 9 * MiB]
+    out = [{"transfer_id": f"t-{tag}-{i}", "mm_hash": f"{tag}{i}" * 8, "nbytes": n, "seed": 100 + i} for i, n in enumerate(sizes)]
+    out.append({**out[1], "transfer_id": f"t-{tag}-dup"})  # same content in the same batch
+    return out
+
+
+def _round_trip(workers, port: int, tp: int, consumer_extra: dict, producer_config: dict, tag: str) -> None:
+    shards = [
+        workers("consumer", f"consumer-{tag}-{rank}", config=_consumer(port, rank, tp, **consumer_extra), slab_bytes=48 * MiB)
+        for rank in range(tp)
+    ]
+    producer = workers("producer", f"producer-{tag}", config=producer_config)
+    for worker in [*shards, producer]:
+        worker.wait_ready(60)
+    items = _items(tag)
+    tids = [it["transfer_id"] for it in items]
+    with Scheduler({"ec_ip": IP, "ec_port": port, "tp_size": tp, "push_wait_timeout_s": 30}) as scheduler:
+        scheduler.step({"expect": [{"request_id": f"r-{it['transfer_id']}", "items": [{"transfer_id": it["transfer_id"], "mm_hash": it["mm_hash"]}]} for it in items]})
+        pushed = producer.call("push", 90, items=items, consumer=f"tcp://{IP}:{port}", timeout_s=60)
+        assert pushed["failed"] == {} and pushed["timed_out"] == [], pushed
+        assert pushed["held_sources"] == 0
+        waited = scheduler.wait(tids, 20_000)
+        assert sorted(waited["available"]) == sorted(tids), waited
+    for shard in shards:
+        assert shard.call("info", 10)["data"].startswith("mooncake://")
+        results = shard.call("verify", 60, items=items)
+        assert [r["ok"] for r in results] == [True] * len(items), results
+
+
+def test_two_processes_over_the_double(workers, double, monkeypatch):
+    """The library path travels as ECMOONCAKE_MOONCAKE_LIBRARY (read by
+    Python, passed to Go as mooncake_library) into every worker."""
+    monkeypatch.setenv(native.MOONCAKE_LIBRARY_ENV, str(double))
+    port = free_port_range(2, IP)
+    producer = {"transport": "mooncake", "mooncake_host": IP, "mooncake_staging_bytes": 16 * MiB, "control_timeout_s": 10, "push_wait_timeout_s": 30}
+    _round_trip(workers, port, 2, {}, producer, "p2p")
+
+
+def test_consumer_serves_the_metadata_store(workers, double, monkeypatch):
+    """mooncake_metadata_server starts the store with the consumer; both
+    engines then publish and find each other through it (HTTP mode)."""
+    monkeypatch.setenv(native.MOONCAKE_LIBRARY_ENV, str(double))
+    port = free_port_range(1, IP)
+    store = f"{IP}:{_free_port()}"
+    url = f"http://{store}/metadata"
+    producer = {"transport": "mooncake", "mooncake_host": IP, "mooncake_metadata": url, "control_timeout_s": 10, "push_wait_timeout_s": 30}
+    _round_trip(workers, port, 1, {"mooncake_metadata_server": store}, producer, "http")
+    assert _http("GET", f"http://{store}/health") == (200, b"ok")
