@@ -160,7 +160,7 @@ func (p *Producer) write(dest, addr string, ws []push.Write, items []transport.W
 			errs[i] = err
 		}
 	} else {
-		ctx, cancel := context.WithTimeout(context.Background(), p.cfg.PushWait())
+		ctx, cancel := context.WithTimeout(p.life, p.cfg.PushWait())
 		start := time.Now()
 		errs = p.writer.Write(ctx, addr, items)
 		cancel()

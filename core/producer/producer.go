@@ -92,7 +92,11 @@ type Producer struct {
 
 	wake chan struct{}
 	stop chan struct{}
-	wg   sync.WaitGroup
+	// life ends at Close, so that control calls and writes in flight
+	// return at once instead of at their deadlines.
+	life    context.Context
+	endLife context.CancelFunc
+	wg      sync.WaitGroup
 
 	unwatch func() // detaches the metrics probe
 }
@@ -128,6 +132,7 @@ func Open(cfg config.Producer, opt Options) (*Producer, error) {
 		wake:      make(chan struct{}, 1),
 		stop:      make(chan struct{}),
 	}
+	p.life, p.endLife = context.WithCancel(context.Background())
 	p.wg.Add(1)
 	go p.driver()
 	p.unwatch = metrics.Watch("producer", p.probe)
@@ -420,6 +425,7 @@ func (p *Producer) Close() error {
 	}
 	p.closed = true
 	close(p.stop)
+	p.endLife()
 	p.mu.Unlock()
 	p.unwatch()
 	// Writes in flight read sources: close the writer first so they fail
@@ -493,7 +499,7 @@ func (p *Producer) call(endpoint string, op wire.Op, body, out any) error {
 	if err != nil {
 		return err
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.ControlTimeout())
+	ctx, cancel := context.WithTimeout(p.life, p.cfg.ControlTimeout())
 	defer cancel()
 	start := time.Now()
 	err = c.Call(ctx, op, body, out)

@@ -31,6 +31,10 @@ type Scheduler struct {
 	table    *sched.Table
 	changed  chan struct{} // closed and replaced on every table change
 	resynced uint64
+	// failures collects requests' failures (deadlines and shard reports)
+	// until the next Step hands them to the engine; bounded, oldest first
+	// out, since a later Ensure reports every failure of a request anyway.
+	failures []sched.Failure
 	closed   bool
 	waits    waitClock
 	unwatch  func() // detaches the metrics probe
@@ -40,6 +44,10 @@ type Scheduler struct {
 	cancels []chan []string // per shard
 	kick    chan struct{}
 	stop    chan struct{}
+	// life ends at Close, so that a control call in flight returns at once
+	// instead of at its deadline.
+	life    context.Context
+	endLife context.CancelFunc
 	wg      sync.WaitGroup
 }
 
@@ -75,6 +83,7 @@ func Open(cfg config.Scheduler, log *slog.Logger) (*Scheduler, error) {
 		kick: make(chan struct{}, 1),
 		stop: make(chan struct{}),
 	}
+	s.life, s.endLife = context.WithCancel(context.Background())
 	s.waits = waitClock{}
 	s.unwatch = metrics.Watch(s.metricsName(), s.probe)
 	s.wg.Add(2)
@@ -151,10 +160,7 @@ func (s *Scheduler) ticker() {
 			s.mu.Lock()
 			defer s.mu.Unlock()
 			if fails := s.table.Tick(time.Now()); len(fails) > 0 {
-				for _, f := range fails {
-					s.log.Warn("encoder output unavailable", "request_id", f.RequestID, "transfer_id", f.TransferID, "mm_hash", f.MMHash, "cause", f.Reason)
-					metrics.Failed("scheduler", metrics.Reason(f.Reason))
-				}
+				s.noteFailuresLocked(fails)
 				s.changedLocked()
 			}
 			if next, ok := s.table.NextDeadline(); ok {
@@ -256,7 +262,7 @@ func (s *Scheduler) resync(rank int, client *control.Client, log *slog.Logger) {
 }
 
 func (s *Scheduler) call(c *control.Client, op wire.Op, body, out any) error {
-	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.ControlTimeout())
+	ctx, cancel := context.WithTimeout(s.life, s.cfg.ControlTimeout())
 	defer cancel()
 	start := time.Now()
 	err := c.Call(ctx, op, body, out)
@@ -290,6 +296,7 @@ func (s *Scheduler) Close() error {
 	}
 	s.closed = true
 	close(s.stop)
+	s.endLife()
 	s.mu.Unlock()
 	s.unwatch()
 	err := s.sub.Close()
@@ -299,4 +306,19 @@ func (s *Scheduler) Close() error {
 		return fmt.Errorf("scheduler: close: %w", err)
 	}
 	return nil
+}
+
+// maxHeldFailures bounds the failures kept for the next Step.
+const maxHeldFailures = 4096
+
+// noteFailuresLocked logs failures once and keeps them for the next Step.
+func (s *Scheduler) noteFailuresLocked(fails []sched.Failure) {
+	for _, f := range fails {
+		s.log.Warn("encoder output unavailable", "request_id", f.RequestID, "transfer_id", f.TransferID, "mm_hash", f.MMHash, "cause", f.Reason)
+		metrics.Failed("scheduler", metrics.Reason(f.Reason))
+	}
+	s.failures = append(s.failures, fails...)
+	if over := len(s.failures) - maxHeldFailures; over > 0 {
+		s.failures = append(s.failures[:0], s.failures[over:]...)
+	}
 }

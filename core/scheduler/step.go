@@ -54,6 +54,9 @@ type StepOut struct {
 	Ensure       map[string]EnsureOut `json:"ensure,omitempty"`
 	Has          map[string]bool      `json:"has,omitempty"`
 	Cancelled    []string             `json:"cancelled,omitempty"`
+	// Failures are requests' items that will not arrive, reported once
+	// each: deadlines that passed and failures the shards reported.
+	Failures []sched.Failure `json:"failures,omitempty"`
 }
 
 // Step applies one scheduler step's worth of changes and answers its
@@ -109,6 +112,10 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 		out.Has[h] = s.table.Has(h)
 	}
 	s.waits.settle(s.table, out.Cancelled, now)
+	if fails := s.table.Tick(now); len(fails) > 0 {
+		s.noteFailuresLocked(fails)
+	}
+	out.Failures, s.failures = s.failures, nil
 	s.changedLocked()
 	s.mu.Unlock()
 	if len(out.Cancelled) > 0 {

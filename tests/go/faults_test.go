@@ -51,3 +51,21 @@ func TestConsumerDiesMidWrite(t *testing.T) {
 	// turn; until then the producer rightly reports work pending.
 	require.Eventually(t, func() bool { st := c.prod.Stats(); return st.Sources == 0 && !st.Pending }, 10*time.Second, 20*time.Millisecond)
 }
+
+// A push that never comes: the scheduler's next step reports the request's
+// item failed, once, as retryable, after push_wait_timeout_s.
+func TestMissingPushFailsTheRequestInAStep(t *testing.T) {
+	c := newCluster(t, clusterOpts{tp: 2, pushWait: time.Second})
+	items := makeItems(8, 1, 1024, 1024, 0)
+	c.expect("req-lost", items)
+	var got []sched.Failure
+	require.Eventually(t, func() bool {
+		got = append(got, c.sched.Step(scheduler.StepIn{}).Failures...)
+		return len(got) > 0
+	}, 10*time.Second, 50*time.Millisecond)
+	require.Len(t, got, 1)
+	require.Equal(t, "req-lost", got[0].RequestID)
+	require.Equal(t, items[0].tid, got[0].TransferID)
+	require.True(t, got[0].Retryable)
+	require.Empty(t, c.sched.Step(scheduler.StepIn{}).Failures, "a failure is reported once")
+}
