@@ -1043,23 +1043,23 @@ class _ProducerWorker:
         """Takes the encoder output of mm_hash for every push that wants it."""
         if not self.wants(mm_hash):
             return
+        device = tensor.device.type
         with self._lock:
+            if device not in ("cpu", "cuda"):
+                reason = f"encoder output on {tensor.device}: only CPU and CUDA memory can be sent"
+                self._abandon_locked(list(self._by_hash.get(mm_hash, ())), reason)
+                return
             for tid in self._by_hash.get(mm_hash, ()):
                 self._pushes[tid].sourced = True
-        if tensor.device.type == "cuda":
-            self._copier.submit(mm_hash, tensor)
-        else:
-            with self._lock:
+            if device == "cpu":
                 self._ready[mm_hash] = tensor
+                return
+        self._copier.submit(mm_hash, tensor)
 
     def _deliver_copy(self, mm_hash: str, host: Any, error: str) -> None:
         with self._lock:
             if error:
-                tids = list(self._by_hash.get(mm_hash, ()))
-                submitted = [tid for tid in tids if self._pushes[tid].submitted]
-                for tid in tids:
-                    self._fail_locked(tid, error)
-                self._cancel_locked(submitted)
+                self._abandon_locked(list(self._by_hash.get(mm_hash, ())), error)
                 return
             self._hand_over_locked({mm_hash: host})
 
@@ -1082,11 +1082,8 @@ class _ProducerWorker:
             dtype, shape = _dtype_name(tensor.dtype), tuple(int(d) for d in tensor.shape)
             wrong = [p for p in pushes if p.spec.shape is not None and (p.spec.dtype, tuple(p.spec.shape)) != (dtype, shape)]
             for p in wrong:
-                self._fail_locked(
-                    p.spec.transfer_id,
-                    f"encoder output is {list(shape)} {dtype}, the push announced {list(p.spec.shape)} {p.spec.dtype}",
-                )
-            self._cancel_locked([p.spec.transfer_id for p in wrong if p.submitted])
+                announced = f"{list(p.spec.shape)} {p.spec.dtype}"
+                self._abandon_locked([p.spec.transfer_id], f"encoder output is {list(shape)} {dtype}, the push announced {announced}")
             for p in pushes:
                 if p.spec.shape is None and not p.submitted and dtype in DTYPES and len(shape) == 2:
                     p.spec.dtype, p.spec.shape = dtype, shape
@@ -1128,6 +1125,13 @@ class _ProducerWorker:
             if not tids:
                 del self._by_hash[push.spec.mm_hash]
                 self._ready.pop(push.spec.mm_hash, None)
+
+    def _abandon_locked(self, tids: list[str], reason: str) -> None:
+        """Fails pushes for good, and frees what the library holds for them."""
+        submitted = [tid for tid in tids if tid in self._pushes and self._pushes[tid].submitted]
+        for tid in tids:
+            self._fail_locked(tid, reason)
+        self._cancel_locked(submitted)
 
     def _cancel_locked(self, tids: list[str]) -> None:
         if tids and self._native is not None:
