@@ -21,4 +21,10 @@
 //     after the call that produced it;
 //   - after Close returns, no goroutine of the shard touches the slab, so
 //     the caller may free it.
+//
+// A slab in GPU memory has no host view; its data planes reach it through
+// the sink's BeginRegion, which admits a frame exactly as BeginWrite does
+// and answers with the frame's offset in the slab. The shard then offers
+// every plane its receiver listens on (transport.Offer): TCP staged
+// through page-locked memory and cuda_ipc for producers on the same host.
 package consumer

@@ -20,11 +20,12 @@
 // Each device has two non-blocking streams of its own, one per direction
 // of PCIe traffic, so a device-to-host copy never queues behind a
 // host-to-device one. A copy is queued behind the events it must follow
-// (cuStreamWaitEvent: the GPU waits, no thread does), then an event with
-// blocking synchronisation is recorded and waited for, all inside one C
-// call: host memory is touched only while that call runs, which is what
-// cgo's pointer rules ask, and the waiting thread sleeps instead of
-// spinning a core that PyTorch wants.
+// (cuStreamWaitEvent: the GPU waits, no thread does), then an event is
+// recorded and waited for, all inside one C call: host memory is touched
+// only while that call runs, which is what cgo's pointer rules ask. The
+// wait polls the event for a few hundred microseconds, then sleeps: a
+// sleeping thread wakes long after a short copy has ended, and a long copy
+// should not keep spinning a core that PyTorch wants.
 //
 // Devices, their contexts and streams live for the life of the process:
 // a library loaded into a vLLM worker never unloads.

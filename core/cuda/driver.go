@@ -274,10 +274,18 @@ func (d *Device) CopyDevice(ops []gpu.DeviceCopy) error {
 		return nil
 	}
 	cops := make([]C.ecm_copy, len(ops))
+	waited := map[C.ecm_CUevent]bool{}
 	for i, op := range ops {
 		after, err := handleOf(op.After)
 		if err != nil {
 			return err
+		}
+		// One stream carries the batch: once it waits for an event, every
+		// later copy on it does too.
+		if waited[after] {
+			after = nil
+		} else if after != nil {
+			waited[after] = true
 		}
 		cops[i] = C.ecm_copy{dst: C.ecm_CUdeviceptr(op.Dst), src: C.ecm_CUdeviceptr(op.Src), n: C.uint64_t(op.N), after: after}
 	}

@@ -4,6 +4,7 @@
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 struct cu_table {
 	ecm_CUresult (*cuInit)(unsigned);
@@ -19,6 +20,7 @@ struct cu_table {
 	ecm_CUresult (*cuEventDestroy)(ecm_CUevent);
 	ecm_CUresult (*cuEventRecord)(ecm_CUevent, ecm_CUstream);
 	ecm_CUresult (*cuEventSynchronize)(ecm_CUevent);
+	ecm_CUresult (*cuEventQuery)(ecm_CUevent);
 	ecm_CUresult (*cuMemcpyAsync)(ecm_CUdeviceptr, ecm_CUdeviceptr, size_t, ecm_CUstream);
 	ecm_CUresult (*cuMemcpyHtoDAsync)(ecm_CUdeviceptr, const void *, size_t, ecm_CUstream);
 	ecm_CUresult (*cuMemcpyDtoHAsync)(void *, ecm_CUdeviceptr, size_t, ecm_CUstream);
@@ -56,6 +58,7 @@ static const struct {
 	{"cuEventDestroy_v2", offsetof(struct cu_table, cuEventDestroy)},
 	{"cuEventRecord", offsetof(struct cu_table, cuEventRecord)},
 	{"cuEventSynchronize", offsetof(struct cu_table, cuEventSynchronize)},
+	{"cuEventQuery", offsetof(struct cu_table, cuEventQuery)},
 	{"cuMemcpyAsync", offsetof(struct cu_table, cuMemcpyAsync)},
 	{"cuMemcpyHtoDAsync_v2", offsetof(struct cu_table, cuMemcpyHtoDAsync)},
 	{"cuMemcpyDtoHAsync_v2", offsetof(struct cu_table, cuMemcpyDtoHAsync)},
@@ -155,6 +158,29 @@ const char *ecm_cu_error_string(ecm_CUresult r) {
 		}                        \
 	} while (0)
 
+static int64_t now_ns(void) {
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* wait_done waits for a copy's event: polled for up to WAIT_SPIN_NS, then
+ * a blocking wait. Most copies of one batch end within the spin, and a
+ * sleeping thread wakes a hundred microseconds or more after the GPU
+ * finished; a long copy costs only the spin in CPU before the thread
+ * sleeps. */
+#define WAIT_SPIN_NS 300000
+static ecm_CUresult wait_done(ecm_CUevent done) {
+	int64_t until = now_ns() + WAIT_SPIN_NS;
+	do {
+		ecm_CUresult r = cu.cuEventQuery(done);
+		if (r != ECM_CUDA_ERROR_NOT_READY) {
+			return r;
+		}
+	} while (now_ns() < until);
+	return cu.cuEventSynchronize(done);
+}
+
 ecm_CUresult ecm_cu_copy_batch(ecm_CUstream s, ecm_CUevent done, const ecm_copy *ops, int n, const char **failed) {
 	for (int i = 0; i < n; i++) {
 		if (ops[i].after != NULL) {
@@ -163,7 +189,7 @@ ecm_CUresult ecm_cu_copy_batch(ecm_CUstream s, ecm_CUevent done, const ecm_copy 
 		TRY(cu.cuMemcpyAsync(ops[i].dst, ops[i].src, (size_t)ops[i].n, s), "cuMemcpyAsync");
 	}
 	TRY(cu.cuEventRecord(done, s), "cuEventRecord");
-	TRY(cu.cuEventSynchronize(done), "cuEventSynchronize");
+	TRY(wait_done(done), "cuEventSynchronize");
 	return ECM_CUDA_SUCCESS;
 }
 
@@ -173,13 +199,13 @@ ecm_CUresult ecm_cu_copy_dtoh(ecm_CUstream s, ecm_CUevent done, ecm_CUevent afte
 	}
 	TRY(cu.cuMemcpyDtoHAsync(dst, src, n, s), "cuMemcpyDtoHAsync");
 	TRY(cu.cuEventRecord(done, s), "cuEventRecord");
-	TRY(cu.cuEventSynchronize(done), "cuEventSynchronize");
+	TRY(wait_done(done), "cuEventSynchronize");
 	return ECM_CUDA_SUCCESS;
 }
 
 ecm_CUresult ecm_cu_copy_htod(ecm_CUstream s, ecm_CUevent done, ecm_CUdeviceptr dst, const void *src, size_t n, const char **failed) {
 	TRY(cu.cuMemcpyHtoDAsync(dst, src, n, s), "cuMemcpyHtoDAsync");
 	TRY(cu.cuEventRecord(done, s), "cuEventRecord");
-	TRY(cu.cuEventSynchronize(done), "cuEventSynchronize");
+	TRY(wait_done(done), "cuEventSynchronize");
 	return ECM_CUDA_SUCCESS;
 }

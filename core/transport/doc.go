@@ -74,4 +74,17 @@
 // LoopbackCeiling measures raw TCP over 127.0.0.1 so that benchmarks report
 // the transport's throughput as a ratio to the machine's ceiling measured
 // in the same run.
+//
+// # GPU memory
+//
+// A source in GPU memory comes as WriteItem.Dev, with a readiness event the
+// transport orders its reads after; TCP and Inmem refuse it
+// (ErrDeviceMemory). A slab in GPU memory has no byte view: its shard is a
+// RegionSink, which admits a frame like BeginWrite but answers with the
+// frame's offset in the slab. A FrameSink tells frames apart, so a sink
+// that stages a frame through host memory can copy it on when that frame
+// ends. The packages below this one build on these: staged (TCP with GPU
+// memory, through page-locked buffers), cudaipc (same host, device to
+// device) and route (which plane serves which destination: Picker,
+// MultiReceiver).
 package transport

@@ -226,11 +226,12 @@ func TestGPUSourceWaitsForItsStream(t *testing.T) {
 	}
 }
 
-// BenchmarkGPUBatch64 measures what an item costs beyond its bytes: small
-// items over cuda_ipc between fake GPUs, whose copies are memcpy.
-func BenchmarkGPUBatch64(b *testing.B) {
+// benchGPUBatches measures what an item costs beyond its bytes: batches
+// of n small items over cuda_ipc between fake GPUs, whose copies are
+// memcpy, so the control plane is all that is left.
+func benchGPUBatches(b *testing.B, n int) {
 	c := newGPUCluster(b, 1, 64<<20)
-	const n, size = 64, 64 << 10
+	const size = 64 << 10
 	var total time.Duration
 	for i := 0; i < b.N; i++ {
 		items := make([]item, n)
@@ -249,3 +250,6 @@ func BenchmarkGPUBatch64(b *testing.B) {
 	}
 	b.ReportMetric(float64(total.Microseconds())/float64(b.N*n), "us/item")
 }
+
+func BenchmarkGPUBatch8(b *testing.B)  { benchGPUBatches(b, 8) }
+func BenchmarkGPUBatch64(b *testing.B) { benchGPUBatches(b, 64) }
