@@ -64,8 +64,8 @@ run() {
 
 	echo "== pytest: GPU transfers and the ABI"
 	log="$out/pytest.log"
-	python3 -m pytest -q -p no:cacheprovider -rs tests/python/test_gpu_transfer.py tests/python/test_gpu_api.py \
-		tests/python/test_abi.py 2>&1 | tee "$log"
+	python3 -m pytest -q -p no:cacheprovider -rs tests/python/test_gpu_transfer.py tests/python/test_two_gpu_transfer.py \
+		tests/python/test_gpu_api.py tests/python/test_abi.py 2>&1 | tee "$log"
 	local py_rc=${PIPESTATUS[0]}
 	record "pytest GPU" "$([ "$py_rc" = 0 ] && echo PASS || echo FAIL)" "$(grep -E '(passed|failed|error)' "$log" | tail -1)"
 	[ "$py_rc" = 0 ] || rc=1
@@ -76,6 +76,14 @@ run() {
 	local bench_rc=${PIPESTATUS[0]}
 	record "gpubench" "$([ "$bench_rc" = 0 ] && echo PASS || echo FAIL)" "figures below; JSON in $out/bench.json"
 	[ "$bench_rc" = 0 ] || rc=1
+	if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+		echo "== gpubench across two GPUs"
+		python3 -m ecmooncake.gpubench --producer-device cuda:0 --consumer-device cuda:1 \
+			--json "$out/bench2.json" 2>&1 | tee "$out/bench2.log"
+		bench_rc=${PIPESTATUS[0]}
+		record "gpubench 0->1" "$([ "$bench_rc" = 0 ] && echo PASS || echo FAIL)" "figures below; JSON in $out/bench2.json"
+		[ "$bench_rc" = 0 ] || rc=1
+	fi
 
 	echo
 	echo "== summary ($(date -u +%Y-%m-%dT%H:%MZ))"
@@ -84,6 +92,7 @@ run() {
 		printf '%-20s %-6s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${DETAILS[$i]}"
 	done
 	sed -n '/^ecmooncake GPU bench/,$p' "$out/bench.log"
+	[ -f "$out/bench2.log" ] && sed -n '/^ecmooncake GPU bench/,$p' "$out/bench2.log"
 	return $rc
 }
 
