@@ -19,6 +19,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/mooncake"
+	"github.com/ecmooncake/ecmooncake/core/transport/shm"
 )
 
 var (
@@ -98,6 +99,8 @@ func newTransport(name string, p config.Producer) (transport.Transport, error) {
 		return transport.NewTCP(transport.TCPConfig{Conns: p.TCPConns, ChunkSize: p.TCPChunkBytes, DialTimeout: p.ControlTimeout(), Logger: slog.Default()}), nil
 	case mooncake.Name:
 		return newMooncake(mooncake.FromProducer(p, slog.Default()))
+	case shm.Name:
+		return shm.New(shm.Config{Host: hostIdentity(p.Host), Logger: slog.Default()}), nil
 	default:
 		return nil, statusErr(StatusUnavailable, "transport %q is not available in this build", name)
 	}

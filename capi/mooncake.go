@@ -13,6 +13,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/metadata"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/mooncake"
+	"github.com/ecmooncake/ecmooncake/core/transport/shm"
 )
 
 // newMooncake loads the TransferEngine library; a missing library or
@@ -31,8 +32,11 @@ func newMooncake(c mooncake.Config) (transport.Transport, error) {
 
 // consumerTransport is the data plane a consumer shard listens on.
 func consumerTransport(cfg config.Consumer) (transport.Transport, error) {
-	if cfg.Transport == mooncake.Name {
+	switch cfg.Transport {
+	case mooncake.Name:
 		return newMooncake(mooncake.FromConsumer(cfg, slog.Default()))
+	case shm.Name:
+		return shm.New(shm.Config{Host: hostIdentity(cfg.Host), SlabPath: cfg.SlabPath, Logger: slog.Default()}), nil
 	}
 	return newTransport(cfg.Transport, config.DefaultProducer())
 }

@@ -17,7 +17,7 @@ import (
 var ErrInvalid = errors.New("invalid config")
 
 // Transports the core knows by name.
-var Transports = []string{"tcp", "mooncake"}
+var Transports = []string{"tcp", "mooncake", "shm"}
 
 // MooncakeProtocols are the Mooncake transports a user may install with
 // mooncake_protocol; both ends of a transfer must name the same one.
@@ -62,6 +62,9 @@ type Consumer struct {
 	Host string `json:"host"`
 	// MaxResidentBytes caps resident copies; 0 means the slab is the cap.
 	MaxResidentBytes uint64 `json:"max_resident_bytes"`
+	// SlabPath is the file under /dev/shm that the slab is mapped from;
+	// the shm transport needs it, so that producers can map it too.
+	SlabPath string `json:"slab_path"`
 	Mooncake
 	GPU
 	// MooncakeMetadataServer, "host:port", makes the shard serve a
@@ -229,6 +232,7 @@ func (c Consumer) Validate() error {
 		oneOf("transport", c.Transport, Transports),
 		port("data_port", c.DataPort, true),
 		positive("lease_s", c.LeaseS),
+		slabPath(c.Transport, c.SlabPath),
 		c.Mooncake.validate(),
 		hostPort("mooncake_metadata_server", c.MooncakeMetadataServer),
 		c.GPU.validate(),
@@ -394,6 +398,23 @@ func hostPort(key, v string) error {
 	n, err := strconv.Atoi(p)
 	if err != nil || n < 0 || n > 65535 {
 		return fmt.Errorf("%w: %s = %q: port %q is not in [0, 65535]", ErrInvalid, key, v, p)
+	}
+	return nil
+}
+
+// slabPath checks the form of slab_path; the shm transport checks the
+// file itself, against the slab, when the shard listens.
+func slabPath(transport, v string) error {
+	const dir = "/dev/shm/"
+	switch {
+	case v == "" && transport == "shm":
+		return fmt.Errorf("%w: slab_path is empty; transport shm needs the slab's file under %s (allocate the slab with shared_slab)", ErrInvalid, dir)
+	case v == "":
+		return nil
+	case !strings.HasPrefix(v, dir) || strings.Contains(v[len(dir):], "/") || v == dir || strings.HasPrefix(v[len(dir):], "."):
+		return fmt.Errorf("%w: slab_path = %q; want a file directly under %s", ErrInvalid, v, dir)
+	case transport != "shm":
+		return fmt.Errorf("%w: slab_path is set but transport is %q; only shm maps the slab file", ErrInvalid, transport)
 	}
 	return nil
 }

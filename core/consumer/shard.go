@@ -86,9 +86,11 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 	s.slab = slab.NewSlab(mem)
 	s.table = reserve.New(s.slab, reserve.Config{Lease: cfg.Lease(), MaxResidentBytes: cfg.MaxResidentBytes}, opt.Tokens)
 
+	// The shard, not s: a failing return sets s to nil before this runs.
+	opened := s
 	defer func() {
 		if err != nil {
-			s.shutdown()
+			opened.shutdown()
 		}
 	}()
 	if s.zctx, err = zmq.NewContext(); err != nil {

@@ -17,7 +17,7 @@ func (s Source) size() uint64 {
 
 // writeItem is the transport's view of the first w.NBytes of the source.
 func (s Source) writeItem(w push.Write) transport.WriteItem {
-	it := transport.WriteItem{Res: w.Res, Token: w.Token, Addr: w.Addr}
+	it := transport.WriteItem{Res: w.Res, Token: w.Token, Addr: w.Addr, Size: w.NBytes}
 	if s.Dev != nil {
 		dev := *s.Dev
 		dev.Len = w.NBytes

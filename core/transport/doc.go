@@ -15,8 +15,9 @@
 //     batch is acknowledged or has failed and returns one error per item.
 //   - Direct, DirectSink: the hooks of one-sided transports, which write
 //     into registered memory without asking the sink per frame (package
-//     mooncake, RDMA through Mooncake TransferEngine); the sink's owner
-//     then admits the writer per region (see Direct).
+//     mooncake, RDMA through Mooncake TransferEngine; package shm, one
+//     memcpy into a slab file in /dev/shm on the same host); the sink's
+//     owner then admits the writer per region (see Direct).
 //
 // # Consumer side
 //

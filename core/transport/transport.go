@@ -46,6 +46,10 @@ type WriteItem struct {
 	// carried, for one-sided transports (see Direct): the item lands at
 	// Addr+Off. Transports that ask the sink for every frame ignore it.
 	Addr uint64
+	// Size is the size of the reserved region that the grant carried: a
+	// one-sided transport that can check it (shm) refuses an item reaching
+	// past Addr+Size.
+	Size uint64
 }
 
 // Len is the number of bytes the item writes.

@@ -24,6 +24,7 @@ from .native import (
     configure,
     gpu_info,
     memory_of,
+    shared_slab,
 )
 
 __version__ = "0.1.0"
@@ -47,4 +48,5 @@ __all__ = [
     "configure",
     "gpu_info",
     "memory_of",
+    "shared_slab",
 ]

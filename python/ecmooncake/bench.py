@@ -9,13 +9,12 @@ the items so that their space can be reused; that is off the clock.
 
 from __future__ import annotations
 
-import json
 import sys
 
 from . import harness
 from .demo import GB, MiB, measure_ceiling
-from .harness import Worker, WorkerError
-from .native import EcmError, configure
+from .harness import Worker
+from .native import configure
 
 KiB = 1 << 10
 
@@ -159,8 +158,9 @@ def format_summary(s: dict) -> str:
 
 
 def main(args) -> int:
-    try:
-        summary = run(
+    return harness.report(
+        "bench",
+        lambda: run(
             mb=args.mb,
             batch=args.batch,
             batches=args.batches,
@@ -168,12 +168,7 @@ def main(args) -> int:
             small_batch=args.small_batch,
             small_batches=args.small_batches,
             progress=not args.quiet,
-        )
-    except (EcmError, WorkerError, OSError, ValueError) as exc:
-        print(f"ecmooncake bench: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(summary, indent=2, sort_keys=True))
-    else:
-        print(format_summary(summary))
-    return 0 if summary["ok"] else 1
+        ),
+        format_summary,
+        args.json,
+    )

@@ -84,11 +84,13 @@ def tiny_model_config(directory: Path, hidden: int = 512) -> Path:
     return directory
 
 
-def _vllm_config(kind: str, role: str, model_dir: Path, port: int, width: int, slab_bytes: int, shared_dir: str) -> Any:
+def _vllm_config(
+    kind: str, role: str, model_dir: Path, port: int, width: int, slab_bytes: int, shared_dir: str, transport: str
+) -> Any:
     from vllm.config import DeviceConfig, ECTransferConfig, ModelConfig, VllmConfig
 
     if kind == "ECMooncakeConnector":
-        extra: dict[str, Any] = {"log_level": "warn"}
+        extra: dict[str, Any] = {"log_level": "warn", "transport": transport}
     else:
         extra = {"shared_storage_path": shared_dir}
     ec = ECTransferConfig(
@@ -171,9 +173,9 @@ class _Instance:
 class _Host:
     """The child side: an encoder or PD instance for each connector kind."""
 
-    def __init__(self, role: str, model_dir: str, port: int, width: int, slab_bytes: int, shared_dir: str):
+    def __init__(self, role: str, model_dir: str, port: int, width: int, slab_bytes: int, shared_dir: str, transport: str):
         self.role = role
-        self.args = (Path(model_dir), port, width, slab_bytes, shared_dir)
+        self.args = (Path(model_dir), port, width, slab_bytes, shared_dir, transport)
         self.instances: dict[str, _Instance] = {}
         self.width = width
         self.port = port
@@ -355,7 +357,7 @@ def _host_line() -> str:
     return f"{model or 'unknown CPU'}, {os.cpu_count()} cores"
 
 
-def run(sizes_mb: list[float], reps: int, width: int, shared_root: str, quiet: bool) -> dict:
+def run(sizes_mb: list[float], reps: int, width: int, shared_root: str, quiet: bool, transport: str = "tcp") -> dict:
     from . import harness
     from .native import bench_tcp_loopback
 
@@ -370,7 +372,7 @@ def run(sizes_mb: list[float], reps: int, width: int, shared_root: str, quiet: b
     sizes = [int(mb * MiB) // (2 * width) * 2 * width for mb in sizes_mb]
     slab = 2 * max(sizes) + 64 * MiB
     port = harness.free_port_range(1)
-    common = dict(model_dir=str(model_dir), port=port, width=width, slab_bytes=slab, shared_dir=str(shared))
+    common = dict(model_dir=str(model_dir), port=port, width=width, slab_bytes=slab, shared_dir=str(shared), transport=transport)
     say(f"bench-vllm: starting an encoder and a PD process (vLLM import takes a while) in {work}")
     procs = [_Proc("encoder", role="ec_producer", **common), _Proc("pd", role="ec_consumer", **common)]
     encoder, pd = procs
@@ -422,12 +424,13 @@ def run(sizes_mb: list[float], reps: int, width: int, shared_root: str, quiet: b
                 "memcpy_gbps": _memcpy_ceiling(size) / 1e9,
             }
         )
-    return {"host": _host_line(), "reps": reps, "width": width, "shared_dir": shared_root, "sizes": rows_out}
+    return {"host": _host_line(), "reps": reps, "width": width, "shared_dir": shared_root, "transport": transport, "sizes": rows_out}
 
 
 def _print(summary: dict) -> None:
     print(f"save_caches -> tensor in the PD worker's encoder cache, median of {summary['reps']} "
-          f"(bf16 items, width {summary['width']}; example connector on {summary['shared_dir']})")
+          f"(bf16 items, width {summary['width']}; ECMooncake over {summary['transport']}; "
+          f"example connector on {summary['shared_dir']})")
     print(f"host: {summary['host']}")
     print(f"{'item':>8} {'ECExample':>11} {'ECMooncake':>11} {'speedup':>8} {'GB/s':>6} {'TCP ceiling':>12} {'of ceiling':>11} {'memcpy':>8}")
     for row in summary["sizes"]:
@@ -443,6 +446,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed items per size and connector (default %(default)s)")
     parser.add_argument("--width", type=int, default=4096, help="encoder output width; rows follow from the size (default %(default)s)")
     parser.add_argument("--dir", default="/dev/shm", help="where the example connector's shared directory lives (default %(default)s)")
+    parser.add_argument(
+        "--transport", choices=("tcp", "shm"), default="tcp",
+        help="ECMooncakeConnector's data plane between the two processes (default %(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
@@ -454,7 +461,7 @@ def main(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"bench-vllm needs vLLM and torch in this environment: {exc}", file=sys.stderr)
         return 2
-    summary = run(args.sizes_mb, args.reps, args.width, args.dir, args.quiet)
+    summary = run(args.sizes_mb, args.reps, args.width, args.dir, args.quiet, args.transport)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

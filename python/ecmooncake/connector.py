@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import ec_config
-from .native import Consumer, EcmError, Producer, Scheduler, configure
+from .native import Consumer, EcmError, Producer, Scheduler, configure, shared_slab
 
 # A child of vLLM's logger, so that these lines carry vLLM's format and obey
 # VLLM_LOGGING_LEVEL; a logger outside that tree has no handler in vLLM.
@@ -738,6 +738,7 @@ class _ConsumerWorker:
             return
         torch = _torch()
         device = self._cfg.buffer_device
+        settings = self._cfg.consumer_settings()
         if device.startswith("cuda"):
             # The data plane writes host memory; until GPU slabs land, items
             # arrive in pinned host memory and are copied to the GPU at load.
@@ -749,13 +750,17 @@ class _ConsumerWorker:
                 self._cfg.buffer_size,
                 self._device,
             )
+        elif self._cfg.value("transport") == "shm":
+            # Producers on this host map the slab's file and copy into it.
+            shared, settings["slab_path"] = shared_slab(self._cfg.buffer_size)
+            slab = torch.from_numpy(shared)
         else:
             slab = torch.empty(self._cfg.buffer_size, dtype=torch.uint8)
         # Touch every page now, so that first writes do not pay page faults
         # inside a timed transfer.
         slab.zero_()
         _configure_process(self._cfg)
-        self._native = Consumer(self._cfg.consumer_settings(), slab)
+        self._native = Consumer(settings, slab)
         self._slab = slab
         logger.info("ecmooncake: consumer shard listening at %s", self._native.info().get("control"))
 

@@ -12,7 +12,6 @@ clock) each shard acquires, verifies and releases each item.
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -20,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import harness
-from .harness import Worker, WorkerError, percentile
-from .native import EcmError, Scheduler, bench_tcp_loopback, configure
+from .harness import Worker, percentile
+from .native import Scheduler, bench_tcp_loopback, configure
 
 MiB = 1 << 20
 GB = 1e9
@@ -365,8 +364,9 @@ def format_summary(s: dict) -> str:
 
 
 def main(args) -> int:
-    try:
-        summary = run(
+    return harness.report(
+        "demo",
+        lambda: run(
             items=args.items,
             min_mb=args.min_mb,
             max_mb=args.max_mb,
@@ -375,12 +375,7 @@ def main(args) -> int:
             slab_mb=args.slab_mb,
             timeout_s=args.timeout,
             progress=not args.quiet,
-        )
-    except (EcmError, WorkerError, OSError, ValueError) as exc:
-        print(f"ecmooncake demo: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(summary, indent=2, sort_keys=True))
-    else:
-        print(format_summary(summary))
-    return 0 if summary["ok"] else 1
+        ),
+        format_summary,
+        args.json,
+    )

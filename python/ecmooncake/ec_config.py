@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-TRANSPORTS = ("tcp", "mooncake")
+TRANSPORTS = ("tcp", "mooncake", "shm")
 LOG_LEVELS = ("debug", "info", "warn", "error")
 BUFFER_DEVICES = ("cpu", "cuda")
 # The slab must hold at least one item; below this it is a typo (a size in
@@ -117,7 +117,8 @@ def _log_level(key: str, value: Any) -> str:
 EXTRA_KEYS: dict[str, ExtraKey] = {
     "transport": ExtraKey(
         "tcp", _transport, ("producer", "consumer"),
-        "data plane: `tcp` (any two hosts, host memory) or `mooncake` (RDMA, needs libtransfer_engine.so)",
+        "data plane: `tcp` (any two hosts, host memory), `mooncake` (RDMA, needs libtransfer_engine.so) "
+        "or `shm` (encoder and PD on one host; PD needs ec_buffer_device cpu)",
     ),
     "push_wait_timeout_s": ExtraKey(
         60.0, seconds, ("producer", "scheduler"),
@@ -377,6 +378,13 @@ def from_vllm_config(vllm_config: Any, topology: Topology | None = None) -> ECMo
     ):
         raise _fail("ec_buffer_device", device, "'cpu', 'cuda' or 'cuda:N'")
     extra = parse_extra(getattr(ec, "ec_connector_extra_config", None))
+    if is_consumer and extra.get("transport") == "shm" and device.lower() != "cpu":
+        # The slab must be a file in /dev/shm that producers map; pinned
+        # host memory for a GPU cannot be one.
+        raise ConfigError(
+            f"ECMooncakeConnector: transport 'shm' needs ec_buffer_device = 'cpu' on the consumer, "
+            f"got {device!r}; set ec_buffer_device to 'cpu' or use transport 'tcp'"
+        )
     return ECMooncakeConfig(
         is_producer=is_producer,
         is_consumer=is_consumer,

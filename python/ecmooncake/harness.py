@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .native import Consumer, EcmError, Producer, configure, error_for
+from .native import Consumer, EcmError, Producer, configure, error_for, shared_slab
 
 _POLL_S = 0.05
 
@@ -82,7 +82,12 @@ class ConsumerHost:
     def __init__(self, config: dict, slab_bytes: int, settings: dict | None = None):
         if settings:
             configure(**settings)
-        self.slab = np.empty(slab_bytes, dtype=np.uint8)
+        if config.get("transport") == "shm":
+            # Producers on this host map the slab's file and copy into it.
+            self.slab, path = shared_slab(slab_bytes)
+            config = {**config, "slab_path": path}
+        else:
+            self.slab = np.empty(slab_bytes, dtype=np.uint8)
         # Touch every page now so that page faults do not land on a timed
         # transfer, and so that unwritten bytes read as zero.
         self.slab.fill(0)
@@ -436,3 +441,21 @@ def stop_all(workers: list[Worker], timeout: float = 10.0) -> None:
             worker.stop(timeout)
         except Exception:
             worker.kill()
+
+
+def report(name: str, run: Any, format_summary: Any, as_json: bool) -> int:
+    """Runs a tool's measurement and prints its summary, as text or JSON.
+
+    Exit status: 0 when the summary says ok, 1 when it does not, 2 when the
+    run could not finish (the reason goes to stderr).
+    """
+    import json
+    import sys
+
+    try:
+        summary = run()
+    except (EcmError, WorkerError, OSError, ValueError) as exc:
+        print(f"ecmooncake {name}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2, sort_keys=True) if as_json else format_summary(summary))
+    return 0 if summary["ok"] else 1

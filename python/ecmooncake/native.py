@@ -10,8 +10,11 @@ of what Go validates: a config dict goes through as it is.
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import secrets
 import sys
+import weakref
 from ctypes import byref, c_char_p, c_int32, c_uint64, c_void_p
 from typing import Any
 
@@ -215,6 +218,52 @@ def memory_of(obj: Any, writable: bool = False) -> tuple[int, int, int]:
         raise EcmInvalid(f"tensor is on {obj.device}; the library takes host or CUDA memory")
     ptr, nbytes = buffer_of(obj, writable)
     return ptr, nbytes, -1
+
+
+SHM_DIR = "/dev/shm"
+
+
+def shared_slab(nbytes: int) -> tuple[np.ndarray, str]:
+    """A receive slab in shared memory, for a Consumer on the ``shm`` transport.
+
+    Returns ``(array, path)``: a writable uint8 array of ``nbytes`` bytes,
+    mapped shared from a new file under /dev/shm, and that file's path, to
+    pass as ``"slab_path"`` in the consumer's config so that producers on
+    this host can map it too. Every page is allocated now, so that a full
+    /dev/shm fails here and not as SIGBUS in a producer's write. The file is
+    removed once the array (and every view of it) is gone, or at exit.
+    """
+    nbytes = int(nbytes)
+    if nbytes <= 0:
+        raise EcmInvalid(f"shared_slab: nbytes = {nbytes}; want a positive size")
+    path = os.path.join(SHM_DIR, f"ecmooncake-slab-{os.getpid()}-{secrets.token_hex(8)}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise EcmIOError(f"shared_slab: cannot create {path}: {exc}") from exc
+    try:
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            raise EcmIOError(
+                f"shared_slab: cannot allocate {nbytes} bytes in {SHM_DIR} ({path}): {exc}; "
+                f"see `df {SHM_DIR}` (in a container, raise its shm size)"
+            ) from exc
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        _unlink_quietly(path)
+        raise
+    finally:
+        os.close(fd)
+    weakref.finalize(mapped, _unlink_quietly, path)
+    return np.frombuffer(mapped, dtype=np.uint8), path
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def gpu_info() -> dict:

@@ -18,9 +18,13 @@ require_vllm()
 pytestmark = pytest.mark.usefixtures("library")
 
 
-def test_bench_vllm_runs_both_connectors(tmp_path):
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_bench_vllm_runs_both_connectors(tmp_path, transport):
     done = subprocess.run(
-        [sys.executable, "-m", "ecmooncake", "bench-vllm", "--sizes-mb", "1", "--reps", "2", "--width", "1024", "--dir", str(tmp_path), "--json", "--quiet"],
+        [
+            sys.executable, "-m", "ecmooncake", "bench-vllm", "--sizes-mb", "1", "--reps", "2", "--width", "1024",
+            "--dir", str(tmp_path), "--transport", transport, "--json", "--quiet",
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -28,6 +32,7 @@ def test_bench_vllm_runs_both_connectors(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout)
+    assert summary["transport"] == transport
     (row,) = summary["sizes"]
     assert row["bytes"] == 1 << 20
     for key in ("example_ms", "ecmooncake_ms", "speedup", "tcp_ceiling_gbps", "memcpy_gbps"):

@@ -44,6 +44,7 @@ def consumer(model_dir, **ec):
         ({"ec_ip": "not a host!"}, ["ec_ip", "'not a host!'", "IPv4 or IPv6 address or a hostname"]),
         ({"ec_buffer_device": "tpu"}, ["ec_buffer_device", "'tpu'", "'cpu', 'cuda' or 'cuda:N'"]),
         ({"extra": {"transport": "carrier-pigeon"}}, ["transport", "'carrier-pigeon'", "'tcp', 'mooncake'"]),
+        ({"ec_buffer_device": "cuda", "extra": {"transport": "shm"}}, ["transport 'shm'", "ec_buffer_device = 'cpu'", "'cuda'"]),
         ({"extra": {"push_wait_timeout_s": -1}}, ["push_wait_timeout_s", "-1", "positive number of seconds"]),
         ({"extra": {"load_timeout_s": "soon"}}, ["load_timeout_s", "'soon'", "positive number of seconds"]),
         ({"extra": {"tcp_conns": 0}}, ["tcp_conns", "0", "[1, 64]"]),

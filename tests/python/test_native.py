@@ -4,6 +4,7 @@ bad input must raise."""
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import numpy as np
@@ -206,3 +207,57 @@ def test_producer_refuses_a_strided_source():
         with pytest.raises(EcmInvalid, match="C-contiguous"):
             producer.source("h", np.zeros((64, 64), dtype=np.uint8)[::2, ::2])
         assert producer.held_sources == 0
+
+
+def test_shm_round_trip_between_processes(workers):
+    """A producer and two consumer shards on one host, each in its own
+    process: items land in the shards' shared-memory slabs, bit-exact."""
+    port = free_port_range(2, IP)
+    shards = [
+        workers("consumer", f"shm-consumer-{rank}", config=consumer_config(port, rank, 2, transport="shm"), slab_bytes=32 * MiB)
+        for rank in range(2)
+    ]
+    producer = workers("producer", "shm-producer", config={"transport": "shm", "control_timeout_s": 10, "push_wait_timeout_s": 30})
+    for worker in [*shards, producer]:
+        worker.wait_ready(60)
+    with Scheduler(scheduler_config(port, 2)) as scheduler:
+        items = [item("s1", "1" * 64, 1, 21), item("s2", "2" * 64, 5 * MiB + 3, 22), item("s3", "1" * 64, 1, 21)]
+        push_and_check(scheduler, shards, producer, f"tcp://{IP}:{port}", items)
+    for shard in shards:
+        info = shard.call("info", 30)
+        assert info["transport"] == "shm"
+        assert info["data"].startswith("shm:///dev/shm/ecmooncake-slab-")
+
+
+def test_shared_slab_is_a_shared_file_removed_with_its_array():
+    slab, path = native.shared_slab(3 * MiB + 1)
+    assert slab.dtype == np.uint8 and slab.nbytes == 3 * MiB + 1 and slab.flags.writeable
+    assert path.startswith("/dev/shm/ecmooncake-slab-")
+    slab[-1] = 7
+    with open(path, "rb") as f:
+        f.seek(3 * MiB)
+        assert f.read() == b"\x07", "the array is the file"
+    view = slab[10:20]
+    del slab
+    gc.collect()
+    assert os.path.exists(path), "a view keeps the file"
+    del view
+    gc.collect()
+    assert not os.path.exists(path)
+    with pytest.raises(EcmInvalid, match="positive"):
+        native.shared_slab(0)
+
+
+def test_shm_consumer_checks_its_slab_file():
+    port = free_port_range(1, IP)
+    slab, path = native.shared_slab(4 * MiB)
+    with pytest.raises(EcmInvalid, match="slab_path is empty"):
+        Consumer(consumer_config(port, transport="shm"), slab)
+    private = np.zeros(4 * MiB, dtype=np.uint8)
+    with pytest.raises(EcmError, match="not mapped from slab_path"):
+        Consumer(consumer_config(port, transport="shm", slab_path=path), private)
+    bigger = np.zeros(8 * MiB, dtype=np.uint8)
+    with pytest.raises(EcmError, match="less than the 8388608-byte slab"):
+        Consumer(consumer_config(port, transport="shm", slab_path=path), bigger)
+    with Consumer(consumer_config(port, transport="shm", slab_path=path), slab) as consumer:
+        assert consumer.info()["data"].startswith("shm://" + path)
