@@ -243,12 +243,12 @@ _configure_lock = threading.Lock()
 _configured = False
 
 
-def _configure_process(cfg: ec_config.ECMooncakeConfig) -> None:
+def _configure_process(cfg: ec_config.ECMooncakeConfig, worker: bool) -> None:
     """Process-wide library settings, once, before the first native object."""
     global _configured
     with _configure_lock:
         if not _configured:
-            configure(**cfg.process_settings())
+            configure(**cfg.process_settings(worker))
             _configured = True
 
 
@@ -340,7 +340,7 @@ class _ConsumerScheduler:
         # registered from update_state_after_alloc instead.
         self._ensure_hook = ensure_hook
         self._load_timeout_s = float(cfg.value("load_timeout_s"))
-        _configure_process(cfg)
+        _configure_process(cfg, worker=False)
         self._native = Scheduler(cfg.scheduler_settings())
         self._requests: dict[str, list[_Expected]] = {}
         self._registered: set[str] = set()
@@ -759,7 +759,7 @@ class _ConsumerWorker:
         # Touch every page now, so that first writes do not pay page faults
         # inside a timed transfer.
         slab.zero_()
-        _configure_process(self._cfg)
+        _configure_process(self._cfg, worker=True)
         self._native = Consumer(settings, slab)
         self._slab = slab
         logger.info("ecmooncake: consumer shard listening at %s", self._native.info().get("control"))
@@ -994,7 +994,7 @@ class _ProducerWorker:
             if self._closed:
                 raise EcmError("producer: connector is shut down")
             if self._native is None:
-                _configure_process(self._cfg)
+                _configure_process(self._cfg, worker=True)
                 self._native = Producer(self._cfg.producer_settings())
 
     def announce(self, pushes: list[PushSpec], encoder_cache: dict[str, Any] | None) -> None:

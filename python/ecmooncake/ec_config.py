@@ -167,6 +167,13 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         "info", _log_level, ("process",),
         "the library's log level (to stderr)",
     ),
+    "metrics_port": ExtraKey(
+        0, lambda k, v: integer(k, v, 0, 65535), ("process",),
+        "Prometheus `/metrics` of each vLLM process: the engine core at this port, "
+        "TP shard i at `metrics_port + 1 + dp_rank*tp_size + tp_rank`, the encoder's worker at "
+        "`metrics_port + 1` (0: off)",
+        only_if_set=True,
+    ),
     "mooncake_library": ExtraKey(
         "", text, ("producer", "consumer"),
         "path of `libtransfer_engine.so` (empty: the loader's search path)",
@@ -282,8 +289,19 @@ class ECMooncakeConfig:
             **self._settings("scheduler"),
         }
 
-    def process_settings(self) -> dict[str, Any]:
-        return self._settings("process")
+    def process_settings(self, worker: bool) -> dict[str, Any]:
+        """configure() settings for this process: the engine core, or a
+        worker (whose metrics port sits above the engine core's, one per
+        rank, so that the processes of one instance never collide)."""
+        out = self._settings("process")
+        if out.get("metrics_port") and worker:
+            t = self.topology
+            out["metrics_port"] += 1 + t.dp_rank * t.tp_size + t.tp_rank
+        if out.get("metrics_port") and out["metrics_port"] > 65535:
+            raise _fail("metrics_port", self.extra["metrics_port"], "a port that leaves room for every rank above it")
+        if out.get("metrics_port"):
+            out.setdefault("metrics_ip", self.ec_ip.strip("[]"))
+        return out
 
 
 def parse_extra(extra: Any) -> dict[str, Any]:

@@ -125,7 +125,7 @@ def test_settings_reach_the_objects_that_take_them(model_dir):
     producer = ec_config.from_vllm_config(make_config("ec_producer", model_dir=model_dir, port=30000, extra=extra)).producer_settings()
     assert producer["tcp_conns"] == 8 and producer["push_wait_timeout_s"] == 12.0
     assert "control_timeout_s" not in producer, "unset, the library's own default applies"
-    assert cfg.process_settings() == {"gomaxprocs": 2, "log_level": "warn"}
+    assert cfg.process_settings(worker=False) == {"gomaxprocs": 2, "log_level": "warn"}
     assert cfg.consumer_endpoint == "tcp://127.0.0.1:30002", "first shard of DP rank 1"
 
 
@@ -147,3 +147,17 @@ def test_readme_lists_every_extra_key_with_its_default():
     for key, spec in EXTRA_KEYS.items():
         if spec.default is not None:
             assert rows[key] == shown(spec.default), f"{key}: README says {rows[key]!r}, the code {spec.default!r}"
+
+
+def test_metrics_ports_do_not_collide_across_an_instances_processes(model_dir):
+    extra = {"metrics_port": 9400}
+    ports = set()
+    for tp_rank in range(2):
+        topo = ec_config.Topology(tp_rank=tp_rank, tp_size=2, dp_rank=1, dp_size=2)
+        cfg = ec_config.from_vllm_config(make_config("ec_consumer", model_dir=model_dir, port=30000, extra=extra), topo)
+        ports.add(cfg.process_settings(worker=True)["metrics_port"])
+        engine = cfg.process_settings(worker=False)
+    assert engine["metrics_port"] == 9400 and engine["metrics_ip"] == "127.0.0.1"
+    assert ports == {9400 + 1 + 2 + 0, 9400 + 1 + 2 + 1}, "one port per shard above the engine core's"
+    off = ec_config.from_vllm_config(make_config("ec_consumer", model_dir=model_dir, port=30000))
+    assert "metrics_port" not in off.process_settings(worker=True), "unset: no metrics server"
