@@ -243,9 +243,11 @@ func TestDeadlineStopsSubmittingButDrainsWhatStarted(t *testing.T) {
 func TestTasksThatNeverFinishKeepTheirBatch(t *testing.T) {
 	short := func(c *Config) { c.DrainTimeout = 20 * time.Millisecond }
 	p := newPair(t, 1<<20, testConfig(), testConfig(short))
-	require.NoError(t, double.SetDelay(p.recv.eng.segment, 300_000))
+	require.NoError(t, double.SetDelay(p.recv.eng.segment, 2_000_000))
 	before := double.Stats()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
+	// Long enough that the task is surely submitted on a loaded machine,
+	// and far shorter than the task, which therefore never finishes in time.
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancel()
 	errs := p.w.Write(ctx, p.recv.Addr(), []transport.WriteItem{p.item(1, 0, pattern(100, 1))})
 	require.ErrorIs(t, errs[0], transport.ErrConnLost)
