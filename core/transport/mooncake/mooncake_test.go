@@ -224,11 +224,13 @@ func TestPeerVanishesMidBatch(t *testing.T) {
 func TestDeadlineStopsSubmittingButDrainsWhatStarted(t *testing.T) {
 	tiny := func(c *Config) { c.StagingBytes, c.ChunkBytes = 1<<20, 256<<10 }
 	p := newPair(t, 8<<20, testConfig(), testConfig(tiny))
-	require.NoError(t, double.SetDelay(p.recv.eng.segment, 50_000))
-	// Four chunks fill the staging; the second item must wait for them.
+	require.NoError(t, double.SetDelay(p.recv.eng.segment, 1_000_000))
+	// Four chunks fill the staging; the second item must wait for them,
+	// longer than the deadline, which still leaves the first item ample
+	// time to be submitted on a loaded machine.
 	items := []transport.WriteItem{p.item(1, 0, pattern(1<<20, 1)), p.item(2, 2<<20, pattern(1<<20, 2))}
 	before := double.Stats()
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
 	defer cancel()
 	errs := p.w.Write(ctx, p.recv.Addr(), items)
 	require.NoError(t, errs[0], "submitted before the deadline, drained after it")
