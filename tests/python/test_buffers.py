@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
-import types
 
 import numpy as np
 import pytest
 
 from ecmooncake import native
+from fake_torch import FakeTensor
+from fake_torch import install as install_fake_torch
 from ecmooncake.native import Consumer, EcmInvalid
 
 
@@ -43,40 +44,9 @@ def test_invalid_is_also_a_value_error():
         native.buffer_of(object())
 
 
-class FakeDevice:
-    def __init__(self, kind: str):
-        self.type = kind
-
-    def __str__(self) -> str:
-        return f"{self.type}:0" if self.type != "cpu" else "cpu"
-
-
-class FakeTensor:
-    """Quacks like the part of torch.Tensor that buffer_of reads."""
-
-    def __init__(self, device="cpu", contiguous=True, numel=10, element_size=2, ptr=4096):
-        self.device = FakeDevice(device)
-        self.shape = (numel,)
-        self._contiguous, self._numel, self._size, self._ptr = contiguous, numel, element_size, ptr
-
-    def is_contiguous(self):
-        return self._contiguous
-
-    def numel(self):
-        return self._numel
-
-    def element_size(self):
-        return self._size
-
-    def data_ptr(self):
-        return self._ptr
-
-
 @pytest.fixture
 def fake_torch(monkeypatch):
-    module = types.ModuleType("torch")
-    module.Tensor = FakeTensor
-    monkeypatch.setitem(sys.modules, "torch", module)
+    install_fake_torch(monkeypatch)
 
 
 def test_cpu_tensor(fake_torch):
