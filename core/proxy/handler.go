@@ -694,9 +694,14 @@ func (c *call) encodeAt(enc *backend, item int, body []byte, tid string) (*encod
 		return nil, false, fmt.Errorf("encoder %s answered %d: %s", enc.reg.URL, resp.StatusCode(), firstLine(resp.Body()))
 	}
 	p.enc.report(enc, nil)
-	e, err := parseEncoderReply(resp.Body(), tid)
+	e, err := parseEncoderReply(resp.Body(), tid, c.req.modality(item))
 	if err != nil {
 		return nil, false, fmt.Errorf("encoder %s: %w", enc.reg.URL, err)
+	}
+	for _, field := range e.derived {
+		p.m.derived.WithLabelValues(field).Inc()
+		p.warnOnce("derived:"+field+":"+enc.reg.URL, "encoder answer lacks a field; the proxy fills it in from the request (vLLM before 0.33 leaves modality out)",
+			"encoder", enc.reg.URL, "field", field, "value", e.modality, "identifier", e.identifier)
 	}
 	return e, false, nil
 }

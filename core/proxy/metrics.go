@@ -15,6 +15,7 @@ type proxyMetrics struct {
 	latency   *prometheus.HistogramVec
 	phase     *prometheus.HistogramVec
 	items     *prometheus.CounterVec
+	derived   *prometheus.CounterVec
 	retries   *prometheus.CounterVec
 	encodes   *prometheus.CounterVec
 	gone      prometheus.Counter
@@ -40,6 +41,9 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 		items: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ecm_proxy_media_items_total", Help: "Media items, by what became of them: encoded (sent as embeds), fallback (sent as media), duplicate (repeated in one request, encoded once).",
 		}, []string{"outcome"}),
+		derived: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ecm_proxy_derived_fields_total", Help: "Fields an encoder's answer lacked and the proxy filled in from the request it sent, by field (modality: vLLM before 0.33 reports none).",
+		}, []string{"field"}),
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ecm_proxy_retries_total", Help: "Consumer attempts retried, by reason.",
 		}, []string{"reason"}),
@@ -53,7 +57,7 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 			Name: "ecm_proxy_registrations_total", Help: "Discovery calls, by kind (new, heartbeat, deregister, expired, refused).",
 		}, []string{"kind"}),
 	}
-	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.retries, m.encodes, m.gone, m.registers, backendCollector{p})
+	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.derived, m.retries, m.encodes, m.gone, m.registers, backendCollector{p})
 	m.gatherer = prometheus.Gatherers{m.reg, metrics.Registry()}
 	return m
 }

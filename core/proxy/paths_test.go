@@ -332,6 +332,24 @@ func TestSplitPrefillDecode(t *testing.T) {
 	require.Contains(t, string(dec["messages"]), `"image_embeds"`)
 }
 
+// An encoder that reports no modality (vLLM 0.32) still serves every item:
+// the proxy takes the modality from the part it sent, counts it, and
+// nothing falls back to the consumer's own encoder.
+func TestEncoderWithoutModality(t *testing.T) {
+	r := newRig(t, rigOpts{encoders: 1, pds: 1, fake: fakevllm.Config{OmitModality: true}})
+	code, body := r.post("/v1/chat/completions", chat(false, image("http://img/1.png"), image("http://img/2.png")))
+	require.Equal(t, 200, code, string(body))
+	b := decodePD(t, r.pd[0].Calls()[0])
+	require.Equal(t, []string{"image_embeds", "image_embeds"}, partTypes(t, b))
+	require.Len(t, b.Params.Items, 2)
+	resp, err := http.Get(r.url + "/metrics")
+	require.NoError(t, err)
+	m := readAll(t, resp)
+	require.Contains(t, m, `ecm_proxy_media_items_total{outcome="encoded"} 2`)
+	require.NotContains(t, m, `ecm_proxy_media_items_total{outcome="fallback"}`)
+	require.Contains(t, m, `ecm_proxy_derived_fields_total{field="modality"} 2`)
+}
+
 func TestMetricsAndBackendsEndpoints(t *testing.T) {
 	r := newRig(t, rigOpts{encoders: 1, pds: 1, mut: func(c *Config) { c.MetricsPort = freePort(t) }})
 	r.pd[0].Inject(fakevllm.Status503)

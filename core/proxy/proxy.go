@@ -42,6 +42,16 @@ type Proxy struct {
 	wg        sync.WaitGroup
 	closeOnce sync.Once
 	closeErr  error
+
+	warned sync.Map // causes already logged by warnOnce
+}
+
+// warnOnce logs a warning the first time cause is seen; the metric that
+// goes with it counts every occurrence.
+func (p *Proxy) warnOnce(cause, msg string, args ...any) {
+	if _, seen := p.warned.LoadOrStore(cause, true); !seen {
+		p.log.Warn(msg, args...)
+	}
 }
 
 // Open validates cfg, starts listening and returns at once; the health

@@ -10,8 +10,8 @@ import (
 // Content part types that carry media the encoder can serve, and the
 // embeds part that replaces each modality on the consumer.
 var (
-	mediaPart = map[string]bool{"image_url": true, "input_audio": true, "audio_url": true, "video_url": true}
-	embedsOf  = map[string]string{"image": "image_embeds", "audio": "audio_embeds", "video": "video_embeds"}
+	modalityOf = map[string]string{"image_url": "image", "input_audio": "audio", "audio_url": "audio", "video_url": "video"}
+	embedsOf   = map[string]string{"image": "image_embeds", "audio": "audio_embeds", "video": "video_embeds"}
 )
 
 // encoderKeys are the request fields that change what the encoder
@@ -28,6 +28,7 @@ type chatRequest struct {
 	parts    map[int][]json.RawMessage // content arrays, by message index
 	refs     []mediaRef                // every media part, in prompt order
 	items    []json.RawMessage         // distinct media parts
+	kinds    []string                  // the modality of each distinct part, from its type
 	stream   bool
 }
 
@@ -72,7 +73,7 @@ func parseRequest(body []byte, chat bool) (*chatRequest, error) {
 			var head struct {
 				Type string `json:"type"`
 			}
-			if json.Unmarshal(p, &head) != nil || !mediaPart[head.Type] {
+			if json.Unmarshal(p, &head) != nil || modalityOf[head.Type] == "" {
 				continue
 			}
 			if r.parts == nil {
@@ -90,6 +91,7 @@ func parseRequest(body []byte, chat bool) (*chatRequest, error) {
 				item = len(r.items)
 				seen[key.String()] = item
 				r.items = append(r.items, p)
+				r.kinds = append(r.kinds, modalityOf[head.Type])
 			}
 			r.refs = append(r.refs, mediaRef{msg: mi, part: pi, item: item})
 		}
@@ -100,6 +102,9 @@ func parseRequest(body []byte, chat bool) (*chatRequest, error) {
 
 // hasMedia reports whether any part can go to an encoder.
 func (r *chatRequest) hasMedia() bool { return len(r.items) > 0 }
+
+// modality is the modality of distinct item i as its part's type says.
+func (r *chatRequest) modality(item int) string { return r.kinds[item] }
 
 // encoderBody is the request that sends one media item to an encoder,
 // telling it which consumer to push to and under which transfer id.
@@ -129,12 +134,16 @@ type encoded struct {
 	metadata   json.RawMessage
 	entry      json.RawMessage // the encoder's whole per-item entry
 	transferID string
+	// derived names the fields the encoder left out and the proxy filled
+	// in from what it sent (vLLM 0.32 reports no modality).
+	derived []string
 }
 
 // parseEncoderReply finds the item pushed under transferID in an encoder's
 // response: the entry naming that transfer id, or the only entry when the
-// encoder does not echo ids.
-func parseEncoderReply(body []byte, transferID string) (*encoded, error) {
+// encoder does not echo ids. sent is the modality of the part the proxy
+// sent; it stands in for an entry that names none.
+func parseEncoderReply(body []byte, transferID, sent string) (*encoded, error) {
 	var reply struct {
 		Params map[string]json.RawMessage `json:"ec_transfer_params"`
 	}
@@ -167,6 +176,10 @@ func parseEncoderReply(body []byte, transferID string) (*encoded, error) {
 		return nil, fmt.Errorf("encoder reply names %d items, none of them transfer %s", len(reply.Params), transferID)
 	}
 	it := found[0]
+	if it.modality == "" && sent != "" {
+		it.modality = sent
+		it.derived = append(it.derived, "modality")
+	}
 	if _, ok := embedsOf[it.modality]; !ok {
 		return nil, fmt.Errorf("encoder reports modality %q for %s; want image, audio or video", it.modality, it.identifier)
 	}

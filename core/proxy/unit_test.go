@@ -96,10 +96,11 @@ func TestParseEncoderReply(t *testing.T) {
 		"other transfer only":        {`{"ec_transfer_params":{"h1":{"modality":"image","transfer_id":"u"}}}`, "", "none of them transfer t"},
 		"unknown modality":           {`{"ec_transfer_params":{"h1":{"modality":"smell","transfer_id":"t"}}}`, "", "modality"},
 		"not json":                   {`<html>`, "", "not JSON"},
+		"no modality, none sent":     {`{"ec_transfer_params":{"h1":{"item_indices":[0],"transfer_id":"t"}}}`, "", "modality"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
-			e, err := parseEncoderReply([]byte(tc.body), "t")
+			e, err := parseEncoderReply([]byte(tc.body), "t", "")
 			if tc.err != "" {
 				require.ErrorContains(t, err, tc.err)
 				return
@@ -108,8 +109,32 @@ func TestParseEncoderReply(t *testing.T) {
 			require.Equal(t, tc.want, e.identifier)
 			require.Equal(t, "t", e.transferID)
 			require.NotEmpty(t, e.metadata)
+			require.Empty(t, e.derived)
 		})
 	}
+}
+
+// vLLM 0.32's encoder leaves modality out of each item's entry: the proxy
+// takes it from the media part it sent, and says so.
+func TestParseEncoderReplyDerivesModality(t *testing.T) {
+	body := `{"ec_transfer_params":{"h1":{"item_indices":[0],"metadata":{},"transfer_id":"t"}}}`
+	e, err := parseEncoderReply([]byte(body), "t", "image")
+	require.NoError(t, err)
+	require.Equal(t, "image", e.modality)
+	require.Equal(t, []string{"modality"}, e.derived)
+
+	// The encoder's own answer wins over the part's type.
+	body = `{"ec_transfer_params":{"h1":{"modality":"video","transfer_id":"t"}}}`
+	e, err = parseEncoderReply([]byte(body), "t", "image")
+	require.NoError(t, err)
+	require.Equal(t, "video", e.modality)
+	require.Empty(t, e.derived)
+
+	r, err := parseRequest([]byte(`{"messages":[{"role":"user","content":[
+		{"type":"image_url","image_url":{"url":"a"}},{"type":"input_audio","input_audio":{}},
+		{"type":"video_url","video_url":{"url":"v"}}]}]}`), true)
+	require.NoError(t, err)
+	require.Equal(t, []string{"image", "audio", "video"}, []string{r.modality(0), r.modality(1), r.modality(2)})
 }
 
 // Request bodies come from the network: no input may panic the parser or
@@ -146,7 +171,7 @@ func FuzzRewrite(f *testing.F) {
 func FuzzEncoderReply(f *testing.F) {
 	f.Add([]byte(`{"ec_transfer_params":{"h1":{"modality":"image","metadata":{"a":[1]},"transfer_id":"t"}}}`))
 	f.Fuzz(func(t *testing.T, body []byte) {
-		_, _ = parseEncoderReply(body, "t")
+		_, _ = parseEncoderReply(body, "t", "image")
 		_, _ = classify(body)
 	})
 }

@@ -683,13 +683,21 @@ class _ProducerScheduler:
 
                 if self._resolver is None:
                     self._resolver = PlaceholderMetadataResolver(self._model_config)
-                return collect_ec_item_metadata(features, self._resolver)
+                items = collect_ec_item_metadata(features, self._resolver)
             except ImportError:
-                pass
-        items: dict[str, dict[str, Any]] = {}
-        for index, feature in enumerate(features):
-            entry = items.setdefault(feature.identifier, {"modality": feature.modality, "item_indices": [], "metadata": {}})
-            entry["item_indices"].append(index)
+                items = None
+        else:
+            items = None
+        if items is None:
+            items = {}
+            for index, feature in enumerate(features):
+                items.setdefault(feature.identifier, {"item_indices": []})["item_indices"].append(index)
+        for feature in features:
+            entry = items[feature.identifier]
+            # vLLM 0.32's helper leaves modality out (0.33 fills it in); the
+            # proxy needs it to choose the embeds part for the PD request.
+            entry.setdefault("modality", feature.modality)
+            entry.setdefault("metadata", {})
         return items
 
     def take_unavailable(self) -> set[str]:
@@ -703,12 +711,28 @@ class _ProducerScheduler:
 # --- worker side: consumer ---------------------------------------------------
 
 
+def _require_cuda(device: str) -> None:
+    """Refuses a GPU receive buffer on a host where torch sees no GPU, at
+    startup and naming the setting; vLLM's default ec_buffer_device is
+    "cuda", so this is the first thing a CPU-only PD instance meets."""
+    torch = _torch()
+    if torch.cuda.is_available():
+        return
+    raise ec_config.ConfigError(
+        f"ECMooncakeConnector: ec_buffer_device = {device!r} (vLLM's default is 'cuda'), but this "
+        f"process has no usable CUDA device (torch.cuda.is_available() is False); on a host "
+        f'without a GPU add "ec_buffer_device": "cpu" to --ec-transfer-config'
+    )
+
+
 class _ConsumerWorker:
     """One consumer TP rank: a slab, a native Consumer, zero-copy loads."""
 
     def __init__(self, cfg: ec_config.ECMooncakeConfig, vllm_config: Any):
         self._cfg = cfg
         self.receiving = cfg.topology.first_pp_stage
+        if self.receiving and cfg.buffer_device.startswith("cuda"):
+            _require_cuda(cfg.buffer_device)
         self._native: Consumer | None = None
         self._slab: Any = None
         self._device: Any = None

@@ -53,6 +53,7 @@ def consumer(model_dir, **ec):
         ({"extra": {"log_level": "loud"}}, ["log_level", "'loud'", "'debug', 'info', 'warn', 'error'"]),
         ({"extra": {"mooncake_library": 7}}, ["mooncake_library", "7", "a string"]),
         ({"extra": {"shared_storage_path": "/tmp"}}, ["unknown key 'shared_storage_path'", "'/tmp'", "push_wait_timeout_s"]),
+        ({"ec_role": "ec_kv_both"}, ["ec_role", "'ec_kv_both'", "'ec_producer', 'ec_consumer' or 'ec_both'"]),
     ],
 )
 def test_bad_settings_are_refused_with_key_value_and_allowed(model_dir, settings, words):
@@ -79,6 +80,29 @@ def test_an_encoder_instance_must_be_unsharded(model_dir, parallel, key):
     )
     with pytest.raises(ConfigError, match=f"needs {key} = 1, got 2"):
         ec_config.from_vllm_config(config)
+
+
+def test_a_gpu_buffer_on_a_host_without_a_gpu_names_the_key_and_the_fix(model_dir):
+    # vLLM's default ec_buffer_device is "cuda": on a CPU-only host the PD
+    # instance must stop at startup with the setting to change, not with
+    # torch's "Found no NVIDIA driver" at its first load.
+    import torch
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    from ecmooncake import plugin
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    plugin.register()
+    for device in ("cuda", "cuda:0"):
+        config = consumer(model_dir, ec_buffer_device=device)
+        with pytest.raises(ConfigError) as info:
+            ECConnectorFactory.create_connector(config, ECConnectorRole.WORKER)
+        message = str(info.value)
+        assert f"ec_buffer_device = {device!r}" in message
+        assert "no usable CUDA device" in message
+        assert '"ec_buffer_device": "cpu"' in message
 
 
 def test_consumer_shard_ports_must_fit(model_dir):

@@ -351,6 +351,29 @@ def test_request_finished_keeps_repeated_positions(instance):
     assert instance.consumer_sched.request_finished(make_request("pd-x", [a], None)) == (False, None)
 
 
+def test_request_finished_names_the_modality_when_vllm_does_not(instance, monkeypatch):
+    # vLLM 0.32's helper builds {"item_indices": [...], "metadata": {...}}
+    # without "modality"; the proxy needs it to pick the embeds part.
+    from vllm.distributed.ec_transfer.ec_connector import utils
+
+    real = utils.collect_ec_item_metadata
+
+    def like_0_32(features, resolver):
+        items = real(features, resolver)
+        for entry in items.values():
+            entry.pop("modality", None)
+        return items
+
+    monkeypatch.setattr(utils, "collect_ec_item_metadata", like_0_32)
+    a = Item("modality/a", 16, WIDTH)
+    req = make_request("enc-modality", [a], {"consumer": f"127.0.0.1:{instance.port}", "ec_items": [{"transfer_id": "m0"}]})
+    s = instance.producer_sched
+    s.ensure_cache_available(req, 0)
+    _, params = s.request_finished(req)
+    assert params[a.identifier]["modality"] == "image"
+    assert params[a.identifier]["item_indices"] == [0]
+
+
 def test_worker_metadata_merges_across_tp_ranks():
     report = ecm_connector.ECMooncakeWorkerMetadata
     ranks = [

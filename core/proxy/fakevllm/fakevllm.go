@@ -62,6 +62,9 @@ type Config struct {
 	// BeforeAnswer runs for each pd call with its ec_items; an error makes
 	// it fail as StreamError (streamed) or Status503 does.
 	BeforeAnswer func(ctx context.Context, items []ECItem) error
+	// OmitModality (encode) leaves modality out of each item's entry, as
+	// vLLM 0.32's encoder does.
+	OmitModality bool
 }
 
 // Encode describes one encoder call.
@@ -376,6 +379,9 @@ func (s *Server) encode(w http.ResponseWriter, r *http.Request, req map[string]j
 	}
 	if fault != NoParams && params.Consumer != "" {
 		entry := map[string]any{"modality": modality, "item_indices": []int{0}, "metadata": Metadata[modality]}
+		if s.cfg.OmitModality {
+			delete(entry, "modality")
+		}
 		if tid != "" {
 			entry["transfer_id"] = tid
 		}
