@@ -1,4 +1,4 @@
-"""Command line: ``python -m ecmooncake demo`` and ``python -m ecmooncake bench``."""
+"""Command line: ``python -m ecmooncake demo``, ``bench``, ``proxy`` and the other tools."""
 
 from __future__ import annotations
 
@@ -96,6 +96,18 @@ def _parser() -> argparse.ArgumentParser:
             "Prints its URL as the first line of stdout.",
         )
     )
+    from .tools import tiny_model as _tiny_model  # argument table only; imports no torch
+
+    _tiny_model.add_arguments(
+        commands.add_parser(
+            "tiny-model",
+            help="write a tiny Qwen2-VL checkpoint with random weights (for trying EPD on a CPU)",
+            description="Builds a complete Qwen2-VL checkpoint locally: random float32 weights "
+            "(LM hidden size 128, 2 layers; a 2-block vision tower), a tokenizer trained here, "
+            "the chat template and the processor configs. Nothing is downloaded. Needs torch, "
+            "transformers and tokenizers (a vLLM environment has them).",
+        )
+    )
     return parser
 
 
@@ -105,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import metadata_server
 
         return metadata_server.main(args)
+    if args.command == "tiny-model":
+        from .tools import tiny_model
+
+        return tiny_model.main(args)
     if args.command == "demo":
         from . import demo
 

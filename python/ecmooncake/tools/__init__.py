@@ -1,0 +1,1 @@
+"""Tools built on the library: things a person runs, not the connector."""

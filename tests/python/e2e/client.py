@@ -1,0 +1,135 @@
+"""The end-to-end test's client: sends chat requests and scrapes metrics.
+
+Reads a plan as JSON on stdin and prints the results as JSON on stdout, so
+that the test can run it inside a network namespace (``ip netns exec``)
+exactly as it runs it beside the servers. Standard library only.
+
+Plan: {"url": "http://host:port", "model": "...", "requests": [{"image":
+"data:...", "stream": bool, "text": "..."}], "max_tokens": N,
+"metrics": ["http://host:port/metrics", ...], "timeout_s": T}
+
+Result: {"answers": [{"tokens": [id, ...], "logprobs": [float, ...],
+"text": "..."}], "metrics": {url: text}}; a request that fails prints its
+status and body and exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def _body(plan: dict, req: dict) -> dict:
+    return {
+        "model": plan["model"],
+        "temperature": 0,
+        "max_tokens": plan["max_tokens"],
+        "logprobs": True,
+        "top_logprobs": 1,
+        # Tokens come back as "token_id:N": the ids themselves are compared.
+        "return_tokens_as_token_ids": True,
+        "stream": req["stream"],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": req["image"]}},
+                    {"type": "text", "text": req["text"]},
+                ],
+            }
+        ],
+    }
+
+
+def _token_id(entry: dict) -> int:
+    token = entry["token"]
+    if not token.startswith("token_id:"):
+        raise ValueError(f"token {token!r} is not in the token_id:N form")
+    return int(token.split(":", 1)[1])
+
+
+def _answer(plan: dict, req: dict) -> dict:
+    data = json.dumps(_body(plan, req)).encode()
+    http = urllib.request.Request(
+        plan["url"] + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
+    )
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    text = []
+    with urllib.request.urlopen(http, timeout=plan["timeout_s"]) as resp:
+        if not req["stream"]:
+            reply = json.load(resp)
+            choice = reply["choices"][0]
+            for entry in choice["logprobs"]["content"]:
+                tokens.append(_token_id(entry))
+                logprobs.append(entry["logprob"])
+            return {"tokens": tokens, "logprobs": logprobs, "text": choice["message"]["content"]}
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            payload = line[len("data:") :].strip()
+            if payload == "[DONE]":
+                break
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            for choice in chunk.get("choices", []):
+                text.append(choice.get("delta", {}).get("content") or "")
+                for entry in (choice.get("logprobs") or {}).get("content") or []:
+                    tokens.append(_token_id(entry))
+                    logprobs.append(entry["logprob"])
+    return {"tokens": tokens, "logprobs": logprobs, "text": "".join(text)}
+
+
+def _wait_healthy(url: str, timeout_s: float) -> None:
+    """Waits until GET url/health answers 200 (the proxy: a PD instance is
+    healthy)."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s} s ({last})")
+
+
+def main() -> int:
+    plan = json.load(sys.stdin)
+    out: dict = {"answers": [], "metrics": {}}
+    try:
+        _wait_healthy(plan["url"], plan.get("healthy_within_s", 60))
+    except TimeoutError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    for i, req in enumerate(plan["requests"]):
+        try:
+            out["answers"].append(_answer(plan, req))
+        except urllib.error.HTTPError as exc:
+            print(f"request {i} answered {exc.code}: {exc.read().decode(errors='replace')[:2000]}", file=sys.stderr)
+            return 1
+        except Exception as exc:  # the test prints it with the servers' logs
+            print(f"request {i} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+    for url in plan.get("metrics", []):
+        # A vLLM process that runs its engine core and its worker in one
+        # process serves the library's series on one of its two ports only.
+        try:
+            with urllib.request.urlopen(url, timeout=30) as resp:
+                out["metrics"][url] = resp.read().decode()
+        except OSError as exc:
+            out["metrics"][url] = ""
+            print(f"metrics {url}: {exc}", file=sys.stderr)
+    json.dump(out, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

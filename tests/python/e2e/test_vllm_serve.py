@@ -1,0 +1,313 @@
+"""A real `vllm serve` Encode–Prefill–Decode deployment on a CPU, end to end.
+
+PyPI's CPU build of vLLM (0.32) serves a tiny Qwen2-VL built here with
+random weights. The same chat requests (base64 images, temperature 0,
+logprobs, streamed and not) go to:
+
+1. one instance alone: the baseline;
+2. an encoder and a PD instance with vLLM's own ECExampleConnector, behind
+   ecmooncake's proxy (a sanity check of the deployment itself);
+3. the same with ECMooncakeConnector over ``tcp``, 4. over ``shm``;
+5. over ``tcp`` with the encoder and the PD instance in two network
+   namespaces joined by a veth pair, authenticated by a shared secret.
+
+Every answer must carry the baseline's token ids and logprobs bit for bit;
+every image must have gone through the transfer (the proxy encoded each
+one and fell back for none, the PD scheduler saw each one arrive, the
+shard received bytes); and nothing of ecmooncake may remain in /dev/shm
+once vLLM stopped as it does by default (SIGTERM; it SIGKILLs its engine).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from servers import (
+    PROXY_READY,
+    PYTHON,
+    VLLM_READY,
+    Deployment,
+    Namespaces,
+    ServerError,
+    child_env,
+    metric,
+    namespaces_available,
+    require_venv,
+    run_client,
+    run_in,
+    vllm_argv,
+)
+
+require_venv()
+
+from ecmooncake.harness import free_port_range  # noqa: E402
+
+MAX_TOKENS = 8
+TIMINGS: dict[str, float] = {}
+
+
+def _png(seed: int, size: tuple[int, int]) -> str:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def images() -> list[str]:
+    pytest.importorskip("PIL")
+    return [_png(1, (112, 112)), _png(2, (140, 84))]
+
+
+@pytest.fixture(scope="module")
+def requests_(images) -> list[dict]:
+    a, b = images
+    return [
+        {"image": a, "stream": False, "text": "What is in this image?"},
+        {"image": b, "stream": True, "text": "Describe the picture."},
+        # the first image again, streamed this time
+        {"image": a, "stream": True, "text": "What is in this image?"},
+        {"image": b, "stream": False, "text": "Describe the picture."},
+    ]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-qwen2-vl")
+    t0 = time.monotonic()
+    run_in(None, [str(PYTHON), "-m", "ecmooncake", "tiny-model", str(out)], timeout_s=300)
+    TIMINGS["model"] = time.monotonic() - t0
+    return out
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("logs")
+    t0 = time.monotonic()
+    yield out
+    # Around pytest's capture, so that CI's log shows where the time went.
+    phases = ", ".join(f"{k} {v:.0f} s" for k, v in TIMINGS.items())
+    sys.__stderr__.write(f"\nend-to-end phases: {phases}; {time.monotonic() - t0:.0f} s in all (logs in {out})\n")
+
+
+def _ecm_shm_files() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("ecmooncake")}
+
+
+class Phase:
+    """Runs one deployment: starts it, sends the requests, stops it, and
+    fails with every server's log tail when anything goes wrong."""
+
+    def __init__(self, name: str, logs: Path):
+        self.name = name
+        self.d = Deployment(logs / name)
+        self.d.log_dir.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.monotonic()
+
+    def __enter__(self) -> "Phase":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.d.stop()
+        TIMINGS[self.name] = time.monotonic() - self.t0
+        if exc_type is not None and issubclass(exc_type, (ServerError, AssertionError, OSError)):
+            pytest.fail(f"{self.name}: {exc}\n{self.d.logs()}", pytrace=exc_type is AssertionError)
+
+    def ready(self) -> None:
+        self.d.wait_ready()
+
+
+def _answers(result: dict) -> list[tuple[list[int], list[float]]]:
+    return [(a["tokens"], a["logprobs"]) for a in result["answers"]]
+
+
+@pytest.fixture(scope="module")
+def baseline(model, logs, requests_) -> list[tuple[list[int], list[float]]]:
+    port = free_port_range(1)
+    with Phase("baseline", logs) as ph:
+        ph.d.start("vllm", vllm_argv(model, port), ready=VLLM_READY)
+        ph.ready()
+        out = run_client(_plan(f"http://127.0.0.1:{port}", model, requests_))
+    answers = _answers(out)
+    for tokens, logprobs in answers:
+        assert len(tokens) == MAX_TOKENS and len(logprobs) == MAX_TOKENS
+    # The two images must not answer alike, or the comparison below could
+    # not tell an image that went missing.
+    assert answers[0] != answers[1]
+    return answers
+
+
+def _plan(url: str, model: Path, requests_: list[dict], metrics: list[str] | None = None) -> dict:
+    return {"url": url, "model": str(model), "requests": requests_, "max_tokens": MAX_TOKENS, "metrics": metrics or [], "timeout_s": 240}
+
+
+def _proxy_argv(port: int, metrics_port: int, encode: str, pd: str, consumer: str) -> list[str]:
+    return [
+        str(PYTHON),
+        "-m",
+        "ecmooncake",
+        "proxy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--encode",
+        encode,
+        "--pd",
+        f"{pd}#ec={consumer}",
+    ]
+
+
+def _ecm(role: str, ec_ip: str, ec_port: int, extra: dict) -> dict:
+    return {
+        "ec_connector": "ECMooncakeConnector",
+        "ec_role": role,
+        "ec_ip": ec_ip,
+        "ec_port": ec_port,
+        "ec_buffer_device": "cpu",
+        "ec_buffer_size": 64 << 20,
+        "ec_connector_extra_config": extra,
+    }
+
+
+def _check_transfers(out: dict, proxy_metrics: str, pd_metrics: list[str], items: int, distinct: int) -> None:
+    """Every item went through the transfer: the proxy encoded each one and
+    none fell back, the PD scheduler saw each distinct image arrive on every
+    shard, and the shard received it."""
+    text = out["metrics"]
+    proxy = text[proxy_metrics]
+    assert metric(proxy, "ecm_proxy_media_items_total", outcome="fallback") == 0, proxy
+    assert metric(proxy, "ecm_proxy_media_items_total", outcome="encoded") == items, proxy
+    pd = "\n".join(text[u] for u in pd_metrics)
+    # One observation per expected item that became available: a repeated
+    # image is usually still in the PD instance's own encoder cache, and
+    # vLLM then asks the connector nothing about it.
+    ready = metric(pd, "ecm_transfer_wait_seconds_count")
+    assert distinct <= ready <= items, pd
+    assert metric(pd, "ecm_received_frames_total") >= distinct, pd
+    assert metric(pd, "ecm_received_bytes_total") > 0, pd
+    assert metric(pd, "ecm_rejected_writes_total") == 0, pd
+
+
+def _mooncake_phase(name, model, logs, requests_, baseline, transport: str) -> None:
+    base = free_port_range(8)
+    pd_http, enc_http, proxy_port, proxy_metrics, ec_port, pd_metrics = base, base + 1, base + 2, base + 3, base + 4, base + 5
+    consumer = f"tcp://127.0.0.1:{ec_port}"
+    before = _ecm_shm_files()
+    with Phase(name, logs) as ph:
+        pd_ec = _ecm("ec_consumer", "127.0.0.1", ec_port, {"transport": transport, "metrics_port": pd_metrics, "push_wait_timeout_s": 120})
+        enc_ec = _ecm("ec_producer", "127.0.0.1", ec_port, {"transport": transport})
+        ph.d.start("pd", vllm_argv(model, pd_http, ec=pd_ec), ready=VLLM_READY)
+        ph.d.start("encoder", vllm_argv(model, enc_http, ec=enc_ec), ready=VLLM_READY)
+        ph.ready()
+        ph.d.start(
+            "proxy",
+            _proxy_argv(proxy_port, proxy_metrics, f"http://127.0.0.1:{enc_http}", f"http://127.0.0.1:{pd_http}", consumer),
+            ready=PROXY_READY,
+        )
+        ph.ready()
+        pd_urls = [f"http://127.0.0.1:{pd_metrics}/metrics", f"http://127.0.0.1:{pd_metrics + 1}/metrics"]
+        proxy_url = f"http://127.0.0.1:{proxy_metrics}/metrics"
+        out = run_client(_plan(f"http://127.0.0.1:{proxy_port}", model, requests_, [proxy_url] + pd_urls))
+        assert _answers(out) == baseline, "tokens or logprobs differ from the single instance"
+        _check_transfers(out, proxy_url, pd_urls, len(requests_), len({r['image'] for r in requests_}))
+    left = _ecm_shm_files() - before
+    assert not left, f"{name}: left in /dev/shm after vLLM stopped: {sorted(left)}"
+
+
+def test_example_connector_epd_matches_one_instance(model, logs, requests_, baseline, tmp_path):
+    """vLLM's own connector behind the proxy: the deployment itself is sound."""
+    base = free_port_range(4)
+    pd_http, enc_http, proxy_port, proxy_metrics = base, base + 1, base + 2, base + 3
+    store = tmp_path / "ec-store"
+    store.mkdir()
+
+    def ec(role):
+        return {"ec_connector": "ECExampleConnector", "ec_role": role, "ec_connector_extra_config": {"shared_storage_path": str(store)}}
+
+    with Phase("example", logs) as ph:
+        ph.d.start("pd", vllm_argv(model, pd_http, ec=ec("ec_consumer")), ready=VLLM_READY)
+        ph.d.start("encoder", vllm_argv(model, enc_http, ec=ec("ec_producer")), ready=VLLM_READY)
+        ph.ready()
+        ph.d.start(
+            "proxy",
+            _proxy_argv(proxy_port, proxy_metrics, f"http://127.0.0.1:{enc_http}", f"http://127.0.0.1:{pd_http}", "tcp://127.0.0.1:1"),
+            ready=PROXY_READY,
+        )
+        ph.ready()
+        proxy_url = f"http://127.0.0.1:{proxy_metrics}/metrics"
+        out = run_client(_plan(f"http://127.0.0.1:{proxy_port}", model, requests_, [proxy_url]))
+        assert _answers(out) == baseline
+        proxy = out["metrics"][proxy_url]
+        assert metric(proxy, "ecm_proxy_media_items_total", outcome="encoded") == len(requests_), proxy
+        assert metric(proxy, "ecm_proxy_media_items_total", outcome="fallback") == 0, proxy
+    assert any(store.iterdir()), "the example connector stored nothing"
+
+
+def test_mooncake_connector_over_tcp_matches_one_instance(model, logs, requests_, baseline):
+    _mooncake_phase("tcp", model, logs, requests_, baseline, "tcp")
+
+
+def test_mooncake_connector_over_shm_matches_one_instance(model, logs, requests_, baseline):
+    _mooncake_phase("shm", model, logs, requests_, baseline, "shm")
+
+
+def test_mooncake_connector_between_two_hosts_matches_one_instance(model, logs, requests_, baseline):
+    """The encoder and the PD instance in two network namespaces joined by
+    a veth pair: the transfer crosses the veth; nothing of it can use
+    loopback, which each namespace has of its own."""
+    why = namespaces_available()
+    if why is not None:
+        if os.environ.get("ECMOONCAKE_REQUIRE_VLLM") == "1":
+            pytest.fail(f"the two-host phase cannot run: {why}")
+        pytest.skip(why)
+    ns = Namespaces(f"{os.getpid() % 100000}")
+    ns.create()
+    try:
+        pd_http, enc_http, proxy_port, proxy_metrics, ec_port, pd_metrics = 8100, 8101, 8000, 9100, 14579, 9200
+        consumer = f"tcp://{ns.pd_ip}:{ec_port}"
+        env = child_env(ECMOONCAKE_SECRET="e2e-" + os.urandom(16).hex())
+        with Phase("two-hosts", logs) as ph:
+            pd_ec = _ecm("ec_consumer", ns.pd_ip, ec_port, {"transport": "tcp", "metrics_port": pd_metrics, "push_wait_timeout_s": 120})
+            enc_ec = _ecm("ec_producer", ns.pd_ip, ec_port, {"transport": "tcp"})
+            ph.d.start("pd", vllm_argv(model, pd_http, ec=pd_ec), ready=VLLM_READY, netns=ns.pd, env=env)
+            ph.d.start("encoder", vllm_argv(model, enc_http, host=ns.enc_ip, ec=enc_ec), ready=VLLM_READY, netns=ns.enc, env=env)
+            ph.ready()
+            ph.d.start(
+                "proxy",
+                _proxy_argv(proxy_port, proxy_metrics, f"http://{ns.enc_ip}:{enc_http}", f"http://127.0.0.1:{pd_http}", consumer),
+                ready=PROXY_READY,
+                netns=ns.pd,
+            )
+            ph.ready()
+            pd_urls = [f"http://127.0.0.1:{pd_metrics}/metrics", f"http://127.0.0.1:{pd_metrics + 1}/metrics"]
+            proxy_url = f"http://127.0.0.1:{proxy_metrics}/metrics"
+            out = run_client(_plan(f"http://127.0.0.1:{proxy_port}", model, requests_, [proxy_url] + pd_urls), netns=ns.pd)
+            assert _answers(out) == baseline, "tokens or logprobs differ from the single instance"
+            _check_transfers(out, proxy_url, pd_urls, len(requests_), len({r['image'] for r in requests_}))
+            # The encoder's connections to the PD shard go over the veth.
+            # (the proxy's own connections to the encoder's HTTP port aside).
+            conns = run_in(ns.enc, ["ss", "-Htn", "state", "established"])
+            pairs = [tuple(line.split()[-2:]) for line in conns.splitlines() if line.strip()]
+            outbound = {peer for local, peer in pairs if local != f"{ns.enc_ip}:{enc_http}"}
+            assert f"{ns.pd_ip}:{ec_port}" in outbound, "no control connection to the PD shard: " + conns
+            assert any(p.startswith(ns.pd_ip + ":") and p != f"{ns.pd_ip}:{ec_port}" for p in outbound), (
+                "no data-plane connection from the encoder to the PD host: " + conns
+            )
+    finally:
+        ns.destroy()
+
+
