@@ -119,7 +119,7 @@ func (w *Writer) Write(ctx context.Context, dest string, items []transport.Write
 			cause = errors.New("the grant carries no remote address (is the consumer's transport mooncake?)")
 		case it.Addr+it.Off < it.Addr || !p.contains(it.Addr+it.Off, it.Len()):
 			cause = fmt.Errorf("%w: [%#x,+%d) is outside the consumer's %d-byte slab at %#x",
-				transport.ErrOutOfBounds, it.Addr+it.Off, it.Len(), p.Len, p.Base)
+				transport.ErrStaleAddr, it.Addr+it.Off, it.Len(), p.Len, p.Base)
 		default:
 			valid++
 			continue
