@@ -28,8 +28,8 @@
 //	                                                                    ▲                                     │
 //	                                                                    └──────────────StartLoad──────────────┘
 //
-//	WaitingEvent: shard failure or EventWait ─▶ Unavailable; Finish ─▶ Cancelled
-//	Available:    AvailableTTL or shard failure ─▶ Expired;  Finish ─▶ Cancelled
+//	WaitingEvent: shard failure or EventWait ─▶ Unavailable; Finish or a sibling loaded ─▶ Cancelled
+//	Available:    AvailableTTL or shard failure ─▶ Expired;  Finish or a sibling loaded ─▶ Cancelled
 //	Loading:      Loaded failed ─▶ Failed; LoadWait or shard failure ─▶ Unavailable
 //	Ready:        shard failure ─▶ Expired
 //	Resident:     ResidentTTL or shard failure ─▶ Expired
@@ -48,6 +48,13 @@
 // table when ResidentTTL is zero.
 //
 // # Requests and failures
+//
+// Siblings are the other transfers of one mm_hash. When one of them
+// reaches Ready it serves every request waiting for the content, so the
+// siblings still waiting or available lose their last request: they are
+// cancelled at once and Cancels hands their ids to the caller, which
+// cancels them on the shards as it does those Finish returns. No record
+// outlives its requests except the loaded one (and resident copies).
 //
 // A request waits for each of its items until the content is loaded into
 // vLLM's encoder cache (a transfer of that mm_hash reaches Ready); from then
@@ -90,6 +97,7 @@
 //	t.Loaded(id, ok, reason, now)         // update_connector_output
 //	t.Freed(mmHash, now)                  // scheduler_output.free_encoder_mm_hashes
 //	cancel := t.Finish(reqID, now)        // request_finished: cancel these on the shards
+//	cancel = t.Cancels()                  // after Loaded: siblings of what was loaded, likewise
 //	// each step, or at NextDeadline:
 //	for _, f := range t.Tick(now) { fail f.RequestID with f.Reason }
 //

@@ -31,6 +31,7 @@ var base = time.Date(2026, 11, 29, 12, 0, 0, 0, time.UTC)
 //	loaded T ok|fail [REASON...]
 //	freed H
 //	finish R -> T,T|-
+//	cancels -> T,T|-            transfers the table cancelled on its own
 //	tick -> R/T,R/T|-
 //	reason R T -> REASON        the reason Failures gives for item T of R
 //	next -> D|none              NextDeadline as an offset from base
@@ -148,6 +149,9 @@ func runScript(t *testing.T, cfg Config, script string) *Table {
 		case "finish":
 			needWant()
 			require.Equal(t, want, orDash(tb.Finish(f[1], now)), where)
+		case "cancels":
+			needWant()
+			require.Equal(t, want, orDash(tb.Cancels()), where)
 		case "tick":
 			needWant()
 			var got []string

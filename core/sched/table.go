@@ -133,6 +133,10 @@ type Table struct {
 	// pending holds failures not yet returned by Tick, in the order they
 	// arose, so that failures from events reach the caller as well.
 	pending []pendingFailure
+	// cancels holds transfers the table cancelled on its own (no request
+	// needs them any more) until Cancels hands them to the caller, who
+	// cancels them on the shards as it does those Finish returns.
+	cancels []string
 
 	ended          [numStates]uint64
 	earlyDropped   uint64
@@ -579,6 +583,15 @@ func (t *Table) Finish(requestID string, now time.Time) (cancel []string) {
 	return cancel
 }
 
+// Cancels returns, once, the transfers the table cancelled by itself since
+// the last call: the other pushes of content that a load served. The
+// caller cancels them on the shards.
+func (t *Table) Cancels() []string {
+	out := t.cancels
+	t.cancels = nil
+	return out
+}
+
 func (r *record) detach(requestID string) bool {
 	for i, v := range r.requests {
 		if v == requestID {
@@ -728,7 +741,7 @@ func (t *Table) move(r *record, to State, now time.Time, reason string) {
 		t.setDeadline(r, now.Add(t.cfg.LoadWait))
 	case Ready:
 		t.clearDeadline(r)
-		t.serve(r.hash)
+		t.serve(r, now)
 	case Resident:
 		if t.cfg.ResidentTTL > 0 {
 			t.setDeadline(r, now.Add(t.cfg.ResidentTTL))
@@ -741,14 +754,25 @@ func (t *Table) move(r *record, to State, now time.Time, reason string) {
 }
 
 // serve marks the content loaded for every request waiting for it, through
-// this transfer or another of the same mm_hash: vLLM's encoder cache now
+// loaded or another transfer of the same mm_hash: vLLM's encoder cache now
 // holds it, and requests no longer depend on what becomes of the transfers.
-func (t *Table) serve(mmHash string) {
-	for _, r := range t.byHash[mmHash] {
+// The other transfers that were still waiting or available lose their last
+// request here, so they are cancelled now (and handed out by Cancels):
+// Finish would never see them again, and no record outlives its requests.
+func (t *Table) serve(loaded *record, now time.Time) {
+	var idle []*record
+	for _, r := range t.byHash[loaded.hash] {
 		for _, rid := range r.requests {
 			t.requests[rid].served[r.id] = struct{}{}
 		}
 		r.requests = nil
+		if r != loaded && (r.state == WaitingEvent || r.state == Available) {
+			idle = append(idle, r)
+		}
+	}
+	for _, r := range idle {
+		t.move(r, Cancelled, now, "another transfer of "+r.hash+" ("+loaded.id+") was loaded")
+		t.cancels = append(t.cancels, r.id)
 	}
 }
 

@@ -213,9 +213,10 @@ func TestScenarios(t *testing.T) {
 			load h1 -> t1
 			loaded t1 ok
 			state t1 -> Ready
+			state t2 -> Cancelled
+			cancels -> t2
 			at 60s
 			tick -> -
-			state t2 -> Unavailable
 			ensure r2 -> ready
 		`},
 		{"request aborted mid-transfer", two, `
@@ -313,6 +314,52 @@ func TestScenarios(t *testing.T) {
 			finish r1 -> -
 			finish r2 -> -
 			stats -> live=Ready:1,Resident:1
+		`},
+		{"siblings of a loaded transfer are cancelled", two, `
+			expect r1 t1=h1
+			expect r2 t2=h1
+			expect r3 t3=h1
+			ready 0 t1 h1
+			ready 1 t1 h1
+			ready 0 t2 h1
+			ready 1 t2 h1
+			ready 0 t3 h1
+			cancels -> -
+			load h1 -> t1
+			loaded t1 ok
+			# one load serves all three requests: the other pushes of the
+			# image are cancelled on the shards now, not left to their TTLs
+			cancels -> t2,t3
+			cancels -> -
+			state t2 -> Cancelled
+			state t3 -> Cancelled
+			ensure r2 -> ready
+			ensure r3 -> ready
+			ready 1 t3 h1
+			stats -> ignored=1
+			freed h1
+			finish r1 -> -
+			finish r2 -> -
+			finish r3 -> -
+			cancels -> -
+			stats -> live=Resident:1 requests=0 ended=Cancelled:2
+		`},
+		{"a sibling that is loading or resident is left alone", two, `
+			expect r1 t1=h1
+			ready 0 t1 h1
+			ready 1 t1 h1
+			load h1 -> t1
+			loaded t1 ok
+			freed h1
+			expect r2 t2=h1
+			ready 0 t2 h1
+			ready 1 t2 h1
+			load h1 -> t2
+			loaded t2 ok
+			cancels -> -
+			state t1 -> Resident
+			finish r2 -> -
+			stats -> live=Ready:1,Resident:1 requests=1
 		`},
 		{"resident copy expires after its time to live", Config{Shards: 2, ResidentTTL: 100 * time.Second}, `
 			expect r1 t1=h1
