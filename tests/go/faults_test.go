@@ -69,3 +69,27 @@ func TestMissingPushFailsTheRequestInAStep(t *testing.T) {
 	require.True(t, got[0].Retryable)
 	require.Empty(t, c.sched.Step(scheduler.StepIn{}).Failures, "a failure is reported once")
 }
+
+// A reservation the shard cannot make room for fails the waiting request
+// at once, as retryable, rather than when its push wait runs out.
+func TestRefusedReservationFailsTheRequestAtOnce(t *testing.T) {
+	c := newCluster(t, clusterOpts{tp: 2, slabBytes: 1 << 20, pushWait: time.Hour})
+	items := makeItems(10, 1, 2<<20, 2<<20, 0)
+	c.expect("req-big", items)
+	c.send(items)
+	out := c.drain(1, 30*time.Second)
+	require.NotEmpty(t, out.Failed)
+	require.Contains(t, out.Failed[0].Reason, "pool full")
+
+	w := c.wait(tids(items), time.Minute)
+	require.Equal(t, tids(items), w.Failed, "decided by the refusal: the push wait is an hour")
+	var got []sched.Failure
+	require.Eventually(t, func() bool {
+		got = append(got, c.sched.Step(scheduler.StepIn{}).Failures...)
+		return len(got) > 0
+	}, 10*time.Second, 10*time.Millisecond)
+	require.Equal(t, "req-big", got[0].RequestID)
+	require.True(t, got[0].Retryable)
+	require.Contains(t, got[0].Reason, "refused")
+	require.Contains(t, got[0].Reason, "pool full")
+}
