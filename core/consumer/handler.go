@@ -147,7 +147,7 @@ func (s *Shard) cancel(b wire.Cancel) wire.CancelReply {
 }
 
 func (s *Shard) status(b wire.Status) wire.StatusReply {
-	out := wire.StatusReply{Items: make([]wire.ItemStatus, len(b.TransferIDs))}
+	out := wire.StatusReply{Items: make([]wire.ItemStatus, len(b.TransferIDs)), Epoch: s.epoch}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for i, id := range b.TransferIDs {

@@ -47,6 +47,16 @@
 // Expired, which is how a shard's slab evicting a resident copy reaches the
 // table when ResidentTTL is zero.
 //
+// # Shards that die or restart
+//
+// The owner watches each shard's liveness. ShardLost (the shard stopped
+// answering) ends every live transfer, since every item needs every shard;
+// ShardRestarted (a new incarnation answers) ends the transfers whose bytes
+// the shard had reported ready, and leaves those still waiting for it,
+// whose push may reach the new incarnation. Either way has_cache_item stops
+// answering yes from the dead shard's events, and the waiting requests
+// fail at once (retryable).
+//
 // # Requests and failures
 //
 // Siblings are the other transfers of one mm_hash. When one of them

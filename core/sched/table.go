@@ -4,6 +4,7 @@ import (
 	"container/heap"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 )
@@ -347,6 +348,44 @@ func (t *Table) fail(r *record, reason string, now time.Time) {
 		t.move(r, Unavailable, now, reason)
 	default:
 		t.move(r, Expired, now, reason)
+	}
+}
+
+// ShardLost ends every live transfer because the shard stopped answering:
+// every item lies (or was to land) on every shard, so none can be loaded
+// or arrive now. Those that were available expire, the others become
+// unavailable, and the requests waiting for them fail (retryable). Early
+// events the shard sent are forgotten with it.
+func (t *Table) ShardLost(shard int, reason string, now time.Time) {
+	t.dropShard(shard, reason, now, func(*record) bool { return true })
+}
+
+// ShardRestarted ends the live transfers whose bytes the shard had
+// reported ready: its new incarnation does not hold them. Transfers still
+// waiting for the shard's word stay, since their push may reach the new
+// incarnation.
+func (t *Table) ShardRestarted(shard int, reason string, now time.Time) {
+	t.dropShard(shard, reason, now, func(r *record) bool { return r.shards.has(shard) })
+}
+
+func (t *Table) dropShard(shard int, reason string, now time.Time, gone func(*record) bool) {
+	t.advance(now)
+	if shard < 0 || shard >= t.cfg.Shards {
+		return
+	}
+	var doomed []*record
+	for _, r := range t.records {
+		if gone(r) {
+			doomed = append(doomed, r)
+		}
+	}
+	// In id order, so that the failures come out in a stable order.
+	slices.SortFunc(doomed, func(a, b *record) int { return strings.Compare(a.id, b.id) })
+	for _, r := range doomed {
+		t.fail(r, reason, now)
+	}
+	for _, e := range t.early {
+		e.shards.remove(shard)
 	}
 }
 

@@ -316,6 +316,9 @@ type ItemStatus struct {
 // StatusReply answers Status.
 type StatusReply struct {
 	Items []ItemStatus `json:"items"`
+	// Epoch names the shard incarnation that answered, so that a
+	// scheduler does not mistake a new incarnation's items for the old's.
+	Epoch string `json:"epoch,omitempty"`
 }
 
 // Validate requires transfer ids on at most MaxItems items, and a hash and
@@ -323,6 +326,9 @@ type StatusReply struct {
 func (r StatusReply) Validate() error {
 	if len(r.Items) > MaxItems {
 		return fmt.Errorf("%w: items: %d entries, limit %d", ErrInvalid, len(r.Items), MaxItems)
+	}
+	if err := checkOptional("epoch", r.Epoch); err != nil {
+		return err
 	}
 	for i, it := range r.Items {
 		if err := checkID(fmt.Sprintf("items[%d].transfer_id", i), it.TransferID); err != nil {

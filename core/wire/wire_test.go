@@ -61,7 +61,7 @@ func bodies() []struct {
 		{"cancel", OpCancel, Cancel{TransferIDs: []string{"t1", "t2"}}, CancelReply{Cancelled: 2}},
 		{"status", OpStatus, Status{TransferIDs: []string{"t1"}},
 			StatusReply{Items: []ItemStatus{{TransferID: "t1", MMHash: "h1", State: "READY", NBytes: 5, Known: true, Done: true}, {TransferID: "t9"}}}},
-		{"status_all", OpStatus, Status{}, StatusReply{Items: []ItemStatus{}}},
+		{"status_all", OpStatus, Status{}, StatusReply{Items: []ItemStatus{}, Epoch: "18c2f-9a0b1c2d"}},
 	}
 }
 
@@ -320,6 +320,7 @@ func TestBodyRejects(t *testing.T) {
 		{"status too many", Status{TransferIDs: many}, "transfer_ids"},
 		{"status long id", Status{TransferIDs: []string{long}}, "transfer_ids[0]"},
 		{"status item no id", StatusReply{Items: []ItemStatus{{}}}, "items[0].transfer_id"},
+		{"status long epoch", StatusReply{Epoch: long}, "epoch"},
 		{"status known without hash", StatusReply{Items: []ItemStatus{{TransferID: "t", Known: true, State: "READY"}}}, "items[0].mm_hash"},
 		{"status known without state", StatusReply{Items: []ItemStatus{{TransferID: "t", MMHash: "h", Known: true}}}, "items[0].state"},
 	} {

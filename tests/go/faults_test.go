@@ -93,3 +93,41 @@ func TestRefusedReservationFailsTheRequestAtOnce(t *testing.T) {
 	require.Contains(t, got[0].Reason, "refused")
 	require.Contains(t, got[0].Reason, "pool full")
 }
+
+// A shard that dies takes its items with it: has_cache_item stops saying
+// yes, a load of them fails cleanly, and a restarted shard is followed
+// anew, so what it receives afterwards is available again.
+func TestDeadShardItemsStopBeingAvailable(t *testing.T) {
+	c := newCluster(t, clusterOpts{tp: 2})
+	items := makeItems(11, 2, 4096, 4096, 0)
+	require.Empty(t, c.pushAll("req-dead", items).Failed)
+	w := c.wait(tids(items), 10*time.Second)
+	require.ElementsMatch(t, tids(items), w.Available)
+	require.True(t, c.sched.Has(items[0].hash))
+
+	require.NoError(t, c.shards[1].Close())
+	require.Eventually(t, func() bool { return !c.sched.Has(items[0].hash) && !c.sched.Has(items[1].hash) },
+		30*time.Second, 20*time.Millisecond, "items held by a dead shard are no longer available")
+	load := c.sched.Step(scheduler.StepIn{Load: []string{items[0].hash}}).Load
+	require.Len(t, load, 1)
+	require.Empty(t, load[0].TransferID)
+	require.Contains(t, load[0].Error, "not available")
+
+	c.slabs[1], c.shards[1] = c.openShard(1)
+	after := makeItems(12, 1, 4096, 4096, 0)
+	require.Empty(t, c.pushAll("req-back", after).Failed)
+	w = c.wait(tids(after), 20*time.Second)
+	require.ElementsMatch(t, tids(after), w.Available)
+}
+
+// A shard that restarts while its items are available: they stop being
+// available (the new incarnation does not hold them).
+func TestRestartedShardItemsStopBeingAvailable(t *testing.T) {
+	c := newCluster(t, clusterOpts{tp: 2})
+	items := makeItems(13, 1, 4096, 4096, 0)
+	require.Empty(t, c.pushAll("req-rs", items).Failed)
+	w := c.wait(tids(items), 10*time.Second)
+	require.ElementsMatch(t, tids(items), w.Available)
+	c.restart(0)
+	require.Eventually(t, func() bool { return !c.sched.Has(items[0].hash) }, 20*time.Second, 20*time.Millisecond)
+}
