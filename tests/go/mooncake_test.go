@@ -113,6 +113,20 @@ func TestMooncakeOverHTTPMetadata(t *testing.T) {
 	require.GreaterOrEqual(t, store.Stats().Keys, 3, "each engine published itself")
 }
 
+// The metadata store stops before the engines: closing them still
+// succeeds (the refused unregister is logged), so a deployment that shuts
+// its store down first does not report a failure for every shard.
+func TestMooncakeCloseAfterTheMetadataStoreHasGone(t *testing.T) {
+	store, err := metadata.Listen(metadata.Config{Addr: "127.0.0.1:0", Logger: quietLog()})
+	require.NoError(t, err)
+	http := func(c *mooncake.Config) { c.Metadata = store.URL() }
+	c := mooncakeCluster(t, clusterOpts{tp: 1}, http, http)
+	items := makeItems(15, 2, 1000, 100_000, 0)
+	require.Empty(t, c.pushAll("req-store-gone", items).Failed)
+	require.NoError(t, store.Close())
+	// The cluster's cleanup closes producer and shards and requires no error.
+}
+
 // Both ends must install the same protocol; a mismatch fails the push at
 // lookup, before anything is reserved or written.
 func TestMooncakeProtocolMismatchFailsThePush(t *testing.T) {

@@ -156,7 +156,7 @@ func (w *Writer) ensure() (*engine, *staging, error) {
 	if host == "" {
 		host = outboundHost()
 	}
-	eng, err := newEngine(w.t.lib, engineConfig{Metadata: cfg.Metadata, ServerName: cfg.LocalServerName, Host: host, Protocol: cfg.Protocol})
+	eng, err := newEngine(w.t.lib, engineConfig{Metadata: cfg.Metadata, ServerName: cfg.LocalServerName, Host: host, Protocol: cfg.Protocol, Log: w.log})
 	if err != nil {
 		return nil, nil, err
 	}
