@@ -25,7 +25,7 @@ func (h handler) Handle(req wire.Request) wire.Reply {
 	case wire.OpPeers:
 		return wire.OKReply(req.ID, s.peers())
 	case wire.OpEventPort:
-		return wire.OKReply(req.ID, wire.EventPortReply{Endpoint: s.events.Endpoint()})
+		return wire.OKReply(req.ID, wire.EventPortReply{Endpoint: s.events.Endpoint(), Epoch: s.epoch})
 	case wire.OpReserveBatch:
 		body, err := wire.DecodeBody[wire.ReserveBatch](req.Body)
 		if err != nil {
@@ -70,6 +70,7 @@ func (s *Shard) peers() wire.PeersReply {
 	shards[s.cfg.TPRank].Control = s.server.Endpoint()
 	offer := transport.Offer(s.recv, s.cfg.Transport)
 	shards[s.cfg.TPRank].Data = offer
+	shards[s.cfg.TPRank].Epoch = s.epoch
 	return wire.PeersReply{
 		Shards: shards, TPSize: s.cfg.TPSize, DPRank: s.cfg.DPRank, Host: s.host,
 		SlabBytes: s.slab.Size(), Transports: transport.Names(offer),
@@ -87,7 +88,7 @@ func (s *Shard) reserve(b wire.ReserveBatch) wire.ReserveBatchReply {
 	s.admitRemoteLocked(grants, now)
 	s.flushLocked()
 	s.mu.Unlock()
-	out := wire.ReserveBatchReply{Grants: make([]wire.Grant, len(grants))}
+	out := wire.ReserveBatchReply{Grants: make([]wire.Grant, len(grants)), Epoch: s.epoch, Host: s.host, Data: transport.Offer(s.recv, s.cfg.Transport)}
 	for i, g := range grants {
 		w := wire.Grant{TransferID: g.TransferID, Kind: g.Kind.String(), NBytes: g.NBytes}
 		if g.Err != nil {
@@ -146,7 +147,7 @@ func (s *Shard) cancel(b wire.Cancel) wire.CancelReply {
 }
 
 func (s *Shard) status(b wire.Status) wire.StatusReply {
-	out := wire.StatusReply{Items: make([]wire.ItemStatus, len(b.TransferIDs))}
+	out := wire.StatusReply{Items: make([]wire.ItemStatus, len(b.TransferIDs)), Epoch: s.epoch}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for i, id := range b.TransferIDs {

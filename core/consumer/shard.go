@@ -1,6 +1,8 @@
 package consumer
 
 import (
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -36,6 +38,10 @@ type Shard struct {
 	cfg  config.Consumer
 	log  *slog.Logger
 	host string
+	// epoch names this incarnation of the shard: a restart on the same
+	// control port gets a new one, and every reserve reply carries it, so
+	// a producer never writes a grant to a process that did not issue it.
+	epoch string
 
 	mu    sync.Mutex // guards table; never held across I/O
 	table *reserve.Table
@@ -76,12 +82,13 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 		opt.Tokens = ids.CryptoTokens
 	}
 	s = &Shard{
-		cfg:  cfg,
-		log:  opt.Log.With("shard", cfg.TPRank, "dp_rank", cfg.DPRank),
-		host: hostIdentity(cfg.Host),
-		kick: make(chan struct{}, 1),
-		stop: make(chan struct{}),
-		done: make(chan struct{}),
+		cfg:   cfg,
+		log:   opt.Log.With("shard", cfg.TPRank, "dp_rank", cfg.DPRank),
+		host:  hostIdentity(cfg.Host),
+		epoch: newEpoch(),
+		kick:  make(chan struct{}, 1),
+		stop:  make(chan struct{}),
+		done:  make(chan struct{}),
 	}
 	s.slab = slab.NewSlab(mem)
 	s.table = reserve.New(s.slab, reserve.Config{Lease: cfg.Lease(), MaxResidentBytes: cfg.MaxResidentBytes}, opt.Tokens)
@@ -111,9 +118,17 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 	}
 	go s.ticker()
 	s.unwatch = metrics.Watch(s.metricsName(), s.probe)
-	s.log.Info("consumer shard listening", "control", s.server.Endpoint(), "data", s.recv.Addr(),
+	s.log.Info("consumer shard listening", "control", s.server.Endpoint(), "data", s.recv.Addr(), "epoch", s.epoch,
 		"events", s.events.Endpoint(), "slab_bytes", mem.Len, "transport", opt.Transport.Name())
 	return s, nil
+}
+
+// newEpoch is the start time and 32 random bits: unique across restarts
+// even when two incarnations start within the clock's resolution.
+func newEpoch() string {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return fmt.Sprintf("%x-%s", time.Now().UnixNano(), hex.EncodeToString(b[:]))
 }
 
 func hostIdentity(configured string) string {
@@ -133,6 +148,7 @@ type Info struct {
 	Events    string `json:"events"`
 	Transport string `json:"transport"`
 	Host      string `json:"host"`
+	Epoch     string `json:"epoch"`
 	TPRank    int    `json:"tp_rank"`
 	TPSize    int    `json:"tp_size"`
 	DPRank    int    `json:"dp_rank"`
@@ -143,7 +159,7 @@ type Info struct {
 func (s *Shard) Info() Info {
 	return Info{
 		Control: s.server.Endpoint(), Data: s.recv.Addr(), Events: s.events.Endpoint(),
-		Transport: s.cfg.Transport, Host: s.host, TPRank: s.cfg.TPRank, TPSize: s.cfg.TPSize,
+		Transport: s.cfg.Transport, Host: s.host, Epoch: s.epoch, TPRank: s.cfg.TPRank, TPSize: s.cfg.TPSize,
 		DPRank: s.cfg.DPRank, SlabBytes: s.slab.Size(),
 	}
 }

@@ -10,6 +10,16 @@
 // control plane costs two round trips (reserve_batch, complete_batch) plus
 // one peers lookup per consumer for its lifetime, whatever the item count.
 //
+// Shards restart. Every reserve reply names the incarnation that issued
+// its grants (an epoch) and where that incarnation's data plane listens;
+// each grant carries that address to its write, so bytes only ever go to
+// the process that reserved room for them, and the batch after an idle
+// restart goes through. A new epoch, or a control call that got no
+// answer, drops the consumer's cached lookup. No I/O ever happens under
+// the producer's lock (control clients are dialled outside it), every
+// goroutine recovers and reports a panic as the error of its work, and
+// every channel a goroutine waits on closes on every path.
+//
 // Sources (encoder outputs) are memory the caller owns. The producer reads
 // one only while a write from it is in flight and reports it released when
 // no write and no pending push needs it any more; only then may the caller

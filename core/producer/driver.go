@@ -49,7 +49,11 @@ func (p *Producer) applyLocked(r push.Ready) {
 		return
 	}
 	for dest, items := range r.Reserves {
-		p.launch(func() { p.reserve(dest, items) })
+		p.launch("reserve_batch to "+dest, func() { p.reserve(dest, items) }, func(err error) {
+			for _, it := range items {
+				p.mgr.Granted(it.TransferID, dest, push.Grant{Err: err.Error()}, time.Now())
+			}
+		})
 	}
 	for dest, ws := range r.Writes {
 		items := make([]transport.WriteItem, len(ws))
@@ -76,15 +80,25 @@ func (p *Producer) applyLocked(r push.Ready) {
 				continue
 			}
 		}
-		p.batches++
-		addr := p.dataAddr[dest]
-		p.launch(func() { p.write(dest, addr, ws, items) })
+		for key, idx := range groupByPlane(ws, p.planes[dest].addr) {
+			gws, gitems := pickIndexes(ws, items, idx)
+			p.batches++
+			p.launch("write to "+dest, func() { p.write(dest, key.addr, key.cached, gws, gitems) }, func(err error) {
+				for _, w := range gws {
+					p.mgr.WriteDone(w.TransferID, dest, err, time.Now())
+				}
+			})
+		}
 	}
 	for dest, cs := range r.Completes {
-		p.launch(func() { p.complete(dest, cs) })
+		p.launch("complete_batch to "+dest, func() { p.complete(dest, cs) }, func(err error) {
+			for _, c := range cs {
+				p.mgr.CompleteDone(c.TransferID, dest, err, time.Now())
+			}
+		})
 	}
 	for dest, cs := range r.Cancels {
-		p.launch(func() { p.cancel(dest, cs) })
+		p.launch("cancel to "+dest, func() { p.cancel(dest, cs) }, nil)
 	}
 	for _, id := range r.Releases {
 		p.releaseSourceLocked(id)
@@ -97,6 +111,38 @@ func (p *Producer) applyLocked(r push.Ready) {
 	if len(r.Releases)+len(r.Done) > 0 {
 		p.signalLocked()
 	}
+}
+
+// planeKey is where one group of writes goes: the data plane of the
+// incarnation that granted them, or (cached) the address the last lookup
+// found, for grants that came without one.
+type planeKey struct {
+	addr   string
+	cached bool
+}
+
+// groupByPlane splits one destination's writes by the data plane each
+// grant names: after a restart a batch may hold grants of two
+// incarnations, and each must reach the process that issued it.
+func groupByPlane(ws []push.Write, cached string) map[planeKey][]int {
+	out := map[planeKey][]int{}
+	for i, w := range ws {
+		k := planeKey{addr: w.Plane}
+		if k.addr == "" {
+			k = planeKey{addr: cached, cached: true}
+		}
+		out[k] = append(out[k], i)
+	}
+	return out
+}
+
+func pickIndexes(ws []push.Write, items []transport.WriteItem, idx []int) ([]push.Write, []transport.WriteItem) {
+	w2 := make([]push.Write, len(idx))
+	i2 := make([]transport.WriteItem, len(idx))
+	for k, i := range idx {
+		w2[k], i2[k] = ws[i], items[i]
+	}
+	return w2, i2
 }
 
 func dropIndexes(ws []push.Write, items []transport.WriteItem, drop []int) ([]push.Write, []transport.WriteItem) {
@@ -115,13 +161,30 @@ func dropIndexes(ws []push.Write, items []transport.WriteItem, drop []int) ([]pu
 	return w2, i2
 }
 
-func (p *Producer) launch(f func()) {
+// launch runs one batch on its own goroutine. A panic in it is reported
+// through failed (under the lock) as the error of every item of the batch,
+// so that they fail now rather than at their deadlines; the manager ignores
+// reports for items the batch had already settled.
+func (p *Producer) launch(what string, f func(), failed func(err error)) {
 	p.wg.Add(1)
 	go func() {
 		defer p.wg.Done()
-		defer p.recover("batch")
+		defer p.kick()
+		defer func() {
+			r := recover()
+			if r == nil {
+				return
+			}
+			err := p.panicked(what, r)
+			if failed == nil {
+				return
+			}
+			defer p.recover(what + " (reporting a panic)")
+			p.mu.Lock()
+			defer p.mu.Unlock()
+			failed(err)
+		}()
 		f()
-		p.kick()
 	}()
 }
 
@@ -135,14 +198,21 @@ func (p *Producer) reserve(dest string, items []push.ReserveItem) {
 	if err == nil && len(rep.Grants) != len(items) {
 		err = fmt.Errorf("reserve_batch to %s: %d grants for %d items", dest, len(rep.Grants), len(items))
 	}
+	var pl plane
+	if err == nil {
+		pl = p.replyPlane(dest, rep)
+	}
 	now := time.Now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if err == nil {
+		p.notePlaneLocked(dest, pl)
+	}
 	for i, it := range items {
 		g := push.Grant{Err: errText(err)}
 		if err == nil {
 			w := rep.Grants[i]
-			g = push.Grant{Kind: w.Kind, Res: ids.ResID(w.Res), Token: w.Token, NBytes: w.NBytes, Addr: w.Addr, Err: w.Err}
+			g = push.Grant{Kind: w.Kind, Res: ids.ResID(w.Res), Token: w.Token, NBytes: w.NBytes, Addr: w.Addr, Plane: pl.addr, Err: w.Err}
 			if w.TransferID != it.TransferID {
 				g.Err = fmt.Sprintf("reserve_batch to %s: grant %d names %q, want %q", dest, i, w.TransferID, it.TransferID)
 			}
@@ -151,20 +221,46 @@ func (p *Producer) reserve(dest string, items []push.ReserveItem) {
 	}
 }
 
-func (p *Producer) write(dest, addr string, ws []push.Write, items []transport.WriteItem) {
-	var errs []error
-	if addr == "" {
-		err := fmt.Errorf("no data-plane address known for %s", dest)
-		errs = make([]error, len(items))
-		for i := range errs {
-			errs[i] = err
-		}
-	} else {
-		ctx, cancel := context.WithTimeout(p.life, p.cfg.PushWait())
-		start := time.Now()
-		errs = p.writer.Write(ctx, addr, items)
-		cancel()
-		p.observeWrite(start, items, errs)
+// replyPlane is the data plane of the incarnation that answered a reserve
+// reply. A reply without one (an older shard) leaves the grants to the
+// address of the last lookup.
+func (p *Producer) replyPlane(dest string, rep wire.ReserveBatchReply) plane {
+	if len(rep.Data) == 0 {
+		return plane{}
+	}
+	addr, err := p.pick("shard", dest, rep.Host, rep.Data)
+	if err != nil {
+		p.log.Warn("reserve reply names no data plane this producer can use; writing to the one looked up", "peer", dest, "cause", err)
+		return plane{}
+	}
+	return plane{addr: addr, epoch: rep.Epoch}
+}
+
+// notePlaneLocked records what a shard said about its data plane. A new
+// epoch means the shard restarted: its consumer is looked up again at its
+// next push, since the new incarnation may be laid out differently.
+func (p *Producer) notePlaneLocked(dest string, pl plane) {
+	if pl.addr == "" {
+		return
+	}
+	old := p.planes[dest]
+	if old.epoch != "" && pl.epoch != "" && old.epoch != pl.epoch {
+		p.log.Info("consumer shard restarted; writing to its new data plane", "peer", dest,
+			"old_epoch", old.epoch, "epoch", pl.epoch, "data", pl.addr)
+		p.forgetConsumerLocked(dest)
+	}
+	p.planes[dest] = pl
+}
+
+// write sends one batch to one data plane. A batch sent to the address of
+// the last lookup (its grants named no plane) that finds nobody there, or
+// a slab that does not hold its regions, is sent once more to the address
+// the shard gives now, when that differs: the shard restarted on a new
+// data plane after granting.
+func (p *Producer) write(dest, addr string, cached bool, ws []push.Write, items []transport.WriteItem) {
+	errs := p.writeTo(dest, addr, items)
+	if cached {
+		p.retryStale(dest, addr, items, errs)
 	}
 	now := time.Now()
 	p.mu.Lock()
@@ -185,10 +281,70 @@ func (p *Producer) write(dest, addr string, ws []push.Write, items []transport.W
 	}
 }
 
-// forgetLocked drops what we learnt about the consumer that owns dest, so
-// that the next push looks it up again: a shard that restarted listens on
-// a new data-plane address.
+func (p *Producer) writeTo(dest, addr string, items []transport.WriteItem) []error {
+	if addr == "" {
+		err := fmt.Errorf("no data-plane address known for %s", dest)
+		errs := make([]error, len(items))
+		for i := range errs {
+			errs[i] = err
+		}
+		return errs
+	}
+	ctx, cancel := context.WithTimeout(p.life, p.cfg.PushWait())
+	defer cancel()
+	start := time.Now()
+	errs := p.writer.Write(ctx, addr, items)
+	p.observeWrite(start, items, errs)
+	return errs
+}
+
+// stale reports whether a write failed as one to a data plane that is no
+// longer the shard's: nobody listens there, or the writer found the region
+// outside the slab the address describes.
+func stale(err error) bool {
+	return errors.Is(err, transport.ErrUnreachable) || errors.Is(err, transport.ErrStaleAddr)
+}
+
+// retryStale resends, once, the items of a batch that failed as stale when
+// the shard now names another data plane.
+func (p *Producer) retryStale(dest, addr string, items []transport.WriteItem, errs []error) {
+	var idx []int
+	for i, err := range errs {
+		if i < len(items) && stale(err) {
+			idx = append(idx, i)
+		}
+	}
+	if len(idx) == 0 {
+		return
+	}
+	pl, err := p.askPlane(-1, dest)
+	if err != nil || pl.addr == addr {
+		return
+	}
+	p.mu.Lock()
+	p.notePlaneLocked(dest, pl)
+	p.mu.Unlock()
+	p.log.Info("data plane moved; sending the batch again", "peer", dest, "from", addr, "to", pl.addr, "items", len(idx))
+	again := make([]transport.WriteItem, len(idx))
+	for k, i := range idx {
+		again[k] = items[i]
+	}
+	for k, err := range p.writeTo(dest, pl.addr, again) {
+		errs[idx[k]] = err
+	}
+}
+
+// forgetLocked drops what we learnt about the shard dest and its
+// consumer, so that the next push looks it up again: a shard that
+// restarted listens on a new data-plane address.
 func (p *Producer) forgetLocked(dest string) {
+	delete(p.planes, dest)
+	p.forgetConsumerLocked(dest)
+}
+
+// forgetConsumerLocked drops the finished lookups of consumers that have
+// dest among their shards.
+func (p *Producer) forgetConsumerLocked(dest string) {
 	for ep, ci := range p.consumers {
 		select {
 		case <-ci.ready:

@@ -25,6 +25,10 @@ var ErrClosed = errors.New("producer: closed")
 type Options struct {
 	Transport transport.Transport
 	Log       *slog.Logger
+	// Dial opens the control client of one shard; control.Dial when nil.
+	// It may block (it resolves host names), so the producer never calls
+	// it under its lock.
+	Dial func(zctx *zmq.Context, endpoint string, log *slog.Logger) (*control.Client, error)
 }
 
 // Push is one item to send, as the engine announces it.
@@ -57,6 +61,21 @@ type Outcomes struct {
 
 func (o Outcomes) empty() bool { return len(o.Done)+len(o.Failed)+len(o.Released) == 0 }
 
+// plane is where one shard's data plane listens, and which incarnation of
+// the shard said so.
+type plane struct {
+	addr  string
+	epoch string // empty when the shard did not say
+}
+
+// dialing is a control client being opened; callers for the same shard
+// wait for the one dial instead of starting their own.
+type dialing struct {
+	c    *control.Client
+	err  error
+	done chan struct{} // closed once c or err is set
+}
+
 // consumerInfo is one consumer as its shards described it.
 type consumerInfo struct {
 	dests []string // shard control endpoints, by TP rank
@@ -83,7 +102,9 @@ type Producer struct {
 	admitting map[string]int
 	parked    map[string][]parkedSource
 	clients   map[string]*control.Client // by shard control endpoint
-	dataAddr  map[string]string          // shard control endpoint -> data address
+	dialing   map[string]*dialing        // clients being opened, by shard control endpoint
+	planes    map[string]plane           // by shard control endpoint
+	dial      func(zctx *zmq.Context, endpoint string, log *slog.Logger) (*control.Client, error)
 	out       Outcomes
 	outReady  chan struct{} // closed and replaced when out gains something
 	roundTrip uint64
@@ -112,6 +133,11 @@ func Open(cfg config.Producer, opt Options) (*Producer, error) {
 	if opt.Log == nil {
 		opt.Log = slog.Default()
 	}
+	if opt.Dial == nil {
+		opt.Dial = func(zctx *zmq.Context, endpoint string, log *slog.Logger) (*control.Client, error) {
+			return control.Dial(zctx, endpoint, log)
+		}
+	}
 	zctx, err := zmq.NewContext()
 	if err != nil {
 		return nil, fmt.Errorf("producer: zmq context: %w", err)
@@ -127,7 +153,9 @@ func Open(cfg config.Producer, opt Options) (*Producer, error) {
 		admitting: map[string]int{},
 		parked:    map[string][]parkedSource{},
 		clients:   map[string]*control.Client{},
-		dataAddr:  map[string]string{},
+		dialing:   map[string]*dialing{},
+		planes:    map[string]plane{},
+		dial:      opt.Dial,
 		outReady:  make(chan struct{}),
 		wake:      make(chan struct{}, 1),
 		stop:      make(chan struct{}),
@@ -247,19 +275,29 @@ func (p *Producer) consumerLocked(endpoint string) *consumerInfo {
 
 // lookup asks one shard for the consumer's layout, then every shard for
 // its data-plane address. A failed lookup is forgotten so that the next
-// push to that consumer tries again.
+// push to that consumer tries again. ci.ready closes on every path, a
+// panic included, since admit goroutines wait for it.
 func (p *Producer) lookup(endpoint string, ci *consumerInfo) {
 	defer p.wg.Done()
-	defer p.recover("lookup")
-	dests, err := p.describe(endpoint)
-	p.mu.Lock()
-	ci.dests, ci.err = dests, err
-	if err != nil {
-		delete(p.consumers, endpoint)
-		p.log.Warn("consumer lookup failed", "consumer", endpoint, "cause", err)
-	}
-	p.mu.Unlock()
-	close(ci.ready)
+	var dests []string
+	err := errors.New("lookup ended without an answer")
+	defer func() {
+		if r := recover(); r != nil {
+			err = p.panicked("lookup of "+endpoint, r)
+			dests = nil
+		}
+		p.mu.Lock()
+		ci.dests, ci.err = dests, err
+		if err != nil {
+			if p.consumers[endpoint] == ci {
+				delete(p.consumers, endpoint)
+			}
+			p.log.Warn("consumer lookup failed", "consumer", endpoint, "cause", err)
+		}
+		p.mu.Unlock()
+		close(ci.ready)
+	}()
+	dests, err = p.describe(endpoint)
 }
 
 func (p *Producer) describe(endpoint string) ([]string, error) {
@@ -271,31 +309,25 @@ func (p *Producer) describe(endpoint string) ([]string, error) {
 		return nil, fmt.Errorf("peers from consumer %s: %d shards for tp_size %d", endpoint, len(first.Shards), first.TPSize)
 	}
 	dests := make([]string, len(first.Shards))
-	addrs := make([]string, len(first.Shards))
+	planes := make([]plane, len(first.Shards))
 	errs := make([]error, len(first.Shards))
 	var wg sync.WaitGroup
 	for i, sh := range first.Shards {
 		dests[i] = sh.Control
 		if len(sh.Data) > 0 {
-			addrs[i], errs[i] = p.pick(i, sh.Control, first.Host, sh.Data)
+			planes[i].epoch = sh.Epoch
+			planes[i].addr, errs[i] = p.pick(fmt.Sprintf("shard %d", i), sh.Control, first.Host, sh.Data)
 			continue
 		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			var r wire.PeersReply
-			if err := p.call(sh.Control, wire.OpPeers, struct{}{}, &r); err != nil {
-				errs[i] = fmt.Errorf("peers from shard %d at %s: %w", i, sh.Control, err)
-				return
-			}
-			for _, x := range r.Shards {
-				if x.Rank == i {
-					addrs[i], errs[i] = p.pick(i, sh.Control, r.Host, x.Data)
+			defer func() {
+				if r := recover(); r != nil {
+					errs[i] = p.panicked(fmt.Sprintf("peers of shard %d at %s", i, sh.Control), r)
 				}
-			}
-			if addrs[i] == "" && errs[i] == nil {
-				errs[i] = fmt.Errorf("shard %d at %s offers no data plane (it lists %v)", i, sh.Control, r.Transports)
-			}
+			}()
+			planes[i], errs[i] = p.askPlane(i, sh.Control)
 		}()
 	}
 	wg.Wait()
@@ -304,10 +336,27 @@ func (p *Producer) describe(endpoint string) ([]string, error) {
 	}
 	p.mu.Lock()
 	for i, d := range dests {
-		p.dataAddr[d] = addrs[i]
+		p.planes[d] = planes[i]
 	}
 	p.mu.Unlock()
 	return dests, nil
+}
+
+// askPlane asks the shard at control for its own data plane: the one entry
+// of its peers reply that carries one, which must be TP rank rank unless
+// rank is negative (any).
+func (p *Producer) askPlane(rank int, control string) (plane, error) {
+	var r wire.PeersReply
+	if err := p.call(control, wire.OpPeers, struct{}{}, &r); err != nil {
+		return plane{}, fmt.Errorf("peers from shard %d at %s: %w", rank, control, err)
+	}
+	for _, x := range r.Shards {
+		if len(x.Data) > 0 && (rank < 0 || x.Rank == rank) {
+			addr, err := p.pick(fmt.Sprintf("shard %d", x.Rank), control, r.Host, x.Data)
+			return plane{addr: addr, epoch: x.Epoch}, err
+		}
+	}
+	return plane{}, fmt.Errorf("shard %d at %s offers no data plane (it lists %v)", rank, control, r.Transports)
 }
 
 // Source is one encoder output: host memory in Mem, or GPU memory in Dev
@@ -459,8 +508,15 @@ func (p *Producer) kick() {
 
 func (p *Producer) recover(what string) {
 	if r := recover(); r != nil {
-		p.log.Error("producer: recovered panic", "in", what, "panic", r)
+		_ = p.panicked(what, r)
 	}
+}
+
+// panicked logs a recovered panic and turns it into the error that the
+// work it interrupted reports.
+func (p *Producer) panicked(what string, r any) error {
+	p.log.Error("producer: recovered panic", "in", what, "panic", r)
+	return fmt.Errorf("producer: internal error in %s: %v", what, r)
 }
 
 // failLocked records a failure for Poll.
@@ -476,36 +532,85 @@ func (p *Producer) signalLocked() {
 	p.outReady = make(chan struct{})
 }
 
-// client returns the DEALER for a shard, dialling it once.
-func (p *Producer) client(endpoint string) (*control.Client, error) {
+// client returns the DEALER for a shard, dialling it once. The dial runs
+// outside the lock (it may resolve a host name for seconds), so a slow
+// shard never holds up calls that concern other consumers; callers for the
+// same shard wait for that one dial, or for ctx.
+func (p *Producer) client(ctx context.Context, endpoint string) (*control.Client, error) {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	if p.closed {
+		p.mu.Unlock()
 		return nil, ErrClosed
 	}
 	if c, ok := p.clients[endpoint]; ok {
+		p.mu.Unlock()
 		return c, nil
 	}
-	c, err := control.Dial(p.zctx, endpoint, p.log)
-	if err != nil {
-		return nil, fmt.Errorf("dial %s: %w", endpoint, err)
+	d, waiting := p.dialing[endpoint]
+	if !waiting {
+		d = &dialing{done: make(chan struct{})}
+		p.dialing[endpoint] = d
+		p.wg.Add(1)
+		go p.dialShard(endpoint, d)
 	}
-	p.clients[endpoint] = c
-	return c, nil
+	p.mu.Unlock()
+	select {
+	case <-d.done:
+		return d.c, d.err
+	case <-ctx.Done():
+		return nil, fmt.Errorf("dial %s: %w", endpoint, ctx.Err())
+	}
 }
 
+// dialShard opens one shard's client for every caller waiting in client;
+// d.done closes on every path.
+func (p *Producer) dialShard(endpoint string, d *dialing) {
+	defer p.wg.Done()
+	var c *control.Client
+	err := errors.New("dial ended without an answer")
+	defer func() {
+		if r := recover(); r != nil {
+			c, err = nil, p.panicked("dial "+endpoint, r)
+		}
+		p.mu.Lock()
+		delete(p.dialing, endpoint)
+		switch {
+		case err != nil:
+			err = fmt.Errorf("dial %s: %w", endpoint, err)
+		case p.closed:
+			// Close has already closed the clients it knew of.
+			_ = c.Close()
+			c, err = nil, ErrClosed
+		default:
+			p.clients[endpoint] = c
+		}
+		d.c, d.err = c, err
+		p.mu.Unlock()
+		close(d.done)
+	}()
+	c, err = p.dial(p.zctx, endpoint, p.log)
+}
+
+// call makes one control round trip. A call that got no answer (timeout,
+// closed socket) drops what the producer knew about the shard's consumer:
+// the shard may have restarted on a new data plane. A refusal in the
+// reply does not: the shard answered, so it is alive.
 func (p *Producer) call(endpoint string, op wire.Op, body, out any) error {
-	c, err := p.client(endpoint)
+	ctx, cancel := context.WithTimeout(p.life, p.cfg.ControlTimeout())
+	defer cancel()
+	c, err := p.client(ctx, endpoint)
 	if err != nil {
 		return err
 	}
-	ctx, cancel := context.WithTimeout(p.life, p.cfg.ControlTimeout())
-	defer cancel()
 	start := time.Now()
 	err = c.Call(ctx, op, body, out)
 	metrics.RoundTrip(string(op), time.Since(start), err)
+	var refused *wire.Error
 	p.mu.Lock()
 	p.roundTrip++
+	if err != nil && !errors.As(err, &refused) && !p.closed {
+		p.forgetLocked(endpoint)
+	}
 	p.mu.Unlock()
 	return err
 }

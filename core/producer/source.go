@@ -43,19 +43,20 @@ func (p *Producer) releaseSourceLocked(id push.SourceID) {
 	}
 }
 
-// pick chooses the data plane to shard i, which offers the planes in
-// offered and runs on host: the transport's own choice when it routes per
-// destination (same host or not), else its one plane.
-func (p *Producer) pick(i int, control, host string, offered map[string]string) (string, error) {
+// pick chooses the data plane to the shard at control (who names it in
+// errors), which offers the planes in offered and runs on host: the
+// transport's own choice when it routes per destination (same host or
+// not), else its one plane.
+func (p *Producer) pick(who, control, host string, offered map[string]string) (string, error) {
 	dest, err := transport.PickDest(p.tr, control, host, offered)
 	if err != nil {
-		return "", fmt.Errorf("shard %d: %w", i, err)
+		return "", fmt.Errorf("%s: %w", who, err)
 	}
 	// A transport that can tell now that it cannot write there (another
 	// protocol at the other end) fails the lookup, not every later write.
 	if c, ok := p.tr.(transport.AddrChecker); ok {
 		if err := c.CheckAddr(dest); err != nil {
-			return "", fmt.Errorf("shard %d at %s: %w", i, control, err)
+			return "", fmt.Errorf("%s at %s: %w", who, control, err)
 		}
 	}
 	return dest, nil

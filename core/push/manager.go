@@ -89,7 +89,11 @@ type Grant struct {
 	NBytes uint64
 	// Addr is the region's remote address on a one-sided data plane.
 	Addr uint64
-	Err  string
+	// Plane is opaque to the manager: the data-plane address of the shard
+	// incarnation that issued the grant, carried to its Write so that the
+	// bytes go to that process and no other.
+	Plane string
+	Err   string
 }
 
 // SourceID names one encoder output buffer held by the runtime. Zero is
@@ -113,6 +117,7 @@ type Write struct {
 	Src        SourceID
 	NBytes     uint64
 	Addr       uint64 // the grant's remote address, for one-sided data planes
+	Plane      string // the grant's Plane: where the issuing shard's data plane listens
 }
 
 // Complete tells a shard that a region holds its bytes.
@@ -470,7 +475,7 @@ func (m *Manager) Ready(now time.Time) Ready {
 		r.tr.inFlight++
 		c.readers++
 		p := r.tr.push
-		out.Writes = appendTo(out.Writes, r.dest, Write{p.TransferID, p.MMHash, r.grant.Res, r.grant.Token, c.src, p.NBytes, r.grant.Addr})
+		out.Writes = appendTo(out.Writes, r.dest, Write{p.TransferID, p.MMHash, r.grant.Res, r.grant.Token, c.src, p.NBytes, r.grant.Addr, r.grant.Plane})
 	}
 	m.writeQ = nil
 	for _, r := range m.completeQ {

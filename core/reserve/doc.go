@@ -30,7 +30,7 @@
 //	err = t.Release(mmHash, now)            // unpinned: a resident copy
 //
 // Every transfer gets exactly one terminal Event: Ready, or a failure with
-// a reason (cancelled, abandoned, lease expired). A follower or cached
+// a reason (cancelled, abandoned, lease expired, refused for room). A follower or cached
 // transfer is settled with that event and forgotten into the tombstones; a
 // writer's transfer stays with its region until the region ends, so
 // Status can report the region's life.
@@ -52,8 +52,17 @@
 // reservation, and a Ready region must be acquired within Config.Lease of
 // becoming ready (a cached answer restarts that lease). Once acquired, a
 // region no longer expires: pinned, it stays; released, it is a resident
-// copy, evicted least recently used first when a reservation needs the
-// room or when resident bytes pass Config.MaxResidentBytes.
+// copy, evicted when resident bytes pass Config.MaxResidentBytes (least
+// recently used first) or when a reservation needs the room. A slab can be
+// full by fragmentation, so room means one contiguous extent: a
+// reservation evicts only the adjacent residents whose eviction opens one
+// (of the candidate runs, the one whose newest copy is oldest), and none
+// when no run can.
+//
+// Refusals: a reservation refused for room (pool full, closing slab) is
+// final for its transfer: it gets its failure event at once, so the
+// scheduler fails the request waiting for it now rather than at its push
+// deadline, and a tombstone answers a repeated reserve with ErrGone.
 //
 // # Safety of the data plane
 //

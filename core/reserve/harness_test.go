@@ -124,6 +124,9 @@ func (h *harness) do(t *testing.T, i int, st step) {
 		for j, g := range grants {
 			it := st.items[j]
 			require.Equal(t, it.TransferID, g.TransferID, "step %d item %d", i, j)
+			if _, seen := h.items[it.TransferID]; !seen {
+				h.items[it.TransferID] = it // a refusal has its event too
+			}
 			var wantErr error
 			if st.errs != nil {
 				wantErr = st.errs[j]
@@ -143,7 +146,6 @@ func (h *harness) do(t *testing.T, i int, st step) {
 				require.Equal(t, prev, g, "step %d: a repeated reserve must repeat the grant", i)
 			} else {
 				h.grants[it.TransferID] = g
-				h.items[it.TransferID] = it
 			}
 		}
 		return

@@ -87,6 +87,7 @@ func TestReserveOnAClosingSlab(t *testing.T) {
 	require.Equal(t, slab.Closed, s.State(), "the last region freed closes the slab")
 	require.NoError(t, tab.CheckInvariants())
 	require.Equal(t, []Event{
+		{TransferID: "b", MMHash: "h2", NBytes: 100, Reason: "refused: " + g[0].Err.Error()},
 		{TransferID: "a", MMHash: "h1", NBytes: 100, Reason: ReasonCancelled},
 		{TransferID: "c", MMHash: "h1", NBytes: 100, Reason: ReasonCancelled},
 	}, tab.DrainEvents())

@@ -85,6 +85,9 @@ func runModel(t *testing.T, seed uint64, steps int) {
 			}
 			for j, g := range h.tab.Reserve(items, h.now) {
 				if g.Err != nil {
+					if _, ok := h.items[items[j].TransferID]; !ok {
+						h.items[items[j].TransferID] = items[j] // a refusal for room has its event
+					}
 					continue
 				}
 				tid := items[j].TransferID

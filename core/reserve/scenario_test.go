@@ -45,6 +45,27 @@ func all(checks ...func(*testing.T, *harness)) func(*testing.T, *harness) {
 	}
 }
 
+// fragmented fills an 8192-byte slab with eight 1024-byte regions h1..h8,
+// pins h3 and h6 (loaded, so neither evictable) and makes the others
+// resident copies, released in the order given (oldest first), then runs
+// more. The slab is then: [h1 h2] h3 [h4 h5] h6 [h7 h8].
+func fragmented(order []string, more ...step) []step {
+	var steps []step
+	var items []Item
+	for i := 1; i <= 8; i++ {
+		items = append(items, item("t"+strconv.Itoa(i), "h"+strconv.Itoa(i), 1024))
+	}
+	steps = append(steps, step{op: "reserve", items: items})
+	for i := 1; i <= 8; i++ {
+		steps = append(steps, step{op: "complete", tid: "t" + strconv.Itoa(i), events: ready("t" + strconv.Itoa(i))})
+	}
+	steps = append(steps, step{op: "acquire", hash: "h3"}, step{op: "acquire", hash: "h6"})
+	for _, h := range order {
+		steps = append(steps, step{op: "acquire", hash: h}, step{op: "release", hash: h})
+	}
+	return append(steps, more...)
+}
+
 func TestScenarios(t *testing.T) {
 	tests := []struct {
 		name  string
@@ -271,14 +292,48 @@ func TestScenarios(t *testing.T) {
 			}},
 			{op: "complete", tid: "w", events: ready("w")},
 		}},
-		{name: "pool full names the sizes", slab: 4096, steps: []step{
+		{name: "pool full names the sizes and tells the scheduler at once", slab: 4096, steps: []step{
 			{op: "reserve", items: []Item{item("a", "h1", 3000), item("b", "h2", 2000), item("c", "h3", 1000)},
 				kinds: []Kind{KindWrite, 0, KindWrite}, errs: []error{nil, ErrPoolFull, nil},
-				check: func(t *testing.T, h *harness) {
-					g := h.tab.Reserve([]Item{item("b", "h2", 2000)}, h.now)
-					require.EqualError(t, g[0].Err, "reserve transfer b (h2): pool full (2000 bytes asked, 4096 of 4096 bytes in use, largest free extent 0 bytes)")
-				}},
+				events: failed("refused: reserve transfer b (h2): pool full (2000 bytes asked, 3072 of 4096 bytes in use, largest free extent 1024 bytes)", "b"),
+				check: statusIs("b", StatusInfo{MMHash: "h2", State: Cancelled, NBytes: 2000, Done: true,
+					Reason: "refused: reserve transfer b (h2): pool full (2000 bytes asked, 3072 of 4096 bytes in use, largest free extent 1024 bytes)"})},
+			// The refusal stands for that transfer, with no second event.
+			{op: "reserve", items: []Item{item("b", "h2", 2000)}, errs: []error{ErrGone}},
+			{op: "reserve", items: []Item{item("d", "h4", 2000)}, errs: []error{ErrPoolFull}, check: func(t *testing.T, h *harness) {
+				require.Equal(t, "reserve transfer d (h4): pool full (2000 bytes asked, 4096 of 4096 bytes in use, largest free extent 0 bytes)", h.status(t, "d").Reason[len("refused: "):])
+			}, events: failed("refused: reserve transfer d (h4): pool full (2000 bytes asked, 4096 of 4096 bytes in use, largest free extent 0 bytes)", "d")},
 		}},
+		{name: "fragmented slab: only residents that open a large enough extent are evicted", slab: 8192, steps: fragmented(
+			// LRU, oldest first: h1 h4 h7 h2 h5 h8. Evicting by age alone
+			// would take h1 h4 h7 h2 (four copies) before h1+h2 fit; the
+			// adjacent pair h1 h2 is enough.
+			[]string{"h1", "h4", "h7", "h2", "h5", "h8"},
+			step{op: "reserve", items: []Item{item("x", "h9", 2048)}, kinds: []Kind{KindWrite}, check: func(t *testing.T, h *harness) {
+				require.Equal(t, uint64(2), h.tab.Stats().Evictions)
+				for hash, want := range map[string]bool{"h1": false, "h2": false, "h4": true, "h5": true, "h7": true, "h8": true} {
+					_, _, ok := h.tab.Lookup(hash)
+					require.Equal(t, want, ok, hash)
+				}
+				require.Equal(t, uint64(0), h.grants["x"].Offset, "the extent the evictions opened")
+			}},
+		)},
+		{name: "fragmented slab: among extents, the one of the least recently used copies", slab: 8192, steps: fragmented(
+			[]string{"h2", "h8", "h4", "h5", "h7", "h1"},
+			step{op: "reserve", items: []Item{item("x", "h9", 2048)}, kinds: []Kind{KindWrite}, check: func(t *testing.T, h *harness) {
+				require.Equal(t, uint64(2), h.tab.Stats().Evictions)
+				require.Equal(t, uint64(3072), h.grants["x"].Offset, "h4 h5 are older than h1 h2 (h1 is the newest) and h7 h8 (h7 is newer than h5)")
+			}},
+		)},
+		{name: "fragmented slab: residents that cannot open an extent are kept", slab: 8192, steps: fragmented(
+			[]string{"h1", "h4", "h7", "h2", "h5", "h8"},
+			step{op: "reserve", items: []Item{item("x", "h9", 3072)}, errs: []error{ErrPoolFull},
+				events: failed("refused: reserve transfer x (h9): pool full (3072 bytes asked, 8192 of 8192 bytes in use, largest free extent 0 bytes; evicting the 6144 resident bytes would not free a large enough extent)", "x"),
+				check: func(t *testing.T, h *harness) {
+					require.Zero(t, h.tab.Stats().Evictions, "no copy is dropped for nothing")
+					require.Equal(t, 6, h.tab.Stats().Residents)
+				}},
+		)},
 		{name: "eviction of least recently used residents; pinned never evicted", slab: 4096, steps: []step{
 			{op: "reserve", items: []Item{item("a", "h1", 1024), item("b", "h2", 1024), item("c", "h3", 1024)}},
 			{op: "complete", tid: "a", events: ready("a")},
@@ -300,9 +355,10 @@ func TestScenarios(t *testing.T) {
 				require.True(t, ok)
 				require.Equal(t, StatusInfo{MMHash: "h1", State: Expired, Kind: KindWrite, NBytes: 1024, Done: true, Reason: ReasonEvicted}, h.status(t, "a"))
 			}},
-			{op: "reserve", items: []Item{item("e", "h5", 2048)}, errs: []error{ErrPoolFull}},
+			{op: "reserve", items: []Item{item("e", "h5", 2048)}, errs: []error{ErrPoolFull},
+				events: failed("refused: reserve transfer e (h5): pool full (2048 bytes asked, 3072 of 4096 bytes in use, largest free extent 1024 bytes)", "e")},
 			{op: "release", hash: "h3"},
-			{op: "reserve", items: []Item{item("e", "h5", 2048)}, kinds: []Kind{KindWrite}, check: func(t *testing.T, h *harness) {
+			{op: "reserve", items: []Item{item("e2", "h5", 2048)}, kinds: []Kind{KindWrite}, check: func(t *testing.T, h *harness) {
 				require.Equal(t, uint64(3), h.tab.Stats().Evictions)
 			}},
 		}},
@@ -310,10 +366,12 @@ func TestScenarios(t *testing.T) {
 			{op: "reserve", items: []Item{item("a", "h1", 1024), item("b", "h2", 2048)}},
 			{op: "complete", tid: "a", events: ready("a")},
 			{op: "acquire", hash: "h1"}, {op: "release", hash: "h1"},
-			{op: "reserve", items: []Item{item("c", "h3", 3000)}, errs: []error{ErrPoolFull}, check: func(t *testing.T, h *harness) {
-				require.Zero(t, h.tab.Stats().Evictions)
-				require.Equal(t, 1, h.tab.Stats().Residents)
-			}},
+			{op: "reserve", items: []Item{item("c", "h3", 3000)}, errs: []error{ErrPoolFull},
+				events: failed("refused: reserve transfer c (h3): pool full (3000 bytes asked, 3072 of 4096 bytes in use, largest free extent 1024 bytes; evicting the 1024 resident bytes would not free a large enough extent)", "c"),
+				check: func(t *testing.T, h *harness) {
+					require.Zero(t, h.tab.Stats().Evictions)
+					require.Equal(t, 1, h.tab.Stats().Residents)
+				}},
 		}},
 		{name: "resident bytes cap", cfg: Config{Lease: lease, MaxResidentBytes: 2048}, steps: []step{
 			{op: "reserve", items: []Item{item("a", "h1", 1000), item("b", "h2", 1000), item("c", "h3", 1000)}},

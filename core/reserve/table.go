@@ -312,6 +312,7 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 	}
 	off, err := t.alloc(it)
 	if err != nil {
+		t.refuse(it, err)
 		return fail(err)
 	}
 	alloc, _ := t.slab.Len(off)
@@ -351,26 +352,132 @@ func grantFor(tr *transfer) Grant {
 	return g
 }
 
-// alloc carves room for it, evicting resident copies, least recently used
-// first, while that can still help.
+// alloc carves room for it. When no free extent is large enough it evicts
+// the resident copies that open one (see roomFor), and only those: a
+// fragmented slab can hold many resident bytes none of which help.
 func (t *Table) alloc(it Item) (uint64, error) {
-	for {
-		off, err := t.slab.Alloc(it.NBytes)
-		if err == nil {
-			return off, nil
-		}
-		if !errors.Is(err, slab.ErrFull) {
-			return 0, fmt.Errorf("reserve transfer %s (%s): %w", it.TransferID, it.MMHash, err)
-		}
-		// Evicting is pointless when even all free and resident bytes
-		// together could not hold the region.
-		reclaimable := t.slab.Size() - t.slab.InUse() + t.residentBytes
-		if t.residents.Len() == 0 || it.NBytes > reclaimable {
-			return 0, fmt.Errorf("reserve transfer %s (%s): %w (%d bytes asked, %d of %d bytes in use, largest free extent %d bytes)",
-				it.TransferID, it.MMHash, ErrPoolFull, it.NBytes, t.slab.InUse(), t.slab.Size(), t.slab.LargestFree())
-		}
-		t.evict(t.residents.Back().Value.(*region))
+	off, err := t.slab.Alloc(it.NBytes)
+	if err == nil {
+		return off, nil
 	}
+	if !errors.Is(err, slab.ErrFull) {
+		return 0, fmt.Errorf("reserve transfer %s (%s): %w", it.TransferID, it.MMHash, err)
+	}
+	victims := t.roomFor(it.NBytes)
+	if victims == nil {
+		why := ""
+		if t.residentBytes > 0 {
+			why = fmt.Sprintf("; evicting the %d resident bytes would not free a large enough extent", t.residentBytes)
+		}
+		return 0, fmt.Errorf("reserve transfer %s (%s): %w (%d bytes asked, %d of %d bytes in use, largest free extent %d bytes%s)",
+			it.TransferID, it.MMHash, ErrPoolFull, it.NBytes, t.slab.InUse(), t.slab.Size(), t.slab.LargestFree(), why)
+	}
+	for _, r := range victims {
+		t.evict(r)
+	}
+	off, err = t.slab.Alloc(it.NBytes)
+	if err != nil {
+		// roomFor promised an extent: the table and the slab disagree.
+		return 0, t.fault(fmt.Errorf("reserve transfer %s (%s): evicted %d resident copies and still: %w", it.TransferID, it.MMHash, len(victims), err))
+	}
+	return off, nil
+}
+
+// roomFor picks the resident copies whose eviction frees one contiguous
+// extent of n bytes (rounded up to the slab's alignment), or nil when no
+// set of them can. The slab is cut by regions that cannot go (being
+// written, pinned, not yet loaded); between two such regions, evicting a
+// run of adjacent residents joins them with the free gaps around them.
+// Of all runs that are just large enough, it takes the one whose most
+// recently used copy is the oldest (least recently used first, as far as
+// contiguity allows), then the one that evicts fewer bytes.
+func (t *Table) roomFor(n uint64) []*region {
+	if t.residents.Len() == 0 {
+		return nil
+	}
+	need := (n + slab.Align - 1) &^ (slab.Align - 1)
+	if need > t.slab.Size()-t.slab.InUse()+t.residentBytes {
+		return nil
+	}
+	age := make(map[*region]int, t.residents.Len()) // 0 is the least recently used
+	for e, i := t.residents.Back(), 0; e != nil; e, i = e.Prev(), i+1 {
+		age[e.Value.(*region)] = i
+	}
+	all := make([]*region, 0, len(t.regions))
+	for _, r := range t.regions {
+		all = append(all, r)
+	}
+	slices.SortFunc(all, func(a, b *region) int { return cmpUint(a.off, b.off) })
+
+	var best []*region
+	bestAge, bestBytes := -1, uint64(0)
+	consider := func(run []*region, lo, hi uint64) {
+		// run: adjacent residents in address order between lo and hi, the
+		// ends of the fixed regions around them. Evicting run[j..l] frees
+		// from the end of run[j-1] (or lo) to the start of run[l+1] (or hi).
+		start := func(j int) uint64 {
+			if j == 0 {
+				return lo
+			}
+			return run[j-1].off + run[j-1].alloc
+		}
+		end := func(l int) uint64 {
+			if l == len(run)-1 {
+				return hi
+			}
+			return run[l+1].off
+		}
+		l := 0
+		for j := range run {
+			l = max(l, j)
+			for l < len(run) && end(l)-start(j) < need {
+				l++
+			}
+			if l == len(run) {
+				return // later windows start further right and end no later
+			}
+			newest, bytes := 0, uint64(0)
+			for _, r := range run[j : l+1] {
+				newest = max(newest, age[r])
+				bytes += r.alloc
+			}
+			if best == nil || newest < bestAge || (newest == bestAge && bytes < bestBytes) {
+				best, bestAge, bestBytes = run[j:l+1], newest, bytes
+			}
+		}
+	}
+	var run []*region
+	lo := uint64(0)
+	for _, r := range all {
+		if r.lru != nil {
+			run = append(run, r)
+			continue
+		}
+		consider(run, lo, r.off)
+		run, lo = nil, r.off+r.alloc
+	}
+	consider(run, lo, t.slab.Size())
+	return slices.Clone(best)
+}
+
+func cmpUint(a, b uint64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// refuse settles a transfer the table could not make room for: its
+// failure event reaches the scheduler now, so the request waiting for it
+// fails at once (and can be retried) instead of at its push deadline; the
+// tombstone keeps the refusal for a repeated reserve and for Status.
+func (t *Table) refuse(it Item, err error) {
+	reason := "refused: " + err.Error()
+	t.events = append(t.events, Event{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Reason: reason})
+	t.tomb.addTransfer(it.TransferID, transferTomb{mmHash: it.MMHash, nbytes: it.NBytes, state: Cancelled, reason: reason})
 }
 
 func (t *Table) evict(r *region) {

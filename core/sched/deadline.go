@@ -53,6 +53,10 @@ func newShardSet(shards int) shardSet { return make(shardSet, (shards+63)/64) }
 
 func (s shardSet) add(i int) { s[i/64] |= 1 << (uint(i) % 64) }
 
+func (s shardSet) remove(i int) { s[i/64] &^= 1 << (uint(i) % 64) }
+
+func (s shardSet) has(i int) bool { return s[i/64]&(1<<(uint(i)%64)) != 0 }
+
 func (s shardSet) count() int {
 	n := 0
 	for _, w := range s {

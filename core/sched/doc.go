@@ -28,8 +28,8 @@
 //	                                                                    ▲                                     │
 //	                                                                    └──────────────StartLoad──────────────┘
 //
-//	WaitingEvent: shard failure or EventWait ─▶ Unavailable; Finish ─▶ Cancelled
-//	Available:    AvailableTTL or shard failure ─▶ Expired;  Finish ─▶ Cancelled
+//	WaitingEvent: shard failure or EventWait ─▶ Unavailable; Finish or a sibling loaded ─▶ Cancelled
+//	Available:    AvailableTTL or shard failure ─▶ Expired;  Finish or a sibling loaded ─▶ Cancelled
 //	Loading:      Loaded failed ─▶ Failed; LoadWait or shard failure ─▶ Unavailable
 //	Ready:        shard failure ─▶ Expired
 //	Resident:     ResidentTTL or shard failure ─▶ Expired
@@ -47,7 +47,24 @@
 // Expired, which is how a shard's slab evicting a resident copy reaches the
 // table when ResidentTTL is zero.
 //
+// # Shards that die or restart
+//
+// The owner watches each shard's liveness. ShardLost (the shard stopped
+// answering) ends every live transfer, since every item needs every shard;
+// ShardRestarted (a new incarnation answers) ends the transfers whose bytes
+// the shard had reported ready, and leaves those still waiting for it,
+// whose push may reach the new incarnation. Either way has_cache_item stops
+// answering yes from the dead shard's events, and the waiting requests
+// fail at once (retryable).
+//
 // # Requests and failures
+//
+// Siblings are the other transfers of one mm_hash. When one of them
+// reaches Ready it serves every request waiting for the content, so the
+// siblings still waiting or available lose their last request: they are
+// cancelled at once and Cancels hands their ids to the caller, which
+// cancels them on the shards as it does those Finish returns. No record
+// outlives its requests except the loaded one (and resident copies).
 //
 // A request waits for each of its items until the content is loaded into
 // vLLM's encoder cache (a transfer of that mm_hash reaches Ready); from then
@@ -90,6 +107,7 @@
 //	t.Loaded(id, ok, reason, now)         // update_connector_output
 //	t.Freed(mmHash, now)                  // scheduler_output.free_encoder_mm_hashes
 //	cancel := t.Finish(reqID, now)        // request_finished: cancel these on the shards
+//	cancel = t.Cancels()                  // after Loaded: siblings of what was loaded, likewise
 //	// each step, or at NextDeadline:
 //	for _, f := range t.Tick(now) { fail f.RequestID with f.Reason }
 //

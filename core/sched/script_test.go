@@ -31,6 +31,9 @@ var base = time.Date(2026, 11, 29, 12, 0, 0, 0, time.UTC)
 //	loaded T ok|fail [REASON...]
 //	freed H
 //	finish R -> T,T|-
+//	cancels -> T,T|-            transfers the table cancelled on its own
+//	lost S                      shard S stopped answering
+//	restarted S                 shard S came back as a new incarnation
 //	tick -> R/T,R/T|-
 //	reason R T -> REASON        the reason Failures gives for item T of R
 //	next -> D|none              NextDeadline as an offset from base
@@ -148,6 +151,17 @@ func runScript(t *testing.T, cfg Config, script string) *Table {
 		case "finish":
 			needWant()
 			require.Equal(t, want, orDash(tb.Finish(f[1], now)), where)
+		case "lost", "restarted":
+			shard, err := strconv.Atoi(f[1])
+			require.NoError(t, err, where)
+			if f[0] == "lost" {
+				tb.ShardLost(shard, fmt.Sprintf("shard %d lost", shard), now)
+			} else {
+				tb.ShardRestarted(shard, fmt.Sprintf("shard %d restarted", shard), now)
+			}
+		case "cancels":
+			needWant()
+			require.Equal(t, want, orDash(tb.Cancels()), where)
 		case "tick":
 			needWant()
 			var got []string

@@ -4,6 +4,7 @@ import (
 	"container/heap"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 )
@@ -133,6 +134,10 @@ type Table struct {
 	// pending holds failures not yet returned by Tick, in the order they
 	// arose, so that failures from events reach the caller as well.
 	pending []pendingFailure
+	// cancels holds transfers the table cancelled on its own (no request
+	// needs them any more) until Cancels hands them to the caller, who
+	// cancels them on the shards as it does those Finish returns.
+	cancels []string
 
 	ended          [numStates]uint64
 	earlyDropped   uint64
@@ -343,6 +348,44 @@ func (t *Table) fail(r *record, reason string, now time.Time) {
 		t.move(r, Unavailable, now, reason)
 	default:
 		t.move(r, Expired, now, reason)
+	}
+}
+
+// ShardLost ends every live transfer because the shard stopped answering:
+// every item lies (or was to land) on every shard, so none can be loaded
+// or arrive now. Those that were available expire, the others become
+// unavailable, and the requests waiting for them fail (retryable). Early
+// events the shard sent are forgotten with it.
+func (t *Table) ShardLost(shard int, reason string, now time.Time) {
+	t.dropShard(shard, reason, now, func(*record) bool { return true })
+}
+
+// ShardRestarted ends the live transfers whose bytes the shard had
+// reported ready: its new incarnation does not hold them. Transfers still
+// waiting for the shard's word stay, since their push may reach the new
+// incarnation.
+func (t *Table) ShardRestarted(shard int, reason string, now time.Time) {
+	t.dropShard(shard, reason, now, func(r *record) bool { return r.shards.has(shard) })
+}
+
+func (t *Table) dropShard(shard int, reason string, now time.Time, gone func(*record) bool) {
+	t.advance(now)
+	if shard < 0 || shard >= t.cfg.Shards {
+		return
+	}
+	var doomed []*record
+	for _, r := range t.records {
+		if gone(r) {
+			doomed = append(doomed, r)
+		}
+	}
+	// In id order, so that the failures come out in a stable order.
+	slices.SortFunc(doomed, func(a, b *record) int { return strings.Compare(a.id, b.id) })
+	for _, r := range doomed {
+		t.fail(r, reason, now)
+	}
+	for _, e := range t.early {
+		e.shards.remove(shard)
 	}
 }
 
@@ -579,6 +622,15 @@ func (t *Table) Finish(requestID string, now time.Time) (cancel []string) {
 	return cancel
 }
 
+// Cancels returns, once, the transfers the table cancelled by itself since
+// the last call: the other pushes of content that a load served. The
+// caller cancels them on the shards.
+func (t *Table) Cancels() []string {
+	out := t.cancels
+	t.cancels = nil
+	return out
+}
+
 func (r *record) detach(requestID string) bool {
 	for i, v := range r.requests {
 		if v == requestID {
@@ -728,7 +780,7 @@ func (t *Table) move(r *record, to State, now time.Time, reason string) {
 		t.setDeadline(r, now.Add(t.cfg.LoadWait))
 	case Ready:
 		t.clearDeadline(r)
-		t.serve(r.hash)
+		t.serve(r, now)
 	case Resident:
 		if t.cfg.ResidentTTL > 0 {
 			t.setDeadline(r, now.Add(t.cfg.ResidentTTL))
@@ -741,14 +793,25 @@ func (t *Table) move(r *record, to State, now time.Time, reason string) {
 }
 
 // serve marks the content loaded for every request waiting for it, through
-// this transfer or another of the same mm_hash: vLLM's encoder cache now
+// loaded or another transfer of the same mm_hash: vLLM's encoder cache now
 // holds it, and requests no longer depend on what becomes of the transfers.
-func (t *Table) serve(mmHash string) {
-	for _, r := range t.byHash[mmHash] {
+// The other transfers that were still waiting or available lose their last
+// request here, so they are cancelled now (and handed out by Cancels):
+// Finish would never see them again, and no record outlives its requests.
+func (t *Table) serve(loaded *record, now time.Time) {
+	var idle []*record
+	for _, r := range t.byHash[loaded.hash] {
 		for _, rid := range r.requests {
 			t.requests[rid].served[r.id] = struct{}{}
 		}
 		r.requests = nil
+		if r != loaded && (r.state == WaitingEvent || r.state == Available) {
+			idle = append(idle, r)
+		}
+	}
+	for _, r := range idle {
+		t.move(r, Cancelled, now, "another transfer of "+r.hash+" ("+loaded.id+") was loaded")
+		t.cancels = append(t.cancels, r.id)
 	}
 }
 

@@ -213,9 +213,10 @@ func TestScenarios(t *testing.T) {
 			load h1 -> t1
 			loaded t1 ok
 			state t1 -> Ready
+			state t2 -> Cancelled
+			cancels -> t2
 			at 60s
 			tick -> -
-			state t2 -> Unavailable
 			ensure r2 -> ready
 		`},
 		{"request aborted mid-transfer", two, `
@@ -313,6 +314,96 @@ func TestScenarios(t *testing.T) {
 			finish r1 -> -
 			finish r2 -> -
 			stats -> live=Ready:1,Resident:1
+		`},
+		{"siblings of a loaded transfer are cancelled", two, `
+			expect r1 t1=h1
+			expect r2 t2=h1
+			expect r3 t3=h1
+			ready 0 t1 h1
+			ready 1 t1 h1
+			ready 0 t2 h1
+			ready 1 t2 h1
+			ready 0 t3 h1
+			cancels -> -
+			load h1 -> t1
+			loaded t1 ok
+			# one load serves all three requests: the other pushes of the
+			# image are cancelled on the shards now, not left to their TTLs
+			cancels -> t2,t3
+			cancels -> -
+			state t2 -> Cancelled
+			state t3 -> Cancelled
+			ensure r2 -> ready
+			ensure r3 -> ready
+			ready 1 t3 h1
+			stats -> ignored=1
+			freed h1
+			finish r1 -> -
+			finish r2 -> -
+			finish r3 -> -
+			cancels -> -
+			stats -> live=Resident:1 requests=0 ended=Cancelled:2
+		`},
+		{"a sibling that is loading or resident is left alone", two, `
+			expect r1 t1=h1
+			ready 0 t1 h1
+			ready 1 t1 h1
+			load h1 -> t1
+			loaded t1 ok
+			freed h1
+			expect r2 t2=h1
+			ready 0 t2 h1
+			ready 1 t2 h1
+			load h1 -> t2
+			loaded t2 ok
+			cancels -> -
+			state t1 -> Resident
+			finish r2 -> -
+			stats -> live=Ready:1,Resident:1 requests=1
+		`},
+		{"a lost shard takes every item with it", two, `
+			expect r1 t1=h1 t2=h2 t3=h3 t4=h4
+			ready 0 t1 h1
+			ready 1 t1 h1
+			ready 0 t2 h2
+			ready 1 t2 h2
+			ready 0 t3 h3
+			ready 1 t3 h3
+			ready 0 t4 h4
+			load h2 -> t2
+			load h3 -> t3
+			loaded t3 ok
+			ready 1 t9 h9
+			has h1 -> yes
+			lost 1
+			has h1 -> no
+			has h3 -> no
+			state t1 -> Expired
+			state t2 -> Unavailable
+			state t3 -> Expired
+			state t4 -> Unavailable
+			tick -> r1/t1,r1/t2,r1/t4
+			reason r1 t1 -> shard 1 lost
+			load h1 -> error
+			# an early event of the lost shard is forgotten with it
+			expect r2 t9=h9
+			ready 0 t9 h9
+			state t9 -> WaitingEvent
+		`},
+		{"a restarted shard takes what it had, not what it waits for", two, `
+			expect r1 t1=h1 t2=h2 t3=h3
+			ready 0 t1 h1
+			ready 1 t1 h1
+			ready 1 t2 h2
+			ready 0 t3 h3
+			restarted 1
+			state t1 -> Expired
+			state t2 -> Unavailable
+			state t3 -> WaitingEvent
+			has h1 -> no
+			tick -> r1/t1,r1/t2
+			ready 1 t3 h3
+			state t3 -> Available
 		`},
 		{"resident copy expires after its time to live", Config{Shards: 2, ResidentTTL: 100 * time.Second}, `
 			expect r1 t1=h1

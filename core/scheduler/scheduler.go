@@ -191,6 +191,7 @@ func (s *Scheduler) follow(rank int, endpoint string, cancels <-chan []string) {
 	}
 	defer client.Close()
 	backoff := 50 * time.Millisecond
+	var life shardLife
 	for {
 		var rep wire.EventPortReply
 		err := s.call(client, wire.OpEventPort, struct{}{}, &rep)
@@ -198,7 +199,8 @@ func (s *Scheduler) follow(rank int, endpoint string, cancels <-chan []string) {
 			err = s.sub.Connect(rep.Endpoint)
 		}
 		if err == nil {
-			log.Info("following shard events", "events", rep.Endpoint)
+			life.epoch = rep.Epoch
+			log.Info("following shard events", "events", rep.Endpoint, "epoch", rep.Epoch)
 			break
 		}
 		log.Debug("shard not reachable yet", "cause", err)
@@ -219,14 +221,82 @@ func (s *Scheduler) follow(rank int, endpoint string, cancels <-chan []string) {
 				log.Warn("cancel not delivered", "items", len(ids), "cause", err)
 			}
 		case <-resync.C:
-			s.resync(rank, client, log)
+			if s.heartbeat(rank, client, log, &life) {
+				s.resync(rank, client, log, &life)
+			}
 		}
 	}
 }
 
+// shardLife is what one follow goroutine knows of its shard's liveness.
+type shardLife struct {
+	epoch string // the incarnation whose events are followed; "" when the shard names none
+	down  bool   // declared lost and not heard from since
+}
+
+// heartbeat asks the shard for its event endpoint, which doubles as a
+// liveness probe and tells a restart (a new epoch, a new endpoint). A shard
+// that does not answer within the control timeout is declared lost, and a
+// restarted one is followed anew: either way the items it held stop being
+// available (sched.Table.ShardLost, ShardRestarted). It reports whether the
+// shard answered.
+func (s *Scheduler) heartbeat(rank int, client *control.Client, log *slog.Logger, life *shardLife) bool {
+	var rep wire.EventPortReply
+	err := s.call(client, wire.OpEventPort, struct{}{}, &rep)
+	var refused *wire.Error
+	switch {
+	case err != nil && errors.As(err, &refused):
+		return true // it answered, so it lives
+	case err != nil:
+		if !life.down {
+			life.down = true
+			log.Warn("shard lost: the items it held are no longer available", "cause", err)
+			s.dropShard(rank, fmt.Sprintf("shard %d stopped answering: %v", rank, err), false)
+		}
+		return false
+	}
+	s.noteEpoch(rank, log, life, rep.Epoch)
+	if err := s.sub.Connect(rep.Endpoint); err != nil {
+		log.Warn("cannot follow the shard's events", "events", rep.Endpoint, "cause", err)
+	}
+	if life.down {
+		log.Info("shard answers again", "epoch", rep.Epoch)
+	}
+	life.down = false
+	return true
+}
+
+// noteEpoch handles the epoch a shard answered with: a new one means the
+// shard restarted and lost what it held, unless it was already declared
+// lost (then everything was failed already).
+func (s *Scheduler) noteEpoch(rank int, log *slog.Logger, life *shardLife, epoch string) {
+	if epoch == "" || epoch == life.epoch {
+		return
+	}
+	if life.epoch != "" && !life.down {
+		log.Warn("shard restarted: the items it held are gone", "old_epoch", life.epoch, "epoch", epoch)
+		s.dropShard(rank, fmt.Sprintf("shard %d restarted (epoch %s, was %s): what it held is gone", rank, epoch, life.epoch), true)
+	}
+	life.epoch = epoch
+}
+
+// dropShard applies a lost or restarted shard to the table.
+func (s *Scheduler) dropShard(rank int, reason string, restarted bool) {
+	defer s.recover("drop shard")
+	now := time.Now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if restarted {
+		s.table.ShardRestarted(rank, reason, now)
+	} else {
+		s.table.ShardLost(rank, reason, now)
+	}
+	s.changedLocked()
+}
+
 // resync asks the shard about items that have waited longer than
 // resyncAge and feeds the answers in as if they were events.
-func (s *Scheduler) resync(rank int, client *control.Client, log *slog.Logger) {
+func (s *Scheduler) resync(rank int, client *control.Client, log *slog.Logger, life *shardLife) {
 	s.mu.Lock()
 	waiting := s.table.Waiting(time.Now(), resyncAge)
 	s.mu.Unlock()
@@ -241,6 +311,9 @@ func (s *Scheduler) resync(rank int, client *control.Client, log *slog.Logger) {
 		log.Debug("status resync failed", "cause", err)
 		return
 	}
+	// A restart between the heartbeat and this reply is handled first,
+	// so that the new incarnation's answers are not taken for the old's.
+	s.noteEpoch(rank, log, life, rep.Epoch)
 	var evs []wire.Event
 	for _, it := range rep.Items {
 		if !it.Known {

@@ -90,6 +90,9 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 	for _, r := range in.Finished {
 		out.Cancelled = append(out.Cancelled, s.table.Finish(r, now)...)
 	}
+	// A load that served several requests through one push leaves the
+	// other pushes of that content unwanted: they are cancelled too.
+	out.Cancelled = append(out.Cancelled, s.table.Cancels()...)
 	for _, h := range in.Load {
 		id, err := s.table.StartLoad(h, now)
 		lo := LoadOut{MMHash: h, TransferID: id}

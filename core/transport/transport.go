@@ -121,6 +121,17 @@ var (
 	ErrClosed = errors.New("transport closed")
 	// ErrBadFrame: bytes that do not decode as a frame header or an ack.
 	ErrBadFrame = errors.New("bad frame")
+
+	// ErrRefusedByWriter: the writer's own checks refused an item before
+	// any byte left; the receiver never saw it. It does not wrap
+	// ErrRejected, so that an error says which side refused.
+	ErrRefusedByWriter = errors.New("refused by the writer")
+	// ErrWriteBounds: the item reaches past the region its grant reserved.
+	ErrWriteBounds = fmt.Errorf("%w: bytes outside the granted region", ErrRefusedByWriter)
+	// ErrStaleAddr: the granted region lies outside the slab that the
+	// destination address describes: the address names another
+	// incarnation of the shard (it restarted since it was looked up).
+	ErrStaleAddr = fmt.Errorf("%w: region outside the slab the destination address describes (stale address: the shard may have restarted)", ErrRefusedByWriter)
 )
 
 // Status is the outcome a receiver reports for one frame.

@@ -25,6 +25,9 @@ type ShardInfo struct {
 	Control string `json:"control"` // ZeroMQ endpoint of the shard's control server
 	// Data maps a transport name to that transport's data-plane address.
 	Data map[string]string `json:"data,omitempty"`
+	// Epoch names the shard process's incarnation; only the shard that
+	// answers knows its own, so the other entries leave it out.
+	Epoch string `json:"epoch,omitempty"`
 }
 
 // PeersReply answers OpPeers: every shard of the consumer (one entry per TP
@@ -58,16 +61,11 @@ func (p PeersReply) Validate() error {
 		if err := checkID(fmt.Sprintf("shards[%d].control", i), s.Control); err != nil {
 			return err
 		}
-		if len(s.Data) > MaxItems {
-			return fmt.Errorf("%w: shards[%d].data: %d entries, limit %d", ErrInvalid, i, len(s.Data), MaxItems)
+		if err := checkOffer(fmt.Sprintf("shards[%d].data", i), s.Data); err != nil {
+			return err
 		}
-		for name, addr := range s.Data {
-			if err := checkID(fmt.Sprintf("shards[%d].data key", i), name); err != nil {
-				return err
-			}
-			if err := checkID(fmt.Sprintf("shards[%d].data[%q]", i, name), addr); err != nil {
-				return err
-			}
+		if err := checkOptional(fmt.Sprintf("shards[%d].epoch", i), s.Epoch); err != nil {
+			return err
 		}
 	}
 	if p.DPRank < 0 {
@@ -91,10 +89,18 @@ func (p PeersReply) Validate() error {
 // EventPortReply answers OpEventPort: where the shard publishes its events.
 type EventPortReply struct {
 	Endpoint string `json:"endpoint"`
+	// Epoch names the shard's incarnation: a scheduler that sees it change
+	// knows the shard restarted and lost every item it held.
+	Epoch string `json:"epoch,omitempty"`
 }
 
 // Validate requires an endpoint.
-func (e EventPortReply) Validate() error { return checkID("endpoint", e.Endpoint) }
+func (e EventPortReply) Validate() error {
+	if err := checkID("endpoint", e.Endpoint); err != nil {
+		return err
+	}
+	return checkOptional("epoch", e.Epoch)
+}
 
 // ReserveItem asks for room for one transfer.
 type ReserveItem struct {
@@ -156,6 +162,13 @@ type Grant struct {
 // ReserveBatchReply answers ReserveBatch, one grant per item, in order.
 type ReserveBatchReply struct {
 	Grants []Grant `json:"grants"`
+	// Epoch, Host and Data say which incarnation of the shard issued the
+	// grants and where its data plane listens (as in PeersReply), so that
+	// a producer writes every grant to the process that issued it, even
+	// when the shard restarted since the producer last looked it up.
+	Epoch string            `json:"epoch,omitempty"`
+	Host  string            `json:"host,omitempty"`
+	Data  map[string]string `json:"data,omitempty"`
 }
 
 // Validate requires every accepted grant to say what to do, and a write
@@ -163,6 +176,15 @@ type ReserveBatchReply struct {
 func (r ReserveBatchReply) Validate() error {
 	if len(r.Grants) > MaxItems {
 		return fmt.Errorf("%w: grants: %d entries, limit %d", ErrInvalid, len(r.Grants), MaxItems)
+	}
+	if err := checkOptional("epoch", r.Epoch); err != nil {
+		return err
+	}
+	if err := checkOptional("host", r.Host); err != nil {
+		return err
+	}
+	if err := checkOffer("data", r.Data); err != nil {
+		return err
 	}
 	for i, g := range r.Grants {
 		if err := checkID(fmt.Sprintf("grants[%d].transfer_id", i), g.TransferID); err != nil {
@@ -294,6 +316,9 @@ type ItemStatus struct {
 // StatusReply answers Status.
 type StatusReply struct {
 	Items []ItemStatus `json:"items"`
+	// Epoch names the shard incarnation that answered, so that a
+	// scheduler does not mistake a new incarnation's items for the old's.
+	Epoch string `json:"epoch,omitempty"`
 }
 
 // Validate requires transfer ids on at most MaxItems items, and a hash and
@@ -301,6 +326,9 @@ type StatusReply struct {
 func (r StatusReply) Validate() error {
 	if len(r.Items) > MaxItems {
 		return fmt.Errorf("%w: items: %d entries, limit %d", ErrInvalid, len(r.Items), MaxItems)
+	}
+	if err := checkOptional("epoch", r.Epoch); err != nil {
+		return err
 	}
 	for i, it := range r.Items {
 		if err := checkID(fmt.Sprintf("items[%d].transfer_id", i), it.TransferID); err != nil {
@@ -363,6 +391,30 @@ func checkID(field, s string) error {
 	}
 	if len(s) > MaxIDLen {
 		return fmt.Errorf("%w: %s: %d bytes, limit %d", ErrInvalid, field, len(s), MaxIDLen)
+	}
+	return nil
+}
+
+// checkOptional bounds a field that may be empty.
+func checkOptional(field, s string) error {
+	if len(s) > MaxIDLen {
+		return fmt.Errorf("%w: %s: %d bytes, limit %d", ErrInvalid, field, len(s), MaxIDLen)
+	}
+	return nil
+}
+
+// checkOffer checks a transport-name to data-plane-address map.
+func checkOffer(field string, offer map[string]string) error {
+	if len(offer) > MaxItems {
+		return fmt.Errorf("%w: %s: %d entries, limit %d", ErrInvalid, field, len(offer), MaxItems)
+	}
+	for name, addr := range offer {
+		if err := checkID(field+" key", name); err != nil {
+			return err
+		}
+		if err := checkID(fmt.Sprintf("%s[%q]", field, name), addr); err != nil {
+			return err
+		}
 	}
 	return nil
 }

@@ -18,7 +18,7 @@ func validPeers() PeersReply {
 	return PeersReply{
 		Shards: []ShardInfo{
 			{Rank: 1, Control: "tcp://[::1]:5556", Data: map[string]string{"tcp": "[::1]:7001"}},
-			{Rank: 0, Control: "tcp://10.0.0.1:5555", Data: map[string]string{"tcp": "10.0.0.1:7000", "mooncake": "10.0.0.1:12345"}},
+			{Rank: 0, Control: "tcp://10.0.0.1:5555", Data: map[string]string{"tcp": "10.0.0.1:7000", "mooncake": "10.0.0.1:12345"}, Epoch: "18c2f-9a0b1c2d"},
 		},
 		TPSize:     2,
 		DPRank:     1,
@@ -42,7 +42,8 @@ func bodies() []struct {
 		rep  any
 	}{
 		{"peers", OpPeers, nil, validPeers()},
-		{"event_port", OpEventPort, nil, EventPortReply{Endpoint: "tcp://node-a:40001"}},
+		{"event_port", OpEventPort, nil, EventPortReply{Endpoint: "tcp://node-a:40001", Epoch: "18c2f-9a0b1c2d"}},
+		{"event_port_without_epoch", OpEventPort, nil, EventPortReply{Endpoint: "tcp://node-a:40001"}},
 		{"reserve_batch", OpReserveBatch,
 			ReserveBatch{Items: []ReserveItem{{TransferID: "t1", MMHash: "h1", NBytes: 19 << 20}, {TransferID: "t2", MMHash: "h1", NBytes: 19 << 20}}},
 			ReserveBatchReply{Grants: []Grant{
@@ -50,14 +51,17 @@ func bodies() []struct {
 				{TransferID: "t2", Kind: KindFollow, Res: 7, NBytes: 19 << 20},
 				{TransferID: "t3", Kind: KindCached, NBytes: 5},
 				{TransferID: "t4", Err: "slab full"},
-			}}},
+			}, Epoch: "18c2f-9a0b1c2d", Host: "node-a", Data: map[string]string{"tcp": "10.0.0.1:7000"}}},
+		{"reserve_batch_from_an_older_shard", OpReserveBatch,
+			ReserveBatch{Items: []ReserveItem{{TransferID: "t1", MMHash: "h1", NBytes: 1}}},
+			ReserveBatchReply{Grants: []Grant{{TransferID: "t1", Kind: KindCached, NBytes: 1}}}},
 		{"complete_batch", OpCompleteBatch,
 			CompleteBatch{Items: []CompleteItem{{TransferID: "t1", Res: 7, Token: testToken}, {TransferID: "t2", Res: 8, Token: testToken, Abandon: true, Reason: "encoder failed"}}},
 			CompleteBatchReply{Results: []ItemResult{{TransferID: "t1"}, {TransferID: "t2", Err: "unknown reservation"}}}},
 		{"cancel", OpCancel, Cancel{TransferIDs: []string{"t1", "t2"}}, CancelReply{Cancelled: 2}},
 		{"status", OpStatus, Status{TransferIDs: []string{"t1"}},
 			StatusReply{Items: []ItemStatus{{TransferID: "t1", MMHash: "h1", State: "READY", NBytes: 5, Known: true, Done: true}, {TransferID: "t9"}}}},
-		{"status_all", OpStatus, Status{}, StatusReply{Items: []ItemStatus{}}},
+		{"status_all", OpStatus, Status{}, StatusReply{Items: []ItemStatus{}, Epoch: "18c2f-9a0b1c2d"}},
 	}
 }
 
@@ -288,7 +292,13 @@ func TestBodyRejects(t *testing.T) {
 		{"peers no slab", peers(func(p *PeersReply) { p.SlabBytes = 0 }), "slab_bytes"},
 		{"peers no transports", peers(func(p *PeersReply) { p.Transports = nil }), "transports"},
 		{"peers empty transport", peers(func(p *PeersReply) { p.Transports = []string{"tcp", ""} }), "transports[1]"},
+		{"peers long epoch", peers(func(p *PeersReply) { p.Shards[1].Epoch = long }), "shards[1].epoch"},
 		{"event port empty", EventPortReply{}, "endpoint"},
+		{"event port long epoch", EventPortReply{Endpoint: "tcp://a:1", Epoch: long}, "epoch"},
+		{"grants long epoch", ReserveBatchReply{Epoch: long}, "epoch"},
+		{"grants long host", ReserveBatchReply{Host: long}, "host"},
+		{"grants empty data address", ReserveBatchReply{Data: map[string]string{"tcp": ""}}, `data["tcp"]`},
+		{"grants empty data name", ReserveBatchReply{Data: map[string]string{"": "a:1"}}, "data key"},
 		{"reserve empty", ReserveBatch{}, "items"},
 		{"reserve too many", ReserveBatch{Items: make([]ReserveItem, MaxItems+1)}, "items"},
 		{"reserve no transfer id", ReserveBatch{Items: []ReserveItem{{MMHash: "h", NBytes: 1}}}, "items[0].transfer_id"},
@@ -310,6 +320,7 @@ func TestBodyRejects(t *testing.T) {
 		{"status too many", Status{TransferIDs: many}, "transfer_ids"},
 		{"status long id", Status{TransferIDs: []string{long}}, "transfer_ids[0]"},
 		{"status item no id", StatusReply{Items: []ItemStatus{{}}}, "items[0].transfer_id"},
+		{"status long epoch", StatusReply{Epoch: long}, "epoch"},
 		{"status known without hash", StatusReply{Items: []ItemStatus{{TransferID: "t", Known: true, State: "READY"}}}, "items[0].mm_hash"},
 		{"status known without state", StatusReply{Items: []ItemStatus{{TransferID: "t", MMHash: "h", Known: true}}}, "items[0].state"},
 	} {

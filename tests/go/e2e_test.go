@@ -10,6 +10,8 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/sched"
+	"github.com/ecmooncake/ecmooncake/core/scheduler"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
@@ -126,4 +128,48 @@ func TestMalformedControlMessages(t *testing.T) {
 	defer cancel()
 	require.NoError(t, cl.Call(ctx, wire.OpPeers, struct{}{}, &peers))
 	require.Equal(t, 1, peers.TPSize)
+}
+
+// Three requests carry one image under three transfer ids; one load serves
+// all three. The two other pushes are cancelled on every shard at once,
+// and once the requests finish only the loaded copy remains.
+func TestOneLoadCancelsTheSiblings(t *testing.T) {
+	c := newCluster(t, clusterOpts{tp: 2})
+	data := makeItems(9, 1, 4096, 4096, 0)[0].data
+	var items []item
+	for _, id := range []string{"a", "b", "c"} {
+		it := item{tid: "tx-sib-" + id, hash: "mm-sib", data: data}
+		items = append(items, it)
+		c.expect("req-sib-"+id, []item{it})
+	}
+	c.send(items)
+	c.drain(len(items), 30*time.Second)
+	w := c.wait(tids(items), 10*time.Second)
+	require.ElementsMatch(t, tids(items), w.Available)
+
+	served := make([]uint64, len(c.shards))
+	for r, s := range c.shards {
+		served[r] = s.Stats().Server.Served
+	}
+	load := c.sched.Step(scheduler.StepIn{Load: []string{"mm-sib"}}).Load
+	require.Len(t, load, 1)
+	require.Empty(t, load[0].Error)
+	out := c.sched.Step(scheduler.StepIn{Loaded: []scheduler.LoadedIn{{TransferID: load[0].TransferID, OK: true}}})
+	var siblings []string
+	for _, id := range tids(items) {
+		if id != load[0].TransferID {
+			siblings = append(siblings, id)
+		}
+	}
+	require.ElementsMatch(t, siblings, out.Cancelled, "the other pushes of the image are cancelled")
+	for r, s := range c.shards {
+		require.Eventually(t, func() bool { return s.Stats().Server.Served > served[r] }, 10*time.Second, 10*time.Millisecond,
+			"shard %d gets the cancel", r)
+	}
+
+	fin := c.sched.Step(scheduler.StepIn{Finished: []string{"req-sib-a", "req-sib-b", "req-sib-c"}})
+	require.Empty(t, fin.Cancelled)
+	st := c.sched.Stats().Table
+	require.Equal(t, map[sched.State]int{sched.Ready: 1}, st.Records, "only the loaded copy outlives the requests")
+	require.Zero(t, st.Requests)
 }

@@ -69,3 +69,65 @@ func TestMissingPushFailsTheRequestInAStep(t *testing.T) {
 	require.True(t, got[0].Retryable)
 	require.Empty(t, c.sched.Step(scheduler.StepIn{}).Failures, "a failure is reported once")
 }
+
+// A reservation the shard cannot make room for fails the waiting request
+// at once, as retryable, rather than when its push wait runs out.
+func TestRefusedReservationFailsTheRequestAtOnce(t *testing.T) {
+	c := newCluster(t, clusterOpts{tp: 2, slabBytes: 1 << 20, pushWait: time.Hour})
+	items := makeItems(10, 1, 2<<20, 2<<20, 0)
+	c.expect("req-big", items)
+	c.send(items)
+	out := c.drain(1, 30*time.Second)
+	require.NotEmpty(t, out.Failed)
+	require.Contains(t, out.Failed[0].Reason, "pool full")
+
+	w := c.wait(tids(items), time.Minute)
+	require.Equal(t, tids(items), w.Failed, "decided by the refusal: the push wait is an hour")
+	var got []sched.Failure
+	require.Eventually(t, func() bool {
+		got = append(got, c.sched.Step(scheduler.StepIn{}).Failures...)
+		return len(got) > 0
+	}, 10*time.Second, 10*time.Millisecond)
+	require.Equal(t, "req-big", got[0].RequestID)
+	require.True(t, got[0].Retryable)
+	require.Contains(t, got[0].Reason, "refused")
+	require.Contains(t, got[0].Reason, "pool full")
+}
+
+// A shard that dies takes its items with it: has_cache_item stops saying
+// yes, a load of them fails cleanly, and a restarted shard is followed
+// anew, so what it receives afterwards is available again.
+func TestDeadShardItemsStopBeingAvailable(t *testing.T) {
+	c := newCluster(t, clusterOpts{tp: 2})
+	items := makeItems(11, 2, 4096, 4096, 0)
+	require.Empty(t, c.pushAll("req-dead", items).Failed)
+	w := c.wait(tids(items), 10*time.Second)
+	require.ElementsMatch(t, tids(items), w.Available)
+	require.True(t, c.sched.Has(items[0].hash))
+
+	require.NoError(t, c.shards[1].Close())
+	require.Eventually(t, func() bool { return !c.sched.Has(items[0].hash) && !c.sched.Has(items[1].hash) },
+		30*time.Second, 20*time.Millisecond, "items held by a dead shard are no longer available")
+	load := c.sched.Step(scheduler.StepIn{Load: []string{items[0].hash}}).Load
+	require.Len(t, load, 1)
+	require.Empty(t, load[0].TransferID)
+	require.Contains(t, load[0].Error, "not available")
+
+	c.slabs[1], c.shards[1] = c.openShard(1)
+	after := makeItems(12, 1, 4096, 4096, 0)
+	require.Empty(t, c.pushAll("req-back", after).Failed)
+	w = c.wait(tids(after), 20*time.Second)
+	require.ElementsMatch(t, tids(after), w.Available)
+}
+
+// A shard that restarts while its items are available: they stop being
+// available (the new incarnation does not hold them).
+func TestRestartedShardItemsStopBeingAvailable(t *testing.T) {
+	c := newCluster(t, clusterOpts{tp: 2})
+	items := makeItems(13, 1, 4096, 4096, 0)
+	require.Empty(t, c.pushAll("req-rs", items).Failed)
+	w := c.wait(tids(items), 10*time.Second)
+	require.ElementsMatch(t, tids(items), w.Available)
+	c.restart(0)
+	require.Eventually(t, func() bool { return !c.sched.Has(items[0].hash) }, 20*time.Second, 20*time.Millisecond)
+}

@@ -25,7 +25,11 @@ import (
 // cluster is one consumer instance (TP shards + scheduler) and a producer.
 type cluster struct {
 	t        *testing.T
+	o        clusterOpts
+	log      *slog.Logger
 	base     int
+	made     int // slabs made so far: each shard incarnation gets its own
+	slabPath func(n int) string
 	slabs    [][]byte
 	shards   []*consumer.Shard
 	sched    *scheduler.Scheduler
@@ -38,8 +42,10 @@ type clusterOpts struct {
 	slabBytes int
 	lease     time.Duration
 	pushWait  time.Duration
-	// Data plane and slabs; TCP over Go memory when nil.
-	consumerTr func(rank int) transport.Transport
+	// Data plane and slabs; TCP over Go memory when nil. consumerTr gets
+	// the index of the slab made for the shard (slabs are made in order,
+	// one per shard incarnation), so a plane can serve that very slab.
+	consumerTr func(slab int) transport.Transport
 	producerTr func() transport.Transport
 	slab       func(n int) []byte
 	// shm puts each slab in a file under /dev/shm and moves the bytes
@@ -95,31 +101,23 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 	if o.pushWait == 0 {
 		o.pushWait = 20 * time.Second
 	}
-	c := &cluster{t: t, base: freeBase(t, o.tp)}
-	log := quietLog()
-	var slabPath func(rank int) string
-	if o.shm {
-		o.slab, o.consumerTr, o.producerTr, slabPath = shmPlane(t, log)
+	c := &cluster{t: t, o: o, base: freeBase(t, o.tp), log: quietLog()}
+	log := c.log
+	if c.o.shm {
+		c.o.slab, c.o.consumerTr, c.o.producerTr, c.slabPath = shmPlane(t, log)
 	}
-	if o.consumerTr == nil {
-		o.consumerTr = func(int) transport.Transport { return transport.NewTCP(transport.TCPConfig{Logger: log}) }
+	if c.o.consumerTr == nil {
+		c.o.consumerTr = func(int) transport.Transport { return transport.NewTCP(transport.TCPConfig{Logger: log}) }
 	}
-	if o.producerTr == nil {
-		o.producerTr = func() transport.Transport { return transport.NewTCP(transport.TCPConfig{Conns: 4, Logger: log}) }
+	if c.o.producerTr == nil {
+		c.o.producerTr = func() transport.Transport { return transport.NewTCP(transport.TCPConfig{Conns: 4, Logger: log}) }
 	}
-	if o.slab == nil {
-		o.slab = func(n int) []byte { return make([]byte, n) }
+	if c.o.slab == nil {
+		c.o.slab = func(n int) []byte { return make([]byte, n) }
 	}
+	o = c.o
 	for r := 0; r < o.tp; r++ {
-		mem := o.slab(o.slabBytes)
-		tr := o.consumerTr(r)
-		cfg := config.DefaultConsumer()
-		cfg.Port, cfg.TPSize, cfg.TPRank, cfg.LeaseS, cfg.Transport = c.base, o.tp, r, o.lease.Seconds(), tr.Name()
-		if slabPath != nil {
-			cfg.SlabPath = slabPath(r)
-		}
-		s, err := consumer.Open(cfg, slab.HostMemory(mem), consumer.Options{Transport: tr, Log: log})
-		require.NoError(t, err)
+		mem, s := c.openShard(r)
 		c.slabs = append(c.slabs, mem)
 		c.shards = append(c.shards, s)
 	}
@@ -138,6 +136,31 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 	require.NoError(t, err)
 	t.Cleanup(c.close)
 	return c
+}
+
+// openShard opens shard r over a slab of its own.
+func (c *cluster) openShard(r int) ([]byte, *consumer.Shard) {
+	c.t.Helper()
+	idx := c.made
+	c.made++
+	mem := c.o.slab(c.o.slabBytes)
+	tr := c.o.consumerTr(idx)
+	cfg := config.DefaultConsumer()
+	cfg.Port, cfg.TPSize, cfg.TPRank, cfg.LeaseS, cfg.Transport = c.base, c.o.tp, r, c.o.lease.Seconds(), tr.Name()
+	if c.slabPath != nil {
+		cfg.SlabPath = c.slabPath(idx)
+	}
+	s, err := consumer.Open(cfg, slab.HostMemory(mem), consumer.Options{Transport: tr, Log: c.log})
+	require.NoError(c.t, err)
+	return mem, s
+}
+
+// restart closes shard r and opens it again on the same control port,
+// over a fresh slab and data plane, as a restarted process would be.
+func (c *cluster) restart(r int) {
+	c.t.Helper()
+	require.NoError(c.t, c.shards[r].Close())
+	c.slabs[r], c.shards[r] = c.openShard(r)
 }
 
 func (c *cluster) close() {

@@ -22,8 +22,8 @@ import (
 const shmHost = "shm-test-host"
 
 // shmPlane makes slabs as files under /dev/shm, mapped shared and removed
-// at the end of the test, and the shm transports over them: consumerTr(r)
-// serves the slab made by the r-th call of slab, whose file is path(r).
+// at the end of the test, and the shm transports over them: consumerTr(i)
+// serves the slab made by the i-th call of slab, whose file is path(i).
 func shmPlane(t *testing.T, log *slog.Logger) (slab func(int) []byte, consumerTr func(int) transport.Transport, producerTr func() transport.Transport, path func(int) string) {
 	var paths []string
 	slab = func(n int) []byte {

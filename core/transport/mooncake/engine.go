@@ -3,6 +3,7 @@ package mooncake
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"sync"
 	"unsafe"
@@ -22,6 +23,7 @@ type engineConfig struct {
 	ServerName string // local_server_name; "" picks one
 	Host       string // where peers reach this engine
 	Port       int    // rpc_port; Mooncake picks its own in both modes we allow
+	Log        *slog.Logger
 	Protocol   string
 }
 
@@ -37,6 +39,7 @@ type engine struct {
 	// in HTTP metadata mode, so that no other engine on this host can
 	// take the same name while this one lives.
 	hold net.Listener
+	log  *slog.Logger
 
 	mu        sync.Mutex
 	regs      []region // registered and not yet unregistered
@@ -74,7 +77,10 @@ func newEngine(lib *library, c engineConfig) (*engine, error) {
 		return nil, fmt.Errorf("%w: createTransferEngine(metadata %q, name %q, host %q) returned NULL; the engine's log says why (an unreachable metadata server, say)",
 			ErrEngine, metadata, name, c.Host)
 	}
-	e := &engine{lib: lib, h: h, proto: c.Protocol, hold: hold}
+	if c.Log == nil {
+		c.Log = slog.Default()
+	}
+	e := &engine{lib: lib, h: h, proto: c.Protocol, hold: hold, log: c.Log}
 	if !lib.install(h, c.Protocol) {
 		e.destroy()
 		return nil, fmt.Errorf("%w: installTransport(%q) returned NULL: this engine cannot run %s here (not built in, or no device for it); set mooncake_protocol to one it can",
@@ -138,6 +144,11 @@ func (e *engine) openSegment(name string, noCache bool) (int32, error) {
 
 // destroy unregisters the engine's memory and destroys it; idempotent.
 // The caller guarantees that no batch of the engine is in flight.
+//
+// An unregister the engine refuses here is logged, not returned: destroy
+// runs at shutdown, the memory is about to go either way, and in HTTP
+// metadata mode Mooncake publishes the change to a metadata server that
+// may well have stopped first (-200), which is no fault of the caller's.
 func (e *engine) destroy() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -145,10 +156,13 @@ func (e *engine) destroy() error {
 		return nil
 	}
 	e.destroyed = true
-	err := e.unregisterLocked()
+	if err := e.unregisterLocked(); err != nil {
+		e.log.Warn("mooncake: unregister refused while shutting down; destroying the engine anyway",
+			"segment", e.segment, "cause", err)
+	}
 	e.lib.destroy(e.h)
 	if e.hold != nil {
 		e.hold.Close()
 	}
-	return err
+	return nil
 }

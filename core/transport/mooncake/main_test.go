@@ -16,13 +16,28 @@ import (
 )
 
 var (
-	doublePath string // the C test double of the TransferEngine C API
-	noFreePath string // the same, lacking freeBatchID
+	doublePath string // the C test double of the TransferEngine C API, or a real library
+	noFreePath string // the double, lacking freeBatchID
 	double     *mooncaketest.Double
+	protocol   string // installed by testConfig; "" for the default
 )
 
-// TestMain builds the double with the system C compiler for this run.
+// needDouble skips a test that injects faults or reads counters only the
+// double has, when the run uses a real library (mooncaketest.Real).
+func needDouble(t testing.TB) {
+	t.Helper()
+	if double == nil {
+		t.Skipf("needs the Mooncake test double; running against %s", doublePath)
+	}
+}
+
+// TestMain builds the double with the system C compiler for this run,
+// unless the environment names a real library.
 func TestMain(m *testing.M) {
+	if lib, proto, ok := mooncaketest.Real(); ok {
+		doublePath, protocol = lib, proto
+		os.Exit(m.Run())
+	}
 	os.Exit(func() int {
 		dir, err := os.MkdirTemp("", "ecm-mooncake-double-")
 		if err != nil {
@@ -72,7 +87,7 @@ var quiet = slog.New(slog.DiscardHandler)
 // testConfig is the double with small staging and chunks, so that a few
 // MiB already exercise chunking and staging reuse.
 func testConfig(mod ...func(*Config)) Config {
-	c := Config{Library: doublePath, Host: "127.0.0.1", StagingBytes: 8 << 20, ChunkBytes: 1 << 20, Logger: quiet}
+	c := Config{Library: doublePath, Protocol: protocol, Host: "127.0.0.1", StagingBytes: 8 << 20, ChunkBytes: 1 << 20, Logger: quiet}
 	for _, f := range mod {
 		f(&c)
 	}

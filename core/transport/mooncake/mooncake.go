@@ -174,7 +174,7 @@ func (t *Transport) Listen(addr string, sink transport.Sink) (transport.Receiver
 		return nil, fmt.Errorf("mooncake: listen %s: %q is no address a peer can reach; set mooncake_host", addr, host)
 	}
 	port, _ := strconv.Atoi(portStr)
-	eng, err := newEngine(t.lib, engineConfig{Metadata: t.cfg.Metadata, ServerName: t.cfg.LocalServerName, Host: host, Port: port, Protocol: t.cfg.Protocol})
+	eng, err := newEngine(t.lib, engineConfig{Metadata: t.cfg.Metadata, ServerName: t.cfg.LocalServerName, Host: host, Port: port, Protocol: t.cfg.Protocol, Log: t.log})
 	if err != nil {
 		return nil, err
 	}

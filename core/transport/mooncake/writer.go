@@ -119,7 +119,7 @@ func (w *Writer) Write(ctx context.Context, dest string, items []transport.Write
 			cause = errors.New("the grant carries no remote address (is the consumer's transport mooncake?)")
 		case it.Addr+it.Off < it.Addr || !p.contains(it.Addr+it.Off, it.Len()):
 			cause = fmt.Errorf("%w: [%#x,+%d) is outside the consumer's %d-byte slab at %#x",
-				transport.ErrOutOfBounds, it.Addr+it.Off, it.Len(), p.Len, p.Base)
+				transport.ErrStaleAddr, it.Addr+it.Off, it.Len(), p.Len, p.Base)
 		default:
 			valid++
 			continue
@@ -156,7 +156,7 @@ func (w *Writer) ensure() (*engine, *staging, error) {
 	if host == "" {
 		host = outboundHost()
 	}
-	eng, err := newEngine(w.t.lib, engineConfig{Metadata: cfg.Metadata, ServerName: cfg.LocalServerName, Host: host, Protocol: cfg.Protocol})
+	eng, err := newEngine(w.t.lib, engineConfig{Metadata: cfg.Metadata, ServerName: cfg.LocalServerName, Host: host, Protocol: cfg.Protocol, Log: w.log})
 	if err != nil {
 		return nil, nil, err
 	}

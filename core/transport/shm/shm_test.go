@@ -112,12 +112,12 @@ func TestWriteRefusesWhatLiesOutsideTheGrantOrSlab(t *testing.T) {
 		it   transport.WriteItem
 		want error
 	}{
-		{"past the grant", transport.WriteItem{Src: make([]byte, 65), Addr: base, Size: 64}, transport.ErrOutOfBounds},
-		{"offset past the grant", transport.WriteItem{Src: make([]byte, 8), Off: 60, Addr: base, Size: 64}, transport.ErrOutOfBounds},
-		{"offset overflows", transport.WriteItem{Src: make([]byte, 8), Off: ^uint64(0), Addr: base, Size: 64}, transport.ErrOutOfBounds},
-		{"region past the slab", transport.WriteItem{Src: make([]byte, 8), Addr: base + slabBytes - 4, Size: 8}, transport.ErrOutOfBounds},
-		{"region before the slab", transport.WriteItem{Src: make([]byte, 8), Addr: base - 8, Size: 8}, transport.ErrOutOfBounds},
-		{"region huge", transport.WriteItem{Src: make([]byte, 8), Addr: base, Size: ^uint64(0)}, transport.ErrOutOfBounds},
+		{"past the grant", transport.WriteItem{Src: make([]byte, 65), Addr: base, Size: 64}, transport.ErrWriteBounds},
+		{"offset past the grant", transport.WriteItem{Src: make([]byte, 8), Off: 60, Addr: base, Size: 64}, transport.ErrWriteBounds},
+		{"offset overflows", transport.WriteItem{Src: make([]byte, 8), Off: ^uint64(0), Addr: base, Size: 64}, transport.ErrWriteBounds},
+		{"region past the slab", transport.WriteItem{Src: make([]byte, 8), Addr: base + slabBytes - 4, Size: 8}, transport.ErrStaleAddr},
+		{"region before the slab", transport.WriteItem{Src: make([]byte, 8), Addr: base - 8, Size: 8}, transport.ErrStaleAddr},
+		{"region huge", transport.WriteItem{Src: make([]byte, 8), Addr: base, Size: ^uint64(0)}, transport.ErrStaleAddr},
 		{"no address", transport.WriteItem{Src: make([]byte, 8), Size: 8}, errNoAddr},
 		{"device memory", transport.WriteItem{Dev: &transport.DeviceSrc{Len: 8}, Addr: base, Size: 8}, transport.ErrDeviceMemory},
 	}
@@ -125,6 +125,9 @@ func TestWriteRefusesWhatLiesOutsideTheGrantOrSlab(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			errs := w.Write(context.Background(), sh.addr, []transport.WriteItem{tc.it})
 			require.ErrorIs(t, errs[0], tc.want)
+			if errors.Is(tc.want, transport.ErrRefusedByWriter) {
+				require.NotErrorIs(t, errs[0], transport.ErrRejected, "the writer's own check does not blame the receiver")
+			}
 		})
 	}
 	require.Equal(t, make([]byte, slabBytes), sh.mem, "a refused item writes nothing")

@@ -122,13 +122,13 @@ func (w *Writer) place(p peer, m *mapping, it transport.WriteItem) (uint64, erro
 	case it.Addr == 0:
 		return 0, errNoAddr
 	case it.Off > it.Size || n > it.Size-it.Off:
-		return 0, fmt.Errorf("%w: bytes [%d,%d) reach past the %d-byte region the grant reserved", transport.ErrOutOfBounds, it.Off, it.Off+n, it.Size)
+		return 0, fmt.Errorf("%w: bytes [%d,%d) reach past the %d-byte region the grant reserved", transport.ErrWriteBounds, it.Off, it.Off+n, it.Size)
 	case it.Addr < p.Base || it.Addr-p.Base > p.Len || it.Size > p.Len-(it.Addr-p.Base):
-		return 0, fmt.Errorf("%w: region [%#x,+%d) is outside the consumer's %d-byte slab at %#x", transport.ErrOutOfBounds, it.Addr, it.Size, p.Len, p.Base)
+		return 0, fmt.Errorf("%w: region [%#x,+%d) is outside the consumer's %d-byte slab at %#x", transport.ErrStaleAddr, it.Addr, it.Size, p.Len, p.Base)
 	}
 	off := it.Addr - p.Base + it.Off
 	if off > uint64(len(m.mem)) || n > uint64(len(m.mem))-off {
-		return 0, fmt.Errorf("%w: bytes [%d,%d) of the slab file are outside its %d-byte mapping", transport.ErrOutOfBounds, off, off+n, len(m.mem))
+		return 0, fmt.Errorf("%w: bytes [%d,%d) of the slab file are outside its %d-byte mapping", transport.ErrStaleAddr, off, off+n, len(m.mem))
 	}
 	return off, nil
 }

@@ -47,6 +47,29 @@ import (
 	"unsafe"
 )
 
+// EnvLibrary names a real libtransfer_engine.so for the tests to run
+// against instead of the double; EnvProtocol the transport they install on
+// it (tcp when unset: the tests run on loopback, where RDMA has no device).
+const (
+	EnvLibrary  = "ECMOONCAKE_MOONCAKE_LIBRARY"
+	EnvProtocol = "ECMOONCAKE_MOONCAKE_PROTOCOL"
+)
+
+// Real returns the library and protocol the environment names, and
+// whether it names one. Tests that only move bytes run against it; those
+// that inject faults or read the double's counters skip.
+func Real() (library, protocol string, ok bool) {
+	library = os.Getenv(EnvLibrary)
+	if library == "" {
+		return "", "", false
+	}
+	protocol = os.Getenv(EnvProtocol)
+	if protocol == "" {
+		protocol = "tcp"
+	}
+	return library, protocol, true
+}
+
 // Source is the path of the double's C source.
 func Source() string {
 	_, file, _, _ := runtime.Caller(0)

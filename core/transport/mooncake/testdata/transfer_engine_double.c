@@ -750,7 +750,16 @@ int unregisterLocalMemoryBatch(void *engine, void **addrs, size_t n) {
         }
         if (!found) rc = E_NOT_REGISTERED;
     }
+    int left = e->nregs;
     pthread_mutex_unlock(&e->mu);
+    if (e->http && !rc) {
+        /* Mooncake publishes the segment's new buffer list: with the
+         * metadata server gone, unregistering fails with -200. */
+        char key[NAME_LEN + 32], val[64];
+        snprintf(key, sizeof key, "mooncake/ram/%s", e->name);
+        snprintf(val, sizeof val, "{\"buffers\": %d}", left);
+        if (http_call(e, "PUT", key, val, NULL, 0) != 200) rc = E_METADATA;
+    }
     pthread_mutex_lock(&g_mu);
     g_stats.unregister_calls++;
     g_stats.regs_live -= removed;
