@@ -62,8 +62,12 @@ type Consumer struct {
 	Host string `json:"host"`
 	// MaxResidentBytes caps resident copies; 0 means the slab is the cap.
 	MaxResidentBytes uint64 `json:"max_resident_bytes"`
-	// SlabPath is the file under /dev/shm that the slab is mapped from;
-	// the shm transport needs it, so that producers can map it too.
+	// SlabFD is the descriptor, in this process, of the sealed memfd the
+	// slab is mapped from; the shm transport hands it to producers on this
+	// host. -1 means none.
+	SlabFD int `json:"slab_fd"`
+	// SlabPath is refused with a pointer to SlabFD: producers no longer
+	// map a file that a consumer names.
 	SlabPath string `json:"slab_path"`
 	Mooncake
 	GPU
@@ -165,7 +169,7 @@ type Runtime struct {
 
 // DefaultConsumer returns the defaults a JSON document overrides.
 func DefaultConsumer() Consumer {
-	return Consumer{IP: "127.0.0.1", Port: 14579, TPSize: 1, Transport: "tcp", LeaseS: 300, Mooncake: defaultMooncake()}
+	return Consumer{IP: "127.0.0.1", Port: 14579, TPSize: 1, Transport: "tcp", LeaseS: 300, SlabFD: -1, Mooncake: defaultMooncake()}
 }
 
 // DefaultProducer returns the producer defaults.
@@ -232,7 +236,7 @@ func (c Consumer) Validate() error {
 		oneOf("transport", c.Transport, Transports),
 		port("data_port", c.DataPort, true),
 		positive("lease_s", c.LeaseS),
-		slabPath(c.Transport, c.SlabPath),
+		slabFD(c.Transport, c.SlabFD, c.SlabPath),
 		c.Mooncake.validate(),
 		hostPort("mooncake_metadata_server", c.MooncakeMetadataServer),
 		c.GPU.validate(),
@@ -402,19 +406,17 @@ func hostPort(key, v string) error {
 	return nil
 }
 
-// slabPath checks the form of slab_path; the shm transport checks the
-// file itself, against the slab, when the shard listens.
-func slabPath(transport, v string) error {
-	const dir = "/dev/shm/"
+// slabFD checks that shm has a slab descriptor and nothing else does; the
+// shm transport checks the memfd itself, against the slab, when the shard
+// listens.
+func slabFD(transport string, fd int, path string) error {
 	switch {
-	case v == "" && transport == "shm":
-		return fmt.Errorf("%w: slab_path is empty; transport shm needs the slab's file under %s (allocate the slab with shared_slab)", ErrInvalid, dir)
-	case v == "":
-		return nil
-	case !strings.HasPrefix(v, dir) || strings.Contains(v[len(dir):], "/") || v == dir || strings.HasPrefix(v[len(dir):], "."):
-		return fmt.Errorf("%w: slab_path = %q; want a file directly under %s", ErrInvalid, v, dir)
-	case transport != "shm":
-		return fmt.Errorf("%w: slab_path is set but transport is %q; only shm maps the slab file", ErrInvalid, transport)
+	case path != "":
+		return fmt.Errorf("%w: slab_path is no longer supported: the shm slab is a sealed memfd whose descriptor producers receive over a Unix socket; allocate it with ecmooncake.native.shared_slab and pass slab_fd", ErrInvalid)
+	case fd < 0 && transport == "shm":
+		return fmt.Errorf("%w: slab_fd is not set; transport shm needs the descriptor of the slab's memfd (allocate the slab with shared_slab)", ErrInvalid)
+	case fd >= 0 && transport != "shm":
+		return fmt.Errorf("%w: slab_fd is set but transport is %q; only shm hands the slab to producers", ErrInvalid, transport)
 	}
 	return nil
 }

@@ -51,11 +51,9 @@ func TestDecodeErrorsNameKeyValueAndAllowed(t *testing.T) {
 		{"metadata server addr", consumer, `{"mooncake_metadata_server": "8090"}`, []string{`mooncake_metadata_server = "8090"`, "host:port"}},
 		{"metadata server port", consumer, `{"mooncake_metadata_server": ":70000"}`, []string{"[0, 65535]"}},
 		{"staging bytes", producer, `{"mooncake_staging_bytes": 1024}`, []string{"mooncake_staging_bytes = 1024", "[1048576,"}},
-		{"shm without slab_path", consumer, `{"transport": "shm"}`, []string{"slab_path is empty", "/dev/shm/"}},
-		{"slab_path outside /dev/shm", consumer, `{"transport": "shm", "slab_path": "/tmp/slab"}`, []string{`slab_path = "/tmp/slab"`, "directly under /dev/shm/"}},
-		{"slab_path in a subdirectory", consumer, `{"transport": "shm", "slab_path": "/dev/shm/a/b"}`, []string{"directly under"}},
-		{"slab_path escaping /dev/shm", consumer, `{"transport": "shm", "slab_path": "/dev/shm/../etc"}`, []string{"directly under"}},
-		{"slab_path without shm", consumer, `{"slab_path": "/dev/shm/x"}`, []string{"slab_path is set", `"tcp"`}},
+		{"shm without slab_fd", consumer, `{"transport": "shm"}`, []string{"slab_fd is not set", "shared_slab"}},
+		{"slab_path", consumer, `{"transport": "shm", "slab_fd": 3, "slab_path": "/dev/shm/x"}`, []string{"slab_path is no longer supported", "slab_fd"}},
+		{"slab_fd without shm", consumer, `{"slab_fd": 3}`, []string{"slab_fd is set", `"tcp"`}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -70,9 +68,9 @@ func TestDecodeErrorsNameKeyValueAndAllowed(t *testing.T) {
 }
 
 func TestShmConsumerSettings(t *testing.T) {
-	c, err := DecodeConsumer([]byte(`{"transport": "shm", "slab_path": "/dev/shm/ecm-slab-1"}`))
+	c, err := DecodeConsumer([]byte(`{"transport": "shm", "slab_fd": 7}`))
 	require.NoError(t, err)
-	require.Equal(t, "/dev/shm/ecm-slab-1", c.SlabPath)
+	require.Equal(t, 7, c.SlabFD)
 	_, err = DecodeProducer([]byte(`{"transport": "shm"}`))
 	require.NoError(t, err)
 }

@@ -83,11 +83,14 @@ type Receiver interface {
 // RecvStats counts what a Receiver has seen since it started. Frames and
 // Bytes count frames that landed; Rejected counts refused frames by reason
 // (Status.String()); BadConns counts connections closed because the peer
-// sent something that is not a frame.
+// sent something that is not a frame; Closed counts the connections the
+// receiver closed or refused to protect itself, by reason (over the
+// connection cap, idle, a frame that stalled, a peer of another user).
 type RecvStats struct {
 	Frames, Bytes uint64
 	Rejected      map[string]uint64
 	BadConns      uint64
+	Closed        map[string]uint64 `json:",omitempty"`
 }
 
 // Transport is one way of moving bytes into remote reservations.

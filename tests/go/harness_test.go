@@ -42,7 +42,7 @@ type clusterOpts struct {
 	consumerTr func(rank int) transport.Transport
 	producerTr func() transport.Transport
 	slab       func(n int) []byte
-	// shm puts each slab in a file under /dev/shm and moves the bytes
+	// shm puts each slab in a sealed memfd and moves the bytes
 	// over the shm data plane (see shmPlane); it overrides the three above.
 	shm bool
 }
@@ -97,9 +97,9 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 	}
 	c := &cluster{t: t, base: freeBase(t, o.tp)}
 	log := quietLog()
-	var slabPath func(rank int) string
+	var slabFD func(rank int) int
 	if o.shm {
-		o.slab, o.consumerTr, o.producerTr, slabPath = shmPlane(t, log)
+		o.slab, o.consumerTr, o.producerTr, slabFD = shmPlane(t, log)
 	}
 	if o.consumerTr == nil {
 		o.consumerTr = func(int) transport.Transport { return transport.NewTCP(transport.TCPConfig{Logger: log}) }
@@ -115,8 +115,8 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 		tr := o.consumerTr(r)
 		cfg := config.DefaultConsumer()
 		cfg.Port, cfg.TPSize, cfg.TPRank, cfg.LeaseS, cfg.Transport = c.base, o.tp, r, o.lease.Seconds(), tr.Name()
-		if slabPath != nil {
-			cfg.SlabPath = slabPath(r)
+		if slabFD != nil {
+			cfg.SlabFD = slabFD(r)
 		}
 		s, err := consumer.Open(cfg, slab.HostMemory(mem), consumer.Options{Transport: tr, Log: log})
 		require.NoError(t, err)
