@@ -57,6 +57,17 @@ type Consumer struct {
 	// DataPort is the first port of the data-plane listener; 0 picks a free one.
 	DataPort int     `json:"data_port"`
 	LeaseS   float64 `json:"lease_s"`
+	// MaxDataConns caps the data-plane connections the shard serves at
+	// once (tcp, shm); at the cap an idle one makes room, else the new one
+	// is closed at once.
+	MaxDataConns int `json:"max_data_conns"`
+	// DataIdleTimeoutS closes a data-plane connection with no frame in
+	// flight for this long.
+	DataIdleTimeoutS float64 `json:"data_idle_timeout_s"`
+	// DataFrameTimeoutS bounds one data-plane frame; a writer that stalls
+	// mid-frame loses it and the region is reclaimed by its lease. Capped
+	// at lease_s (see DataFrameTimeout).
+	DataFrameTimeoutS float64 `json:"data_frame_timeout_s"`
 	// Host identifies the machine; producers use it to choose a same-host
 	// transport. Empty means the hostname.
 	Host string `json:"host"`
@@ -98,6 +109,15 @@ func (c Consumer) ControlPort() int { return ShardPort(c.Port, c.DPRank, c.TPSiz
 
 // Lease is the reservation lease as a duration.
 func (c Consumer) Lease() time.Duration { return seconds(c.LeaseS) }
+
+// DataIdleTimeout is data_idle_timeout_s as a duration.
+func (c Consumer) DataIdleTimeout() time.Duration { return seconds(c.DataIdleTimeoutS) }
+
+// DataFrameTimeout is data_frame_timeout_s, capped at the lease so that a
+// region a writer stalls in is reclaimed within one lease of the stall.
+func (c Consumer) DataFrameTimeout() time.Duration {
+	return min(seconds(c.DataFrameTimeoutS), c.Lease())
+}
 
 // ShardPort is ec_port + dp_rank*tp_size + tp_rank.
 func ShardPort(base, dpRank, tpSize, tpRank int) int { return base + dpRank*tpSize + tpRank }
@@ -169,7 +189,8 @@ type Runtime struct {
 
 // DefaultConsumer returns the defaults a JSON document overrides.
 func DefaultConsumer() Consumer {
-	return Consumer{IP: "127.0.0.1", Port: 14579, TPSize: 1, Transport: "tcp", LeaseS: 300, SlabFD: -1, Mooncake: defaultMooncake()}
+	return Consumer{IP: "127.0.0.1", Port: 14579, TPSize: 1, Transport: "tcp", LeaseS: 300, SlabFD: -1,
+		MaxDataConns: 256, DataIdleTimeoutS: 300, DataFrameTimeoutS: 30, Mooncake: defaultMooncake()}
 }
 
 // DefaultProducer returns the producer defaults.
@@ -236,6 +257,9 @@ func (c Consumer) Validate() error {
 		oneOf("transport", c.Transport, Transports),
 		port("data_port", c.DataPort, true),
 		positive("lease_s", c.LeaseS),
+		rangeInt("max_data_conns", c.MaxDataConns, 1, 1<<16),
+		positive("data_idle_timeout_s", c.DataIdleTimeoutS),
+		positive("data_frame_timeout_s", c.DataFrameTimeoutS),
 		slabFD(c.Transport, c.SlabFD, c.SlabPath),
 		c.Mooncake.validate(),
 		hostPort("mooncake_metadata_server", c.MooncakeMetadataServer),

@@ -139,6 +139,10 @@ const (
 	StatusUnknownRes
 	StatusOutOfBounds
 	StatusGone
+	// StatusClosing, in an ack with Seq 0 (a goodbye), says the receiver
+	// closes the connection without having begun any frame sent after its
+	// last ack: the writer may resend those frames on a new connection.
+	StatusClosing
 )
 
 // String returns the reason name used as the key of RecvStats.Rejected.
@@ -156,6 +160,8 @@ func (s Status) String() string {
 		return "out_of_bounds"
 	case StatusGone:
 		return "gone"
+	case StatusClosing:
+		return "closing"
 	}
 	return fmt.Sprintf("status_%d", uint16(s))
 }
