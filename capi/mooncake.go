@@ -36,7 +36,11 @@ func consumerTransport(cfg config.Consumer) (transport.Transport, error) {
 	case mooncake.Name:
 		return newMooncake(mooncake.FromConsumer(cfg, slog.Default()))
 	case shm.Name:
-		return shm.New(shm.Config{Host: hostIdentity(cfg.Host), SlabPath: cfg.SlabPath, Logger: slog.Default()}), nil
+		return shm.New(shm.Config{Host: hostIdentity(cfg.Host), SlabFD: cfg.SlabFD, MaxConns: cfg.MaxDataConns, Logger: slog.Default()}), nil
+	case "tcp":
+		return transport.NewTCP(transport.TCPConfig{
+			MaxConns: cfg.MaxDataConns, IdleTimeout: cfg.DataIdleTimeout(), FrameTimeout: cfg.DataFrameTimeout(), Logger: slog.Default(),
+		}), nil
 	}
 	return newTransport(cfg.Transport, config.DefaultProducer())
 }

@@ -57,13 +57,28 @@ type Consumer struct {
 	// DataPort is the first port of the data-plane listener; 0 picks a free one.
 	DataPort int     `json:"data_port"`
 	LeaseS   float64 `json:"lease_s"`
+	// MaxDataConns caps the data-plane connections the shard serves at
+	// once (tcp, shm); at the cap an idle one makes room, else the new one
+	// is closed at once.
+	MaxDataConns int `json:"max_data_conns"`
+	// DataIdleTimeoutS closes a data-plane connection with no frame in
+	// flight for this long.
+	DataIdleTimeoutS float64 `json:"data_idle_timeout_s"`
+	// DataFrameTimeoutS bounds one data-plane frame; a writer that stalls
+	// mid-frame loses it and the region is reclaimed by its lease. Capped
+	// at lease_s (see DataFrameTimeout).
+	DataFrameTimeoutS float64 `json:"data_frame_timeout_s"`
 	// Host identifies the machine; producers use it to choose a same-host
 	// transport. Empty means the hostname.
 	Host string `json:"host"`
 	// MaxResidentBytes caps resident copies; 0 means the slab is the cap.
 	MaxResidentBytes uint64 `json:"max_resident_bytes"`
-	// SlabPath is the file under /dev/shm that the slab is mapped from;
-	// the shm transport needs it, so that producers can map it too.
+	// SlabFD is the descriptor, in this process, of the sealed memfd the
+	// slab is mapped from; the shm transport hands it to producers on this
+	// host. -1 means none.
+	SlabFD int `json:"slab_fd"`
+	// SlabPath is refused with a pointer to SlabFD: producers no longer
+	// map a file that a consumer names.
 	SlabPath string `json:"slab_path"`
 	Mooncake
 	GPU
@@ -94,6 +109,15 @@ func (c Consumer) ControlPort() int { return ShardPort(c.Port, c.DPRank, c.TPSiz
 
 // Lease is the reservation lease as a duration.
 func (c Consumer) Lease() time.Duration { return seconds(c.LeaseS) }
+
+// DataIdleTimeout is data_idle_timeout_s as a duration.
+func (c Consumer) DataIdleTimeout() time.Duration { return seconds(c.DataIdleTimeoutS) }
+
+// DataFrameTimeout is data_frame_timeout_s, capped at the lease so that a
+// region a writer stalls in is reclaimed within one lease of the stall.
+func (c Consumer) DataFrameTimeout() time.Duration {
+	return min(seconds(c.DataFrameTimeoutS), c.Lease())
+}
 
 // ShardPort is ec_port + dp_rank*tp_size + tp_rank.
 func ShardPort(base, dpRank, tpSize, tpRank int) int { return base + dpRank*tpSize + tpRank }
@@ -165,7 +189,8 @@ type Runtime struct {
 
 // DefaultConsumer returns the defaults a JSON document overrides.
 func DefaultConsumer() Consumer {
-	return Consumer{IP: "127.0.0.1", Port: 14579, TPSize: 1, Transport: "tcp", LeaseS: 300, Mooncake: defaultMooncake()}
+	return Consumer{IP: "127.0.0.1", Port: 14579, TPSize: 1, Transport: "tcp", LeaseS: 300, SlabFD: -1,
+		MaxDataConns: 256, DataIdleTimeoutS: 300, DataFrameTimeoutS: 30, Mooncake: defaultMooncake()}
 }
 
 // DefaultProducer returns the producer defaults.
@@ -232,7 +257,10 @@ func (c Consumer) Validate() error {
 		oneOf("transport", c.Transport, Transports),
 		port("data_port", c.DataPort, true),
 		positive("lease_s", c.LeaseS),
-		slabPath(c.Transport, c.SlabPath),
+		rangeInt("max_data_conns", c.MaxDataConns, 1, 1<<16),
+		positive("data_idle_timeout_s", c.DataIdleTimeoutS),
+		positive("data_frame_timeout_s", c.DataFrameTimeoutS),
+		slabFD(c.Transport, c.SlabFD, c.SlabPath),
 		c.Mooncake.validate(),
 		hostPort("mooncake_metadata_server", c.MooncakeMetadataServer),
 		c.GPU.validate(),
@@ -402,19 +430,17 @@ func hostPort(key, v string) error {
 	return nil
 }
 
-// slabPath checks the form of slab_path; the shm transport checks the
-// file itself, against the slab, when the shard listens.
-func slabPath(transport, v string) error {
-	const dir = "/dev/shm/"
+// slabFD checks that shm has a slab descriptor and nothing else does; the
+// shm transport checks the memfd itself, against the slab, when the shard
+// listens.
+func slabFD(transport string, fd int, path string) error {
 	switch {
-	case v == "" && transport == "shm":
-		return fmt.Errorf("%w: slab_path is empty; transport shm needs the slab's file under %s (allocate the slab with shared_slab)", ErrInvalid, dir)
-	case v == "":
-		return nil
-	case !strings.HasPrefix(v, dir) || strings.Contains(v[len(dir):], "/") || v == dir || strings.HasPrefix(v[len(dir):], "."):
-		return fmt.Errorf("%w: slab_path = %q; want a file directly under %s", ErrInvalid, v, dir)
-	case transport != "shm":
-		return fmt.Errorf("%w: slab_path is set but transport is %q; only shm maps the slab file", ErrInvalid, transport)
+	case path != "":
+		return fmt.Errorf("%w: slab_path is no longer supported: the shm slab is a sealed memfd whose descriptor producers receive over a Unix socket; allocate it with ecmooncake.native.shared_slab and pass slab_fd", ErrInvalid)
+	case fd < 0 && transport == "shm":
+		return fmt.Errorf("%w: slab_fd is not set; transport shm needs the descriptor of the slab's memfd (allocate the slab with shared_slab)", ErrInvalid)
+	case fd >= 0 && transport != "shm":
+		return fmt.Errorf("%w: slab_fd is set but transport is %q; only shm hands the slab to producers", ErrInvalid, transport)
 	}
 	return nil
 }

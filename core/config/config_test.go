@@ -51,11 +51,12 @@ func TestDecodeErrorsNameKeyValueAndAllowed(t *testing.T) {
 		{"metadata server addr", consumer, `{"mooncake_metadata_server": "8090"}`, []string{`mooncake_metadata_server = "8090"`, "host:port"}},
 		{"metadata server port", consumer, `{"mooncake_metadata_server": ":70000"}`, []string{"[0, 65535]"}},
 		{"staging bytes", producer, `{"mooncake_staging_bytes": 1024}`, []string{"mooncake_staging_bytes = 1024", "[1048576,"}},
-		{"shm without slab_path", consumer, `{"transport": "shm"}`, []string{"slab_path is empty", "/dev/shm/"}},
-		{"slab_path outside /dev/shm", consumer, `{"transport": "shm", "slab_path": "/tmp/slab"}`, []string{`slab_path = "/tmp/slab"`, "directly under /dev/shm/"}},
-		{"slab_path in a subdirectory", consumer, `{"transport": "shm", "slab_path": "/dev/shm/a/b"}`, []string{"directly under"}},
-		{"slab_path escaping /dev/shm", consumer, `{"transport": "shm", "slab_path": "/dev/shm/../etc"}`, []string{"directly under"}},
-		{"slab_path without shm", consumer, `{"slab_path": "/dev/shm/x"}`, []string{"slab_path is set", `"tcp"`}},
+		{"shm without slab_fd", consumer, `{"transport": "shm"}`, []string{"slab_fd is not set", "shared_slab"}},
+		{"slab_path", consumer, `{"transport": "shm", "slab_fd": 3, "slab_path": "/dev/shm/x"}`, []string{"slab_path is no longer supported", "slab_fd"}},
+		{"max_data_conns zero", consumer, `{"max_data_conns": 0}`, []string{"max_data_conns = 0", "[1, 65536]"}},
+		{"data_idle_timeout_s negative", consumer, `{"data_idle_timeout_s": -1}`, []string{"data_idle_timeout_s", "positive"}},
+		{"data_frame_timeout_s zero", consumer, `{"data_frame_timeout_s": 0}`, []string{"data_frame_timeout_s", "positive"}},
+		{"slab_fd without shm", consumer, `{"slab_fd": 3}`, []string{"slab_fd is set", `"tcp"`}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -69,10 +70,21 @@ func TestDecodeErrorsNameKeyValueAndAllowed(t *testing.T) {
 	}
 }
 
-func TestShmConsumerSettings(t *testing.T) {
-	c, err := DecodeConsumer([]byte(`{"transport": "shm", "slab_path": "/dev/shm/ecm-slab-1"}`))
+func TestDataPlaneBounds(t *testing.T) {
+	c, err := DecodeConsumer(nil)
 	require.NoError(t, err)
-	require.Equal(t, "/dev/shm/ecm-slab-1", c.SlabPath)
+	require.Equal(t, 256, c.MaxDataConns)
+	require.Equal(t, 5*time.Minute, c.DataIdleTimeout())
+	require.Equal(t, 30*time.Second, c.DataFrameTimeout())
+	c, err = DecodeConsumer([]byte(`{"lease_s": 2, "data_frame_timeout_s": 10}`))
+	require.NoError(t, err)
+	require.Equal(t, 2*time.Second, c.DataFrameTimeout(), "a stalled frame cannot outlast the lease")
+}
+
+func TestShmConsumerSettings(t *testing.T) {
+	c, err := DecodeConsumer([]byte(`{"transport": "shm", "slab_fd": 7}`))
+	require.NoError(t, err)
+	require.Equal(t, 7, c.SlabFD)
 	_, err = DecodeProducer([]byte(`{"transport": "shm"}`))
 	require.NoError(t, err)
 }

@@ -24,6 +24,9 @@ func (s *Shard) probe(e *metrics.Emitter) {
 	for reason, n := range st.Data.Rejected {
 		e.Set(metrics.RejectedWrites, float64(n), reason)
 	}
+	for reason, n := range st.Data.Closed {
+		e.Set(metrics.DataConnsClosed, float64(n), reason)
+	}
 	e.Set(metrics.ControlRequests, float64(st.Server.Served))
 	e.Set(metrics.EventsSent, float64(st.Events.Sent))
 }

@@ -17,6 +17,7 @@ const (
 	ReceivedBytes     = "ecm_received_bytes_total"
 	ReceivedFrames    = "ecm_received_frames_total"
 	RejectedWrites    = "ecm_rejected_writes_total"
+	DataConnsClosed   = "ecm_data_conns_closed_total"
 	Pushes            = "ecm_pushes"
 	PushesEnded       = "ecm_pushes_ended_total"
 	SourceBytesHeld   = "ecm_source_bytes_held"
@@ -41,6 +42,7 @@ var table = map[string]spec{
 	ReceivedBytes:     {"Consumer shard: bytes landed by the data plane, by transport.", prometheus.CounterValue, []string{"transport"}},
 	ReceivedFrames:    {"Consumer shard: frames landed by the data plane, by transport.", prometheus.CounterValue, []string{"transport"}},
 	RejectedWrites:    {"Consumer shard: data-plane writes refused, by reason.", prometheus.CounterValue, []string{"reason"}},
+	DataConnsClosed:   {"Consumer shard: data-plane connections closed or refused to protect the shard, by reason (limit, evicted, idle, frame_timeout, peer_uid, bad_hello, bad_nonce).", prometheus.CounterValue, []string{"reason"}},
 	Pushes:            {"Producer: live pushes by state.", prometheus.GaugeValue, []string{"state"}},
 	PushesEnded:       {"Producer: pushes that reached each terminal state.", prometheus.CounterValue, []string{"state"}},
 	SourceBytesHeld:   {"Producer: bytes of encoder outputs the library may still read.", prometheus.GaugeValue, nil},

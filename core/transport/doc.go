@@ -72,6 +72,17 @@
 // half-closed: the receiver sees the torn frame end (EndWrite(false)),
 // while acks for the frames sent in full before it still arrive.
 //
+// The receiver bounds what a peer can hold (see TCPConfig): at most
+// MaxConns connections, an idle one making room for a newcomer and a
+// newcomer closed at once when every one has a frame in flight;
+// IdleTimeout between frames; FrameTimeout from a frame's first byte to
+// its ack, after which the frame ends torn and the connection closes, so
+// that a stalled or stopped writer cannot keep a region's write open past
+// its lease. A receiver that closes a connection with no frame begun says
+// so first with a goodbye (an ack with Seq 0 and StatusClosing); the
+// writer then sends the frames it had not had acked again, once, on a new
+// connection. Each close is counted in RecvStats.Closed by reason.
+//
 // LoopbackCeiling measures raw TCP over 127.0.0.1 so that benchmarks report
 // the transport's throughput as a ratio to the machine's ceiling measured
 // in the same run.

@@ -13,6 +13,25 @@ type recvCounters struct {
 
 	mu       sync.Mutex
 	rejected map[string]uint64
+	closed   map[string]uint64
+}
+
+// Reasons a receiver closes a connection to protect itself, the keys of
+// RecvStats.Closed.
+const (
+	ClosedLimit        = "limit"         // at MaxConns with none idle
+	ClosedEvicted      = "evicted"       // idle, and a new connection needed its slot
+	ClosedIdle         = "idle"          // no frame for IdleTimeout
+	ClosedFrameTimeout = "frame_timeout" // a frame not done within FrameTimeout
+)
+
+func (c *recvCounters) close(reason string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed == nil {
+		c.closed = make(map[string]uint64)
+	}
+	c.closed[reason]++
 }
 
 func (c *recvCounters) landed(n uint64) {
@@ -35,12 +54,17 @@ func (c *recvCounters) snapshot() RecvStats {
 	for k, v := range c.rejected {
 		rej[k] = v
 	}
+	closed := make(map[string]uint64, len(c.closed))
+	for k, v := range c.closed {
+		closed[k] = v
+	}
 	c.mu.Unlock()
 	return RecvStats{
 		Frames:   c.frames.Load(),
 		Bytes:    c.bytes.Load(),
 		Rejected: rej,
 		BadConns: c.badConns.Load(),
+		Closed:   closed,
 	}
 }
 

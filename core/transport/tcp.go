@@ -13,6 +13,16 @@ const (
 	DefaultConns       = 4
 	DefaultChunkSize   = 8 << 20
 	DefaultDialTimeout = 5 * time.Second
+	// DefaultMaxConns is far above what the producers of one deployment
+	// hold (tcp_conns per producer process), far below a process's
+	// descriptor limit.
+	DefaultMaxConns = 256
+	// DefaultIdleTimeout outlasts the gaps between requests of a busy
+	// deployment, so pools stay warm, and frees a slot held for nothing.
+	DefaultIdleTimeout = 5 * time.Minute
+	// DefaultFrameTimeout is ample for a MaxFrame frame over a 1 Gb/s link
+	// and well inside the default lease.
+	DefaultFrameTimeout = 30 * time.Second
 )
 
 // TCPConfig tunes the native TCP transport. Zero values take the defaults.
@@ -30,6 +40,21 @@ type TCPConfig struct {
 	// SocketBuffer, when positive, sets SO_SNDBUF and SO_RCVBUF on every
 	// connection; zero leaves the kernel's autotuning alone.
 	SocketBuffer int
+	// MaxConns caps the connections a receiver serves at once. At the cap
+	// a new connection takes the place of the one idle longest; when every
+	// one has a frame in flight, the new one is closed at once. Zero means
+	// DefaultMaxConns.
+	MaxConns int
+	// IdleTimeout closes a receiver's connection that has had no frame in
+	// flight for this long, after a goodbye that lets the writer resend
+	// on a new connection what it sent meanwhile. Zero means
+	// DefaultIdleTimeout.
+	IdleTimeout time.Duration
+	// FrameTimeout bounds one frame at the receiver, from its first header
+	// byte to its ack: a writer that stalls mid-frame loses the connection
+	// and its frame ends torn, so that the region can be reclaimed. Keep
+	// it within the consumer's lease. Zero means DefaultFrameTimeout.
+	FrameTimeout time.Duration
 	// Logger receives rate-limited warnings about refused frames and bad
 	// peers. Nil means slog.Default().
 	Logger *slog.Logger
@@ -52,6 +77,15 @@ func NewTCP(cfg TCPConfig) *TCP {
 	cfg.ChunkSize = min(cfg.ChunkSize, MaxFrame)
 	if cfg.DialTimeout <= 0 {
 		cfg.DialTimeout = DefaultDialTimeout
+	}
+	if cfg.MaxConns <= 0 {
+		cfg.MaxConns = DefaultMaxConns
+	}
+	if cfg.IdleTimeout <= 0 {
+		cfg.IdleTimeout = DefaultIdleTimeout
+	}
+	if cfg.FrameTimeout <= 0 {
+		cfg.FrameTimeout = DefaultFrameTimeout
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()

@@ -31,9 +31,14 @@ type tcpReceiver struct {
 	closeOnce sync.Once
 	wg        sync.WaitGroup
 
-	mu     sync.Mutex
-	closed bool
-	conns  map[net.Conn]struct{}
+	// onceLogged keeps the cap's warnings to one each: the counters say
+	// how often it bit.
+	limitLogged, evictLogged atomic.Bool
+
+	mu       sync.Mutex
+	closed   bool
+	conns    map[net.Conn]*rconn
+	evicting int // conns told to go, not yet gone; they hold no slot
 }
 
 func newTCPReceiver(ln net.Listener, sink Sink, cfg TCPConfig) *tcpReceiver {
@@ -43,7 +48,7 @@ func newTCPReceiver(ln net.Listener, sink Sink, cfg TCPConfig) *tcpReceiver {
 		cfg:   cfg,
 		log:   cfg.Logger.With("transport", "tcp", "listen", ln.Addr().String()),
 		done:  make(chan struct{}),
-		conns: make(map[net.Conn]struct{}),
+		conns: make(map[net.Conn]*rconn),
 	}
 	r.wg.Add(1)
 	go r.acceptLoop()
@@ -112,12 +117,56 @@ func (r *tcpReceiver) acceptLoop() {
 			_ = c.Close()
 			return
 		}
-		r.conns[c] = struct{}{}
+		if len(r.conns)-r.evicting >= r.cfg.MaxConns && !r.evictLocked() {
+			r.mu.Unlock()
+			r.refuseConn(c)
+			continue
+		}
+		rc := &rconn{r: r, c: c, peer: c.RemoteAddr().String(), ack: make([]byte, 0, AckHeaderLen+MaxAckMsg), idleSince: time.Now()}
+		r.conns[c] = rc
 		r.wg.Add(1)
 		r.mu.Unlock()
 		r.accepted.Add(1)
-		go r.serve(c)
+		go r.serve(rc)
 	}
+}
+
+// evictLocked makes room for a new connection by telling the one idle
+// longest to go; it reports false when every connection has a frame in
+// flight. Idle connections cost a writer nothing to lose (a goodbye makes
+// it resend on a new one), while refusing the newcomer could lock a
+// producer out for as long as idle peers hold every slot.
+func (r *tcpReceiver) evictLocked() bool {
+	var oldest *rconn
+	for _, rc := range r.conns {
+		if !rc.idleSince.IsZero() && !rc.evicted && (oldest == nil || rc.idleSince.Before(oldest.idleSince)) {
+			oldest = rc
+		}
+	}
+	if oldest == nil {
+		return false
+	}
+	oldest.evicted = true
+	r.evicting++
+	// Wakes its serve goroutine, which owns the connection's writes and
+	// sends the goodbye itself.
+	_ = oldest.c.SetReadDeadline(longAgo)
+	if !r.evictLogged.Swap(true) {
+		r.log.Warn("transport: at max_data_conns, closing idle connections to admit new ones (logged once; see ecm_data_conns_closed_total)",
+			"max_conns", r.cfg.MaxConns, "peer", oldest.peer)
+	}
+	return true
+}
+
+// refuseConn closes a connection at once: every slot has a frame in
+// flight.
+func (r *tcpReceiver) refuseConn(c net.Conn) {
+	r.stats.close(ClosedLimit)
+	if !r.limitLogged.Swap(true) {
+		r.log.Warn("transport: at max_data_conns with a frame in flight on each; refusing new connections (logged once; see ecm_data_conns_closed_total)",
+			"max_conns", r.cfg.MaxConns, "peer", c.RemoteAddr().String())
+	}
+	_ = c.Close()
 }
 
 // acceptOne is split out so that a panic costs one connection, not the
@@ -140,7 +189,8 @@ func (r *tcpReceiver) acceptOne() (c net.Conn, err error) {
 	return c, nil
 }
 
-// rconn is one accepted connection; only its serve goroutine touches it.
+// rconn is one accepted connection; only its serve goroutine reads or
+// writes it.
 type rconn struct {
 	r       *tcpReceiver
 	c       net.Conn
@@ -153,10 +203,16 @@ type rconn struct {
 	open    bool
 	openRes ids.ResID
 	end     func(ok bool) error
+
+	// Guarded by r.mu. idleSince is when the connection last had no
+	// frame in flight (zero while one is); evicted says the accept loop
+	// told it to go.
+	idleSince time.Time
+	evicted   bool
 }
 
-func (r *tcpReceiver) serve(c net.Conn) {
-	rc := &rconn{r: r, c: c, peer: c.RemoteAddr().String(), ack: make([]byte, 0, AckHeaderLen+MaxAckMsg)}
+func (r *tcpReceiver) serve(rc *rconn) {
+	c := rc.c
 	defer func() {
 		if p := recover(); p != nil {
 			r.log.Error("transport: panic serving connection", "peer", rc.peer, "panic", p, "stack", string(debug.Stack()))
@@ -165,11 +221,76 @@ func (r *tcpReceiver) serve(c net.Conn) {
 		_ = c.Close()
 		r.mu.Lock()
 		delete(r.conns, c)
+		if rc.evicted {
+			r.evicting--
+		}
 		r.mu.Unlock()
 		r.wg.Done()
 	}()
 	for rc.frame() {
 	}
+}
+
+// busy marks a frame in flight; it reports false when the connection was
+// evicted first, and then no frame may begin on it.
+func (rc *rconn) busy() bool {
+	rc.r.mu.Lock()
+	defer rc.r.mu.Unlock()
+	if rc.evicted {
+		return false
+	}
+	rc.idleSince = time.Time{}
+	return true
+}
+
+func (rc *rconn) idle() {
+	rc.r.mu.Lock()
+	rc.idleSince = time.Now()
+	rc.r.mu.Unlock()
+}
+
+func (rc *rconn) isEvicted() bool {
+	rc.r.mu.Lock()
+	defer rc.r.mu.Unlock()
+	return rc.evicted
+}
+
+// goodbyeWait bounds how long a closing connection waits for the writer
+// to take its goodbye and close its side.
+const goodbyeWait = time.Second
+
+// goodbye closes a connection that has no frame begun since its last ack,
+// telling the writer so (an ack with Seq 0 and StatusClosing): it may
+// resend on a new connection whatever it sent after that ack. The rest of
+// what the writer sent is read and dropped, so that closing does not reset
+// the connection before the goodbye reaches the writer.
+func (rc *rconn) goodbye(reason string) {
+	rc.r.stats.close(reason)
+	_ = rc.c.SetDeadline(time.Now().Add(goodbyeWait))
+	if !rc.sendAck(Ack{Seq: 0, Status: StatusClosing, Msg: reason}) {
+		return
+	}
+	if tc, ok := rc.c.(*net.TCPConn); ok {
+		_ = tc.CloseWrite()
+	}
+	_, _ = io.Copy(io.Discard, rc.c)
+}
+
+// timedOut reports whether err is a deadline passing.
+func timedOut(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+// stalled ends a frame that did not finish within FrameTimeout.
+func (rc *rconn) stalled(h *Header, got int, err error) {
+	r := rc.r
+	r.stats.close(ClosedFrameTimeout)
+	args := []any{"peer", rc.peer, "frame_timeout", r.cfg.FrameTimeout, "err", err}
+	if h != nil {
+		args = append(args, "res", h.Res, "offset", h.Offset, "length", h.Length, "received", got)
+	}
+	r.logs.warn(r.log, "transport: closing a connection whose frame stalled; the frame ends torn", args...)
 }
 
 // endOpen settles the owed EndWrite. It reports false when the sink
@@ -190,12 +311,43 @@ func (rc *rconn) endOpen(ok bool) (settled bool, failed error) {
 }
 
 // frame handles one frame and reports whether the connection is still in
-// step and worth reading from.
+// step and worth reading from. Between frames the connection may idle for
+// IdleTimeout; from a frame's first byte to its ack, FrameTimeout bounds
+// both directions, so that a writer that stalls (or a peer that sends
+// half a frame and waits) frees its region's writes in time.
 func (rc *rconn) frame() bool {
 	r := rc.r
-	if _, err := io.ReadFull(rc.c, rc.hdr[:]); err != nil {
-		// EOF between frames is a writer closing its pool; a torn header
-		// carried no payload for the sink, so there is nothing to settle.
+	_ = rc.c.SetDeadline(time.Now().Add(r.cfg.IdleTimeout))
+	// An eviction between the last frame and the deadline just set would
+	// have had its wake-up overwritten.
+	if rc.isEvicted() {
+		rc.goodbye(ClosedEvicted)
+		return false
+	}
+	if _, err := io.ReadFull(rc.c, rc.hdr[:1]); err != nil {
+		// EOF between frames is a writer closing its pool.
+		switch {
+		case rc.isEvicted():
+			rc.goodbye(ClosedEvicted)
+		case timedOut(err):
+			rc.goodbye(ClosedIdle)
+		}
+		return false
+	}
+	if !rc.busy() {
+		// Evicted as the frame began: nothing of it reached the sink, so
+		// the writer may resend it elsewhere.
+		rc.goodbye(ClosedEvicted)
+		return false
+	}
+	defer rc.idle()
+	_ = rc.c.SetDeadline(time.Now().Add(r.cfg.FrameTimeout))
+	if n, err := io.ReadFull(rc.c, rc.hdr[1:]); err != nil {
+		// A torn header carried no payload for the sink, so there is
+		// nothing to settle.
+		if timedOut(err) {
+			rc.stalled(nil, 1+n, err)
+		}
 		return false
 	}
 	h, err := DecodeHeader(rc.hdr[:])
@@ -209,8 +361,11 @@ func (rc *rconn) frame() bool {
 		return rc.refuse(h, err)
 	}
 	rc.open, rc.openRes, rc.end = true, h.Res, end
-	if _, err := io.ReadFull(rc.c, dst); err != nil {
+	if n, err := io.ReadFull(rc.c, dst); err != nil {
 		rc.endOpen(false)
+		if timedOut(err) {
+			rc.stalled(&h, n, err)
+		}
 		return false
 	}
 	settled, failed := rc.endOpen(true)
@@ -240,6 +395,9 @@ func (rc *rconn) refuse(h Header, cause error) bool {
 	for left := h.Length; left > 0; {
 		n := min(left, uint64(len(rc.scratch)))
 		if _, err := io.ReadFull(rc.c, rc.scratch[:n]); err != nil {
+			if timedOut(err) {
+				rc.stalled(&h, int(h.Length-left), err)
+			}
 			return false
 		}
 		left -= n

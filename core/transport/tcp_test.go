@@ -346,9 +346,10 @@ func TestNewTCPDefaults(t *testing.T) {
 		in   TCPConfig
 		want TCPConfig
 	}{
-		{TCPConfig{}, TCPConfig{Conns: DefaultConns, ChunkSize: DefaultChunkSize, DialTimeout: DefaultDialTimeout}},
-		{TCPConfig{Conns: 2, ChunkSize: 2 * MaxFrame, DialTimeout: time.Second, SocketBuffer: 1 << 20},
-			TCPConfig{Conns: 2, ChunkSize: MaxFrame, DialTimeout: time.Second, SocketBuffer: 1 << 20}},
+		{TCPConfig{}, TCPConfig{Conns: DefaultConns, ChunkSize: DefaultChunkSize, DialTimeout: DefaultDialTimeout,
+			MaxConns: DefaultMaxConns, IdleTimeout: DefaultIdleTimeout, FrameTimeout: DefaultFrameTimeout}},
+		{TCPConfig{Conns: 2, ChunkSize: 2 * MaxFrame, DialTimeout: time.Second, SocketBuffer: 1 << 20, MaxConns: 3, IdleTimeout: time.Minute, FrameTimeout: time.Second},
+			TCPConfig{Conns: 2, ChunkSize: MaxFrame, DialTimeout: time.Second, SocketBuffer: 1 << 20, MaxConns: 3, IdleTimeout: time.Minute, FrameTimeout: time.Second}},
 	}
 	for _, tc := range cases {
 		got := NewTCP(tc.in).cfg

@@ -304,6 +304,10 @@ type chunk struct {
 	seq      uint64
 	hdr      [HeaderLen]byte
 	settled  atomic.Bool
+	// resent: a receiver's goodbye already sent it back to its slot once;
+	// a second goodbye fails it, so that a receiver that keeps saying
+	// goodbye cannot keep it circling.
+	resent atomic.Bool
 }
 
 // settle records the chunk's outcome once, whoever gets there first: the
@@ -420,11 +424,19 @@ func (s *slot) send(ch *chunk) {
 		Offset: it.Off + uint64(ch.off), Length: uint64(ch.end - ch.off),
 	})
 	// Registered before the first byte goes out: the ack can overtake the
-	// return from the write.
+	// return from the write. A connection that died since conn checked it
+	// (a goodbye) costs one redial, not the chunk.
 	if !wc.add(ch) {
 		s.retire(wc)
-		ch.settle(s.w.lost(errors.New("connection closed")))
-		return
+		if wc, err = s.conn(c.ctx); err != nil {
+			ch.settle(err)
+			return
+		}
+		if !wc.add(ch) {
+			s.retire(wc)
+			ch.settle(s.w.lost(errors.New("connection closed")))
+			return
+		}
 	}
 	err = wc.writeFrame(c.ctx, ch.hdr[:], it.Src[ch.off:ch.end])
 	if err == nil {
@@ -478,7 +490,7 @@ func (s *slot) conn(ctx context.Context) (*wconn, error) {
 		return nil, fmt.Errorf("%w: %w", ErrUnreachable, err)
 	}
 	tuneConn(c, w.cfg)
-	wc := &wconn{w: w, c: c, pending: make(map[uint64]*chunk)}
+	wc := &wconn{w: w, slot: s, c: c, pending: make(map[uint64]*chunk)}
 	if !w.track(wc) {
 		_ = c.Close()
 		return nil, ErrClosed
@@ -497,8 +509,9 @@ func (s *slot) retire(wc *wconn) {
 // wconn is one live connection: the slot's sender writes on it, its ack
 // reader reads from it and owns closing it.
 type wconn struct {
-	w *tcpWriter
-	c net.Conn
+	w    *tcpWriter
+	slot *slot // whose queue a goodbye sends unanswered chunks back to
+	c    net.Conn
 
 	mu      sync.Mutex
 	dead    bool
@@ -590,9 +603,35 @@ func (wc *wconn) stopSending() {
 func (wc *wconn) readAcks() {
 	defer wc.w.wg.Done()
 	err := wc.ackLoop()
+	if errors.Is(err, errGoodbye) {
+		wc.resendPending()
+	}
 	_ = wc.c.Close()
 	wc.failAll(wc.w.lost(err))
 	wc.w.forget(wc)
+}
+
+// errGoodbye: the receiver closed the connection (idle, or to make room)
+// having begun none of the frames it had not acked.
+var errGoodbye = errors.New("receiver closed the connection (goodbye)")
+
+// resendPending hands the chunks the receiver never began back to the
+// slot, which sends them on a new connection.
+func (wc *wconn) resendPending() {
+	wc.mu.Lock()
+	wc.dead = true
+	pending := wc.pending
+	wc.pending = make(map[uint64]*chunk)
+	wc.mu.Unlock()
+	for _, ch := range pending {
+		if ch.resent.Swap(true) {
+			ch.settle(wc.w.lost(errGoodbye))
+			continue
+		}
+		if !wc.slot.q.push(ch) {
+			ch.settle(ErrClosed)
+		}
+	}
 }
 
 func (wc *wconn) ackLoop() (err error) {
@@ -620,6 +659,9 @@ func (wc *wconn) ackLoop() (err error) {
 				return err
 			}
 			a.Msg = string(msg[:n])
+		}
+		if a.Seq == 0 && a.Status == StatusClosing {
+			return errGoodbye
 		}
 		ch := wc.take(a.Seq)
 		if ch == nil {

@@ -83,11 +83,14 @@ type Receiver interface {
 // RecvStats counts what a Receiver has seen since it started. Frames and
 // Bytes count frames that landed; Rejected counts refused frames by reason
 // (Status.String()); BadConns counts connections closed because the peer
-// sent something that is not a frame.
+// sent something that is not a frame; Closed counts the connections the
+// receiver closed or refused to protect itself, by reason (over the
+// connection cap, idle, a frame that stalled, a peer of another user).
 type RecvStats struct {
 	Frames, Bytes uint64
 	Rejected      map[string]uint64
 	BadConns      uint64
+	Closed        map[string]uint64 `json:",omitempty"`
 }
 
 // Transport is one way of moving bytes into remote reservations.
@@ -147,6 +150,10 @@ const (
 	StatusUnknownRes
 	StatusOutOfBounds
 	StatusGone
+	// StatusClosing, in an ack with Seq 0 (a goodbye), says the receiver
+	// closes the connection without having begun any frame sent after its
+	// last ack: the writer may resend those frames on a new connection.
+	StatusClosing
 )
 
 // String returns the reason name used as the key of RecvStats.Rejected.
@@ -164,6 +171,8 @@ func (s Status) String() string {
 		return "out_of_bounds"
 	case StatusGone:
 		return "gone"
+	case StatusClosing:
+		return "closing"
 	}
 	return fmt.Sprintf("status_%d", uint16(s))
 }

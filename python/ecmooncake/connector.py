@@ -775,8 +775,8 @@ class _ConsumerWorker:
                 self._device,
             )
         elif self._cfg.value("transport") == "shm":
-            # Producers on this host map the slab's file and copy into it.
-            shared, settings["slab_path"] = shared_slab(self._cfg.buffer_size)
+            # The shard hands the slab's memfd to producers on this host.
+            shared, settings["slab_fd"] = shared_slab(self._cfg.buffer_size)
             slab = torch.from_numpy(shared)
         else:
             slab = torch.empty(self._cfg.buffer_size, dtype=torch.uint8)

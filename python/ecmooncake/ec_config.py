@@ -138,6 +138,21 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         300.0, seconds, ("consumer",),
         "a reservation not completed, or an arrived item never loaded, is reclaimed after this",
     ),
+    "max_data_conns": ExtraKey(
+        256, lambda k, v: integer(k, v, 1, 1 << 16), ("consumer",),
+        "data-plane connections each shard serves at once; at the cap an idle one makes room, else the new one is closed at once",
+        only_if_set=True,
+    ),
+    "data_idle_timeout_s": ExtraKey(
+        300.0, seconds, ("consumer",),
+        "a data-plane connection with no frame in flight is closed after this",
+        only_if_set=True,
+    ),
+    "data_frame_timeout_s": ExtraKey(
+        30.0, seconds, ("consumer",),
+        "one data-plane frame must arrive within this (at most lease_s); a stalled producer's region is reclaimed by its lease",
+        only_if_set=True,
+    ),
     "tcp_conns": ExtraKey(
         4, lambda k, v: integer(k, v, 1, 64), ("producer",),
         "TCP connections from the producer to each consumer shard",

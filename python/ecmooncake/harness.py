@@ -83,9 +83,10 @@ class ConsumerHost:
         if settings:
             configure(**settings)
         if config.get("transport") == "shm":
-            # Producers on this host map the slab's file and copy into it.
-            self.slab, path = shared_slab(slab_bytes)
-            config = {**config, "slab_path": path}
+            # The shard hands the slab's memfd to producers on this host,
+            # which map it and copy into it.
+            self.slab, fd = shared_slab(slab_bytes)
+            config = {**config, "slab_fd": fd}
         else:
             self.slab = np.empty(slab_bytes, dtype=np.uint8)
         # Touch every page now so that page faults do not land on a timed

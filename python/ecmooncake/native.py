@@ -9,10 +9,10 @@ of what Go validates: a config dict goes through as it is.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
-import secrets
 import sys
 import weakref
 from ctypes import byref, c_char_p, c_int32, c_uint64, c_void_p
@@ -220,50 +220,42 @@ def memory_of(obj: Any, writable: bool = False) -> tuple[int, int, int]:
     return ptr, nbytes, -1
 
 
-SHM_DIR = "/dev/shm"
-
-
-def shared_slab(nbytes: int) -> tuple[np.ndarray, str]:
+def shared_slab(nbytes: int) -> tuple[np.ndarray, int]:
     """A receive slab in shared memory, for a Consumer on the ``shm`` transport.
 
-    Returns ``(array, path)``: a writable uint8 array of ``nbytes`` bytes,
-    mapped shared from a new file under /dev/shm, and that file's path, to
-    pass as ``"slab_path"`` in the consumer's config so that producers on
-    this host can map it too. Every page is allocated now, so that a full
-    /dev/shm fails here and not as SIGBUS in a producer's write. The file is
-    removed once the array (and every view of it) is gone, or at exit.
+    Returns ``(array, fd)``: a writable uint8 array of ``nbytes`` bytes,
+    mapped shared from a new memfd, and that memfd's descriptor, to pass as
+    ``"slab_fd"`` in the consumer's config. The shard hands the descriptor
+    to producers on this host over a Unix socket (never a path), so there
+    is no file in /dev/shm and nothing is left behind when the process is
+    killed. Every page is allocated now, so that running out of memory
+    fails here, and the memfd is sealed against shrinking, so that no
+    producer's copy can meet a truncated slab. The descriptor is closed
+    once the array (and every view of it) is gone; the memory is freed
+    when the last mapping of it, in any process, goes.
     """
     nbytes = int(nbytes)
     if nbytes <= 0:
         raise EcmInvalid(f"shared_slab: nbytes = {nbytes}; want a positive size")
-    path = os.path.join(SHM_DIR, f"ecmooncake-slab-{os.getpid()}-{secrets.token_hex(8)}")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.memfd_create("ecmooncake-slab", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
-        raise EcmIOError(f"shared_slab: cannot create {path}: {exc}") from exc
+        raise EcmIOError(f"shared_slab: cannot create a memfd: {exc}") from exc
     try:
         try:
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as exc:
             raise EcmIOError(
-                f"shared_slab: cannot allocate {nbytes} bytes in {SHM_DIR} ({path}): {exc}; "
-                f"see `df {SHM_DIR}` (in a container, raise its shm size)"
+                f"shared_slab: cannot allocate {nbytes} bytes of shared memory: {exc}; "
+                "see `free -b` and the memory limit of this process's cgroup"
             ) from exc
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
-        _unlink_quietly(path)
-        raise
-    finally:
         os.close(fd)
-    weakref.finalize(mapped, _unlink_quietly, path)
-    return np.frombuffer(mapped, dtype=np.uint8), path
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        raise
+    weakref.finalize(mapped, os.close, fd)
+    return np.frombuffer(mapped, dtype=np.uint8), fd
 
 
 def gpu_info() -> dict:

@@ -29,7 +29,7 @@ type cluster struct {
 	log      *slog.Logger
 	base     int
 	made     int // slabs made so far: each shard incarnation gets its own
-	slabPath func(n int) string
+	slabFD   func(n int) int
 	slabs    [][]byte
 	shards   []*consumer.Shard
 	sched    *scheduler.Scheduler
@@ -48,7 +48,7 @@ type clusterOpts struct {
 	consumerTr func(slab int) transport.Transport
 	producerTr func() transport.Transport
 	slab       func(n int) []byte
-	// shm puts each slab in a file under /dev/shm and moves the bytes
+	// shm puts each slab in a sealed memfd and moves the bytes
 	// over the shm data plane (see shmPlane); it overrides the three above.
 	shm bool
 }
@@ -104,7 +104,7 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 	c := &cluster{t: t, o: o, base: freeBase(t, o.tp), log: quietLog()}
 	log := c.log
 	if c.o.shm {
-		c.o.slab, c.o.consumerTr, c.o.producerTr, c.slabPath = shmPlane(t, log)
+		c.o.slab, c.o.consumerTr, c.o.producerTr, c.slabFD = shmPlane(t, log)
 	}
 	if c.o.consumerTr == nil {
 		c.o.consumerTr = func(int) transport.Transport { return transport.NewTCP(transport.TCPConfig{Logger: log}) }
@@ -147,8 +147,8 @@ func (c *cluster) openShard(r int) ([]byte, *consumer.Shard) {
 	tr := c.o.consumerTr(idx)
 	cfg := config.DefaultConsumer()
 	cfg.Port, cfg.TPSize, cfg.TPRank, cfg.LeaseS, cfg.Transport = c.base, c.o.tp, r, c.o.lease.Seconds(), tr.Name()
-	if c.slabPath != nil {
-		cfg.SlabPath = c.slabPath(idx)
+	if c.slabFD != nil {
+		cfg.SlabFD = c.slabFD(idx)
 	}
 	s, err := consumer.Open(cfg, slab.HostMemory(mem), consumer.Options{Transport: tr, Log: c.log})
 	require.NoError(c.t, err)

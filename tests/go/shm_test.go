@@ -1,15 +1,13 @@
 package gotests
 
 import (
-	"fmt"
 	"log/slog"
-	"os"
-	"path/filepath"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/consumer"
@@ -21,31 +19,31 @@ import (
 // shmHost is the host identity both ends of the shm tests report.
 const shmHost = "shm-test-host"
 
-// shmPlane makes slabs as files under /dev/shm, mapped shared and removed
-// at the end of the test, and the shm transports over them: consumerTr(i)
-// serves the slab made by the i-th call of slab, whose file is path(i).
-func shmPlane(t *testing.T, log *slog.Logger) (slab func(int) []byte, consumerTr func(int) transport.Transport, producerTr func() transport.Transport, path func(int) string) {
-	var paths []string
+// shmPlane makes slabs as sealed memfds, mapped shared and closed at the
+// end of the test, and the shm transports over them: consumerTr(i) serves
+// the slab made by the i-th call of slab, whose descriptor is fd(i).
+func shmPlane(t *testing.T, log *slog.Logger) (slab func(int) []byte, consumerTr func(int) transport.Transport, producerTr func() transport.Transport, fd func(int) int) {
+	var fds []int
 	slab = func(n int) []byte {
-		path := filepath.Join(shm.Dir, fmt.Sprintf("ecm-gotest-%d-%d-%d", os.Getpid(), time.Now().UnixNano(), len(paths)))
-		f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+		f, err := unix.MemfdCreate("ecm-gotest-slab", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 		require.NoError(t, err)
-		defer f.Close()
-		t.Cleanup(func() { os.Remove(path) })
-		require.NoError(t, syscall.Fallocate(int(f.Fd()), 0, 0, int64(n)))
-		mem, err := syscall.Mmap(int(f.Fd()), 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
+		t.Cleanup(func() { unix.Close(f) })
+		require.NoError(t, unix.Fallocate(f, 0, 0, int64(n)))
+		_, err = unix.FcntlInt(uintptr(f), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW)
+		require.NoError(t, err)
+		mem, err := syscall.Mmap(f, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
 		require.NoError(t, err)
 		// Registered before the cluster's close, so it runs after it.
 		t.Cleanup(func() { syscall.Munmap(mem) })
-		paths = append(paths, path)
+		fds = append(fds, f)
 		return mem
 	}
 	consumerTr = func(r int) transport.Transport {
-		return shm.New(shm.Config{Host: shmHost, SlabPath: paths[r], Logger: log})
+		return shm.New(shm.Config{Host: shmHost, SlabFD: fds[r], Logger: log})
 	}
 	producerTr = func() transport.Transport { return shm.New(shm.Config{Host: shmHost, Logger: log}) }
-	path = func(r int) string { return paths[r] }
-	return slab, consumerTr, producerTr, path
+	fd = func(r int) int { return fds[r] }
+	return slab, consumerTr, producerTr, fd
 }
 
 // The whole path over the shm data plane: two shards, several items per
@@ -68,13 +66,13 @@ func TestShmPushToShardedConsumer(t *testing.T) {
 	}
 }
 
-// A shard whose slab is not its slab file refuses to open, with the
-// reason, and releases what it had started.
-func TestShmShardRefusesASlabNotFromItsFile(t *testing.T) {
-	slabOf, consumerTr, _, path := shmPlane(t, quietLog())
+// A shard whose slab is not mapped from its memfd refuses to open, with
+// the reason, and releases what it had started.
+func TestShmShardRefusesASlabNotFromItsMemfd(t *testing.T) {
+	slabOf, consumerTr, _, fd := shmPlane(t, quietLog())
 	slabOf(1 << 20)
 	cfg := config.DefaultConsumer()
-	cfg.Port, cfg.Transport, cfg.SlabPath = freeBase(t, 1), shm.Name, path(0)
+	cfg.Port, cfg.Transport, cfg.SlabFD = freeBase(t, 1), shm.Name, fd(0)
 	_, err := consumer.Open(cfg, slab.HostMemory(make([]byte, 1<<20)), consumer.Options{Transport: consumerTr(0), Log: quietLog()})
-	require.ErrorContains(t, err, "not mapped from slab_path")
+	require.ErrorContains(t, err, "not mapped from slab_fd")
 }

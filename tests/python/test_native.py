@@ -3,6 +3,7 @@ bad input must raise."""
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
 import weakref
@@ -226,38 +227,78 @@ def test_shm_round_trip_between_processes(workers):
     for shard in shards:
         info = shard.call("info", 30)
         assert info["transport"] == "shm"
-        assert info["data"].startswith("shm:///dev/shm/ecmooncake-slab-")
+        assert info["data"].startswith("shm://@ecmooncake-shm-")
 
 
-def test_shared_slab_is_a_shared_file_removed_with_its_array():
-    slab, path = native.shared_slab(3 * MiB + 1)
+def _shm_leftovers(pid: int) -> list[str]:
+    """/dev/shm entries that name process pid (as the slab files of the
+    path-based shm transport did)."""
+    return [name for name in os.listdir("/dev/shm") if f"-{pid}-" in name or name.endswith(f"-{pid}")]
+
+
+def _maps_slab(pid: int) -> bool:
+    """Whether process pid maps a consumer slab memfd."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "/memfd:ecmooncake-slab" in f.read()
+
+
+def test_shm_consumer_killed_leaves_nothing_behind(workers):
+    """vLLM SIGKILLs its workers: no finalizer runs. Nothing of the
+    consumer's slab may stay in /dev/shm, and the producer that mapped it
+    lets it go, so that every restart does not leak a slab of memory."""
+    port = free_port_range(1, IP)
+    shard = workers("consumer", "shm-killed-consumer", config=consumer_config(port, transport="shm"), slab_bytes=16 * MiB)
+    producer = workers("producer", "shm-killed-producer", config={"transport": "shm", "control_timeout_s": 10, "push_wait_timeout_s": 30})
+    for worker in (shard, producer):
+        worker.wait_ready(60)
+    with Scheduler(scheduler_config(port, 1)) as scheduler:
+        push_and_check(scheduler, [shard], producer, f"tcp://{IP}:{port}", [item("k1", "k" * 64, 3 * MiB + 5, 31)])
+    pid = shard.pid
+    assert _maps_slab(pid), "the consumer's slab is a memfd"
+    assert _maps_slab(producer.pid), "the producer mapped it"
+    assert _shm_leftovers(pid) == [], "the slab is no file in /dev/shm"
+    shard.kill()
+    assert not os.path.exists(f"/proc/{pid}/maps") or not _maps_slab(pid)
+    assert _shm_leftovers(pid) == [], "nothing of the killed consumer remains in /dev/shm"
+    wait_until(lambda: not _maps_slab(producer.pid), 30, what="the producer unmapping the dead consumer's slab")
+
+
+def test_shared_slab_is_a_sealed_memfd_closed_with_its_array():
+    before = set(os.listdir("/dev/shm"))
+    slab, fd = native.shared_slab(3 * MiB + 1)
     assert slab.dtype == np.uint8 and slab.nbytes == 3 * MiB + 1 and slab.flags.writeable
-    assert path.startswith("/dev/shm/ecmooncake-slab-")
+    assert set(os.listdir("/dev/shm")) == before, "no file in /dev/shm"
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:ecmooncake-slab")
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_SEAL
+    with pytest.raises(OSError):
+        os.ftruncate(fd, 0)
     slab[-1] = 7
-    with open(path, "rb") as f:
-        f.seek(3 * MiB)
-        assert f.read() == b"\x07", "the array is the file"
+    assert os.pread(fd, 1, 3 * MiB) == b"\x07", "the array is the memfd"
     view = slab[10:20]
     del slab
     gc.collect()
-    assert os.path.exists(path), "a view keeps the file"
+    os.fstat(fd)  # a view keeps the descriptor
     del view
     gc.collect()
-    assert not os.path.exists(path)
+    with pytest.raises(OSError):
+        os.fstat(fd)
     with pytest.raises(EcmInvalid, match="positive"):
         native.shared_slab(0)
 
 
-def test_shm_consumer_checks_its_slab_file():
+def test_shm_consumer_checks_its_slab():
     port = free_port_range(1, IP)
-    slab, path = native.shared_slab(4 * MiB)
-    with pytest.raises(EcmInvalid, match="slab_path is empty"):
+    slab, fd = native.shared_slab(4 * MiB)
+    with pytest.raises(EcmInvalid, match="slab_fd is not set"):
         Consumer(consumer_config(port, transport="shm"), slab)
+    with pytest.raises(EcmInvalid, match="slab_path is no longer supported"):
+        Consumer(consumer_config(port, transport="shm", slab_fd=fd, slab_path="/dev/shm/x"), slab)
     private = np.zeros(4 * MiB, dtype=np.uint8)
-    with pytest.raises(EcmError, match="not mapped from slab_path"):
-        Consumer(consumer_config(port, transport="shm", slab_path=path), private)
+    with pytest.raises(EcmError, match="not mapped from slab_fd"):
+        Consumer(consumer_config(port, transport="shm", slab_fd=fd), private)
     bigger = np.zeros(8 * MiB, dtype=np.uint8)
     with pytest.raises(EcmError, match="less than the 8388608-byte slab"):
-        Consumer(consumer_config(port, transport="shm", slab_path=path), bigger)
-    with Consumer(consumer_config(port, transport="shm", slab_path=path), slab) as consumer:
-        assert consumer.info()["data"].startswith("shm://" + path)
+        Consumer(consumer_config(port, transport="shm", slab_fd=fd), bigger)
+    with Consumer(consumer_config(port, transport="shm", slab_fd=fd), slab) as consumer:
+        assert consumer.info()["data"].startswith("shm://@ecmooncake-shm-")

@@ -248,6 +248,7 @@ func (m *multi) Addrs() map[string]string {
 func (m *multi) Stats() transport.RecvStats {
 	var out transport.RecvStats
 	out.Rejected = map[string]uint64{}
+	out.Closed = map[string]uint64{}
 	for _, r := range m.recvs {
 		s := r.Stats()
 		out.Frames += s.Frames
@@ -255,6 +256,9 @@ func (m *multi) Stats() transport.RecvStats {
 		out.BadConns += s.BadConns
 		for k, v := range s.Rejected {
 			out.Rejected[k] += v
+		}
+		for k, v := range s.Closed {
+			out.Closed[k] += v
 		}
 	}
 	return out

@@ -1,6 +1,7 @@
 package shm
 
 import (
+	"encoding/hex"
 	"fmt"
 	"net/url"
 	"strconv"
@@ -8,33 +9,37 @@ import (
 )
 
 // peer is what a consumer shard publishes as its shm data-plane address:
-// which file to map, where its slab sits in the consumer (the base the
-// grants' addresses are relative to), which host it is on, and which
-// incarnation of the shard this is. On the wire the path is written as it
-// is, each of its components escaped.
+// the abstract Unix socket that hands its slab's memfd to producers, the
+// nonce a producer must present there, where the slab sits in the
+// consumer (the base the grants' addresses are relative to), its size,
+// and which host it is on. It names no file: a producer never opens a path
+// that a peer chose.
 type peer struct {
-	Path  string
-	Base  uint64
-	Len   uint64
-	Host  string
-	Ino   uint64
-	Epoch string
+	Socket string // abstract socket name, without the leading '@'
+	Nonce  [nonceLen]byte
+	Base   uint64
+	Len    uint64
+	Host   string
 }
 
-const scheme = "shm://"
+const (
+	scheme = "shm://@"
+	// socketPrefix starts every socket name a producer connects to, so
+	// that a peers reply cannot point it at another program's abstract
+	// socket.
+	socketPrefix = "ecmooncake-shm-"
+	// maxSocket keeps the name, with its leading NUL, inside sun_path.
+	maxSocket = 100
+	nonceLen  = 16
+)
 
 func (p peer) String() string {
 	q := url.Values{}
 	q.Set("base", strconv.FormatUint(p.Base, 10))
 	q.Set("len", strconv.FormatUint(p.Len, 10))
 	q.Set("host", p.Host)
-	q.Set("ino", strconv.FormatUint(p.Ino, 10))
-	q.Set("epoch", p.Epoch)
-	segs := strings.Split(p.Path, "/")
-	for i, seg := range segs {
-		segs[i] = url.PathEscape(seg)
-	}
-	return scheme + strings.Join(segs, "/") + "?" + q.Encode()
+	q.Set("nonce", hex.EncodeToString(p.Nonce[:]))
+	return scheme + p.Socket + "?" + q.Encode()
 }
 
 func parsePeer(s string) (peer, error) {
@@ -43,31 +48,44 @@ func parsePeer(s string) (peer, error) {
 	}
 	rest, ok := strings.CutPrefix(s, scheme)
 	if !ok {
-		return bad("does not start with " + scheme)
+		return bad("does not start with " + scheme + " (an abstract socket name)")
 	}
-	path, query, _ := strings.Cut(rest, "?")
-	path, err := url.PathUnescape(path)
-	if err != nil || !strings.HasPrefix(path, "/") {
-		return bad("no absolute file path")
+	name, query, _ := strings.Cut(rest, "?")
+	if err := checkSocketName(name); err != nil {
+		return bad(err.Error())
 	}
 	q, err := url.ParseQuery(query)
 	if err != nil {
 		return bad(err.Error())
 	}
-	p := peer{Path: path, Host: q.Get("host"), Epoch: q.Get("epoch")}
+	p := peer{Socket: name, Host: q.Get("host")}
 	if p.Base, err = strconv.ParseUint(q.Get("base"), 10, 64); err != nil || p.Base == 0 {
 		return bad("base is not a non-zero address")
 	}
 	if p.Len, err = strconv.ParseUint(q.Get("len"), 10, 64); err != nil || p.Len == 0 || p.Base+p.Len < p.Base || p.Len > maxLen {
 		return bad("len is not a positive size that fits after base")
 	}
-	if p.Ino, err = strconv.ParseUint(q.Get("ino"), 10, 64); err != nil {
-		return bad("ino is not an inode number")
+	if n, err := hex.Decode(p.Nonce[:], []byte(q.Get("nonce"))); err != nil || n != nonceLen || len(q.Get("nonce")) != 2*nonceLen {
+		return bad(fmt.Sprintf("nonce is not %d hex digits", 2*nonceLen))
 	}
-	if p.Host == "" || p.Epoch == "" {
-		return bad("host and epoch are required")
+	if p.Host == "" {
+		return bad("host is required")
 	}
 	return p, nil
+}
+
+// checkSocketName accepts only the names Listen makes: the project's
+// prefix, then lower-case letters, digits and dashes.
+func checkSocketName(name string) error {
+	if !strings.HasPrefix(name, socketPrefix) || len(name) == len(socketPrefix) || len(name) > maxSocket {
+		return fmt.Errorf("socket name %q is not %s... of at most %d characters", name, socketPrefix, maxSocket)
+	}
+	for _, r := range name {
+		if !(r == '-' || r >= '0' && r <= '9' || r >= 'a' && r <= 'z') {
+			return fmt.Errorf("socket name %q has a character other than a-z, 0-9 and -", name)
+		}
+	}
+	return nil
 }
 
 // maxLen keeps a mapping's length an int on every platform Go runs on.

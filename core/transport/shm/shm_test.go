@@ -5,12 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/transport"
@@ -33,34 +35,34 @@ func (s memSink) Memory() (uintptr, uint64, string) {
 	return uintptr(unsafe.Pointer(&s.mem[0])), uint64(len(s.mem)), s.device
 }
 
-// slabFile makes an allocated n-byte file under /dev/shm, removed at the
-// end of the test.
-func slabFile(t testing.TB, n int64) string {
+// memfd makes an n-byte memfd as shared_slab does (allocated, sealed
+// against shrinking and growing unless seal is false), closed at the end
+// of the test.
+func memfd(t testing.TB, n int64, seal bool) int {
 	t.Helper()
-	path := filepath.Join(Dir, fmt.Sprintf("ecm-test-%d-%s", os.Getpid(), newEpoch()))
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	fd, err := unix.MemfdCreate("ecm-test-slab", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	require.NoError(t, err)
-	defer f.Close()
-	t.Cleanup(func() { os.Remove(path) })
-	require.NoError(t, syscall.Fallocate(int(f.Fd()), 0, 0, n))
-	return path
+	t.Cleanup(func() { unix.Close(fd) })
+	require.NoError(t, unix.Fallocate(fd, 0, 0, n))
+	if seal {
+		_, err = unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL)
+		require.NoError(t, err)
+	}
+	return fd
 }
 
-// mapSlab maps path as a consumer would (flags MAP_SHARED or MAP_PRIVATE).
-func mapSlab(t testing.TB, path string, n, flags int) []byte {
+// mapFD maps fd as a consumer would (flags MAP_SHARED or MAP_PRIVATE).
+func mapFD(t testing.TB, fd, n, flags int) []byte {
 	t.Helper()
-	f, err := os.OpenFile(path, os.O_RDWR, 0)
-	require.NoError(t, err)
-	defer f.Close()
-	mem, err := syscall.Mmap(int(f.Fd()), 0, n, syscall.PROT_READ|syscall.PROT_WRITE, flags)
+	mem, err := syscall.Mmap(fd, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, flags)
 	require.NoError(t, err)
 	t.Cleanup(func() { syscall.Munmap(mem) })
 	return mem
 }
 
-// shard is a consumer's slab file, mapped and offered.
+// shard is a consumer's slab memfd, mapped and offered.
 type shard struct {
-	path string
+	fd   int
 	mem  []byte
 	recv transport.Direct
 	addr string
@@ -68,12 +70,12 @@ type shard struct {
 
 func listen(t *testing.T, host string) shard {
 	t.Helper()
-	path := slabFile(t, slabBytes)
-	mem := mapSlab(t, path, slabBytes, syscall.MAP_SHARED)
-	r, err := New(Config{Host: host, SlabPath: path}).Listen("127.0.0.1:0", memSink{mem: mem, device: "cpu"})
+	fd := memfd(t, slabBytes, true)
+	mem := mapFD(t, fd, slabBytes, syscall.MAP_SHARED)
+	r, err := New(Config{Host: host, SlabFD: fd}).Listen("127.0.0.1:0", memSink{mem: mem, device: "cpu"})
 	require.NoError(t, err)
 	t.Cleanup(func() { r.Close() })
-	return shard{path: path, mem: mem, recv: r.(transport.Direct), addr: r.Addr()}
+	return shard{fd: fd, mem: mem, recv: r.(transport.Direct), addr: r.Addr()}
 }
 
 func pattern(n int, seed byte) []byte {
@@ -141,7 +143,7 @@ func TestWriteRefusesAnotherHost(t *testing.T) {
 	errs := w.Write(context.Background(), sh.addr, []transport.WriteItem{{Src: []byte{1}, Addr: sh.recv.RemoteAddr(0), Size: 1}})
 	require.ErrorIs(t, errs[0], ErrOtherHost)
 	require.ErrorIs(t, errs[0], transport.ErrUnsupported)
-	require.Contains(t, errs[0].Error(), "different hosts cannot share /dev/shm")
+	require.Contains(t, errs[0].Error(), "different hosts cannot share memory")
 	require.ErrorIs(t, tr.CheckAddr(sh.addr), ErrOtherHost)
 	require.Zero(t, w.Stats().Maps, "nothing is mapped for another host")
 }
@@ -156,36 +158,54 @@ func TestWriteRemapsWhenTheShardRestarts(t *testing.T) {
 	require.NoError(t, write(sh.addr, sh.recv.RemoteAddr(0), 1))
 	require.NoError(t, write(sh.addr, sh.recv.RemoteAddr(0), 2))
 	require.Equal(t, uint64(1), w.Stats().Maps, "one mapping per incarnation")
+	require.Equal(t, uint64(1), sh.recv.(*receiver).Handed())
 
-	// The shard restarts over a new file under the same name.
-	require.NoError(t, os.Remove(sh.path))
-	f, err := os.OpenFile(sh.path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	// The shard restarts: its socket and the connection it kept go, so the
+	// writer lets go of the old slab's memory.
+	require.NoError(t, sh.recv.Close())
+	require.Eventually(t, func() bool { return w.Stats().Unmaps == 1 }, 10*time.Second, time.Millisecond,
+		"the writer unmaps a slab whose shard is gone")
+	fd := memfd(t, slabBytes, true)
+	mem := mapFD(t, fd, slabBytes, syscall.MAP_SHARED)
+	r, err := New(Config{Host: "h1", SlabFD: fd}).Listen("127.0.0.1:0", memSink{mem: mem})
 	require.NoError(t, err)
-	require.NoError(t, syscall.Fallocate(int(f.Fd()), 0, 0, slabBytes))
-	f.Close()
-	mem := mapSlab(t, sh.path, slabBytes, syscall.MAP_SHARED)
-	r, err := New(Config{Host: "h1", SlabPath: sh.path}).Listen("127.0.0.1:0", memSink{mem: mem})
-	require.NoError(t, err)
+	defer r.Close()
 	require.NotEqual(t, sh.addr, r.Addr())
 
 	require.NoError(t, write(r.Addr(), r.(transport.Direct).RemoteAddr(0), 3))
-	require.Equal(t, byte(3), mem[0], "the new incarnation's file got the byte")
+	require.Equal(t, byte(3), mem[0], "the new incarnation's slab got the byte")
 	require.Equal(t, byte(2), sh.mem[0], "the old one's did not")
 	require.Equal(t, WriterStats{Items: 3, Bytes: 3, Maps: 2, Unmaps: 1}, w.Stats())
 
-	require.ErrorIs(t, write(sh.addr, sh.recv.RemoteAddr(0), 4), transport.ErrUnreachable, "the old incarnation's file is gone")
+	require.ErrorIs(t, write(sh.addr, sh.recv.RemoteAddr(0), 4), transport.ErrUnreachable, "the old incarnation is gone")
 	require.NoError(t, write(r.Addr(), r.(transport.Direct).RemoteAddr(0), 5))
 	require.Equal(t, uint64(2), w.Stats().Maps, "a stale address does not cost the live incarnation its mapping")
 }
 
-func TestWriteToAMissingFile(t *testing.T) {
+// An address whose nonce is not the shard's (a stale or forged one) gets
+// nothing: the shard refuses it and counts it.
+func TestWriteWithAnotherNonce(t *testing.T) {
 	sh := listen(t, "h1")
-	require.NoError(t, os.Remove(sh.path))
+	p, err := parsePeer(sh.addr)
+	require.NoError(t, err)
+	p.Nonce[0] ^= 1
+	w := New(Config{Host: "h1"}).newWriter()
+	defer w.Close()
+	errs := w.Write(context.Background(), p.String(), []transport.WriteItem{{Src: []byte{1}, Addr: sh.recv.RemoteAddr(0), Size: 1}})
+	require.ErrorIs(t, errs[0], transport.ErrUnreachable)
+	require.ErrorContains(t, errs[0], "nonce")
+	require.Zero(t, sh.mem[0])
+	require.Equal(t, map[string]uint64{closedBadNonce: 1}, sh.recv.Stats().Closed)
+	require.Zero(t, sh.recv.(*receiver).Handed())
+}
+
+func TestWriteToAClosedShard(t *testing.T) {
+	sh := listen(t, "h1")
+	require.NoError(t, sh.recv.Close())
 	w := New(Config{Host: "h1"}).newWriter()
 	defer w.Close()
 	errs := w.Write(context.Background(), sh.addr, []transport.WriteItem{{Src: []byte{1}, Addr: sh.recv.RemoteAddr(0), Size: 1}})
 	require.ErrorIs(t, errs[0], transport.ErrUnreachable)
-	require.ErrorIs(t, errs[0], os.ErrNotExist)
 }
 
 func TestWriteAfterClose(t *testing.T) {
@@ -210,56 +230,108 @@ func TestWriteHonoursCancel(t *testing.T) {
 	require.Zero(t, sh.mem[0])
 }
 
-func TestListenChecksTheSlabFile(t *testing.T) {
-	shared := slabFile(t, slabBytes)
-	sharedMem := mapSlab(t, shared, slabBytes, syscall.MAP_SHARED)
-	private := slabFile(t, slabBytes)
-	privateMem := mapSlab(t, private, slabBytes, syscall.MAP_PRIVATE)
-	sparse := filepath.Join(Dir, "ecm-test-sparse-"+newEpoch())
-	require.NoError(t, os.WriteFile(sparse, nil, 0o600))
-	t.Cleanup(func() { os.Remove(sparse) })
-	require.NoError(t, os.Truncate(sparse, slabBytes))
-	small := slabFile(t, slabBytes/2)
-	notShm, err := os.CreateTemp("", "ecm-slab")
+func TestListenChecksTheSlab(t *testing.T) {
+	shared := memfd(t, slabBytes, true)
+	sharedMem := mapFD(t, shared, slabBytes, syscall.MAP_SHARED)
+	private := memfd(t, slabBytes, true)
+	privateMem := mapFD(t, private, slabBytes, syscall.MAP_PRIVATE)
+	unsealed := memfd(t, slabBytes, false)
+	unsealedMem := mapFD(t, unsealed, slabBytes, syscall.MAP_SHARED)
+	small := memfd(t, slabBytes/2, true)
+	sparse, err := unix.MemfdCreate("ecm-test-sparse", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	require.NoError(t, err)
-	notShm.Close()
-	t.Cleanup(func() { os.Remove(notShm.Name()) })
+	defer unix.Close(sparse)
+	require.NoError(t, unix.Ftruncate(sparse, slabBytes))
+	_, err = unix.FcntlInt(uintptr(sparse), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK)
+	require.NoError(t, err)
+	onDisk, err := os.CreateTemp("", "ecm-slab")
+	require.NoError(t, err)
+	defer onDisk.Close()
+	t.Cleanup(func() { os.Remove(onDisk.Name()) })
+	require.NoError(t, unix.Fallocate(int(onDisk.Fd()), 0, 0, slabBytes))
+	inShm, err := os.CreateTemp(shmDir, "ecm-slab")
+	require.NoError(t, err)
+	defer inShm.Close()
+	t.Cleanup(func() { os.Remove(inShm.Name()) })
+	require.NoError(t, unix.Fallocate(int(inShm.Fd()), 0, 0, slabBytes))
+	var pipe [2]int
+	require.NoError(t, unix.Pipe2(pipe[:], unix.O_CLOEXEC))
+	defer unix.Close(pipe[0])
+	defer unix.Close(pipe[1])
 	heap := make([]byte, slabBytes)
 
 	cases := []struct {
 		name string
-		path string
+		fd   int
 		sink memSink
 		want string
 	}{
-		{"no path", "", memSink{mem: sharedMem}, "slab_path is empty"},
-		{"missing file", filepath.Join(Dir, "ecm-test-missing-"+newEpoch()), memSink{mem: sharedMem}, "no such file"},
-		{"outside /dev/shm", notShm.Name(), memSink{mem: sharedMem}, "not a file directly under /dev/shm"},
-		{"file smaller than the slab", small, memSink{mem: sharedMem}, "less than the 1048576-byte slab"},
-		{"sparse file", sparse, memSink{mem: sharedMem}, "sparse"},
-		{"slab not from the file", shared, memSink{mem: heap}, "not mapped from slab_path"},
-		{"slab of another file", private, memSink{mem: sharedMem}, "not mapped from slab_path"},
+		{"no descriptor", -1, memSink{mem: sharedMem}, "slab_fd is not set"},
+		{"closed descriptor", 1 << 20, memSink{mem: sharedMem}, "bad file descriptor"},
+		{"a pipe", pipe[0], memSink{mem: sharedMem}, "not a regular file"},
+		{"a file on disk", int(onDisk.Fd()), memSink{mem: sharedMem}, "not a memfd"},
+		{"a file in /dev/shm", int(inShm.Fd()), memSink{mem: sharedMem}, "not sealed against shrinking"},
+		{"an unsealed memfd", unsealed, memSink{mem: unsealedMem}, "not sealed against shrinking"},
+		{"memfd smaller than the slab", small, memSink{mem: sharedMem}, "less than the 1048576-byte slab"},
+		{"sparse memfd", sparse, memSink{mem: sharedMem}, "sparse"},
+		{"slab not from the memfd", shared, memSink{mem: heap}, "not mapped from slab_fd"},
+		{"slab of another memfd", private, memSink{mem: sharedMem}, "not mapped from slab_fd"},
 		{"private mapping", private, memSink{mem: privateMem}, "privately"},
 		{"not at offset 0", shared, memSink{mem: sharedMem[4096:]}, "file offset 4096"},
 		{"gpu slab", shared, memSink{mem: sharedMem, device: "cuda:0"}, "host memory only"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := New(Config{Host: "h1", SlabPath: tc.path}).Listen("127.0.0.1:0", tc.sink)
+			_, err := New(Config{Host: "h1", SlabFD: tc.fd}).Listen("127.0.0.1:0", tc.sink)
 			require.ErrorContains(t, err, tc.want)
 		})
 	}
 }
 
+// Listen holds a duplicate: the caller may close its own descriptor.
+func TestListenKeepsItsOwnDescriptor(t *testing.T) {
+	fd, err := unix.MemfdCreate("ecm-test-slab", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	require.NoError(t, err)
+	require.NoError(t, unix.Fallocate(fd, 0, 0, slabBytes))
+	_, err = unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK)
+	require.NoError(t, err)
+	mem := mapFD(t, fd, slabBytes, syscall.MAP_SHARED)
+	r, err := New(Config{Host: "h1", SlabFD: fd}).Listen("127.0.0.1:0", memSink{mem: mem})
+	require.NoError(t, err)
+	defer r.Close()
+	require.NoError(t, unix.Close(fd))
+
+	w := New(Config{Host: "h1"}).newWriter()
+	defer w.Close()
+	src := pattern(8192, 4)
+	require.NoError(t, w.Write(context.Background(), r.Addr(), []transport.WriteItem{{Src: src, Addr: r.(transport.Direct).RemoteAddr(4096), Size: 8192}})[0])
+	require.Equal(t, src, mem[4096:4096+8192])
+}
+
 func TestPeerAddressRoundTrip(t *testing.T) {
-	p := peer{Path: "/dev/shm/ecm slab?1", Base: 1 << 40, Len: 4096, Host: "node-1", Ino: 77, Epoch: "ab"}
+	p := peer{Socket: "ecmooncake-shm-12-ab01", Base: 1 << 40, Len: 4096, Host: "node 1?&", Nonce: [16]byte{1, 2, 0xff}}
 	got, err := parsePeer(p.String())
 	require.NoError(t, err)
 	require.Equal(t, p, got)
+	const nonce = "&nonce=0102ff00000000000000000000000000"
 	for _, bad := range []string{
-		"tcp://x", "shm://rel?base=1&len=1&host=h&ino=1&epoch=e", "shm:///dev/shm/x?base=0&len=1&host=h&ino=1&epoch=e",
-		"shm:///dev/shm/x?base=1&len=0&host=h&ino=1&epoch=e", "shm:///dev/shm/x?base=1&len=1&ino=1&epoch=e",
-		"shm:///dev/shm/x?base=1&len=1&host=h&ino=1", "shm:///dev/shm/x?base=1&len=1&host=h&epoch=e",
+		"tcp://x",
+		"shm:///dev/shm/x?base=1&len=1&host=h" + nonce,
+		"shm:///tmp/x?base=1&len=1&host=h" + nonce,
+		"shm://@/tmp/x?base=1&len=1&host=h" + nonce,
+		"shm://@other-socket?base=1&len=1&host=h" + nonce,
+		"shm://@ecmooncake-shm-?base=1&len=1&host=h" + nonce,
+		"shm://@ecmooncake-shm-../x?base=1&len=1&host=h" + nonce,
+		"shm://@ecmooncake-shm-A?base=1&len=1&host=h" + nonce,
+		"shm://@ecmooncake-shm-x%00?base=1&len=1&host=h" + nonce,
+		"shm://@ecmooncake-shm-" + strings.Repeat("x", 100) + "?base=1&len=1&host=h" + nonce,
+		"shm://@ecmooncake-shm-x?base=0&len=1&host=h" + nonce,
+		"shm://@ecmooncake-shm-x?base=1&len=0&host=h" + nonce,
+		"shm://@ecmooncake-shm-x?base=18446744073709551615&len=2&host=h" + nonce,
+		"shm://@ecmooncake-shm-x?base=1&len=1" + nonce,
+		"shm://@ecmooncake-shm-x?base=1&len=1&host=h",
+		"shm://@ecmooncake-shm-x?base=1&len=1&host=h&nonce=0102",
+		"shm://@ecmooncake-shm-x?base=1&len=1&host=h&nonce=zz02ff00000000000000000000000000",
 	} {
 		_, err := parsePeer(bad)
 		require.Error(t, err, bad)

@@ -1,0 +1,88 @@
+package shm
+
+import (
+	"bytes"
+	"syscall"
+	"testing"
+)
+
+// Every decoder of bytes a peer chose: the peers address, the handshake
+// messages and their control data, and /proc/self/maps fields.
+
+func FuzzParsePeer(f *testing.F) {
+	f.Add(peer{Socket: "ecmooncake-shm-1-ab", Base: 4096, Len: 4096, Host: "h", Nonce: [16]byte{1}}.String())
+	f.Add("shm:///dev/shm/x?base=1&len=1&host=h&ino=1&epoch=e")
+	f.Add("shm://@ecmooncake-shm-x?base=1&len=1&host=h&nonce=00000000000000000000000000000000")
+	f.Fuzz(func(t *testing.T, s string) {
+		p, err := parsePeer(s)
+		if err != nil {
+			return
+		}
+		if checkSocketName(p.Socket) != nil || p.Base == 0 || p.Len == 0 || p.Base+p.Len < p.Base || p.Len > maxLen || p.Host == "" {
+			t.Fatalf("parsePeer(%q) accepted %+v", s, p)
+		}
+		again, err := parsePeer(p.String())
+		if err != nil || again != p {
+			t.Fatalf("round trip of %+v: %+v, %v", p, again, err)
+		}
+	})
+}
+
+func FuzzDecodeHello(f *testing.F) {
+	f.Add(appendHello(nil, hello{Nonce: [16]byte{9, 8}}))
+	f.Add([]byte("ECMH"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		h, err := decodeHello(b)
+		if err != nil {
+			return
+		}
+		if !bytes.Equal(appendHello(nil, h), b) {
+			t.Fatalf("decodeHello(%x) = %+v, which encodes differently", b, h)
+		}
+	})
+}
+
+func FuzzDecodeGrant(f *testing.F) {
+	f.Add(appendGrant(nil, grant{Status: grantOK, Len: 1 << 20}))
+	f.Add(appendGrant(nil, grant{Status: grantBadNonce}))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		g, err := decodeGrant(b)
+		if err != nil {
+			return
+		}
+		if g.Status == grantOK && (g.Len == 0 || g.Len > maxLen) {
+			t.Fatalf("decodeGrant(%x) accepted a %d-byte slab", b, g.Len)
+		}
+		if !bytes.Equal(appendGrant(nil, g), b) {
+			t.Fatalf("decodeGrant(%x) = %+v, which encodes differently", b, g)
+		}
+	})
+}
+
+// FuzzParseRights decodes control data without closing what it names:
+// these descriptor numbers are made up, and takeRights would close them.
+func FuzzParseRights(f *testing.F) {
+	f.Add(syscall.UnixRights(1<<30), 0)
+	f.Add(syscall.UnixRights(1<<30, 1<<30+1), 0)
+	f.Add(syscall.UnixRights(1<<30), syscall.MSG_CTRUNC)
+	f.Add([]byte{1, 2, 3}, 0)
+	f.Fuzz(func(t *testing.T, oob []byte, flags int) {
+		fds, err := parseRights(oob, flags)
+		if err == nil && (len(fds) != 1 || fds[0] < 0 || flags&syscall.MSG_CTRUNC != 0) {
+			t.Fatalf("parseRights(%x, %#x) = %v with no error", oob, flags, fds)
+		}
+	})
+}
+
+func FuzzParseMapsFields(f *testing.F) {
+	f.Add("7f0000000000-7f0000100000", "00:01")
+	f.Add("ffffffffffffffff-0", "fd:1ff")
+	f.Fuzz(func(t *testing.T, rng, dev string) {
+		if lo, hi, ok := parseRange(rng); ok && lo > hi {
+			t.Fatalf("parseRange(%q) = [%#x, %#x)", rng, lo, hi)
+		}
+		if major, minor, ok := parseDev(dev); ok && (major > 1<<32-1 || minor > 1<<32-1) {
+			t.Fatalf("parseDev(%q) = %d:%d", dev, major, minor)
+		}
+	})
+}

@@ -1,0 +1,188 @@
+package shm
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// The fd handshake, on a connection to the shard's abstract socket:
+//
+//	hello (producer → shard), helloLen bytes:
+//	0  magic "ECMH"   4  version u8   5  reserved [3]   8  nonce [16]
+//
+//	grant (shard → producer), grantLen bytes, carrying exactly one file
+//	descriptor (SCM_RIGHTS) when status is grantOK:
+//	0  magic "ECMG"   4  version u8   5  status u8   6  reserved u16   8  slab bytes u64
+//
+// After a grant the shard keeps the connection open and sends nothing
+// more; its end tells the producer that the shard is gone, so that it
+// unmaps the slab instead of keeping its memory alive.
+const (
+	helloLen         = 24
+	grantLen         = 16
+	handshakeVersion = 1
+	helloMagic       = "ECMH"
+	grantMagic       = "ECMG"
+)
+
+// errBadHandshake is wrapped by every decoding error.
+var errBadHandshake = errors.New("bad shm handshake message")
+
+type hello struct{ Nonce [nonceLen]byte }
+
+func appendHello(b []byte, h hello) []byte {
+	b = append(b, helloMagic...)
+	b = append(b, handshakeVersion, 0, 0, 0)
+	return append(b, h.Nonce[:]...)
+}
+
+func decodeHello(b []byte) (hello, error) {
+	var h hello
+	switch {
+	case len(b) != helloLen:
+		return h, fmt.Errorf("hello of %d bytes, want %d: %w", len(b), helloLen, errBadHandshake)
+	case string(b[:4]) != helloMagic:
+		return h, fmt.Errorf("hello magic %q: %w", b[:4], errBadHandshake)
+	case b[4] != handshakeVersion:
+		return h, fmt.Errorf("hello version %d, want %d: %w", b[4], handshakeVersion, errBadHandshake)
+	case b[5] != 0 || b[6] != 0 || b[7] != 0:
+		return h, fmt.Errorf("hello reserved bytes not zero: %w", errBadHandshake)
+	}
+	copy(h.Nonce[:], b[8:])
+	return h, nil
+}
+
+type grantStatus uint8
+
+const (
+	grantOK grantStatus = iota
+	// grantBadNonce: the hello's nonce is not the shard's (an address of
+	// an earlier incarnation, or a guess).
+	grantBadNonce
+	// grantRefused: the shard does not serve this peer.
+	grantRefused
+)
+
+func (s grantStatus) String() string {
+	switch s {
+	case grantOK:
+		return "ok"
+	case grantBadNonce:
+		return "bad nonce"
+	case grantRefused:
+		return "refused"
+	}
+	return fmt.Sprintf("status %d", uint8(s))
+}
+
+type grant struct {
+	Status grantStatus
+	Len    uint64
+}
+
+func appendGrant(b []byte, g grant) []byte {
+	b = append(b, grantMagic...)
+	b = append(b, handshakeVersion, byte(g.Status), 0, 0)
+	return binary.LittleEndian.AppendUint64(b, g.Len)
+}
+
+func decodeGrant(b []byte) (grant, error) {
+	var g grant
+	switch {
+	case len(b) != grantLen:
+		return g, fmt.Errorf("grant of %d bytes, want %d: %w", len(b), grantLen, errBadHandshake)
+	case string(b[:4]) != grantMagic:
+		return g, fmt.Errorf("grant magic %q: %w", b[:4], errBadHandshake)
+	case b[4] != handshakeVersion:
+		return g, fmt.Errorf("grant version %d, want %d: %w", b[4], handshakeVersion, errBadHandshake)
+	case b[6] != 0 || b[7] != 0:
+		return g, fmt.Errorf("grant reserved bytes not zero: %w", errBadHandshake)
+	}
+	g.Status = grantStatus(b[5])
+	g.Len = binary.LittleEndian.Uint64(b[8:])
+	if g.Status == grantOK && (g.Len == 0 || g.Len > maxLen) {
+		return g, fmt.Errorf("grant of a %d-byte slab: %w", g.Len, errBadHandshake)
+	}
+	return g, nil
+}
+
+// takeRights returns the single descriptor that oob (a control message
+// buffer read with the grant) carries. Every descriptor it received is
+// either returned or closed, also on error, so that a peer cannot make
+// this process leak descriptors.
+func takeRights(oob []byte, flags int) (int, error) {
+	fds, err := parseRights(oob, flags)
+	if err != nil {
+		for _, fd := range fds {
+			if fd >= 0 {
+				syscall.Close(fd)
+			}
+		}
+		return -1, err
+	}
+	return fds[0], nil
+}
+
+// parseRights decodes the descriptors in oob; the error is nil only when
+// there is exactly one, in one message, none cut off (MSG_CTRUNC).
+func parseRights(oob []byte, flags int) ([]int, error) {
+	msgs, err := syscall.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, fmt.Errorf("control message: %v: %w", err, errBadHandshake)
+	}
+	var fds []int
+	for i := range msgs {
+		// ParseUnixRights panics on data that is not whole descriptors;
+		// the kernel never sends such, but the check costs nothing.
+		if len(msgs[i].Data)%4 != 0 {
+			return fds, fmt.Errorf("control message of %d bytes: %w", len(msgs[i].Data), errBadHandshake)
+		}
+		if got, err := syscall.ParseUnixRights(&msgs[i]); err == nil {
+			fds = append(fds, got...)
+		}
+	}
+	if len(fds) == 1 && len(msgs) == 1 && fds[0] >= 0 && flags&syscall.MSG_CTRUNC == 0 {
+		return fds, nil
+	}
+	return fds, fmt.Errorf("grant carries %d descriptors in %d control messages (truncated: %t), want exactly one: %w",
+		len(fds), len(msgs), flags&syscall.MSG_CTRUNC != 0, errBadHandshake)
+}
+
+// peerUID is the uid of the process at the other end of c, as the kernel
+// recorded it when the connection was made (SO_PEERCRED): a peer cannot
+// claim another.
+func peerUID(c *net.UnixConn) (uint32, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var cred *unix.Ucred
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, serr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return 0, err
+	}
+	if serr != nil {
+		return 0, fmt.Errorf("SO_PEERCRED: %w", serr)
+	}
+	return cred.Uid, nil
+}
+
+// sameUser checks that c's peer runs as this process's uid.
+func sameUser(c *net.UnixConn) error {
+	uid, err := peerUID(c)
+	if err != nil {
+		return err
+	}
+	if me := uint32(os.Getuid()); uid != me {
+		return fmt.Errorf("peer runs as uid %d, this process as %d", uid, me)
+	}
+	return nil
+}

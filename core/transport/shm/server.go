@@ -1,0 +1,193 @@
+package shm
+
+import (
+	"crypto/subtle"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"runtime/debug"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/transport"
+)
+
+// handshakeTimeout bounds how long a connection may take to say hello and
+// to take its grant: a peer that connects and stalls holds one slot of
+// MaxConns for no longer.
+const handshakeTimeout = 5 * time.Second
+
+// Reasons a shard closes a producer connection, the keys of
+// RecvStats.Closed.
+const (
+	closedLimit    = "limit"     // MaxConns connections were open
+	closedPeerUID  = "peer_uid"  // the peer runs as another user
+	closedBadHello = "bad_hello" // not a hello, or none in time
+	closedBadNonce = "bad_nonce" // a hello with another incarnation's nonce
+)
+
+// receiver is a consumer shard's slab memfd, offered on an abstract
+// socket. A producer that connects as this process's user and presents
+// the nonce gets the descriptor; the connection then stays open until
+// either side goes.
+type receiver struct {
+	p    peer
+	fd   int // our duplicate of the slab's memfd; closed by Close
+	ln   *net.UnixListener
+	max  int
+	log  *slog.Logger
+	once warnOnce
+
+	handed atomic.Uint64
+	statMu sync.Mutex
+	closed map[string]uint64
+
+	mu      sync.Mutex
+	closing bool
+	conns   map[*net.UnixConn]struct{}
+	wg      sync.WaitGroup
+	stop    sync.Once
+}
+
+func newReceiver(p peer, fd int, ln *net.UnixListener, max int, log *slog.Logger) *receiver {
+	r := &receiver{p: p, fd: fd, ln: ln, max: max, log: log.With("socket", "@"+p.Socket),
+		closed: map[string]uint64{}, conns: map[*net.UnixConn]struct{}{}}
+	r.wg.Add(1)
+	go r.acceptLoop()
+	return r
+}
+
+func (r *receiver) Addr() string                     { return r.p.String() }
+func (r *receiver) RemoteAddr(slabOff uint64) uint64 { return r.p.Base + slabOff }
+
+// Stats counts the connections refused, by reason; writes never pass
+// through the receiver, so frames and bytes stay zero.
+func (r *receiver) Stats() transport.RecvStats {
+	r.statMu.Lock()
+	defer r.statMu.Unlock()
+	closed := make(map[string]uint64, len(r.closed))
+	for k, v := range r.closed {
+		closed[k] = v
+	}
+	return transport.RecvStats{Rejected: map[string]uint64{}, Closed: closed}
+}
+
+// Handed is how many producers got the slab's descriptor.
+func (r *receiver) Handed() uint64 { return r.handed.Load() }
+
+func (r *receiver) refuse(c *net.UnixConn, reason string, cause error) {
+	r.statMu.Lock()
+	r.closed[reason]++
+	r.statMu.Unlock()
+	r.once.log(r.log, reason, "shm: refused a producer connection", "cause", cause)
+	_ = c.Close()
+}
+
+// Close stops offering the slab: the socket goes, every producer's
+// connection is cut (so that producers unmap the slab) and the descriptor
+// is closed. The slab itself belongs to whoever allocated it; a producer
+// still copying writes into memory no one reads any more.
+func (r *receiver) Close() error {
+	r.stop.Do(func() {
+		r.mu.Lock()
+		r.closing = true
+		for c := range r.conns {
+			_ = c.Close()
+		}
+		r.mu.Unlock()
+		_ = r.ln.Close()
+		r.wg.Wait()
+		_ = syscall.Close(r.fd)
+	})
+	return nil
+}
+
+func (r *receiver) acceptLoop() {
+	defer r.wg.Done()
+	var backoff time.Duration
+	for {
+		c, err := r.ln.AcceptUnix()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			// Running out of descriptors must not end the offer: wait and
+			// try again, as net/http does.
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			r.once.log(r.log, "accept", "shm: accept failed", "cause", err, "retry_in", backoff)
+			time.Sleep(backoff)
+			continue
+		}
+		backoff = 0
+		r.mu.Lock()
+		switch {
+		case r.closing:
+			r.mu.Unlock()
+			_ = c.Close()
+			return
+		case len(r.conns) >= r.max:
+			r.mu.Unlock()
+			r.refuse(c, closedLimit, errors.New("max_data_conns connections are open"))
+			continue
+		}
+		r.conns[c] = struct{}{}
+		r.wg.Add(1)
+		r.mu.Unlock()
+		go r.serve(c)
+	}
+}
+
+func (r *receiver) serve(c *net.UnixConn) {
+	defer func() {
+		if p := recover(); p != nil {
+			r.log.Error("shm: panic serving a producer", "panic", p, "stack", string(debug.Stack()))
+		}
+		_ = c.Close()
+		r.mu.Lock()
+		delete(r.conns, c)
+		r.mu.Unlock()
+		r.wg.Done()
+	}()
+	if !r.handOver(c) {
+		return
+	}
+	// Hold the connection until the producer goes or Close cuts it: its
+	// end is how the producer learns to unmap. A producer sends nothing
+	// more, so whatever it sends ends the connection too.
+	_ = c.SetDeadline(time.Time{})
+	var b [1]byte
+	_, _ = c.Read(b[:])
+}
+
+// handOver checks the peer and its hello and sends the descriptor.
+func (r *receiver) handOver(c *net.UnixConn) bool {
+	if err := sameUser(c); err != nil {
+		r.refuse(c, closedPeerUID, err)
+		return false
+	}
+	_ = c.SetDeadline(time.Now().Add(handshakeTimeout))
+	buf := make([]byte, helloLen)
+	if _, err := io.ReadFull(c, buf); err != nil {
+		r.refuse(c, closedBadHello, err)
+		return false
+	}
+	h, err := decodeHello(buf)
+	if err != nil {
+		r.refuse(c, closedBadHello, err)
+		return false
+	}
+	if subtle.ConstantTimeCompare(h.Nonce[:], r.p.Nonce[:]) != 1 {
+		_, _ = c.Write(appendGrant(nil, grant{Status: grantBadNonce}))
+		r.refuse(c, closedBadNonce, errors.New("the hello's nonce is not this shard's"))
+		return false
+	}
+	if _, _, err := c.WriteMsgUnix(appendGrant(nil, grant{Status: grantOK, Len: r.p.Len}), syscall.UnixRights(r.fd), nil); err != nil {
+		r.once.log(r.log, "send", "shm: sending the slab descriptor failed", "cause", err)
+		return false
+	}
+	r.handed.Add(1)
+	return true
+}

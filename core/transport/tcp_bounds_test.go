@@ -1,0 +1,150 @@
+package transport
+
+import (
+	"context"
+	"io"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// A connection with no frame for IdleTimeout gets a goodbye, then EOF.
+func TestTCPIdleConnectionGetsAGoodbye(t *testing.T) {
+	r := listenTCP(t, newTCP(TCPConfig{IdleTimeout: 20 * time.Millisecond}), newMemSink(1<<10))
+	c := dialRaw(t, r.Addr())
+	a := readAck(t, c)
+	require.Equal(t, Ack{Seq: 0, Status: StatusClosing, Msg: ClosedIdle}, a)
+	_, err := c.Read(make([]byte, 1))
+	require.ErrorIs(t, err, io.EOF)
+	require.Equal(t, map[string]uint64{ClosedIdle: 1}, r.Stats().Closed)
+}
+
+// A writer whose pooled connections the receiver closed as idle writes on
+// new ones, without failing an item.
+func TestTCPWriterOutlivesIdleCloses(t *testing.T) {
+	sink := newMemSink(1 << 20)
+	r := listenTCP(t, newTCP(TCPConfig{IdleTimeout: 20 * time.Millisecond}), sink)
+	w := newTCP(TCPConfig{Conns: 2, ChunkSize: 64 << 10}).NewWriter()
+	defer w.Close()
+	for round := range 3 {
+		res, tok := sink.reserve(t, 256<<10)
+		src := randBytes(uint64(round), 256<<10)
+		ctx, cancel := context.WithTimeout(context.Background(), eventually)
+		require.NoError(t, w.Write(ctx, r.Addr(), []WriteItem{{Res: res, Token: tok, Src: src}})[0], "round %d", round)
+		cancel()
+		require.Equal(t, src, sink.region(res))
+		require.Eventually(t, func() bool { return r.Stats().Closed[ClosedIdle] >= uint64(2*(round+1)) }, eventually, time.Millisecond,
+			"both pooled connections idled out")
+	}
+	sink.requireBalanced(t)
+}
+
+// A half frame, then silence: the frame ends torn after FrameTimeout, and
+// the connection with it.
+func TestTCPStalledFrameEndsTorn(t *testing.T) {
+	sink := newMemSink(1 << 20)
+	r := listenTCP(t, newTCP(TCPConfig{FrameTimeout: 20 * time.Millisecond}), sink)
+	res, tok := sink.reserve(t, 64<<10)
+	c := dialRaw(t, r.Addr())
+	sendFrame(t, c, Header{Seq: 1, Res: res, Token: tok, Length: 64 << 10}, make([]byte, 1000))
+	_, err := c.Read(make([]byte, 1))
+	require.Error(t, err, "closed without an ack")
+	require.Eventually(t, func() bool { return len(sink.endsOf(res)) == 1 }, eventually, time.Millisecond)
+	require.Equal(t, []bool{false}, sink.endsOf(res))
+	require.Equal(t, uint64(1), r.Stats().Closed[ClosedFrameTimeout])
+
+	// Half a header stalls the same way, and never reaches the sink.
+	c = dialRaw(t, r.Addr())
+	_, err = c.Write(AppendHeader(nil, Header{Seq: 1, Res: res, Token: tok, Length: 1})[:10])
+	require.NoError(t, err)
+	_, err = c.Read(make([]byte, 1))
+	require.Error(t, err)
+	require.Equal(t, uint64(2), r.Stats().Closed[ClosedFrameTimeout])
+	require.Len(t, sink.beginsOf(res), 1)
+	sink.requireBalanced(t)
+}
+
+// At MaxConns a newcomer takes the idlest connection's slot; when every
+// connection has a frame in flight it is closed at once.
+func TestTCPConnectionCap(t *testing.T) {
+	sink := newMemSink(1 << 20)
+	r := listenTCP(t, newTCP(TCPConfig{MaxConns: 2}), sink)
+	res, tok := sink.reserve(t, 64<<10)
+	res2, tok2 := sink.reserve(t, 64<<10)
+
+	first := dialRaw(t, r.Addr())
+	second := dialRaw(t, r.Addr())
+	third := dialRaw(t, r.Addr())
+	a := readAck(t, first)
+	require.Equal(t, Ack{Seq: 0, Status: StatusClosing, Msg: ClosedEvicted}, a, "the idlest one makes room")
+	require.Equal(t, map[string]uint64{ClosedEvicted: 1}, r.Stats().Closed)
+
+	// Both slots busy: half frames in flight.
+	sendFrame(t, second, Header{Seq: 1, Res: res, Token: tok, Length: 64 << 10}, make([]byte, 10))
+	sendFrame(t, third, Header{Seq: 1, Res: res2, Token: tok2, Length: 64 << 10}, make([]byte, 10))
+	require.Eventually(t, func() bool { return len(sink.beginsOf(res)) == 1 && len(sink.beginsOf(res2)) == 1 }, eventually, time.Millisecond)
+	fourth := dialRaw(t, r.Addr())
+	_, err := fourth.Read(make([]byte, 1))
+	require.Error(t, err, "refused at once")
+	require.Equal(t, uint64(1), r.Stats().Closed[ClosedLimit])
+
+	// A slot that frees up serves the next one.
+	_, err = second.Write(make([]byte, 64<<10-10))
+	require.NoError(t, err)
+	require.Equal(t, StatusOK, readAck(t, second).Status)
+	fifth := dialRaw(t, r.Addr())
+	sendFrame(t, fifth, Header{Seq: 7, Res: res, Token: tok, Offset: 8, Length: 8}, make([]byte, 8))
+	require.Equal(t, Ack{Seq: 7, Status: StatusOK}, readAck(t, fifth))
+}
+
+// goodbyeFirst passes every connection but the first to the receiver; the
+// first it answers, once a frame's bytes arrive, with a goodbye, as a
+// receiver that evicts it just then would.
+type goodbyeFirst struct {
+	net.Listener
+	first chan net.Conn
+}
+
+func (l *goodbyeFirst) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	select {
+	case l.first <- c:
+		go func() {
+			defer c.Close()
+			if _, err := io.ReadFull(c, make([]byte, HeaderLen)); err != nil {
+				return
+			}
+			_, _ = c.Write(AppendAck(nil, Ack{Seq: 0, Status: StatusClosing, Msg: ClosedEvicted}))
+			_ = c.(*net.TCPConn).CloseWrite()
+			_, _ = io.Copy(io.Discard, c)
+		}()
+		return l.Accept()
+	default:
+		return c, nil
+	}
+}
+
+// Frames a receiver said goodbye to, unbegun, go out again on a new
+// connection: the item lands whole and the writer reports no error.
+func TestTCPWriterResendsAfterAGoodbye(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	sink := newMemSink(1 << 20)
+	r := newTCPReceiver(&goodbyeFirst{Listener: ln, first: make(chan net.Conn, 1)}, sink, newTCP(TCPConfig{}).cfg)
+	defer r.Close()
+	w := newTCP(TCPConfig{Conns: 1, ChunkSize: 64 << 10}).NewWriter()
+	defer w.Close()
+	res, tok := sink.reserve(t, 256<<10)
+	src := randBytes(9, 256<<10)
+	ctx, cancel := context.WithTimeout(context.Background(), eventually)
+	defer cancel()
+	require.NoError(t, w.Write(ctx, r.Addr(), []WriteItem{{Res: res, Token: tok, Src: src}})[0])
+	require.Equal(t, src, sink.region(res))
+	require.Len(t, sink.beginsOf(res), 4, "each chunk began once, on the second connection")
+	sink.requireBalanced(t)
+}

@@ -1,0 +1,108 @@
+package gotests
+
+import (
+	"context"
+	"net"
+	"testing"
+	"time"
+
+	zmq "github.com/pebbe/zmq4"
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecmooncake/ecmooncake/core/config"
+	"github.com/ecmooncake/ecmooncake/core/consumer"
+	"github.com/ecmooncake/ecmooncake/core/control"
+	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/metrics"
+	"github.com/ecmooncake/ecmooncake/core/reserve"
+	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/wire"
+)
+
+// tcpShard opens a consumer shard on the TCP data plane with tcp's
+// bounds, and a control client to it.
+func tcpShard(t *testing.T, lease float64, tcp transport.TCPConfig) (*consumer.Shard, *control.Client) {
+	t.Helper()
+	cfg := config.DefaultConsumer()
+	cfg.Port, cfg.LeaseS = freeBase(t, 1), lease
+	tcp.Logger = quietLog()
+	s, err := consumer.Open(cfg, slab.HostMemory(make([]byte, 1<<20)), consumer.Options{Transport: transport.NewTCP(tcp), Log: quietLog()})
+	require.NoError(t, err)
+	t.Cleanup(func() { s.Close() })
+	zctx, err := zmq.NewContext()
+	require.NoError(t, err)
+	t.Cleanup(func() { zctx.Term() })
+	cl, err := control.Dial(zctx, s.Info().Control, quietLog())
+	require.NoError(t, err)
+	t.Cleanup(func() { cl.Close() })
+	return s, cl
+}
+
+func reserveOne(t *testing.T, cl *control.Client, tid string, n uint64) wire.Grant {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var rep wire.ReserveBatchReply
+	require.NoError(t, cl.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Items: []wire.ReserveItem{{TransferID: tid, MMHash: "h-" + tid, NBytes: n}}}, &rep))
+	require.Equal(t, wire.KindWrite, rep.Grants[0].Kind, rep.Grants[0].Err)
+	return rep.Grants[0]
+}
+
+// A producer that sends half a frame and stalls (or is stopped) must not
+// hold its region for ever: the frame deadline tears the frame, and the
+// lease then reclaims the region.
+func TestTCPStalledFrameIsReclaimed(t *testing.T) {
+	s, cl := tcpShard(t, 0.5, transport.TCPConfig{FrameTimeout: 100 * time.Millisecond})
+	g := reserveOne(t, cl, "t-stall", 64<<10)
+
+	c, err := net.Dial("tcp", s.Info().Data)
+	require.NoError(t, err)
+	defer c.Close()
+	hdr := transport.AppendHeader(nil, transport.Header{Seq: 1, Res: ids.ResID(g.Res), Token: g.Token, Length: 64 << 10})
+	_, err = c.Write(append(hdr, make([]byte, 1000)...))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return s.Stats().Table.WritesInFlight == 1 }, 10*time.Second, time.Millisecond,
+		"the half frame is in flight")
+
+	require.Eventually(t, func() bool {
+		st := s.Stats()
+		return st.Data.Closed["frame_timeout"] == 1 && st.Table.WritesInFlight == 0
+	}, 10*time.Second, time.Millisecond, "the stalled frame is abandoned")
+	require.Eventually(t, func() bool {
+		st := s.Stats()
+		return st.InUse == 0 && st.Table.Expired == 1 && st.Table.Regions[reserve.Writing] == 0
+	}, 10*time.Second, time.Millisecond, "the lease reclaims the region")
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	_, err = c.Read(make([]byte, 1))
+	require.Error(t, err, "the stalled connection is closed")
+	text, err := metrics.Text(nil)
+	require.NoError(t, err)
+	require.Regexp(t, `(?m)^ecm_data_conns_closed_total\{object="consumer:[0-9]+",reason="frame_timeout"\} 1$`, string(text))
+}
+
+// Connections that hold a slot and send nothing cannot lock a producer
+// out: at the cap, a new connection takes the place of the idlest one.
+func TestTCPIdleConnectionsDoNotLockOutAProducer(t *testing.T) {
+	s, cl := tcpShard(t, 30, transport.TCPConfig{MaxConns: 4})
+	var idle []net.Conn
+	for range 12 {
+		c, err := net.Dial("tcp", s.Info().Data)
+		require.NoError(t, err)
+		defer c.Close()
+		idle = append(idle, c)
+	}
+	g := reserveOne(t, cl, "t-legit", 768<<10)
+	w := transport.NewTCP(transport.TCPConfig{Conns: 4, ChunkSize: 128 << 10, Logger: quietLog()}).NewWriter()
+	defer w.Close()
+	src := make([]byte, 768<<10)
+	for i := range src {
+		src[i] = byte(i * 13)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	errs := w.Write(ctx, s.Info().Data, []transport.WriteItem{{Res: ids.ResID(g.Res), Token: g.Token, Src: src}})
+	require.NoError(t, errs[0])
+	require.Equal(t, uint64(768<<10), s.Stats().Data.Bytes)
+	require.NotZero(t, s.Stats().Data.Closed["evicted"], "idle connections made room")
+}
