@@ -165,10 +165,13 @@ int ecm_metrics_text(char **out_text, char **err);
 
 /* Mooncake-compatible metadata store (GET/PUT/DELETE /metadata?key=K,
  * GET /health) for TransferEngines in HTTP metadata mode, served in the
- * background until ecm_close. config: {"host": "0.0.0.0", "port": 8080,
- * "token": ""}; port 0 picks a free one; with a token every /metadata
- * request needs "Authorization: Bearer <token>". ecm_stats gives its
- * address, URL and counters. */
+ * background until ecm_close. config: {"host": "127.0.0.1", "port": 8080,
+ * "token": "", "max_keys": 65536, "max_value_bytes": 16777216,
+ * "max_total_bytes": 268435456}; port 0 picks a free one; a limit of 0 is
+ * its default; with a token every /metadata request needs "Authorization:
+ * Bearer <token>". A value above max_value_bytes is refused with 413, a
+ * PUT past max_keys or max_total_bytes with 507. ecm_stats gives its
+ * address, URL, limits and counters. */
 int ecm_metadata_server_open(const char *config_json, ecm_handle_t *out,
                              char **err);
 

@@ -547,14 +547,32 @@ class MetadataServer(_Handle):
     ``port=0`` picks a free port; :attr:`url` is the metadata connection
     string an engine on this host uses. With ``token`` set, every /metadata
     request must carry ``Authorization: Bearer <token>`` (what Mooncake sends
-    when MC_METADATA_HTTP_TOKEN is set).
+    when MC_METADATA_HTTP_TOKEN is set). It listens on loopback unless
+    ``host`` says otherwise. ``max_keys``, ``max_value_bytes`` and
+    ``max_total_bytes`` bound it (0: 65536 keys, 16 MiB, 256 MiB); a value
+    too large gets 413, a PUT into a full store 507.
     """
 
     kind = "metadata server"
 
-    def __init__(self, host: str = "0.0.0.0", port: int = 8080, token: str | None = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        token: str | None = None,
+        *,
+        max_keys: int = 0,
+        max_value_bytes: int = 0,
+        max_total_bytes: int = 0,
+    ):
         super().__init__()
-        config: dict[str, Any] = {"host": host, "port": int(port)}
+        config: dict[str, Any] = {
+            "host": host,
+            "port": int(port),
+            "max_keys": int(max_keys),
+            "max_value_bytes": int(max_value_bytes),
+            "max_total_bytes": int(max_total_bytes),
+        }
         if token:
             config["token"] = token
         self._open("ecm_metadata_server_open", _encode(config, "metadata server config"))
