@@ -113,7 +113,11 @@ def _call(name: str, *args: Any, out: bool = False) -> Any:
     message = _ffi.take_string(dll, err)
     text = _ffi.take_string(dll, out_json)
     if rc != _ffi.ECM_OK:
-        raise error_for(rc, f"{name}: {message or f'failed with status {rc}'}")
+        message = message or f"failed with status {rc}"
+        # Checks at the boundary already name the export.
+        if not message.startswith(f"{name}: "):
+            message = f"{name}: {message}"
+        raise error_for(rc, message)
     if not out:
         return None
     if text is None:
