@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 )
 
 // jsonOf returns a JSON string value of exactly n bytes.
@@ -131,4 +133,27 @@ func TestUnauthorizedBodyIsNotRead(t *testing.T) {
 	require.Equal(t, http.StatusOK, code)
 	require.Equal(t, uint64(1), s.Stats().Unauthorized)
 	require.Zero(t, s.Stats().TooLarge, "an unauthorized request is counted as that, not as too large")
+}
+
+func TestRefusalsAreInTheProcessMetrics(t *testing.T) {
+	s := listen(t, Config{Token: "s3cret", MaxKeys: 1})
+	c := newClient(s)
+	require.Equal(t, http.StatusUnauthorized, c.put("k", 1))
+	c.token = "s3cret"
+	require.Equal(t, http.StatusOK, c.put("k", 1))
+	require.Equal(t, http.StatusInsufficientStorage, c.put("k2", 1))
+	text, err := metrics.Text(nil)
+	require.NoError(t, err)
+	object := fmt.Sprintf("metadata:%d", s.ln.Addr().(*net.TCPAddr).Port)
+	for _, want := range []string{
+		fmt.Sprintf(`ecm_metadata_refusals_total{object=%q,reason="unauthorized"} 1`, object),
+		fmt.Sprintf(`ecm_metadata_refusals_total{object=%q,reason="store_full"} 1`, object),
+		fmt.Sprintf(`ecm_metadata_keys{object=%q} 1`, object),
+		fmt.Sprintf(`ecm_metadata_bytes{object=%q} 2`, object),
+	} {
+		require.Contains(t, string(text), want)
+	}
+	require.NoError(t, s.Close())
+	text, _ = metrics.Text(nil)
+	require.NotContains(t, string(text), object, "a closed store leaves the metrics")
 }

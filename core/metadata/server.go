@@ -10,12 +10,15 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
 
 	"github.com/valyala/fasthttp"
+
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 )
 
 // Defaults applied to zero Config fields. A Mooncake engine publishes two
@@ -119,6 +122,8 @@ type Server struct {
 
 	gets, puts, deletes, notFound, badRequests, unauthorized, tooLarge, storeFull atomic.Uint64
 
+	unwatch func()
+
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -160,6 +165,7 @@ func Listen(cfg Config) (*Server, error) {
 	if s.ln, err = net.Listen("tcp", cfg.Addr); err != nil {
 		return nil, fmt.Errorf("metadata: listen on %s: %w", cfg.Addr, err)
 	}
+	s.unwatch = metrics.Watch("metadata:"+strconv.Itoa(s.ln.Addr().(*net.TCPAddr).Port), s.probe)
 	go s.serve()
 	s.log.Info("mooncake metadata store listening", "url", s.URL(), "token", s.cfg.Token != "",
 		"max_keys", s.cfg.MaxKeys, "max_value_bytes", s.cfg.MaxValueBytes, "max_total_bytes", s.cfg.MaxTotalBytes)
@@ -168,6 +174,17 @@ func Listen(cfg Config) (*Server, error) {
 			"addr", s.Addr())
 	}
 	return s, nil
+}
+
+// probe reports the store's size and refusals at scrape time.
+func (s *Server) probe(e *metrics.Emitter) {
+	st := s.Stats()
+	e.Set(metrics.MetadataKeys, float64(st.Keys))
+	e.Set(metrics.MetadataBytes, float64(st.Bytes))
+	e.Set(metrics.MetadataRefusals, float64(st.Unauthorized), "unauthorized")
+	e.Set(metrics.MetadataRefusals, float64(st.TooLarge), "too_large")
+	e.Set(metrics.MetadataRefusals, float64(st.StoreFull), "store_full")
+	e.Set(metrics.MetadataRefusals, float64(st.BadRequests), "bad_request")
 }
 
 func loopback(a net.Addr) bool {
@@ -265,6 +282,7 @@ func (s *Server) Close() error {
 		// has not started yet must still see its listener go.
 		s.ln.Close()
 		<-s.done
+		s.unwatch()
 	})
 	return s.closeErr
 }
