@@ -48,7 +48,7 @@ func startMetadata(cfg config.Consumer) (*metadata.Server, error) {
 	if cfg.MooncakeMetadataServer == "" {
 		return nil, nil
 	}
-	return metadata.Ensure(metadata.Config{Addr: cfg.MooncakeMetadataServer, Logger: slog.Default()})
+	return metadata.Ensure(metadata.Config{Addr: cfg.MooncakeMetadataServer, Token: cfg.MooncakeMetadataToken, Logger: slog.Default()})
 }
 
 // metadata server --------------------------------------------------------------

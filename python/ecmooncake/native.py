@@ -153,6 +153,33 @@ def with_mooncake_library(config: Any) -> Any:
     return {**parsed, "mooncake_library": path}
 
 
+METADATA_TOKEN_ENV = "MC_METADATA_HTTP_TOKEN"
+
+
+def with_metadata_token(config: Any) -> Any:
+    """Fills ``mooncake_metadata_token`` from $MC_METADATA_HTTP_TOKEN.
+
+    Only for a consumer that serves a metadata store
+    (``mooncake_metadata_server``) and leaves the key out: Mooncake's
+    engines read the same variable and send it with every metadata request,
+    so the store it serves then refuses everyone else. Go reads no
+    environment variables, so Python passes it down. Anything else is
+    returned unchanged.
+    """
+    token = os.environ.get(METADATA_TOKEN_ENV)
+    if not token:
+        return config
+    parsed = config
+    if isinstance(config, (str, bytes)):
+        try:
+            parsed = json.loads(config)
+        except ValueError:
+            return config  # the library reports what is wrong with it
+    if not isinstance(parsed, dict) or not parsed.get("mooncake_metadata_server") or "mooncake_metadata_token" in parsed:
+        return config
+    return {**parsed, "mooncake_metadata_token": token}
+
+
 def configure(**settings: Any) -> None:
     """Process-wide settings, e.g. ``configure(gomaxprocs=2, log_level="warn")``.
 
@@ -381,7 +408,7 @@ class Consumer(_Handle):
         ptr, nbytes, device = memory_of(slab, writable=True)
         self._slab = slab
         self.device = "cpu" if device < 0 else f"cuda:{device}"
-        encoded = _encode(with_mooncake_library(config), "consumer config")
+        encoded = _encode(with_metadata_token(with_mooncake_library(config)), "consumer config")
         if device < 0:
             self._bytes = np.asarray(_Region(slab, ptr, nbytes))
             self._open("ecm_consumer_open", encoded, c_void_p(ptr), c_uint64(nbytes))
@@ -612,5 +639,6 @@ __all__ = [
     "error_for",
     "gpu_info",
     "memory_of",
+    "with_metadata_token",
     "with_mooncake_library",
 ]

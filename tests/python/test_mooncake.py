@@ -163,6 +163,24 @@ def test_metadata_server_cli_token_file_and_loopback(tmp_path):
 @pytest.mark.parametrize(
     "config, env, want",
     [
+        ({"mooncake_metadata_server": "h:1"}, "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "t"}),
+        ('{"mooncake_metadata_server": "h:1"}', "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "t"}),
+        ({"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "mine"}, "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "mine"}),
+        ({"transport": "mooncake"}, "t", {"transport": "mooncake"}),
+        ({"mooncake_metadata_server": "h:1"}, None, {"mooncake_metadata_server": "h:1"}),
+    ],
+)
+def test_metadata_token_comes_from_the_environment(monkeypatch, config, env, want):
+    if env is None:
+        monkeypatch.delenv(native.METADATA_TOKEN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(native.METADATA_TOKEN_ENV, env)
+    assert native.with_metadata_token(config) == want
+
+
+@pytest.mark.parametrize(
+    "config, env, want",
+    [
         ({"transport": "mooncake"}, "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/x/libte.so"}),
         ('{"transport": "mooncake"}', "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/x/libte.so"}),
         ({"transport": "mooncake", "mooncake_library": "/mine.so"}, "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/mine.so"}),
@@ -246,3 +264,18 @@ def test_consumer_serves_the_metadata_store(workers, double, monkeypatch):
     producer = {"transport": "mooncake", "mooncake_host": IP, "mooncake_metadata": url, "control_timeout_s": 10, "push_wait_timeout_s": 30}
     _round_trip(workers, port, 1, {"mooncake_metadata_server": store}, producer, "http")
     assert _http("GET", f"http://{store}/health") == (200, b"ok")
+
+
+def test_the_store_a_consumer_serves_takes_the_engines_token(workers, double, monkeypatch):
+    """With MC_METADATA_HTTP_TOKEN set (Mooncake's engines send it), the
+    store a consumer serves requires it: both engines still find each other,
+    anyone else is refused."""
+    monkeypatch.setenv(native.MOONCAKE_LIBRARY_ENV, str(double))
+    monkeypatch.setenv(native.METADATA_TOKEN_ENV, "deployment-metadata-token")
+    port = free_port_range(1, IP)
+    store = f"{IP}:{_free_port()}"
+    url = f"http://{store}/metadata"
+    producer = {"transport": "mooncake", "mooncake_host": IP, "mooncake_metadata": url, "control_timeout_s": 10, "push_wait_timeout_s": 30}
+    _round_trip(workers, port, 1, {"mooncake_metadata_server": store}, producer, "http-token")
+    assert _http("PUT", _key_url(url, "mooncake/ram/rogue"), {"buffers": []})[0] == 401
+    assert _http("GET", _key_url(url, "mooncake/ram/rogue"), token="deployment-metadata-token")[0] == 404
