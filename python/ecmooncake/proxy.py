@@ -211,8 +211,14 @@ def proxy_main(args: argparse.Namespace) -> int:
     except TokenError as exc:
         print(f"proxy: {exc}", file=sys.stderr)
         return 2
+    from .native import EcmInvalid
+
     configure(log_level=args.log_level)
-    proxy = Proxy(proxy_config(args, token))
+    try:
+        proxy = Proxy(proxy_config(args, token))
+    except EcmInvalid as exc:
+        print(f"proxy: {exc}", file=sys.stderr)
+        return 2
     stats = proxy.stats()
     banner = f"ecmooncake proxy listening on http://{stats['addr']}"
     if stats.get("metrics_addr"):

@@ -202,6 +202,13 @@ def test_command_lines_take_the_token_from_env_and_file(library, pd_server, tmp_
                 p.wait(timeout=10)
 
 
+def test_command_line_without_backends_or_token_says_what_is_missing(library):
+    out = subprocess.run([sys.executable, "-m", "ecmooncake", "proxy", "--host", "127.0.0.1", "--port", str(_free_port())],
+                         env=subprocess_env(ECMOONCAKE_REGISTER_TOKEN=""), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "registration is off" in out.stderr and "--register-token-file" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_token_flag_warns_and_token_files_are_checked(tmp_path):
     from ecmooncake.proxy import add_proxy_arguments, register_token
     from ecmooncake.tokens import TokenError
