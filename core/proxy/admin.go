@@ -125,6 +125,26 @@ func discoveryLimit(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
 	return fasthttp.RequestConfig{}
 }
 
+// readError answers a request fasthttp could not read (fasthttp's own
+// answer is a bare 400 for a body over the limit too).
+func (p *Proxy) readError(ctx *fasthttp.RequestCtx, err error) {
+	var small *fasthttp.ErrSmallBuffer
+	switch {
+	case errors.Is(err, fasthttp.ErrBodyTooLarge) && isDiscovery(ctx.Request.Header.RequestURI()):
+		op := "register"
+		if bytes.HasPrefix(ctx.Request.Header.RequestURI(), []byte(discovery.DeregisterPath)) {
+			op = "deregister"
+		}
+		p.refuse(ctx, op, "too_large", fasthttp.StatusRequestEntityTooLarge, fmt.Sprintf("a discovery call's body is at most %d bytes", maxDiscoveryBody))
+	case errors.Is(err, fasthttp.ErrBodyTooLarge):
+		writeError(ctx, fasthttp.StatusRequestEntityTooLarge, "BadRequestError", fmt.Sprintf("request body above the proxy's limit of %d bytes (max_body_bytes)", p.cfg.MaxBodyBytes))
+	case errors.As(err, &small):
+		writeError(ctx, fasthttp.StatusRequestHeaderFieldsTooLarge, "BadRequestError", "request header too large")
+	default:
+		writeError(ctx, fasthttp.StatusBadRequest, "BadRequestError", "cannot parse the request: "+err.Error())
+	}
+}
+
 // handleAdmin serves the admin port: discovery only.
 func (p *Proxy) handleAdmin(ctx *fasthttp.RequestCtx) {
 	defer func() {
@@ -196,6 +216,8 @@ func errorTypeOf(status int) string {
 		return "PermissionDeniedError"
 	case fasthttp.StatusConflict:
 		return "ConflictError"
+	case fasthttp.StatusRequestEntityTooLarge:
+		return "RequestTooLargeError"
 	}
 	return "BadRequestError"
 }

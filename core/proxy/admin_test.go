@@ -269,3 +269,17 @@ func TestTokenMatches(t *testing.T) {
 	}
 	require.Equal(t, authOff, newAdminAuth("").check([]byte("Bearer "+testToken)))
 }
+
+// A discovery body is bounded before it is read, far below the limit the
+// user port has for requests carrying images.
+func TestDiscoveryBodiesAreBounded(t *testing.T) {
+	r := newRig(t, rigOpts{pds: 1, mut: func(c *Config) { c.RegisterToken = testToken }})
+	big := discovery.Registration{Role: discovery.RolePD, URL: "http://127.0.0.1:1", Consumer: "tcp://127.0.0.1:2", Host: strings.Repeat("h", maxDiscoveryBody)}
+	code, msg := adminCall(t, r.url, discovery.RegisterPath, testToken, big)
+	require.Equal(t, http.StatusRequestEntityTooLarge, code, msg)
+	require.Contains(t, msg, "at most 65536 bytes")
+	require.Equal(t, []string{r.pd[0].URL()}, pdURLs(r.p))
+	code, body := r.post("/v1/chat/completions", chat(false, text(strings.Repeat("x", 2*maxDiscoveryBody))))
+	require.Equal(t, 200, code, string(body))
+	require.Contains(t, metricsText(t, r.url), `ecm_proxy_registration_refusals_total{op="register",reason="too_large"} 1`)
+}

@@ -59,7 +59,7 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 		}, []string{"kind"}),
 		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ecm_proxy_registration_refusals_total",
-			Help: "Register and deregister calls refused, by op and reason: off (no register token, or allow_register false), unauthenticated (no bearer token), bad_token, static (would replace or remove a static backend), invalid (a malformed registration).",
+			Help: "Register and deregister calls refused, by op and reason: off (no register token, or allow_register false), unauthenticated (no bearer token), bad_token, static (would replace or remove a static backend), invalid (a malformed registration), too_large (a body above 64 KiB).",
 		}, []string{"op", "reason"}),
 	}
 	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.derived, m.retries, m.encodes, m.gone, m.registers, m.refusals, backendCollector{p})

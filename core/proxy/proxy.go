@@ -135,6 +135,7 @@ func Open(cfg Config, log *slog.Logger) (p *Proxy, err error) {
 		DisableHeaderNamesNormalizing: false,
 		CloseOnShutdown:               true,
 		HeaderReceived:                discoveryLimit,
+		ErrorHandler:                  p.readError,
 		Logger:                        quietLogger{p.log},
 	}
 	p.wg.Add(2)
@@ -145,6 +146,8 @@ func Open(cfg Config, log *slog.Logger) (p *Proxy, err error) {
 			Name:                  "ecmooncake-proxy-admin",
 			Handler:               p.handleAdmin,
 			MaxRequestBodySize:    maxDiscoveryBody,
+			HeaderReceived:        discoveryLimit,
+			ErrorHandler:          p.readError,
 			ReadTimeout:           30 * time.Second,
 			IdleTimeout:           90 * time.Second,
 			NoDefaultServerHeader: true,
