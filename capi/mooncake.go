@@ -52,7 +52,7 @@ func startMetadata(cfg config.Consumer) (*metadata.Server, error) {
 	if cfg.MooncakeMetadataServer == "" {
 		return nil, nil
 	}
-	return metadata.Ensure(metadata.Config{Addr: cfg.MooncakeMetadataServer, Logger: slog.Default()})
+	return metadata.Ensure(metadata.Config{Addr: cfg.MooncakeMetadataServer, Token: cfg.MooncakeMetadataToken, Logger: slog.Default()})
 }
 
 // metadata server --------------------------------------------------------------
@@ -62,21 +62,27 @@ type metadataObj struct{ *metadata.Server }
 func (o *metadataObj) stats() any { return o.Stats() }
 
 type metadataIn struct {
-	Host  string `json:"host"`
-	Port  int    `json:"port"`
-	Token string `json:"token"`
+	Host          string `json:"host"`
+	Port          int    `json:"port"`
+	Token         string `json:"token"`
+	MaxKeys       int    `json:"max_keys"`
+	MaxValueBytes int    `json:"max_value_bytes"`
+	MaxTotalBytes int64  `json:"max_total_bytes"`
 }
 
 // MetadataServerOpen serves a Mooncake-compatible metadata store until the
-// handle is closed. config: {"host": "0.0.0.0", "port": 8080, "token": ""}.
+// handle is closed. config: {"host": "127.0.0.1", "port": 8080, "token":
+// "", "max_keys", "max_value_bytes", "max_total_bytes"}; loopback unless
+// the caller names another address, since the store tells engines where
+// to write.
 func MetadataServerOpen(raw []byte) (uint64, error) {
 	setup()
-	in := metadataIn{Host: "0.0.0.0", Port: 8080}
+	in := metadataIn{Host: "127.0.0.1", Port: 8080}
 	if len(bytes.TrimSpace(raw)) > 0 {
 		dec := json.NewDecoder(bytes.NewReader(raw))
 		dec.DisallowUnknownFields()
 		if err := dec.Decode(&in); err != nil {
-			return 0, statusErr(StatusInvalid, "metadata server config: %v (keys: host, port, token)", err)
+			return 0, statusErr(StatusInvalid, "metadata server config: %v (keys: host, port, token, max_keys, max_value_bytes, max_total_bytes)", err)
 		}
 	}
 	if in.Port < 0 || in.Port > 65535 {
@@ -85,7 +91,13 @@ func MetadataServerOpen(raw []byte) (uint64, error) {
 	if in.Host == "" || strings.ContainsAny(in.Host, " /?#") {
 		return 0, statusErr(StatusInvalid, "metadata server: host = %q; want an IP address or a hostname", in.Host)
 	}
-	s, err := metadata.Listen(metadata.Config{Addr: net.JoinHostPort(in.Host, strconv.Itoa(in.Port)), Token: in.Token, Logger: slog.Default()})
+	s, err := metadata.Listen(metadata.Config{
+		Addr: net.JoinHostPort(in.Host, strconv.Itoa(in.Port)), Token: in.Token, Logger: slog.Default(),
+		MaxKeys: in.MaxKeys, MaxValueBytes: in.MaxValueBytes, MaxTotalBytes: in.MaxTotalBytes,
+	})
+	if errors.Is(err, metadata.ErrInvalid) {
+		return 0, statusErr(StatusInvalid, "metadata server: %v", err)
+	}
 	if err != nil {
 		return 0, statusErr(StatusIO, "%v", err)
 	}

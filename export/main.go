@@ -19,6 +19,7 @@ static void *ecm_host_ptr(uintptr_t p) { return (void *)p; }
 import "C"
 
 import (
+	"fmt"
 	"unsafe"
 
 	"github.com/ecmooncake/ecmooncake/capi"
@@ -26,9 +27,17 @@ import (
 
 func main() {}
 
-// finish runs f under capi.Guard and writes the error text for C.
-func finish(errOut **C.char, f func() error) C.int {
-	code, msg := capi.Guard(f)
+// finish runs f under capi.Guard, after the fork check, and writes the
+// error text for C. Each f checks its pointers and counts before it does
+// any work: an object opened for a caller that cannot receive its handle
+// is one nobody can close.
+func finish(errOut **C.char, fn string, f func() error) C.int {
+	code, msg := capi.Guard(func() error {
+		if err := capi.Enter(fn); err != nil {
+			return err
+		}
+		return f()
+	})
 	if errOut != nil {
 		*errOut = nil
 		if code != capi.StatusOK {
@@ -52,105 +61,169 @@ func goString(s *C.char) string {
 	return C.GoString(s)
 }
 
-// memory views caller-owned memory without copying. The pointer comes from
-// C, so the Go garbage collector neither moves nor frees it.
-func memory(p unsafe.Pointer, n C.uint64_t) []byte {
-	if p == nil || n == 0 {
-		return nil
+// memory views caller-owned memory without copying, once capi.Span has
+// checked it. The pointer comes from C, so the Go garbage collector
+// neither moves nor frees it.
+func memory(fn, what string, p unsafe.Pointer, n C.uint64_t) ([]byte, error) {
+	if err := capi.Span(fn, what, uintptr(p), uint64(n)); err != nil {
+		return nil, err
 	}
-	return unsafe.Slice((*byte)(p), int(n))
+	if n == 0 {
+		return nil, nil
+	}
+	return unsafe.Slice((*byte)(p), int(n)), nil
 }
 
-// putJSON hands JSON to C; the caller frees it with ecm_free.
-func putJSON(out **C.char, b []byte, err error) error {
-	if err != nil {
-		return err
-	}
-	if out != nil {
+// finishJSON runs f, whose answer is JSON for *out (the caller frees it
+// with ecm_free), once out is known to be writable.
+func finishJSON(errOut **C.char, fn string, out **C.char, f func() ([]byte, error)) C.int {
+	return finish(errOut, fn, func() error {
+		if err := capi.NotNil(fn, "out_json", out != nil); err != nil {
+			return err
+		}
+		*out = nil
+		b, err := f()
+		if err != nil {
+			return err
+		}
 		*out = C.CString(string(b))
-	}
-	return nil
+		return nil
+	})
+}
+
+// finishHandle runs f, which opens an object, once out is known to be
+// writable.
+func finishHandle(errOut **C.char, fn string, out *C.uint64_t, f func() (uint64, error)) C.int {
+	return finish(errOut, fn, func() error {
+		if err := capi.NotNil(fn, "out", out != nil); err != nil {
+			return err
+		}
+		*out = 0
+		h, err := f()
+		if err != nil {
+			return err
+		}
+		*out = C.uint64_t(h)
+		return nil
+	})
 }
 
 //export ecm_abi_version
 func ecm_abi_version(out *C.int32_t, errOut **C.char) C.int {
-	return finish(errOut, func() error { *out = C.int32_t(capi.ABIVersion); return nil })
+	const fn = "ecm_abi_version"
+	return finish(errOut, fn, func() error {
+		if err := capi.NotNil(fn, "out_version", out != nil); err != nil {
+			return err
+		}
+		*out = C.int32_t(capi.ABIVersion)
+		return nil
+	})
 }
 
+// ecm_free takes no fork check: a forked child must still be able to free
+// the error text of the call that refused it.
+//
 //export ecm_free
 func ecm_free(p *C.char) { C.free(unsafe.Pointer(p)) }
 
 //export ecm_configure
 func ecm_configure(cfg *C.char, errOut **C.char) C.int {
-	return finish(errOut, func() error { return capi.Configure(goBytes(cfg)) })
+	return finish(errOut, "ecm_configure", func() error { return capi.Configure(goBytes(cfg)) })
 }
 
 //export ecm_gpu_info
 func ecm_gpu_info(out **C.char, errOut **C.char) C.int {
-	return finish(errOut, func() error { b, err := capi.GPUInfo(); return putJSON(out, b, err) })
+	return finishJSON(errOut, "ecm_gpu_info", out, capi.GPUInfo)
 }
 
 //export ecm_stats
 func ecm_stats(h C.uint64_t, out **C.char, errOut **C.char) C.int {
-	return finish(errOut, func() error { b, err := capi.Stats(uint64(h)); return putJSON(out, b, err) })
+	return finishJSON(errOut, "ecm_stats", out, func() ([]byte, error) { return capi.Stats(uint64(h)) })
 }
 
 //export ecm_close
 func ecm_close(h C.uint64_t, errOut **C.char) C.int {
-	return finish(errOut, func() error { return capi.Close(uint64(h)) })
+	return finish(errOut, "ecm_close", func() error { return capi.Close(uint64(h)) })
 }
 
 //export ecm_consumer_open
 func ecm_consumer_open(cfg *C.char, slab unsafe.Pointer, n C.uint64_t, out *C.uint64_t, errOut **C.char) C.int {
-	return finish(errOut, func() error {
-		h, err := capi.ConsumerOpen(goBytes(cfg), memory(slab, n))
-		*out = C.uint64_t(h)
-		return err
+	const fn = "ecm_consumer_open"
+	return finishHandle(errOut, fn, out, func() (uint64, error) {
+		mem, err := memory(fn, "slab", slab, n)
+		if err != nil {
+			return 0, err
+		}
+		return capi.ConsumerOpen(goBytes(cfg), mem)
 	})
 }
 
 //export ecm_consumer_open_device
 func ecm_consumer_open_device(cfg *C.char, slab C.uintptr_t, n C.uint64_t, device C.int32_t, out *C.uint64_t, errOut **C.char) C.int {
-	return finish(errOut, func() error {
-		h, err := capi.ConsumerOpenDevice(goBytes(cfg), uintptr(slab), uint64(n), int(device))
-		*out = C.uint64_t(h)
-		return err
+	const fn = "ecm_consumer_open_device"
+	return finishHandle(errOut, fn, out, func() (uint64, error) {
+		if err := capi.Span(fn, "slab", uintptr(slab), uint64(n)); err != nil {
+			return 0, err
+		}
+		return capi.ConsumerOpenDevice(goBytes(cfg), uintptr(slab), uint64(n), int(device))
 	})
 }
 
 //export ecm_consumer_info
 func ecm_consumer_info(h C.uint64_t, out **C.char, errOut **C.char) C.int {
-	return finish(errOut, func() error { b, err := capi.ConsumerInfo(uint64(h)); return putJSON(out, b, err) })
+	return finishJSON(errOut, "ecm_consumer_info", out, func() ([]byte, error) { return capi.ConsumerInfo(uint64(h)) })
 }
 
 //export ecm_consumer_acquire
 func ecm_consumer_acquire(h C.uint64_t, in *C.char, out **C.char, errOut **C.char) C.int {
-	return finish(errOut, func() error { b, err := capi.ConsumerAcquire(uint64(h), goBytes(in)); return putJSON(out, b, err) })
+	return finishJSON(errOut, "ecm_consumer_acquire", out, func() ([]byte, error) { return capi.ConsumerAcquire(uint64(h), goBytes(in)) })
 }
 
 //export ecm_consumer_release
 func ecm_consumer_release(h C.uint64_t, in *C.char, out **C.char, errOut **C.char) C.int {
-	return finish(errOut, func() error { b, err := capi.ConsumerRelease(uint64(h), goBytes(in)); return putJSON(out, b, err) })
+	return finishJSON(errOut, "ecm_consumer_release", out, func() ([]byte, error) { return capi.ConsumerRelease(uint64(h), goBytes(in)) })
 }
 
 //export ecm_producer_open
 func ecm_producer_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
-	return finish(errOut, func() error { h, err := capi.ProducerOpen(goBytes(cfg)); *out = C.uint64_t(h); return err })
+	return finishHandle(errOut, "ecm_producer_open", out, func() (uint64, error) { return capi.ProducerOpen(goBytes(cfg)) })
 }
 
 //export ecm_producer_submit
 func ecm_producer_submit(h C.uint64_t, in *C.char, out **C.char, errOut **C.char) C.int {
-	return finish(errOut, func() error { b, err := capi.ProducerSubmit(uint64(h), goBytes(in)); return putJSON(out, b, err) })
+	return finishJSON(errOut, "ecm_producer_submit", out, func() ([]byte, error) { return capi.ProducerSubmit(uint64(h), goBytes(in)) })
+}
+
+// sourceArrays checks the count and the arrays of a sources call.
+func sourceArrays(fn string, n C.uint64_t, arrays ...any) (int, error) {
+	k, err := capi.Count(fn, uint64(n))
+	if err != nil || k == 0 {
+		return k, err
+	}
+	for i := 0; i < len(arrays); i += 2 {
+		if err := capi.NotNil(fn, arrays[i].(string), arrays[i+1].(bool)); err != nil {
+			return 0, err
+		}
+	}
+	return k, nil
 }
 
 //export ecm_producer_sources
 func ecm_producer_sources(h C.uint64_t, n C.uint64_t, hashes **C.char, ptrs *unsafe.Pointer, nbytes *C.uint64_t, out *C.uint64_t, errOut **C.char) C.int {
-	return finish(errOut, func() error {
-		k := int(n)
+	const fn = "ecm_producer_sources"
+	return finish(errOut, fn, func() error {
+		k, err := sourceArrays(fn, n, "mm_hashes", hashes != nil, "ptrs", ptrs != nil, "nbytes", nbytes != nil, "out_sources", out != nil)
+		if err != nil {
+			return err
+		}
 		srcs := make([]capi.Source, k)
 		hs, ps, ns := unsafe.Slice(hashes, k), unsafe.Slice(ptrs, k), unsafe.Slice(nbytes, k)
 		for i := range srcs {
-			srcs[i] = capi.Source{MMHash: goString(hs[i]), Mem: memory(ps[i], ns[i])}
+			mem, err := memory(fn, fmt.Sprintf("item %d", i), ps[i], ns[i])
+			if err != nil {
+				return err
+			}
+			srcs[i] = capi.Source{MMHash: goString(hs[i]), Mem: mem}
 		}
 		ids, err := capi.ProducerSources(uint64(h), srcs)
 		outs := unsafe.Slice(out, k)
@@ -163,16 +236,29 @@ func ecm_producer_sources(h C.uint64_t, n C.uint64_t, hashes **C.char, ptrs *uns
 
 //export ecm_producer_sources_device
 func ecm_producer_sources_device(h C.uint64_t, n C.uint64_t, hashes **C.char, ptrs *C.uintptr_t, nbytes *C.uint64_t, devices *C.int32_t, streams *C.uint64_t, out *C.uint64_t, errOut **C.char) C.int {
-	return finish(errOut, func() error {
-		k := int(n)
+	const fn = "ecm_producer_sources_device"
+	return finish(errOut, fn, func() error {
+		k, err := sourceArrays(fn, n, "mm_hashes", hashes != nil, "ptrs", ptrs != nil, "nbytes", nbytes != nil,
+			"devices", devices != nil, "streams", streams != nil, "out_sources", out != nil)
+		if err != nil {
+			return err
+		}
 		srcs := make([]capi.DeviceSource, k)
 		hs, ps, ns := unsafe.Slice(hashes, k), unsafe.Slice(ptrs, k), unsafe.Slice(nbytes, k)
 		ds, ss := unsafe.Slice(devices, k), unsafe.Slice(streams, k)
 		for i := range srcs {
 			srcs[i] = capi.DeviceSource{MMHash: goString(hs[i]), Ordinal: int(ds[i])}
+			what := fmt.Sprintf("item %d", i)
 			if ds[i] < 0 {
-				srcs[i].Mem = memory(C.ecm_host_ptr(ps[i]), ns[i])
+				mem, err := memory(fn, what, C.ecm_host_ptr(ps[i]), ns[i])
+				if err != nil {
+					return err
+				}
+				srcs[i].Mem = mem
 			} else {
+				if err := capi.Span(fn, what, uintptr(ps[i]), uint64(ns[i])); err != nil {
+					return err
+				}
 				srcs[i].Addr, srcs[i].N, srcs[i].Stream = uintptr(ps[i]), uint64(ns[i]), uintptr(ss[i])
 			}
 		}
@@ -187,27 +273,31 @@ func ecm_producer_sources_device(h C.uint64_t, n C.uint64_t, hashes **C.char, pt
 
 //export ecm_producer_cancel
 func ecm_producer_cancel(h C.uint64_t, in *C.char, errOut **C.char) C.int {
-	return finish(errOut, func() error { return capi.ProducerCancel(uint64(h), goBytes(in)) })
+	return finish(errOut, "ecm_producer_cancel", func() error { return capi.ProducerCancel(uint64(h), goBytes(in)) })
 }
 
 //export ecm_producer_poll
 func ecm_producer_poll(h C.uint64_t, timeoutMs C.int32_t, out **C.char, errOut **C.char) C.int {
-	return finish(errOut, func() error { b, err := capi.ProducerPoll(uint64(h), int32(timeoutMs)); return putJSON(out, b, err) })
+	return finishJSON(errOut, "ecm_producer_poll", out, func() ([]byte, error) { return capi.ProducerPoll(uint64(h), int32(timeoutMs)) })
 }
 
 //export ecm_scheduler_open
 func ecm_scheduler_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
-	return finish(errOut, func() error { h, err := capi.SchedulerOpen(goBytes(cfg)); *out = C.uint64_t(h); return err })
+	return finishHandle(errOut, "ecm_scheduler_open", out, func() (uint64, error) { return capi.SchedulerOpen(goBytes(cfg)) })
 }
 
 //export ecm_scheduler_step
 func ecm_scheduler_step(h C.uint64_t, in *C.char, out **C.char, errOut **C.char) C.int {
-	return finish(errOut, func() error { b, err := capi.SchedulerStep(uint64(h), goBytes(in)); return putJSON(out, b, err) })
+	return finishJSON(errOut, "ecm_scheduler_step", out, func() ([]byte, error) { return capi.SchedulerStep(uint64(h), goBytes(in)) })
 }
 
 //export ecm_scheduler_has
 func ecm_scheduler_has(h C.uint64_t, mmHash *C.char, out *C.int32_t, errOut **C.char) C.int {
-	return finish(errOut, func() error {
+	const fn = "ecm_scheduler_has"
+	return finish(errOut, fn, func() error {
+		if err := capi.NotNil(fn, "out", out != nil); err != nil {
+			return err
+		}
 		ok, err := capi.SchedulerHas(uint64(h), goString(mmHash))
 		*out = 0
 		if ok {
@@ -219,33 +309,44 @@ func ecm_scheduler_has(h C.uint64_t, mmHash *C.char, out *C.int32_t, errOut **C.
 
 //export ecm_scheduler_wait
 func ecm_scheduler_wait(h C.uint64_t, in *C.char, timeoutMs C.int32_t, out **C.char, errOut **C.char) C.int {
-	return finish(errOut, func() error {
-		b, err := capi.SchedulerWait(uint64(h), goBytes(in), int32(timeoutMs))
-		return putJSON(out, b, err)
+	return finishJSON(errOut, "ecm_scheduler_wait", out, func() ([]byte, error) {
+		return capi.SchedulerWait(uint64(h), goBytes(in), int32(timeoutMs))
 	})
 }
 
 //export ecm_bench_tcp_loopback
 func ecm_bench_tcp_loopback(in *C.char, out **C.char, errOut **C.char) C.int {
-	return finish(errOut, func() error { b, err := capi.BenchTCPLoopback(goBytes(in)); return putJSON(out, b, err) })
+	return finishJSON(errOut, "ecm_bench_tcp_loopback", out, func() ([]byte, error) { return capi.BenchTCPLoopback(goBytes(in)) })
 }
 
 //export ecm_proxy_open
 func ecm_proxy_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
-	return finish(errOut, func() error { h, err := capi.ProxyOpen(goBytes(cfg)); *out = C.uint64_t(h); return err })
+	return finishHandle(errOut, "ecm_proxy_open", out, func() (uint64, error) { return capi.ProxyOpen(goBytes(cfg)) })
 }
 
 //export ecm_registrar_open
 func ecm_registrar_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
-	return finish(errOut, func() error { h, err := capi.RegistrarOpen(goBytes(cfg)); *out = C.uint64_t(h); return err })
+	return finishHandle(errOut, "ecm_registrar_open", out, func() (uint64, error) { return capi.RegistrarOpen(goBytes(cfg)) })
 }
 
 //export ecm_metrics_text
 func ecm_metrics_text(out **C.char, errOut **C.char) C.int {
-	return finish(errOut, func() error { b, err := capi.MetricsText(); return putJSON(out, b, err) })
+	const fn = "ecm_metrics_text"
+	return finish(errOut, fn, func() error {
+		if err := capi.NotNil(fn, "out_text", out != nil); err != nil {
+			return err
+		}
+		*out = nil
+		b, err := capi.MetricsText()
+		if err != nil {
+			return err
+		}
+		*out = C.CString(string(b))
+		return nil
+	})
 }
 
 //export ecm_metadata_server_open
 func ecm_metadata_server_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
-	return finish(errOut, func() error { h, err := capi.MetadataServerOpen(goBytes(cfg)); *out = C.uint64_t(h); return err })
+	return finishHandle(errOut, "ecm_metadata_server_open", out, func() (uint64, error) { return capi.MetadataServerOpen(goBytes(cfg)) })
 }

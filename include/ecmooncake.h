@@ -18,7 +18,18 @@
  *     is open, and never frees it;
  *   - calls are coarse (one per batch or scheduler step) and never block
  *     unless their name or a timeout argument says so;
- *   - a Go panic never crosses this boundary: it becomes ECM_ERR_INTERNAL.
+ *   - a Go panic never crosses this boundary: it becomes ECM_ERR_INTERNAL;
+ *   - pointer parameters (out, out_json, arrays) must not be NULL, and
+ *     counts and lengths must be true: each is checked before any work,
+ *     and a NULL out, a count above ECM_MAX_SOURCES or a (pointer, nbytes)
+ *     that is NULL with a length or runs past the address space fails with
+ *     ECM_ERR_INVALID, so that no object is opened for a caller that could
+ *     not receive its handle;
+ *   - the library works only in the process that loaded it. A child forked
+ *     after the load inherits the Go runtime without its threads: every
+ *     call from it (except ecm_free) fails at once with ECM_ERR_STATE,
+ *     "libecmooncake was loaded in pid X and called from forked child Y;
+ *     load it after fork", instead of hanging.
  */
 #ifndef ECMOONCAKE_H
 #define ECMOONCAKE_H
@@ -40,6 +51,9 @@ extern "C" {
 #define ECM_ERR_TIMEOUT 5     /* a deadline passed */
 #define ECM_ERR_INTERNAL 6    /* a recovered panic or a broken invariant */
 #define ECM_ERR_UNAVAILABLE 7 /* a feature this build or host lacks */
+
+/* Most items one ecm_producer_sources(_device) call takes. */
+#define ECM_MAX_SOURCES 65536
 
 typedef uint64_t ecm_handle_t;
 
@@ -96,7 +110,8 @@ int ecm_producer_submit(ecm_handle_t h, const char *in_json, char **out_json,
  * ptrs[i]+nbytes[i]). out_sources[i] receives the source id, or 0 when that
  * item was refused (the call then fails and *err names every refused item).
  * The library reads a source until ecm_producer_poll reports its id
- * released; the caller keeps the memory alive until then. */
+ * released; the caller keeps the memory alive until then. n is at most
+ * ECM_MAX_SOURCES; with n = 0 the arrays may be NULL. */
 int ecm_producer_sources(ecm_handle_t h, uint64_t n,
                          const char *const *mm_hashes, void *const *ptrs,
                          const uint64_t *nbytes, uint64_t *out_sources,
@@ -150,13 +165,15 @@ int ecm_bench_tcp_loopback(const char *in_json, char **out_json, char **err);
 
 /* EPD proxy: the OpenAI-compatible HTTP front for encoder and
  * prefill/decode instances (see `python -m ecmooncake proxy --help` for
- * the settings). Serves in the background until ecm_close; ecm_stats
- * gives its address, backends and counters. */
+ * the settings; "register_token" turns registration on, "admin_port"
+ * moves it to a port of its own). Serves in the background until
+ * ecm_close; ecm_stats gives its addresses, backends and counters. */
 int ecm_proxy_open(const char *config_json, ecm_handle_t *out, char **err);
 /* Keeps this instance registered with EPD proxies (heartbeat) until
  * ecm_close, which deregisters it. config: {"proxies": [url], "role",
  * "url", "consumer", "tp_size", "dp_size", "host", "ttl_s",
- * "interval_s"}. */
+ * "interval_s", "token"}; token is the proxies' register token, sent as
+ * "Authorization: Bearer <token>". */
 int ecm_registrar_open(const char *config_json, ecm_handle_t *out,
                        char **err);
 /* This process's metrics in the Prometheus text format (what its
@@ -165,10 +182,13 @@ int ecm_metrics_text(char **out_text, char **err);
 
 /* Mooncake-compatible metadata store (GET/PUT/DELETE /metadata?key=K,
  * GET /health) for TransferEngines in HTTP metadata mode, served in the
- * background until ecm_close. config: {"host": "0.0.0.0", "port": 8080,
- * "token": ""}; port 0 picks a free one; with a token every /metadata
- * request needs "Authorization: Bearer <token>". ecm_stats gives its
- * address, URL and counters. */
+ * background until ecm_close. config: {"host": "127.0.0.1", "port": 8080,
+ * "token": "", "max_keys": 65536, "max_value_bytes": 16777216,
+ * "max_total_bytes": 268435456}; port 0 picks a free one; a limit of 0 is
+ * its default; with a token every /metadata request needs "Authorization:
+ * Bearer <token>". A value above max_value_bytes is refused with 413, a
+ * PUT past max_keys or max_total_bytes with 507. ecm_stats gives its
+ * address, URL, limits and counters. */
 int ecm_metadata_server_open(const char *config_json, ecm_handle_t *out,
                              char **err);
 

@@ -85,6 +85,10 @@ type Consumer struct {
 	// MooncakeMetadataServer, "host:port", makes the shard serve a
 	// Mooncake metadata store there (or use the one already serving there).
 	MooncakeMetadataServer string `json:"mooncake_metadata_server"`
+	// MooncakeMetadataToken is the bearer token that store requires. The
+	// Python package fills it from MC_METADATA_HTTP_TOKEN, which Mooncake's
+	// engines read themselves and send with every metadata request.
+	MooncakeMetadataToken string `json:"mooncake_metadata_token"`
 }
 
 // MooncakeMetadataURL is the metadata connection string the shard's engine

@@ -15,6 +15,10 @@
 // endpoint of DP rank r as ec_port + r*tp_size, the port convention the
 // consumer shards listen on.
 //
+// Proxies accept registrations only from holders of their register token:
+// RegistrarConfig.Token travels as "Authorization: Bearer <token>" with
+// every call, and a proxy without a token has discovery off.
+//
 // The Registrar owns one goroutine; it recovers panics and every HTTP call
 // has a deadline.
 package discovery

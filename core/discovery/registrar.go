@@ -19,6 +19,9 @@ type RegistrarConfig struct {
 	Registration
 	// IntervalS is the heartbeat period; 0 means a third of the TTL.
 	IntervalS float64 `json:"interval_s"`
+	// Token is the proxies' register token, sent as a bearer token with
+	// every registration and deregistration.
+	Token string `json:"token"`
 }
 
 // DefaultTTL is the entry lifetime when the registration gives none.
@@ -43,6 +46,11 @@ func (c *RegistrarConfig) Normalize() error {
 	for _, p := range c.Proxies {
 		if _, err := HostPort(strings.TrimSuffix(p, "/")); err != nil {
 			return fmt.Errorf("proxies: %w", err)
+		}
+	}
+	for i := 0; i < len(c.Token); i++ {
+		if c.Token[i] <= ' ' || c.Token[i] >= 0x7f {
+			return fmt.Errorf("%w: token has whitespace or control characters; it must travel as one HTTP header value", ErrInvalid)
 		}
 	}
 	if c.TTLS == 0 {
@@ -157,6 +165,9 @@ func (r *Registrar) post(url string, timeout time.Duration) error {
 	req.SetRequestURI(url)
 	req.Header.SetMethod(fasthttp.MethodPost)
 	req.Header.SetContentType("application/json")
+	if r.cfg.Token != "" {
+		req.Header.Set(fasthttp.HeaderAuthorization, "Bearer "+r.cfg.Token)
+	}
 	req.SetBody(r.body)
 	if err := r.cli.DoTimeout(req, resp, timeout); err != nil {
 		return fmt.Errorf("POST %s: %w", url, err)

@@ -24,6 +24,19 @@
 // With Config.Token set, /metadata requires "Authorization: Bearer
 // <token>", which Mooncake sends when MC_METADATA_HTTP_TOKEN is set.
 //
+// # Limits
+//
+// Whoever can PUT decides which segment an engine connects to, and a
+// store without bounds is a memory sink. A request's body limit is chosen
+// once its header is read: MaxValueBytes for an authorized PUT, a few KB
+// for everything else, so an unauthorized client never makes the store
+// buffer a value (401), and an authorized value above the cap is refused
+// with 413 before it is read. MaxKeys and MaxTotalBytes (keys and values
+// together) bound what is kept: a PUT past either is refused with 507,
+// except that overwriting an existing key never counts against MaxKeys.
+// Invariant: the counted bytes equal the sum of every key and value, and
+// never exceed MaxTotalBytes (FuzzRequests checks it after each request).
+//
 // # Lifetime
 //
 // The store lives in memory: it is lost when its process ends, and engines

@@ -3,28 +3,45 @@ package metadata
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
 	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
 
 	"github.com/valyala/fasthttp"
+
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 )
 
-// Defaults applied to zero Config fields.
+// Defaults applied to zero Config fields. A Mooncake engine publishes two
+// keys per segment: its RPC address (a few hundred bytes) and its segment
+// descriptor, which lists every registered buffer with its keys and every
+// NIC with its GID; a few KB for one slab, up to a few MB for an engine
+// that registers thousands of buffers. The defaults leave two orders of
+// magnitude of room above that and bound the store's memory.
 const (
-	DefaultMaxBodyBytes = 16 << 20
+	DefaultMaxValueBytes = 16 << 20
+	DefaultMaxKeys       = 1 << 16
+	DefaultMaxTotalBytes = 256 << 20
 	// MaxKeyLen bounds a key; Mooncake's are a prefix and a segment name.
 	MaxKeyLen = 4096
 	// Path is where the store answers, as in "http://host:port/metadata".
 	Path = "/metadata"
+	// maxOtherBody bounds the body of every request that stores nothing
+	// (GET, DELETE, /health, and any request without the token).
+	maxOtherBody = 4096
 )
+
+// ErrInvalid is wrapped by every configuration error.
+var ErrInvalid = errors.New("invalid metadata store config")
 
 // Config says where and how to serve.
 type Config struct {
@@ -32,23 +49,60 @@ type Config struct {
 	Addr string
 	// Token, when set, must arrive as "Authorization: Bearer <Token>" on
 	// every /metadata request.
-	Token        string
-	MaxBodyBytes int
-	Logger       *slog.Logger
+	Token string
+	// MaxValueBytes bounds one value; a larger PUT is refused with 413
+	// before its body is read.
+	MaxValueBytes int
+	// MaxKeys and MaxTotalBytes (keys and values together) bound the
+	// store; a PUT that would pass either is refused with 507.
+	MaxKeys       int
+	MaxTotalBytes int64
+	Logger        *slog.Logger
+}
+
+// withDefaults fills zero limits and checks them.
+func (c Config) withDefaults() (Config, error) {
+	if c.MaxValueBytes < 0 || c.MaxKeys < 0 || c.MaxTotalBytes < 0 {
+		return c, fmt.Errorf("%w: max_value_bytes = %d, max_keys = %d, max_total_bytes = %d; want positive values, or 0 for the defaults",
+			ErrInvalid, c.MaxValueBytes, c.MaxKeys, c.MaxTotalBytes)
+	}
+	if c.MaxValueBytes == 0 {
+		c.MaxValueBytes = DefaultMaxValueBytes
+	}
+	if c.MaxKeys == 0 {
+		c.MaxKeys = DefaultMaxKeys
+	}
+	if c.MaxTotalBytes == 0 {
+		c.MaxTotalBytes = DefaultMaxTotalBytes
+	}
+	if int64(c.MaxValueBytes) > c.MaxTotalBytes {
+		return c, fmt.Errorf("%w: max_value_bytes = %d is above max_total_bytes = %d; no value that large could be stored",
+			ErrInvalid, c.MaxValueBytes, c.MaxTotalBytes)
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c, nil
 }
 
 // Stats counts what the store has served.
 type Stats struct {
-	Addr         string `json:"addr"`
-	URL          string `json:"url"`
-	Keys         int    `json:"keys"`
-	Bytes        int64  `json:"bytes"`
-	Gets         uint64 `json:"gets"`
-	Puts         uint64 `json:"puts"`
-	Deletes      uint64 `json:"deletes"`
-	NotFound     uint64 `json:"not_found"`
-	BadRequests  uint64 `json:"bad_requests"`
-	Unauthorized uint64 `json:"unauthorized"`
+	Addr string `json:"addr"`
+	URL  string `json:"url"`
+	Keys int    `json:"keys"`
+	// Bytes counts keys and values, what MaxTotalBytes bounds.
+	Bytes         int64  `json:"bytes"`
+	MaxKeys       int    `json:"max_keys"`
+	MaxValueBytes int    `json:"max_value_bytes"`
+	MaxTotalBytes int64  `json:"max_total_bytes"`
+	Gets          uint64 `json:"gets"`
+	Puts          uint64 `json:"puts"`
+	Deletes       uint64 `json:"deletes"`
+	NotFound      uint64 `json:"not_found"`
+	BadRequests   uint64 `json:"bad_requests"`
+	Unauthorized  uint64 `json:"unauthorized"`
+	TooLarge      uint64 `json:"too_large"`
+	StoreFull     uint64 `json:"store_full"`
 }
 
 // Server is a running store. Its methods are safe for concurrent use.
@@ -59,33 +113,38 @@ type Server struct {
 	srv  *fasthttp.Server
 	done chan struct{}
 
+	token    [sha256.Size]byte // digest of cfg.Token, when set
+	refusals refusalLog
+
 	mu    sync.RWMutex
 	kv    map[string][]byte
-	bytes int64
+	bytes int64 // keys and values
 
-	gets, puts, deletes, notFound, badRequests, unauthorized atomic.Uint64
+	gets, puts, deletes, notFound, badRequests, unauthorized, tooLarge, storeFull atomic.Uint64
+
+	unwatch func()
 
 	closeOnce sync.Once
 	closeErr  error
 }
 
-// Listen starts a store on cfg.Addr.
-func Listen(cfg Config) (*Server, error) {
-	if cfg.MaxBodyBytes <= 0 {
-		cfg.MaxBodyBytes = DefaultMaxBodyBytes
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.Default()
-	}
-	ln, err := net.Listen("tcp", cfg.Addr)
+// newServer builds the store without a listener (Listen adds it; the
+// fuzz target drives the handler directly).
+func newServer(cfg Config) (*Server, error) {
+	cfg, err := cfg.withDefaults()
 	if err != nil {
-		return nil, fmt.Errorf("metadata: listen on %s: %w", cfg.Addr, err)
+		return nil, err
 	}
-	s := &Server{cfg: cfg, log: cfg.Logger.With("component", "mooncake-metadata"), ln: ln, done: make(chan struct{}), kv: map[string][]byte{}}
+	s := &Server{cfg: cfg, log: cfg.Logger.With("component", "mooncake-metadata"), done: make(chan struct{}), kv: map[string][]byte{}}
+	if cfg.Token != "" {
+		s.token = sha256.Sum256([]byte(cfg.Token))
+	}
 	s.srv = &fasthttp.Server{
 		Handler:            s.handle,
 		Name:               "ecmooncake-metadata",
-		MaxRequestBodySize: cfg.MaxBodyBytes,
+		MaxRequestBodySize: cfg.MaxValueBytes,
+		HeaderReceived:     s.bodyLimit,
+		ErrorHandler:       s.readError,
 		// Room for a request line carrying a MaxKeyLen key escaped in full.
 		ReadBufferSize:  4*MaxKeyLen + 4096,
 		ReadTimeout:     30 * time.Second,
@@ -94,9 +153,43 @@ func Listen(cfg Config) (*Server, error) {
 		CloseOnShutdown: true,
 		Logger:          fasthttpLog{s.log},
 	}
-	go s.serve()
-	s.log.Info("mooncake metadata store listening", "url", s.URL())
 	return s, nil
+}
+
+// Listen starts a store on cfg.Addr.
+func Listen(cfg Config) (*Server, error) {
+	s, err := newServer(cfg)
+	if err != nil {
+		return nil, err
+	}
+	if s.ln, err = net.Listen("tcp", cfg.Addr); err != nil {
+		return nil, fmt.Errorf("metadata: listen on %s: %w", cfg.Addr, err)
+	}
+	s.unwatch = metrics.Watch("metadata:"+strconv.Itoa(s.ln.Addr().(*net.TCPAddr).Port), s.probe)
+	go s.serve()
+	s.log.Info("mooncake metadata store listening", "url", s.URL(), "token", s.cfg.Token != "",
+		"max_keys", s.cfg.MaxKeys, "max_value_bytes", s.cfg.MaxValueBytes, "max_total_bytes", s.cfg.MaxTotalBytes)
+	if s.cfg.Token == "" && !loopback(s.ln.Addr()) {
+		s.log.Warn("mooncake metadata store serves beyond this host without a token: whoever reaches it can rewrite the segment descriptors engines connect to; set MC_METADATA_HTTP_TOKEN (engines send it too)",
+			"addr", s.Addr())
+	}
+	return s, nil
+}
+
+// probe reports the store's size and refusals at scrape time.
+func (s *Server) probe(e *metrics.Emitter) {
+	st := s.Stats()
+	e.Set(metrics.MetadataKeys, float64(st.Keys))
+	e.Set(metrics.MetadataBytes, float64(st.Bytes))
+	e.Set(metrics.MetadataRefusals, float64(st.Unauthorized), "unauthorized")
+	e.Set(metrics.MetadataRefusals, float64(st.TooLarge), "too_large")
+	e.Set(metrics.MetadataRefusals, float64(st.StoreFull), "store_full")
+	e.Set(metrics.MetadataRefusals, float64(st.BadRequests), "bad_request")
+}
+
+func loopback(a net.Addr) bool {
+	ta, ok := a.(*net.TCPAddr)
+	return ok && ta.IP.IsLoopback()
 }
 
 // Ensure serves a store on cfg.Addr, or, when that address is taken by a
@@ -170,8 +263,10 @@ func (s *Server) Stats() Stats {
 	s.mu.RUnlock()
 	return Stats{
 		Addr: s.Addr(), URL: s.URL(), Keys: keys, Bytes: n,
+		MaxKeys: s.cfg.MaxKeys, MaxValueBytes: s.cfg.MaxValueBytes, MaxTotalBytes: s.cfg.MaxTotalBytes,
 		Gets: s.gets.Load(), Puts: s.puts.Load(), Deletes: s.deletes.Load(),
 		NotFound: s.notFound.Load(), BadRequests: s.badRequests.Load(), Unauthorized: s.unauthorized.Load(),
+		TooLarge: s.tooLarge.Load(), StoreFull: s.storeFull.Load(),
 	}
 }
 
@@ -187,6 +282,7 @@ func (s *Server) Close() error {
 		// has not started yet must still see its listener go.
 		s.ln.Close()
 		<-s.done
+		s.unwatch()
 	})
 	return s.closeErr
 }
@@ -213,14 +309,70 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	}
 }
 
+// authorized reports whether a request may use /metadata. Digests of
+// equal length are compared in constant time, so a refusal tells nothing
+// about the token's length or a prefix of it.
+func (s *Server) authorized(h *fasthttp.RequestHeader) bool {
+	if s.cfg.Token == "" {
+		return true
+	}
+	got, ok := bytes.CutPrefix(h.Peek(fasthttp.HeaderAuthorization), []byte("Bearer "))
+	if !ok {
+		return false
+	}
+	sum := sha256.Sum256(got)
+	return subtle.ConstantTimeCompare(sum[:], s.token[:]) == 1
+}
+
+// bodyLimit runs once the header is read, before the body: only an
+// authorized PUT may send a value, so no other request makes the store
+// buffer more than a few KB.
+func (s *Server) bodyLimit(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
+	if h.IsPut() && s.authorized(h) {
+		return fasthttp.RequestConfig{MaxRequestBodySize: s.cfg.MaxValueBytes}
+	}
+	return fasthttp.RequestConfig{MaxRequestBodySize: maxOtherBody}
+}
+
+// readError answers a request fasthttp could not read: a body above its
+// limit is a 413, or a 401 when the limit was the one for requests
+// without the token.
+func (s *Server) readError(ctx *fasthttp.RequestCtx, err error) {
+	switch {
+	case errors.Is(err, fasthttp.ErrBodyTooLarge) && !s.authorized(&ctx.Request.Header):
+		s.refuseUnauthorized(ctx)
+	case errors.Is(err, fasthttp.ErrBodyTooLarge):
+		s.tooLarge.Add(1)
+		s.refuse(ctx, "too_large", fasthttp.StatusRequestEntityTooLarge,
+			fmt.Sprintf("value too large: a value is at most %d bytes (max_value_bytes)", s.cfg.MaxValueBytes))
+	default:
+		s.badRequests.Add(1)
+		ctx.Error("bad request: "+err.Error(), fasthttp.StatusBadRequest)
+	}
+}
+
+func (s *Server) refuseUnauthorized(ctx *fasthttp.RequestCtx) {
+	s.unauthorized.Add(1)
+	ctx.Response.Header.Set(fasthttp.HeaderWWWAuthenticate, "Bearer")
+	s.refuse(ctx, "unauthorized", fasthttp.StatusUnauthorized, "unauthorized: send Authorization: Bearer <token> (the store's MC_METADATA_HTTP_TOKEN)")
+}
+
+// refuse answers and logs a refusal, at most once per interval per reason.
+func (s *Server) refuse(ctx *fasthttp.RequestCtx, reason string, status int, msg string) {
+	if ok, suppressed := s.refusals.admit(reason, time.Now()); ok {
+		s.log.Warn("metadata request refused", "reason", reason, "status", status, "remote", ctx.RemoteAddr().String(),
+			"detail", msg, "refusals_not_logged", suppressed)
+	}
+	ctx.Error(msg, status)
+}
+
+// entrySize is what one key costs against MaxTotalBytes.
+func entrySize(key string, v []byte) int64 { return int64(len(key) + len(v)) }
+
 func (s *Server) metadata(ctx *fasthttp.RequestCtx) {
-	if s.cfg.Token != "" {
-		want := []byte("Bearer " + s.cfg.Token)
-		if subtle.ConstantTimeCompare(ctx.Request.Header.Peek(fasthttp.HeaderAuthorization), want) != 1 {
-			s.unauthorized.Add(1)
-			ctx.Error("unauthorized: send Authorization: Bearer <token>", fasthttp.StatusUnauthorized)
-			return
-		}
+	if !s.authorized(&ctx.Request.Header) {
+		s.refuseUnauthorized(ctx)
+		return
 	}
 	args := ctx.QueryArgs()
 	key := string(args.Peek("key"))
@@ -244,24 +396,40 @@ func (s *Server) metadata(ctx *fasthttp.RequestCtx) {
 		ctx.SetBody(v)
 	case ctx.IsPut():
 		body := ctx.PostBody()
-		if !json.Valid(body) {
+		if len(body) > s.cfg.MaxValueBytes {
+			// fasthttp refuses these before reading; this keeps the
+			// invariant for a handler driven without it.
+			s.tooLarge.Add(1)
+			s.refuse(ctx, "too_large", fasthttp.StatusRequestEntityTooLarge,
+				fmt.Sprintf("value too large: %d bytes; a value is at most %d bytes (max_value_bytes)", len(body), s.cfg.MaxValueBytes))
+			return
+		}
+		// Room is checked before the JSON is, so that a full store spends
+		// nothing on values it will refuse, and again when storing.
+		msg := s.room(key, body)
+		if msg == "" && !json.Valid(body) {
 			s.badRequests.Add(1)
 			ctx.Error("bad request: the body is not JSON", fasthttp.StatusBadRequest)
 			return
 		}
+		if msg == "" {
+			msg = s.put(key, body)
+		}
+		if msg != "" {
+			s.storeFull.Add(1)
+			s.refuse(ctx, "store_full", fasthttp.StatusInsufficientStorage, msg)
+			return
+		}
 		s.puts.Add(1)
-		v := bytes.Clone(body)
-		s.mu.Lock()
-		s.bytes += int64(len(v)) - int64(len(s.kv[key]))
-		s.kv[key] = v
-		s.mu.Unlock()
 		ctx.SetContentType("text/plain; charset=utf-8")
 		ctx.SetBodyString("metadata updated")
 	case ctx.IsDelete():
 		s.deletes.Add(1)
 		s.mu.Lock()
-		s.bytes -= int64(len(s.kv[key]))
-		delete(s.kv, key)
+		if old, ok := s.kv[key]; ok {
+			s.bytes -= entrySize(key, old)
+			delete(s.kv, key)
+		}
 		s.mu.Unlock()
 		ctx.SetContentType("text/plain; charset=utf-8")
 		ctx.SetBodyString("metadata deleted")
@@ -270,9 +438,74 @@ func (s *Server) metadata(ctx *fasthttp.RequestCtx) {
 	}
 }
 
-// fasthttpLog routes fasthttp's own messages to slog.
+// put stores a value, or says why the store has no room for it. An
+// overwrite never counts against MaxKeys: an engine that restarts must be
+// able to publish under its key again.
+func (s *Server) put(key string, body []byte) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	after, msg := s.fits(key, body)
+	if msg == "" {
+		s.kv[key] = bytes.Clone(body)
+		s.bytes = after
+	}
+	return msg
+}
+
+func (s *Server) room(key string, body []byte) string {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	_, msg := s.fits(key, body)
+	return msg
+}
+
+// fits says what the store's bytes would be with key set to body, or why
+// it has no room; s.mu is held.
+func (s *Server) fits(key string, body []byte) (int64, string) {
+	old, had := s.kv[key]
+	if !had && len(s.kv) >= s.cfg.MaxKeys {
+		return 0, fmt.Sprintf("store full: it holds %d keys, the most it keeps (max_keys); delete keys or raise the limit", len(s.kv))
+	}
+	after := s.bytes + entrySize(key, body)
+	if had {
+		after -= entrySize(key, old)
+	}
+	if after > s.cfg.MaxTotalBytes {
+		return 0, fmt.Sprintf("store full: %d of %d bytes used (max_total_bytes) and this key and value need %d", s.bytes, s.cfg.MaxTotalBytes, entrySize(key, body))
+	}
+	return after, ""
+}
+
+// refusalLog admits one log line per reason per interval; the counters
+// keep the exact numbers.
+type refusalLog struct {
+	mu         sync.Mutex
+	last       map[string]time.Time
+	suppressed map[string]int
+}
+
+const refusalLogInterval = 10 * time.Second
+
+func (l *refusalLog) admit(reason string, now time.Time) (bool, int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.last == nil {
+		l.last, l.suppressed = map[string]time.Time{}, map[string]int{}
+	}
+	if t, ok := l.last[reason]; ok && now.Sub(t) < refusalLogInterval {
+		l.suppressed[reason]++
+		return false, 0
+	}
+	n := l.suppressed[reason]
+	l.last[reason], l.suppressed[reason] = now, 0
+	return true, n
+}
+
+// fasthttpLog routes fasthttp's own messages to slog at debug level: it
+// logs every connection it closes after an error, which would repeat each
+// refusal that refuse already logged (rate-limited).
 type fasthttpLog struct{ log *slog.Logger }
 
 func (l fasthttpLog) Printf(format string, args ...any) {
-	l.log.Warn(fmt.Sprintf(format, args...))
+	l.log.Debug(fmt.Sprintf(format, args...))
 }

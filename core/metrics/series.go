@@ -26,6 +26,9 @@ const (
 	ControlRequests   = "ecm_control_requests_total"
 	EventsSent        = "ecm_events_sent_total"
 	SchedulerResynced = "ecm_sched_resynced_total"
+	MetadataKeys      = "ecm_metadata_keys"
+	MetadataBytes     = "ecm_metadata_bytes"
+	MetadataRefusals  = "ecm_metadata_refusals_total"
 )
 
 type spec struct {
@@ -51,6 +54,9 @@ var table = map[string]spec{
 	ControlRequests:   {"Consumer shard: control requests served.", prometheus.CounterValue, nil},
 	EventsSent:        {"Consumer shard: readiness events sent to the scheduler.", prometheus.CounterValue, nil},
 	SchedulerResynced: {"Consumer scheduler: items learnt by asking a shard after their event was late.", prometheus.CounterValue, nil},
+	MetadataKeys:      {"Mooncake metadata store: keys held.", prometheus.GaugeValue, nil},
+	MetadataBytes:     {"Mooncake metadata store: bytes of keys and values held (bounded by max_total_bytes).", prometheus.GaugeValue, nil},
+	MetadataRefusals:  {"Mooncake metadata store: requests refused, by reason (unauthorized, too_large, store_full, bad_request).", prometheus.CounterValue, []string{"reason"}},
 }
 
 var descs = func() map[string]*prometheus.Desc {

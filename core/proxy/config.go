@@ -43,8 +43,18 @@ type Config struct {
 	FailThreshold int     `json:"fail_threshold"`
 	DefaultTTLS   float64 `json:"registration_ttl_s"`
 	MaxBodyBytes  int     `json:"max_body_bytes"`
-	// AllowRegister enables POST /v1/ecm/register.
+	// AllowRegister enables POST /v1/ecm/register and /v1/ecm/deregister
+	// once RegisterToken is set; false keeps them off even with a token.
 	AllowRegister bool `json:"allow_register"`
+	// RegisterToken is the bearer token every registration and
+	// deregistration must carry. Empty turns discovery off: an instance
+	// that can reach the proxy is not thereby one of this deployment.
+	RegisterToken string `json:"register_token"`
+	// AdminPort, when set, serves register, deregister and backends on a
+	// port of their own (on AdminHost, default Host) and takes them off
+	// the user-facing port, so that the user port can be exposed alone.
+	AdminPort int    `json:"admin_port"`
+	AdminHost string `json:"admin_host"`
 }
 
 // DefaultConfig returns the defaults a JSON document overrides.
@@ -75,6 +85,9 @@ func (c Config) requestTimeout() time.Duration { return secs(c.RequestTimeoutS) 
 func (c Config) healthInterval() time.Duration { return secs(c.HealthIntervalS) }
 func (c Config) defaultTTL() time.Duration     { return secs(c.DefaultTTLS) }
 
+// Discovery reports whether registration is on: allowed and a token set.
+func (c Config) Discovery() bool { return c.AllowRegister && c.RegisterToken != "" }
+
 func secs(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
 
 // Split reports whether prefill and decode run on separate instances.
@@ -89,6 +102,12 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: port = %d; want [0, 65535] (0 picks a free port)", ErrInvalid, c.Port)
 	case c.MetricsPort < 0 || c.MetricsPort > 65535:
 		return fmt.Errorf("%w: metrics_port = %d; want [0, 65535] (0 serves /metrics on the main port only)", ErrInvalid, c.MetricsPort)
+	case c.AdminPort < 0 || c.AdminPort > 65535:
+		return fmt.Errorf("%w: admin_port = %d; want [0, 65535] (0 serves discovery on the main port)", ErrInvalid, c.AdminPort)
+	case c.AdminPort != 0 && c.AdminPort == c.Port && (c.AdminHost == "" || c.AdminHost == c.Host):
+		return fmt.Errorf("%w: admin_port = %d is the user-facing port; give it a port of its own", ErrInvalid, c.AdminPort)
+	case !validToken(c.RegisterToken):
+		return fmt.Errorf("%w: register_token has whitespace or control characters (it must travel as one HTTP header value; a token file's trailing newline is stripped by the command line)", ErrInvalid)
 	case c.Retries < 0 || c.Retries > 10:
 		return fmt.Errorf("%w: retries = %d; want [0, 10]", ErrInvalid, c.Retries)
 	case c.ECPort < 1 || c.ECPort > 65535:
@@ -103,8 +122,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: give either pd or prefill+decode backends, not both", ErrInvalid)
 	case c.Split() && (len(c.Prefill) == 0) != (len(c.Decode) == 0):
 		return fmt.Errorf("%w: prefill and decode backends go together (got %d prefill, %d decode)", ErrInvalid, len(c.Prefill), len(c.Decode))
-	case len(c.PD)+len(c.Prefill) == 0 && !c.AllowRegister:
-		return fmt.Errorf("%w: no pd or prefill backend and registration is off: nothing could serve a request", ErrInvalid)
+	case len(c.PD)+len(c.Prefill) == 0 && !c.Discovery():
+		return fmt.Errorf("%w: no pd or prefill backend and registration is off (it needs register_token: --register-token-file FILE or $ECMOONCAKE_REGISTER_TOKEN on the command line): nothing could serve a request", ErrInvalid)
 	}
 	for role, urls := range map[string][]string{discovery.RoleEncode: c.Encode, discovery.RolePD: c.PD, discovery.RolePrefill: c.Prefill, discovery.RoleDecode: c.Decode} {
 		for _, u := range urls {
@@ -114,6 +133,17 @@ func (c Config) Validate() error {
 		}
 	}
 	return nil
+}
+
+// validToken accepts printable ASCII without spaces, the characters a
+// bearer token can carry in a header unchanged.
+func validToken(tok string) bool {
+	for i := 0; i < len(tok); i++ {
+		if tok[i] <= ' ' || tok[i] >= 0x7f {
+			return false
+		}
+	}
+	return true
 }
 
 // static turns one command-line URL into a registration.

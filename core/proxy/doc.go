@@ -48,6 +48,19 @@
 // is checked each HealthInterval; FailThreshold consecutive failures
 // (checks or calls) drop it until a check passes again.
 //
+// # Discovery is an administrative surface
+//
+// Whoever registers a consumer decides where encoders push and where
+// requests go, so register and deregister need Config.RegisterToken as a
+// bearer token (compared through digests in constant time); with no token
+// they are off (403). A registration never replaces, refreshes or removes
+// a static backend (409). With Config.AdminPort, register, deregister and
+// backends move to a port of their own and the user-facing port no longer
+// serves them. Every refusal is counted
+// (ecm_proxy_registration_refusals_total{op,reason}) and logged, at most
+// once per interval per reason. Discovery bodies are capped before they
+// are read.
+//
 // # Metrics
 //
 // /metrics on the main port (and on MetricsPort when set) serves the

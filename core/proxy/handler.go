@@ -42,12 +42,7 @@ func (p *Proxy) handle(ctx *fasthttp.RequestCtx) {
 		p.serveHealth(ctx)
 	case path == "/metrics":
 		metrics.Write(ctx, p.m.gatherer)
-	case post && path == discovery.RegisterPath:
-		p.serveRegister(ctx)
-	case post && path == discovery.DeregisterPath:
-		p.serveDeregister(ctx)
-	case path == discovery.BackendsPath:
-		writeJSON(ctx, fasthttp.StatusOK, p.backends())
+	case p.cfg.AdminPort == 0 && p.serveDiscovery(ctx):
 	case ctx.IsGet() && path == "/v1/models":
 		p.serveModels(ctx)
 	default:
@@ -78,60 +73,6 @@ func (p *Proxy) serveHealth(ctx *fasthttp.RequestCtx) {
 		}
 	}
 	writeJSON(ctx, fasthttp.StatusServiceUnavailable, map[string]string{"status": "no healthy consumer instance"})
-}
-
-func (p *Proxy) serveRegister(ctx *fasthttp.RequestCtx) {
-	if !p.cfg.AllowRegister {
-		p.m.registers.WithLabelValues("refused").Inc()
-		writeError(ctx, fasthttp.StatusForbidden, "ForbiddenError", "registration is off on this proxy")
-		return
-	}
-	reg, err := discovery.Decode(ctx.PostBody())
-	if err != nil {
-		p.m.registers.WithLabelValues("refused").Inc()
-		writeError(ctx, fasthttp.StatusBadRequest, "BadRequestError", err.Error())
-		return
-	}
-	ttl := reg.TTL()
-	if ttl == 0 {
-		ttl = p.cfg.defaultTTL()
-	}
-	_, added, err := p.poolOf(reg.Role).add(reg, false, ttl, time.Now())
-	if err != nil {
-		p.m.registers.WithLabelValues("refused").Inc()
-		writeError(ctx, fasthttp.StatusBadRequest, "BadRequestError", err.Error())
-		return
-	}
-	kind := "heartbeat"
-	if added {
-		kind = "new"
-		p.log.Info("instance registered", "backend_role", reg.Role, "url", reg.URL, "consumer", reg.Consumer,
-			"tp_size", reg.TPSize, "dp_size", reg.DPSize, "host", reg.Host, "ttl", ttl)
-	}
-	p.m.registers.WithLabelValues(kind).Inc()
-	writeJSON(ctx, fasthttp.StatusOK, map[string]any{"ok": true, "ttl_s": ttl.Seconds()})
-}
-
-func (p *Proxy) serveDeregister(ctx *fasthttp.RequestCtx) {
-	var in struct {
-		Role string `json:"role"`
-		URL  string `json:"url"`
-	}
-	if err := json.Unmarshal(ctx.PostBody(), &in); err != nil || in.URL == "" {
-		writeError(ctx, fasthttp.StatusBadRequest, "BadRequestError", "deregister wants {\"role\": ..., \"url\": ...}")
-		return
-	}
-	removed := false
-	for _, pl := range p.pools() {
-		if in.Role == "" || in.Role == pl.role {
-			removed = pl.remove(in.URL) || removed
-		}
-	}
-	if removed {
-		p.m.registers.WithLabelValues("deregister").Inc()
-		p.log.Info("instance deregistered", "backend_role", in.Role, "url", in.URL)
-	}
-	writeJSON(ctx, fasthttp.StatusOK, map[string]any{"ok": true, "removed": removed})
 }
 
 // serveModels asks one answering instance for its model list.

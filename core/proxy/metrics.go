@@ -20,6 +20,7 @@ type proxyMetrics struct {
 	encodes   *prometheus.CounterVec
 	gone      prometheus.Counter
 	registers *prometheus.CounterVec
+	refusals  *prometheus.CounterVec
 }
 
 var latencyBuckets = prometheus.ExponentialBuckets(0.0005, 2, 18) // 0.5 ms .. 65 s
@@ -54,10 +55,14 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 			Name: "ecm_proxy_client_disconnects_total", Help: "Requests whose client went away before the answer ended; their backend calls were cancelled.",
 		}),
 		registers: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "ecm_proxy_registrations_total", Help: "Discovery calls, by kind (new, heartbeat, deregister, expired, refused).",
+			Name: "ecm_proxy_registrations_total", Help: "Discovery calls that changed or kept an entry, by kind (new, heartbeat, deregister, expired).",
 		}, []string{"kind"}),
+		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ecm_proxy_registration_refusals_total",
+			Help: "Register and deregister calls refused, by op and reason: off (no register token, or allow_register false), unauthenticated (no bearer token), bad_token, static (would replace or remove a static backend), invalid (a malformed registration), too_large (a body above 64 KiB).",
+		}, []string{"op", "reason"}),
 	}
-	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.derived, m.retries, m.encodes, m.gone, m.registers, backendCollector{p})
+	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.derived, m.retries, m.encodes, m.gone, m.registers, m.refusals, backendCollector{p})
 	m.gatherer = prometheus.Gatherers{m.reg, metrics.Registry()}
 	return m
 }

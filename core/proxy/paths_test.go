@@ -237,7 +237,7 @@ func TestClientDisconnectCancelsUpstream(t *testing.T) {
 // Consumers that register themselves need no static list; the proxy
 // spreads requests over their DP ranks and derives each rank's endpoint.
 func TestDiscovery(t *testing.T) {
-	r := newRig(t, rigOpts{encoders: 1, pds: 0})
+	r := newRig(t, rigOpts{encoders: 1, pds: 0, mut: func(c *Config) { c.RegisterToken = testToken }})
 	pd, err := fakevllm.Start(fakevllm.Config{Role: fakevllm.RolePD})
 	require.NoError(t, err)
 	t.Cleanup(pd.Close)
@@ -248,6 +248,7 @@ func TestDiscovery(t *testing.T) {
 		Proxies:      []string{r.url},
 		Registration: discovery.Registration{Role: discovery.RolePD, URL: pd.URL(), Consumer: "tcp://127.0.0.1:15000", TPSize: 2, DPSize: 2, Host: "node-a", TTLS: 1},
 		IntervalS:    0.1,
+		Token:        testToken,
 	}, nil)
 	require.NoError(t, err)
 	eventually(t, "the instance registers", func() bool { return len(r.p.Stats().Backends[discovery.RolePD]) == 1 })
@@ -277,11 +278,8 @@ func TestDiscovery(t *testing.T) {
 	require.Empty(t, r.p.Stats().Backends[discovery.RolePD], "deregistered on close")
 
 	// An instance that stops its heartbeat lapses after its TTL.
-	resp, err := http.Post(r.url+discovery.RegisterPath, "application/json",
-		strings.NewReader(mustJSON(t, discovery.Registration{Role: discovery.RolePD, URL: pd.URL(), Consumer: "tcp://127.0.0.1:15000", TTLS: 0.2})))
-	require.NoError(t, err)
-	resp.Body.Close()
-	require.Equal(t, 200, resp.StatusCode)
+	code, body := adminCall(t, r.url, discovery.RegisterPath, testToken, discovery.Registration{Role: discovery.RolePD, URL: pd.URL(), Consumer: "tcp://127.0.0.1:15000", TTLS: 0.2})
+	require.Equal(t, 200, code, body)
 	require.Len(t, r.p.Stats().Backends[discovery.RolePD], 1)
 	eventually(t, "the registration lapses", func() bool { return len(r.p.Stats().Backends[discovery.RolePD]) == 0 })
 
@@ -292,10 +290,8 @@ func TestDiscovery(t *testing.T) {
 		"https":             `{"role": "encode", "url": "https://h:1"}`,
 		"bad consumer port": `{"role": "pd", "url": "http://h:1", "consumer": "tcp://h:99999"}`,
 	} {
-		resp, err := http.Post(r.url+discovery.RegisterPath, "application/json", strings.NewReader(body))
-		require.NoError(t, err)
-		resp.Body.Close()
-		require.Equal(t, 400, resp.StatusCode, name)
+		code, _ := adminCall(t, r.url, discovery.RegisterPath, testToken, json.RawMessage(body))
+		require.Equal(t, 400, code, name)
 	}
 }
 

@@ -126,6 +126,12 @@ func (p *pool) add(reg discovery.Registration, static bool, ttl time.Duration, n
 		if b.reg.URL != reg.URL {
 			continue
 		}
+		if b.static && !static {
+			// Not even a heartbeat: it would mark a failing static
+			// backend healthy, and a new layout would redirect encoders
+			// to another consumer endpoint.
+			return nil, false, fmt.Errorf("%w: %s backend %s is listed on the proxy's command line; a registration cannot replace it", errStatic, p.role, reg.URL)
+		}
 		b.mu.Lock()
 		same := b.reg.TPSize == reg.TPSize && b.reg.DPSize == reg.DPSize && b.reg.Consumer == reg.Consumer
 		if same {
@@ -163,18 +169,23 @@ func (p *pool) add(reg discovery.Registration, static bool, ttl time.Duration, n
 	return nb, true, nil
 }
 
-// remove drops a registered backend by URL; static ones stay.
-func (p *pool) remove(url string) bool {
+// remove drops a registered backend by URL; static ones stay, and static
+// reports that the URL named one.
+func (p *pool) remove(url string) (removed, static bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for i, b := range p.list {
-		if b.reg.URL == url && !b.static {
-			p.list = append(p.list[:i], p.list[i+1:]...)
-			b.up.close()
-			return true
+		if b.reg.URL != url {
+			continue
 		}
+		if b.static {
+			return false, true
+		}
+		p.list = append(p.list[:i], p.list[i+1:]...)
+		b.up.close()
+		return true, false
 	}
-	return false
+	return false, false
 }
 
 // expire drops registrations whose heartbeat lapsed.

@@ -30,9 +30,15 @@ type Proxy struct {
 
 	enc, pd, prefill, dec *pool
 
+	auth    adminAuth
+	refused refusalLog
+
 	ln         net.Listener
 	srv        *fasthttp.Server
 	metricsSrv *metrics.Server
+	// adminLn and adminSrv serve discovery when Config.AdminPort is set.
+	adminLn  net.Listener
+	adminSrv *fasthttp.Server
 
 	idBase string
 	seq    atomic.Uint64
@@ -74,6 +80,7 @@ func Open(cfg Config, log *slog.Logger) (p *Proxy, err error) {
 		prefill: &pool{role: discovery.RolePrefill, threshold: cfg.FailThreshold},
 		dec:     &pool{role: discovery.RoleDecode, threshold: cfg.FailThreshold},
 		stop:    make(chan struct{}),
+		auth:    newAdminAuth(cfg.RegisterToken),
 	}
 	p.m = newProxyMetrics(p)
 	now := time.Now()
@@ -97,6 +104,21 @@ func Open(cfg Config, log *slog.Logger) (p *Proxy, err error) {
 			_ = p.ln.Close()
 		}
 	}()
+	if cfg.AdminPort != 0 {
+		host := cfg.AdminHost
+		if host == "" {
+			host = cfg.Host
+		}
+		at := net.JoinHostPort(host, strconv.Itoa(cfg.AdminPort))
+		if p.adminLn, err = net.Listen("tcp", at); err != nil {
+			return nil, fmt.Errorf("proxy: admin port: listen on %s: %w", at, err)
+		}
+		defer func() {
+			if err != nil {
+				_ = p.adminLn.Close()
+			}
+		}()
+	}
 	if cfg.MetricsPort != 0 {
 		if p.metricsSrv, err = metrics.Serve(cfg.Host, cfg.MetricsPort, p.m.gatherer, p.log); err != nil {
 			return nil, fmt.Errorf("proxy: %w", err)
@@ -112,18 +134,57 @@ func Open(cfg Config, log *slog.Logger) (p *Proxy, err error) {
 		NoDefaultContentType:          true,
 		DisableHeaderNamesNormalizing: false,
 		CloseOnShutdown:               true,
+		HeaderReceived:                discoveryLimit,
+		ErrorHandler:                  p.readError,
 		Logger:                        quietLogger{p.log},
 	}
 	p.wg.Add(2)
-	go p.serve()
+	go p.serve(p.srv, p.ln)
 	go p.healthLoop()
+	if p.adminLn != nil {
+		p.adminSrv = &fasthttp.Server{
+			Name:                  "ecmooncake-proxy-admin",
+			Handler:               p.handleAdmin,
+			MaxRequestBodySize:    maxDiscoveryBody,
+			HeaderReceived:        discoveryLimit,
+			ErrorHandler:          p.readError,
+			ReadTimeout:           30 * time.Second,
+			IdleTimeout:           90 * time.Second,
+			NoDefaultServerHeader: true,
+			NoDefaultContentType:  true,
+			CloseOnShutdown:       true,
+			Logger:                quietLogger{p.log},
+		}
+		p.wg.Add(1)
+		go p.serve(p.adminSrv, p.adminLn)
+	}
+	discoveryAt := "off"
+	switch {
+	case !cfg.Discovery():
+	case p.adminLn != nil:
+		discoveryAt = "admin port " + p.adminLn.Addr().String()
+	default:
+		discoveryAt = "main port"
+	}
 	p.log.Info("proxy listening", "addr", p.ln.Addr().String(), "encoders", len(cfg.Encode), "pd", len(cfg.PD),
-		"prefill", len(cfg.Prefill), "decode", len(cfg.Decode), "retries", cfg.Retries)
+		"prefill", len(cfg.Prefill), "decode", len(cfg.Decode), "retries", cfg.Retries, "registration", discoveryAt)
+	if cfg.Discovery() && len(cfg.RegisterToken) < 16 {
+		p.log.Warn("the register token is short; anyone who guesses it can add backends", "length", len(cfg.RegisterToken), "want_at_least", 16)
+	}
 	return p, nil
 }
 
 // Addr is where the proxy listens.
 func (p *Proxy) Addr() string { return p.ln.Addr().String() }
+
+// AdminAddr is where the admin port listens, or "" when discovery is
+// served on the main port.
+func (p *Proxy) AdminAddr() string {
+	if p.adminLn == nil {
+		return ""
+	}
+	return p.adminLn.Addr().String()
+}
 
 // MetricsAddr is where the metrics port listens, or "" when it is off.
 func (p *Proxy) MetricsAddr() string {
@@ -133,10 +194,10 @@ func (p *Proxy) MetricsAddr() string {
 	return p.metricsSrv.Addr()
 }
 
-func (p *Proxy) serve() {
+func (p *Proxy) serve(srv *fasthttp.Server, ln net.Listener) {
 	defer p.wg.Done()
 	defer p.recover("serve")
-	if err := p.srv.Serve(p.ln); err != nil {
+	if err := srv.Serve(ln); err != nil {
 		p.log.Warn("proxy server stopped", "cause", err)
 	}
 }
@@ -234,6 +295,7 @@ func (p *Proxy) noteHealth(pl *pool, b *backend, err error) {
 // Stats are the proxy's counters.
 type Stats struct {
 	Addr        string                   `json:"addr"`
+	AdminAddr   string                   `json:"admin_addr,omitempty"`
 	MetricsAddr string                   `json:"metrics_addr,omitempty"`
 	Served      uint64                   `json:"requests_served"`
 	Backends    map[string][]BackendInfo `json:"backends"`
@@ -241,7 +303,7 @@ type Stats struct {
 
 // Stats returns a snapshot.
 func (p *Proxy) Stats() Stats {
-	return Stats{Addr: p.Addr(), MetricsAddr: p.MetricsAddr(), Served: p.served.Load(), Backends: p.backends()}
+	return Stats{Addr: p.Addr(), AdminAddr: p.AdminAddr(), MetricsAddr: p.MetricsAddr(), Served: p.served.Load(), Backends: p.backends()}
 }
 
 func (p *Proxy) backends() map[string][]BackendInfo {
@@ -264,7 +326,19 @@ func (p *Proxy) Close() error {
 		close(p.stop)
 		var errs []error
 		done := make(chan error, 1)
-		go func() { done <- p.srv.Shutdown() }()
+		go func() {
+			err := p.srv.Shutdown()
+			if p.adminSrv != nil {
+				err = errors.Join(err, p.adminSrv.Shutdown())
+			}
+			// Shutdown closes only the listeners Serve has taken; one
+			// whose Serve has not started yet must still go.
+			_ = p.ln.Close()
+			if p.adminLn != nil {
+				_ = p.adminLn.Close()
+			}
+			done <- err
+		}()
 		t := time.NewTimer(10 * time.Second)
 		defer t.Stop()
 		select {

@@ -61,7 +61,7 @@ func TestConfigValidation(t *testing.T) {
 		"fragment layout":           {`{"pd": ["http://h:8100#ec=tcp://h:15000&tp_size=2&dp_size=4"]}`, ""},
 		"unknown key":               {`{"pdd": []}`, "unknown field"},
 		"https backend":             {`{"pd": ["https://h:8100"]}`, "want http://host:port"},
-		"backend with a path":       {`{"encode": ["http://h:8100/v1"]}`, "no path"},
+		"backend with a path":       {`{"pd": ["http://a:1"], "encode": ["http://h:8100/v1"]}`, "no path"},
 		"bad fragment key":          {`{"pd": ["http://h:8100#colour=red"]}`, "unknown fragment key"},
 		"pd and prefill":            {`{"pd": ["http://a:1"], "prefill": ["http://b:1"], "decode": ["http://c:1"]}`, "not both"},
 		"prefill without decode":    {`{"prefill": ["http://b:1"]}`, "go together"},

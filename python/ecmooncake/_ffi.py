@@ -29,6 +29,8 @@ ECM_ERR_TIMEOUT = 5
 ECM_ERR_INTERNAL = 6
 ECM_ERR_UNAVAILABLE = 7
 
+ECM_MAX_SOURCES = 65536
+
 LIBRARY_NAME = "libecmooncake.so"
 LIBRARY_ENV = "ECMOONCAKE_LIBRARY"
 
@@ -108,6 +110,9 @@ class LibraryError(OSError):
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+# The process that loaded the library. A Go runtime does not survive
+# fork (its threads stay in the parent), so a child must not call in.
+_pid: int | None = None
 
 
 def candidates() -> list[Path]:
@@ -133,9 +138,18 @@ def loaded() -> bool:
 
 
 def lib() -> ctypes.CDLL:
-    """The loaded library, loading it on first use (thread-safe)."""
+    """The loaded library, loading it on first use (thread-safe).
+
+    Raises LibraryError in a child forked after the library was loaded:
+    the child's calls would hang (the library refuses them too)."""
     dll = _lib
     if dll is not None:
+        if _pid != os.getpid():
+            raise LibraryError(
+                f"libecmooncake was loaded in pid {_pid} and called from forked child {os.getpid()}; "
+                "load it after fork (use the library only in processes that did not inherit it loaded, "
+                "e.g. start workers with the 'spawn' method)"
+            )
         return dll
     with _lock:
         if _lib is None:
@@ -144,7 +158,7 @@ def lib() -> ctypes.CDLL:
 
 
 def _load() -> None:
-    global _lib
+    global _lib, _pid
     path = find()
     if path is None:
         tried = ", ".join(str(p) for p in candidates())
@@ -165,6 +179,7 @@ def _load() -> None:
         fn.restype = restype
         fn.argtypes = list(argtypes)
     _check_abi(dll, path)
+    _pid = os.getpid()
     _lib = dll
 
 

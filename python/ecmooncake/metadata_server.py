@@ -10,34 +10,65 @@ published into it must be restarted then.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
+
+from .tokens import TokenError, resolve
 
 TOKEN_ENV = "MC_METADATA_HTTP_TOKEN"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default %(default)s)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default %(default)s: this host only; engines on other hosts need "
+        "an address they reach, and then a token)",
+    )
     parser.add_argument("--port", type=int, default=8080, help="port; 0 picks a free one (default %(default)s)")
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        metavar="FILE",
+        help=f"require 'Authorization: Bearer TOKEN' on /metadata, TOKEN read from FILE (default: ${TOKEN_ENV}, "
+        "which Mooncake's engines send too; unset means no token)",
+    )
     parser.add_argument(
         "--token",
         default=None,
-        help=f"require 'Authorization: Bearer TOKEN' on /metadata (default: ${TOKEN_ENV}, "
-        "which Mooncake's engines send too; unset means no token)",
+        help="the token itself; visible to every user of the host in /proc/<pid>/cmdline, so prefer "
+        f"--token-file or ${TOKEN_ENV}",
+    )
+    parser.add_argument("--max-keys", type=int, default=0, help="most keys the store keeps (default 65536)")
+    parser.add_argument(
+        "--max-value-bytes", type=int, default=0, help="largest value; a larger PUT gets 413 (default 16 MiB)"
+    )
+    parser.add_argument(
+        "--max-total-bytes",
+        type=int,
+        default=0,
+        help="most bytes of keys and values together; a PUT past it (or past --max-keys) gets 507 (default 256 MiB)",
     )
 
 
 def main(args: argparse.Namespace) -> int:
     from .native import EcmError, MetadataServer
 
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    try:
+        token = resolve(
+            flag=args.token, file=args.token_file, env=TOKEN_ENV, what="metadata token",
+            flag_name="--token", file_name="--token-file",
+        )
+    except TokenError as exc:
+        print(f"metadata-server: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    limits = {"max_keys": args.max_keys, "max_value_bytes": args.max_value_bytes, "max_total_bytes": args.max_total_bytes}
     try:
-        server = MetadataServer(args.host, args.port, token=token)
+        server = MetadataServer(args.host, args.port, token=token, **limits)
     except EcmError as exc:
         print(f"metadata-server: {exc}", file=sys.stderr)
         return 1

@@ -113,7 +113,11 @@ def _call(name: str, *args: Any, out: bool = False) -> Any:
     message = _ffi.take_string(dll, err)
     text = _ffi.take_string(dll, out_json)
     if rc != _ffi.ECM_OK:
-        raise error_for(rc, f"{name}: {message or f'failed with status {rc}'}")
+        message = message or f"failed with status {rc}"
+        # Checks at the boundary already name the export.
+        if not message.startswith(f"{name}: "):
+            message = f"{name}: {message}"
+        raise error_for(rc, message)
     if not out:
         return None
     if text is None:
@@ -147,6 +151,33 @@ def with_mooncake_library(config: Any) -> Any:
     if not isinstance(parsed, dict) or parsed.get("transport") != "mooncake" or "mooncake_library" in parsed:
         return config
     return {**parsed, "mooncake_library": path}
+
+
+METADATA_TOKEN_ENV = "MC_METADATA_HTTP_TOKEN"
+
+
+def with_metadata_token(config: Any) -> Any:
+    """Fills ``mooncake_metadata_token`` from $MC_METADATA_HTTP_TOKEN.
+
+    Only for a consumer that serves a metadata store
+    (``mooncake_metadata_server``) and leaves the key out: Mooncake's
+    engines read the same variable and send it with every metadata request,
+    so the store it serves then refuses everyone else. Go reads no
+    environment variables, so Python passes it down. Anything else is
+    returned unchanged.
+    """
+    token = os.environ.get(METADATA_TOKEN_ENV)
+    if not token:
+        return config
+    parsed = config
+    if isinstance(config, (str, bytes)):
+        try:
+            parsed = json.loads(config)
+        except ValueError:
+            return config  # the library reports what is wrong with it
+    if not isinstance(parsed, dict) or not parsed.get("mooncake_metadata_server") or "mooncake_metadata_token" in parsed:
+        return config
+    return {**parsed, "mooncake_metadata_token": token}
 
 
 def configure(**settings: Any) -> None:
@@ -369,7 +400,7 @@ class Consumer(_Handle):
         ptr, nbytes, device = memory_of(slab, writable=True)
         self._slab = slab
         self.device = "cpu" if device < 0 else f"cuda:{device}"
-        encoded = _encode(with_mooncake_library(config), "consumer config")
+        encoded = _encode(with_metadata_token(with_mooncake_library(config)), "consumer config")
         if device < 0:
             self._bytes = np.asarray(_Region(slab, ptr, nbytes))
             self._open("ecm_consumer_open", encoded, c_void_p(ptr), c_uint64(nbytes))
@@ -539,14 +570,32 @@ class MetadataServer(_Handle):
     ``port=0`` picks a free port; :attr:`url` is the metadata connection
     string an engine on this host uses. With ``token`` set, every /metadata
     request must carry ``Authorization: Bearer <token>`` (what Mooncake sends
-    when MC_METADATA_HTTP_TOKEN is set).
+    when MC_METADATA_HTTP_TOKEN is set). It listens on loopback unless
+    ``host`` says otherwise. ``max_keys``, ``max_value_bytes`` and
+    ``max_total_bytes`` bound it (0: 65536 keys, 16 MiB, 256 MiB); a value
+    too large gets 413, a PUT into a full store 507.
     """
 
     kind = "metadata server"
 
-    def __init__(self, host: str = "0.0.0.0", port: int = 8080, token: str | None = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        token: str | None = None,
+        *,
+        max_keys: int = 0,
+        max_value_bytes: int = 0,
+        max_total_bytes: int = 0,
+    ):
         super().__init__()
-        config: dict[str, Any] = {"host": host, "port": int(port)}
+        config: dict[str, Any] = {
+            "host": host,
+            "port": int(port),
+            "max_keys": int(max_keys),
+            "max_value_bytes": int(max_value_bytes),
+            "max_total_bytes": int(max_total_bytes),
+        }
         if token:
             config["token"] = token
         self._open("ecm_metadata_server_open", _encode(config, "metadata server config"))
@@ -582,5 +631,6 @@ __all__ = [
     "error_for",
     "gpu_info",
     "memory_of",
+    "with_metadata_token",
     "with_mooncake_library",
 ]

@@ -16,6 +16,11 @@ import threading
 from typing import Any
 
 from .native import _call, _encode, _Handle
+from .tokens import TokenError, resolve
+
+# The register token: the proxy requires it on /v1/ecm/register and
+# /v1/ecm/deregister, and the register sidecar sends it.
+REGISTER_TOKEN_ENV = "ECMOONCAKE_REGISTER_TOKEN"
 
 
 class Proxy(_Handle):
@@ -84,11 +89,45 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600, help="seconds allowed per request, end to end (default %(default)s)")
     p.add_argument("--health-interval", type=float, default=2, help="seconds between /health checks of each backend (default %(default)s)")
     p.add_argument("--fail-threshold", type=int, default=3, help="consecutive failures that drop a backend (default %(default)s)")
-    p.add_argument("--no-register", action="store_true", help="refuse POST /v1/ecm/register (static lists only)")
+    p.add_argument("--no-register", action="store_true", help="refuse POST /v1/ecm/register even with a register token (static lists only)")
+    p.add_argument(
+        "--register-token-file",
+        default=None,
+        metavar="FILE",
+        help=f"file holding the bearer token that register and deregister calls must carry (default: ${REGISTER_TOKEN_ENV}; "
+        "with neither, registration is off)",
+    )
+    p.add_argument(
+        "--register-token",
+        default=None,
+        metavar="TOKEN",
+        help="the register token itself; visible to every user of the host in /proc/<pid>/cmdline, so prefer "
+        f"--register-token-file or ${REGISTER_TOKEN_ENV}",
+    )
+    p.add_argument(
+        "--admin-port",
+        type=int,
+        default=0,
+        help="serve /v1/ecm/register, /deregister and /backends on this port only, so that --port can be exposed alone "
+        "(default: on --port)",
+    )
+    p.add_argument("--admin-host", default="", help="address of the admin port (default: --host)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
 
 
-def proxy_config(args: argparse.Namespace) -> dict[str, Any]:
+def register_token(args: argparse.Namespace, flag: str = "register_token", file: str = "register_token_file") -> str | None:
+    dashed = flag.replace("_", "-")
+    return resolve(
+        flag=getattr(args, flag),
+        file=getattr(args, file),
+        env=REGISTER_TOKEN_ENV,
+        what="register token",
+        flag_name=f"--{dashed}",
+        file_name=f"--{file.replace('_', '-')}",
+    )
+
+
+def proxy_config(args: argparse.Namespace, token: str | None = None) -> dict[str, Any]:
     return {
         "host": args.host,
         "port": args.port,
@@ -104,6 +143,9 @@ def proxy_config(args: argparse.Namespace) -> dict[str, Any]:
         "health_interval_s": args.health_interval,
         "fail_threshold": args.fail_threshold,
         "allow_register": not args.no_register,
+        "register_token": token or "",
+        "admin_port": args.admin_port,
+        "admin_host": args.admin_host,
     }
 
 
@@ -116,10 +158,22 @@ def add_register_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--host-id", default="", help="machine identity shown by the proxy (default: none)")
     p.add_argument("--ttl", type=float, default=10, help="seconds the proxy keeps the entry without a heartbeat (default %(default)s)")
+    p.add_argument(
+        "--token-file",
+        default=None,
+        metavar="FILE",
+        help=f"file holding the proxies' register token (default: ${REGISTER_TOKEN_ENV})",
+    )
+    p.add_argument(
+        "--token",
+        default=None,
+        metavar="TOKEN",
+        help=f"the register token itself; visible in /proc/<pid>/cmdline, so prefer --token-file or ${REGISTER_TOKEN_ENV}",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
 
 
-def register_config(args: argparse.Namespace) -> dict[str, Any]:
+def register_config(args: argparse.Namespace, token: str | None = None) -> dict[str, Any]:
     return {
         "proxies": args.proxy,
         "role": args.role,
@@ -129,6 +183,7 @@ def register_config(args: argparse.Namespace) -> dict[str, Any]:
         "dp_size": args.dp_size,
         "host": args.host_id,
         "ttl_s": args.ttl,
+        "token": token or "",
     }
 
 
@@ -151,20 +206,48 @@ def _run_until_signal(obj: _Handle, banner: str) -> int:
 def proxy_main(args: argparse.Namespace) -> int:
     from .native import configure
 
+    try:
+        token = register_token(args)
+    except TokenError as exc:
+        print(f"proxy: {exc}", file=sys.stderr)
+        return 2
+    from .native import EcmInvalid
+
     configure(log_level=args.log_level)
-    proxy = Proxy(proxy_config(args))
+    try:
+        proxy = Proxy(proxy_config(args, token))
+    except EcmInvalid as exc:
+        print(f"proxy: {exc}", file=sys.stderr)
+        return 2
     stats = proxy.stats()
     banner = f"ecmooncake proxy listening on http://{stats['addr']}"
     if stats.get("metrics_addr"):
         banner += f" (metrics also on http://{stats['metrics_addr']}/metrics)"
+    if not token or args.no_register:
+        banner += "; registration off"
+    elif stats.get("admin_addr"):
+        banner += f"; registration on the admin port http://{stats['admin_addr']}"
+    else:
+        banner += "; registration on (bearer token)"
     return _run_until_signal(proxy, banner)
 
 
 def register_main(args: argparse.Namespace) -> int:
     from .native import configure
 
+    try:
+        token = register_token(args, "token", "token_file")
+    except TokenError as exc:
+        print(f"register: {exc}", file=sys.stderr)
+        return 2
+    if not token:
+        print(
+            f"register: warning: no register token (--token-file or ${REGISTER_TOKEN_ENV}); a proxy refuses registrations without one",
+            file=sys.stderr,
+            flush=True,
+        )
     configure(log_level=args.log_level)
-    reg = Registrar(register_config(args))
+    reg = Registrar(register_config(args, token))
     return _run_until_signal(reg, f"registering {args.role} {args.url} with {', '.join(args.proxy)}")
 
 

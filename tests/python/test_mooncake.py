@@ -47,12 +47,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _http(method: str, url: str, body: dict | None = None) -> tuple[int, bytes]:
+def _http(method: str, url: str, body: object = None, token: str | None = None) -> tuple[int, bytes]:
     """One request as Mooncake's HTTP metadata plugin sends it."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method)
     if data is not None:
         req.add_header("Content-Type", "application/json")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=3) as resp:
             return resp.status, resp.read()
@@ -110,6 +112,70 @@ def test_metadata_server_object():
 def test_metadata_server_token():
     with MetadataServer(IP, 0, token="s3cret") as server:
         assert _http("PUT", _key_url(server.url, "k"), {"a": 1})[0] == 401
+        assert _http("PUT", _key_url(server.url, "k"), {"a": 1}, token="s3cret")[0] == 200
+
+
+def test_metadata_server_is_bounded():
+    with MetadataServer(port=0, max_keys=2, max_value_bytes=1024, max_total_bytes=4096) as server:
+        assert server.url.startswith("http://127.0.0.1:"), "loopback by default"
+        status, body = _http("PUT", _key_url(server.url, "big"), "x" * 2000)
+        assert status == 413 and b"1024" in body
+        assert _http("PUT", _key_url(server.url, "a"), 1)[0] == 200
+        assert _http("PUT", _key_url(server.url, "b"), 2)[0] == 200
+        status, body = _http("PUT", _key_url(server.url, "c"), 3)
+        assert status == 507 and b"store full" in body
+        assert _http("PUT", _key_url(server.url, "a"), "overwrite")[0] == 200
+        stats = server.stats()
+        assert stats["too_large"] == 1 and stats["store_full"] == 1 and stats["keys"] == 2
+        assert (stats["max_keys"], stats["max_value_bytes"], stats["max_total_bytes"]) == (2, 1024, 4096)
+    with pytest.raises(native.EcmInvalid, match="max_value_bytes"):
+        MetadataServer(port=0, max_value_bytes=1 << 20, max_total_bytes=1024)
+
+
+def test_metadata_server_cli_token_file_and_loopback(tmp_path):
+    token_file = tmp_path / "metadata.token"
+    token_file.write_text("file-token\n")
+    token_file.chmod(0o600)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ecmooncake", "metadata-server", "--port", "0", "--token-file", str(token_file), "--max-keys", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(MC_METADATA_HTTP_TOKEN="env-token"),
+    )
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), (url, proc.stderr.read() if proc.poll() is not None else "")
+        assert _http("PUT", _key_url(url, "k"), 1)[0] == 401
+        assert _http("PUT", _key_url(url, "k"), 1, token="env-token")[0] == 401, "the file wins over the environment"
+        assert _http("PUT", _key_url(url, "k"), 1, token="file-token")[0] == 200
+        assert _http("PUT", _key_url(url, "k2"), 1, token="file-token")[0] == 507
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            assert b"file-token" not in f.read()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(
+    "config, env, want",
+    [
+        ({"mooncake_metadata_server": "h:1"}, "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "t"}),
+        ('{"mooncake_metadata_server": "h:1"}', "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "t"}),
+        ({"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "mine"}, "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "mine"}),
+        ({"transport": "mooncake"}, "t", {"transport": "mooncake"}),
+        ({"mooncake_metadata_server": "h:1"}, None, {"mooncake_metadata_server": "h:1"}),
+    ],
+)
+def test_metadata_token_comes_from_the_environment(monkeypatch, config, env, want):
+    if env is None:
+        monkeypatch.delenv(native.METADATA_TOKEN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(native.METADATA_TOKEN_ENV, env)
+    assert native.with_metadata_token(config) == want
 
 
 @pytest.mark.parametrize(
@@ -198,3 +264,18 @@ def test_consumer_serves_the_metadata_store(workers, double, monkeypatch):
     producer = {"transport": "mooncake", "mooncake_host": IP, "mooncake_metadata": url, "control_timeout_s": 10, "push_wait_timeout_s": 30}
     _round_trip(workers, port, 1, {"mooncake_metadata_server": store}, producer, "http")
     assert _http("GET", f"http://{store}/health") == (200, b"ok")
+
+
+def test_the_store_a_consumer_serves_takes_the_engines_token(workers, double, monkeypatch):
+    """With MC_METADATA_HTTP_TOKEN set (Mooncake's engines send it), the
+    store a consumer serves requires it: both engines still find each other,
+    anyone else is refused."""
+    monkeypatch.setenv(native.MOONCAKE_LIBRARY_ENV, str(double))
+    monkeypatch.setenv(native.METADATA_TOKEN_ENV, "deployment-metadata-token")
+    port = free_port_range(1, IP)
+    store = f"{IP}:{_free_port()}"
+    url = f"http://{store}/metadata"
+    producer = {"transport": "mooncake", "mooncake_host": IP, "mooncake_metadata": url, "control_timeout_s": 10, "push_wait_timeout_s": 30}
+    _round_trip(workers, port, 1, {"mooncake_metadata_server": store}, producer, "http-token")
+    assert _http("PUT", _key_url(url, "mooncake/ram/rogue"), {"buffers": []})[0] == 401
+    assert _http("GET", _key_url(url, "mooncake/ram/rogue"), token="deployment-metadata-token")[0] == 404

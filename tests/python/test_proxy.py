@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -53,10 +54,19 @@ def pd_server():
     srv.server_close()
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return resp.status, json.loads(resp.read())
+TOKEN = "python-test-register-token"
+
+
+def _post(url: str, body: dict, token: str | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 def _wait(cond, what: str, timeout: float = 10.0) -> None:
@@ -79,8 +89,8 @@ def test_proxy_forwards_and_reports(library, pd_server):
 
 
 def test_registrar_adds_a_consumer(library, pd_server):
-    with Proxy({"host": "127.0.0.1", "port": 0}) as proxy:
-        reg = Registrar({"proxies": [f"http://{proxy.address}"], "role": "pd", "url": pd_server, "consumer": "tcp://127.0.0.1:15000", "dp_size": 2, "ttl_s": 2})
+    with Proxy({"host": "127.0.0.1", "port": 0, "register_token": TOKEN}) as proxy:
+        reg = Registrar({"proxies": [f"http://{proxy.address}"], "role": "pd", "url": pd_server, "consumer": "tcp://127.0.0.1:15000", "dp_size": 2, "ttl_s": 2, "token": TOKEN})
         _wait(lambda: len(proxy.backends()["pd"]) == 1, "the registration reaches the proxy")
         assert proxy.backends()["pd"][0]["dp_size"] == 2
         for _ in range(2):
@@ -90,6 +100,27 @@ def test_registrar_adds_a_consumer(library, pd_server):
         assert reg.stats()["heartbeats"] >= 1
         reg.close()
         assert proxy.backends()["pd"] == []
+
+
+def test_registration_needs_the_token(library, pd_server):
+    reg = {"role": "pd", "url": pd_server, "consumer": "tcp://127.0.0.1:15000"}
+    with Proxy({"host": "127.0.0.1", "port": 0, "pd": ["http://127.0.0.1:1"]}) as proxy:
+        code, body = _post(f"http://{proxy.address}/v1/ecm/register", reg, token=TOKEN)
+        assert code == 403 and "registration is off" in body["error"]["message"]
+    with Proxy({"host": "127.0.0.1", "port": 0, "register_token": TOKEN}) as proxy:
+        anon = Registrar({"proxies": [f"http://{proxy.address}"], **reg, "ttl_s": 2})
+        _wait(lambda: anon.stats()["failures"] > 0, "the registrar without a token is refused")
+        assert "401" in anon.stats()["last_error"][f"http://{proxy.address}"]
+        anon.close()
+        assert proxy.backends()["pd"] == []
+        code, _ = _post(f"http://{proxy.address}/v1/ecm/register", reg, token="wrong")
+        assert code == 401 and proxy.backends()["pd"] == []
+        assert 'ecm_proxy_registration_refusals_total{op="register",reason="bad_token"} 1' in _get(f"http://{proxy.address}/metrics")
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()
 
 
 def test_bad_settings_are_refused(library):
@@ -132,6 +163,81 @@ def test_command_line_runs_until_sigterm(library, pd_server):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_command_lines_take_the_token_from_env_and_file(library, pd_server, tmp_path):
+    port, admin = _free_port(), _free_port()
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "ecmooncake", "proxy", "--host", "127.0.0.1", "--port", str(port), "--admin-port", str(admin)],
+        env=subprocess_env(ECMOONCAKE_REGISTER_TOKEN=TOKEN), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    sidecar = None
+    try:
+        banner = proxy.stdout.readline()
+        assert f"registration on the admin port http://127.0.0.1:{admin}" in banner, banner + proxy.stderr.read()
+        sidecar = subprocess.Popen(
+            [sys.executable, "-m", "ecmooncake", "register", "--proxy", f"http://127.0.0.1:{admin}", "--role", "pd",
+             "--url", pd_server, "--consumer", "tcp://127.0.0.1:15000", "--ttl", "3", "--token-file", str(token_file)],
+            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        _wait(lambda: pd_server in _get(f"http://127.0.0.1:{admin}/v1/ecm/backends"), "the sidecar registers with the token from its file")
+        with open(f"/proc/{sidecar.pid}/cmdline", "rb") as f:
+            assert TOKEN.encode() not in f.read()
+        code, _ = _post(f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+        assert code == 200
+        code, _ = _post(f"http://127.0.0.1:{port}/v1/ecm/register", {}, token=TOKEN)
+        assert code == 404, "the user port serves no discovery when an admin port is set"
+        sidecar.send_signal(signal.SIGTERM)
+        assert sidecar.wait(timeout=20) == 0
+        assert pd_server not in _get(f"http://127.0.0.1:{admin}/v1/ecm/backends"), "deregistered with the token"
+        proxy.send_signal(signal.SIGTERM)
+        assert proxy.wait(timeout=20) == 0
+    finally:
+        for p in (sidecar, proxy):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+
+
+def test_command_line_without_backends_or_token_says_what_is_missing(library):
+    out = subprocess.run([sys.executable, "-m", "ecmooncake", "proxy", "--host", "127.0.0.1", "--port", str(_free_port())],
+                         env=subprocess_env(ECMOONCAKE_REGISTER_TOKEN=""), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "registration is off" in out.stderr and "--register-token-file" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_token_flag_warns_and_token_files_are_checked(tmp_path):
+    from ecmooncake.proxy import add_proxy_arguments, register_token
+    from ecmooncake.tokens import TokenError
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_proxy_arguments(parser)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(TokenError, match="empty"):
+        register_token(parser.parse_args(["--register-token-file", str(empty)]))
+    with pytest.raises(TokenError, match="not both"):
+        register_token(parser.parse_args(["--register-token-file", str(empty), "--register-token", "x"]))
+    with pytest.raises(TokenError, match="cannot read"):
+        register_token(parser.parse_args(["--register-token-file", str(tmp_path / "missing")]))
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, argparse; from ecmooncake.proxy import add_proxy_arguments, register_token;"
+         "p = argparse.ArgumentParser(); add_proxy_arguments(p); print(register_token(p.parse_args(sys.argv[1:])))",
+         "--register-token", "flagtoken"],
+        env=subprocess_env(ECMOONCAKE_REGISTER_TOKEN="envtoken"), capture_output=True, text=True, timeout=60,
+    )
+    assert out.stdout.strip() == "flagtoken"
+    assert "/cmdline" in out.stderr and "--register-token-file" in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-c", "import argparse; from ecmooncake.proxy import add_proxy_arguments, register_token;"
+         "p = argparse.ArgumentParser(); add_proxy_arguments(p); print(register_token(p.parse_args([])))"],
+        env=subprocess_env(ECMOONCAKE_REGISTER_TOKEN="envtoken"), capture_output=True, text=True, timeout=60,
+    )
+    assert out.stdout.strip() == "envtoken" and out.stderr == ""
 
 
 def test_console_script_help():

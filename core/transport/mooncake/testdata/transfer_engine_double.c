@@ -298,10 +298,14 @@ static int http_call(engine_t *e, const char *method, const char *key, const cha
     struct timeval tv = {3, 0};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     size_t plen = payload ? strlen(payload) : 0;
+    /* As Mooncake's plugin: a bearer token from the environment when set. */
+    char auth[512] = "";
+    const char *token = getenv("MC_METADATA_HTTP_TOKEN");
+    if (token && *token) snprintf(auth, sizeof auth, "Authorization: Bearer %s\r\n", token);
     int n = snprintf(req, sizeof req,
-                     "%s %s?key=%s HTTP/1.1\r\nHost: %s:%d\r\nConnection: close\r\n%s"
+                     "%s %s?key=%s HTTP/1.1\r\nHost: %s:%d\r\nConnection: close\r\n%s%s"
                      "Content-Length: %zu\r\n\r\n%s",
-                     method, e->mpath, esc, e->mhost, e->mport, payload ? "Content-Type: application/json\r\n" : "", plen,
+                     method, e->mpath, esc, e->mhost, e->mport, auth, payload ? "Content-Type: application/json\r\n" : "", plen,
                      payload ? payload : "");
     if (n < 0 || (size_t)n >= sizeof req || write_all(fd, req, (size_t)n) != 0) {
         close(fd);

@@ -1,0 +1,204 @@
+"""The raw C exports refuse bad arguments before doing any work, and refuse
+every call from a child forked after the library was loaded, instead of
+hanging, aborting the process or leaving an object nobody can close."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import time
+from ctypes import byref, c_char_p, c_int32, c_uint64, c_void_p
+
+import pytest
+
+from ecmooncake import _ffi, native
+
+pytestmark = pytest.mark.usefixtures("library")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _raw(name: str, *args) -> tuple[int, str | None]:
+    """Calls an export with args + (&err,); returns (status, message)."""
+    dll = _ffi.lib()
+    err = c_void_p()
+    rc = getattr(dll, name)(*args, byref(err))
+    return rc, _ffi.take_string(dll, err)
+
+
+def _consumer_config(port: int) -> bytes:
+    return json.dumps({"ec_ip": "127.0.0.1", "ec_port": port}).encode()
+
+
+def test_consumer_open_with_null_out_opens_nothing():
+    port = _free_port()
+    slab = (ctypes.c_uint8 * (1 << 20))()
+    rc, msg = _raw("ecm_consumer_open", _consumer_config(port), ctypes.addressof(slab), len(slab), None)
+    assert rc == _ffi.ECM_ERR_INVALID
+    assert "out is NULL" in msg
+    # Had it opened a shard, the port would still be bound by a shard that
+    # no handle names.
+    out = c_uint64()
+    rc, msg = _raw("ecm_consumer_open", _consumer_config(port), ctypes.addressof(slab), len(slab), byref(out))
+    assert rc == _ffi.ECM_OK, msg
+    assert _raw("ecm_close", out.value) == (_ffi.ECM_OK, None)
+
+
+def test_metadata_server_open_with_null_out_opens_nothing():
+    port = _free_port()
+    cfg = json.dumps({"port": port}).encode()
+    rc, msg = _raw("ecm_metadata_server_open", cfg, None)
+    assert rc == _ffi.ECM_ERR_INVALID and "out is NULL" in msg
+    out = c_uint64()
+    rc, msg = _raw("ecm_metadata_server_open", cfg, byref(out))
+    assert rc == _ffi.ECM_OK, msg
+    assert _raw("ecm_close", out.value)[0] == _ffi.ECM_OK
+
+
+@pytest.mark.parametrize(
+    "name, args",
+    [
+        ("ecm_abi_version", (None,)),
+        ("ecm_gpu_info", (None,)),
+        ("ecm_stats", (1, None)),
+        ("ecm_consumer_info", (1, None)),
+        ("ecm_consumer_acquire", (1, b"{}", None)),
+        ("ecm_consumer_release", (1, b"{}", None)),
+        ("ecm_producer_open", (b"{}", None)),
+        ("ecm_producer_submit", (1, b"{}", None)),
+        ("ecm_producer_poll", (1, 0, None)),
+        ("ecm_scheduler_open", (b"{}", None)),
+        ("ecm_scheduler_step", (1, b"{}", None)),
+        ("ecm_scheduler_has", (1, b"h", None)),
+        ("ecm_scheduler_wait", (1, b"{}", 0, None)),
+        # Would run a 1 GiB loopback benchmark before finding nowhere to
+        # write its answer.
+        ("ecm_bench_tcp_loopback", (b"{}", None)),
+        ("ecm_proxy_open", (b'{"host": "127.0.0.1", "port": 0, "pd": ["http://127.0.0.1:1"]}', None)),
+        ("ecm_registrar_open", (b'{"proxies": ["http://127.0.0.1:1"], "role": "encode", "url": "http://127.0.0.1:2"}', None)),
+        ("ecm_metrics_text", (None,)),
+    ],
+)
+def test_null_out_is_refused(name, args):
+    start = time.monotonic()
+    rc, msg = _raw(name, *args)
+    assert rc == _ffi.ECM_ERR_INVALID, (rc, msg)
+    assert f"{name}: out" in msg and "is NULL" in msg
+    assert time.monotonic() - start < 5, "refused before any work"
+
+
+@pytest.mark.parametrize("count", [_ffi.ECM_MAX_SOURCES + 1, 1 << 62, (1 << 64) - 1])
+def test_lying_count_is_refused(count):
+    with native.Producer({}) as p:
+        rc, msg = _raw("ecm_producer_sources", p.handle, count, None, None, None, None)
+        assert rc == _ffi.ECM_ERR_INVALID
+        assert f"n = {count}" in msg and str(_ffi.ECM_MAX_SOURCES) in msg
+        rc, msg = _raw("ecm_producer_sources_device", p.handle, count, None, None, None, None, None, None)
+        assert rc == _ffi.ECM_ERR_INVALID and f"n = {count}" in msg
+
+
+def test_null_arrays_and_lying_lengths_are_refused():
+    with native.Producer({}) as p:
+        rc, msg = _raw("ecm_producer_sources", p.handle, 2, None, None, None, None)
+        assert rc == _ffi.ECM_ERR_INVALID and "mm_hashes is NULL" in msg
+        hashes = (c_char_p * 1)(b"h")
+        ptrs = (c_void_p * 1)(None)
+        nbytes = (c_uint64 * 1)(16)
+        out = (c_uint64 * 1)()
+        rc, msg = _raw("ecm_producer_sources", p.handle, 1, hashes, ptrs, nbytes, out)
+        assert rc == _ffi.ECM_ERR_INVALID and "NULL" in msg and "16 bytes" in msg
+        buf = (ctypes.c_uint8 * 16)()
+        ptrs[0] = ctypes.addressof(buf)
+        nbytes[0] = (1 << 64) - 1
+        rc, msg = _raw("ecm_producer_sources", p.handle, 1, hashes, ptrs, nbytes, out)
+        assert rc == _ffi.ECM_ERR_INVALID and "address space" in msg
+        assert p.stats() is not None, "the producer still answers"
+    slab = (ctypes.c_uint8 * 256)()
+    out = c_uint64()
+    rc, msg = _raw("ecm_consumer_open", _consumer_config(_free_port()), None, 1 << 20, byref(out))
+    assert rc == _ffi.ECM_ERR_INVALID and "slab is NULL" in msg
+    rc, msg = _raw("ecm_consumer_open", _consumer_config(_free_port()), ctypes.addressof(slab), 1 << 63, byref(out))
+    assert rc == _ffi.ECM_ERR_INVALID and "address space" in msg
+
+
+def _in_child(body, timeout: float = 30.0) -> dict:
+    """Runs body() in a forked child; returns the dict it returned. A child
+    that hangs is killed, and the test fails instead of blocking."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 3
+        try:
+            os.close(r)
+            signal.alarm(int(timeout) + 5)
+            out = body()
+            os.write(w, json.dumps(out).encode())
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            try:
+                os.write(w, json.dumps({"exception": repr(exc)}).encode())
+            except OSError:
+                pass
+        finally:
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(r)
+            pytest.fail(f"the forked child hung for {timeout}s instead of failing")
+        time.sleep(0.02)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (status, data)
+    return json.loads(data)
+
+
+def test_forked_child_fails_clearly_instead_of_hanging():
+    dll = _ffi.lib()
+    parent = os.getpid()
+    # A producer with its goroutines and ZMQ threads running: the state in
+    # which a child's calls used to hang.
+    p = native.Producer({})
+    try:
+
+        def child() -> dict:
+            out = {}
+            err, h = c_void_p(), c_uint64()
+            rc = dll.ecm_producer_open(b"{}", byref(h), byref(err))
+            out["open"] = (rc, _ffi.take_string(dll, err))
+            rc = dll.ecm_close(p.handle, byref(err))
+            out["close"] = (rc, _ffi.take_string(dll, err))
+            v = c_int32(-1)
+            rc = dll.ecm_abi_version(byref(v), byref(err))
+            out["abi"] = (rc, _ffi.take_string(dll, err))
+            try:
+                native.Producer({})
+                out["python"] = None
+            except Exception as exc:  # noqa: BLE001
+                out["python"] = f"{type(exc).__name__}: {exc}"
+            out["pid"] = os.getpid()
+            return out
+
+        got = _in_child(child)
+        want = f"libecmooncake was loaded in pid {parent} and called from forked child {got['pid']}; load it after fork"
+        for call in ("open", "close", "abi"):
+            rc, msg = got[call]
+            assert rc == _ffi.ECM_ERR_STATE, (call, got[call])
+            assert want in msg, (call, msg)
+        assert got["python"] is not None and want in got["python"]
+        assert isinstance(p.stats(), dict), "the parent's producer is untouched"
+    finally:
+        p.close()
