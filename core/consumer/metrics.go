@@ -21,6 +21,8 @@ func (s *Shard) probe(e *metrics.Emitter) {
 	e.Set(metrics.ResidentBytes, float64(st.Table.ResidentBytes))
 	e.Set(metrics.ReceivedBytes, float64(st.Data.Bytes), s.cfg.Transport)
 	e.Set(metrics.ReceivedFrames, float64(st.Data.Frames), s.cfg.Transport)
+	e.Set(metrics.CompletedItems, float64(st.Table.Completed))
+	e.Set(metrics.CompletedBytes, float64(st.Table.CompletedBytes))
 	for reason, n := range st.Data.Rejected {
 		e.Set(metrics.RejectedWrites, float64(n), reason)
 	}

@@ -15,6 +15,8 @@ const (
 	SlabBytesInUse    = "ecm_slab_bytes_in_use"
 	ResidentBytes     = "ecm_resident_bytes"
 	ReceivedBytes     = "ecm_received_bytes_total"
+	CompletedItems    = "ecm_completed_items_total"
+	CompletedBytes    = "ecm_completed_bytes_total"
 	ReceivedFrames    = "ecm_received_frames_total"
 	RejectedWrites    = "ecm_rejected_writes_total"
 	DataConnsClosed   = "ecm_data_conns_closed_total"
@@ -43,6 +45,8 @@ var table = map[string]spec{
 	SlabBytesInUse:    {"Consumer shard: slab bytes held by reservations and resident copies.", prometheus.GaugeValue, nil},
 	ResidentBytes:     {"Consumer shard: bytes kept as resident copies after the engine freed them.", prometheus.GaugeValue, nil},
 	ReceivedBytes:     {"Consumer shard: bytes landed by the data plane, by transport.", prometheus.CounterValue, []string{"transport"}},
+	CompletedItems:    {"Consumer shard: items whose writer completed them (ready to load), any data plane.", prometheus.CounterValue, nil},
+	CompletedBytes:    {"Consumer shard: bytes of the items whose writer completed them, any data plane.", prometheus.CounterValue, nil},
 	ReceivedFrames:    {"Consumer shard: frames landed by the data plane, by transport.", prometheus.CounterValue, []string{"transport"}},
 	RejectedWrites:    {"Consumer shard: data-plane writes refused, by reason.", prometheus.CounterValue, []string{"reason"}},
 	DataConnsClosed:   {"Consumer shard: data-plane connections closed or refused to protect the shard, by reason (limit, evicted, idle, frame_timeout, peer_uid, bad_hello, bad_nonce).", prometheus.CounterValue, []string{"reason"}},

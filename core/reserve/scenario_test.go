@@ -515,6 +515,8 @@ func TestResidentHashReservedManyTimes(t *testing.T) {
 	s := h.tab.Stats()
 	require.Equal(t, 1, s.Transfers)
 	require.Equal(t, 100, s.Tombstones)
+	require.Equal(t, uint64(1), s.Completed, "a cached answer is no completed write")
+	require.Equal(t, uint64(1000), s.CompletedBytes)
 	require.LessOrEqual(t, cap(h.tab.tomb.queue), 400, "the tombstone queue's backing array stays bounded")
 	require.NoError(t, h.tab.CheckInvariants())
 }

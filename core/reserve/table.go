@@ -178,6 +178,11 @@ type Stats struct {
 	Transfers      int // live transfer records
 	Tombstones     int
 	Evictions      uint64
+	// Completed and CompletedBytes count regions the writer completed, so
+	// the items this shard received whatever the data plane (a one-sided
+	// write, shm or RDMA, passes no receiver of the shard's own).
+	Completed      uint64
+	CompletedBytes uint64
 	RejectedWrites Rejections
 	UnmatchedEnds  uint64 // EndWrite calls with no write in flight
 }
@@ -208,6 +213,8 @@ type Table struct {
 	cancelled     uint64
 	expired       uint64
 	evictions     uint64
+	completed     uint64
+	completedB    uint64
 
 	// broken records the first internal inconsistency (an illegal
 	// transition or a refused free); CheckInvariants reports it.
@@ -583,6 +590,8 @@ func (t *Table) Complete(res ids.ResID, tok ids.Token, now time.Time) error {
 		return t.fault(err)
 	}
 	t.setDeadline(r, now.Add(t.cfg.Lease))
+	t.completed++
+	t.completedB += r.nbytes
 	if w := r.writer; w != nil {
 		t.emit(w, true, "")
 		w.done = true
@@ -772,6 +781,8 @@ func (t *Table) Stats() Stats {
 		Transfers:      len(t.transfers),
 		Tombstones:     t.tomb.len(),
 		Evictions:      t.evictions,
+		Completed:      t.completed,
+		CompletedBytes: t.completedB,
 		RejectedWrites: t.rejected,
 		UnmatchedEnds:  t.unmatchedEnds,
 	}
