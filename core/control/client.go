@@ -337,13 +337,16 @@ func (c *Client) setRefused(_ string, err error) {
 // on a backoff, so that a server whose settings were fixed is reached
 // again without a new client. Owner only.
 func (c *Client) redial() error {
-	for _, ep := range c.hs.due(time.Now()) {
-		if err := c.sock.Disconnect(ep); err != nil && isTerm(err) {
-			return fmt.Errorf("disconnect: %w", err)
-		}
-		if err := c.sock.Connect(ep); err != nil {
-			return fmt.Errorf("reconnect %s: %w", ep, err)
-		}
+	// One server per client: whatever name libzmq gave it, the endpoint
+	// to renew is the one connected.
+	if len(c.hs.due(time.Now())) == 0 {
+		return nil
+	}
+	if err := c.sock.Disconnect(c.target); err != nil && isTerm(err) {
+		return fmt.Errorf("disconnect: %w", err)
+	}
+	if err := c.sock.Connect(c.target); err != nil {
+		return fmt.Errorf("reconnect %s: %w", c.target, err)
 	}
 	return nil
 }

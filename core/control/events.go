@@ -309,6 +309,10 @@ func (s *EventSub) loop() error {
 		}
 		s.serveConnects()
 		for _, ep := range s.hs.due(time.Now()) {
+			if !s.connected[ep] {
+				s.hs.forget(ep) // not a name we connected to: nothing to renew
+				continue
+			}
 			_ = s.sock.Disconnect(ep)
 			if err := s.sock.Connect(ep); err != nil {
 				s.log.Warn("control: reconnect events failed", "peer", ep, "err", err)

@@ -193,6 +193,9 @@ func newHandshakes(zctx *zmq.Context, sock *zmq.Socket, sec Security, log *slog.
 // only.
 func (h *handshakes) watch(now time.Time, changed func(endpoint string, err error)) {
 	readEvents(h.mon, func(ev zmq.Event, ep string, value int) {
+		// libzmq may name the peer IPv4-mapped; the sockets here connect
+		// to plain IPv4.
+		ep = unmapped(ep)
 		st := h.states[ep]
 		if st == nil {
 			st = &handshakeState{}

@@ -225,7 +225,14 @@ func TestClientRecoversOnceTheServerIsFixed(t *testing.T) {
 	require.ErrorIs(t, err, ErrAuth)
 	require.NoError(t, plain.Close())
 
-	startServer(t, zctx, ep, HandlerFunc(statusEcho), WithServerSecurity(sec))
+	// libzmq releases a closed socket's port on its own thread, a moment
+	// after Close returns.
+	var fixed *Server
+	eventually(t, func() bool {
+		fixed, err = NewServer(zctx, ep, HandlerFunc(statusEcho), nil, WithServerSecurity(sec))
+		return err == nil
+	})
+	t.Cleanup(func() { require.NoError(t, fixed.Close()) })
 	eventually(t, func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
