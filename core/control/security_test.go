@@ -388,3 +388,61 @@ func eventually(t *testing.T, cond func() bool) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+// BenchmarkCurveCost measures what CURVE adds to a control round trip:
+// each iteration makes one call on a plain client/server pair and one on a
+// CURVE pair, timed apart, so both see the same machine load. x-plain is
+// the CURVE round trip as a ratio to the plain one.
+func BenchmarkCurveCost(b *testing.B) {
+	zctx, err := zmq.NewContext()
+	require.NoError(b, err)
+	defer zctx.Term()
+	sec, err := NewSecurity(secretA, false)
+	require.NoError(b, err)
+	pair := func(opts ...ServerOption) (*Server, *Client) {
+		srv, err := NewServer(zctx, "tcp://127.0.0.1:0", HandlerFunc(statusEcho), nil, opts...)
+		require.NoError(b, err)
+		var copts []ClientOption
+		if len(opts) > 0 {
+			copts = append(copts, WithClientSecurity(sec))
+		}
+		cli, err := Dial(zctx, srv.Endpoint(), nil, copts...)
+		require.NoError(b, err)
+		return srv, cli
+	}
+	plainSrv, plain := pair()
+	defer plainSrv.Close()
+	defer plain.Close()
+	curveSrv, curve := pair(WithServerSecurity(sec))
+	defer curveSrv.Close()
+	defer curve.Close()
+	ctx := context.Background()
+
+	for _, size := range []int{4, 256} {
+		// A status of n ids is about the size of a reserve_batch of n
+		// items, and its reply of a reserve_batch reply.
+		body := wire.Status{TransferIDs: names("transfer-id-", size)}
+		for _, c := range []*Client{plain, curve} {
+			require.NoError(b, c.Call(ctx, wire.OpStatus, body, nil)) // connect
+		}
+		b.Run("ids="+strconv.Itoa(size), func(b *testing.B) {
+			var tPlain, tCurve time.Duration
+			for b.Loop() {
+				start := time.Now()
+				if err := plain.Call(ctx, wire.OpStatus, body, nil); err != nil {
+					b.Fatal(err)
+				}
+				mid := time.Now()
+				if err := curve.Call(ctx, wire.OpStatus, body, nil); err != nil {
+					b.Fatal(err)
+				}
+				tPlain += mid.Sub(start)
+				tCurve += time.Since(mid)
+			}
+			n := time.Duration(b.N)
+			b.ReportMetric(float64(tPlain/n)/1e3, "plain-us")
+			b.ReportMetric(float64(tCurve/n)/1e3, "curve-us")
+			b.ReportMetric(float64(tCurve)/float64(tPlain), "x-plain")
+		})
+	}
+}
