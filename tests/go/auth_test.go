@@ -46,7 +46,9 @@ func TestProducerWithoutTheSecretIsRefused(t *testing.T) {
 			out := c.drain(1, 30*time.Second)
 			require.Len(t, out.Failed, 1)
 			require.Contains(t, out.Failed[0].Reason, "auth_secret")
-			require.Positive(t, c.shards[0].Stats().Server.Refused[tc.reason])
+			// The shard counts on its own goroutine, maybe after the
+			// producer already gave up.
+			require.Eventually(t, func() bool { return c.shards[0].Stats().Server.Refused[tc.reason] > 0 }, 10*time.Second, 5*time.Millisecond)
 		})
 	}
 }
