@@ -82,6 +82,11 @@ type Consumer struct {
 	SlabPath string `json:"slab_path"`
 	Mooncake
 	GPU
+	Auth
+	// AllowUnauthenticated lets a shard bound beyond loopback without an
+	// auth secret serve peers beyond loopback: anybody who reaches its
+	// ports can then reserve, complete and read events.
+	AllowUnauthenticated bool `json:"allow_unauthenticated"`
 	// MooncakeMetadataServer, "host:port", makes the shard serve a
 	// Mooncake metadata store there (or use the one already serving there).
 	MooncakeMetadataServer string `json:"mooncake_metadata_server"`
@@ -137,6 +142,7 @@ type Producer struct {
 	Mooncake
 	GPU
 	Routing
+	Auth
 	// MooncakeStagingBytes sizes the registered staging slab that sources
 	// are copied into before an RDMA write.
 	MooncakeStagingBytes int64 `json:"mooncake_staging_bytes"`
@@ -169,6 +175,7 @@ type Scheduler struct {
 	// Shards lists the shards' control endpoints explicitly; empty means
 	// derive them from ec_ip, ec_port, tp_size and dp_rank.
 	Shards []string `json:"shards"`
+	Auth
 }
 
 // PushWait bounds WAITING_EVENT.
@@ -268,6 +275,7 @@ func (c Consumer) Validate() error {
 		c.Mooncake.validate(),
 		hostPort("mooncake_metadata_server", c.MooncakeMetadataServer),
 		c.GPU.validate(),
+		c.Auth.validate(),
 	)
 }
 
@@ -283,6 +291,7 @@ func (p Producer) Validate() error {
 		rangeInt64("mooncake_staging_bytes", p.MooncakeStagingBytes, 1<<20, 1<<40),
 		p.GPU.validate(),
 		p.Routing.validate(),
+		p.Auth.validate(),
 	)
 }
 
@@ -337,6 +346,7 @@ func (s Scheduler) Validate() error {
 		positive("control_timeout_s", s.ControlTimeoutS),
 		atLeast("tp_size", s.TPSize, 1),
 		atLeast("dp_rank", s.DPRank, 0),
+		s.Auth.validate(),
 	}
 	if len(s.Shards) == 0 {
 		errs = append(errs, host("ec_ip", s.IP), port("ec_port", s.Port, false),

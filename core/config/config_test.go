@@ -2,6 +2,9 @@ package config
 
 import (
 	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -57,12 +60,17 @@ func TestDecodeErrorsNameKeyValueAndAllowed(t *testing.T) {
 		{"data_idle_timeout_s negative", consumer, `{"data_idle_timeout_s": -1}`, []string{"data_idle_timeout_s", "positive"}},
 		{"data_frame_timeout_s zero", consumer, `{"data_frame_timeout_s": 0}`, []string{"data_frame_timeout_s", "positive"}},
 		{"slab_fd without shm", consumer, `{"slab_fd": 3}`, []string{"slab_fd is set", `"tcp"`}},
+		{"short secret", consumer, `{"auth_secret": "hunter2"}`, []string{"auth_secret holds 7 bytes", "at least 16"}},
+		{"secret and file", producer, `{"auth_secret": "0123456789abcdef", "auth_secret_file": "/s"}`, []string{"both set"}},
+		{"scheduler short secret", scheduler, `{"auth_secret": "x"}`, []string{"auth_secret holds 1 bytes"}},
+		{"allow is a boolean", consumer, `{"allow_unauthenticated": "yes"}`, []string{`"allow_unauthenticated"`, "bool"}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			err := tc.decode([]byte(tc.in))
 			require.Error(t, err)
 			require.True(t, errors.Is(err, ErrInvalid))
+			require.NotContains(t, err.Error(), "hunter2", "a secret never appears in an error")
 			for _, w := range tc.want {
 				require.Contains(t, err.Error(), w)
 			}
@@ -122,3 +130,44 @@ func consumer(b []byte) error  { _, err := DecodeConsumer(b); return err }
 func producer(b []byte) error  { _, err := DecodeProducer(b); return err }
 func scheduler(b []byte) error { _, err := DecodeScheduler(b); return err }
 func runtime(b []byte) error   { _, err := DecodeRuntime(b); return err }
+
+func TestAuthSettings(t *testing.T) {
+	const secret = "0123456789abcdef-deployment"
+	c, err := DecodeConsumer([]byte(`{"ec_ip": "0.0.0.0", "auth_secret": "` + secret + `", "allow_unauthenticated": true}`))
+	require.NoError(t, err)
+	got, err := c.LoadSecret()
+	require.NoError(t, err)
+	require.Equal(t, secret, got)
+	require.True(t, c.AllowUnauthenticated)
+	for _, format := range []string{"%v", "%+v", "%#v", "%s"} {
+		require.NotContains(t, fmt.Sprintf(format, c), secret, "settings print without their secret (%s)", format)
+	}
+
+	dir := t.TempDir()
+	path := filepath.Join(dir, "secret")
+	require.NoError(t, os.WriteFile(path, []byte(secret+"\n"), 0o600))
+	p, err := DecodeProducer([]byte(`{"auth_secret_file": "` + path + `"}`))
+	require.NoError(t, err)
+	got, err = p.LoadSecret()
+	require.NoError(t, err)
+	require.Equal(t, secret, got, "the trailing line break is not part of the secret")
+
+	short := filepath.Join(dir, "short")
+	require.NoError(t, os.WriteFile(short, []byte("hunter2\n"), 0o600))
+	s, err := DecodeScheduler([]byte(`{"auth_secret_file": "` + short + `"}`))
+	require.NoError(t, err, "the file is read when the object opens, not when settings decode")
+	_, err = s.LoadSecret()
+	require.ErrorIs(t, err, ErrInvalid)
+	require.ErrorContains(t, err, short)
+	require.NotContains(t, err.Error(), "hunter2")
+
+	_, err = Auth{SecretFile: filepath.Join(dir, "missing")}.LoadSecret()
+	require.ErrorIs(t, err, ErrInvalid)
+	require.ErrorContains(t, err, "auth_secret_file")
+
+	none, err := DecodeConsumer(nil)
+	require.NoError(t, err)
+	got, err = none.LoadSecret()
+	require.NoError(t, err)
+	require.Empty(t, got, "no secret by default")
+}

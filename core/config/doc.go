@@ -6,6 +6,11 @@
 // variables read by Go: a Go runtime inside a Python process sees only the
 // environment the process started with, not what Python set later.
 //
+// The auth settings (auth_secret, auth_secret_file, allow_unauthenticated)
+// are the one exception to "decode, then validate": a secret file is read
+// when the object opens (Auth.LoadSecret), and a secret never appears in an
+// error or a printed struct (type Secret).
+//
 // Decoding is strict. An unknown key is an error that names it, because a
 // misspelt timeout silently falling back to its default is the kind of
 // mistake an operator finds only under load. Every invalid value is an

@@ -9,6 +9,14 @@
 // and is held only for table calls, never across I/O, so a slow peer can
 // never stall the control server or another writer.
 //
+// With auth_secret set, both of the shard's control sockets (the ROUTER
+// and the event PUSH) use CURVE with keys derived from it, so only holders
+// of the secret can reserve, complete, cancel or read events, and the
+// data-plane tokens in reserve replies never cross the network in the
+// clear. Without one, a shard bound beyond loopback serves loopback peers
+// only unless allow_unauthenticated (package control, "Security"). Open
+// logs once which of these applies.
+//
 // Invariants:
 //   - every byte the data plane writes lands inside a live reservation,
 //     because the transport asks the table (BeginWrite) for the destination

@@ -100,10 +100,15 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 			opened.shutdown()
 		}
 	}()
+	sec, err := security(cfg)
+	if err != nil {
+		return nil, err
+	}
 	if s.zctx, err = zmq.NewContext(); err != nil {
 		return nil, fmt.Errorf("consumer: zmq context: %w", err)
 	}
-	if s.events, err = control.NewEventPub(s.zctx, cfg.IP, s.log); err != nil {
+	guarded := control.WithServerSecurity(sec)
+	if s.events, err = control.NewEventPub(s.zctx, cfg.IP, s.log, guarded); err != nil {
 		return nil, fmt.Errorf("consumer: event socket on %s: %w", cfg.IP, err)
 	}
 	dataAddr := net.JoinHostPort(cfg.IP, strconv.Itoa(cfg.DataPort))
@@ -113,9 +118,10 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 	s.direct, _ = s.recv.(transport.Direct)
 	s.remote = map[ids.ResID]remoteWrite{}
 	bind := control.Endpoint(cfg.IP, cfg.ControlPort())
-	if s.server, err = control.NewServer(s.zctx, bind, handler{s}, s.log); err != nil {
+	if s.server, err = control.NewServer(s.zctx, bind, handler{s}, s.log, guarded); err != nil {
 		return nil, fmt.Errorf("consumer: control server on %s: %w", bind, err)
 	}
+	s.logSecurity(sec, bind)
 	go s.ticker()
 	s.unwatch = metrics.Watch(s.metricsName(), s.probe)
 	s.log.Info("consumer shard listening", "control", s.server.Endpoint(), "data", s.recv.Addr(), "epoch", s.epoch,
@@ -129,6 +135,37 @@ func newEpoch() string {
 	var b [4]byte
 	_, _ = rand.Read(b[:])
 	return fmt.Sprintf("%x-%s", time.Now().UnixNano(), hex.EncodeToString(b[:]))
+}
+
+// security builds the control plane's security from the settings.
+func security(cfg config.Consumer) (control.Security, error) {
+	secret, err := cfg.LoadSecret()
+	if err != nil {
+		return control.Security{}, fmt.Errorf("consumer: %w", err)
+	}
+	sec, err := control.NewSecurity(secret, cfg.AllowUnauthenticated)
+	if err != nil {
+		return control.Security{}, fmt.Errorf("consumer: auth_secret: %w", err)
+	}
+	return sec, nil
+}
+
+// logSecurity says once, at startup, who can use the control plane: the
+// operator of a shard that anybody can drive must hear it.
+func (s *Shard) logSecurity(sec control.Security, bind string) {
+	switch {
+	case sec.Curve():
+		s.log.Info("control plane authenticated and encrypted (CURVE keys from auth_secret)", "control", bind)
+	case control.IsLoopbackHost(s.cfg.IP):
+		// Reachable from this host only: served as always.
+	case sec.AllowUnauthenticated():
+		s.log.Warn("SECURITY: allow_unauthenticated is set and there is no auth_secret: anybody who reaches "+bind+
+			" can reserve, complete and cancel transfers, read events and learn data-plane tokens; set auth_secret",
+			"control", bind)
+	default:
+		s.log.Warn("no auth_secret: the control plane serves loopback peers only (protected mode), so producers on other hosts are refused; "+
+			"set the same auth_secret on every producer, consumer and scheduler, or allow_unauthenticated: true", "control", bind)
+	}
 }
 
 func hostIdentity(configured string) string {

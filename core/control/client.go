@@ -22,16 +22,35 @@ const DefaultCallTimeout = 30 * time.Second
 // callers wait (within their deadline) rather than grow memory.
 const sendQueue = 1024
 
-// ClientOption configures Dial.
-type ClientOption func(*Client)
+// ClientOption configures Dial and NewEventSub.
+type ClientOption func(*clientOptions)
+
+type clientOptions struct {
+	timeout time.Duration
+	sec     Security
+}
 
 // WithCallTimeout sets the timeout of calls whose context has no deadline.
 func WithCallTimeout(d time.Duration) ClientOption {
-	return func(c *Client) {
+	return func(o *clientOptions) {
 		if d > 0 {
-			c.timeout = d
+			o.timeout = d
 		}
 	}
+}
+
+// WithClientSecurity makes the socket a CURVE client when sec has a
+// secret; the default is plain ZMTP.
+func WithClientSecurity(sec Security) ClientOption {
+	return func(o *clientOptions) { o.sec = sec }
+}
+
+func clientOpts(opts []ClientOption) clientOptions {
+	o := clientOptions{timeout: DefaultCallTimeout}
+	for _, f := range opts {
+		f(&o)
+	}
+	return o
 }
 
 // ClientStats counts what a client received.
@@ -47,7 +66,9 @@ type ClientStats struct {
 type Client struct {
 	*owner
 	sock     *zmq.Socket // owner goroutine only, once Dial returns
+	hs       *handshakes // owner goroutine only
 	endpoint string
+	target   string // the address connected to
 	timeout  time.Duration
 
 	sendq  chan outgoing
@@ -55,6 +76,10 @@ type Client struct {
 
 	mu      sync.Mutex
 	pending map[uint64]chan result // calls waiting for a reply, by id
+	// refused is the last security refusal of the server, nil once a
+	// handshake succeeds: calls fail with it at once rather than wait for
+	// a connection that cannot come.
+	refused error
 
 	head *outgoing // owner only: a frame the socket could not take yet
 
@@ -80,38 +105,45 @@ func Dial(zctx *zmq.Context, endpoint string, log *slog.Logger, opts ...ClientOp
 	if err != nil {
 		return nil, err
 	}
+	o := clientOpts(opts)
 	sock, err := newSocket(zctx, zmq.DEALER)
 	if err != nil {
+		return nil, err
+	}
+	hs, err := newHandshakes(zctx, sock, o.sec, log)
+	if err != nil {
+		sock.Close()
+		return nil, fmt.Errorf("control: dial %s: %w", endpoint, err)
+	}
+	fail := func(err error) (*Client, error) {
+		sock.Close()
+		hs.mon.Close()
 		return nil, err
 	}
 	// Immediate: queue only to a completed connection. Without it libzmq
 	// would hold requests for a dead server and deliver them, long after
 	// their callers gave up, when it comes back.
 	if err := sock.SetImmediate(true); err != nil {
-		sock.Close()
-		return nil, fmt.Errorf("control: dial %s: %w", endpoint, err)
+		return fail(fmt.Errorf("control: dial %s: %w", endpoint, err))
 	}
 	if err := sock.Connect(target); err != nil {
-		sock.Close()
-		return nil, fmt.Errorf("control: dial %s: %w", endpoint, err)
+		return fail(fmt.Errorf("control: dial %s: %w", endpoint, err))
 	}
 	w, err := newWaker(zctx)
 	if err != nil {
-		sock.Close()
-		return nil, err
+		return fail(err)
 	}
 	c := &Client{
 		owner:    newOwner(log, "client "+endpoint, w),
 		sock:     sock,
+		hs:       hs,
 		endpoint: endpoint,
-		timeout:  DefaultCallTimeout,
+		target:   target,
+		timeout:  o.timeout,
 		sendq:    make(chan outgoing, sendQueue),
 		pending:  map[uint64]chan result{},
 	}
-	for _, o := range opts {
-		o(c)
-	}
-	go c.run(c.loop, sock)
+	go c.run(c.loop, sock, hs.mon)
 	return c, nil
 }
 
@@ -146,8 +178,14 @@ func (c *Client) Call(ctx context.Context, op wire.Op, body any, out any) error 
 	}
 	ch := make(chan result, 1)
 	c.mu.Lock()
-	c.pending[id] = ch
+	refused := c.refused
+	if refused == nil {
+		c.pending[id] = ch
+	}
 	c.mu.Unlock()
+	if refused != nil {
+		return c.fail(op, id, refused)
+	}
 	defer c.forget(id)
 
 	select {
@@ -234,6 +272,7 @@ func (c *Client) loop() error {
 	p := zmq.NewPoller()
 	sockIdx := p.Add(c.sock, zmq.POLLIN)
 	p.Add(c.wake.rx, zmq.POLLIN)
+	p.Add(c.hs.mon, zmq.POLLIN)
 	for !c.quitting() {
 		events := zmq.POLLIN
 		if c.head != nil {
@@ -250,6 +289,8 @@ func (c *Client) loop() error {
 			switch ev.Socket {
 			case c.wake.rx:
 				c.wake.drain()
+			case c.hs.mon:
+				c.hs.watch(time.Now(), c.setRefused)
 			case c.sock:
 				if ev.Events&zmq.POLLIN != 0 {
 					if err := c.readReplies(); err != nil {
@@ -262,9 +303,50 @@ func (c *Client) loop() error {
 				}
 			}
 		}
+		if err := c.redial(); err != nil {
+			return err
+		}
 		if err := c.flush(); err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+// setRefused records the server's latest security verdict and fails every
+// call waiting for it: none of them can be sent. Owner only.
+func (c *Client) setRefused(_ string, err error) {
+	c.mu.Lock()
+	c.refused = err
+	var waiting []uint64
+	if err != nil {
+		for id := range c.pending {
+			waiting = append(waiting, id)
+		}
+	}
+	c.mu.Unlock()
+	for _, id := range waiting {
+		c.deliver(id, result{err: err})
+	}
+	if err != nil {
+		c.head = nil
+	}
+}
+
+// redial reconnects after a refusal that libzmq will not retry by itself,
+// on a backoff, so that a server whose settings were fixed is reached
+// again without a new client. Owner only.
+func (c *Client) redial() error {
+	// One server per client: whatever name libzmq gave it, the endpoint
+	// to renew is the one connected.
+	if len(c.hs.due(time.Now())) == 0 {
+		return nil
+	}
+	if err := c.sock.Disconnect(c.target); err != nil && isTerm(err) {
+		return fmt.Errorf("disconnect: %w", err)
+	}
+	if err := c.sock.Connect(c.target); err != nil {
+		return fmt.Errorf("reconnect %s: %w", c.target, err)
 	}
 	return nil
 }
@@ -302,14 +384,17 @@ func (c *Client) flush() error {
 
 func (c *Client) readReplies() error {
 	for range recvBatch {
-		parts, err := c.sock.RecvMessageBytes(zmq.DONTWAIT)
+		m, err := recvCapped(c.sock)
 		if isAgain(err) {
 			return nil
 		}
 		if err != nil {
 			return fmt.Errorf("receive: %w", err)
 		}
-		c.handleReply(parts)
+		if m.over {
+			m.parts = nil // fails the length check below
+		}
+		c.handleReply(m.parts)
 	}
 	return nil
 }

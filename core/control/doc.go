@@ -29,6 +29,38 @@
 //	err = sub.Connect(endpointFromEventPortOp)
 //	for ev := range sub.Events() { ... }
 //
+// # Security
+//
+// A deployment-wide secret turns on libzmq's CURVE on every socket: every
+// holder derives the same server and client key pairs from it
+// (DeriveKeys), servers (ROUTER, event PUSH) admit only the client key,
+// clients (DEALER, event PULL) accept only the server key, and every
+// message is encrypted, the data-plane tokens in reserve replies included:
+//
+//	sec, err := control.NewSecurity(secret, allowUnauthenticated)
+//	srv, err := control.NewServer(zctx, bind, handler, log, control.WithServerSecurity(sec))
+//	cli, err := control.Dial(zctx, ep, log, control.WithClientSecurity(sec))
+//
+// Without a secret a server bound beyond loopback serves loopback peers
+// only (protected mode) unless allowUnauthenticated; bound on loopback it
+// serves as it always did. Admission is decided by one rule (policy.decide)
+// that the ZAP handler of each zmq context applies to every new
+// connection; refusals that happen before ZAP is asked (a hello that does
+// not decrypt, a peer of the other mechanism) come from a socket monitor.
+// Every refusal is counted (ServerStats.Refused and
+// ecm_failures_total{component="control"}) and logged once per cause. A
+// client refused by its server fails its calls at once with ErrAuth, and
+// an error saying which setting to change, instead of at its deadline.
+//
+// # Limits
+//
+// ZMQ_MAXMSGSIZE caps each part of a message; the sockets here also cap
+// the whole message (MaxMessageBytes, and a few parts), reading the parts
+// of a message over the cap into nothing. libzmq itself assembles a whole
+// multipart message before handing over its first part, so a message is
+// bounded inside libzmq only part by part: authentication, not the cap,
+// is what keeps strangers from sending one at all.
+//
 // Endpoints are "tcp://host:port" with IPv4, bracketed IPv6 ("tcp://[::1]:5")
 // or a hostname; Endpoint and SplitEndpoint build and parse them. Hostnames
 // are resolved with the Go resolver: a client connects to the first address,

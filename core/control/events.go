@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	zmq "github.com/pebbe/zmq4"
 
@@ -20,6 +21,9 @@ type PubStats struct {
 	Sent    uint64 // handed to libzmq
 	Dropped uint64 // queue full (no subscriber, or one not keeping up)
 	Invalid uint64 // refused by wire validation (a bug in the caller)
+	// Refused counts subscribers turned away by the security handshake,
+	// by reason.
+	Refused map[string]uint64 `json:",omitempty"`
 }
 
 // EventPub is a PUSH socket on which a consumer shard publishes readiness
@@ -27,6 +31,7 @@ type PubStats struct {
 type EventPub struct {
 	*owner
 	sock     *zmq.Socket // owner goroutine only, once NewEventPub returns
+	guard    *guard
 	endpoint string
 
 	// mu makes sequence numbers and queue order agree, so a subscriber
@@ -41,32 +46,35 @@ type EventPub struct {
 }
 
 // NewEventPub binds a PUSH socket to an ephemeral port on host ("*" for
-// every interface) and publishes on a new goroutine until Close.
-func NewEventPub(zctx *zmq.Context, host string, log *slog.Logger) (*EventPub, error) {
+// every interface) and publishes on a new goroutine until Close. The
+// publisher is the security server of its subscribers: with a secret only
+// holders of it can read the events.
+func NewEventPub(zctx *zmq.Context, host string, log *slog.Logger, opts ...ServerOption) (*EventPub, error) {
 	if host == "" {
 		return nil, fmt.Errorf("control: new event pub: %w: empty host", ErrBadEndpoint)
 	}
-	sock, err := newSocket(zctx, zmq.PUSH)
+	sock, g, err := newGuardedSocket(zctx, zmq.PUSH, serverOpts(opts).sec, host, log)
 	if err != nil {
 		return nil, err
 	}
 	endpoint, err := bindAll(sock, host, 0, log)
 	if err != nil {
-		sock.Close()
+		closeGuarded(sock, g)
 		return nil, err
 	}
 	w, err := newWaker(zctx)
 	if err != nil {
-		sock.Close()
+		closeGuarded(sock, g)
 		return nil, err
 	}
 	p := &EventPub{
 		owner:    newOwner(log, "event pub "+endpoint, w),
 		sock:     sock,
+		guard:    g,
 		endpoint: endpoint,
 		q:        make(chan []byte, EventQueue),
 	}
-	go p.run(p.loop, sock)
+	go p.run(p.loop, append([]*zmq.Socket{sock}, g.sockets()...)...)
 	return p, nil
 }
 
@@ -101,13 +109,18 @@ func (p *EventPub) Send(ev wire.Event) {
 
 // Stats returns the counters.
 func (p *EventPub) Stats() PubStats {
-	return PubStats{Sent: p.sent.Load(), Dropped: p.dropped.Load(), Invalid: p.invalid.Load()}
+	st := PubStats{Sent: p.sent.Load(), Dropped: p.dropped.Load(), Invalid: p.invalid.Load()}
+	if r := p.guard.stats(); len(r) > 0 {
+		st.Refused = r
+	}
+	return st
 }
 
 // Close stops publishing and closes the socket; queued events are lost.
 // Idempotent.
 func (p *EventPub) Close() error {
 	p.stop()
+	p.guard.close()
 	return nil
 }
 
@@ -115,6 +128,7 @@ func (p *EventPub) loop() error {
 	pl := zmq.NewPoller()
 	sockIdx := pl.Add(p.sock, 0)
 	pl.Add(p.wake.rx, zmq.POLLIN)
+	pl.Add(p.guard.mon, zmq.POLLIN)
 	for !p.quitting() {
 		var events zmq.State
 		if p.head != nil {
@@ -128,8 +142,11 @@ func (p *EventPub) loop() error {
 			return err
 		}
 		for _, ev := range polled {
-			if ev.Socket == p.wake.rx {
+			switch ev.Socket {
+			case p.wake.rx:
 				p.wake.drain()
+			case p.guard.mon:
+				p.guard.watch()
 			}
 		}
 		if err := p.flush(); err != nil {
@@ -174,6 +191,7 @@ type SubStats struct {
 type EventSub struct {
 	*owner
 	sock *zmq.Socket // owner goroutine only, once NewEventSub returns
+	hs   *handshakes // owner goroutine only
 
 	connq     chan connectReq
 	out       chan wire.Event
@@ -191,25 +209,33 @@ type connectReq struct {
 }
 
 // NewEventSub opens a PULL socket and receives on a new goroutine until
-// Close. It connects to nothing until Connect.
-func NewEventSub(zctx *zmq.Context, log *slog.Logger) (*EventSub, error) {
+// Close. It connects to nothing until Connect. WithClientSecurity makes it
+// a CURVE client of every publisher; the call timeout does not apply.
+func NewEventSub(zctx *zmq.Context, log *slog.Logger, opts ...ClientOption) (*EventSub, error) {
 	sock, err := newSocket(zctx, zmq.PULL)
 	if err != nil {
 		return nil, err
 	}
+	hs, err := newHandshakes(zctx, sock, clientOpts(opts).sec, log)
+	if err != nil {
+		sock.Close()
+		return nil, fmt.Errorf("control: new event sub: %w", err)
+	}
 	w, err := newWaker(zctx)
 	if err != nil {
 		sock.Close()
+		hs.mon.Close()
 		return nil, err
 	}
 	s := &EventSub{
 		owner:     newOwner(log, "event sub", w),
 		sock:      sock,
+		hs:        hs,
 		connq:     make(chan connectReq, connectQueue),
 		out:       make(chan wire.Event, EventQueue),
 		connected: map[string]bool{},
 	}
-	go s.run(s.loop, sock)
+	go s.run(s.loop, sock, hs.mon)
 	return s, nil
 }
 
@@ -260,6 +286,7 @@ func (s *EventSub) loop() error {
 	pl := zmq.NewPoller()
 	pl.Add(s.sock, zmq.POLLIN)
 	pl.Add(s.wake.rx, zmq.POLLIN)
+	pl.Add(s.hs.mon, zmq.POLLIN)
 	for !s.quitting() {
 		polled, err := poll(pl)
 		if err != nil {
@@ -269,6 +296,11 @@ func (s *EventSub) loop() error {
 			switch ev.Socket {
 			case s.wake.rx:
 				s.wake.drain()
+			case s.hs.mon:
+				// The refusal is logged once by handshakes; the
+				// scheduler's control calls to the same shard fail
+				// with it too, which is where it surfaces.
+				s.hs.watch(time.Now(), func(string, error) {})
 			case s.sock:
 				if err := s.receive(); err != nil {
 					return err
@@ -276,6 +308,16 @@ func (s *EventSub) loop() error {
 			}
 		}
 		s.serveConnects()
+		for _, ep := range s.hs.due(time.Now()) {
+			if !s.connected[ep] {
+				s.hs.forget(ep) // not a name we connected to: nothing to renew
+				continue
+			}
+			_ = s.sock.Disconnect(ep)
+			if err := s.sock.Connect(ep); err != nil {
+				s.log.Warn("control: reconnect events failed", "peer", ep, "err", err)
+			}
+		}
 	}
 	return nil
 }
@@ -309,14 +351,15 @@ func (s *EventSub) connect(req connectReq) {
 // reads nothing more: that is the back-pressure.
 func (s *EventSub) receive() error {
 	for range recvBatch {
-		parts, err := s.sock.RecvMessageBytes(zmq.DONTWAIT)
+		m, err := recvCapped(s.sock)
 		if isAgain(err) {
 			return nil
 		}
 		if err != nil {
 			return fmt.Errorf("receive: %w", err)
 		}
-		if len(parts) != 1 {
+		parts := m.parts
+		if m.over || len(parts) != 1 {
 			s.bad.Add(1)
 			continue
 		}

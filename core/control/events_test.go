@@ -10,17 +10,17 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
 
-func newPub(t *testing.T, zctx *zmq.Context, host string) *EventPub {
+func newPub(t *testing.T, zctx *zmq.Context, host string, opts ...ServerOption) *EventPub {
 	t.Helper()
-	p, err := NewEventPub(zctx, host, nil)
+	p, err := NewEventPub(zctx, host, nil, opts...)
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, p.Close()) })
 	return p
 }
 
-func newSub(t *testing.T, zctx *zmq.Context) *EventSub {
+func newSub(t *testing.T, zctx *zmq.Context, opts ...ClientOption) *EventSub {
 	t.Helper()
-	s, err := NewEventSub(zctx, nil)
+	s, err := NewEventSub(zctx, nil, opts...)
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, s.Close()) })
 	return s

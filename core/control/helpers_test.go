@@ -97,9 +97,9 @@ func statusEcho(req wire.Request) wire.Reply {
 	return wire.ErrReply(req.ID, "not_served", string(req.Op))
 }
 
-func startServer(t *testing.T, zctx *zmq.Context, bind string, h Handler) *Server {
+func startServer(t *testing.T, zctx *zmq.Context, bind string, h Handler, opts ...ServerOption) *Server {
 	t.Helper()
-	srv, err := NewServer(zctx, bind, h, nil)
+	srv, err := NewServer(zctx, bind, h, nil, opts...)
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, srv.Close()) })
 	return srv

@@ -11,6 +11,7 @@ import (
 
 	zmq "github.com/pebbe/zmq4"
 
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
 
@@ -33,12 +34,46 @@ type ServerStats struct {
 	Served       uint64            // requests answered, successfully or not
 	Errors       map[string]uint64 // error replies by code
 	SendFailures uint64            // replies libzmq refused (the caller is gone or not reading)
+	// Refused counts peers turned away by the security handshake, by
+	// reason (the labels of ecm_failures_total{component="control"}).
+	Refused map[string]uint64 `json:",omitempty"`
+	// Oversized counts messages over the whole-message cap (parts or
+	// bytes), dropped unkept and answered too_large.
+	Oversized uint64
+	// HeldPeak is the most bytes the server kept of any one message; the
+	// cap keeps it at most MaxMessageBytes.
+	HeldPeak uint64
+}
+
+// MaxMessageBytes caps the bytes a server keeps of one multipart message.
+const MaxMessageBytes = maxMessage
+
+// ServerOption configures NewServer and NewEventPub.
+type ServerOption func(*serverOptions)
+
+type serverOptions struct {
+	sec Security
+}
+
+// WithServerSecurity sets how the socket authenticates its peers; the
+// default is the zero Security (no secret, protected mode).
+func WithServerSecurity(sec Security) ServerOption {
+	return func(o *serverOptions) { o.sec = sec }
+}
+
+func serverOpts(opts []ServerOption) serverOptions {
+	var o serverOptions
+	for _, f := range opts {
+		f(&o)
+	}
+	return o
 }
 
 // Server is a ROUTER socket that answers requests with a Handler.
 type Server struct {
 	*owner
 	sock     *zmq.Socket // owner goroutine only, once NewServer returns
+	guard    *guard
 	h        Handler
 	endpoint string
 
@@ -49,8 +84,9 @@ type Server struct {
 // NewServer binds a ROUTER to bind ("tcp://host:port"; host "*" for every
 // interface, port 0 for any free port) and serves it on a new goroutine
 // until Close. A hostname is bound on every address it resolves to, so that
-// a client resolving it either way reaches the server.
-func NewServer(zctx *zmq.Context, bind string, h Handler, log *slog.Logger) (*Server, error) {
+// a client resolving it either way reaches the server. Peers are admitted
+// as WithServerSecurity says.
+func NewServer(zctx *zmq.Context, bind string, h Handler, log *slog.Logger, opts ...ServerOption) (*Server, error) {
 	host, port, err := SplitEndpoint(bind)
 	if err != nil {
 		return nil, err
@@ -58,31 +94,57 @@ func NewServer(zctx *zmq.Context, bind string, h Handler, log *slog.Logger) (*Se
 	if h == nil {
 		return nil, errors.New("control: new server: nil handler")
 	}
-	sock, err := newSocket(zctx, zmq.ROUTER)
+	sock, g, err := newGuardedSocket(zctx, zmq.ROUTER, serverOpts(opts).sec, host, log)
 	if err != nil {
+		return nil, err
+	}
+	fail := func(err error) (*Server, error) {
+		closeGuarded(sock, g)
 		return nil, err
 	}
 	endpoint, err := bindAll(sock, host, port, log)
 	if err != nil {
-		sock.Close()
-		return nil, err
+		return fail(err)
 	}
 	w, err := newWaker(zctx)
 	if err != nil {
-		sock.Close()
-		return nil, err
+		return fail(err)
 	}
 	s := &Server{
 		owner:    newOwner(log, "server "+endpoint, w),
 		sock:     sock,
+		guard:    g,
 		h:        h,
 		endpoint: endpoint,
 		stats:    ServerStats{Errors: map[string]uint64{}},
 	}
 	// Handing sock to the new goroutine is the one move of ownership; the
 	// go statement orders everything above before it.
-	go s.run(s.serve, sock)
+	go s.run(s.serve, append([]*zmq.Socket{sock}, g.sockets()...)...)
 	return s, nil
+}
+
+// newGuardedSocket opens a server socket with its guard, ready to bind.
+func newGuardedSocket(zctx *zmq.Context, t zmq.Type, sec Security, bindHost string, log *slog.Logger) (*zmq.Socket, *guard, error) {
+	sock, err := newSocket(zctx, t)
+	if err != nil {
+		return nil, nil, err
+	}
+	g, err := newGuard(zctx, sock, sec, bindHost, log)
+	if err != nil {
+		sock.Close()
+		return nil, nil, err
+	}
+	return sock, g, nil
+}
+
+// closeGuarded undoes newGuardedSocket for a socket no goroutine owns yet.
+func closeGuarded(sock *zmq.Socket, g *guard) {
+	sock.Close()
+	for _, s := range g.sockets() {
+		s.Close()
+	}
+	g.close()
 }
 
 // bindAll binds sock to every address of host and returns the endpoint
@@ -120,15 +182,19 @@ func (s *Server) Endpoint() string { return s.endpoint }
 // Close stops the server and closes its socket. Idempotent.
 func (s *Server) Close() error {
 	s.stop()
+	s.guard.close()
 	return nil
 }
 
 // Stats returns a snapshot of the counters.
 func (s *Server) Stats() ServerStats {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	out := s.stats
 	out.Errors = maps.Clone(s.stats.Errors)
+	s.mu.Unlock()
+	if r := s.guard.stats(); len(r) > 0 {
+		out.Refused = r
+	}
 	return out
 }
 
@@ -136,6 +202,7 @@ func (s *Server) serve() error {
 	p := zmq.NewPoller()
 	p.Add(s.sock, zmq.POLLIN)
 	p.Add(s.wake.rx, zmq.POLLIN)
+	p.Add(s.guard.mon, zmq.POLLIN)
 	for !s.quitting() {
 		polled, err := poll(p)
 		if err != nil {
@@ -145,6 +212,8 @@ func (s *Server) serve() error {
 			switch ev.Socket {
 			case s.wake.rx:
 				s.wake.drain()
+			case s.guard.mon:
+				s.guard.watch()
 			case s.sock:
 				if err := s.serveBatch(); err != nil {
 					return err
@@ -157,29 +226,40 @@ func (s *Server) serve() error {
 
 func (s *Server) serveBatch() error {
 	for range recvBatch {
-		parts, err := s.sock.RecvMessageBytes(zmq.DONTWAIT)
+		m, err := recvCapped(s.sock)
 		if isAgain(err) {
 			return nil
 		}
 		if err != nil {
 			return fmt.Errorf("receive: %w", err)
 		}
-		s.serveOne(parts)
+		s.serveOne(m)
 	}
 	return nil
 }
 
 // serveOne answers one message. parts[0] is the caller's identity, added
 // by ROUTER; our protocol puts exactly one frame after it.
-func (s *Server) serveOne(parts [][]byte) {
-	if len(parts) < 2 {
-		return
-	}
+func (s *Server) serveOne(m capped) {
+	parts := m.parts
+	s.mu.Lock()
+	s.stats.HeldPeak = max(s.stats.HeldPeak, uint64(m.held))
+	s.mu.Unlock()
 	var rep wire.Reply
-	if len(parts) != 2 {
+	switch {
+	case m.over:
+		s.mu.Lock()
+		s.stats.Oversized++
+		s.mu.Unlock()
+		metrics.Failed("control", "message_too_large")
+		s.log.Debug("control: dropped a message over the whole-message cap", "max_parts", maxParts, "max_bytes", maxMessage)
+		rep = wire.ErrReply(0, wire.CodeTooLarge, fmt.Sprintf("message over the cap of %d parts and %d bytes; want one frame per message", maxParts-1, maxMessage))
+	case len(parts) < 2:
+		return
+	case len(parts) != 2:
 		req, _ := wire.DecodeRequest(parts[len(parts)-1])
 		rep = wire.ErrReply(req.ID, wire.CodeBadRequest, fmt.Sprintf("want one frame per message, got %d", len(parts)-1))
-	} else {
+	default:
 		rep = s.answer(parts[1])
 	}
 	frame, err := wire.EncodeReply(rep)

@@ -41,6 +41,13 @@ const (
 	// recvBatch bounds how many messages an owner handles per wake-up so a
 	// busy peer cannot starve Close or the other socket.
 	recvBatch = 256
+	// maxParts and maxMessage cap a whole multipart message, where
+	// maxFrame (ZMQ_MAXMSGSIZE) caps only each part: a ROUTER's request is
+	// the caller's identity and one frame, so a few parts leave room to
+	// answer a malformed request with its id, and anything more is read
+	// part by part and dropped, never kept.
+	maxParts   = 4
+	maxMessage = maxFrame + 1024
 )
 
 // newSocket opens a socket with the settings every control socket shares.
@@ -63,6 +70,52 @@ func newSocket(zctx *zmq.Context, t zmq.Type) (*zmq.Socket, error) {
 		}
 	}
 	return s, nil
+}
+
+// capped is one message as recvCapped kept it.
+type capped struct {
+	parts [][]byte // all of them, or only the first once over the cap
+	over  bool     // more than maxParts parts or maxMessage bytes: dropped
+	held  int      // the most bytes kept at any moment
+}
+
+// recvCapped reads one message part by part, keeping at most maxParts
+// parts and maxMessage bytes. Past either cap it keeps only the first
+// part (a ROUTER's caller identity, needed to answer) and reads the rest
+// into nothing, so what this process holds of a message is bounded
+// whatever its number of parts. libzmq delivers a message only once all
+// its parts have arrived, so the parts after the first never block.
+func recvCapped(s *zmq.Socket) (capped, error) {
+	first, err := s.RecvBytes(zmq.DONTWAIT)
+	if err != nil {
+		return capped{}, err
+	}
+	m := capped{parts: [][]byte{first}, held: len(first)}
+	total := len(first)
+	for {
+		more, err := s.GetRcvmore()
+		if err != nil {
+			return m, fmt.Errorf("receive: %w", err)
+		}
+		if !more {
+			return m, nil
+		}
+		part, err := s.RecvBytes(zmq.DONTWAIT)
+		if err != nil {
+			return m, fmt.Errorf("receive part %d: %w", len(m.parts), err)
+		}
+		if m.over {
+			continue
+		}
+		total += len(part)
+		if len(m.parts) == maxParts || total > maxMessage {
+			m.over = true
+			m.parts = m.parts[:1]
+			continue
+		}
+		m.parts = append(m.parts, part)
+		m.held = total
+	}
 }
 
 func isAgain(err error) bool { return zmq.AsErrno(err) == zmq.Errno(syscall.EAGAIN) }

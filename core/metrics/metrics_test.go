@@ -97,3 +97,17 @@ func TestServerServesMetricsAndHealth(t *testing.T) {
 		}
 	}
 }
+
+func TestReasonFoldsTexts(t *testing.T) {
+	for text, want := range map[string]string{
+		"reserve: context deadline exceeded":                                           "timeout",
+		"control: reserve_batch #3 to tcp://h:1: control: authentication failed: ...":  "auth",
+		"the server requires an auth_secret (CURVE); set the deployment's auth_secret": "auth",
+		"dial tcp 10.0.0.1:5: connection refused":                                      "unreachable",
+		"cancelled by the scheduler":                                                   "cancelled",
+		"slab full":                                                                    "no_space",
+		"something else":                                                               "other",
+	} {
+		require.Equal(t, want, Reason(text), text)
+	}
+}

@@ -141,6 +141,8 @@ func Reason(text string) string {
 	switch {
 	case strings.Contains(t, "deadline") || strings.Contains(t, "timed out") || strings.Contains(t, "timeout"):
 		return "timeout"
+	case strings.Contains(t, "authentication") || strings.Contains(t, "auth_secret"):
+		return "auth"
 	case strings.Contains(t, "cancel") || strings.Contains(t, "abandon"):
 		return "cancelled"
 	case strings.Contains(t, "refused") || strings.Contains(t, "reset") || strings.Contains(t, "unreachable") || strings.Contains(t, "no route") || strings.Contains(t, "dial"):

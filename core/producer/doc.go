@@ -20,6 +20,11 @@
 // goroutine recovers and reports a panic as the error of its work, and
 // every channel a goroutine waits on closes on every path.
 //
+// With auth_secret set, every control client is a CURVE client with keys
+// derived from it; without one, plain ZMTP. A shard that refuses the
+// handshake fails the pushes to it at once with an error naming the
+// setting to change, not at their deadlines.
+//
 // Sources (encoder outputs) are memory the caller owns. The producer reads
 // one only while a write from it is in flight and reports it released when
 // no write and no pending push needs it any more; only then may the caller

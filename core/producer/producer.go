@@ -25,7 +25,8 @@ var ErrClosed = errors.New("producer: closed")
 type Options struct {
 	Transport transport.Transport
 	Log       *slog.Logger
-	// Dial opens the control client of one shard; control.Dial when nil.
+	// Dial opens the control client of one shard; when nil, control.Dial
+	// with the security of auth_secret (a Dial given here chooses its own).
 	// It may block (it resolves host names), so the producer never calls
 	// it under its lock.
 	Dial func(zctx *zmq.Context, endpoint string, log *slog.Logger) (*control.Client, error)
@@ -133,9 +134,17 @@ func Open(cfg config.Producer, opt Options) (*Producer, error) {
 	if opt.Log == nil {
 		opt.Log = slog.Default()
 	}
+	secret, err := cfg.LoadSecret()
+	if err != nil {
+		return nil, fmt.Errorf("producer: %w", err)
+	}
+	sec, err := control.NewSecurity(secret, false)
+	if err != nil {
+		return nil, fmt.Errorf("producer: auth_secret: %w", err)
+	}
 	if opt.Dial == nil {
 		opt.Dial = func(zctx *zmq.Context, endpoint string, log *slog.Logger) (*control.Client, error) {
-			return control.Dial(zctx, endpoint, log)
+			return control.Dial(zctx, endpoint, log, control.WithClientSecurity(sec))
 		}
 	}
 	zctx, err := zmq.NewContext()

@@ -14,6 +14,10 @@
 //   - one goroutine pumps readiness events into the table;
 //   - one goroutine applies deadlines when they fall due.
 //
+// With auth_secret set, the scheduler's control clients and its event
+// subscriber are CURVE clients with keys derived from it: the shards serve
+// and publish only to holders of the secret.
+//
 // An item is available only when every TP shard holds it: the table
 // counts readiness per shard.
 package scheduler

@@ -40,6 +40,7 @@ type Scheduler struct {
 	unwatch  func() // detaches the metrics probe
 
 	zctx    *zmq.Context
+	sec     control.Security // of every control socket
 	sub     *control.EventSub
 	cancels []chan []string // per shard
 	kick    chan struct{}
@@ -66,11 +67,19 @@ func Open(cfg config.Scheduler, log *slog.Logger) (*Scheduler, error) {
 			shards = append(shards, control.Endpoint(cfg.IP, config.ShardPort(cfg.Port, cfg.DPRank, cfg.TPSize, r)))
 		}
 	}
+	secret, err := cfg.LoadSecret()
+	if err != nil {
+		return nil, fmt.Errorf("scheduler: %w", err)
+	}
+	sec, err := control.NewSecurity(secret, false)
+	if err != nil {
+		return nil, fmt.Errorf("scheduler: auth_secret: %w", err)
+	}
 	zctx, err := zmq.NewContext()
 	if err != nil {
 		return nil, fmt.Errorf("scheduler: zmq context: %w", err)
 	}
-	sub, err := control.NewEventSub(zctx, log)
+	sub, err := control.NewEventSub(zctx, log, control.WithClientSecurity(sec))
 	if err != nil {
 		_ = zctx.Term()
 		return nil, fmt.Errorf("scheduler: event socket: %w", err)
@@ -79,7 +88,7 @@ func Open(cfg config.Scheduler, log *slog.Logger) (*Scheduler, error) {
 		cfg: cfg, log: log.With("role", "scheduler"), shards: shards,
 		table:   sched.New(sched.Config{Shards: len(shards), EventWait: cfg.PushWait(), LoadWait: cfg.LoadTimeout()}),
 		changed: make(chan struct{}),
-		zctx:    zctx, sub: sub,
+		zctx:    zctx, sub: sub, sec: sec,
 		kick: make(chan struct{}, 1),
 		stop: make(chan struct{}),
 	}
@@ -184,7 +193,7 @@ func (s *Scheduler) follow(rank int, endpoint string, cancels <-chan []string) {
 	defer s.wg.Done()
 	defer s.recover("follow")
 	log := s.log.With("shard", rank, "peer", endpoint)
-	client, err := control.Dial(s.zctx, endpoint, log)
+	client, err := control.Dial(s.zctx, endpoint, log, control.WithClientSecurity(s.sec))
 	if err != nil {
 		log.Error("cannot follow shard", "cause", err)
 		return

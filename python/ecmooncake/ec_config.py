@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -21,6 +22,11 @@ from typing import Any, Callable
 TRANSPORTS = ("tcp", "mooncake", "shm")
 LOG_LEVELS = ("debug", "info", "warn", "error")
 BUFFER_DEVICES = ("cpu", "cuda")
+# The control plane's secret, for deployments that keep it off the command
+# line: read here, by Python, because the library reads no environment.
+SECRET_ENV = "ECMOONCAKE_SECRET"
+# The library refuses shorter secrets (they fall to offline guessing).
+MIN_SECRET_LEN = 16
 # The slab must hold at least one item; below this it is a typo (a size in
 # MB or GB given as bytes), not a choice.
 MIN_BUFFER_BYTES = 1 << 20
@@ -104,6 +110,36 @@ class ExtraKey:
     # Sent to the library only when the user sets it, so that the library's
     # own default applies (and a build without the feature never sees it).
     only_if_set: bool = False
+
+
+class Secret(str):
+    """A secret that reprs as a placeholder, so that a logged config never
+    shows it; it is still the plain string to json and to the library."""
+
+    def __repr__(self) -> str:
+        return "'[redacted]'"
+
+
+def secret(key: str, value: Any) -> Secret:
+    # The value is never echoed: an error message may end up in a log.
+    if not isinstance(value, str) or len(value) < MIN_SECRET_LEN:
+        raise ConfigError(
+            f"ECMooncakeConnector: {key} is not allowed; want a string of at least {MIN_SECRET_LEN} "
+            f"characters (e.g. `openssl rand -base64 32`), the same on every producer and consumer"
+        )
+    return Secret(value)
+
+
+def flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(key, value, "true or false")
+    return value
+
+
+def _path(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value or value.strip() != value:
+        raise _fail(key, value, "a file path")
+    return value
 
 
 def _transport(key: str, value: Any) -> str:
@@ -219,6 +255,22 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         "address peers reach the Mooncake engine at (empty: ec_ip on a consumer)",
         only_if_set=True,
     ),
+    "auth_secret": ExtraKey(
+        "", secret, ("producer", "consumer", "scheduler"),
+        "the deployment's secret: the control plane is authenticated and encrypted (CURVE) with keys derived "
+        f"from it; prefer `{SECRET_ENV}` or `auth_secret_file` to keep it off the command line (empty: none)",
+        only_if_set=True,
+    ),
+    "auth_secret_file": ExtraKey(
+        "", _path, ("producer", "consumer", "scheduler"),
+        "a file holding the secret (read by the library when each object opens; trailing line break ignored)",
+        only_if_set=True,
+    ),
+    "allow_unauthenticated": ExtraKey(
+        None, flag, ("consumer",),
+        "without a secret, a consumer bound beyond loopback serves loopback peers only; `true` serves anybody (logged loudly)",
+        only_if_set=True,
+    ),
     "mooncake_staging_bytes": ExtraKey(
         256 << 20, lambda k, v: integer(k, v, 1 << 20, 1 << 40), ("producer",),
         "registered staging memory the producer copies encoder outputs into before an RDMA write",
@@ -275,6 +327,10 @@ class ECMooncakeConfig:
                 out[key] = self.extra[key]
             elif not spec.only_if_set:
                 out[key] = spec.default
+        if target in EXTRA_KEYS["auth_secret"].targets:
+            env = os.environ.get(SECRET_ENV, "")
+            if env and "auth_secret" not in out and "auth_secret_file" not in out:
+                out["auth_secret"] = secret(SECRET_ENV, env)
         return out
 
     def consumer_settings(self) -> dict[str, Any]:
@@ -334,6 +390,10 @@ def parse_extra(extra: Any) -> dict[str, Any]:
                 f"(value {value!r}); allowed keys: {', '.join(sorted(EXTRA_KEYS))}"
             )
         out[key] = spec.check(f"ec_connector_extra_config.{key}", value)
+    if "auth_secret" in out and "auth_secret_file" in out:
+        raise ConfigError(
+            "ECMooncakeConnector: ec_connector_extra_config sets both auth_secret and auth_secret_file; set one"
+        )
     return out
 
 

@@ -51,6 +51,10 @@ type clusterOpts struct {
 	// shm puts each slab in a sealed memfd and moves the bytes
 	// over the shm data plane (see shmPlane); it overrides the three above.
 	shm bool
+	// secret is every end's auth_secret; producerSecret, when set,
+	// overrides the producer's.
+	secret         string
+	producerSecret *string
 }
 
 func quietLog() *slog.Logger {
@@ -124,12 +128,17 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 	c.consumer = c.shards[0].Info().Control
 	scfg := config.DefaultScheduler()
 	scfg.Port, scfg.TPSize, scfg.PushWaitS = c.base, o.tp, o.pushWait.Seconds()
+	scfg.Secret = config.Secret(o.secret)
 	var err error
 	c.sched, err = scheduler.Open(scfg, log)
 	require.NoError(t, err)
 	pcfg := config.DefaultProducer()
 	pcfg.PushWaitS = o.pushWait.Seconds()
 	pcfg.ControlTimeoutS = 5
+	pcfg.Secret = config.Secret(o.secret)
+	if o.producerSecret != nil {
+		pcfg.Secret = config.Secret(*o.producerSecret)
+	}
 	ptr := o.producerTr()
 	pcfg.Transport = ptr.Name()
 	c.prod, err = producer.Open(pcfg, producer.Options{Transport: ptr, Log: log})
@@ -147,6 +156,7 @@ func (c *cluster) openShard(r int) ([]byte, *consumer.Shard) {
 	tr := c.o.consumerTr(idx)
 	cfg := config.DefaultConsumer()
 	cfg.Port, cfg.TPSize, cfg.TPRank, cfg.LeaseS, cfg.Transport = c.base, c.o.tp, r, c.o.lease.Seconds(), tr.Name()
+	cfg.Secret = config.Secret(c.o.secret)
 	if c.slabFD != nil {
 		cfg.SlabFD = c.slabFD(idx)
 	}

@@ -1,0 +1,92 @@
+package config
+
+import (
+	"fmt"
+	"os"
+	"strings"
+)
+
+// MinSecretLen is the shortest auth secret accepted (the control package
+// derives keys from it and enforces the same bound).
+const MinSecretLen = 16
+
+// maxSecretFile bounds what auth_secret_file may hold: a secret is a line,
+// and a path pointing at something large is a mistake.
+const maxSecretFile = 4096
+
+// Secret is a deployment secret. It prints as a placeholder, so that a
+// settings struct logged with %v or %+v never shows it.
+type Secret string
+
+// String hides the value.
+func (s Secret) String() string {
+	if s == "" {
+		return ""
+	}
+	return "[redacted]"
+}
+
+// GoString hides the value from %#v too.
+func (s Secret) GoString() string { return `"` + s.String() + `"` }
+
+// Auth holds the control plane's security settings, which every producer,
+// consumer shard and scheduler of a deployment shares. With a secret the
+// control plane is authenticated and encrypted (libzmq CURVE, keys derived
+// from it); without one it is plain, and a consumer bound beyond loopback
+// serves loopback peers only. A secret comes as the value itself or as a
+// file that holds it; never both. The vLLM connector also reads it from
+// ECMOONCAKE_SECRET and passes it down as auth_secret: Go reads no
+// environment (see the package doc).
+type Auth struct {
+	Secret     Secret `json:"auth_secret"`
+	SecretFile string `json:"auth_secret_file"`
+}
+
+func (a Auth) validate() error {
+	switch {
+	case a.Secret != "" && a.SecretFile != "":
+		return fmt.Errorf("%w: auth_secret and auth_secret_file are both set; set one", ErrInvalid)
+	case a.Secret != "":
+		return secretLen("auth_secret", len(a.Secret))
+	case a.SecretFile != "" && strings.TrimSpace(a.SecretFile) != a.SecretFile:
+		return fmt.Errorf("%w: auth_secret_file = %q has leading or trailing spaces", ErrInvalid, a.SecretFile)
+	}
+	return nil
+}
+
+// LoadSecret returns the secret: auth_secret, or the contents of
+// auth_secret_file without its trailing line break and spaces. Empty
+// means none is configured. Errors name the file, never its contents.
+func (a Auth) LoadSecret() (string, error) {
+	if err := a.validate(); err != nil {
+		return "", err
+	}
+	if a.SecretFile == "" {
+		return string(a.Secret), nil
+	}
+	f, err := os.Open(a.SecretFile)
+	if err != nil {
+		return "", fmt.Errorf("%w: auth_secret_file: %v", ErrInvalid, err)
+	}
+	defer f.Close()
+	buf := make([]byte, maxSecretFile+1)
+	n, err := f.Read(buf)
+	if err != nil && n == 0 {
+		return "", fmt.Errorf("%w: auth_secret_file %s: %v (is it empty?)", ErrInvalid, a.SecretFile, err)
+	}
+	if n > maxSecretFile {
+		return "", fmt.Errorf("%w: auth_secret_file %s holds more than %d bytes; want the secret alone", ErrInvalid, a.SecretFile, maxSecretFile)
+	}
+	secret := strings.TrimRight(string(buf[:n]), " \t\r\n")
+	if err := secretLen("auth_secret_file "+a.SecretFile, len(secret)); err != nil {
+		return "", err
+	}
+	return secret, nil
+}
+
+func secretLen(key string, n int) error {
+	if n < MinSecretLen {
+		return fmt.Errorf("%w: %s holds %d bytes; want at least %d (e.g. `openssl rand -base64 32`)", ErrInvalid, key, n, MinSecretLen)
+	}
+	return nil
+}

@@ -1,0 +1,86 @@
+package gotests
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	zmq "github.com/pebbe/zmq4"
+	"github.com/stretchr/testify/require"
+
+	"github.com/ecmooncake/ecmooncake/core/control"
+	"github.com/ecmooncake/ecmooncake/core/wire"
+)
+
+const deploymentSecret = "tests-go-deployment-secret-0123"
+
+// With a secret on every end, the whole path works as without one.
+func TestAuthenticatedCluster(t *testing.T) {
+	c := newCluster(t, clusterOpts{tp: 2, secret: deploymentSecret})
+	items := makeItems(31, 6, 1, 1<<20, 3)
+	out := c.pushAll("req-auth", items)
+	require.Empty(t, out.Failed)
+	w := c.wait(tids(items), 10*time.Second)
+	require.ElementsMatch(t, tids(items), w.Available, "events reach the scheduler over CURVE")
+	c.verify(items)
+	for _, s := range c.shards {
+		require.Empty(t, s.Stats().Server.Refused)
+	}
+}
+
+// A producer without the deployment's secret is refused at the handshake
+// and its pushes fail with a reason that names the setting, well before
+// their deadlines.
+func TestProducerWithoutTheSecretIsRefused(t *testing.T) {
+	for _, tc := range []struct {
+		name, secret, reason string
+	}{
+		{"no secret", "", "auth_no_secret"},
+		{"wrong secret", "another-deployment-secret-000", "auth_wrong_secret"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newCluster(t, clusterOpts{tp: 1, secret: deploymentSecret, producerSecret: &tc.secret, pushWait: time.Hour})
+			items := makeItems(32, 1, 4096, 4096, 0)
+			c.send(items)
+			out := c.drain(1, 30*time.Second)
+			require.Len(t, out.Failed, 1)
+			require.Contains(t, out.Failed[0].Reason, "auth_secret")
+			// The shard counts on its own goroutine, maybe after the
+			// producer already gave up.
+			require.Eventually(t, func() bool { return c.shards[0].Stats().Server.Refused[tc.reason] > 0 }, 10*time.Second, 5*time.Millisecond)
+		})
+	}
+}
+
+// The mm_hash poisoning of issue 11: a client without the secret tries to
+// reserve a popular image's hash and complete it with its own bytes. It
+// cannot reach the handler at all, and the real producer's push then
+// writes the real bytes.
+func TestPoisoningNeedsTheSecret(t *testing.T) {
+	c := newCluster(t, clusterOpts{tp: 1, secret: deploymentSecret})
+	items := makeItems(33, 1, 64<<10, 64<<10, 0)
+
+	zctx, err := zmq.NewContext()
+	require.NoError(t, err)
+	defer zctx.Term()
+	attacker, err := control.Dial(zctx, c.consumer, quietLog())
+	require.NoError(t, err)
+	defer attacker.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var grants wire.ReserveBatchReply
+	err = attacker.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Items: []wire.ReserveItem{
+		{TransferID: "evil-1", MMHash: items[0].hash, NBytes: uint64(len(items[0].data))},
+	}}, &grants)
+	require.ErrorIs(t, err, control.ErrAuth)
+	require.True(t, strings.Contains(err.Error(), "auth_secret"), err.Error())
+	err = attacker.Call(ctx, wire.OpCompleteBatch, wire.CompleteBatch{Items: []wire.CompleteItem{{TransferID: "evil-1", Res: 1}}}, nil)
+	require.ErrorIs(t, err, control.ErrAuth)
+	require.Zero(t, c.shards[0].Stats().Table.Transfers, "nothing reached the reservation table")
+	require.Zero(t, c.shards[0].Stats().InUse)
+
+	out := c.pushAll("req-real", items)
+	require.Empty(t, out.Failed)
+	c.verify(items) // the real producer's bytes, not a cached forgery
+}

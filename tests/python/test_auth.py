@@ -1,0 +1,87 @@
+"""The control plane's secret as Python hands it down: validated without
+ever being echoed, taken from ECMOONCAKE_SECRET when the extra config has
+none, and accepted by the library's config decoding for every object."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ecmooncake import ec_config
+from ecmooncake.ec_config import ConfigError, Secret, parse_extra
+from ecmooncake.harness import free_port_range
+from ecmooncake.native import Consumer, EcmInvalid, Producer, Scheduler
+
+SECRET = "python-tests-deployment-secret-01"
+IP = "127.0.0.1"
+
+
+def config(extra: dict) -> ec_config.ECMooncakeConfig:
+    return ec_config.ECMooncakeConfig(
+        is_producer=True,
+        is_consumer=True,
+        ec_ip=IP,
+        ec_port=30000,
+        buffer_size=1 << 20,
+        buffer_device="cpu",
+        topology=ec_config.Topology(),
+        extra=parse_extra(extra),
+    )
+
+
+def test_secret_is_checked_and_never_echoed():
+    for bad in ("hunter2", 12345678901234567890, None):
+        with pytest.raises(ConfigError) as info:
+            parse_extra({"auth_secret": bad})
+        assert "auth_secret" in str(info.value) and "hunter2" not in str(info.value)
+    with pytest.raises(ConfigError, match="both"):
+        parse_extra({"auth_secret": SECRET, "auth_secret_file": "/run/secrets/ecm"})
+    with pytest.raises(ConfigError, match="true or false"):
+        parse_extra({"allow_unauthenticated": "yes"})
+
+
+def test_secret_reaches_every_object_and_stays_out_of_reprs(monkeypatch):
+    monkeypatch.delenv(ec_config.SECRET_ENV, raising=False)
+    cfg = config({"auth_secret": SECRET, "allow_unauthenticated": True})
+    for settings in (cfg.consumer_settings(), cfg.producer_settings(), cfg.scheduler_settings()):
+        assert settings["auth_secret"] == SECRET
+        assert json.loads(json.dumps(settings))["auth_secret"] == SECRET, "the library gets the plain value"
+        assert SECRET not in repr(settings)
+    assert cfg.consumer_settings()["allow_unauthenticated"] is True
+    assert "allow_unauthenticated" not in cfg.producer_settings()
+    assert SECRET not in repr(cfg)
+    assert "auth_secret" not in config({}).consumer_settings(), "no secret unless one is given"
+
+
+def test_secret_from_the_environment(monkeypatch):
+    monkeypatch.setenv(ec_config.SECRET_ENV, SECRET)
+    cfg = config({})
+    for settings in (cfg.consumer_settings(), cfg.producer_settings(), cfg.scheduler_settings()):
+        assert settings["auth_secret"] == SECRET and isinstance(settings["auth_secret"], Secret)
+    assert "auth_secret" not in config({"auth_secret_file": "/run/secrets/ecm"}).producer_settings(), "a file set in the config wins"
+    monkeypatch.setenv(ec_config.SECRET_ENV, "short")
+    with pytest.raises(ConfigError) as info:
+        config({}).producer_settings()
+    assert ec_config.SECRET_ENV in str(info.value) and "short" not in str(info.value).split(ec_config.SECRET_ENV)[1]
+
+
+@pytest.mark.usefixtures("library")
+def test_library_takes_the_auth_settings(tmp_path):
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    port = free_port_range(1, IP)
+    slab = np.zeros(1 << 20, np.uint8)
+    with Consumer({"ec_ip": IP, "ec_port": port, "auth_secret_file": str(path), "allow_unauthenticated": True}, slab) as consumer:
+        assert SECRET not in json.dumps(consumer.stats())
+    with Producer({"auth_secret": SECRET}), Scheduler({"ec_ip": IP, "ec_port": port, "auth_secret_file": str(path)}):
+        pass
+    for open_object in (
+        lambda: Producer({"auth_secret": "hunter2"}),
+        lambda: Scheduler({"auth_secret": SECRET, "auth_secret_file": str(path)}),
+        lambda: Consumer({"ec_ip": IP, "ec_port": port, "auth_secret_file": str(tmp_path / "missing")}, slab),
+    ):
+        with pytest.raises(EcmInvalid) as info:
+            open_object()
+        assert "auth_secret" in str(info.value) and "hunter2" not in str(info.value)
