@@ -191,6 +191,8 @@ def _check_transfers(out: dict, proxy_metrics: str, pd_metrics: list[str], items
     proxy = text[proxy_metrics]
     assert metric(proxy, "ecm_proxy_media_items_total", outcome="fallback") == 0, proxy
     assert metric(proxy, "ecm_proxy_media_items_total", outcome="encoded") == items, proxy
+    # Our connector names each item's modality itself, on vLLM 0.32 too.
+    assert metric(proxy, "ecm_proxy_derived_fields_total") == 0, proxy
     pd = "\n".join(text[u] for u in pd_metrics)
     # One observation per expected item that became available: a repeated
     # image is usually still in the PD instance's own encoder cache, and
@@ -266,6 +268,8 @@ def test_example_connector_epd_matches_one_instance(model, logs, requests_, base
         proxy = out["metrics"][proxy_url]
         assert metric(proxy, "ecm_proxy_media_items_total", outcome="encoded") == len(requests_), proxy
         assert metric(proxy, "ecm_proxy_media_items_total", outcome="fallback") == 0, proxy
+        # vLLM 0.32's own connector reports no modality: the proxy filled it in.
+        assert metric(proxy, "ecm_proxy_derived_fields_total", field="modality") == len(requests_), proxy
     assert any(store.iterdir()), "the example connector stored nothing"
 
 
