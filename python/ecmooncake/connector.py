@@ -536,6 +536,12 @@ class _ConsumerScheduler:
             self._registered.discard(rid)
             self._finished.append(rid)
 
+    def fail(self, request_id: str, reason: str) -> None:
+        """Fails a request (retryable) through take_unavailable_requests."""
+        if request_id not in self._unavailable:
+            logger.warning("ecmooncake: request %s fails (retryable) at consumer %s: %s", request_id, self.endpoints, reason)
+        self._unavailable.add(request_id)
+
     def take_unavailable(self) -> set[str]:
         out, self._unavailable = self._unavailable, set()
         return out
@@ -818,18 +824,39 @@ class _ConsumerWorker:
         if not wanted:
             return
         try:
+            self._load(wanted, encoder_cache)
+        except Exception as exc:
+            # vLLM treats a missing entry as fatal: whatever went wrong, each
+            # wanted item gets its tensor or a stand-in, and a failure.
+            for spec in wanted:
+                if spec.mm_hash not in encoder_cache:
+                    self._fail(spec, encoder_cache, f"load failed: {type(exc).__name__}: {exc}")
+
+    def _load(self, wanted: list[LoadSpec], encoder_cache: dict[str, Any]) -> None:
+        try:
             acquired = self._native.acquire([s.mm_hash for s in wanted])
         except EcmError as exc:
             acquired = [{"error": str(exc)}] * len(wanted)
-        for spec, item in zip(wanted, acquired):
+        if not isinstance(acquired, list):
+            acquired = []
+        by_hash = {item.get("mm_hash"): item for item in acquired if isinstance(item, dict) and item.get("mm_hash")}
+        for index, spec in enumerate(wanted):
+            # Answers come in the order asked; one that names its hash is
+            # matched by it, and a missing answer is a failure, not a skip.
+            item = by_hash.get(spec.mm_hash)
+            if item is None:
+                item = acquired[index] if index < len(acquired) and isinstance(acquired[index], dict) else None
+            if item is None:
+                self._fail(spec, encoder_cache, "the shard did not answer for this item")
+                continue
             if item.get("error"):
                 self._fail(spec, encoder_cache, item["error"] if not spec.error else f"{spec.error}; {item['error']}")
                 continue
             try:
                 tensor = self._view(spec, item)
-            except (ValueError, TypeError, RuntimeError) as exc:
-                self._native.release([spec.mm_hash])
-                self._fail(spec, encoder_cache, f"bad item description {item.get('meta')!r}: {exc}")
+            except (ValueError, TypeError, RuntimeError, KeyError) as exc:
+                self._release_quietly(spec.mm_hash)
+                self._fail(spec, encoder_cache, f"bad item description {item.get('meta')!r}: {type(exc).__name__}: {exc}")
                 continue
             encoder_cache[spec.mm_hash] = tensor
             self._held.add(spec.mm_hash)
@@ -838,6 +865,12 @@ class _ConsumerWorker:
                 # transfer; the request is failed already, the entry is real.
                 continue
             self._loaded.add(spec.transfer_id)
+
+    def _release_quietly(self, mm_hash: str) -> None:
+        try:
+            self._native.release([mm_hash])
+        except Exception as exc:
+            _throttle.warn("release", "ecmooncake: release of %s at shard %s: %s", mm_hash, self.endpoint, exc)
 
     def _view(self, spec: LoadSpec, item: dict[str, Any]) -> Any:
         torch = _torch()
@@ -1226,6 +1259,11 @@ def _empty_pair() -> tuple[None, None]:
     return None, None
 
 
+# Consecutive raises of ensure_cache_available after which a request is
+# failed instead of being deferred once more.
+ENSURE_STRIKES = 3
+
+
 class _Connector:
     """The implementation behind ECMooncakeConnector; see the module docstring.
 
@@ -1244,6 +1282,7 @@ class _Connector:
         super().__init__(vllm_config=vllm_config, role=role)
         self._cfg = ec_config.from_vllm_config(vllm_config)
         self._closed = False
+        self._ensure_strikes: dict[str, int] = {}
         self._consumer_sched: _ConsumerScheduler | None = None
         self._producer_sched: _ProducerScheduler | None = None
         self._consumer_worker: _ConsumerWorker | None = None
@@ -1286,7 +1325,18 @@ class _Connector:
             self._producer_sched.ensure_cache_available(request, num_computed_tokens)
         if self._consumer_sched is None:
             return True
-        return self._consumer_sched.ensure_cache_available(request, num_computed_tokens)
+        try:
+            answer = self._consumer_sched.ensure_cache_available(request, num_computed_tokens)
+        except Exception:
+            # Deferred again and again, such a request would wait forever:
+            # after ENSURE_STRIKES raises in a row it is failed (retryable).
+            strikes = self._ensure_strikes.get(request.request_id, 0) + 1
+            self._ensure_strikes[request.request_id] = strikes
+            if strikes >= ENSURE_STRIKES:
+                self._consumer_sched.fail(request.request_id, f"ensure_cache_available raised {strikes} times")
+            raise
+        self._ensure_strikes.pop(request.request_id, None)
+        return answer
 
     @_guarded(lambda: None)
     def update_state_after_alloc(self, request: Any, index: int) -> None:
@@ -1326,6 +1376,7 @@ class _Connector:
         # Never delay_free: vLLM applies it to KV blocks only, and nothing
         # would release them on an instance without a KV connector.
         params = None
+        self._ensure_strikes.pop(request.request_id, None)
         if self._consumer_sched is not None:
             self._consumer_sched.request_finished(request)
         if self._producer_sched is not None:

@@ -29,11 +29,40 @@ _MARK = "_ecmooncake"
 
 
 def register() -> None:
-    """Entry point of the ``vllm.general_plugins`` group; idempotent."""
+    """Entry point of the ``vllm.general_plugins`` group; idempotent.
+
+    vLLM calls plugins bare, in every process: nothing may raise out of
+    here, or a change in vLLM's private factory would break every vLLM
+    process on a machine where ecmooncake is installed.
+    """
+    try:
+        _register()
+    except Exception as exc:
+        global _warned
+        with _lock:
+            warned, _warned = _warned, True
+        if not warned:
+            logger.warning(
+                "ecmooncake: cannot register %s in this vLLM's connector factory (%s: %s); vLLM's own "
+                "connector of that name stays in place. Name ecmooncake's explicitly instead: "
+                '"ec_connector": "EcmooncakeConnector", "ec_connector_module_path": "%s"',
+                CONNECTOR_NAME,
+                type(exc).__name__,
+                exc,
+                MODULE,
+            )
+
+
+_warned = False
+
+
+def _register() -> None:
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
     with _lock:
-        registry = ECConnectorFactory._registry
+        registry = getattr(ECConnectorFactory, "_registry", None)
+        if not isinstance(registry, dict):
+            raise TypeError(f"ECConnectorFactory._registry is {type(registry).__name__}, not the dict this plugin knows")
         current = registry.get(CONNECTOR_NAME)
         if getattr(current, _MARK, False):
             return
@@ -52,4 +81,5 @@ def is_registered() -> bool:
     """Whether the factory's entry for the name is this package's."""
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
-    return bool(getattr(ECConnectorFactory._registry.get(CONNECTOR_NAME), _MARK, False))
+    registry = getattr(ECConnectorFactory, "_registry", None)
+    return isinstance(registry, dict) and bool(getattr(registry.get(CONNECTOR_NAME), _MARK, False))
