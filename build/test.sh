@@ -12,12 +12,32 @@ echo "== go vet" >&2
 go vet ./...
 echo "== go test -race" >&2
 go test -race -count=1 -timeout 20m ./...
+# One fuzz target. A failure that wrote a failing input under testdata/fuzz
+# is a finding and fails the run; one that wrote none is the fuzzing engine
+# itself (on a loaded 2-core machine its coordinator can take a worker for
+# hung), which is shown and run once more.
+fuzz_one() {
+  local pkg=$1 target=$2 out before
+  for attempt in 1 2; do
+    before=$(find "$pkg/testdata/fuzz/$target" -type f 2>/dev/null | wc -l)
+    if out=$(go test -run=NONE -fuzz="^${target}\$" -fuzztime="$fuzztime" "./$pkg" 2>&1); then
+      return 0
+    fi
+    echo "$out" | tail -30 >&2
+    if [ "$(find "$pkg/testdata/fuzz/$target" -type f 2>/dev/null | wc -l)" != "$before" ]; then
+      echo "fuzz: $pkg $target found a failing input (see $pkg/testdata/fuzz/$target)" >&2
+      return 1
+    fi
+    [ "$attempt" = 1 ] && echo "fuzz: $pkg $target failed without a failing input; running it once more" >&2
+  done
+  return 1
+}
 echo "== fuzz (${fuzztime} each)" >&2
 grep -rl --include='*_test.go' '^func Fuzz' core capi tests/go 2>/dev/null | xargs -r -n1 dirname | sort -u |
   while read -r pkg; do
     for target in $(grep -h '^func Fuzz' "$pkg"/*_test.go | sed -E 's/^func (Fuzz[A-Za-z0-9_]*).*/\1/'); do
       echo "   $pkg $target" >&2
-      go test -run=NONE -fuzz="^${target}\$" -fuzztime="$fuzztime" "./$pkg" >/dev/null
+      fuzz_one "$pkg" "$target"
     done
   done
 echo "== pytest" >&2
