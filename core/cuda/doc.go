@@ -27,6 +27,12 @@
 // sleeping thread wakes long after a short copy has ended, and a long copy
 // should not keep spinning a core that PyTorch wants.
 //
+// A batch of device-to-device copies (CopyDeviceTimed) queues every
+// source's wait first, then runs its copies between two timing events, so
+// that its caller learns the GPU's own time apart from the host's wait
+// (gpu.CopyTiming); cuEventElapsedTime is resolved if the driver has it,
+// and its absence only leaves the GPU time unknown.
+//
 // Devices, their contexts and streams live for the life of the process:
 // a library loaded into a vLLM worker never unloads.
 package cuda

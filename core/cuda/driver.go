@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"time"
 	"unsafe"
 
 	"github.com/ecmooncake/ecmooncake/core/gpu"
@@ -139,8 +140,9 @@ type Device struct {
 	// other direction, so that the two PCIe directions overlap.
 	d2x, h2d C.ecm_CUstream
 
-	evMu sync.Mutex
-	done []C.ecm_CUevent // free events for waiting on copies
+	evMu  sync.Mutex
+	done  []C.ecm_CUevent    // free events for waiting on copies
+	timed [][2]C.ecm_CUevent // free (start, done) pairs with timing enabled
 }
 
 func newDevice(ordinal int) (*Device, error) {
@@ -210,6 +212,35 @@ func (d *Device) putDone(ev C.ecm_CUevent) {
 	d.evMu.Unlock()
 }
 
+// getTimed returns a free (start, done) pair of events that keep time;
+// done blocks its waiter rather than spinning. The caller holds the thread
+// with the context current.
+func (d *Device) getTimed() ([2]C.ecm_CUevent, error) {
+	d.evMu.Lock()
+	if n := len(d.timed); n > 0 {
+		p := d.timed[n-1]
+		d.timed = d.timed[:n-1]
+		d.evMu.Unlock()
+		return p, nil
+	}
+	d.evMu.Unlock()
+	var p [2]C.ecm_CUevent
+	if err := check("cuEventCreate", C.ecm_cuEventCreate(&p[0], 0)); err != nil {
+		return p, err
+	}
+	if err := check("cuEventCreate", C.ecm_cuEventCreate(&p[1], C.ECM_CU_EVENT_BLOCKING_SYNC)); err != nil {
+		C.ecm_cuEventDestroy(p[0])
+		return p, err
+	}
+	return p, nil
+}
+
+func (d *Device) putTimed(p [2]C.ecm_CUevent) {
+	d.evMu.Lock()
+	d.timed = append(d.timed, p)
+	d.evMu.Unlock()
+}
+
 // copyErr names the failed driver call of a copy helper.
 func copyErr(what string, failed *C.char, r C.ecm_CUresult) error {
 	if r == C.ECM_CUDA_SUCCESS {
@@ -270,18 +301,27 @@ func (d *Device) RecordEvent(stream uintptr) (gpu.Event, error) {
 // CopyDevice implements gpu.Device: every copy is queued on one stream,
 // then one wait covers them all.
 func (d *Device) CopyDevice(ops []gpu.DeviceCopy) error {
+	_, err := d.CopyDeviceTimed(ops)
+	return err
+}
+
+// CopyDeviceTimed implements gpu.TimedCopier. The stream first waits for
+// every source's event, then runs the copies between two timing events,
+// and one host wait covers them all: a batch's copies start once all its
+// sources are ready (they are normally the outputs of one model step, one
+// event), and the GPU's own time is told apart from the host's wait.
+func (d *Device) CopyDeviceTimed(ops []gpu.DeviceCopy) (gpu.CopyTiming, error) {
 	if len(ops) == 0 {
-		return nil
+		return gpu.CopyTiming{}, nil
 	}
 	cops := make([]C.ecm_copy, len(ops))
 	waited := map[C.ecm_CUevent]bool{}
 	for i, op := range ops {
 		after, err := handleOf(op.After)
 		if err != nil {
-			return err
+			return gpu.CopyTiming{}, err
 		}
-		// One stream carries the batch: once it waits for an event, every
-		// later copy on it does too.
+		// The stream waits once per event, however many copies follow it.
 		if waited[after] {
 			after = nil
 		} else if after != nil {
@@ -289,22 +329,32 @@ func (d *Device) CopyDevice(ops []gpu.DeviceCopy) error {
 		}
 		cops[i] = C.ecm_copy{dst: C.ecm_CUdeviceptr(op.Dst), src: C.ecm_CUdeviceptr(op.Src), n: C.uint64_t(op.N), after: after}
 	}
-	return d.with(func() error {
-		done, err := d.getDone()
+	var tm C.ecm_copy_timing
+	err := d.with(func() error {
+		evs, err := d.getTimed()
 		if err != nil {
 			return err
 		}
 		var failed *C.char
-		r := C.ecm_cu_copy_batch(d.d2x, done, &cops[0], C.int(len(cops)), &failed)
+		r := C.ecm_cu_copy_batch_timed(d.d2x, evs[0], evs[1], &cops[0], C.int(len(cops)), &tm, &failed)
 		if r != C.ECM_CUDA_SUCCESS {
-			// A failed copy can leave the event recorded or not; a fresh
-			// one is cheaper than finding out.
-			C.ecm_cuEventDestroy(done)
+			// A failed copy can leave the events recorded or not; fresh
+			// ones are cheaper than finding out.
+			C.ecm_cuEventDestroy(evs[0])
+			C.ecm_cuEventDestroy(evs[1])
 			return copyErr(fmt.Sprintf("%s: %d device copies", d.Name(), len(ops)), failed, r)
 		}
-		d.putDone(done)
+		d.putTimed(evs)
 		return nil
 	})
+	if err != nil {
+		return gpu.CopyTiming{}, err
+	}
+	out := gpu.CopyTiming{Queue: time.Duration(tm.queue_ns), Wait: time.Duration(tm.wait_ns)}
+	if tm.gpu_ms >= 0 {
+		out.GPU = time.Duration(float64(tm.gpu_ms) * float64(time.Millisecond))
+	}
+	return out, nil
 }
 
 // CopyToHost implements gpu.Device.
@@ -473,7 +523,10 @@ func (d *Device) OpenIPC(h gpu.IPCHandle) (gpu.Mapping, error) {
 	return &mapping{d: d, addr: uintptr(p)}, nil
 }
 
-var _ gpu.Device = (*Device)(nil)
+var (
+	_ gpu.Device      = (*Device)(nil)
+	_ gpu.TimedCopier = (*Device)(nil)
+)
 
 // memAlloc and memFree serve this package's tests on a GPU host:
 // production code never allocates device memory, PyTorch does.

@@ -184,3 +184,21 @@ func BenchmarkRecordEventAndCheck(b *testing.B) {
 		return ev.Close()
 	})
 }
+
+func TestTimedCopyReportsTheGPUsTime(t *testing.T) {
+	dev := gpuDevice(t)
+	const n = 64 << 20
+	a, err := dev.memAlloc(n)
+	require.NoError(t, err)
+	defer dev.memFree(a)
+	b, err := dev.memAlloc(n)
+	require.NoError(t, err)
+	defer dev.memFree(b)
+	for range 3 {
+		tm, err := dev.CopyDeviceTimed([]gpu.DeviceCopy{{Dst: b, Src: a, N: n / 2}, {Dst: b + n/2, Src: a + n/2, N: n / 2}})
+		require.NoError(t, err)
+		require.Positive(t, tm.GPU, "the driver's timing events measured the copies")
+		require.Positive(t, tm.Wait)
+		t.Logf("64 MiB in two copies: queue %v, GPU %v, host wait %v", tm.Queue, tm.GPU, tm.Wait)
+	}
+}

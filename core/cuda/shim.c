@@ -35,6 +35,8 @@ struct cu_table {
 	ecm_CUresult (*cuMemFree)(ecm_CUdeviceptr);
 	ecm_CUresult (*cuGetErrorName)(ecm_CUresult, const char **);
 	ecm_CUresult (*cuGetErrorString)(ecm_CUresult, const char **);
+	/* Optional: NULL when the driver lacks it (timings then say so). */
+	ecm_CUresult (*cuEventElapsedTime)(float *, ecm_CUevent, ecm_CUevent);
 };
 
 static struct cu_table cu;
@@ -75,6 +77,15 @@ static const struct {
 	{"cuGetErrorString", offsetof(struct cu_table, cuGetErrorString)},
 };
 
+/* Symbols a driver may lack without the library becoming unusable; the
+ * first name found wins. */
+static const struct {
+	const char *names[2];
+	size_t offset;
+} optional_symbols[] = {
+	{{"cuEventElapsedTime_v2", "cuEventElapsedTime"}, offsetof(struct cu_table, cuEventElapsedTime)},
+};
+
 int ecm_cu_load(const char *path, char *err, size_t errlen) {
 	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
 	if (h == NULL) {
@@ -96,6 +107,13 @@ int ecm_cu_load(const char *path, char *err, size_t errlen) {
 	}
 	for (size_t i = 0; i < sizeof(symbols) / sizeof(symbols[0]); i++) {
 		memcpy(table + symbols[i].offset, &resolved[i], sizeof(void *));
+	}
+	for (size_t i = 0; i < sizeof(optional_symbols) / sizeof(optional_symbols[0]); i++) {
+		void *p = NULL;
+		for (size_t k = 0; p == NULL && k < 2 && optional_symbols[i].names[k] != NULL; k++) {
+			p = dlsym(h, optional_symbols[i].names[k]);
+		}
+		memcpy(table + optional_symbols[i].offset, &p, sizeof(void *));
 	}
 	/* The handle stays open for the life of the process: the table points
 	 * into it. */
@@ -181,15 +199,33 @@ static ecm_CUresult wait_done(ecm_CUevent done) {
 	return cu.cuEventSynchronize(done);
 }
 
-ecm_CUresult ecm_cu_copy_batch(ecm_CUstream s, ecm_CUevent done, const ecm_copy *ops, int n, const char **failed) {
+ecm_CUresult ecm_cu_copy_batch_timed(ecm_CUstream s, ecm_CUevent start, ecm_CUevent done, const ecm_copy *ops, int n,
+                                     ecm_copy_timing *t, const char **failed) {
+	t->queue_ns = 0;
+	t->wait_ns = 0;
+	t->gpu_ms = -1;
+	int64_t t0 = now_ns();
 	for (int i = 0; i < n; i++) {
 		if (ops[i].after != NULL) {
 			TRY(cu.cuStreamWaitEvent(s, ops[i].after, 0), "cuStreamWaitEvent");
 		}
+	}
+	TRY(cu.cuEventRecord(start, s), "cuEventRecord");
+	for (int i = 0; i < n; i++) {
 		TRY(cu.cuMemcpyAsync(ops[i].dst, ops[i].src, (size_t)ops[i].n, s), "cuMemcpyAsync");
 	}
 	TRY(cu.cuEventRecord(done, s), "cuEventRecord");
+	int64_t t1 = now_ns();
 	TRY(wait_done(done), "cuEventSynchronize");
+	int64_t t2 = now_ns();
+	t->queue_ns = t1 - t0;
+	t->wait_ns = t2 - t1;
+	if (cu.cuEventElapsedTime != NULL) {
+		float ms = -1;
+		if (cu.cuEventElapsedTime(&ms, start, done) == ECM_CUDA_SUCCESS) {
+			t->gpu_ms = ms;
+		}
+	}
 	return ECM_CUDA_SUCCESS;
 }
 

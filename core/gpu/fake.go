@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 )
 
 // FakeHost is one host with fake GPUs, for tests: device memory is Go
@@ -345,6 +346,15 @@ func (d *fakeDevice) CopyDevice(ops []DeviceCopy) error {
 	return nil
 }
 
+// CopyDeviceTimed implements TimedCopier: the fake's "GPU" is the memcpy,
+// and the host sees it end at once.
+func (d *fakeDevice) CopyDeviceTimed(ops []DeviceCopy) (CopyTiming, error) {
+	start := time.Now()
+	err := d.CopyDevice(ops)
+	took := time.Since(start)
+	return CopyTiming{GPU: took, Wait: took}, err
+}
+
 func (d *fakeDevice) CopyToHost(dst []byte, src uintptr, after Event) error {
 	if err := waitAfter(after); err != nil {
 		return err
@@ -430,6 +440,7 @@ func (d *fakeDevice) OpenIPC(h IPCHandle) (Mapping, error) {
 }
 
 var (
-	_ Devices = (*FakeHost)(nil)
-	_ Device  = (*fakeDevice)(nil)
+	_ Devices     = (*FakeHost)(nil)
+	_ Device      = (*fakeDevice)(nil)
+	_ TimedCopier = (*fakeDevice)(nil)
 )

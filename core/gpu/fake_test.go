@@ -1,7 +1,9 @@
 package gpu
 
 import (
+	"errors"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -116,4 +118,22 @@ func TestShareClosesTheEventWithTheLastHandle(t *testing.T) {
 	require.Zero(t, h.OpenEvents())
 	require.Equal(t, []Event{ev}, Share(ev, 1))
 	require.Same(t, ev, Base(ev))
+}
+
+func TestFakeTimedCopiesReportTheirParts(t *testing.T) {
+	h := NewFakeHost(1)
+	d, _ := h.Device(0)
+	tc, ok := d.(TimedCopier)
+	require.True(t, ok, "the fake reports where a copy's time went, as the CUDA device does")
+	a, aw := h.Alloc(0, 64)
+	b, bw := h.Alloc(0, 64)
+	copy(aw, "timed")
+	tm, err := tc.CopyDeviceTimed([]DeviceCopy{{Dst: b, Src: a, N: 5}})
+	require.NoError(t, err)
+	require.Equal(t, []byte("timed"), bw[:5])
+	require.GreaterOrEqual(t, tm.Wait, tm.GPU, "the host cannot see a copy end before the GPU ended it")
+	require.GreaterOrEqual(t, tm.GPU, time.Duration(0))
+	h.FailNextCopies(errors.New("boom"))
+	_, err = tc.CopyDeviceTimed([]DeviceCopy{{Dst: b, Src: a, N: 5}})
+	require.ErrorContains(t, err, "boom")
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 )
 
 // ErrUnavailable is wrapped by every error that means "this process has
@@ -79,6 +80,27 @@ type Device interface {
 	ExportIPC(addr uintptr, n uint64) (Export, error)
 	// OpenIPC opens memory another process exported, for this device.
 	OpenIPC(h IPCHandle) (Mapping, error)
+}
+
+// CopyTiming says where one batch of device copies spent its time, so
+// that a caller can tell the copy itself from what it cost to learn that
+// it ended.
+type CopyTiming struct {
+	// Queue is the host time spent queuing the copies and their event.
+	Queue time.Duration
+	// GPU is the copies' own time on the GPU, from the first copy's start
+	// to the last one's end (timing events); 0 when the device cannot say.
+	GPU time.Duration
+	// Wait is the host time from the last copy queued until its
+	// completion was seen. Wait less GPU is what waking for the event
+	// cost, plus any queueing ahead of the copies.
+	Wait time.Duration
+}
+
+// TimedCopier is a Device that reports CopyTiming: CopyDeviceTimed is
+// CopyDevice with the timing of the batch.
+type TimedCopier interface {
+	CopyDeviceTimed(ops []DeviceCopy) (CopyTiming, error)
 }
 
 // Devices opens devices by ordinal. Implementations cache: asking twice
