@@ -6,8 +6,14 @@
 // # What is measured where
 //
 // Events are counted where they happen, through the functions of this
-// package (Moved, WriteBatch, Failed, RoundTrip, TransferWait): each is a
+// package (Moved, WriteBatch, Failed, RoundTrip, TransferWait, Phase): each is a
 // few atomic adds, safe on any goroutine, and never blocks.
+//
+// Phase times the readiness path of a batch (copies, the wait for their
+// event, the complete's hand-off and round trip, the readiness event's
+// delivery): a histogram for Prometheus, and totals that Phases returns
+// for runtime objects' Stats, so that a benchmark can print a per-phase
+// breakdown without scraping.
 //
 // State is read when Prometheus scrapes, not pushed: a runtime object calls
 // Watch once with a Probe that reads its own Stats snapshot, and the

@@ -111,3 +111,15 @@ func TestReasonFoldsTexts(t *testing.T) {
 		require.Equal(t, want, Reason(text), text)
 	}
 }
+
+func TestPhasesAddUpAndAppearInText(t *testing.T) {
+	runs++
+	name := fmt.Sprintf("unit_phase_%d", runs)
+	Phase(name, 100*time.Microsecond)
+	Phase(name, 300*time.Microsecond)
+	Phase(name, -time.Second)
+	got := Phases()[name]
+	require.Equal(t, uint64(2), got.Count, "a negative duration (clocks that disagree) is dropped")
+	require.InDelta(t, 400e-6, got.Seconds, 1e-9)
+	require.Contains(t, scrape(t), fmt.Sprintf(`ecm_ready_path_phase_seconds_count{phase="%s"} 2`, name))
+}

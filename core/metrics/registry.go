@@ -22,7 +22,7 @@ func newRegistry() *prometheus.Registry {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		transferBytes, transferItems, itemBytes, writeSeconds,
-		failures, roundTrips, roundTripSeconds, transferWait,
+		failures, roundTrips, roundTripSeconds, transferWait, phaseSeconds,
 		probes,
 	)
 	return r
