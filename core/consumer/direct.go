@@ -7,8 +7,9 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/reserve"
 )
 
-// One-sided data planes (mooncake: RDMA writes straight into the slab)
-// never ask the table where a frame may land, so the shard admits the
+// One-sided data planes (mooncake: RDMA writes straight into the slab;
+// shm and cuda_ipc: a copy into the producer's mapping of it) never ask
+// the table where a frame may land, so the shard admits the
 // writer itself. A write grant opens one write of the whole region
 // (BeginWrite) and the writer's complete or abandon ends it. Until then
 // the region is "being written": a cancel or a lease expiry fails its

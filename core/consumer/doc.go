@@ -21,7 +21,7 @@
 //   - every byte the data plane writes lands inside a live reservation,
 //     because the transport asks the table (BeginWrite) for the destination
 //     of every frame; a one-sided data plane (transport.Direct: RDMA writes
-//     straight into the slab) cannot ask, so the shard admits its writer
+//     or copies straight into the slab) cannot ask, so the shard admits its writer
 //     for the whole region at the grant, hands it the region's address
 //     and nothing else, and ends the write at the writer's complete or
 //     abandon, or after two leases if the writer vanished (direct.go);
@@ -35,4 +35,8 @@
 // and answers with the frame's offset in the slab. The shard then offers
 // every plane its receiver listens on (transport.Offer): TCP staged
 // through page-locked memory and cuda_ipc for producers on the same host.
+// cuda_ipc is one-sided (transport.DirectOf finds it next to TCP), so
+// every write grant admits its region for a one-sided writer and carries
+// its address; a producer over TCP ignores the address and its frames are
+// admitted alongside, as before.
 package consumer

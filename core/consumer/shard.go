@@ -51,8 +51,9 @@ type Shard struct {
 	server *control.Server
 	events *control.EventPub
 	recv   transport.Receiver
-	// direct is recv when the data plane is one-sided; remote holds the
-	// regions admitted for its writers (see direct.go). Guarded by mu.
+	// direct is recv's one-sided data plane, if it has one (recv itself,
+	// or cuda_ipc next to TCP); remote holds the regions admitted for its
+	// writers (see direct.go). Guarded by mu.
 	direct transport.Direct
 	remote map[ids.ResID]remoteWrite
 
@@ -115,7 +116,7 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 	if s.recv, err = opt.Transport.Listen(dataAddr, sink{s}); err != nil {
 		return nil, fmt.Errorf("consumer: %s data plane on %s: %w", opt.Transport.Name(), dataAddr, err)
 	}
-	s.direct, _ = s.recv.(transport.Direct)
+	s.direct, _ = transport.DirectOf(s.recv)
 	s.remote = map[ids.ResID]remoteWrite{}
 	bind := control.Endpoint(cfg.IP, cfg.ControlPort())
 	if s.server, err = control.NewServer(s.zctx, bind, handler{s}, s.log, guarded); err != nil {

@@ -9,7 +9,8 @@ type DirectSink interface {
 	Memory() (addr uintptr, n uint64, device string)
 }
 
-// Direct is implemented by the Receiver of a one-sided transport (RDMA):
+// Direct is implemented by the Receiver of a one-sided transport (RDMA,
+// shm, cuda_ipc):
 // writers put bytes straight into its registered memory, so the transport
 // never asks the sink per frame and cannot check each write. The sink's
 // owner keeps the data-plane invariant itself instead:
@@ -23,6 +24,29 @@ type DirectSink interface {
 type Direct interface {
 	Receiver
 	RemoteAddr(slabOff uint64) uint64
+}
+
+// DirectPlaner is a receiver over several data planes (a
+// MultiReceiver) that names the one-sided one among them, or nil.
+type DirectPlaner interface {
+	DirectPlane() Direct
+}
+
+// DirectOf is r's one-sided data plane: r itself when it is Direct, else
+// the one a DirectPlaner names. A shard whose receiver has one admits a
+// writer per region at each write grant and puts RemoteAddr in the grant;
+// writers over its other planes ignore the address, and their frames are
+// admitted as before, alongside.
+func DirectOf(r Receiver) (Direct, bool) {
+	if d, ok := r.(Direct); ok {
+		return d, true
+	}
+	if p, ok := r.(DirectPlaner); ok {
+		if d := p.DirectPlane(); d != nil {
+			return d, true
+		}
+	}
+	return nil, false
 }
 
 // AddrChecker is implemented by transports that can tell from a data-plane

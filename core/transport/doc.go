@@ -16,8 +16,9 @@
 //   - Direct, DirectSink: the hooks of one-sided transports, which write
 //     into registered memory without asking the sink per frame (package
 //     mooncake, RDMA through Mooncake TransferEngine; package shm, one
-//     memcpy into a slab file in /dev/shm on the same host); the sink's
-//     owner then admits the writer per region (see Direct).
+//     memcpy into a slab file in /dev/shm on the same host; package
+//     cudaipc, a device copy into a CUDA IPC mapping of a GPU slab); the
+//     sink's owner then admits the writer per region (see Direct, DirectOf).
 //
 // # Consumer side
 //
@@ -96,7 +97,7 @@
 // frame's offset in the slab. A FrameSink tells frames apart, so a sink
 // that stages a frame through host memory can copy it on when that frame
 // ends. The packages below this one build on these: staged (TCP with GPU
-// memory, through page-locked buffers), cudaipc (same host, device to
-// device) and route (which plane serves which destination: Picker,
+// memory, through page-locked buffers), cudaipc (same host, one-sided,
+// device to device) and route (which plane serves which destination: Picker,
 // MultiReceiver).
 package transport

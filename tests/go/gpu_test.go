@@ -178,9 +178,13 @@ func TestGPUSlabsOverEachPlane(t *testing.T) {
 		c.verify(items)
 		for r, s := range c.shards {
 			planes := s.Stats().Planes
-			require.Positive(t, planes[plane].Frames, "shard %d: %s carried the %s pushes (%v)", r, plane, plane, planes)
 			if plane == cudaipc.Name {
+				// cuda_ipc writes straight into the slab: no frame passes
+				// through a receiver.
 				require.Zero(t, planes["tcp"].Frames, "shard %d: a producer on the same host uses cuda_ipc", r)
+				require.Equal(t, len(c.shards), c.host.OpenMappings(), "the producer mapped every shard's slab")
+			} else {
+				require.Positive(t, planes["tcp"].Frames, "shard %d: tcp carried the tcp pushes (%v)", r, planes)
 			}
 		}
 	}
@@ -189,6 +193,24 @@ func TestGPUSlabsOverEachPlane(t *testing.T) {
 	require.Positive(t, c.host.OpenMappings())
 	c.close()
 	require.Zero(t, c.host.OpenMappings(), "closing the producer closes its mappings of the shards' slabs")
+}
+
+// TestGPUBatchCostsTwoRoundTripsPerShard counts the producer's control
+// round trips: over cuda_ipc a batch costs one reserve_batch and one
+// complete_batch per shard and nothing else, the data plane included
+// (the grant names the region; the copy needs no exchange).
+func TestGPUBatchCostsTwoRoundTripsPerShard(t *testing.T) {
+	const tp = 2
+	c := newGPUCluster(t, tp, 32<<20)
+	p := c.prods[cudaipc.Name]
+	c.push(cudaipc.Name, "req-warm", makeItems(60, 4, 1<<10, 64<<10, 0), 0)
+	for b := range 3 {
+		before := p.Stats().RoundTrips
+		items := makeItems(uint64(61+b), 4, 1<<10, 64<<10, 0)
+		c.push(cudaipc.Name, fmt.Sprintf("req-count-%d", b), items, 0)
+		require.Equal(t, uint64(2*tp), p.Stats().RoundTrips-before, "batch %d: reserve + complete per shard", b)
+		require.Len(t, c.wait(tids(items), 10*time.Second).Available, len(items))
+	}
 }
 
 func (c *gpuCluster) wait(ids []string, within time.Duration) scheduler.WaitOut {

@@ -6,13 +6,14 @@ import (
 	"errors"
 	"log/slog"
 	"math/rand/v2"
+	"net"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecmooncake/ecmooncake/core/gpu"
-	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/transporttest"
@@ -31,13 +32,14 @@ func randBytes(seed uint64, n int) []byte {
 
 const slabSize = 8 << 20
 
-// shard is a consumer shard's side: a device slab, its table, a receiver.
+// shard is a consumer shard's side: a device slab, a table that hands out
+// its regions, and the receiver that exports it.
 type shard struct {
 	host    *gpu.FakeHost
 	addr    uintptr
 	window  []byte
 	regions *transporttest.Regions
-	recv    transport.Receiver
+	recv    *receiver
 }
 
 func listenShard(t *testing.T, host *gpu.FakeHost, ordinal int, at string) *shard {
@@ -48,15 +50,24 @@ func listenShard(t *testing.T, host *gpu.FakeHost, ordinal int, at string) *shar
 	base, window := host.Alloc(ordinal, slabSize+4096)
 	s := &shard{host: host, addr: base + 4096, window: window[4096:], regions: transporttest.NewDevice(slabSize)}
 	tr := New(Config{Slab: slab.DeviceMemory(s.addr, slabSize, dev.Name()), SlabDevice: dev, Logger: quiet()})
-	s.recv, err = tr.Listen(at, s.regions)
+	r, err := tr.Listen(at, s.regions)
 	require.NoError(t, err)
+	s.recv = r.(*receiver)
 	t.Cleanup(func() { _ = s.recv.Close() })
 	return s
 }
 
-func (s *shard) region(res ids.ResID, n int) []byte {
-	off := s.regions.Offset(res)
-	return s.window[off : off+uint64(n)]
+// grant reserves n bytes and returns the write item a producer gets for
+// it: reservation, token, and the region's address and size, as a shard
+// puts them in a write grant.
+func (s *shard) grant(n int) transport.WriteItem {
+	res, tok := s.regions.Reserve(uint64(n))
+	return transport.WriteItem{Res: res, Token: tok, Addr: s.recv.RemoteAddr(s.regions.Offset(res)), Size: uint64(n)}
+}
+
+func (s *shard) region(it transport.WriteItem) []byte {
+	off := s.regions.Offset(it.Res)
+	return s.window[off : off+it.Size]
 }
 
 func newWriter(t *testing.T, host *gpu.FakeHost) transport.Writer {
@@ -99,8 +110,7 @@ func TestWritesLandInTheSlab(t *testing.T) {
 			for i, ord := range tc.srcs {
 				n := 1000 + i*(1<<20)
 				data := randBytes(uint64(i), n)
-				res, tok := s.regions.Reserve(uint64(n))
-				it := transport.WriteItem{Res: res, Token: tok}
+				it := s.grant(n)
 				if ord < 0 {
 					it.Src = data
 				} else {
@@ -112,11 +122,9 @@ func TestWritesLandInTheSlab(t *testing.T) {
 				require.NoError(t, err, "item %d", i)
 			}
 			for i, it := range items {
-				require.True(t, bytes.Equal(want[i], s.region(it.Res, len(want[i]))), "item %d differs", i)
+				require.True(t, bytes.Equal(want[i], s.region(it)), "item %d differs", i)
 			}
-			require.NoError(t, s.regions.Balance())
-			st := s.recv.Stats()
-			require.Equal(t, uint64(len(items)), st.Frames)
+			require.Zero(t, s.regions.Frames(), "a one-sided write never asks the shard's table")
 			require.Positive(t, host.OpenMappings(), "the writer keeps the shard's slab open between writes")
 			require.NoError(t, w.Close())
 			require.Zero(t, host.OpenMappings(), "Close closes every mapping")
@@ -124,32 +132,62 @@ func TestWritesLandInTheSlab(t *testing.T) {
 	}
 }
 
-func TestRefusalsCostOnlyTheirItem(t *testing.T) {
+// TestNoDataPlaneExchangePerBatch counts the requests the shard's socket
+// serves: one hello for the writer's first batch, none for the batches
+// after it. What a batch costs on the control plane (reserve and complete)
+// is all it costs.
+func TestNoDataPlaneExchangePerBatch(t *testing.T) {
 	host := gpu.NewFakeHost(1)
 	s := listenShard(t, host, 0, "127.0.0.1:0")
 	w := newWriter(t, host)
-	good, goodTok := s.regions.Reserve(100)
-	small, smallTok := s.regions.Reserve(10)
-	gone, goneTok := s.regions.Reserve(10)
-	s.regions.Drop(gone)
-	data := randBytes(1, 100)
-	src := deviceSource(host, 0, data)
-	items := []transport.WriteItem{
-		{Res: good, Token: ids.Token{7}, Dev: src},
-		{Res: 999, Token: goodTok, Dev: src},
-		{Res: small, Token: smallTok, Dev: src},
-		{Res: gone, Token: goneTok, Dev: src},
-		{Res: good, Token: goodTok, Dev: src},
+	const batches = 5
+	for b := range batches {
+		var items []transport.WriteItem
+		for i := range 4 {
+			it := s.grant(4096)
+			it.Dev = deviceSource(host, 0, randBytes(uint64(10*b+i), 4096))
+			items = append(items, it)
+		}
+		for i, err := range write(w, s.recv.Addr(), items...) {
+			require.NoError(t, err, "batch %d item %d", b, i)
+		}
 	}
-	errs := write(w, s.recv.Addr(), items...)
-	for i, want := range []error{transport.ErrBadToken, transport.ErrUnknownRes, transport.ErrOutOfBounds, transport.ErrGone} {
-		require.ErrorIs(t, errs[i], want, "item %d", i)
-		require.ErrorIs(t, errs[i], transport.ErrRejected)
+	require.Equal(t, uint64(1), s.recv.requests.Load(), "one hello, then no exchange per batch")
+}
+
+// TestWriterRefusesGrantsOutsideTheSlab: the writer checks each item
+// against the region its grant reserved and the region against the slab
+// the shard exported; a refused item copies nothing and costs only itself.
+func TestWriterRefusesGrantsOutsideTheSlab(t *testing.T) {
+	host := gpu.NewFakeHost(1)
+	s := listenShard(t, host, 0, "127.0.0.1:0")
+	w := newWriter(t, host)
+	src := deviceSource(host, 0, randBytes(1, 100))
+	good := s.grant(100)
+	good.Dev = src
+	noAddr := good
+	noAddr.Addr = 0
+	pastGrant := s.grant(50)
+	pastGrant.Dev = src // 100 bytes into a 50-byte region
+	pastSlab := good
+	pastSlab.Addr = s.recv.RemoteAddr(slabSize - 40)
+	below := good
+	below.Addr = s.recv.RemoteAddr(0) - 256
+	wrapped := good
+	wrapped.Addr, wrapped.Size = s.recv.RemoteAddr(0), ^uint64(0)-10
+	wrapped.Off = 20
+	before := bytes.Clone(s.window)
+	errs := write(w, s.recv.Addr(), noAddr, pastGrant, pastSlab, below, wrapped, good)
+	require.ErrorContains(t, errs[0], "no slab address")
+	require.ErrorIs(t, errs[1], transport.ErrWriteBounds)
+	for i := 2; i <= 4; i++ {
+		require.ErrorIs(t, errs[i], transport.ErrStaleAddr, "item %d", i)
+		require.ErrorIs(t, errs[i], transport.ErrRefusedByWriter)
 	}
-	require.NoError(t, errs[4])
-	require.Equal(t, data, s.region(good, 100))
-	require.NoError(t, s.regions.Balance())
-	require.Equal(t, uint64(1), s.recv.Stats().Rejected["bad_token"])
+	require.NoError(t, errs[5])
+	off := s.regions.Offset(good.Res)
+	copy(before[off:], randBytes(1, 100))
+	require.Equal(t, before, s.window, "only the good item's region changed")
 }
 
 func TestSourceIsReadOnlyAfterItsEvent(t *testing.T) {
@@ -159,32 +197,59 @@ func TestSourceIsReadOnlyAfterItsEvent(t *testing.T) {
 	dev, _ := host.Device(0)
 	const n = 3 << 20
 	addr, window := host.Alloc(0, n)
-	src := &transport.DeviceSrc{Addr: addr, Len: n}
 	stream := host.NewStream()
 	stream.Hold()
 	ready, err := dev.RecordEvent(stream.Handle())
 	require.NoError(t, err)
-	src.Ready = ready
-	res, tok := s.regions.Reserve(n)
+	it := s.grant(n)
+	it.Dev = &transport.DeviceSrc{Addr: addr, Len: n, Ready: ready}
 	done := make(chan []error, 1)
-	go func() { done <- write(w, s.recv.Addr(), transport.WriteItem{Res: res, Token: tok, Dev: src}) }()
+	go func() { done <- write(w, s.recv.Addr(), it) }()
 	final := randBytes(5, n)
 	copy(window, final)
 	stream.Release()
 	require.NoError(t, (<-done)[0])
-	require.True(t, bytes.Equal(final, s.region(res, n)), "the slab holds what the kernel finished writing")
+	require.True(t, bytes.Equal(final, s.region(it)), "the slab holds what the kernel finished writing")
 }
 
-func TestCopyFailureTearsTheFrame(t *testing.T) {
+// TestBatchesToOneShardOverlap: a batch whose copies wait for their
+// source does not hold up the next batch to the same shard, so that a
+// busy encoder keeps several batches in flight.
+func TestBatchesToOneShardOverlap(t *testing.T) {
 	host := gpu.NewFakeHost(1)
 	s := listenShard(t, host, 0, "127.0.0.1:0")
 	w := newWriter(t, host)
-	res, tok := s.regions.Reserve(100)
+	dev, _ := host.Device(0)
+	stream := host.NewStream()
+	stream.Hold()
+	slow := s.grant(100)
+	slow.Dev = deviceSource(host, 0, randBytes(1, 100))
+	slow.Dev.Ready, _ = dev.RecordEvent(stream.Handle())
+	done := make(chan []error, 1)
+	go func() { done <- write(w, s.recv.Addr(), slow) }()
+	fast := s.grant(100)
+	fast.Dev = deviceSource(host, 0, randBytes(2, 100))
+	require.NoError(t, write(w, s.recv.Addr(), fast)[0], "the second batch lands while the first waits")
+	select {
+	case <-done:
+		t.Fatal("the first batch ended before its source was ready")
+	default:
+	}
+	stream.Release()
+	require.NoError(t, (<-done)[0])
+	require.Equal(t, randBytes(1, 100), s.region(slow))
+}
+
+func TestCopyFailureFailsItsItems(t *testing.T) {
+	host := gpu.NewFakeHost(1)
+	s := listenShard(t, host, 0, "127.0.0.1:0")
+	w := newWriter(t, host)
+	it := s.grant(100)
+	it.Dev = deviceSource(host, 0, randBytes(1, 100))
 	host.FailNextCopies(errors.New("injected copy failure"))
-	errs := write(w, s.recv.Addr(), transport.WriteItem{Res: res, Token: tok, Dev: deviceSource(host, 0, randBytes(1, 100))})
+	errs := write(w, s.recv.Addr(), it)
 	require.ErrorContains(t, errs[0], "injected copy failure")
-	require.True(t, s.regions.Torn(res), "the frame ends torn, so the shard will not publish it")
-	require.NoError(t, s.regions.Balance())
+	require.NoError(t, write(w, s.recv.Addr(), it)[0], "the next write copies again")
 }
 
 func TestUnopenableHandleIsUnsupported(t *testing.T) {
@@ -192,64 +257,83 @@ func TestUnopenableHandleIsUnsupported(t *testing.T) {
 	s := listenShard(t, host, 0, "127.0.0.1:0")
 	w := newWriter(t, host)
 	require.NoError(t, host.Free(s.addr-4096))
-	res, tok := s.regions.Reserve(10)
-	errs := write(w, s.recv.Addr(), transport.WriteItem{Res: res, Token: tok, Src: []byte("0123456789")})
-	require.ErrorIs(t, errs[0], transport.ErrUnsupported)
-	require.True(t, s.regions.Torn(res))
+	it := s.grant(10)
+	it.Src = []byte("0123456789")
+	require.ErrorIs(t, write(w, s.recv.Addr(), it)[0], transport.ErrUnsupported)
 
-	res2, tok2 := s.regions.Reserve(10)
-	errs = write(w, s.recv.Addr(), transport.WriteItem{Res: res2, Token: tok2, Dev: &transport.DeviceSrc{Addr: 1, Len: 10, Ordinal: 5}})
+	it2 := s.grant(10)
+	it2.Dev = &transport.DeviceSrc{Addr: 1, Len: 10, Ordinal: 5}
+	errs := write(w, s.recv.Addr(), it2)
 	require.ErrorIs(t, errs[0], transport.ErrUnsupported, "a source on a device this process lacks")
 	require.ErrorIs(t, errs[0], gpu.ErrUnavailable)
-	require.NoError(t, s.regions.Balance())
 }
 
-func TestShardRestartInvalidatesTheMapping(t *testing.T) {
+// TestShardRestartIsANewAddress: a shard that restarts at the same port
+// publishes a new address (a new nonce); the writer maps the new slab for
+// it, closes the old mapping, and refuses what names the old one.
+func TestShardRestartIsANewAddress(t *testing.T) {
 	host := gpu.NewFakeHost(1)
 	first := listenShard(t, host, 0, "127.0.0.1:0")
-	addr := first.recv.Addr()
+	oldAddr := first.recv.Addr()
 	w := newWriter(t, host)
-	res, tok := first.regions.Reserve(10)
-	require.NoError(t, write(w, addr, transport.WriteItem{Res: res, Token: tok, Src: []byte("first life")})[0])
+	it := first.grant(10)
+	it.Src = []byte("first life")
+	require.NoError(t, write(w, oldAddr, it)[0])
 	require.Equal(t, 1, host.OpenMappings())
 
-	// The shard's process dies and a new one listens at the same address
+	// The shard's process dies and a new one listens at the same port
 	// over a new slab.
 	require.NoError(t, first.recv.Close())
 	require.NoError(t, host.Free(first.addr-4096))
-	second := listenShard(t, host, 0, addr)
-	res2, tok2 := second.regions.Reserve(11)
-	require.NoError(t, write(w, addr, transport.WriteItem{Res: res2, Token: tok2, Src: []byte("second life")})[0])
-	require.Equal(t, []byte("second life"), second.region(res2, 11))
+	hostPort, _, _ := strings.Cut(oldAddr, "?")
+	second := listenShard(t, host, 0, hostPort)
+	newAddr := second.recv.Addr()
+	require.NotEqual(t, oldAddr, newAddr)
+	it2 := second.grant(11)
+	it2.Src = []byte("second life")
+	require.NoError(t, write(w, newAddr, it2)[0])
+	require.Equal(t, []byte("second life"), second.region(it2))
 	require.Equal(t, 1, host.OpenMappings(), "the first life's mapping is closed, the second's is open")
 
-	// A grant from the first life means nothing to the second.
-	errs := write(w, addr, transport.WriteItem{Res: res, Token: tok, Src: []byte("first life")})
-	require.ErrorIs(t, errs[0], transport.ErrRejected)
+	// A grant of the first life is refused before any byte is copied.
+	errs := write(w, oldAddr, it)
+	require.ErrorIs(t, errs[0], transport.ErrUnreachable)
+	require.Equal(t, 1, host.OpenMappings(), "a stale address leaves the live mapping alone")
+	require.NoError(t, write(w, newAddr, it2)[0])
+	require.Equal(t, uint64(1), second.recv.Stats().Rejected["bad_nonce"])
 }
 
-func TestConnectionLostMidWrite(t *testing.T) {
+func TestShardGoneClosesTheMapping(t *testing.T) {
 	host := gpu.NewFakeHost(1)
 	s := listenShard(t, host, 0, "127.0.0.1:0")
 	w := newWriter(t, host)
-	dev, _ := host.Device(0)
-	src := deviceSource(host, 0, randBytes(1, 100))
-	stream := host.NewStream()
-	stream.Hold()
-	src.Ready, _ = dev.RecordEvent(stream.Handle())
-	res, tok := s.regions.Reserve(100)
-	done := make(chan []error, 1)
-	go func() { done <- write(w, s.recv.Addr(), transport.WriteItem{Res: res, Token: tok, Dev: src}) }()
-	// The frame is admitted and the copy waits for the source: the shard
-	// goes away now.
-	require.Eventually(t, func() bool { return s.regions.Frames() == 1 }, 10*time.Second, time.Millisecond)
+	it := s.grant(10)
+	it.Src = make([]byte, 10)
+	require.NoError(t, write(w, s.recv.Addr(), it)[0])
+	require.Equal(t, 1, host.OpenMappings())
 	require.NoError(t, s.recv.Close())
-	stream.Release()
-	errs := <-done
-	require.ErrorIs(t, errs[0], transport.ErrConnLost)
-	require.True(t, s.regions.Torn(res), "the shard ended the frame torn when the connection dropped")
-	require.NoError(t, s.regions.Balance())
-	require.Zero(t, host.OpenMappings(), "a lost connection closes the mapping")
+	require.Eventually(t, func() bool { return host.OpenMappings() == 0 }, 10*time.Second, time.Millisecond,
+		"a mapping keeps the exporter's memory alive: it closes once the shard is gone")
+	require.ErrorIs(t, write(w, s.recv.Addr(), it)[0], transport.ErrUnreachable)
+}
+
+// TestHelloNeedsTheNonce: the slab's handle goes only to a peer that
+// presents the nonce the shard published on the control plane.
+func TestHelloNeedsTheNonce(t *testing.T) {
+	host := gpu.NewFakeHost(1)
+	s := listenShard(t, host, 0, "127.0.0.1:0")
+	p, err := parseAddr(s.recv.Addr())
+	require.NoError(t, err)
+	c, err := net.Dial("tcp", p.hostPort)
+	require.NoError(t, err)
+	defer c.Close()
+	_, err = c.Write(appendHello(nil, [nonceLen]byte{1}))
+	require.NoError(t, err)
+	rep, err := readHelloReply(c)
+	require.NoError(t, err)
+	require.Equal(t, statusBadNonce, rep.status)
+	require.Equal(t, gpu.IPCHandle{}, rep.hello.Export.Handle, "no handle for a wrong nonce")
+	require.Eventually(t, func() bool { return s.recv.Stats().Rejected["bad_nonce"] == 1 }, 5*time.Second, time.Millisecond)
 }
 
 func TestWriterClosed(t *testing.T) {
@@ -258,22 +342,12 @@ func TestWriterClosed(t *testing.T) {
 	w := newWriter(t, host)
 	require.NoError(t, w.Close())
 	require.NoError(t, w.Close())
-	res, tok := s.regions.Reserve(10)
-	require.ErrorIs(t, write(w, s.recv.Addr(), transport.WriteItem{Res: res, Token: tok, Src: make([]byte, 10)})[0], transport.ErrClosed)
+	it := s.grant(10)
+	it.Src = make([]byte, 10)
+	require.ErrorIs(t, write(w, s.recv.Addr(), it)[0], transport.ErrClosed)
 }
 
-func TestListenNeedsADeviceSlabAndRegionSink(t *testing.T) {
+func TestListenNeedsADeviceSlab(t *testing.T) {
 	_, err := New(Config{}).Listen("127.0.0.1:0", transporttest.NewHost(10))
 	require.ErrorContains(t, err, "slab in GPU memory")
-	host := gpu.NewFakeHost(1)
-	dev, _ := host.Device(0)
-	addr, _ := host.Alloc(0, 1<<20)
-	tr := New(Config{Slab: slab.DeviceMemory(addr, 1<<20, "cuda:0"), SlabDevice: dev})
-	_, err = tr.Listen("127.0.0.1:0", hostOnly{})
-	require.ErrorContains(t, err, "no RegionSink")
 }
-
-type hostOnly struct{}
-
-func (hostOnly) BeginWrite(ids.ResID, ids.Token, uint64, uint64) ([]byte, error) { return nil, nil }
-func (hostOnly) EndWrite(ids.ResID, bool)                                        {}

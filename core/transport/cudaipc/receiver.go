@@ -1,8 +1,8 @@
 package cudaipc
 
 import (
-	"bufio"
 	"crypto/rand"
+	"crypto/subtle"
 	"errors"
 	"fmt"
 	"io"
@@ -11,20 +11,24 @@ import (
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
+	"time"
 
-	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
+// receiver is a shard's exported slab and the socket that hands its
+// handle to producers. It never sees a write: producers copy straight into
+// the slab (see transport.Direct), so it only greets them.
 type receiver struct {
 	ln    net.Listener
-	sink  transport.RegionSink
 	hello hello
 	log   *slog.Logger
+	cfg   Config
 
-	frames, bytes, badConns atomic.Uint64
-	rejMu                   sync.Mutex
-	rejected                map[string]uint64
+	requests, badConns atomic.Uint64
+	rejMu              sync.Mutex
+	rejected           map[string]uint64
+	closedBy           map[string]uint64
 
 	wg        sync.WaitGroup
 	closeOnce sync.Once
@@ -33,7 +37,9 @@ type receiver struct {
 	conns     map[net.Conn]struct{}
 }
 
-func (t *Transport) listen(addr string, sink transport.RegionSink) (*receiver, error) {
+var _ transport.Direct = (*receiver)(nil)
+
+func (t *Transport) listen(addr string) (*receiver, error) {
 	exp, err := t.cfg.SlabDevice.ExportIPC(t.cfg.Slab.Addr, t.cfg.Slab.Len)
 	if err != nil {
 		return nil, fmt.Errorf("cudaipc: export the slab on %s: %w", t.cfg.SlabDevice.Name(), err)
@@ -43,35 +49,56 @@ func (t *Transport) listen(addr string, sink transport.RegionSink) (*receiver, e
 		return nil, fmt.Errorf("cudaipc: listen %s: %w", addr, err)
 	}
 	r := &receiver{
-		ln: ln, sink: sink,
-		hello:    hello{Export: exp, Size: t.cfg.Slab.Len, Ordinal: int32(t.cfg.SlabDevice.Ordinal())},
+		ln: ln, cfg: t.cfg,
+		hello:    hello{Export: exp, Base: uint64(t.cfg.Slab.Addr), Size: t.cfg.Slab.Len, Ordinal: int32(t.cfg.SlabDevice.Ordinal())},
 		log:      t.cfg.Logger.With("transport", Name, "listen", ln.Addr().String()),
 		rejected: map[string]uint64{},
+		closedBy: map[string]uint64{},
 		conns:    map[net.Conn]struct{}{},
 	}
-	if _, err := rand.Read(r.hello.Instance[:]); err != nil {
-		_ = ln.Close()
-		return nil, fmt.Errorf("cudaipc: instance id: %w", err)
-	}
+	_, _ = rand.Read(r.hello.Nonce[:]) // crypto/rand never fails on Linux
 	r.wg.Add(1)
 	go r.accept()
 	return r, nil
 }
 
-func (r *receiver) Addr() string { return r.ln.Addr().String() }
+// Addr is the address the shard publishes: the socket and the nonce of
+// this incarnation.
+func (r *receiver) Addr() string {
+	return peerAddr{hostPort: r.ln.Addr().String(), nonce: r.hello.Nonce}.String()
+}
 
+// RemoteAddr is what a write grant carries for the region at slabOff: the
+// region's address in the shard's own process. Every one-sided plane of a
+// shard names regions this way, so one grant serves whichever a producer
+// picks; the writer translates it into its own mapping of the slab.
+func (r *receiver) RemoteAddr(slabOff uint64) uint64 { return r.hello.Base + slabOff }
+
+// Stats counts refused greetings (bad_nonce) and connections closed for
+// sending something else; Frames and Bytes stay 0, since no write passes
+// through the receiver.
 func (r *receiver) Stats() transport.RecvStats {
 	r.rejMu.Lock()
+	defer r.rejMu.Unlock()
 	rej := make(map[string]uint64, len(r.rejected))
 	for k, v := range r.rejected {
 		rej[k] = v
 	}
-	r.rejMu.Unlock()
-	return transport.RecvStats{Frames: r.frames.Load(), Bytes: r.bytes.Load(), Rejected: rej, BadConns: r.badConns.Load()}
+	closed := make(map[string]uint64, len(r.closedBy))
+	for k, v := range r.closedBy {
+		closed[k] = v
+	}
+	return transport.RecvStats{Rejected: rej, BadConns: r.badConns.Load(), Closed: closed}
 }
 
-// Close stops accepting, cuts every connection (open frames end torn) and
-// waits until the sink is never called again.
+func (r *receiver) count(m map[string]uint64, key string) {
+	r.rejMu.Lock()
+	m[key]++
+	r.rejMu.Unlock()
+}
+
+// Close stops accepting and cuts every connection, which tells each
+// producer to close its mapping of the slab.
 func (r *receiver) Close() error {
 	r.closeOnce.Do(func() {
 		r.mu.Lock()
@@ -91,23 +118,27 @@ func (r *receiver) accept() {
 	for {
 		c, err := r.ln.Accept()
 		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
 			r.mu.Lock()
 			closed := r.closed
 			r.mu.Unlock()
-			if closed {
+			if closed || errors.Is(err, net.ErrClosed) {
 				return
 			}
 			r.log.Warn("cudaipc: accept failed", "cause", err)
+			time.Sleep(10 * time.Millisecond)
 			continue
 		}
 		r.mu.Lock()
-		if r.closed {
+		switch {
+		case r.closed:
 			r.mu.Unlock()
 			_ = c.Close()
 			return
+		case len(r.conns) >= r.cfg.MaxConns:
+			r.mu.Unlock()
+			r.count(r.closedBy, "max_conns")
+			_ = c.Close()
+			continue
 		}
 		r.conns[c] = struct{}{}
 		r.wg.Add(1)
@@ -116,22 +147,13 @@ func (r *receiver) accept() {
 	}
 }
 
-// openFrame is a frame admitted on one connection and not ended yet.
-type openFrame struct {
-	res ids.ResID
-	n   uint64
-}
-
+// serve greets one producer, then holds its connection open until either
+// side goes: the connection's end is how the producer learns that the
+// shard is gone (and unmaps the slab), so it carries nothing else.
 func (r *receiver) serve(c net.Conn) {
-	open := map[uint64]openFrame{}
 	defer func() {
 		if p := recover(); p != nil {
 			r.log.Error("cudaipc: panic serving connection", "peer", c.RemoteAddr().String(), "panic", p, "stack", string(debug.Stack()))
-		}
-		// The writer may have copied part of these; the shard must not
-		// publish them.
-		for _, f := range open {
-			r.sink.EndWrite(f.res, false)
 		}
 		_ = c.Close()
 		r.mu.Lock()
@@ -139,70 +161,28 @@ func (r *receiver) serve(c net.Conn) {
 		r.mu.Unlock()
 		r.wg.Done()
 	}()
-	br := bufio.NewReader(c)
-	var next uint64
-	var out []byte
-	for {
-		req, err := readRequest(br)
-		if err != nil {
-			if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
-				r.badConns.Add(1)
-				r.log.Warn("cudaipc: closing connection", "peer", c.RemoteAddr().String(), "cause", err)
-			}
-			return
-		}
-		var rep reply
-		switch req.Op {
-		case opHello:
-			rep = reply{Op: opHello, Hello: r.hello}
-		case opBegin:
-			rep = reply{Op: opBegin, Grants: make([]grant, len(req.Begin))}
-			for i, f := range req.Begin {
-				next++
-				rep.Grants[i] = r.admit(f, next)
-				if rep.Grants[i].Status == transport.StatusOK {
-					open[next] = openFrame{res: f.Res, n: f.N}
-				}
-			}
-		case opEnd:
-			rep = reply{Op: opEnd}
-			for _, e := range req.End {
-				f, ok := open[e.Frame]
-				if !ok {
-					// A writer bug, or a replay: nothing to end.
-					r.log.Warn("cudaipc: end of a frame that is not open", "frame", e.Frame)
-					continue
-				}
-				delete(open, e.Frame)
-				r.sink.EndWrite(f.res, e.OK)
-				if e.OK {
-					r.frames.Add(1)
-					r.bytes.Add(f.n)
-				}
-			}
-		}
-		out = appendReply(out[:0], rep)
-		if _, err := c.Write(out); err != nil {
-			return
-		}
-	}
-}
-
-// admit asks the sink for one frame's place in the slab.
-func (r *receiver) admit(f frameReq, frame uint64) grant {
-	at, err := transport.OpenRegion(r.sink, f.Res, f.Token, f.Off, f.N)
-	if err == nil && (at > r.hello.Size || f.N > r.hello.Size-at) {
-		// The shard granted a region past its own slab: a broken
-		// invariant, and the writer would copy into memory past it.
-		r.sink.EndWrite(f.Res, false)
-		err = fmt.Errorf("%w: reservation %d maps to [%d,+%d), outside the %d-byte slab", transport.ErrRejected, f.Res, at, f.N, r.hello.Size)
-	}
+	_ = c.SetDeadline(time.Now().Add(r.cfg.DialTimeout))
+	nonce, err := readHello(c)
 	if err != nil {
-		st := transport.StatusOf(err)
-		r.rejMu.Lock()
-		r.rejected[st.String()]++
-		r.rejMu.Unlock()
-		return grant{Status: st, Msg: err.Error()}
+		if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+			r.badConns.Add(1)
+			r.log.Warn("cudaipc: closing connection", "peer", c.RemoteAddr().String(), "cause", err)
+		}
+		return
 	}
-	return grant{Frame: frame, At: at, Status: transport.StatusOK}
+	r.requests.Add(1)
+	if subtle.ConstantTimeCompare(nonce[:], r.hello.Nonce[:]) != 1 {
+		r.count(r.rejected, "bad_nonce")
+		_, _ = c.Write(appendHelloReply(nil, helloReply{status: statusBadNonce, msg: "this shard does not know that address's nonce (it restarted, or the address is stale)"}))
+		return
+	}
+	if _, err := c.Write(appendHelloReply(nil, helloReply{hello: r.hello})); err != nil {
+		return
+	}
+	_ = c.SetDeadline(time.Time{})
+	var b [1]byte
+	if n, _ := c.Read(b[:]); n > 0 {
+		r.badConns.Add(1)
+		r.log.Warn("cudaipc: closing connection: bytes after the hello", "peer", c.RemoteAddr().String())
+	}
 }

@@ -232,7 +232,23 @@ type multi struct {
 	recvs []transport.Receiver
 }
 
-var _ transport.MultiReceiver = (*multi)(nil)
+var (
+	_ transport.MultiReceiver = (*multi)(nil)
+	_ transport.DirectPlaner  = (*multi)(nil)
+)
+
+// DirectPlane is the first one-sided plane (cuda_ipc, next to TCP): its
+// regions' addresses go into every write grant. Every one-sided plane of a
+// shard names a region by its address in the shard's slab, so a second
+// one would name it the same.
+func (m *multi) DirectPlane() transport.Direct {
+	for _, r := range m.recvs {
+		if d, ok := r.(transport.Direct); ok {
+			return d
+		}
+	}
+	return nil
+}
 
 func (m *multi) Addr() string { return m.first.Addr() }
 

@@ -151,9 +151,13 @@ func TestEndToEndOverEitherPlane(t *testing.T) {
 			hres, htok := regions.Reserve(5)
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
+			// Grants carry the one-sided plane's address of each region,
+			// as a shard's do; TCP ignores it.
+			direct, ok := transport.DirectOf(recv)
+			require.True(t, ok, "cuda_ipc is the shard's one-sided plane")
 			errs := w.Write(ctx, dest, []transport.WriteItem{
-				{Res: res, Token: tok, Dev: &transport.DeviceSrc{Addr: src, Len: uint64(len(data))}},
-				{Res: hres, Token: htok, Src: []byte("hello")},
+				{Res: res, Token: tok, Dev: &transport.DeviceSrc{Addr: src, Len: uint64(len(data))}, Addr: direct.RemoteAddr(regions.Offset(res)), Size: uint64(len(data))},
+				{Res: hres, Token: htok, Src: []byte("hello"), Addr: direct.RemoteAddr(regions.Offset(hres)), Size: 5},
 			})
 			require.NoError(t, errs[0])
 			require.NoError(t, errs[1])
@@ -161,11 +165,15 @@ func TestEndToEndOverEitherPlane(t *testing.T) {
 			require.Equal(t, data, window[off:off+uint64(len(data))])
 			hoff := regions.Offset(hres)
 			require.Equal(t, []byte("hello"), window[hoff:hoff+5])
-			require.Equal(t, uint64(2), recv.Stats().Frames, "one frame per item, whichever plane")
 			planes := recv.(interface {
 				PlaneStats() map[string]transport.RecvStats
 			}).PlaneStats()
-			require.Equal(t, uint64(2), planes[tc.plane].Frames, "the chosen plane carried them")
+			if tc.plane == "tcp" {
+				require.Equal(t, uint64(2), planes["tcp"].Frames, "one frame per item")
+			} else {
+				require.Zero(t, planes["tcp"].Frames, "cuda_ipc carried them, straight into the slab")
+				require.Equal(t, 1, gpus.OpenMappings())
+			}
 			require.NoError(t, regions.Balance())
 		})
 	}
@@ -188,7 +196,8 @@ func TestUnreachableLocalFallsBackToTheNetwork(t *testing.T) {
 	res, tok := regions.Reserve(5)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	errs := w.Write(ctx, dest, []transport.WriteItem{{Res: res, Token: tok, Src: []byte("first")}})
+	direct, _ := transport.DirectOf(recv)
+	errs := w.Write(ctx, dest, []transport.WriteItem{{Res: res, Token: tok, Src: []byte("first"), Addr: direct.RemoteAddr(regions.Offset(res)), Size: 5}})
 	require.ErrorIs(t, errs[0], transport.ErrUnsupported)
 
 	dest, err = p.Pick("tcp://shard:1", "h1", offer)
@@ -198,6 +207,21 @@ func TestUnreachableLocalFallsBackToTheNetwork(t *testing.T) {
 	require.NoError(t, w.Write(ctx, dest, []transport.WriteItem{{Res: res2, Token: tok2, Src: []byte("second")}})[0])
 	off := regions.Offset(res2)
 	require.Equal(t, []byte("second"), window[off:off+6])
+}
+
+func TestTheOneSidedPlaneNamesRegionsBySlabAddress(t *testing.T) {
+	gpus := gpu.NewFakeHost(1)
+	_, _, recv := consumer(t, gpus)
+	direct, ok := transport.DirectOf(recv)
+	require.True(t, ok)
+	require.NotZero(t, direct.RemoteAddr(0))
+	require.Equal(t, direct.RemoteAddr(0)+4096, direct.RemoteAddr(4096), "a region's address is the slab's plus its offset")
+
+	tcpOnly, err := New(Config{Network: transport.NewTCP(transport.TCPConfig{Logger: quiet()}), Host: "h1", Logger: quiet()}).Listen("127.0.0.1:0", transporttest.NewHost(10))
+	require.NoError(t, err)
+	defer tcpOnly.Close()
+	_, ok = transport.DirectOf(tcpOnly)
+	require.False(t, ok, "TCP alone is no one-sided plane")
 }
 
 type failingListen struct{ named }
