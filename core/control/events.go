@@ -90,6 +90,7 @@ func (p *EventPub) Send(ev wire.Event) {
 	p.seq++
 	ev.V = wire.Version
 	ev.Seq = p.seq
+	ev.SentNS = time.Now().UnixNano()
 	frame, err := wire.EncodeEvent(ev)
 	if err != nil {
 		p.mu.Unlock()

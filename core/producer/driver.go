@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/push"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
@@ -265,7 +266,7 @@ func (p *Producer) write(dest, addr string, cached bool, ws []push.Write, items 
 	now := time.Now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	failed := false
+	failed, landed := false, false
 	for i, w := range ws {
 		var err error
 		if i < len(errs) {
@@ -274,7 +275,11 @@ func (p *Producer) write(dest, addr string, cached bool, ws []push.Write, items 
 			err = errors.New("transport returned too few results")
 		}
 		failed = failed || err != nil
+		landed = landed || err == nil
 		p.mgr.WriteDone(w.TransferID, dest, err, now)
+	}
+	if _, waiting := p.wrote[dest]; landed && !waiting {
+		p.wrote[dest] = now
 	}
 	if failed {
 		p.forgetLocked(dest)
@@ -294,6 +299,7 @@ func (p *Producer) writeTo(dest, addr string, items []transport.WriteItem) []err
 	defer cancel()
 	start := time.Now()
 	errs := p.writer.Write(ctx, addr, items)
+	metrics.Phase(metrics.PhaseWrite, time.Since(start))
 	p.observeWrite(start, items, errs)
 	return errs
 }
@@ -365,8 +371,18 @@ func (p *Producer) complete(dest string, cs []push.Complete) {
 	for i, c := range cs {
 		req.Items[i] = wire.CompleteItem{TransferID: c.TransferID, Res: uint64(c.Res), Token: c.Token}
 	}
+	start := time.Now()
+	p.mu.Lock()
+	if t, ok := p.wrote[dest]; ok {
+		delete(p.wrote, dest)
+		metrics.Phase(metrics.PhaseCompleteHandoff, start.Sub(t))
+	}
+	p.mu.Unlock()
 	var rep wire.CompleteBatchReply
 	err := p.call(dest, wire.OpCompleteBatch, req, &rep)
+	if err == nil {
+		metrics.Phase(metrics.PhaseCompleteRTT, time.Since(start))
+	}
 	if err == nil && len(rep.Results) != len(cs) {
 		err = fmt.Errorf("complete_batch to %s: %d results for %d items", dest, len(rep.Results), len(cs))
 	}

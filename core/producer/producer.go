@@ -105,6 +105,9 @@ type Producer struct {
 	clients   map[string]*control.Client // by shard control endpoint
 	dialing   map[string]*dialing        // clients being opened, by shard control endpoint
 	planes    map[string]plane           // by shard control endpoint
+	// wrote is when the oldest write batch to each shard whose complete
+	// has not left yet ended, for timing the complete's hand-off.
+	wrote     map[string]time.Time
 	dial      func(zctx *zmq.Context, endpoint string, log *slog.Logger) (*control.Client, error)
 	out       Outcomes
 	outReady  chan struct{} // closed and replaced when out gains something
@@ -164,6 +167,7 @@ func Open(cfg config.Producer, opt Options) (*Producer, error) {
 		clients:   map[string]*control.Client{},
 		dialing:   map[string]*dialing{},
 		planes:    map[string]plane{},
+		wrote:     map[string]time.Time{},
 		dial:      opt.Dial,
 		outReady:  make(chan struct{}),
 		wake:      make(chan struct{}, 1),
@@ -459,6 +463,10 @@ type Stats struct {
 	Pending       bool       `json:"pending"`
 	SourceBytes   uint64     `json:"source_bytes_held"`
 	ClientsOpened int        `json:"control_clients"`
+	// Phases are this process's timings of the readiness path (package
+	// metrics): the copies and their event wait, write batches, and each
+	// complete's hand-off and round trip.
+	Phases map[string]metrics.PhaseStat `json:"phases,omitempty"`
 }
 
 // Stats returns a snapshot.
@@ -466,7 +474,7 @@ func (p *Producer) Stats() Stats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	st := Stats{Push: p.mgr.Stats(), Sources: len(p.sources), RoundTrips: p.roundTrip, Batches: p.batches,
-		Consumers: len(p.consumers), Pending: p.mgr.Pending(), ClientsOpened: len(p.clients)}
+		Consumers: len(p.consumers), Pending: p.mgr.Pending(), ClientsOpened: len(p.clients), Phases: metrics.Phases()}
 	for _, m := range p.sources {
 		st.SourceBytes += m.size()
 	}

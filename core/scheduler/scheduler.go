@@ -150,6 +150,9 @@ func (s *Scheduler) apply(evs ...wire.Event) {
 	defer s.mu.Unlock()
 	ids := make([]string, len(evs))
 	for i, ev := range evs {
+		if ev.SentNS > 0 {
+			metrics.Phase(metrics.PhaseEventDelivery, time.Duration(now.UnixNano()-ev.SentNS))
+		}
 		s.table.OnEvent(sched.Event{Shard: ev.Shard, TransferID: ev.TransferID, MMHash: ev.MMHash, Ready: ev.Ready, NBytes: ev.NBytes, Reason: ev.Reason}, now)
 		ids[i] = ev.TransferID
 	}

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/control"
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/sched"
 )
 
@@ -184,11 +185,14 @@ type Stats struct {
 	Resynced uint64           `json:"resynced_events"`
 	Events   control.SubStats `json:"events"`
 	Shards   []string         `json:"shards"`
+	// Phases are this process's timings of the readiness path (package
+	// metrics); event_delivery is the scheduler's part.
+	Phases map[string]metrics.PhaseStat `json:"phases,omitempty"`
 }
 
 // Stats returns a snapshot.
 func (s *Scheduler) Stats() Stats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return Stats{Table: s.table.Stats(), Resynced: s.resynced, Events: s.sub.Stats(), Shards: s.Shards()}
+	return Stats{Table: s.table.Stats(), Resynced: s.resynced, Events: s.sub.Stats(), Shards: s.Shards(), Phases: metrics.Phases()}
 }

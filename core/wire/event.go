@@ -15,6 +15,10 @@ type Event struct {
 	Ready      bool   `json:"ready"`
 	NBytes     uint64 `json:"nbytes,omitempty"`
 	Reason     string `json:"reason,omitempty"`
+	// SentNS is when the publisher sent the event (Unix nanoseconds, its
+	// wall clock), so that the scheduler can time the event's delivery;
+	// 0 when unknown. Only a measurement: nothing depends on it.
+	SentNS int64 `json:"sent_ns,omitempty"`
 }
 
 // Validate checks version, sequence, ids, and a size on a ready event.
@@ -33,6 +37,9 @@ func (e Event) Validate() error {
 	}
 	if err := checkID("mm_hash", e.MMHash); err != nil {
 		return err
+	}
+	if e.SentNS < 0 {
+		return fmt.Errorf("%w: sent_ns: %d is negative", ErrInvalid, e.SentNS)
 	}
 	if e.Ready && e.NBytes == 0 {
 		return fmt.Errorf("%w: nbytes: must be positive on a ready event", ErrInvalid)

@@ -161,6 +161,7 @@ func TestTokenOmittedWhenZero(t *testing.T) {
 func TestEventRoundTrip(t *testing.T) {
 	for _, ev := range []Event{
 		{V: Version, Shard: 0, Seq: 1, TransferID: "t1", MMHash: "h1", Ready: true, NBytes: 1 << 20},
+		{V: Version, Shard: 0, Seq: 2, TransferID: "t1", MMHash: "h1", Ready: true, NBytes: 1, SentNS: 1_764_000_000_123_456_789},
 		{V: Version, Shard: 3, Seq: 42, TransferID: "t2", MMHash: "h2", Reason: "writer abandoned: encoder failed"},
 	} {
 		b, err := EncodeEvent(ev)
@@ -246,6 +247,7 @@ func TestDecodeEventRejects(t *testing.T) {
 		{"no mm hash", func(e *Event) { e.MMHash = "" }, ErrInvalid, "mm_hash"},
 		{"mm hash too long", func(e *Event) { e.MMHash = long }, ErrInvalid, "mm_hash"},
 		{"ready without size", func(e *Event) { e.NBytes = 0 }, ErrInvalid, "nbytes"},
+		{"negative send time", func(e *Event) { e.SentNS = -1 }, ErrInvalid, "sent_ns"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ev := ok

@@ -12,6 +12,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/consumer"
 	"github.com/ecmooncake/ecmooncake/core/gpu"
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/sched"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
@@ -211,6 +212,27 @@ func TestGPUBatchCostsTwoRoundTripsPerShard(t *testing.T) {
 		require.Equal(t, uint64(2*tp), p.Stats().RoundTrips-before, "batch %d: reserve + complete per shard", b)
 		require.Len(t, c.wait(tids(items), 10*time.Second).Available, len(items))
 	}
+}
+
+// TestGPUReadyPathIsTimedByPhase: a batch over cuda_ipc leaves one
+// observation of every phase of its readiness path, on the side that can
+// time it (the producer: copies, write, complete hand-off and round trip;
+// the scheduler: the event's delivery), for a benchmark to break down.
+func TestGPUReadyPathIsTimedByPhase(t *testing.T) {
+	c := newGPUCluster(t, 1, 32<<20)
+	p := c.prods[cudaipc.Name]
+	c.push(cudaipc.Name, "req-phase-warm", makeItems(70, 2, 1<<10, 64<<10, 0), 0)
+	before := p.Stats().Phases
+	items := makeItems(71, 4, 1<<10, 64<<10, 0)
+	c.push(cudaipc.Name, "req-phase", items, 0)
+	require.Len(t, c.wait(tids(items), 10*time.Second).Available, len(items))
+	after := p.Stats().Phases
+	for _, ph := range []string{metrics.PhaseCopyQueue, metrics.PhaseWrite, metrics.PhaseCompleteHandoff, metrics.PhaseCompleteRTT} {
+		require.Equal(t, uint64(1), after[ph].Count-before[ph].Count, "phase %s: once per batch", ph)
+	}
+	require.Eventually(t, func() bool {
+		return c.sched.Stats().Phases[metrics.PhaseEventDelivery].Count >= before[metrics.PhaseEventDelivery].Count+uint64(len(items))
+	}, 10*time.Second, time.Millisecond, "the scheduler timed each readiness event's delivery")
 }
 
 func (c *gpuCluster) wait(ids []string, within time.Duration) scheduler.WaitOut {
