@@ -300,7 +300,7 @@ func (p *Producer) writeTo(dest, addr string, items []transport.WriteItem) []err
 	start := time.Now()
 	errs := p.writer.Write(ctx, addr, items)
 	metrics.Phase(metrics.PhaseWrite, time.Since(start))
-	p.observeWrite(start, items, errs)
+	p.observeWrite(planeName(addr, p.tr.Name()), start, items, errs)
 	return errs
 }
 

@@ -1,6 +1,7 @@
 package producer
 
 import (
+	"strings"
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/metrics"
@@ -19,10 +20,19 @@ func (p *Producer) probe(e *metrics.Emitter) {
 	e.Set(metrics.SourceBytesHeld, float64(st.SourceBytes))
 }
 
+// planeName is the transport a write address goes to: its scheme when it
+// has one (a route's "cuda_ipc://...", "mooncake://..."), else the
+// producer's transport.
+func planeName(addr, fallback string) string {
+	if name, _, ok := strings.Cut(addr, "://"); ok && name != "" {
+		return name
+	}
+	return fallback
+}
+
 // observeWrite counts one write batch: its duration, and each item that
 // landed.
-func (p *Producer) observeWrite(start time.Time, items []transport.WriteItem, errs []error) {
-	name := p.tr.Name()
+func (p *Producer) observeWrite(name string, start time.Time, items []transport.WriteItem, errs []error) {
 	var first error
 	for i, it := range items {
 		if i < len(errs) && errs[i] != nil {

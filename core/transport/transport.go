@@ -86,11 +86,14 @@ type Receiver interface {
 // sent something that is not a frame; Closed counts the connections the
 // receiver closed or refused to protect itself, by reason (over the
 // connection cap, idle, a frame that stalled, a peer of another user).
+// Writes of a one-sided receiver never pass through it; Attached counts the
+// writers it handed its slab to instead.
 type RecvStats struct {
 	Frames, Bytes uint64
 	Rejected      map[string]uint64
 	BadConns      uint64
 	Closed        map[string]uint64 `json:",omitempty"`
+	Attached      uint64            `json:",omitempty"`
 }
 
 // Transport is one way of moving bytes into remote reservations.

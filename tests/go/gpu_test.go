@@ -184,6 +184,7 @@ func TestGPUSlabsOverEachPlane(t *testing.T) {
 				// through a receiver.
 				require.Zero(t, planes["tcp"].Frames, "shard %d: a producer on the same host uses cuda_ipc", r)
 				require.Equal(t, len(c.shards), c.host.OpenMappings(), "the producer mapped every shard's slab")
+				require.Equal(t, uint64(1), planes[cudaipc.Name].Attached, "shard %d handed its slab to the producer once", r)
 			} else {
 				require.Positive(t, planes["tcp"].Frames, "shard %d: tcp carried the tcp pushes (%v)", r, planes)
 			}

@@ -153,6 +153,7 @@ func TestNoDataPlaneExchangePerBatch(t *testing.T) {
 		}
 	}
 	require.Equal(t, uint64(1), s.recv.requests.Load(), "one hello, then no exchange per batch")
+	require.Equal(t, uint64(1), s.recv.Stats().Attached)
 }
 
 // TestWriterRefusesGrantsOutsideTheSlab: the writer checks each item

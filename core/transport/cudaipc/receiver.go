@@ -25,10 +25,10 @@ type receiver struct {
 	log   *slog.Logger
 	cfg   Config
 
-	requests, badConns atomic.Uint64
-	rejMu              sync.Mutex
-	rejected           map[string]uint64
-	closedBy           map[string]uint64
+	requests, attached, badConns atomic.Uint64
+	rejMu                        sync.Mutex
+	rejected                     map[string]uint64
+	closedBy                     map[string]uint64
 
 	wg        sync.WaitGroup
 	closeOnce sync.Once
@@ -74,9 +74,9 @@ func (r *receiver) Addr() string {
 // picks; the writer translates it into its own mapping of the slab.
 func (r *receiver) RemoteAddr(slabOff uint64) uint64 { return r.hello.Base + slabOff }
 
-// Stats counts refused greetings (bad_nonce) and connections closed for
-// sending something else; Frames and Bytes stay 0, since no write passes
-// through the receiver.
+// Stats counts the producers greeted (Attached), refused greetings
+// (bad_nonce) and connections closed for sending something else; Frames
+// and Bytes stay 0, since no write passes through the receiver.
 func (r *receiver) Stats() transport.RecvStats {
 	r.rejMu.Lock()
 	defer r.rejMu.Unlock()
@@ -88,7 +88,7 @@ func (r *receiver) Stats() transport.RecvStats {
 	for k, v := range r.closedBy {
 		closed[k] = v
 	}
-	return transport.RecvStats{Rejected: rej, BadConns: r.badConns.Load(), Closed: closed}
+	return transport.RecvStats{Rejected: rej, BadConns: r.badConns.Load(), Closed: closed, Attached: r.attached.Load()}
 }
 
 func (r *receiver) count(m map[string]uint64, key string) {
@@ -179,6 +179,7 @@ func (r *receiver) serve(c net.Conn) {
 	if _, err := c.Write(appendHelloReply(nil, helloReply{hello: r.hello})); err != nil {
 		return
 	}
+	r.attached.Add(1)
 	_ = c.SetDeadline(time.Time{})
 	var b [1]byte
 	if n, _ := c.Read(b[:]); n > 0 {

@@ -270,6 +270,7 @@ func (m *multi) Stats() transport.RecvStats {
 		out.Frames += s.Frames
 		out.Bytes += s.Bytes
 		out.BadConns += s.BadConns
+		out.Attached += s.Attached
 		for k, v := range s.Rejected {
 			out.Rejected[k] += v
 		}
