@@ -8,8 +8,10 @@
 #   bash build/gpu_run.sh run [DIR]   on a host with a GPU, from a copy of the
 #                                     working tree plus .artifacts/: the Go
 #                                     GPU tests, the Python GPU tests and the
-#                                     GPU benchmark; logs and JSON go to DIR;
-#                                     a summary table comes last.
+#                                     GPU benchmark (its cuda_ipc phases with
+#                                     their per-phase breakdown and targets);
+#                                     logs and JSON go to DIR; a summary
+#                                     table comes last.
 #
 # The GPU host needs python3 with PyTorch (CUDA), numpy and pytest, and
 # libcuda.so.1 on the loader path; no Go, no libzmq, no network. Never ship

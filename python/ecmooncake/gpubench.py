@@ -274,6 +274,37 @@ def _expect(sched: Scheduler, tids: list[str]) -> None:
     sched.step({"expect": [{"request_id": f"req-{t}", "items": [{"transfer_id": t, "mm_hash": t}]} for t in tids]})
 
 
+# The readiness path's phases as the library times them (Stats "phases"):
+# the producer's copies (their GPU time, the host's wait for their event
+# beyond it, the time to queue them), its write batch, the hand-off to and
+# round trip of complete_batch, and the scheduler's receipt of each
+# readiness event. Each is observed once per batch, event_delivery once per
+# item and shard.
+READY_PATH = ["copy_queue", "copy", "event_wait", "write", "complete_handoff", "complete_rtt", "event_delivery"]
+
+
+def _phase_totals(producer: Worker, sched: Scheduler) -> dict:
+    """This moment's phase totals: the producer process's and the
+    scheduler's (this process) together."""
+    out: dict = {}
+    for phases in ((producer.call("stats", 30) or {}).get("phases") or {}, sched.stats().get("phases") or {}):
+        for k, v in phases.items():
+            c, sec = out.get(k, (0, 0.0))
+            out[k] = (c + int(v.get("count", 0)), sec + float(v.get("seconds", 0.0)))
+    return out
+
+
+def _phase_means(before: dict, after: dict) -> dict:
+    """Mean microseconds per occurrence of each phase between two totals."""
+    out = {}
+    for k in READY_PATH:
+        c0, s0 = before.get(k, (0, 0.0))
+        c1, s1 = after.get(k, (0, 0.0))
+        if c1 > c0:
+            out[k] = {"us": (s1 - s0) / (c1 - c0) * 1e6, "count": c1 - c0}
+    return out
+
+
 def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, p: dict) -> dict:
     """One warm-up round, then p["rounds"] timed ones. A serial phase sends
     one batch per round and waits for it; a stream phase sends p["inflight"]
@@ -282,7 +313,10 @@ def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, p
     seconds = 0.0
     steps = {"submit": 0.0, "hand_over": 0.0, "producer_done": 0.0, "available": 0.0}
     failures: list[str] = []
+    totals_before: dict = {}
     for r in range(-1, p["rounds"]):
+        if r == 0:
+            totals_before = _phase_totals(producer, sched)
         batches = [
             [{"transfer_id": f"{p['name']}-{r}-{k}-{i}", "mm_hash": f"{p['name']}-{r}-{k}-{i}", "nbytes": nbytes} for i in range(batch)]
             for k in range(inflight)
@@ -309,6 +343,7 @@ def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, p
             failures += [f"{t}: {why}" for t, why in pushed["failed"].items()]
             failures += [f"{t}: {why}" for t, why in unavailable.items()]
         _finish(sched, consumer, tids, available)
+    ready_path = _phase_means(totals_before, _phase_totals(producer, sched))
     count = batch * inflight * p["rounds"]
     return {
         "name": p["name"],
@@ -321,6 +356,7 @@ def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, p
         "bytes_per_sec": count * nbytes / seconds if seconds > 0 else 0.0,
         "us_per_item": seconds / count * 1e6 if count else 0.0,
         "us_per_batch": {k: v / p["rounds"] * 1e6 for k, v in steps.items()} if inflight == 1 else {},
+        "ready_path_us": ready_path,
         "failures": failures,
     }
 
@@ -387,6 +423,7 @@ def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progre
         r["ratio"] = r["bytes_per_sec"] / cap if cap else 0.0
         # What an item costs beyond moving its bytes at the ceiling's rate.
         r["overhead_us_per_item"] = r["us_per_item"] - r["item_bytes"] / cap * 1e6
+        r["fixed_us_per_batch"] = r["overhead_us_per_item"] * r["batch"]
     return {
         "ok": all(not r["failures"] for r in results),
         "date": time.strftime("%Y-%m-%d"),
@@ -401,8 +438,36 @@ def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progre
             "tcp_by_streams_gb_per_s": ceilings["tcp"]["by_streams_gb_per_s"],
         },
         "phases": results,
-        "data_planes": {k: {"frames": v.get("Frames"), "bytes": v.get("Bytes")} for k, v in planes.items()},
+        "targets": targets(results),
+        "data_planes": {
+            k: {"frames": v.get("Frames"), "bytes": v.get("Bytes"), "attached": v.get("Attached", 0)} for k, v in planes.items()
+        },
     }
+
+
+# What cuda_ipc should reach on one H200 (issue 13): a batch's fixed cost
+# (its time beyond moving its bytes at the device copy's rate), and the
+# ratio to the device copy of 8 x 32 MiB, one batch alone and with batches
+# in flight.
+TARGETS = [
+    {"name": "fixed cost per batch", "phase": "ipc-32m", "key": "fixed_us_per_batch", "at_most": 150.0},
+    {"name": "8 x 32 MiB, one batch", "phase": "ipc-32m", "key": "ratio", "at_least": 0.50},
+    {"name": "8 x 32 MiB, in flight", "phase": "ipc-32m-stream", "key": "ratio", "at_least": 0.80},
+]
+
+
+def targets(results: list[dict]) -> list[dict]:
+    by = {r["name"]: r for r in results}
+    out = []
+    for t in TARGETS:
+        r = by.get(t["phase"])
+        if r is None:
+            continue
+        v = r[t["key"]]
+        met = v <= t["at_most"] if "at_most" in t else v >= t["at_least"]
+        bound = f"<= {t['at_most']:g}" if "at_most" in t else f">= {t['at_least']:g}"
+        out.append({"name": t["name"], "phase": t["phase"], "value": v, "bound": bound, "met": met})
+    return out
 
 
 def format_summary(s: dict) -> str:
@@ -427,6 +492,14 @@ def format_summary(s: dict) -> str:
         if r["us_per_batch"]:
             steps = ", ".join(f"{k} {v:.0f}" for k, v in r["us_per_batch"].items())
             lines.append(f"  {r['name']:<17}us per batch: {steps}")
+    lines.append("  ready path, mean us per occurrence (count): copy = GPU time of a batch's copies; event_wait = host wait beyond it;")
+    lines.append("   complete_handoff = write done to complete_batch sent; event_delivery = shard's readiness event to the scheduler, per item")
+    for r in s["phases"]:
+        if r.get("ready_path_us"):
+            parts = ", ".join(f"{k} {v['us']:.0f} ({v['count']})" for k, v in r["ready_path_us"].items())
+            lines.append(f"  {r['name']:<17}{parts}")
+    for t in s.get("targets", []):
+        lines.append(f"  target {t['name']:<24}{t['phase']:<17}{t['value']:>9.2f} {t['bound']:<9}{'met' if t['met'] else 'MISSED'}")
     lines.append("  result " + ("OK" if s["ok"] else "FAILED"))
     return "\n".join(lines)
 

@@ -1,0 +1,41 @@
+"""The GPU bench's report, on made-up figures: the per-phase breakdown of
+the readiness path and the cuda_ipc targets (no GPU needed)."""
+
+from ecmooncake import gpubench
+
+MiB = 1 << 20
+
+
+def _phase(name, plane, mib, inflight, ratio, fixed):
+    return {
+        "name": name, "transport": plane, "item_bytes": mib * MiB, "batch": 8, "inflight": inflight, "rounds": 2,
+        "seconds": 1.0, "bytes_per_sec": ratio * 1e12, "ceiling_bytes_per_sec": 1e12, "ratio": ratio,
+        "us_per_item": 10.0, "overhead_us_per_item": fixed / 8, "fixed_us_per_batch": fixed,
+        "us_per_batch": {"submit": 5.0} if inflight == 1 else {},
+        "ready_path_us": {"copy": {"us": 150.0, "count": 2}, "event_delivery": {"us": 30.0, "count": 16}},
+        "failures": [],
+    }
+
+
+def test_phase_means_are_per_occurrence_between_two_snapshots():
+    before = {"copy": (2, 0.000300), "complete_rtt": (2, 0.0001)}
+    after = {"copy": (6, 0.000900), "complete_rtt": (2, 0.0001), "event_delivery": (8, 0.000240)}
+    got = gpubench._phase_means(before, after)
+    assert got["copy"]["count"] == 4 and abs(got["copy"]["us"] - 150.0) < 1e-6
+    assert "complete_rtt" not in got, "a phase not seen in the interval is left out"
+    assert abs(got["event_delivery"]["us"] - 30.0) < 1e-6
+
+
+def test_summary_reports_the_ready_path_and_the_targets():
+    phases = [_phase("ipc-32m", "cuda_ipc", 32, 1, 0.55, 120.0), _phase("ipc-32m-stream", "cuda_ipc", 32, 32, 0.7, 20.0)]
+    s = {
+        "ok": True, "date": "2026-12-01", "gpu": "H200", "devices": "cuda:0 -> cuda:0", "torch": "2.11",
+        "ceilings": {"device_copy_gb_per_s": {"32 MiB": 1772.0}, "pinned_d2h_gb_per_s": 55.0,
+                     "tcp_loopback_gb_per_s": 5.0, "tcp_loopback_streams": 2, "tcp_by_streams_gb_per_s": {}},
+        "phases": phases, "targets": gpubench.targets(phases),
+    }
+    met = {t["name"]: t["met"] for t in s["targets"]}
+    assert met == {"fixed cost per batch": True, "8 x 32 MiB, one batch": True, "8 x 32 MiB, in flight": False}
+    text = gpubench.format_summary(s)
+    assert "copy 150 (2), event_delivery 30 (16)" in text
+    assert "MISSED" in text and "result OK" in text
