@@ -13,6 +13,12 @@ import (
 // on its own clock. Each is observed once per batch (event delivery once
 // per event) where it happens.
 const (
+	// PhaseReserveRTT: the reserve_batch round trip.
+	PhaseReserveRTT = "reserve_rtt"
+	// PhaseWriteHandoff: from a reserve reply's arrival to the write batch
+	// of its grants starting: the producer's driver taking the grants and
+	// launching the write, plus any wait for the sources.
+	PhaseWriteHandoff = "write_handoff"
 	// PhaseCopyQueue: host time to queue a batch's device copies.
 	PhaseCopyQueue = "copy_queue"
 	// PhaseCopy: the copies' own time on the GPU (timing events).

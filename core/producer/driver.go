@@ -195,7 +195,11 @@ func (p *Producer) reserve(dest string, items []push.ReserveItem) {
 		req.Items[i] = wire.ReserveItem{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Meta: it.Meta}
 	}
 	var rep wire.ReserveBatchReply
+	start := time.Now()
 	err := p.call(dest, wire.OpReserveBatch, req, &rep)
+	if err == nil {
+		metrics.Phase(metrics.PhaseReserveRTT, time.Since(start))
+	}
 	if err == nil && len(rep.Grants) != len(items) {
 		err = fmt.Errorf("reserve_batch to %s: %d grants for %d items", dest, len(rep.Grants), len(items))
 	}
@@ -208,6 +212,9 @@ func (p *Producer) reserve(dest string, items []push.ReserveItem) {
 	defer p.mu.Unlock()
 	if err == nil {
 		p.notePlaneLocked(dest, pl)
+		if _, waiting := p.granted[dest]; !waiting {
+			p.granted[dest] = now
+		}
 	}
 	for i, it := range items {
 		g := push.Grant{Err: errText(err)}
@@ -259,6 +266,13 @@ func (p *Producer) notePlaneLocked(dest string, pl plane) {
 // the shard gives now, when that differs: the shard restarted on a new
 // data plane after granting.
 func (p *Producer) write(dest, addr string, cached bool, ws []push.Write, items []transport.WriteItem) {
+	start := time.Now()
+	p.mu.Lock()
+	if t, ok := p.granted[dest]; ok {
+		delete(p.granted, dest)
+		metrics.Phase(metrics.PhaseWriteHandoff, start.Sub(t))
+	}
+	p.mu.Unlock()
 	errs := p.writeTo(dest, addr, items)
 	if cached {
 		p.retryStale(dest, addr, items, errs)

@@ -105,15 +105,16 @@ type Producer struct {
 	clients   map[string]*control.Client // by shard control endpoint
 	dialing   map[string]*dialing        // clients being opened, by shard control endpoint
 	planes    map[string]plane           // by shard control endpoint
-	// wrote is when the oldest write batch to each shard whose complete
-	// has not left yet ended, for timing the complete's hand-off.
-	wrote     map[string]time.Time
-	dial      func(zctx *zmq.Context, endpoint string, log *slog.Logger) (*control.Client, error)
-	out       Outcomes
-	outReady  chan struct{} // closed and replaced when out gains something
-	roundTrip uint64
-	batches   uint64
-	closed    bool
+	// granted and wrote are when the oldest reserve reply (write batch)
+	// from each shard whose write (complete) has not left yet arrived
+	// (ended), for timing the driver's hand-offs.
+	granted, wrote map[string]time.Time
+	dial           func(zctx *zmq.Context, endpoint string, log *slog.Logger) (*control.Client, error)
+	out            Outcomes
+	outReady       chan struct{} // closed and replaced when out gains something
+	roundTrip      uint64
+	batches        uint64
+	closed         bool
 
 	wake chan struct{}
 	stop chan struct{}
@@ -167,6 +168,7 @@ func Open(cfg config.Producer, opt Options) (*Producer, error) {
 		clients:   map[string]*control.Client{},
 		dialing:   map[string]*dialing{},
 		planes:    map[string]plane{},
+		granted:   map[string]time.Time{},
 		wrote:     map[string]time.Time{},
 		dial:      opt.Dial,
 		outReady:  make(chan struct{}),

@@ -275,12 +275,14 @@ def _expect(sched: Scheduler, tids: list[str]) -> None:
 
 
 # The readiness path's phases as the library times them (Stats "phases"):
-# the producer's copies (their GPU time, the host's wait for their event
+# the reserve_batch round trip and the hand-off from its reply to the write
+# (which also waits for the sources, handed over at once here), the copies (their GPU time, the host's wait for their event
 # beyond it, the time to queue them), its write batch, the hand-off to and
 # round trip of complete_batch, and the scheduler's receipt of each
 # readiness event. Each is observed once per batch, event_delivery once per
 # item and shard.
-READY_PATH = ["copy_queue", "copy", "event_wait", "write", "complete_handoff", "complete_rtt", "event_delivery"]
+READY_PATH = ["reserve_rtt", "write_handoff", "copy_queue", "copy", "event_wait", "write", "complete_handoff", "complete_rtt",
+              "event_delivery"]
 
 
 def _phase_totals(producer: Worker, sched: Scheduler) -> dict:
@@ -493,7 +495,8 @@ def format_summary(s: dict) -> str:
             steps = ", ".join(f"{k} {v:.0f}" for k, v in r["us_per_batch"].items())
             lines.append(f"  {r['name']:<17}us per batch: {steps}")
     lines.append("  ready path, mean us per occurrence (count): copy = GPU time of a batch's copies; event_wait = host wait beyond it;")
-    lines.append("   complete_handoff = write done to complete_batch sent; event_delivery = shard's readiness event to the scheduler, per item")
+    lines.append("   write_handoff = reserve reply to write start; complete_handoff = write done to complete_batch sent;")
+    lines.append("   event_delivery = shard's readiness event to the scheduler, per item and shard")
     for r in s["phases"]:
         if r.get("ready_path_us"):
             parts = ", ".join(f"{k} {v['us']:.0f} ({v['count']})" for k, v in r["ready_path_us"].items())

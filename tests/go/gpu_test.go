@@ -228,7 +228,8 @@ func TestGPUReadyPathIsTimedByPhase(t *testing.T) {
 	c.push(cudaipc.Name, "req-phase", items, 0)
 	require.Len(t, c.wait(tids(items), 10*time.Second).Available, len(items))
 	after := p.Stats().Phases
-	for _, ph := range []string{metrics.PhaseCopyQueue, metrics.PhaseWrite, metrics.PhaseCompleteHandoff, metrics.PhaseCompleteRTT} {
+	for _, ph := range []string{metrics.PhaseReserveRTT, metrics.PhaseWriteHandoff, metrics.PhaseCopyQueue, metrics.PhaseWrite,
+		metrics.PhaseCompleteHandoff, metrics.PhaseCompleteRTT} {
 		require.Equal(t, uint64(1), after[ph].Count-before[ph].Count, "phase %s: once per batch", ph)
 	}
 	require.Eventually(t, func() bool {
