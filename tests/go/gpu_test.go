@@ -279,6 +279,7 @@ func benchGPUBatches(b *testing.B, n int) {
 	c := newGPUCluster(b, 1, 64<<20)
 	const size = 64 << 10
 	var total time.Duration
+	before := metrics.Phases()
 	for i := 0; i < b.N; i++ {
 		items := make([]item, n)
 		for j := range items {
@@ -295,6 +296,14 @@ func benchGPUBatches(b *testing.B, n int) {
 		c.shards[0].Release(hashes)
 	}
 	b.ReportMetric(float64(total.Microseconds())/float64(b.N*n), "us/item")
+	b.ReportMetric(float64(total.Microseconds())/float64(b.N), "us/batch")
+	// Where a batch's time went, phase by phase (mean µs per occurrence).
+	after := metrics.Phases()
+	for name, st := range after {
+		if d := st.Count - before[name].Count; d > 0 {
+			b.ReportMetric((st.Seconds-before[name].Seconds)/float64(d)*1e6, name+"_us")
+		}
+	}
 }
 
 func BenchmarkGPUBatch8(b *testing.B)  { benchGPUBatches(b, 8) }

@@ -41,7 +41,12 @@
 // behind each source's readiness event, records an event after them and
 // waits for it (gpu.TimedCopier, which also says how long the GPU took and
 // how long waking for the event cost, observed as metrics phases). Write
-// returns only after that event completed.
+// returns only after that event completed. As for any one-sided plane, a
+// shard whose writer neither completes nor abandons ends the write after
+// two leases; a copy still queued then (behind a source whose stream has
+// been stuck for that long) could land in a reused region, which is why
+// the producer's write deadline (push_wait_timeout_s, 60 s by default)
+// should stay far shorter than a lease (lease_s, 300 s by default).
 //
 // # Ordering
 //
