@@ -31,7 +31,10 @@
 // source's wait first, then runs its copies between two timing events, so
 // that its caller learns the GPU's own time apart from the host's wait
 // (gpu.CopyTiming); cuEventElapsedTime is resolved if the driver has it,
-// and its absence only leaves the GPU time unknown.
+// and its absence only leaves the GPU time unknown. It touches no host
+// memory, so it is queued and waited for in two C calls: batches of
+// concurrent writers queue one after the other (a mutex held only while
+// queueing), and then each waits for its own event.
 //
 // Devices, their contexts and streams live for the life of the process:
 // a library loaded into a vLLM worker never unloads.

@@ -140,6 +140,8 @@ type Device struct {
 	// other direction, so that the two PCIe directions overlap.
 	d2x, h2d C.ecm_CUstream
 
+	queueMu sync.Mutex // held while a batch of device copies is queued on d2x
+
 	evMu  sync.Mutex
 	done  []C.ecm_CUevent    // free events for waiting on copies
 	timed [][2]C.ecm_CUevent // free (start, done) pairs with timing enabled
@@ -329,14 +331,22 @@ func (d *Device) CopyDeviceTimed(ops []gpu.DeviceCopy) (gpu.CopyTiming, error) {
 		}
 		cops[i] = C.ecm_copy{dst: C.ecm_CUdeviceptr(op.Dst), src: C.ecm_CUdeviceptr(op.Src), n: C.uint64_t(op.N), after: after}
 	}
-	var tm C.ecm_copy_timing
+	var queueNS, waitNS C.int64_t
+	var gpuMS C.float
 	err := d.with(func() error {
 		evs, err := d.getTimed()
 		if err != nil {
 			return err
 		}
 		var failed *C.char
-		r := C.ecm_cu_copy_batch_timed(d.d2x, evs[0], evs[1], &cops[0], C.int(len(cops)), &tm, &failed)
+		// Batches from concurrent writers queue one after the other, so
+		// that each one's start and done events bracket its own copies.
+		d.queueMu.Lock()
+		r := C.ecm_cu_copy_batch_queue(d.d2x, evs[0], evs[1], &cops[0], C.int(len(cops)), &queueNS, &failed)
+		d.queueMu.Unlock()
+		if r == C.ECM_CUDA_SUCCESS {
+			r = C.ecm_cu_wait_timed(evs[0], evs[1], &waitNS, &gpuMS, &failed)
+		}
 		if r != C.ECM_CUDA_SUCCESS {
 			// A failed copy can leave the events recorded or not; fresh
 			// ones are cheaper than finding out.
@@ -350,9 +360,9 @@ func (d *Device) CopyDeviceTimed(ops []gpu.DeviceCopy) (gpu.CopyTiming, error) {
 	if err != nil {
 		return gpu.CopyTiming{}, err
 	}
-	out := gpu.CopyTiming{Queue: time.Duration(tm.queue_ns), Wait: time.Duration(tm.wait_ns)}
-	if tm.gpu_ms >= 0 {
-		out.GPU = time.Duration(float64(tm.gpu_ms) * float64(time.Millisecond))
+	out := gpu.CopyTiming{Queue: time.Duration(queueNS), Wait: time.Duration(waitNS)}
+	if gpuMS >= 0 {
+		out.GPU = time.Duration(float64(gpuMS) * float64(time.Millisecond))
 	}
 	return out, nil
 }

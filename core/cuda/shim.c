@@ -199,12 +199,10 @@ static ecm_CUresult wait_done(ecm_CUevent done) {
 	return cu.cuEventSynchronize(done);
 }
 
-ecm_CUresult ecm_cu_copy_batch_timed(ecm_CUstream s, ecm_CUevent start, ecm_CUevent done, const ecm_copy *ops, int n,
-                                     ecm_copy_timing *t, const char **failed) {
-	t->queue_ns = 0;
-	t->wait_ns = 0;
-	t->gpu_ms = -1;
+ecm_CUresult ecm_cu_copy_batch_queue(ecm_CUstream s, ecm_CUevent start, ecm_CUevent done, const ecm_copy *ops, int n,
+                                     int64_t *queue_ns, const char **failed) {
 	int64_t t0 = now_ns();
+	*queue_ns = 0;
 	for (int i = 0; i < n; i++) {
 		if (ops[i].after != NULL) {
 			TRY(cu.cuStreamWaitEvent(s, ops[i].after, 0), "cuStreamWaitEvent");
@@ -215,15 +213,20 @@ ecm_CUresult ecm_cu_copy_batch_timed(ecm_CUstream s, ecm_CUevent start, ecm_CUev
 		TRY(cu.cuMemcpyAsync(ops[i].dst, ops[i].src, (size_t)ops[i].n, s), "cuMemcpyAsync");
 	}
 	TRY(cu.cuEventRecord(done, s), "cuEventRecord");
-	int64_t t1 = now_ns();
+	*queue_ns = now_ns() - t0;
+	return ECM_CUDA_SUCCESS;
+}
+
+ecm_CUresult ecm_cu_wait_timed(ecm_CUevent start, ecm_CUevent done, int64_t *wait_ns, float *gpu_ms, const char **failed) {
+	int64_t t0 = now_ns();
+	*wait_ns = 0;
+	*gpu_ms = -1;
 	TRY(wait_done(done), "cuEventSynchronize");
-	int64_t t2 = now_ns();
-	t->queue_ns = t1 - t0;
-	t->wait_ns = t2 - t1;
+	*wait_ns = now_ns() - t0;
 	if (cu.cuEventElapsedTime != NULL) {
 		float ms = -1;
 		if (cu.cuEventElapsedTime(&ms, start, done) == ECM_CUDA_SUCCESS) {
-			t->gpu_ms = ms;
+			*gpu_ms = ms;
 		}
 	}
 	return ECM_CUDA_SUCCESS;

@@ -77,23 +77,21 @@ typedef struct {
 	ecm_CUevent after; /* NULL: no wait */
 } ecm_copy;
 
-/* Where a timed batch spent its time: host nanoseconds to queue it and to
- * see it end, and the GPU's own milliseconds from start to done (negative
- * when the driver cannot say). */
-typedef struct {
-	int64_t queue_ns, wait_ns;
-	float gpu_ms;
-} ecm_copy_timing;
-
 /* The copy helpers queue their work on stream s behind the events they
  * are given, record done on s, and wait for done, all in one call: host
  * memory is touched only while the call runs. On failure *failed names
  * the driver function that failed.
  *
- * ecm_cu_copy_batch_timed queues every wait first, then records start,
- * the copies and done (both events keep time), and reports the timing. */
-ecm_CUresult ecm_cu_copy_batch_timed(ecm_CUstream s, ecm_CUevent start, ecm_CUevent done, const ecm_copy *ops, int n,
-                                     ecm_copy_timing *t, const char **failed);
+ * A batch of device-to-device copies, which touches no host memory, is
+ * queued and waited for in two calls, so that the caller can keep other
+ * batches from interleaving with its queueing: ecm_cu_copy_batch_queue
+ * queues every wait first, then records start, the copies and done (both
+ * events keep time), and says how long queueing took; ecm_cu_wait_timed
+ * waits for done and reports the wait and the GPU's milliseconds from
+ * start to done (negative when the driver cannot say). */
+ecm_CUresult ecm_cu_copy_batch_queue(ecm_CUstream s, ecm_CUevent start, ecm_CUevent done, const ecm_copy *ops, int n,
+                                     int64_t *queue_ns, const char **failed);
+ecm_CUresult ecm_cu_wait_timed(ecm_CUevent start, ecm_CUevent done, int64_t *wait_ns, float *gpu_ms, const char **failed);
 ecm_CUresult ecm_cu_copy_dtoh(ecm_CUstream s, ecm_CUevent done, ecm_CUevent after, void *dst, ecm_CUdeviceptr src, size_t n, const char **failed);
 ecm_CUresult ecm_cu_copy_htod(ecm_CUstream s, ecm_CUevent done, ecm_CUdeviceptr dst, const void *src, size_t n, const char **failed);
 
