@@ -176,10 +176,13 @@ func (r *receiver) serve(c net.Conn) {
 		_, _ = c.Write(appendHelloReply(nil, helloReply{status: statusBadNonce, msg: "this shard does not know that address's nonce (it restarted, or the address is stale)"}))
 		return
 	}
+	// Counted before the reply goes out: a producer that has the handle
+	// is one the shard has counted.
+	r.attached.Add(1)
 	if _, err := c.Write(appendHelloReply(nil, helloReply{hello: r.hello})); err != nil {
+		r.attached.Add(^uint64(0))
 		return
 	}
-	r.attached.Add(1)
 	_ = c.SetDeadline(time.Time{})
 	var b [1]byte
 	if n, _ := c.Read(b[:]); n > 0 {
