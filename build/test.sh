@@ -16,15 +16,18 @@ go test -race -count=1 -timeout 20m ./...
 # is a finding and fails the run; one that wrote none is the fuzzing engine
 # itself (on a loaded 2-core machine its coordinator can take a worker for
 # hung), which is shown and run once more.
+inputs_of() {
+  if [ -d "$1/testdata/fuzz/$2" ]; then find "$1/testdata/fuzz/$2" -type f | wc -l; else echo 0; fi
+}
 fuzz_one() {
   local pkg=$1 target=$2 out before
   for attempt in 1 2; do
-    before=$(find "$pkg/testdata/fuzz/$target" -type f 2>/dev/null | wc -l)
+    before=$(inputs_of "$pkg" "$target")
     if out=$(go test -run=NONE -fuzz="^${target}\$" -fuzztime="$fuzztime" "./$pkg" 2>&1); then
       return 0
     fi
     echo "$out" | tail -30 >&2
-    if [ "$(find "$pkg/testdata/fuzz/$target" -type f 2>/dev/null | wc -l)" != "$before" ]; then
+    if [ "$(inputs_of "$pkg" "$target")" != "$before" ]; then
       echo "fuzz: $pkg $target found a failing input (see $pkg/testdata/fuzz/$target)" >&2
       return 1
     fi
