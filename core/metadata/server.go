@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/ecmooncake/ecmooncake/core/internal/ratelog"
 	"log/slog"
 	"net"
 	"strconv"
@@ -114,7 +115,7 @@ type Server struct {
 	done chan struct{}
 
 	token    [sha256.Size]byte // digest of cfg.Token, when set
-	refusals refusalLog
+	refusals ratelog.Limiter
 
 	mu    sync.RWMutex
 	kv    map[string][]byte
@@ -359,7 +360,7 @@ func (s *Server) refuseUnauthorized(ctx *fasthttp.RequestCtx) {
 
 // refuse answers and logs a refusal, at most once per interval per reason.
 func (s *Server) refuse(ctx *fasthttp.RequestCtx, reason string, status int, msg string) {
-	if ok, suppressed := s.refusals.admit(reason, time.Now()); ok {
+	if ok, suppressed := s.refusals.Admit(reason, time.Now()); ok {
 		s.log.Warn("metadata request refused", "reason", reason, "status", status, "remote", ctx.RemoteAddr().String(),
 			"detail", msg, "refusals_not_logged", suppressed)
 	}
@@ -474,31 +475,6 @@ func (s *Server) fits(key string, body []byte) (int64, string) {
 		return 0, fmt.Sprintf("store full: %d of %d bytes used (max_total_bytes) and this key and value need %d", s.bytes, s.cfg.MaxTotalBytes, entrySize(key, body))
 	}
 	return after, ""
-}
-
-// refusalLog admits one log line per reason per interval; the counters
-// keep the exact numbers.
-type refusalLog struct {
-	mu         sync.Mutex
-	last       map[string]time.Time
-	suppressed map[string]int
-}
-
-const refusalLogInterval = 10 * time.Second
-
-func (l *refusalLog) admit(reason string, now time.Time) (bool, int) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.last == nil {
-		l.last, l.suppressed = map[string]time.Time{}, map[string]int{}
-	}
-	if t, ok := l.last[reason]; ok && now.Sub(t) < refusalLogInterval {
-		l.suppressed[reason]++
-		return false, 0
-	}
-	n := l.suppressed[reason]
-	l.last[reason], l.suppressed[reason] = now, 0
-	return true, n
 }
 
 // fasthttpLog routes fasthttp's own messages to slog at debug level: it

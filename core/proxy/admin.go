@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -84,34 +83,6 @@ func (a adminAuth) check(header []byte) authResult {
 		return authBad
 	}
 	return authOK
-}
-
-// refusalLog logs refused discovery calls, at most once per interval per
-// reason: a scanner hammering the endpoint must not flood the log, and
-// the counter keeps the exact number.
-type refusalLog struct {
-	mu         sync.Mutex
-	last       map[string]time.Time
-	suppressed map[string]int
-}
-
-const refusalLogInterval = 10 * time.Second
-
-// admit reports whether to log now, and how many were left unlogged since
-// the last line for this reason.
-func (l *refusalLog) admit(reason string, now time.Time) (bool, int) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.last == nil {
-		l.last, l.suppressed = map[string]time.Time{}, map[string]int{}
-	}
-	if t, ok := l.last[reason]; ok && now.Sub(t) < refusalLogInterval {
-		l.suppressed[reason]++
-		return false, 0
-	}
-	n := l.suppressed[reason]
-	l.last[reason], l.suppressed[reason] = now, 0
-	return true, n
 }
 
 // isDiscovery reports whether a request URI names a discovery endpoint.
@@ -201,7 +172,7 @@ func (p *Proxy) authorize(ctx *fasthttp.RequestCtx, op string) bool {
 // once per interval per reason, with the number left unlogged).
 func (p *Proxy) refuse(ctx *fasthttp.RequestCtx, op, reason string, status int, msg string) {
 	p.m.refusals.WithLabelValues(op, reason).Inc()
-	if ok, suppressed := p.refused.admit(op+"/"+reason, time.Now()); ok {
+	if ok, suppressed := p.refused.Admit(op+"/"+reason, time.Now()); ok {
 		p.log.Warn("discovery call refused", "op", op, "reason", reason, "status", status,
 			"remote", ctx.RemoteAddr().String(), "detail", msg, "refusals_not_logged", suppressed)
 	}

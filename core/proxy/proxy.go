@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"github.com/ecmooncake/ecmooncake/core/internal/ratelog"
 	"log/slog"
 	"net"
 	"strconv"
@@ -31,7 +32,7 @@ type Proxy struct {
 	enc, pd, prefill, dec *pool
 
 	auth    adminAuth
-	refused refusalLog
+	refused ratelog.Limiter
 
 	ln         net.Listener
 	srv        *fasthttp.Server

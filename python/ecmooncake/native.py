@@ -16,7 +16,7 @@ import os
 import sys
 import weakref
 from ctypes import byref, c_char_p, c_int32, c_uint64, c_void_p
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -139,18 +139,27 @@ def with_mooncake_library(config: Any) -> Any:
     only the environment the process started with), so Python passes the
     path down as a setting. Anything else is returned unchanged.
     """
-    path = os.environ.get(MOONCAKE_LIBRARY_ENV)
-    if not path:
+    return _fill_from_env(
+        config, MOONCAKE_LIBRARY_ENV, "mooncake_library", lambda c: c.get("transport") == "mooncake"
+    )
+
+
+def _fill_from_env(config: Any, env: str, key: str, applies: Callable[[dict], Any]) -> Any:
+    """config with key set from $env, where applies(config) and the key is
+    not given; a config that does not parse is left for the library to
+    report."""
+    value = os.environ.get(env)
+    if not value:
         return config
     parsed = config
     if isinstance(config, (str, bytes)):
         try:
             parsed = json.loads(config)
         except ValueError:
-            return config  # the library reports what is wrong with it
-    if not isinstance(parsed, dict) or parsed.get("transport") != "mooncake" or "mooncake_library" in parsed:
+            return config
+    if not isinstance(parsed, dict) or not applies(parsed) or key in parsed:
         return config
-    return {**parsed, "mooncake_library": path}
+    return {**parsed, key: value}
 
 
 METADATA_TOKEN_ENV = "MC_METADATA_HTTP_TOKEN"
@@ -166,18 +175,9 @@ def with_metadata_token(config: Any) -> Any:
     environment variables, so Python passes it down. Anything else is
     returned unchanged.
     """
-    token = os.environ.get(METADATA_TOKEN_ENV)
-    if not token:
-        return config
-    parsed = config
-    if isinstance(config, (str, bytes)):
-        try:
-            parsed = json.loads(config)
-        except ValueError:
-            return config  # the library reports what is wrong with it
-    if not isinstance(parsed, dict) or not parsed.get("mooncake_metadata_server") or "mooncake_metadata_token" in parsed:
-        return config
-    return {**parsed, "mooncake_metadata_token": token}
+    return _fill_from_env(
+        config, METADATA_TOKEN_ENV, "mooncake_metadata_token", lambda c: c.get("mooncake_metadata_server")
+    )
 
 
 def configure(**settings: Any) -> None:
