@@ -55,6 +55,9 @@ type clusterOpts struct {
 	// overrides the producer's.
 	secret         string
 	producerSecret *string
+	// quiet logs errors only: a run that fails requests on purpose would
+	// bury a real error under thousands of expected warnings.
+	quiet bool
 }
 
 func quietLog() *slog.Logger {
@@ -106,6 +109,9 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 		o.pushWait = 20 * time.Second
 	}
 	c := &cluster{t: t, o: o, base: freeBase(t, o.tp), log: quietLog()}
+	if o.quiet && os.Getenv("ECM_TEST_LOG") == "" {
+		c.log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+	}
 	log := c.log
 	if c.o.shm {
 		c.o.slab, c.o.consumerTr, c.o.producerTr, c.slabFD = shmPlane(t, log)
