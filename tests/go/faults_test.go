@@ -6,6 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/sched"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
 )
@@ -130,4 +131,37 @@ func TestRestartedShardItemsStopBeingAvailable(t *testing.T) {
 	require.ElementsMatch(t, tids(items), w.Available)
 	c.restart(0)
 	require.Eventually(t, func() bool { return !c.sched.Has(items[0].hash) }, 20*time.Second, 20*time.Millisecond)
+}
+
+// Two requests show one image, so their pushes share one write: the
+// shard grants the first a write and follows it with the second. The
+// first request is aborted before the encoder output exists; the second
+// still gets its image once the encoder computes it for the second.
+func TestAbortedRequestSparesOneSharingItsImage(t *testing.T) {
+	c := newCluster(t, clusterOpts{tp: 2})
+	data := makeItems(52, 1, 64<<10, 64<<10, 0)[0].data
+	a := item{tid: "tx-share-a", hash: "mm-share", data: data}
+	b := item{tid: "tx-share-b", hash: "mm-share", data: data}
+	c.expect("req-share-a", []item{a})
+	c.expect("req-share-b", []item{b})
+	for _, err := range c.prod.Submit([]producer.Push{
+		{TransferID: a.tid, MMHash: a.hash, NBytes: uint64(len(data)), Consumer: c.consumer, Meta: metaOf(a)},
+		{TransferID: b.tid, MMHash: b.hash, NBytes: uint64(len(data)), Consumer: c.consumer, Meta: metaOf(b)},
+	}) {
+		require.NoError(t, err)
+	}
+	for r, s := range c.shards {
+		require.Eventually(t, func() bool { return s.Stats().Table.Transfers == 2 }, 10*time.Second, 5*time.Millisecond,
+			"shard %d: a writer and its follower", r)
+	}
+
+	// The encoder drops the aborted request's push; the consumer finishes it.
+	c.prod.Cancel([]string{a.tid})
+	c.sched.Step(scheduler.StepIn{Finished: []string{"req-share-a"}})
+	_, errs := c.prod.Sources([]producer.Source{{MMHash: b.hash, Mem: b.data}})
+	require.NoError(t, errs[0])
+
+	w := c.wait([]string{b.tid}, 15*time.Second)
+	require.Equal(t, []string{b.tid}, w.Available, "the request that was not aborted gets its image")
+	c.verify([]item{b})
 }
