@@ -16,6 +16,7 @@
 //	           └─grant follow/cached─▶ Done
 //
 //	Cancel:   Reserving, WaitingInputs ─▶ Cancelled;  Writing ─▶ CancelPending ─WriteDone─▶ Cancelled
+//	          (not a write that another push of the content follows: it goes on for the follower)
 //	Failures: refused or invalid grant, write or complete error, size mismatch, any deadline ─▶ Failed
 //
 // Reserving is the part of the design's WAITING_INPUTS spent waiting for the

@@ -218,6 +218,10 @@ type rec struct {
 	state    State
 	grant    Grant
 	hasGrant bool // holds a region on the shard that a cancel must free
+	// followed says another push of the content got a follow grant from
+	// this record's shard: the shard joined it to this record's write, so
+	// cancelling this push must not cancel that write.
+	followed bool
 	inFlight bool // a write reading src is out; may outlive the record's failure
 	src      SourceID
 	queued   bool // in writeQ
@@ -373,7 +377,10 @@ func (m *Manager) Granted(transferID, dest string, g Grant, now time.Time) {
 		r.grant, r.hasGrant = g, true
 	}
 	switch g.Kind {
-	case KindFollow, KindCached:
+	case KindFollow:
+		m.noteFollower(r)
+		m.move(r, Done, now, "")
+	case KindCached:
 		m.move(r, Done, now, "")
 	case KindWrite:
 		switch {
@@ -386,6 +393,19 @@ func (m *Manager) Granted(transferID, dest string, g Grant, now time.Time) {
 		}
 	default:
 		m.move(r, Failed, now, fmt.Sprintf("unknown grant kind %q", g.Kind))
+	}
+}
+
+// noteFollower marks the write that a follow grant joined: the live write
+// record of the same content to the same shard. A follow from a region of
+// another producer finds none, which is right: that write is not ours.
+func (m *Manager) noteFollower(follower *rec) {
+	for _, tr := range m.contents[follower.tr.push.MMHash].transfers {
+		for _, r := range tr.recs {
+			if r.dest == follower.dest && r != follower && r.hasGrant && r.grant.Kind == KindWrite && !r.state.Terminal() {
+				r.followed = true
+			}
+		}
 	}
 }
 
@@ -560,7 +580,10 @@ func (m *Manager) CompleteDone(transferID, dest string, err error, now time.Time
 // stopped: before the write it ends at once (with a Cancel to a shard that
 // granted a region); during the write it waits in CancelPending for the
 // write to finish, because the write reads the source. Once the bytes
-// landed the push completes anyway.
+// landed the push completes anyway. A write that another push of the
+// content follows goes on: the shard fails a follower whose writer gives
+// up, and a request still waiting for the image would fail with it; the
+// write ends at its deadlines if no source comes.
 func (m *Manager) Cancel(transferID string, now time.Time) {
 	m.advance(now)
 	tr := m.transfers[transferID]
@@ -568,6 +591,9 @@ func (m *Manager) Cancel(transferID string, now time.Time) {
 		return
 	}
 	for _, r := range tr.recs {
+		if r.followed {
+			continue
+		}
 		switch r.state {
 		case Reserving, WaitingInputs:
 			m.move(r, Cancelled, now, "")

@@ -141,6 +141,40 @@ func TestScenarios(t *testing.T) {
 			ready -> release s11
 			pending -> no
 		`},
+		{"cancel spares a write that another push of the content follows", Config{}, `
+			add t1 h1 100 d1,d2
+			add t2 h1 100 d1,d2
+			ready -> reserve d1:t1,t2 d2:t1,t2
+			grant t1 d1 write 1
+			grant t1 d2 write 2
+			grant t2 d1 follow
+			grant t2 d2 follow
+			state t2 -> d1=Done d2=Done
+			cancel t1
+			state t1 -> d1=WaitingInputs d2=WaitingInputs
+			ready -> done t2
+			source h1 11 100
+			ready -> write d1:t1@s11 d2:t1@s11
+			wrote t1 d1
+			wrote t1 d2
+			ready -> complete d1:t1 d2:t1 | release s11
+			completed t1 d1
+			completed t1 d2
+			ready -> done t1
+			pending -> no
+		`},
+		{"a followed write that gets no source fails at its deadline", Config{}, `
+			add t1 h1 100 d1
+			add t2 h1 100 d1
+			ready -> reserve d1:t1,t2
+			grant t1 d1 write 1
+			grant t2 d1 follow
+			cancel t1
+			ready -> done t2
+			at 61s
+			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s
+			pending -> no
+		`},
 		{"cancel during the write holds the source until the write ends", Config{}, `
 			add t1 h1 100 d1
 			ready -> reserve d1:t1
