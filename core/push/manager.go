@@ -409,6 +409,24 @@ func (m *Manager) noteFollower(follower *rec) {
 	}
 }
 
+// awaitedAt reports whether another push of r's content still waits for
+// its grant from r's shard: the shard will make it follow r's write if
+// that write is still going when its reservation arrives.
+func (m *Manager) awaitedAt(r *rec) bool {
+	c := m.contents[r.tr.push.MMHash]
+	if c == nil || r.state.Terminal() || !r.hasGrant || r.grant.Kind != KindWrite {
+		return false
+	}
+	for _, tr := range c.transfers {
+		for _, x := range tr.recs {
+			if x.dest == r.dest && x.tr != r.tr && x.state == Reserving {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // SourceReady hands over the encoder output of mmHash. The manager keeps it
 // until no push needs it and then returns it in Ready.Releases; a second
 // source for content that already has one is not needed and is released
@@ -581,9 +599,10 @@ func (m *Manager) CompleteDone(transferID, dest string, err error, now time.Time
 // granted a region); during the write it waits in CancelPending for the
 // write to finish, because the write reads the source. Once the bytes
 // landed the push completes anyway. A write that another push of the
-// content follows goes on: the shard fails a follower whose writer gives
-// up, and a request still waiting for the image would fail with it; the
-// write ends at its deadlines if no source comes.
+// content follows, or may follow (its reservation is on its way to the
+// same shard), goes on: the shard fails a follower whose writer gives up,
+// and a request still waiting for the image would fail with it; the write
+// ends at its deadlines if no source comes.
 func (m *Manager) Cancel(transferID string, now time.Time) {
 	m.advance(now)
 	tr := m.transfers[transferID]
@@ -591,7 +610,7 @@ func (m *Manager) Cancel(transferID string, now time.Time) {
 		return
 	}
 	for _, r := range tr.recs {
-		if r.followed {
+		if r.followed || m.awaitedAt(r) {
 			continue
 		}
 		switch r.state {

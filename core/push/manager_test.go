@@ -163,6 +163,18 @@ func TestScenarios(t *testing.T) {
 			ready -> done t1
 			pending -> no
 		`},
+		{"cancel spares a write that a push still reserving may follow", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			grant t1 d1 write 1
+			add t2 h1 100 d1
+			cancel t1
+			state t1 -> d1=WaitingInputs
+			ready -> reserve d1:t2
+			grant t2 d1 follow
+			source h1 11 100
+			ready -> write d1:t1@s11 | done t2
+		`},
 		{"a followed write that gets no source fails at its deadline", Config{}, `
 			add t1 h1 100 d1
 			add t2 h1 100 d1
