@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=1, help="seed of sizes and contents (default %(default)s)")
     demo.add_argument("--slab-mb", type=float, default=None, help="receive slab per shard, MiB (default: sized from --max-mb)")
     demo.add_argument("--timeout", type=float, default=None, help="seconds allowed per window of items (default: from its size)")
+    demo.add_argument("--gomaxprocs", type=int, default=2, help="GOMAXPROCS of every process, the ceiling's too (default %(default)s)")
+    demo.add_argument("--tcp-conns", type=int, default=4, help="producer connections to each shard, the ceiling's too (default %(default)s)")
+    demo.add_argument("--ceiling-mb", type=float, default=1024, help="MiB per ceiling sample (default %(default)s)")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
     demo.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
@@ -49,8 +52,23 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--small-kb", type=float, default=64, help="small item size, KiB (default %(default)s)")
     bench.add_argument("--small-batch", type=int, default=256, help="small items per batch (default %(default)s)")
     bench.add_argument("--small-batches", type=int, default=8, help="timed small batches (default %(default)s)")
+    bench.add_argument("--gomaxprocs", type=int, default=2, help="GOMAXPROCS of every process, the ceiling's too (default %(default)s)")
+    bench.add_argument("--tcp-conns", type=int, default=4, help="producer connections to the shard, the ceiling's too (default %(default)s)")
+    bench.add_argument("--ceiling-mb", type=float, default=1024, help="MiB per ceiling sample (default %(default)s)")
     bench.add_argument("--json", action="store_true", help="print the summary as JSON")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+    from . import ceiling as _ceiling  # argument table only; loads no library
+
+    _ceiling.add_arguments(
+        commands.add_parser(
+            "ceiling",
+            help="measure the raw TCP ceiling the benchmarks divide by",
+            description="Raw Go TCP from a sender process to receiver processes, each with "
+            "its own GOMAXPROCS, over 1 to --conns connections, as the benchmarks measure it "
+            "before and after their timed phases.",
+        )
+    )
 
     from . import bench_vllm as _bench_vllm  # argument table only; imports no vLLM
 
@@ -125,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import demo
 
         return demo.main(args)
+    if args.command == "ceiling":
+        from . import ceiling
+
+        return ceiling.main(args)
     if args.command == "bench-vllm":
         from . import bench_vllm
 

@@ -1,18 +1,24 @@
 """The transfer benchmark: host memory over loopback TCP, large and small items,
-reported as ratios to the raw Go TCP loopback ceiling measured in the same run.
+reported as ratios to the raw Go TCP ceiling measured in the same run.
 
 One consumer shard and one producer run in spawned processes. Each batch is
 one submit of distinct items; its time runs from the submit until the producer
 has seen every push done. Between batches the consumer acquires and releases
 the items so that their space can be reused; that is off the clock.
+
+The ceiling (:class:`ceiling.TCPCeiling`) is the same layout without
+ecmooncake: a sender and a receiver process with the workers' GOMAXPROCS,
+over the producer's ``tcp_conns`` connections, sampled before and after the
+timed phases.
 """
 
 from __future__ import annotations
 
 import sys
 
+from . import ceiling as ceilings
 from . import harness
-from .demo import GB, MiB, measure_ceiling
+from .demo import GB, MiB
 from .harness import Worker
 from .native import configure
 
@@ -82,6 +88,9 @@ def run(
     small_batch: int = 256,
     small_batches: int = 8,
     progress: bool = True,
+    gomaxprocs: int = 2,
+    tcp_conns: int = 4,
+    ceiling_bytes: int = ceilings.GiB,
 ) -> dict:
     large_bytes = int(mb * MiB)
     small_bytes = int(small_kb * KiB)
@@ -89,7 +98,7 @@ def run(
     ip = "127.0.0.1"
     port = harness.free_port_range(1, ip)
     address = f"tcp://{ip}:{port}"
-    settings = {"log_level": "warn"}
+    settings = {"log_level": "warn", "gomaxprocs": gomaxprocs}
     consumer = Worker(
         "consumer",
         "consumer-0",
@@ -97,13 +106,16 @@ def run(
         slab_bytes=slab_bytes,
         settings=settings,
     )
-    producer = Worker("producer", "producer", config={"transport": "tcp"}, settings=settings)
+    producer = Worker("producer", "producer", config={"transport": "tcp", "tcp_conns": tcp_conns}, settings=settings)
+    tcp = ceilings.TCPCeiling(gomaxprocs, tcp_conns, receivers=1, nbytes=ceiling_bytes)
     workers = [consumer, producer]
     try:
         for worker in workers:
             worker.wait_ready(120)
         configure(**settings)
-        ceiling = measure_ceiling()
+        if progress:
+            print("bench: measuring the TCP ceiling", file=sys.stderr, flush=True)
+        tcp.measure(ceilings.BEFORE)
         phases = {}
         for label, nbytes, n, count in (
             ("large", large_bytes, batch, batches),
@@ -112,27 +124,30 @@ def run(
             if progress:
                 print(f"bench: {count} batches of {n} x {nbytes} bytes", file=sys.stderr, flush=True)
             phases[label] = _phase(consumer, producer, address, label, nbytes, n, count)
+        if progress:
+            print("bench: measuring the TCP ceiling again", file=sys.stderr, flush=True)
+        tcp.measure(ceilings.AFTER)
     finally:
         harness.stop_all(workers)
 
-    ceiling_bps = ceiling["bytes_per_sec"]
+    book = tcp.book
+    ceiling_bps = book.value()
     large, small = phases["large"], phases["small"]
     # What a small item costs beyond moving its bytes at the ceiling's rate.
     small["overhead_us_per_item"] = small["us_per_item"] - (small_bytes / ceiling_bps * 1e6 if ceiling_bps else 0.0)
     for phase in phases.values():
-        phase["ceiling_ratio"] = phase["bytes_per_sec"] / ceiling_bps if ceiling_bps else 0.0
-    return {
+        phase["ceiling_ratio"] = book.ratio(phase["bytes_per_sec"])
+        phase["best_ceiling_ratio"] = book.ratio(phase["bytes_per_sec"], book.best()[0])
+    summary = {
         "ok": not large["failures"] and not small["failures"],
         "transport": "tcp",
-        "ceiling": {
-            "name": "Go TCP loopback",
-            "gb_per_s": ceiling_bps / GB,
-            "streams": ceiling["streams"],
-            "by_streams_gb_per_s": {k: v / GB for k, v in ceiling["by_streams"].items()},
-        },
+        "gomaxprocs": gomaxprocs,
+        "tcp_conns": tcp_conns,
+        "ceiling": book.as_dict(),
         "large": large,
         "small": small,
     }
+    return ceilings.mark(summary, {f"{label} items": p["ceiling_ratio"] for label, p in phases.items()})
 
 
 def format_summary(s: dict) -> str:
@@ -141,12 +156,13 @@ def format_summary(s: dict) -> str:
         return "n/a" if value is None else f"{value:.1f}"
 
     large, small, ceiling = s["large"], s["small"], s["ceiling"]
-    lines = [
-        "ecmooncake bench: host memory, one consumer shard, tcp over loopback",
-        f"  ceiling        {ceiling['name']} {ceiling['gb_per_s']:.2f} GB/s ({ceiling['streams']} streams, same run)",
+    lines = ceilings.warning_lines(s) + [
+        f"ecmooncake bench: host memory, one consumer shard, tcp over loopback "
+        f"(GOMAXPROCS {s['gomaxprocs']} per process, {s['tcp_conns']} connections)",
+        f"  ceiling        {ceiling['text']}",
         f"  {large['item_bytes'] // MiB} MiB items   {large['batches']} batches of {large['batch']}: "
-        f"{large['bytes_per_sec'] / GB:.2f} GB/s = {large['ceiling_ratio']:.2f} of the ceiling; "
-        f"{trips(large)} control round trips per batch",
+        f"{large['bytes_per_sec'] / GB:.2f} GB/s = {large['ceiling_ratio']:.2f} of the ceiling "
+        f"({large['best_ceiling_ratio']:.2f} of its best); {trips(large)} control round trips per batch",
         f"  {small['item_bytes'] // KiB} KiB items   {small['batches']} batches of {small['batch']}: "
         f"{small['us_per_item']:.1f} us per item ({small['overhead_us_per_item']:.1f} us above the ceiling's "
         f"data time), {small['bytes_per_sec'] / GB:.3f} GB/s; {trips(small)} control round trips per batch",
@@ -154,7 +170,7 @@ def format_summary(s: dict) -> str:
     for phase in (large, small):
         lines += [f"  failed: {f}" for f in phase["failures"]]
     lines.append("  result         " + ("OK" if s["ok"] else "FAILED"))
-    return "\n".join(lines)
+    return "\n".join(lines + ceilings.warning_lines(s))
 
 
 def main(args) -> int:
@@ -168,6 +184,9 @@ def main(args) -> int:
             small_batch=args.small_batch,
             small_batches=args.small_batches,
             progress=not args.quiet,
+            gomaxprocs=args.gomaxprocs,
+            tcp_conns=args.tcp_conns,
+            ceiling_bytes=int(args.ceiling_mb * MiB),
         ),
         format_summary,
         args.json,

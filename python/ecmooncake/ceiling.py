@@ -1,0 +1,390 @@
+"""Ceilings for the benchmarks: the same work done without ecmooncake,
+measured in the same run as the figure that is divided by it.
+
+A ceiling is one only when it does the measured path's work with at least
+the measured path's resources. So every benchmark takes its ceilings from
+here, and:
+
+- raw TCP runs its sender and its receivers as separate processes (one
+  receiver per consumer shard), each with the GOMAXPROCS of the measured
+  workers, over as many connections as the transfer opens; the best over
+  fewer connections is reported beside it;
+- a copy ceiling copies with as many threads as the measured copy uses;
+- each ceiling is sampled before and after the measured phase and the
+  higher sample kept, so load that came and went during the run cannot
+  lower it.
+
+A ratio above :data:`RATIO_LIMIT` means the ceiling was not one, a bug in
+the benchmark: :func:`mark` flags the summary and says so on stderr.
+
+``python -m ecmooncake ceiling`` measures the TCP ceiling alone; its
+``--role recv`` and ``--role send`` forms are the processes this module
+starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+RATIO_LIMIT = 1.02
+BEFORE, AFTER = "before", "after"
+GB = 1e9
+GiB = 1 << 30
+
+
+class CeilingError(RuntimeError):
+    """A ceiling could not be measured."""
+
+
+@dataclass
+class Ceiling:
+    """The samples of one ceiling and what they were taken with.
+
+    A variant is one way of doing the work (a number of TCP connections, a
+    thread count); ``primary`` is the variant that matches the measured
+    path, the one its ratio is taken against. The value of a variant is its
+    highest sample.
+    """
+
+    name: str
+    params: dict[str, Any]
+    primary: Any
+    # How the summary line words the parameters; "key value" when empty.
+    phrases: list[str] = field(default_factory=list)
+    variant_unit: str = ""
+    samples: dict[Any, list[tuple[str, float]]] = field(default_factory=dict)
+
+    def add(self, variant: Any, when: str, value: float) -> None:
+        self.samples.setdefault(variant, []).append((when, float(value)))
+
+    def value(self, variant: Any = None) -> float:
+        """The highest sample of variant (default: the primary); 0 if none."""
+        got = self.samples.get(self.primary if variant is None else variant) or []
+        return max((v for _, v in got), default=0.0)
+
+    def best(self) -> tuple[Any, float]:
+        """The variant with the highest sample, and that sample."""
+        if not self.samples:
+            return self.primary, 0.0
+        variant = max(self.samples, key=self.value)
+        return variant, self.value(variant)
+
+    def ratio(self, measured: float, variant: Any = None) -> float:
+        cap = self.value(variant)
+        return measured / cap if cap > 0 else 0.0
+
+    def sample_count(self) -> int:
+        """Samples per variant (the fewest any variant has)."""
+        return min((len(v) for v in self.samples.values()), default=0)
+
+    def as_dict(self) -> dict:
+        best_variant, best = self.best()
+        return {
+            "name": self.name,
+            "params": dict(self.params),
+            "primary": self.primary,
+            "gb_per_s": self.value() / GB,
+            "best": best_variant,
+            "best_gb_per_s": best / GB,
+            "samples": self.sample_count(),
+            "text": self.describe(),
+            "by_variant_gb_per_s": {
+                str(k): {"max": self.value(k) / GB, "samples": {w: v / GB for w, v in _by_when(s).items()}}
+                for k, s in sorted(self.samples.items(), key=lambda kv: str(kv[0]))
+            },
+        }
+
+    def whens(self) -> list[str]:
+        """The labels of the primary variant's samples, in order."""
+        return [w for w, _ in self.samples.get(self.primary) or []]
+
+    def describe(self) -> str:
+        """The value and every parameter, for a summary line."""
+        params = ", ".join(self.phrases or [f"{k} {v}" for k, v in self.params.items()])
+        whens = self.whens()
+        line = (
+            f"{self.name} {self.value() / GB:.2f} GB/s ({params}; "
+            f"{len(whens)} samples: {', '.join(whens)}; the higher kept)"
+        )
+        if len(self.samples) > 1:
+            best_variant, best = self.best()
+            tried = ", ".join(str(k) for k in sorted(self.samples))
+            line += f"; best of {tried} {self.variant_unit}: {best / GB:.2f} GB/s at {best_variant}"
+        return line
+
+
+def _by_when(samples: list[tuple[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for when, value in samples:
+        out[when] = max(out.get(when, 0.0), value)
+    return out
+
+
+def size_text(nbytes: int) -> str:
+    """1 GiB, 64 MiB, 4 KiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def over_limit(ratios: dict[str, float], limit: float = RATIO_LIMIT) -> list[str]:
+    """A warning for each ratio above limit."""
+    return [
+        f"{name}: {ratio:.2f} of its ceiling, above {limit}: the ceiling is not one (a benchmark bug)"
+        for name, ratio in ratios.items()
+        if ratio > limit
+    ]
+
+
+def mark(summary: dict, ratios: dict[str, float], limit: float = RATIO_LIMIT, stream: Any = None) -> dict:
+    """Flags summary when a ratio is above limit: ``ceiling_exceeded`` and
+    ``ceiling_warnings`` in the JSON, and the warnings on stderr now."""
+    warnings = over_limit(ratios, limit)
+    summary["ceiling_exceeded"] = bool(warnings)
+    summary["ceiling_warnings"] = warnings
+    for w in warnings:
+        print(f"WARNING: {w}", file=stream or sys.stderr, flush=True)
+    return summary
+
+
+def warning_lines(summary: dict) -> list[str]:
+    """The lines a text summary prints for a flagged summary."""
+    if not summary.get("ceiling_exceeded"):
+        return []
+    return ["  !!! CEILING EXCEEDED: these figures are not to be trusted"] + [
+        f"  !!! {w}" for w in summary.get("ceiling_warnings", [])
+    ]
+
+
+# --- raw TCP across processes ------------------------------------------------
+
+
+def stream_counts(conns: int, receivers: int = 1) -> list[int]:
+    """The connection counts a TCP ceiling tries: receivers times each power
+    of two up to conns, and conns itself."""
+    if receivers < 1 or conns < receivers or conns % receivers:
+        raise ValueError(f"{conns} connections cannot be spread evenly over {receivers} receivers")
+    counts = {conns}
+    k = receivers
+    while k < conns:
+        counts.add(k)
+        k *= 2
+    return sorted(counts)
+
+
+class TCPCeiling:
+    """Raw Go TCP from one sender process to ``receivers`` receiver
+    processes, each with GOMAXPROCS ``gomaxprocs``, over ``conns``
+    connections in all (and the fewer ones of :func:`stream_counts`)."""
+
+    def __init__(
+        self,
+        gomaxprocs: int,
+        conns: int,
+        receivers: int = 1,
+        nbytes: int = GiB,
+        host: str = "127.0.0.1",
+        timeout_s: float = 300,
+        runner: Callable[..., list[float]] | None = None,
+    ):
+        self.gomaxprocs, self.conns, self.receivers = gomaxprocs, conns, receivers
+        self.nbytes, self.host, self.timeout_s = nbytes, host, timeout_s
+        self.variants = stream_counts(conns, receivers)
+        self._runner = runner or run_tcp_rounds
+        self.book = Ceiling(
+            "raw Go TCP",
+            {
+                "processes": 1 + receivers,
+                "senders": 1,
+                "receivers": receivers,
+                "gomaxprocs": gomaxprocs,
+                "connections": conns,
+                "bytes_per_sample": nbytes,
+                "host": host,
+            },
+            primary=conns,
+            phrases=[
+                f"1 sender + {receivers} receiver process{'es' if receivers > 1 else ''}",
+                f"GOMAXPROCS {gomaxprocs} each",
+                f"{conns} connections" + (f" ({conns // receivers} per receiver)" if receivers > 1 else ""),
+                f"{size_text(nbytes)} per sample",
+                f"on {host}",
+            ],
+            variant_unit="connections",
+        )
+
+    def measure(self, when: str) -> None:
+        """One sample of every variant, labelled when (BEFORE or AFTER)."""
+        rates = self._runner(
+            gomaxprocs=self.gomaxprocs,
+            receivers=self.receivers,
+            schedule=[s // self.receivers for s in self.variants],
+            nbytes=self.nbytes,
+            host=self.host,
+            timeout_s=self.timeout_s,
+        )
+        for streams, rate in zip(self.variants, rates, strict=True):
+            self.book.add(streams, when, rate)
+
+
+def _role_command(role: str, gomaxprocs: int, schedule: list[int], host: str, timeout_s: float, **extra: Any) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "ecmooncake", "ceiling", "--role", role,
+        "--gomaxprocs", str(gomaxprocs),
+        "--schedule", ",".join(map(str, schedule)),
+        "--host", host,
+        "--timeout", str(timeout_s),
+    ]
+    for k, v in extra.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    return cmd
+
+
+def run_tcp_rounds(
+    gomaxprocs: int, receivers: int, schedule: list[int], nbytes: int, host: str = "127.0.0.1", timeout_s: float = 300
+) -> list[float]:
+    """Starts the receiver and sender processes and runs one round per
+    entry of schedule (connections per receiver); returns bytes/s of each."""
+    procs: list[subprocess.Popen] = []
+    # A process that hangs is killed at the deadline, which ends every
+    # read below with EOF.
+    budget = timeout_s * (len(schedule) + 1)
+    killer = threading.Timer(budget, lambda: [p.kill() for p in procs if p.poll() is None])
+    killer.daemon = True
+    killer.start()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        addrs = []
+        for _ in range(receivers):
+            p = subprocess.Popen(
+                _role_command("recv", gomaxprocs, schedule, host, timeout_s),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            )
+            procs.append(p)
+            line = p.stdout.readline()
+            try:
+                addrs.append(f"{host}:{json.loads(line)['port']}")
+            except (ValueError, KeyError) as exc:
+                raise CeilingError(f"TCP ceiling receiver gave no port: {_tail(p, line)}") from exc
+        sender = subprocess.Popen(
+            _role_command("send", gomaxprocs, schedule, host, timeout_s, to=",".join(addrs), bytes=nbytes),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        procs.append(sender)
+        out, err = sender.communicate()
+        for p in procs[:-1]:
+            p.wait()
+        bad = [p for p in procs if p.returncode != 0]
+        if bad:
+            raise CeilingError("TCP ceiling: " + "; ".join(_tail(p, "") for p in bad) + (f"; sender: {err.strip()[-2000:]}" if err else ""))
+        rates = json.loads(out.strip().splitlines()[-1])["bytes_per_sec"]
+        if len(rates) != len(schedule):
+            raise CeilingError(f"TCP ceiling: {len(rates)} rounds reported, {len(schedule)} run")
+        return [float(r) for r in rates]
+    finally:
+        killer.cancel()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            for f in (p.stdout, p.stderr):
+                if f:
+                    f.close()
+
+
+def _tail(p: subprocess.Popen, line: str) -> str:
+    try:
+        err = p.stderr.read() if p.stderr and p.poll() is not None else ""
+    except (OSError, ValueError):
+        err = ""
+    return f"{p.args[5]} (exit {p.returncode}): {(line + err).strip()[-2000:]}"
+
+
+def _serve_role(args: argparse.Namespace) -> int:
+    from .native import ceiling_tcp_receive, ceiling_tcp_send, configure
+
+    configure(gomaxprocs=args.gomaxprocs, log_level="warn")
+    schedule = [int(s) for s in args.schedule.split(",")]
+    if args.role == "recv":
+        with socket.create_server((args.host, 0), backlog=256) as ln:
+            print(json.dumps({"port": ln.getsockname()[1]}), flush=True)
+            counts = [ceiling_tcp_receive(ln.fileno(), k, args.timeout) for k in schedule]
+        print(json.dumps({"bytes": counts}), flush=True)
+        return 0
+    addrs = args.to.split(",")
+    rates = [ceiling_tcp_send(addrs, k, args.bytes, args.timeout) for k in schedule]
+    print(json.dumps({"bytes_per_sec": rates}), flush=True)
+    return 0
+
+
+# --- copies ------------------------------------------------------------------
+
+
+def torch_copy_ceiling(nbytes: int, threads: int, iters: int = 5) -> float:
+    """Host-memory copy of nbytes between two fresh tensors with PyTorch,
+    on ``threads`` threads, bytes/s (the fastest of iters copies). The
+    thread count is restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        fastest = float("inf")
+        for _ in range(iters):
+            started = time.perf_counter()
+            dst.copy_(src)
+            fastest = min(fastest, time.perf_counter() - started)
+        return nbytes / fastest
+    finally:
+        torch.set_num_threads(before)
+
+
+# --- command line --------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--conns", type=int, default=4, help="connections in all, as the transfer opens (default %(default)s)")
+    parser.add_argument("--receivers", type=int, default=1, help="receiver processes, as consumer shards (default %(default)s)")
+    parser.add_argument("--gomaxprocs", type=int, default=2, help="GOMAXPROCS of each process (default %(default)s)")
+    parser.add_argument("--gib", type=float, default=1.0, help="GiB per sample (default %(default)s)")
+    parser.add_argument("--samples", type=int, default=2, help="samples of each connection count (default %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the receivers listen on (default %(default)s)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds allowed per round (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    # The processes the measurement starts.
+    parser.add_argument("--role", choices=("recv", "send"), help=argparse.SUPPRESS)
+    parser.add_argument("--schedule", help=argparse.SUPPRESS)
+    parser.add_argument("--to", help=argparse.SUPPRESS)
+    parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.role:
+        return _serve_role(args)
+    try:
+        tcp = TCPCeiling(args.gomaxprocs, args.conns, args.receivers, int(args.gib * GiB), args.host, args.timeout)
+        for i in range(args.samples):
+            tcp.measure(f"sample {i + 1}")
+    except (CeilingError, ValueError, OSError) as exc:
+        print(f"ecmooncake ceiling: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(tcp.book.as_dict(), indent=2, sort_keys=True))
+    else:
+        print(f"ceiling: {tcp.book.describe()}")
+        for k in tcp.variants:
+            print(f"  {k:>3} connections  {tcp.book.value(k) / GB:6.2f} GB/s")
+    return 0
