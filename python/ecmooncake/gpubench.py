@@ -11,9 +11,12 @@ ceilings the figures are compared with:
 
 - PyTorch's own device-to-device copy between the same two devices, at each
   item size (the ceiling of cuda_ipc);
-- a device-to-host copy into page-locked memory, and raw Go TCP loopback
-  (TCP with GPU memory crosses PCIe on each side and the socket between;
-  its ceiling is the smaller of the two).
+- a device-to-host copy into page-locked memory, and raw Go TCP from a
+  sender process to a receiver process with the workers' GOMAXPROCS over
+  the producer's connections (TCP with GPU memory crosses PCIe on each side
+  and the socket between; its ceiling is the smaller of the two).
+
+Every ceiling is sampled before and after the phases, the higher kept.
 
 Phases run one batch at a time; between batches, off the clock, the engine's
 part is played (load, free, finish) and the shard drains its residents.
@@ -28,10 +31,11 @@ import sys
 import time
 from typing import Any
 
+from . import ceiling as ceilings
 from . import harness
 from .demo import _await_available
 from .harness import ConsumerHost, ProducerHost, Worker, WorkerError
-from .native import Consumer, EcmError, Producer, Scheduler, bench_tcp_loopback, configure
+from .native import Consumer, EcmError, Producer, Scheduler, configure
 
 MiB = 1 << 20
 GB = 1e9
@@ -251,13 +255,6 @@ def pinned_d2h_ceiling(nbytes: int, device: str) -> float:
     return nbytes / seconds
 
 
-def tcp_ceiling(nbytes: int = 1 << 30) -> dict:
-    """Raw Go TCP loopback with 1, 2 and 4 streams; the best is the ceiling."""
-    by = {s: bench_tcp_loopback(nbytes, s) for s in (1, 2, 4)}
-    best = max(by, key=by.get)
-    return {"bytes_per_sec": by[best], "streams": best, "by_streams_gb_per_s": {str(s): v / GB for s, v in by.items()}}
-
-
 def _finish(sched: Scheduler, consumer: Worker, tids: list[str], available: dict) -> None:
     """Off the clock: the engine loads and frees the items; the shard keeps
     them as residents that later batches may evict."""
@@ -382,7 +379,8 @@ def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progre
         phases: list[dict] | None = None) -> dict:
     torch = _torch()
     phases = phases or PHASES
-    settings = {"log_level": "warn", "gomaxprocs": 4}
+    gomaxprocs, tcp_conns = 4, 4
+    settings = {"log_level": "warn", "gomaxprocs": gomaxprocs}
     slab_bytes = max(p["mib"] * p["batch"] * p.get("inflight", 1) for p in phases) * MiB * 5 // 4 + 256 * MiB
     ip = "127.0.0.1"
     port = harness.free_port_range(1, ip)
@@ -391,19 +389,29 @@ def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progre
     consumer = Worker("gpu_consumer", "consumer", config=shard, slab_bytes=slab_bytes, device=consumer_device, settings=settings)
     producers = {
         "cuda_ipc": Worker("gpu_producer", "producer-ipc", config={}, device=producer_device, settings=settings),
-        "tcp": Worker("gpu_producer", "producer-tcp", config={"local_transport": "none"}, device=producer_device, settings=settings),
+        "tcp": Worker("gpu_producer", "producer-tcp", config={"local_transport": "none", "tcp_conns": tcp_conns},
+                      device=producer_device, settings=settings),
     }
+    sizes = sorted({p["mib"] * MiB for p in phases})
+    copy_books = {
+        n: ceilings.Ceiling("PyTorch device copy", {"src": producer_device, "dst": consumer_device, "bytes": n}, primary="copy_")
+        for n in sizes
+    }
+    d2h = ceilings.Ceiling("pinned D2H", {"device": producer_device, "bytes": max(sizes)}, primary="copy_")
+    tcp = ceilings.TCPCeiling(gomaxprocs, tcp_conns, receivers=1)
+
+    def measure_ceilings(when: str) -> None:
+        for n, book in copy_books.items():
+            book.add("copy_", when, device_copy_ceiling(n, producer_device, consumer_device))
+        d2h.add("copy_", when, pinned_d2h_ceiling(max(sizes), producer_device))
+        tcp.measure(when)
+
     workers = [consumer, *producers.values()]
     try:
         for w in workers:
             w.wait_ready(180)
         configure(**settings)
-        sizes = sorted({p["mib"] * MiB for p in phases})
-        ceilings = {
-            "device_copy": {str(n): device_copy_ceiling(n, producer_device, consumer_device) for n in sizes},
-            "pinned_d2h": pinned_d2h_ceiling(max(sizes), producer_device),
-            "tcp": tcp_ceiling(),
-        }
+        measure_ceilings(ceilings.BEFORE)
         results = []
         with Scheduler({"ec_ip": ip, "ec_port": port, "tp_size": 1, "dp_rank": 0}) as sched:
             for p in phases:
@@ -412,13 +420,14 @@ def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progre
                           f"{p['batch']} x {p['mib']} MiB over {p['plane']}", file=sys.stderr, flush=True)
                 results.append(_phase(sched, consumer, producers[p["plane"]], address, p))
         planes = consumer.call("stats", 30).get("data_planes") or {}
+        measure_ceilings(ceilings.AFTER)
     finally:
         harness.stop_all(workers)
 
-    tcp_cap = min(ceilings["pinned_d2h"], ceilings["tcp"]["bytes_per_sec"])
+    tcp_cap = min(d2h.value(), tcp.book.value())
     for r in results:
         if r["transport"] == "cuda_ipc":
-            cap = ceilings["device_copy"][str(r["item_bytes"])]
+            cap = copy_books[r["item_bytes"]].value()
         else:
             cap = tcp_cap
         r["ceiling_bytes_per_sec"] = cap
@@ -426,18 +435,19 @@ def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progre
         # What an item costs beyond moving its bytes at the ceiling's rate.
         r["overhead_us_per_item"] = r["us_per_item"] - r["item_bytes"] / cap * 1e6
         r["fixed_us_per_batch"] = r["overhead_us_per_item"] * r["batch"]
-    return {
+    summary = {
         "ok": all(not r["failures"] for r in results),
         "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name(consumer_device),
         "devices": f"{producer_device} -> {consumer_device}",
         "torch": torch.__version__,
         "ceilings": {
-            "device_copy_gb_per_s": {str(int(k) // MiB) + " MiB": v / GB for k, v in ceilings["device_copy"].items()},
-            "pinned_d2h_gb_per_s": ceilings["pinned_d2h"] / GB,
-            "tcp_loopback_gb_per_s": ceilings["tcp"]["bytes_per_sec"] / GB,
-            "tcp_loopback_streams": ceilings["tcp"]["streams"],
-            "tcp_by_streams_gb_per_s": ceilings["tcp"]["by_streams_gb_per_s"],
+            "device_copy_gb_per_s": {f"{n // MiB} MiB": b.value() / GB for n, b in copy_books.items()},
+            "pinned_d2h_gb_per_s": d2h.value() / GB,
+            "tcp_gb_per_s": tcp.book.value() / GB,
+            "device_copy": {f"{n // MiB} MiB": b.as_dict() for n, b in copy_books.items()},
+            "pinned_d2h": d2h.as_dict(),
+            "tcp": tcp.book.as_dict(),
         },
         "phases": results,
         "targets": targets(results),
@@ -445,6 +455,7 @@ def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progre
             k: {"frames": v.get("Frames"), "bytes": v.get("Bytes"), "attached": v.get("Attached", 0)} for k, v in planes.items()
         },
     }
+    return ceilings.mark(summary, {r["name"]: r["ratio"] for r in results})
 
 
 # What cuda_ipc should reach on one H200 (issue 13): a batch's fixed cost
@@ -475,10 +486,11 @@ def targets(results: list[dict]) -> list[dict]:
 def format_summary(s: dict) -> str:
     c = s["ceilings"]
     copy = ", ".join(f"{k} {v:.0f}" for k, v in c["device_copy_gb_per_s"].items())
-    lines = [
+    lines = ceilings.warning_lines(s) + [
         f"ecmooncake GPU bench, {s['date']}, {s['gpu']}, {s['devices']}, torch {s['torch']}",
-        f"  ceilings (same run): PyTorch device copy GB/s: {copy}; pinned D2H {c['pinned_d2h_gb_per_s']:.1f} GB/s; "
-        f"Go TCP loopback {c['tcp_loopback_gb_per_s']:.2f} GB/s ({c['tcp_loopback_streams']} streams)",
+        f"  ceilings (same run, each sampled before and after the phases, the higher kept): PyTorch device copy GB/s: "
+        f"{copy}; pinned D2H {c['pinned_d2h_gb_per_s']:.1f} GB/s",
+        f"  TCP ceiling: {c['tcp']['text']}",
         f"  {'phase':<17}{'plane':<10}{'item':>8}{'batch':>7}{'inflight':>9}{'GB/s':>9}{'ceiling':>9}{'ratio':>7}{'us/item':>10}{'over':>9}",
     ]
     for r in s["phases"]:
@@ -504,7 +516,7 @@ def format_summary(s: dict) -> str:
     for t in s.get("targets", []):
         lines.append(f"  target {t['name']:<24}{t['phase']:<17}{t['value']:>9.2f} {t['bound']:<9}{'met' if t['met'] else 'MISSED'}")
     lines.append("  result " + ("OK" if s["ok"] else "FAILED"))
-    return "\n".join(lines)
+    return "\n".join(lines + ceilings.warning_lines(s))
 
 
 def main(argv: list[str] | None = None) -> int:
