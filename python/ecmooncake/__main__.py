@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench-vllm":
         from . import bench_vllm
 
-        return bench_vllm.main(args)
+        return bench_vllm.main(args, (sys.argv[1:] if argv is None else argv)[1:])
     if args.command in ("proxy", "register"):
         from . import proxy
 

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.usefixtures("library")
 def test_bench_vllm_runs_both_connectors(tmp_path, transport):
     done = subprocess.run(
         [
-            sys.executable, "-m", "ecmooncake", "bench-vllm", "--sizes-mb", "1", "--reps", "2", "--width", "1024",
-            "--dir", str(tmp_path), "--transport", transport, "--json", "--quiet",
+            sys.executable, "-m", "ecmooncake", "bench-vllm", "--sizes-mb", "1", "--batches", "1", "2", "--reps", "2",
+            "--width", "1024", "--dir", str(tmp_path), "--transport", transport, "--ceiling-mb", "16", "--json", "--quiet",
         ],
         capture_output=True,
         text=True,
@@ -33,8 +33,25 @@ def test_bench_vllm_runs_both_connectors(tmp_path, transport):
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout)
     assert summary["transport"] == transport
-    (row,) = summary["sizes"]
-    assert row["bytes"] == 1 << 20
-    for key in ("example_ms", "ecmooncake_ms", "speedup", "tcp_ceiling_gbps", "memcpy_gbps"):
-        assert row[key] > 0
+    assert summary["ok"] is True
+    cells = {(c["connector"], c["batch"]): c for c in summary["cells"]}
+    assert set(cells) == {("example", 1), ("example", 2), ("ecmooncake", 1), ("ecmooncake", 2)}
+    for c in cells.values():
+        assert c["bytes"] == 1 << 20 and c["bit_exact"] is True
+        assert c["items"] == 2 * c["batch"]
+        for key in ("gb_per_s", "p50_ms", "p99_ms", "ceiling_gb_per_s", "ceiling_ratio"):
+            assert c[key] > 0, key
+    assert cells[("example", 2)]["ours_throughput_ratio"] > 0
+    tcp = summary["ceilings"]["tcp"]
+    assert tcp["params"]["processes"] == 2 and tcp["samples"] == 2
+    assert "ceiling_exceeded" in summary
     assert list(tmp_path.iterdir()) == [], "the bench removes its shared directory"
+
+
+def test_bench_vllm_refuses_an_unknown_peer():
+    done = subprocess.run(
+        [sys.executable, "-m", "ecmooncake", "bench-vllm", "--peers", "example,nixl"],
+        capture_output=True, text=True, timeout=120, env=subprocess_env(),
+    )
+    assert done.returncode == 2
+    assert "unknown peer nixl" in done.stderr
