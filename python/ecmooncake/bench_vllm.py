@@ -35,6 +35,7 @@ example connector's file write and read; GOMAXPROCS for the shm plane).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib
 import json
@@ -422,7 +423,8 @@ def _host_line() -> str:
 
 class _SocketWatch:
     """Lists the TCP endpoints seen by ``ss`` while the benchmark runs, to
-    show where its bytes went."""
+    show where its bytes went. Only inside the benchmark's own namespace:
+    on the host, ``ss`` lists every other process's sockets too."""
 
     def __init__(self, every_s: float = 0.2):
         self.endpoints: set[str] = set()
@@ -526,7 +528,8 @@ def run(
                 book.add(threads, when, ceilings.torch_copy_ceiling(n, threads))
 
     cells: list[dict] = []
-    watch = _SocketWatch()
+    netns = os.environ.get(NETNS_ENV, "")
+    watch = _SocketWatch() if netns else contextlib.nullcontext()
     measure_ceilings(ceilings.BEFORE)
     say(f"bench-vllm: starting an encoder and a PD process (vLLM import takes a while) in {work}")
     procs = [_Proc("encoder", role="ec_producer", **common), _Proc("pd", role="ec_consumer", **common)]
@@ -592,7 +595,6 @@ def run(
             # Above 1: ecmooncake moves more per second / waits less.
             c["ours_throughput_ratio"] = ours["gb_per_s"] / c["gb_per_s"] if c["gb_per_s"] else 0.0
             c["ours_p50_speedup"] = c["p50_ms"] / ours["p50_ms"] if ours["p50_ms"] else 0.0
-    netns = os.environ.get(NETNS_ENV, "")
     summary = {
         "ok": all(c["bit_exact"] for c in cells),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -606,7 +608,7 @@ def run(
         "tcp_conns": tcp_conns,
         "connectors": {k: LABELS[k] for k in kinds},
         "network": f"namespace made by the benchmark (lo, veth {netns}/30)" if netns else "host loopback",
-        "tcp_endpoints_seen": sorted(watch.endpoints),
+        "tcp_endpoints_seen": sorted(watch.endpoints) if netns else None,
         "ceilings": {
             "tcp": tcp.book.as_dict(),
             "copy": {f"{n // MiB} MiB": b.as_dict() for n, b in copy_books.items()},
@@ -623,8 +625,8 @@ def format_summary(summary: dict) -> str:
     lines = ceilings.warning_lines(s) + [
         f"bench-vllm {s['date']}: save_caches -> tensor in the PD worker's encoder cache "
         f"(bf16 items, width {s['width']}; {s['reps']} timed batches per cell after one warm-up)",
-        f"  host: {s['host']}, load average {s['load_average'][0]:.1f}; network: {s['network']}; "
-        f"TCP endpoints seen: {', '.join(s['tcp_endpoints_seen']) or 'none'}",
+        f"  host: {s['host']}, load average {s['load_average'][0]:.1f}; network: {s['network']}"
+        + (f"; TCP endpoints seen there: {', '.join(s['tcp_endpoints_seen']) or 'none'}" if s["tcp_endpoints_seen"] is not None else ""),
         f"  ecmooncake: {s['transport']}, GOMAXPROCS {s['gomaxprocs']}, tcp_conns {s['tcp_conns']}; "
         f"example connector on {s['shared_dir']}",
         f"  TCP ceiling:  {s['ceilings']['tcp']['text']}",
@@ -633,14 +635,14 @@ def format_summary(summary: dict) -> str:
         lines.append(f"  copy ceiling: {c['text']}")
     lines.append(
         f"  {'connector':<11}{'item':>8}{'batch':>6}{'GB/s':>8}{'p50 ms':>10}{'p99 ms':>10}{'exact':>6}"
-        f"{'ceiling':>16}{'of it':>7}{'ours/this':>10}{'p50 x':>7}"
+        f" {'ceiling':>15}{'GB/s':>7}{'of it':>7}{'ours/this':>10}{'p50 x':>7}"
     )
     for c in s["cells"]:
         vs = f"{c['ours_throughput_ratio']:>10.2f}{c['ours_p50_speedup']:>7.2f}" if "ours_throughput_ratio" in c else ""
         lines.append(
             f"  {c['connector']:<11}{c['bytes'] / MiB:>5.0f}MiB{c['batch']:>6}{c['gb_per_s']:>8.2f}{c['p50_ms']:>10.2f}"
             f"{c['p99_ms']:>10.2f}{'yes' if c['bit_exact'] else 'NO':>6}"
-            f"{c['ceiling']:>9} {c['ceiling_gb_per_s']:>6.2f}{c['ceiling_ratio']:>7.2f}{vs}"
+            f" {c['ceiling']:>15}{c['ceiling_gb_per_s']:>7.2f}{c['ceiling_ratio']:>7.2f}{vs}"
         )
     lines.append("  (ours/this: ecmooncake's GB/s over this connector's; p50 x: this connector's p50 over ecmooncake's;")
     lines.append("   ceilings: tcp = raw TCP above, copy_1 / copy_gomaxprocs = the copy of one item on 1 / GOMAXPROCS threads)")
