@@ -58,6 +58,9 @@ type StepOut struct {
 	// Failures are requests' items that will not arrive, reported once
 	// each: deadlines that passed and failures the shards reported.
 	Failures []sched.Failure `json:"failures,omitempty"`
+	// Generation is the table's generation when Ensure and Has were
+	// answered: the answers stand for as long as it does not move.
+	Generation uint64 `json:"generation"`
 }
 
 // Step applies one scheduler step's worth of changes and answers its
@@ -115,6 +118,7 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 		}
 		out.Has[h] = s.table.Has(h)
 	}
+	out.Generation = s.table.Generation()
 	s.waits.settle(s.table, out.Cancelled, now)
 	if fails := s.table.Tick(now); len(fails) > 0 {
 		s.noteFailuresLocked(fails)
