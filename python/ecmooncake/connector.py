@@ -358,10 +358,28 @@ class _ConsumerScheduler:
         self._deferred_free: set[str] = set()
         self._finished: list[str] = []
         self._unavailable: set[str] = set()
+        # Answers remembered at one generation of the native table, which
+        # the library keeps current in _counter: vLLM asks the same
+        # questions for every waiting request on every schedule pass, and
+        # while the generation stands the answers do (sched.Generation).
+        self._counter = self._native.generation_counter
+        self._at = -1  # the generation _has and _failed were given at
+        self._has: dict[str, bool] = {}
+        self._failed: dict[str, list[dict[str, Any]]] = {}
+        # Registered requests that still wait for some item, oldest first:
+        # the ones a refresh asks about.
+        self._waiting: dict[str, None] = {}
 
     @property
     def endpoints(self) -> str:
         return self._cfg.consumer_endpoint
+
+    def _answers(self, generation: int) -> None:
+        """Forgets the answers of an older generation."""
+        if generation != self._at:
+            self._at = generation
+            self._has = {}
+            self._failed = {}
 
     def _expected(self, request: Any) -> list[_Expected]:
         rid = request.request_id
@@ -376,7 +394,14 @@ class _ConsumerScheduler:
         return items
 
     def has_cache_item(self, identifier: str) -> bool:
-        found = self._native.has(identifier)
+        generation = self._counter.value
+        found = self._has.get(identifier) if generation == self._at else None
+        if found is None:
+            # Read before the call: an answer newer than its tag is only
+            # asked again, never trusted past a change.
+            found = self._native.has(identifier)
+            self._answers(generation)
+            self._has[identifier] = found
         if found:
             self._said_yes.add(identifier)
         return found
@@ -392,17 +417,13 @@ class _ConsumerScheduler:
             if it.mm_hash not in self._local and _unconsumed(request, it.index, num_computed_tokens)
         }
         if not remaining:
+            self._waiting.pop(rid, None)
             return True
-        body: dict[str, Any] = {"ensure": [rid], "has": sorted(remaining)}
-        if rid not in self._registered:
-            body["expect"] = [self._expect_entry(rid, items)]
-        out = self._native.step(body)
-        if self._note_expect_errors(out):
-            return False
-        self._registered.add(rid)
-        has = out.get("has") or {}
-        answer = (out.get("ensure") or {}).get(rid) or {}
-        failed = [f for f in answer.get("failed") or () if f.get("mm_hash") in remaining and not has.get(f.get("mm_hash"))]
+        if self._counter.value != self._at or rid not in self._failed:
+            if not self._ask(rid, items):
+                return False
+        has = self._has
+        failed = [f for f in self._failed.get(rid) or () if f.get("mm_hash") in remaining and not has.get(f.get("mm_hash"))]
         if failed:
             for f in failed:
                 logger.warning(
@@ -416,6 +437,38 @@ class _ConsumerScheduler:
             self._unavailable.add(rid)
             return False
         return all(has.get(h) for h in remaining)
+
+    # Most requests one refresh asks about: its JSON stays well under 1 MB.
+    MAX_REFRESH = 1024
+
+    def _ask(self, rid: str, items: list[_Expected]) -> bool:
+        """One native step that answers this request and every other waiting
+        request whose answer is stale, so that a change costs one call per
+        schedule pass rather than one per waiting request. False when the
+        step refused the request's registration."""
+        current = self._counter.value == self._at
+        stale = [rid]
+        for other in self._waiting:
+            if len(stale) >= self.MAX_REFRESH:
+                break
+            if other == rid or (current and other in self._failed):
+                continue
+            if other not in self._unavailable and other not in self._refused:
+                stale.append(other)
+        hashes = {it.mm_hash for r in stale for it in self._requests.get(r) or ()}
+        body: dict[str, Any] = {"ensure": stale, "has": sorted(hashes)}
+        if rid not in self._registered:
+            body["expect"] = [self._expect_entry(rid, items)]
+        out = self._native.step(body)
+        if self._note_expect_errors(out):
+            return False
+        self._registered.add(rid)
+        self._waiting[rid] = None
+        self._answers(int(out.get("generation", -1)))
+        self._has.update(out.get("has") or {})
+        for r, answer in (out.get("ensure") or {}).items():
+            self._failed[r] = answer.get("failed") or []
+        return True
 
     @staticmethod
     def _expect_entry(rid: str, items: list[_Expected]) -> dict[str, Any]:
@@ -529,6 +582,8 @@ class _ConsumerScheduler:
     def request_finished(self, request: Any) -> None:
         rid = request.request_id
         self._requests.pop(rid, None)
+        self._waiting.pop(rid, None)
+        self._failed.pop(rid, None)
         self._to_register.pop(rid, None)
         self._refused.discard(rid)
         self._unavailable.discard(rid)
@@ -556,6 +611,8 @@ class _ConsumerScheduler:
         return self._native.stats()
 
     def close(self) -> None:
+        # The counter stops once closed: no remembered answer outlives it.
+        self._at, self._has, self._failed = -1, {}, {}
         _close_bounded(self._native)
 
 
