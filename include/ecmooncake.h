@@ -143,11 +143,15 @@ int ecm_scheduler_open(const char *config_json, ecm_handle_t *out, char **err);
 /* One call per scheduler step. in: {"expect": [{"request_id", "items":
  * [{"transfer_id", "mm_hash"}]}], "load": [mm_hash], "loaded":
  * [{"transfer_id", "ok", "reason"}], "freed": [mm_hash], "finished":
- * [request_id], "ensure": [request_id], "has": [mm_hash]}; every key
- * optional. out: {"expect_errors": {request_id: reason}, "load":
- * [{"mm_hash", "transfer_id", "error"}], "ensure": {request_id: {"ready",
- * "failed": [...]}}, "has": {mm_hash: bool}, "failures": [...],
- * "generation": n}. */
+ * [request_id], "ensure": [request_id], "has": [mm_hash], "snapshot":
+ * bool}; every key optional. out: {"expect_errors": {request_id: reason},
+ * "load": [{"mm_hash", "transfer_id", "error"}], "ensure": {request_id:
+ * {"ready", "failed": [...]}}, "has": {mm_hash: bool}, "covered":
+ * [mm_hash], "failed": {request_id: [...]}, "failures": [...],
+ * "generation": n, "since": n}. "since" is the generation before the
+ * step changed anything (deadlines due are applied first). A snapshot answers for every registered request at
+ * once: "covered" lists the contents of their items that can load now,
+ * "failed" the items that will not come, by request. */
 int ecm_scheduler_step(ecm_handle_t h, const char *in_json, char **out_json,
                        char **err);
 /* has_cache_item: *out = 1 when mm_hash can be loaded now. */

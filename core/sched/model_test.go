@@ -228,6 +228,7 @@ func runModel(t *testing.T, rng *rand.Rand, steps int) (map[State]bool, Stats) {
 		}
 		require.NoError(t, tb.CheckInvariants(), where)
 		observe(where)
+		checkSnapshot(t, tb, now, where)
 		gen, got := tb.Generation(), answers()
 		require.GreaterOrEqual(t, gen, lastGen, "%s: the generation went back", where)
 		if gen == lastGen {
@@ -236,4 +237,24 @@ func runModel(t *testing.T, rng *rand.Rand, steps int) (map[State]bool, Stats) {
 		lastGen, lastAnswers = gen, got
 	}
 	return visited, tb.Stats()
+}
+
+// checkSnapshot compares Snapshot with the answers of Has and Failures.
+func checkSnapshot(t *testing.T, tb *Table, now time.Time, where string) {
+	covered, failed := tb.Snapshot(now)
+	got := map[string]bool{}
+	for _, h := range covered {
+		require.False(t, got[h], "%s: %s listed twice", where, h)
+		require.True(t, tb.Has(h), "%s: snapshot covers %s, Has does not", where, h)
+		got[h] = true
+	}
+	for id, req := range tb.requests {
+		for _, it := range req.items {
+			require.Equal(t, tb.Has(it.MMHash), got[it.MMHash], "%s: snapshot of %s", where, it.MMHash)
+		}
+		require.Equal(t, tb.Failures(id), failed[id], "%s: snapshot failures of %s", where, id)
+	}
+	for id := range failed {
+		require.Contains(t, tb.requests, id, where)
+	}
 }

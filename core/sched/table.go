@@ -510,6 +510,33 @@ func (t *Table) Ensure(requestID string, now time.Time) (ready bool, failed []Fa
 	return ready, failed
 }
 
+// Snapshot answers Ensure for every request at once, without the clock of
+// a call per request: the contents of their items that are on every shard
+// (what Has says of each), and the failures of each request that has any
+// (what Failures says). Contents appear once, in no particular order.
+func (t *Table) Snapshot(now time.Time) (covered []string, failed map[string][]Failure) {
+	t.advance(now)
+	seen := make(map[string]struct{})
+	for id, req := range t.requests {
+		for _, it := range req.items {
+			if _, ok := seen[it.MMHash]; ok {
+				continue
+			}
+			seen[it.MMHash] = struct{}{}
+			if t.covered(it.MMHash) {
+				covered = append(covered, it.MMHash)
+			}
+		}
+		if fs := t.failuresOf(req); len(fs) > 0 {
+			if failed == nil {
+				failed = make(map[string][]Failure)
+			}
+			failed[id] = fs
+		}
+	}
+	return covered, failed
+}
+
 // failuresOf lists the items that cannot come any more. An item served
 // earlier whose content is gone since counts: a preempted request that asks
 // again would otherwise wait for a push that already happened.

@@ -13,7 +13,7 @@ import (
 
 // openIdle opens a scheduler whose shard never answers: the table is driven
 // by Step and by events handed to apply directly.
-func openIdle(t *testing.T) *Scheduler {
+func openIdle(t testing.TB) *Scheduler {
 	t.Helper()
 	cfg := config.DefaultScheduler()
 	cfg.Shards = []string{"tcp://127.0.0.1:9"}
@@ -46,7 +46,13 @@ func TestWatchedGenerationFollowsTheTable(t *testing.T) {
 
 	out = s.Step(StepIn{Ensure: []string{"r1"}, Has: []string{"h1"}})
 	require.Equal(t, registered, out.Generation, "questions change nothing")
+	require.Equal(t, registered, out.Since)
 	require.Equal(t, registered, read(&counter))
+
+	out = s.Step(StepIn{Expect: []ExpectIn{{RequestID: "r2", Items: []sched.Expected{{TransferID: "t2", MMHash: "h2"}}}}})
+	require.Equal(t, registered, out.Since, "nothing happened before this step's own change")
+	require.Greater(t, out.Generation, out.Since)
+	registered = out.Generation
 
 	s.apply(wire.Event{Shard: 0, TransferID: "t1", MMHash: "h1", Ready: true, NBytes: 8})
 	require.Greater(t, read(&counter), registered, "the item arrived")
@@ -54,6 +60,26 @@ func TestWatchedGenerationFollowsTheTable(t *testing.T) {
 	out = s.Step(StepIn{Ensure: []string{"r1"}, Has: []string{"h1"}})
 	require.True(t, out.Ensure["r1"].Ready)
 	require.Equal(t, read(&counter), out.Generation)
+}
+
+// A snapshot answers for every registered request without naming one.
+func TestSnapshotAnswersEveryRequest(t *testing.T) {
+	s := openIdle(t)
+	s.Step(StepIn{Expect: []ExpectIn{
+		{RequestID: "r1", Items: []sched.Expected{{TransferID: "t1", MMHash: "h1"}, {TransferID: "t2", MMHash: "h2"}}},
+		{RequestID: "r2", Items: []sched.Expected{{TransferID: "t3", MMHash: "h3"}}},
+	}})
+	out := s.Step(StepIn{Snapshot: true})
+	require.Empty(t, out.Covered)
+	require.Empty(t, out.Failed)
+	s.apply(wire.Event{Shard: 0, TransferID: "t2", MMHash: "h2", Ready: true, NBytes: 8},
+		wire.Event{Shard: 0, TransferID: "t3", MMHash: "h3", Reason: "slab full"})
+	out = s.Step(StepIn{Snapshot: true})
+	require.Equal(t, []string{"h2"}, out.Covered)
+	require.Len(t, out.Failed["r2"], 1)
+	require.Equal(t, "t3", out.Failed["r2"][0].TransferID)
+	require.NotContains(t, out.Failed, "r1")
+	require.Equal(t, s.Generation(), out.Generation)
 }
 
 // Once Close returns the library no longer writes the caller's memory.

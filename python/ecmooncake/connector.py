@@ -365,23 +365,17 @@ class _ConsumerScheduler:
         # questions for every waiting request on every schedule pass, and
         # while the generation stands the answers do (sched.Generation).
         self._counter = self._native.generation_counter
-        self._at = -1  # the generation _has and _failed were given at
+        self._at = -1  # the generation of _has and _failed; -1: none
+        # mm_hash -> has_cache_item's answer at _at: every item of every
+        # registered request after a snapshot, and hashes asked one by one.
         self._has: dict[str, bool] = {}
+        # request id -> failures at _at, for every registered request
+        # (absent: none) when _at comes from a snapshot.
         self._failed: dict[str, list[dict[str, Any]]] = {}
-        # Registered requests that still wait for some item, oldest first:
-        # the ones a refresh asks about.
-        self._waiting: dict[str, None] = {}
 
     @property
     def endpoints(self) -> str:
         return self._cfg.consumer_endpoint
-
-    def _answers(self, generation: int) -> None:
-        """Forgets the answers of an older generation."""
-        if generation != self._at:
-            self._at = generation
-            self._has = {}
-            self._failed = {}
 
     def _expected(self, request: Any) -> list[_Expected]:
         rid = request.request_id
@@ -399,11 +393,11 @@ class _ConsumerScheduler:
         generation = self._counter.value
         found = self._has.get(identifier) if generation == self._at else None
         if found is None:
-            # Read before the call: an answer newer than its tag is only
-            # asked again, never trusted past a change.
             found = self._native.has(identifier)
-            self._answers(generation)
-            self._has[identifier] = found
+            if generation != self._at:
+                self._at, self._has, self._failed = -1, {}, {}
+            else:
+                self._has[identifier] = found
         if found:
             self._said_yes.add(identifier)
         return found
@@ -419,11 +413,12 @@ class _ConsumerScheduler:
             if it.mm_hash not in self._local and _unconsumed(request, it.index, num_computed_tokens)
         }
         if not remaining:
-            self._waiting.pop(rid, None)
             return True
-        if self._counter.value != self._at or rid not in self._failed:
-            if not self._ask(rid, items):
+        if rid not in self._registered:
+            if not self._register(rid, items):
                 return False
+        elif self._counter.value != self._at:
+            self._take(self._native.step({"snapshot": True}))
         has = self._has
         failed = [f for f in self._failed.get(rid) or () if f.get("mm_hash") in remaining and not has.get(f.get("mm_hash"))]
         if failed:
@@ -440,37 +435,43 @@ class _ConsumerScheduler:
             return False
         return all(has.get(h) for h in remaining)
 
-    # Most requests one refresh asks about: its JSON stays well under 1 MB.
-    MAX_REFRESH = 1024
-
-    def _ask(self, rid: str, items: list[_Expected]) -> bool:
-        """One native step that answers this request and every other waiting
-        request whose answer is stale, so that a change costs one call per
-        schedule pass rather than one per waiting request. False when the
-        step refused the request's registration."""
+    def _register(self, rid: str, items: list[_Expected]) -> bool:
+        """Registers a new request and learns its answer in one native step.
+        When the remembered answers were current up to this step, the step's
+        own answer for the request's contents brings them up to date
+        (registering one request changes no other answer but those of its
+        contents); otherwise the step also takes a snapshot of every answer.
+        False when the step refused the registration."""
         current = self._counter.value == self._at
-        stale = [rid]
-        for other in self._waiting:
-            if len(stale) >= self.MAX_REFRESH:
-                break
-            if other == rid or (current and other in self._failed):
-                continue
-            if other not in self._unavailable and other not in self._refused:
-                stale.append(other)
-        hashes = {it.mm_hash for r in stale for it in self._requests.get(r) or ()}
-        body: dict[str, Any] = {"ensure": stale, "has": sorted(hashes)}
-        if rid not in self._registered:
-            body["expect"] = [self._expect_entry(rid, items)]
+        body: dict[str, Any] = {
+            "expect": [self._expect_entry(rid, items)],
+            "ensure": [rid],
+            "has": sorted({it.mm_hash for it in items}),
+        }
+        if not current:
+            body["snapshot"] = True
         out = self._native.step(body)
         if self._note_expect_errors(out):
             return False
         self._registered.add(rid)
-        self._waiting[rid] = None
-        self._answers(int(out.get("generation", -1)))
-        self._has.update(out.get("has") or {})
-        for r, answer in (out.get("ensure") or {}).items():
-            self._failed[r] = answer.get("failed") or []
+        if current and out.get("since") == self._at:
+            self._has.update(out.get("has") or {})
+            failed = ((out.get("ensure") or {}).get(rid) or {}).get("failed")
+            if failed:
+                self._failed[rid] = failed
+            self._at = int(out.get("generation", -1))
+        else:
+            self._take(out if "snapshot" in body else self._native.step({"snapshot": True}))
         return True
+
+    def _take(self, out: dict[str, Any]) -> None:
+        """Remembers a snapshot: every registered request's answers."""
+        covered = set(out.get("covered") or ())
+        self._has = {it.mm_hash: it.mm_hash in covered for r in self._registered for it in self._requests.get(r) or ()}
+        self._failed = out.get("failed") or {}
+        # Registration moves the generation, so a snapshot covers every
+        # request registered before it was taken.
+        self._at = int(out.get("generation", -1))
 
     @staticmethod
     def _expect_entry(rid: str, items: list[_Expected]) -> dict[str, Any]:
@@ -584,8 +585,6 @@ class _ConsumerScheduler:
     def request_finished(self, request: Any) -> None:
         rid = request.request_id
         self._requests.pop(rid, None)
-        self._waiting.pop(rid, None)
-        self._failed.pop(rid, None)
         self._to_register.pop(rid, None)
         self._refused.discard(rid)
         self._unavailable.discard(rid)

@@ -225,14 +225,17 @@ def test_one_call_refreshes_every_waiting_request(instance):
     s = instance.consumer_sched
     assert not any(s.ensure_cache_available(r, 0) for r in reqs)
     native = counting(instance)
-    # A new request moves the generation; the first stale answer refreshes all.
+    # Registering one more request keeps every other answer current.
     instance.expect("pd-batch-new", [Item("batch/new", 16, WIDTH)], ["batch-new"])
-    native.steps = 0
+    assert native.steps == 1
     assert not any(s.ensure_cache_available(r, 0) for r in reqs)
     assert native.steps == 1
+    # Arrivals move the generation: the first stale answer refreshes all.
     instance.push(items[:2], ["batch0", "batch1"])
-    wait_until(lambda: s.ensure_cache_available(reqs[1], 0) and s.ensure_cache_available(reqs[0], 0), 20, interval=0.01, what="two items")
+    wait_until(lambda: s.has_cache_item(items[0].identifier) and s.has_cache_item(items[1].identifier), 20, interval=0.01, what="two items")
+    native.steps = 0
     assert [s.ensure_cache_available(r, 0) for r in reqs] == [True, True] + [False] * 18
+    assert native.steps == 1
 
 
 def test_update_state_after_alloc_records_loads_and_build_clears(instance):
