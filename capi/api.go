@@ -12,6 +12,7 @@ import (
 	"sync"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/consumer"
@@ -352,6 +353,20 @@ func SchedulerHas(h uint64, mmHash string) (bool, error) {
 		return false, err
 	}
 	return s.Has(mmHash), nil
+}
+
+// SchedulerWatch makes the scheduler store its generation into *counter
+// whenever its table changes, until it is closed.
+func SchedulerWatch(h uint64, counter *uint64) error {
+	s, err := lookup[*schedulerObj](h, "scheduler")
+	if err != nil {
+		return err
+	}
+	if uintptr(unsafe.Pointer(counter))%8 != 0 {
+		return statusErr(StatusInvalid, "ecm_scheduler_watch: counter at %p is not 8-byte aligned", counter)
+	}
+	s.Watch(counter)
+	return nil
 }
 
 // SchedulerWait blocks until the transfers are decided or the timeout.

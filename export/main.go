@@ -307,6 +307,17 @@ func ecm_scheduler_has(h C.uint64_t, mmHash *C.char, out *C.int32_t, errOut **C.
 	})
 }
 
+//export ecm_scheduler_watch
+func ecm_scheduler_watch(h C.uint64_t, counter *C.uint64_t, errOut **C.char) C.int {
+	const fn = "ecm_scheduler_watch"
+	return finish(errOut, fn, func() error {
+		if err := capi.NotNil(fn, "counter", counter != nil); err != nil {
+			return err
+		}
+		return capi.SchedulerWatch(uint64(h), (*uint64)(unsafe.Pointer(counter)))
+	})
+}
+
 //export ecm_scheduler_wait
 func ecm_scheduler_wait(h C.uint64_t, in *C.char, timeoutMs C.int32_t, out **C.char, errOut **C.char) C.int {
 	return finishJSON(errOut, "ecm_scheduler_wait", out, func() ([]byte, error) {

@@ -143,15 +143,30 @@ int ecm_scheduler_open(const char *config_json, ecm_handle_t *out, char **err);
 /* One call per scheduler step. in: {"expect": [{"request_id", "items":
  * [{"transfer_id", "mm_hash"}]}], "load": [mm_hash], "loaded":
  * [{"transfer_id", "ok", "reason"}], "freed": [mm_hash], "finished":
- * [request_id], "ensure": [request_id], "has": [mm_hash]}; every key
- * optional. out: {"expect_errors": {request_id: reason}, "load":
- * [{"mm_hash", "transfer_id", "error"}], "ensure": {request_id: {"ready",
- * "failed": [...]}}, "has": {mm_hash: bool}, "failures": [...]}. */
+ * [request_id], "ensure": [request_id], "has": [mm_hash], "snapshot":
+ * bool}; every key optional. out: {"expect_errors": {request_id: reason},
+ * "load": [{"mm_hash", "transfer_id", "error"}], "ensure": {request_id:
+ * {"ready", "failed": [...]}}, "has": {mm_hash: bool}, "covered":
+ * [mm_hash], "failed": {request_id: [...]}, "failures": [...],
+ * "generation": n, "since": n}. "since" is the generation before the
+ * step changed anything (deadlines due are applied first). A snapshot answers for every registered request at
+ * once: "covered" lists the contents of their items that can load now,
+ * "failed" the items that will not come, by request. */
 int ecm_scheduler_step(ecm_handle_t h, const char *in_json, char **out_json,
                        char **err);
 /* has_cache_item: *out = 1 when mm_hash can be loaded now. */
 int ecm_scheduler_has(ecm_handle_t h, const char *mm_hash, int32_t *out,
                       char **err);
+/* Makes the scheduler store its generation into *counter (8-byte aligned
+ * memory the caller owns and keeps alive until ecm_close returns), with
+ * an atomic 64-bit store, whenever its table changed in a way that can
+ * change an answer of ecm_scheduler_has or of a step's "ensure" and
+ * "has"; a step's out names the generation its answers were given at as
+ * "generation". An answer given at the generation *counter still holds
+ * stands, so a caller asked the same question many times per step
+ * (vLLM's ensure_cache_available) reads one word instead of calling in.
+ * The counter only grows; nothing writes it once ecm_close returned. */
+int ecm_scheduler_watch(ecm_handle_t h, uint64_t *counter, char **err);
 /* Blocks up to timeout_ms until every named transfer is available or has
  * failed (for tools and tests; the engine never calls it). in:
  * {"transfer_ids": [...]}; out: {"available": [...], "failed": [...],

@@ -93,6 +93,16 @@
 // deadlines due first, so no answer rests on a deadline already passed; Has
 // takes no time and reflects the last call that did.
 //
+// # Generation
+//
+// Generation counts the changes that can alter an answer: every state
+// change, every request or item Expect adds, every request Finish removes.
+// An owner asked the same question many times per step (vLLM asks
+// ensure_cache_available for every waiting request on every schedule
+// pass) can keep the answers with the generation they were given at and
+// reuse them until it moves, instead of asking again. The random model
+// test checks that no answer changes while the generation stands still.
+//
 // # Usage
 //
 //	t := sched.New(sched.Config{Shards: tp})

@@ -3,6 +3,7 @@ package sched
 import (
 	"fmt"
 	"math/rand"
+	"strings"
 	"testing"
 	"time"
 
@@ -92,6 +93,20 @@ func runModel(t *testing.T, rng *rand.Rand, steps int) (map[State]bool, Stats) {
 	var loads []string           // transfers StartLoad handed out, as a worker would hold them
 	known := map[string]string{} // transfer_id → mm_hash, first registered
 	ended := map[string]State{}  // terminal state once observed
+
+	// answers is everything a caller can ask without moving the clock:
+	// the generation must change whenever it does (Generation).
+	answers := func() string {
+		var b strings.Builder
+		for h := 0; h < 4; h++ {
+			fmt.Fprint(&b, tb.Has(fmt.Sprint("h", h)), " ")
+		}
+		for r := 0; r < 6; r++ {
+			fmt.Fprintf(&b, "%v ", tb.Failures(fmt.Sprint("r", r)))
+		}
+		return b.String()
+	}
+	lastGen, lastAnswers := tb.Generation(), answers()
 
 	observe := func(where string) {
 		for tid := range known {
@@ -213,6 +228,33 @@ func runModel(t *testing.T, rng *rand.Rand, steps int) (map[State]bool, Stats) {
 		}
 		require.NoError(t, tb.CheckInvariants(), where)
 		observe(where)
+		checkSnapshot(t, tb, now, where)
+		gen, got := tb.Generation(), answers()
+		require.GreaterOrEqual(t, gen, lastGen, "%s: the generation went back", where)
+		if gen == lastGen {
+			require.Equal(t, lastAnswers, got, "%s: answers changed, the generation did not", where)
+		}
+		lastGen, lastAnswers = gen, got
 	}
 	return visited, tb.Stats()
+}
+
+// checkSnapshot compares Snapshot with the answers of Has and Failures.
+func checkSnapshot(t *testing.T, tb *Table, now time.Time, where string) {
+	covered, failed := tb.Snapshot(now)
+	got := map[string]bool{}
+	for _, h := range covered {
+		require.False(t, got[h], "%s: %s listed twice", where, h)
+		require.True(t, tb.Has(h), "%s: snapshot covers %s, Has does not", where, h)
+		got[h] = true
+	}
+	for id, req := range tb.requests {
+		for _, it := range req.items {
+			require.Equal(t, tb.Has(it.MMHash), got[it.MMHash], "%s: snapshot of %s", where, it.MMHash)
+		}
+		require.Equal(t, tb.Failures(id), failed[id], "%s: snapshot failures of %s", where, id)
+	}
+	for id := range failed {
+		require.Contains(t, tb.requests, id, where)
+	}
 }

@@ -38,10 +38,12 @@ var base = time.Date(2026, 11, 29, 12, 0, 0, 0, time.UTC)
 //	reason R T -> REASON        the reason Failures gives for item T of R
 //	next -> D|none              NextDeadline as an offset from base
 //	stats -> key=value ...      only the keys given are compared
+//	gen -> same|changed         Generation against the last gen line (or New)
 func runScript(t *testing.T, cfg Config, script string) *Table {
 	t.Helper()
 	tb := New(cfg)
 	now := base
+	lastGen := tb.Generation()
 	for n, raw := range strings.Split(script, "\n") {
 		line := strings.TrimSpace(raw)
 		if line == "" || strings.HasPrefix(line, "#") {
@@ -55,6 +57,16 @@ func runScript(t *testing.T, cfg Config, script string) *Table {
 			require.True(t, hasWant, "%s: command must state its expected result", where)
 		}
 		switch f[0] {
+		case "gen":
+			needWant()
+			gen := tb.Generation()
+			require.Contains(t, []string{"same", "changed"}, want, where)
+			if want == "same" {
+				require.Equal(t, lastGen, gen, where)
+			} else {
+				require.Greater(t, gen, lastGen, where)
+			}
+			lastGen = gen
 		case "at":
 			d, err := time.ParseDuration(f[1])
 			require.NoError(t, err, where)

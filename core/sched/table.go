@@ -131,6 +131,9 @@ type Table struct {
 	deadlines deadlineHeap
 	seq       uint64
 
+	// gen counts the changes that can alter an answer (Generation).
+	gen uint64
+
 	// pending holds failures not yet returned by Tick, in the order they
 	// arose, so that failures from events reach the caller as well.
 	pending []pendingFailure
@@ -240,11 +243,13 @@ func (t *Table) Expect(requestID string, items []Expected, now time.Time) error 
 	if req == nil {
 		req = &request{id: requestID, index: make(map[string]struct{}), failed: make(map[string]Failure), served: make(map[string]struct{})}
 		t.requests[requestID] = req
+		t.gen++
 	}
 	for _, it := range items {
 		if _, ok := req.index[it.TransferID]; ok {
 			continue
 		}
+		t.gen++
 		req.items = append(req.items, it)
 		req.index[it.TransferID] = struct{}{}
 		if r := t.records[it.TransferID]; r != nil {
@@ -505,6 +510,33 @@ func (t *Table) Ensure(requestID string, now time.Time) (ready bool, failed []Fa
 	return ready, failed
 }
 
+// Snapshot answers Ensure for every request at once, without the clock of
+// a call per request: the contents of their items that are on every shard
+// (what Has says of each), and the failures of each request that has any
+// (what Failures says). Contents appear once, in no particular order.
+func (t *Table) Snapshot(now time.Time) (covered []string, failed map[string][]Failure) {
+	t.advance(now)
+	seen := make(map[string]struct{})
+	for id, req := range t.requests {
+		for _, it := range req.items {
+			if _, ok := seen[it.MMHash]; ok {
+				continue
+			}
+			seen[it.MMHash] = struct{}{}
+			if t.covered(it.MMHash) {
+				covered = append(covered, it.MMHash)
+			}
+		}
+		if fs := t.failuresOf(req); len(fs) > 0 {
+			if failed == nil {
+				failed = make(map[string][]Failure)
+			}
+			failed[id] = fs
+		}
+	}
+	return covered, failed
+}
+
 // failuresOf lists the items that cannot come any more. An item served
 // earlier whose content is gone since counts: a preempted request that asks
 // again would otherwise wait for a push that already happened.
@@ -609,6 +641,7 @@ func (t *Table) Finish(requestID string, now time.Time) (cancel []string) {
 		return nil
 	}
 	delete(t.requests, requestID)
+	t.gen++
 	for _, it := range req.items {
 		r := t.records[it.TransferID]
 		if r == nil || !r.detach(requestID) {
@@ -689,6 +722,17 @@ func (t *Table) NextDeadline() (time.Time, bool) {
 	}
 	return best, found
 }
+
+// Generation counts the changes that can alter an answer of Has, Ensure,
+// Failures or StartLoad: every state change, every request or item that
+// Expect adds and every request Finish removes. Events that change no
+// state (a shard of several, an early event) leave it alone. It only
+// grows, so an owner that remembers answers together with the generation
+// they were given at may reuse them for as long as it has not moved: they
+// are what the table would answer again, up to deadlines that fall due
+// without a call, which the next call that takes a time applies (and
+// counts).
+func (t *Table) Generation() uint64 { return t.gen }
 
 // Status answers for live transfers and for tombstones.
 func (t *Table) Status(transferID string) (State, bool) {
@@ -773,6 +817,7 @@ func (t *Table) move(r *record, to State, now time.Time, reason string) {
 		return
 	}
 	r.state = to
+	t.gen++
 	switch to {
 	case Available:
 		t.setDeadline(r, now.Add(t.cfg.AvailableTTL))

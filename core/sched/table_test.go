@@ -445,6 +445,49 @@ func TestScenarios(t *testing.T) {
 			state t2 -> Cancelled
 			state t3 -> Cancelled
 		`},
+		{"the generation moves with the answers only", two, `
+			gen -> same
+			has h1 -> no
+			ensure r1 -> ready
+			gen -> same
+			expect r1 t1=h1
+			gen -> changed
+			expect r1 t1=h1
+			gen -> same
+			# half the shards: no answer changes
+			ready 0 t1 h1
+			has h1 -> no
+			ensure r1 -> wait
+			gen -> same
+			# an event for a transfer nobody expects yet is kept aside
+			ready 0 t9 h9
+			gen -> same
+			ready 1 t1 h1
+			gen -> changed
+			has h1 -> yes
+			ensure r1 -> ready
+			gen -> same
+			load h1 -> t1
+			gen -> changed
+			loaded t1 ok
+			gen -> changed
+			freed h1
+			gen -> changed
+			finish r1 -> -
+			gen -> changed
+			finish r1 -> -
+			gen -> same
+			expect r2 t2=h2
+			gen -> changed
+			at 59s
+			tick -> -
+			gen -> same
+			at 60s
+			tick -> r2/t2
+			gen -> changed
+			lost 0
+			gen -> changed
+		`},
 		{"defaults: one shard", Config{}, `
 			expect r1 t1=h1
 			ready 0 t1 h1

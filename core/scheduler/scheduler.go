@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	zmq "github.com/pebbe/zmq4"
@@ -35,9 +36,14 @@ type Scheduler struct {
 	// until the next Step hands them to the engine; bounded, oldest first
 	// out, since a later Ensure reports every failure of a request anyway.
 	failures []sched.Failure
-	closed   bool
-	waits    waitClock
-	unwatch  func() // detaches the metrics probe
+	// watch is caller memory (C, not Go) that receives the table's
+	// generation after every change, so that a caller can see that nothing
+	// changed without calling in; nil until Watch, never written once
+	// closed.
+	watch   *uint64
+	closed  bool
+	waits   waitClock
+	unwatch func() // detaches the metrics probe
 
 	zctx    *zmq.Context
 	sec     control.Security // of every control socket
@@ -117,8 +123,38 @@ func (s *Scheduler) Has(mmHash string) bool {
 	return s.table.Has(mmHash)
 }
 
-// changedLocked wakes every waiter and the ticker.
+// Generation is the transfer table's generation (sched.Table.Generation):
+// answers given at one generation stand until it moves.
+func (s *Scheduler) Generation() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.table.Generation()
+}
+
+// Watch makes the scheduler store the table's generation into *counter,
+// atomically, whenever the table changed, until Close returns. counter is
+// memory the caller owns and keeps alive until then (8-byte aligned, not
+// Go memory): reading it costs the caller a load instead of a call.
+func (s *Scheduler) Watch(counter *uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return
+	}
+	s.watch = counter
+	s.publishLocked()
+}
+
+func (s *Scheduler) publishLocked() {
+	if s.watch != nil && !s.closed {
+		atomic.StoreUint64(s.watch, s.table.Generation())
+	}
+}
+
+// changedLocked wakes every waiter and the ticker, and publishes the
+// generation.
 func (s *Scheduler) changedLocked() {
+	s.publishLocked()
 	close(s.changed)
 	s.changed = make(chan struct{})
 	select {
@@ -174,6 +210,10 @@ func (s *Scheduler) ticker() {
 			if fails := s.table.Tick(time.Now()); len(fails) > 0 {
 				s.noteFailuresLocked(fails)
 				s.changedLocked()
+			} else {
+				// A deadline can end a record that no request waits for
+				// (a resident copy): no failure, yet Has changes.
+				s.publishLocked()
 			}
 			if next, ok := s.table.NextDeadline(); ok {
 				wait = max(time.Until(next), time.Millisecond)
@@ -380,6 +420,7 @@ func (s *Scheduler) Close() error {
 		return nil
 	}
 	s.closed = true
+	s.watch = nil
 	close(s.stop)
 	s.endLife()
 	s.mu.Unlock()

@@ -33,6 +33,9 @@ type StepIn struct {
 	Load     []string   `json:"load"`
 	Ensure   []string   `json:"ensure"`
 	Has      []string   `json:"has"`
+	// Snapshot asks for every request's answer at once (StepOut.Covered
+	// and Failed): far less to encode than naming each.
+	Snapshot bool `json:"snapshot"`
 }
 
 // LoadOut names the transfer a load reads, or why it cannot.
@@ -58,6 +61,18 @@ type StepOut struct {
 	// Failures are requests' items that will not arrive, reported once
 	// each: deadlines that passed and failures the shards reported.
 	Failures []sched.Failure `json:"failures,omitempty"`
+	// Covered and Failed answer a snapshot: the contents of every
+	// registered request's items that are on every shard, and the failures
+	// of each request that has any (absent: none).
+	Covered []string                   `json:"covered,omitempty"`
+	Failed  map[string][]sched.Failure `json:"failed,omitempty"`
+	// Generation is the table's generation when the questions were
+	// answered: the answers stand for as long as it does not move.
+	Generation uint64 `json:"generation"`
+	// Since is the generation before this step changed anything. When it
+	// equals the generation of earlier answers, only this step's own
+	// changes lie between those answers and these.
+	Since uint64 `json:"since"`
 }
 
 // Step applies one scheduler step's worth of changes and answers its
@@ -67,6 +82,12 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 	now := time.Now()
 	var out StepOut
 	s.mu.Lock()
+	// Deadlines due now fire before Since is taken, so that what lies
+	// between Since and Generation is this step's own doing.
+	if fails := s.table.Tick(now); len(fails) > 0 {
+		s.noteFailuresLocked(fails)
+	}
+	out.Since = s.table.Generation()
 	for _, e := range in.Expect {
 		s.waits.expect(e.Items, now)
 		if err := s.table.Expect(e.RequestID, e.Items, now); err != nil {
@@ -115,6 +136,10 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 		}
 		out.Has[h] = s.table.Has(h)
 	}
+	if in.Snapshot {
+		out.Covered, out.Failed = s.table.Snapshot(now)
+	}
+	out.Generation = s.table.Generation()
 	s.waits.settle(s.table, out.Cancelled, now)
 	if fails := s.table.Tick(now); len(fails) > 0 {
 		s.noteFailuresLocked(fails)

@@ -66,8 +66,20 @@
 // and redialed after a failure. Items larger than ChunkSize are cut into
 // nearly equal chunks dealt round-robin over the pool, so one large item
 // uses every connection at once. Header and payload go out in one writev
-// straight from Src, and the receiver reads the payload straight into the
-// sink's dst: neither side copies in user space.
+// straight from Src, and the receiver reads a payload larger than what it
+// has buffered straight into the sink's dst.
+//
+// Small frames travel in groups, with no change to the wire: the chunks of
+// one Write queued together for a connection go out in one writev (at most
+// 64 frames and 1 MiB), and the receiver, which parses frames that arrived
+// together from its read buffer, holds their acks back until its next read
+// would wait, then writes them together; the writer reads them with one
+// read. Every frame of a group keeps its own header and is checked on its
+// own (reservation id, token, offset, length): a refused frame inside a
+// group fails alone and the frames around it land, while bytes that do not
+// decode as a header end the connection after the frames before them were
+// acked. A receiver never waits for the network with acks held back, so a
+// group's acks never wait for a later frame.
 //
 // A connection whose write fails (deadline, cancel, peer gone) is
 // half-closed: the receiver sees the torn frame end (EndWrite(false)),

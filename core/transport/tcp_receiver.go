@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"bufio"
 	"errors"
 	"io"
 	"log/slog"
@@ -17,6 +18,16 @@ import (
 // frame; it is per connection and only allocated on the first refusal.
 const drainBuf = 64 << 10
 
+// readBuf is each connection's read buffer: headers and small frames that
+// arrive together are parsed from it without a read each, while the part
+// of a payload beyond what is buffered is read straight into the slab.
+// Small, because what it holds of a large payload is copied twice.
+const readBuf = 8 << 10
+
+// maxOwedAcks bounds the acks a connection holds back before it writes
+// them (see rconn.flushBefore).
+const maxOwedAcks = 16 << 10
+
 type tcpReceiver struct {
 	ln   net.Listener
 	sink Sink
@@ -24,8 +35,9 @@ type tcpReceiver struct {
 	log  *slog.Logger
 	logs logLimiter
 
-	stats    recvCounters
-	accepted atomic.Uint64
+	stats     recvCounters
+	accepted  atomic.Uint64
+	ackWrites atomic.Uint64 // writes that carried acks, for tests
 
 	done      chan struct{}
 	closeOnce sync.Once
@@ -122,7 +134,7 @@ func (r *tcpReceiver) acceptLoop() {
 			r.refuseConn(c)
 			continue
 		}
-		rc := &rconn{r: r, c: c, peer: c.RemoteAddr().String(), ack: make([]byte, 0, AckHeaderLen+MaxAckMsg), idleSince: time.Now()}
+		rc := &rconn{r: r, c: c, br: bufio.NewReaderSize(c, readBuf), peer: c.RemoteAddr().String(), acks: make([]byte, 0, AckHeaderLen+MaxAckMsg), idleSince: time.Now()}
 		r.conns[c] = rc
 		r.wg.Add(1)
 		r.mu.Unlock()
@@ -194,10 +206,14 @@ func (r *tcpReceiver) acceptOne() (c net.Conn, err error) {
 type rconn struct {
 	r       *tcpReceiver
 	c       net.Conn
+	br      *bufio.Reader
 	peer    string
 	hdr     [HeaderLen]byte
-	ack     []byte
 	scratch []byte
+	// acks owed to the writer, held back while more frames are already
+	// buffered, so that frames that arrive together are answered by one
+	// write; they go out before any read that would wait (flushBefore).
+	acks []byte
 
 	// open is the reservation whose frame end is owed, if any; end ends it.
 	open    bool
@@ -218,6 +234,9 @@ func (r *tcpReceiver) serve(rc *rconn) {
 			r.log.Error("transport: panic serving connection", "peer", rc.peer, "panic", p, "stack", string(debug.Stack()))
 		}
 		rc.endOpen(false)
+		// Frames that landed before whatever ends the connection are
+		// still answered.
+		rc.flush()
 		_ = c.Close()
 		r.mu.Lock()
 		delete(r.conns, c)
@@ -267,7 +286,7 @@ const goodbyeWait = time.Second
 func (rc *rconn) goodbye(reason string) {
 	rc.r.stats.close(reason)
 	_ = rc.c.SetDeadline(time.Now().Add(goodbyeWait))
-	if !rc.sendAck(Ack{Seq: 0, Status: StatusClosing, Msg: reason}) {
+	if !rc.sendAck(Ack{Seq: 0, Status: StatusClosing, Msg: reason}) || !rc.flush() {
 		return
 	}
 	if tc, ok := rc.c.(*net.TCPConn); ok {
@@ -324,7 +343,10 @@ func (rc *rconn) frame() bool {
 		rc.goodbye(ClosedEvicted)
 		return false
 	}
-	if _, err := io.ReadFull(rc.c, rc.hdr[:1]); err != nil {
+	if !rc.flushBefore(HeaderLen) {
+		return false
+	}
+	if _, err := io.ReadFull(rc.br, rc.hdr[:1]); err != nil {
 		// EOF between frames is a writer closing its pool.
 		switch {
 		case rc.isEvicted():
@@ -342,7 +364,7 @@ func (rc *rconn) frame() bool {
 	}
 	defer rc.idle()
 	_ = rc.c.SetDeadline(time.Now().Add(r.cfg.FrameTimeout))
-	if n, err := io.ReadFull(rc.c, rc.hdr[1:]); err != nil {
+	if n, err := io.ReadFull(rc.br, rc.hdr[1:]); err != nil {
 		// A torn header carried no payload for the sink, so there is
 		// nothing to settle.
 		if timedOut(err) {
@@ -361,7 +383,11 @@ func (rc *rconn) frame() bool {
 		return rc.refuse(h, err)
 	}
 	rc.open, rc.openRes, rc.end = true, h.Res, end
-	if n, err := io.ReadFull(rc.c, dst); err != nil {
+	if !rc.flushBefore(len(dst)) {
+		rc.endOpen(false)
+		return false
+	}
+	if n, err := io.ReadFull(rc.br, dst); err != nil {
 		rc.endOpen(false)
 		if timedOut(err) {
 			rc.stalled(&h, n, err)
@@ -394,7 +420,10 @@ func (rc *rconn) refuse(h Header, cause error) bool {
 	}
 	for left := h.Length; left > 0; {
 		n := min(left, uint64(len(rc.scratch)))
-		if _, err := io.ReadFull(rc.c, rc.scratch[:n]); err != nil {
+		if !rc.flushBefore(int(n)) {
+			return false
+		}
+		if _, err := io.ReadFull(rc.br, rc.scratch[:n]); err != nil {
 			if timedOut(err) {
 				rc.stalled(&h, int(h.Length-left), err)
 			}
@@ -405,10 +434,32 @@ func (rc *rconn) refuse(h Header, cause error) bool {
 	return rc.sendAck(Ack{Seq: h.Seq, Status: st, Msg: cause.Error()})
 }
 
+// sendAck owes the writer an ack; it is written with the others owed
+// before the next read that would wait, or once they fill maxOwedAcks.
 func (rc *rconn) sendAck(a Ack) bool {
-	rc.ack = AppendAck(rc.ack[:0], a)
-	if _, err := rc.c.Write(rc.ack); err != nil {
-		return false
+	rc.acks = AppendAck(rc.acks, a)
+	if len(rc.acks) >= maxOwedAcks {
+		return rc.flush()
 	}
 	return true
+}
+
+// flushBefore writes the owed acks unless the next n bytes are already
+// buffered: a read that would wait for the network never waits with acks
+// held back, so a writer that waits for them is never stuck.
+func (rc *rconn) flushBefore(n int) bool {
+	if rc.br.Buffered() >= n {
+		return true
+	}
+	return rc.flush()
+}
+
+func (rc *rconn) flush() bool {
+	if len(rc.acks) == 0 {
+		return true
+	}
+	rc.r.ackWrites.Add(1)
+	_, err := rc.c.Write(rc.acks)
+	rc.acks = rc.acks[:0]
+	return err == nil
 }

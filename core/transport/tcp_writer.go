@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -21,6 +22,15 @@ const ackDrain = 5 * time.Second
 // longAgo is a deadline in the past: setting it interrupts a blocked write.
 var longAgo = time.Unix(1, 0)
 
+// A sender writes the chunks of one call queued together for its
+// connection in one writev, up to these bounds: small items then cost a
+// share of one system call each instead of one each. Each chunk stays a
+// frame of its own, with its own header, checks and ack.
+const (
+	maxGroupFrames = 64
+	maxGroupBytes  = 1 << 20
+)
+
 // tcpWriter owns one pool of connection slots per destination. Each slot
 // has a sender goroutine that writes queued chunks in order on the slot's
 // current connection, dialing lazily; each connection has an ack-reader
@@ -30,6 +40,8 @@ type tcpWriter struct {
 	log    *slog.Logger
 	dialer net.Dialer
 	seq    atomic.Uint64
+	// frameWrites counts the writes that carried frames, for tests.
+	frameWrites atomic.Uint64
 
 	// ctx is cancelled by Close so that dials in progress give up.
 	ctx    context.Context
@@ -104,10 +116,18 @@ func (w *tcpWriter) Write(ctx context.Context, dest string, items []WriteItem) [
 	chunks := c.chunks(w.cfg.ChunkSize)
 	n := uint64(len(chunks))
 	start := p.next.Add(n) - n
+	// Each slot's share goes into its queue at once, so that its sender
+	// finds the share queued together and can write it as one group.
+	shares := make([][]*chunk, len(p.slots))
 	for j := range chunks {
-		ch := &chunks[j]
-		if !p.slots[(start+uint64(j))%uint64(len(p.slots))].q.push(ch) {
-			ch.settle(ErrClosed)
+		k := (start + uint64(j)) % uint64(len(p.slots))
+		shares[k] = append(shares[k], &chunks[j])
+	}
+	for k, share := range shares {
+		if len(share) > 0 && !p.slots[k].q.push(share...) {
+			for _, ch := range share {
+				ch.settle(ErrClosed)
+			}
 		}
 	}
 	select {
@@ -335,13 +355,13 @@ type chunkQueue struct {
 
 func newChunkQueue() chunkQueue { return chunkQueue{ready: make(chan struct{}, 1)} }
 
-func (q *chunkQueue) push(ch *chunk) bool {
+func (q *chunkQueue) push(chs ...*chunk) bool {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if q.closed {
 		return false
 	}
-	q.q = append(q.q, ch)
+	q.q = append(q.q, chs...)
 	select {
 	case q.ready <- struct{}{}:
 	default:
@@ -369,6 +389,29 @@ func (q *chunkQueue) pop() *chunk {
 	}
 }
 
+// group appends to g the chunks queued right behind g's first that belong
+// to the same call, while the group stays within maxGroupFrames and
+// maxGroupBytes; it never waits.
+func (q *chunkQueue) group(g []*chunk) []*chunk {
+	first := g[0]
+	bytes := first.end - first.off
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	k := 0
+	for k < len(q.q) && len(g) < maxGroupFrames {
+		ch := q.q[k]
+		if ch.call != first.call || bytes+(ch.end-ch.off) > maxGroupBytes {
+			break
+		}
+		bytes += ch.end - ch.off
+		g = append(g, ch)
+		q.q[k] = nil
+		k++
+	}
+	q.q = q.q[k:]
+	return g
+}
+
 func (q *chunkQueue) close() []*chunk {
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -382,23 +425,35 @@ func (q *chunkQueue) close() []*chunk {
 	return rest
 }
 
-// slot is one connection's worth of a pool. wc belongs to run's goroutine.
+// slot is one connection's worth of a pool. wc, group and bufs belong to
+// run's goroutine.
 type slot struct {
-	w    *tcpWriter
-	dest string
-	q    chunkQueue
-	wc   *wconn
+	w     *tcpWriter
+	dest  string
+	q     chunkQueue
+	wc    *wconn
+	group []*chunk
+	bufs  net.Buffers
 }
 
 func (s *slot) run() {
 	defer s.w.wg.Done()
 	for ch := s.q.pop(); ch != nil; ch = s.q.pop() {
-		s.send(ch)
+		s.group = s.q.group(append(s.group[:0], ch))
+		s.send(s.group)
+		clear(s.group)
 	}
 }
 
-func (s *slot) send(ch *chunk) {
-	c := ch.call
+func settleAll(g []*chunk, err error) {
+	for _, ch := range g {
+		ch.settle(err)
+	}
+}
+
+// send writes a group of chunks of one call, each a frame, in one writev.
+func (s *slot) send(g []*chunk) {
+	c := g[0].call
 	if !c.begin() {
 		return // Write has returned: its Src may already be gone.
 	}
@@ -409,49 +464,58 @@ func (s *slot) send(ch *chunk) {
 			if s.wc != nil {
 				s.retire(s.wc)
 			}
-			ch.settle(fmt.Errorf("%w: panic: %v", ErrConnLost, p))
+			settleAll(g, fmt.Errorf("%w: panic: %v", ErrConnLost, p))
 		}
 	}()
 	wc, err := s.conn(c.ctx)
 	if err != nil {
-		ch.settle(err)
+		settleAll(g, err)
 		return
 	}
-	it := c.items[ch.item]
-	ch.seq = s.w.seq.Add(1)
-	AppendHeader(ch.hdr[:0], Header{
-		Seq: ch.seq, Res: it.Res, Token: it.Token,
-		Offset: it.Off + uint64(ch.off), Length: uint64(ch.end - ch.off),
-	})
-	// Registered before the first byte goes out: the ack can overtake the
+	s.bufs = s.bufs[:0]
+	for _, ch := range g {
+		it := c.items[ch.item]
+		ch.seq = s.w.seq.Add(1)
+		AppendHeader(ch.hdr[:0], Header{
+			Seq: ch.seq, Res: it.Res, Token: it.Token,
+			Offset: it.Off + uint64(ch.off), Length: uint64(ch.end - ch.off),
+		})
+		s.bufs = append(s.bufs, ch.hdr[:], it.Src[ch.off:ch.end])
+	}
+	// Registered before the first byte goes out: an ack can overtake the
 	// return from the write. A connection that died since conn checked it
-	// (a goodbye) costs one redial, not the chunk.
-	if !wc.add(ch) {
+	// (a goodbye) costs one redial, not the chunks.
+	if !wc.add(g) {
 		s.retire(wc)
 		if wc, err = s.conn(c.ctx); err != nil {
-			ch.settle(err)
+			settleAll(g, err)
 			return
 		}
-		if !wc.add(ch) {
+		if !wc.add(g) {
 			s.retire(wc)
-			ch.settle(s.w.lost(errors.New("connection closed")))
+			settleAll(g, s.w.lost(errors.New("connection closed")))
 			return
 		}
 	}
-	err = wc.writeFrame(c.ctx, ch.hdr[:], it.Src[ch.off:ch.end])
+	err = wc.writeFrames(c.ctx, s.bufs)
+	clear(s.bufs)
 	if err == nil {
 		return
 	}
 	// The stream is out of step after a partial frame: stop sending on it.
+	// Frames of the group sent in full before the break may still be
+	// acked; the others fail here.
 	s.retire(wc)
-	if wc.take(ch.seq) == nil {
-		return
+	for _, ch := range g {
+		if wc.take(ch.seq) == nil {
+			continue
+		}
+		if ctxErr := ctxEnded(c.ctx, err); ctxErr != nil {
+			ch.settle(ctxErr)
+			continue
+		}
+		ch.settle(s.w.lost(err))
 	}
-	if ctxErr := ctxEnded(c.ctx, err); ctxErr != nil {
-		ch.settle(ctxErr)
-		return
-	}
-	ch.settle(s.w.lost(err))
 }
 
 // ctxEnded reports ctx's error when err came from ctx ending. The write
@@ -529,13 +593,16 @@ func (wc *wconn) usable() bool {
 	return !wc.dead
 }
 
-func (wc *wconn) add(ch *chunk) bool {
+// add registers a group's chunks, all or none.
+func (wc *wconn) add(g []*chunk) bool {
 	wc.mu.Lock()
 	defer wc.mu.Unlock()
 	if wc.dead {
 		return false
 	}
-	wc.pending[ch.seq] = ch
+	for _, ch := range g {
+		wc.pending[ch.seq] = ch
+	}
 	return true
 }
 
@@ -558,10 +625,10 @@ func (wc *wconn) failAll(err error) {
 	}
 }
 
-// writeFrame writes header and payload in one writev, straight from the
+// writeFrames writes headers and payloads in one writev, straight from the
 // caller's memory. ctx bounds it through the write deadline, and a cancel
 // without a deadline interrupts it the same way.
-func (wc *wconn) writeFrame(ctx context.Context, hdr, payload []byte) error {
+func (wc *wconn) writeFrames(ctx context.Context, bufs net.Buffers) error {
 	deadline, _ := ctx.Deadline()
 	wc.dlMu.Lock()
 	gen := wc.gen
@@ -577,7 +644,7 @@ func (wc *wconn) writeFrame(ctx context.Context, hdr, payload []byte) error {
 			_ = wc.c.SetWriteDeadline(longAgo)
 		}
 	})
-	bufs := net.Buffers{hdr, payload}
+	wc.w.frameWrites.Add(1)
 	_, err = bufs.WriteTo(wc.c)
 	stop()
 	wc.dlMu.Lock()
@@ -641,10 +708,13 @@ func (wc *wconn) ackLoop() (err error) {
 			err = fmt.Errorf("panic reading acks: %v", p)
 		}
 	}()
+	// Acks of frames that arrived together come back together: one read
+	// takes them all.
+	br := bufio.NewReaderSize(wc.c, 4<<10)
 	var head [AckHeaderLen]byte
 	var msg []byte
 	for {
-		if _, err := io.ReadFull(wc.c, head[:]); err != nil {
+		if _, err := io.ReadFull(br, head[:]); err != nil {
 			return err
 		}
 		a, n, err := decodeAckHead(head[:])
@@ -655,7 +725,7 @@ func (wc *wconn) ackLoop() (err error) {
 			if msg == nil {
 				msg = make([]byte, MaxAckMsg)
 			}
-			if _, err := io.ReadFull(wc.c, msg[:n]); err != nil {
+			if _, err := io.ReadFull(br, msg[:n]); err != nil {
 				return err
 			}
 			a.Msg = string(msg[:n])

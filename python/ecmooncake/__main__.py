@@ -84,6 +84,19 @@ def _parser() -> argparse.ArgumentParser:
         )
     )
 
+    from . import bench_hooks as _bench_hooks  # argument table only; imports no vLLM
+
+    _bench_hooks.add_arguments(
+        commands.add_parser(
+            "bench-hooks",
+            help="time the consumer's scheduler hooks inside vLLM's own Scheduler",
+            description="Drives vLLM's real Scheduler with ECMooncakeConnector as a consumer while a "
+            "producer process pushes the requests' encoder outputs, and prints p50/p99 of "
+            "has_cache_item and ensure_cache_available beside vLLM's own "
+            "EncoderCacheManager.check_and_update_cache, timed in the same run. Needs vLLM and torch.",
+        )
+    )
+
     from . import proxy as _proxy  # argument tables only; loads no library
 
     _proxy.add_proxy_arguments(
@@ -147,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import ceiling
 
         return ceiling.main(args)
+    if args.command == "bench-hooks":
+        from . import bench_hooks
+
+        return bench_hooks.main(args)
     if args.command == "bench-vllm":
         from . import bench_vllm
 

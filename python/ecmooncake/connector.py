@@ -5,8 +5,10 @@ One class serves both roles vLLM gives a connector:
 * **scheduler role** (the engine-core process). On a consumer (prefill/decode)
   instance it owns a native :class:`~ecmooncake.native.Scheduler`, whose
   background goroutines keep a transfer table current from the shards'
-  readiness events, so ``has_cache_item`` and ``ensure_cache_available`` are
-  answered by one non-blocking call each. Everything else a step needs
+  readiness events. ``has_cache_item`` and ``ensure_cache_available``
+  answer from memory while the table's generation (a counter the library
+  keeps current in this process's memory) stands, and with one
+  non-blocking call for every waiting request when it moved. Everything else a step needs
   (expectations, load outcomes, frees, finished requests, new loads) goes in
   one ``step()`` call from ``build_connector_meta``. On a producer (encoder)
   instance it is plain bookkeeping: which pushes to announce, and what
@@ -358,6 +360,18 @@ class _ConsumerScheduler:
         self._deferred_free: set[str] = set()
         self._finished: list[str] = []
         self._unavailable: set[str] = set()
+        # Answers remembered at one generation of the native table, which
+        # the library keeps current in _counter: vLLM asks the same
+        # questions for every waiting request on every schedule pass, and
+        # while the generation stands the answers do (sched.Generation).
+        self._counter = self._native.generation_counter
+        self._at = -1  # the generation of _has and _failed; -1: none
+        # mm_hash -> has_cache_item's answer at _at: every item of every
+        # registered request after a snapshot, and hashes asked one by one.
+        self._has: dict[str, bool] = {}
+        # request id -> failures at _at, for every registered request
+        # (absent: none) when _at comes from a snapshot.
+        self._failed: dict[str, list[dict[str, Any]]] = {}
 
     @property
     def endpoints(self) -> str:
@@ -376,7 +390,14 @@ class _ConsumerScheduler:
         return items
 
     def has_cache_item(self, identifier: str) -> bool:
-        found = self._native.has(identifier)
+        generation = self._counter.value
+        found = self._has.get(identifier) if generation == self._at else None
+        if found is None:
+            found = self._native.has(identifier)
+            if generation != self._at:
+                self._at, self._has, self._failed = -1, {}, {}
+            else:
+                self._has[identifier] = found
         if found:
             self._said_yes.add(identifier)
         return found
@@ -393,16 +414,13 @@ class _ConsumerScheduler:
         }
         if not remaining:
             return True
-        body: dict[str, Any] = {"ensure": [rid], "has": sorted(remaining)}
         if rid not in self._registered:
-            body["expect"] = [self._expect_entry(rid, items)]
-        out = self._native.step(body)
-        if self._note_expect_errors(out):
-            return False
-        self._registered.add(rid)
-        has = out.get("has") or {}
-        answer = (out.get("ensure") or {}).get(rid) or {}
-        failed = [f for f in answer.get("failed") or () if f.get("mm_hash") in remaining and not has.get(f.get("mm_hash"))]
+            if not self._register(rid, items):
+                return False
+        elif self._counter.value != self._at:
+            self._take(self._native.step({"snapshot": True}))
+        has = self._has
+        failed = [f for f in self._failed.get(rid) or () if f.get("mm_hash") in remaining and not has.get(f.get("mm_hash"))]
         if failed:
             for f in failed:
                 logger.warning(
@@ -416,6 +434,44 @@ class _ConsumerScheduler:
             self._unavailable.add(rid)
             return False
         return all(has.get(h) for h in remaining)
+
+    def _register(self, rid: str, items: list[_Expected]) -> bool:
+        """Registers a new request and learns its answer in one native step.
+        When the remembered answers were current up to this step, the step's
+        own answer for the request's contents brings them up to date
+        (registering one request changes no other answer but those of its
+        contents); otherwise the step also takes a snapshot of every answer.
+        False when the step refused the registration."""
+        current = self._counter.value == self._at
+        body: dict[str, Any] = {
+            "expect": [self._expect_entry(rid, items)],
+            "ensure": [rid],
+            "has": sorted({it.mm_hash for it in items}),
+        }
+        if not current:
+            body["snapshot"] = True
+        out = self._native.step(body)
+        if self._note_expect_errors(out):
+            return False
+        self._registered.add(rid)
+        if current and out.get("since") == self._at:
+            self._has.update(out.get("has") or {})
+            failed = ((out.get("ensure") or {}).get(rid) or {}).get("failed")
+            if failed:
+                self._failed[rid] = failed
+            self._at = int(out.get("generation", -1))
+        else:
+            self._take(out if "snapshot" in body else self._native.step({"snapshot": True}))
+        return True
+
+    def _take(self, out: dict[str, Any]) -> None:
+        """Remembers a snapshot: every registered request's answers."""
+        covered = set(out.get("covered") or ())
+        self._has = {it.mm_hash: it.mm_hash in covered for r in self._registered for it in self._requests.get(r) or ()}
+        self._failed = out.get("failed") or {}
+        # Registration moves the generation, so a snapshot covers every
+        # request registered before it was taken.
+        self._at = int(out.get("generation", -1))
 
     @staticmethod
     def _expect_entry(rid: str, items: list[_Expected]) -> dict[str, Any]:
@@ -556,6 +612,8 @@ class _ConsumerScheduler:
         return self._native.stats()
 
     def close(self) -> None:
+        # The counter stops once closed: no remembered answer outlives it.
+        self._at, self._has, self._failed = -1, {}, {}
         _close_bounded(self._native)
 
 

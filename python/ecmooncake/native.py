@@ -569,7 +569,21 @@ class Scheduler(_Handle):
 
     def __init__(self, config: dict | str):
         super().__init__()
+        # The library stores the table's generation here after every change
+        # that can alter an answer (ecm_scheduler_watch), until close:
+        # reading it is a memory load, not a call.
+        self.generation_counter = c_uint64(0)
         self._open("ecm_scheduler_open", _encode(config, "scheduler config"))
+        try:
+            _call("ecm_scheduler_watch", self._h, byref(self.generation_counter))
+        except BaseException:
+            self.close()
+            raise
+
+    def generation(self) -> int:
+        """The table's generation: answers given at it stand until it moves.
+        A step's answer names its own as ``"generation"``."""
+        return self.generation_counter.value
 
     def step(self, request: dict | str) -> dict:
         return _call(

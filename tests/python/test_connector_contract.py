@@ -176,6 +176,68 @@ def test_has_cache_item_for_pushed_items_only(instance):
     assert instance.consumer_sched.ensure_cache_available(req, req.num_tokens) is True
 
 
+class _CountingSteps:
+    """Counts the native scheduler's steps, passing each through."""
+
+    def __init__(self, native):
+        self.native, self.steps, self.lookups = native, 0, 0
+
+    def step(self, body):
+        self.steps += 1
+        return self.native.step(body)
+
+    def has(self, mm_hash):
+        self.lookups += 1
+        return self.native.has(mm_hash)
+
+    def __getattr__(self, name):
+        return getattr(self.native, name)
+
+
+def counting(instance) -> _CountingSteps:
+    inner = instance.consumer_sched._consumer_sched
+    inner._native = _CountingSteps(inner._native)
+    return inner._native
+
+
+def test_hooks_ask_the_library_only_when_something_changed(instance):
+    items = [Item(f"gen/{i}", 64 + i, WIDTH) for i in range(3)]
+    reqs = [instance.expect(f"pd-gen{i}", [it], [f"gen{i}"]) for i, it in enumerate(items)]
+    native = counting(instance)
+    s = instance.consumer_sched
+    for _ in range(50):
+        assert [s.ensure_cache_available(r, 0) for r in reqs] == [False] * 3
+        assert [s.has_cache_item(it.identifier) for it in items] == [False] * 3
+    assert native.steps <= 1, "at most one batched call, for what changed before the first pass"
+    assert native.lookups == 0, "ensure's answer covered has_cache_item"
+    instance.push(items[:1], ["gen0"])
+    wait_until(lambda: s.ensure_cache_available(reqs[0], 0), 20, interval=0.01, what="first item")
+    native.steps = native.lookups = 0
+    for _ in range(50):
+        assert [s.ensure_cache_available(r, 0) for r in reqs] == [True, False, False]
+        assert [s.has_cache_item(it.identifier) for it in items] == [True, False, False]
+    assert (native.steps, native.lookups) == (0, 0), "nothing changed: every answer from memory"
+
+
+def test_one_call_refreshes_every_waiting_request(instance):
+    items = [Item(f"batch/{i}", 32 + i, WIDTH) for i in range(20)]
+    reqs = [instance.expect(f"pd-batch{i}", [it], [f"batch{i}"]) for i, it in enumerate(items)]
+    s = instance.consumer_sched
+    assert not any(s.ensure_cache_available(r, 0) for r in reqs)
+    native = counting(instance)
+    # Registering one more request keeps every other answer current.
+    instance.expect("pd-batch-new", [Item("batch/new", 16, WIDTH)], ["batch-new"])
+    assert native.steps == 1
+    assert not any(s.ensure_cache_available(r, 0) for r in reqs)
+    assert native.steps == 1
+    # Arrivals move the generation: the first stale answer refreshes all.
+    instance.push(items[:2], ["batch0", "batch1"])
+    wait_until(lambda: s.has_cache_item(items[0].identifier) and s.has_cache_item(items[1].identifier), 20, interval=0.01, what="two items")
+    native.steps = 0
+    assert [s.ensure_cache_available(r, 0) for r in reqs] == [True, True] + [False] * 18
+    assert native.steps == 1
+
+
 def test_update_state_after_alloc_records_loads_and_build_clears(instance):
     items = [Item(f"alloc/{n}", n, WIDTH) for n in (100, 150, 200)]
     local = Item("alloc/local", 64, WIDTH)

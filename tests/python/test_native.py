@@ -3,6 +3,7 @@ bad input must raise."""
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import gc
 import os
@@ -145,6 +146,40 @@ def test_scheduler_refuses_a_transfer_id_reused_for_other_content():
         assert scheduler.has("h1") is False
         waited = scheduler.wait(["t1"], 0)
         assert waited["waiting"] == ["t1"]
+
+
+def test_scheduler_generation_is_read_without_a_call():
+    port = free_port_range(1, IP)
+    with Scheduler(scheduler_config(port, 1)) as scheduler:
+        start = scheduler.generation()
+        asked = scheduler.step({"ensure": ["r1"], "has": ["h1"]})
+        assert asked["generation"] == scheduler.generation() == start, "questions change nothing"
+        assert scheduler.has("h1") is False
+        out = scheduler.step({"expect": [{"request_id": "r1", "items": [{"transfer_id": "t1", "mm_hash": "h1"}]}], "ensure": ["r1"]})
+        assert out["ensure"]["r1"]["ready"] is False
+        assert out["generation"] == scheduler.generation() > start
+        assert scheduler.generation_counter.value == scheduler.generation()
+        again = scheduler.step({"ensure": ["r1"], "has": ["h1"]})
+        assert again["generation"] == out["generation"]
+        scheduler.step({"finished": ["r1"]})
+        assert scheduler.generation() > out["generation"]
+
+
+def test_scheduler_watch_checks_its_counter():
+    with Scheduler(scheduler_config(free_port_range(1, IP), 1)) as scheduler:
+        rc, msg = _raw_call("ecm_scheduler_watch", scheduler.handle, None)
+        assert rc == _ffi.ECM_ERR_INVALID and "counter is NULL" in msg
+        words = (ctypes.c_uint64 * 2)()
+        odd = ctypes.cast(ctypes.addressof(words) + 4, ctypes.POINTER(ctypes.c_uint64))
+        rc, msg = _raw_call("ecm_scheduler_watch", scheduler.handle, odd)
+        assert rc == _ffi.ECM_ERR_INVALID and "aligned" in msg
+
+
+def _raw_call(name, *args):
+    dll = _ffi.lib()
+    err = ctypes.c_void_p()
+    rc = getattr(dll, name)(*args, ctypes.byref(err))
+    return rc, _ffi.take_string(dll, err) or ""
 
 
 @pytest.mark.parametrize(
