@@ -100,13 +100,19 @@ type Grant struct {
 	Err    error
 }
 
-// Event is the terminal news of one transfer: ready, or failed with a reason.
+// Event is the terminal news of one transfer: ready, or failed with a
+// reason. With Gone set it is instead the end of a region that had been
+// ready: it names the content (MMHash, NBytes, Reason) and no transfer,
+// because the transfers the copy served (the writer's, cached answers,
+// followers) all had their Ready event long ago, and most of them are
+// forgotten. Without it the scheduler would keep offering the content.
 type Event struct {
 	TransferID string
 	MMHash     string
 	Ready      bool
 	NBytes     uint64
 	Reason     string
+	Gone       bool
 }
 
 // StatusInfo describes a transfer. For a live transfer State is its
@@ -803,6 +809,7 @@ func (t *Table) Stats() Stats {
 // Expired). Its live transfers are settled now; its memory returns now, or
 // when the last write in flight ends.
 func (t *Table) doom(r *region, to State, reason string) {
+	announced := r.state == Ready
 	target := to
 	if r.inflight > 0 {
 		target = ExpirePending
@@ -820,6 +827,9 @@ func (t *Table) doom(r *region, to State, reason string) {
 	}
 	for len(r.followers) > 0 {
 		t.settle(r.followers[0], to, reason)
+	}
+	if announced {
+		t.events = append(t.events, Event{MMHash: r.mmHash, NBytes: r.nbytes, Reason: reason, Gone: true})
 	}
 	if t.byHash[r.mmHash] == r {
 		delete(t.byHash, r.mmHash)
