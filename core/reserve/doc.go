@@ -41,7 +41,9 @@
 // go on offering content this shard no longer holds. Between a hash's
 // Ready events and its Gone event the shard holds exactly one copy, so the
 // Gone event ends everything those Ready events announced, and nothing
-// announced after it.
+// announced after it. Status agrees: a follower or cached transfer,
+// forgotten as Ready, reports Expired (copy gone) while no ready copy of
+// its content is left.
 //
 // # Region states
 //

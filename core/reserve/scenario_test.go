@@ -367,11 +367,17 @@ func TestScenarios(t *testing.T) {
 			{op: "complete", tid: "w", events: ready("w")},
 			{op: "reserve", items: []Item{item("c", "h1", 2048)}, kinds: []Kind{KindCached}, events: ready("c")},
 			{op: "acquire", hash: "h1"}, {op: "release", hash: "h1"},
-			{op: "reserve", items: []Item{item("x", "h2", 4096)}, kinds: []Kind{KindWrite}, events: gone(ReasonEvicted, "h1")},
+			{op: "reserve", items: []Item{item("x", "h2", 4096)}, kinds: []Kind{KindWrite}, events: gone(ReasonEvicted, "h1"), check: all(
+				statusIs("w", StatusInfo{MMHash: "h1", State: Expired, Kind: KindWrite, NBytes: 2048, Done: true, Reason: ReasonEvicted}),
+				// Forgotten as ready, but its bytes went with the copy.
+				statusIs("c", StatusInfo{MMHash: "h1", State: Expired, Kind: KindCached, NBytes: 2048, Done: true, Reason: ReasonCopyGone}),
+			)},
 			{op: "complete", tid: "x", events: ready("x")},
 			{op: "acquire", hash: "h2"}, {op: "release", hash: "h2"},
-			{op: "reserve", items: []Item{item("w2", "h1", 2048)}, kinds: []Kind{KindWrite}, events: gone(ReasonEvicted, "h2")},
-			{op: "complete", tid: "w2", events: ready("w2")},
+			{op: "reserve", items: []Item{item("w2", "h1", 2048)}, kinds: []Kind{KindWrite}, events: gone(ReasonEvicted, "h2"),
+				check: statusIs("c", StatusInfo{MMHash: "h1", State: Expired, Kind: KindCached, NBytes: 2048, Done: true, Reason: ReasonCopyGone})},
+			{op: "complete", tid: "w2", events: ready("w2"), check: statusIs("c",
+				StatusInfo{MMHash: "h1", State: Ready, Kind: KindCached, NBytes: 2048, Done: true})},
 		}},
 		{name: "eviction is skipped when it cannot help", slab: 4096, steps: []step{
 			{op: "reserve", items: []Item{item("a", "h1", 1024), item("b", "h2", 2048)}},

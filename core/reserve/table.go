@@ -48,6 +48,9 @@ const (
 	ReasonExpired   = "lease expired"
 	ReasonEvicted   = "evicted"
 	ReasonAbandoned = "abandoned"
+	// ReasonCopyGone: Status of a follower or cached transfer whose
+	// content this shard no longer holds ready.
+	ReasonCopyGone = "copy gone"
 )
 
 // Defaults applied to zero Config fields.
@@ -769,9 +772,23 @@ func (t *Table) Status(transferID string) (StatusInfo, bool) {
 		return StatusInfo{MMHash: tr.mmHash, State: tr.region.state, Kind: tr.kind, NBytes: tr.nbytes, Done: tr.done}, true
 	}
 	if tb, ok := t.tomb.transfers[transferID]; ok {
-		return StatusInfo{MMHash: tb.mmHash, State: tb.state, Kind: tb.kind, NBytes: tb.nbytes, Done: true, Reason: tb.reason}, true
+		info := StatusInfo{MMHash: tb.mmHash, State: tb.state, Kind: tb.kind, NBytes: tb.nbytes, Done: true, Reason: tb.reason}
+		// A follower or cached transfer is forgotten as Ready, but its
+		// bytes were its region's: once no ready copy of the content is
+		// left, a scheduler catching up through Status must not learn
+		// that the transfer is ready after the Gone event told it not.
+		if tb.state == Ready && !t.holdsReady(tb.mmHash, tb.nbytes) {
+			info.State, info.Reason = Expired, ReasonCopyGone
+		}
+		return info, true
 	}
 	return StatusInfo{}, false
+}
+
+// holdsReady reports whether a ready copy of mmHash, of n bytes, is here.
+func (t *Table) holdsReady(mmHash string, n uint64) bool {
+	r := t.byHash[mmHash]
+	return r != nil && r.state == Ready && r.nbytes == n
 }
 
 // Stats is a snapshot of the counters and gauges.
