@@ -4,8 +4,9 @@
 // A Shard wires the deterministic reservation table (package reserve) to
 // the outside world: a ZeroMQ ROUTER control server at
 // ec_port + dp_rank*tp_size + tp_rank, a data-plane listener of the chosen
-// transport, and a PUSH socket that carries readiness and abandon events to
-// the consumer scheduler. The table is the only state; one mutex guards it
+// transport, and a PUSH socket that carries readiness and abandon events,
+// and the end of every copy it had announced ready (gone events), to the
+// consumer scheduler. The table is the only state; one mutex guards it
 // and is held only for table calls, never across I/O, so a slow peer can
 // never stall the control server or another writer.
 //

@@ -362,12 +362,18 @@ func (s *Shard) flushLocked() {
 	}
 }
 
-// sendEventsLocked sends the table's pending events, in order.
+// sendEventsLocked sends the table's pending events, in order: a gone
+// event must follow the ready events it ends and precede those of a later
+// copy of the same content, because the scheduler reads it that way.
 func (s *Shard) sendEventsLocked() {
 	for _, e := range s.table.DrainEvents() {
-		s.events.Send(wire.Event{
+		ev := wire.Event{
 			V: wire.Version, Shard: s.cfg.TPRank, TransferID: e.TransferID,
 			MMHash: e.MMHash, Ready: e.Ready, NBytes: e.NBytes, Reason: e.Reason,
-		})
+		}
+		if e.Gone {
+			ev.Kind = wire.EventGone
+		}
+		s.events.Send(ev)
 	}
 }

@@ -35,6 +35,16 @@
 // writer's transfer stays with its region until the region ends, so
 // Status can report the region's life.
 //
+// A Ready region that ends (evicted, its lease run out, cancelled) emits
+// one more Event, Gone, naming its mm_hash and no transfer: every transfer
+// it served already had its Ready event, so without it the scheduler would
+// go on offering content this shard no longer holds. Between a hash's
+// Ready events and its Gone event the shard holds exactly one copy, so the
+// Gone event ends everything those Ready events announced, and nothing
+// announced after it. Status agrees: a follower or cached transfer,
+// forgotten as Ready, reports Expired (copy gone) while no ready copy of
+// its content is left.
+//
 // # Region states
 //
 //	Writing ──Complete──▶ Ready ──(lease, never loaded; eviction)──▶ Expired

@@ -28,6 +28,9 @@ type harness struct {
 	grants   map[string]Grant // the first successful grant of each transfer
 	items    map[string]Item
 	terminal map[string]int // terminal events seen per transfer
+	// held: content this shard announced with a Ready event and whose
+	// Gone event has not come yet.
+	held map[string]bool
 }
 
 func newHarness(slabBytes uint64, cfg Config) *harness {
@@ -39,6 +42,7 @@ func newHarness(slabBytes uint64, cfg Config) *harness {
 		grants:   map[string]Grant{},
 		items:    map[string]Item{},
 		terminal: map[string]int{},
+		held:     map[string]bool{},
 	}
 }
 
@@ -48,6 +52,23 @@ type ev struct {
 	tid    string
 	ready  bool
 	reason string
+	gone   string // the mm_hash of a Gone event, which names no transfer
+}
+
+func shortEvent(e Event) ev {
+	if e.Gone {
+		return ev{gone: e.MMHash, reason: e.Reason}
+	}
+	return ev{tid: e.TransferID, ready: e.Ready, reason: e.Reason}
+}
+
+// gone is the end of the ready copy of each hash, for reason.
+func gone(reason string, hashes ...string) []ev {
+	out := make([]ev, len(hashes))
+	for i, h := range hashes {
+		out[i] = ev{gone: h, reason: reason}
+	}
+	return out
 }
 
 func ready(tids ...string) []ev {
@@ -202,7 +223,18 @@ func (h *harness) checkEvents(t *testing.T, i int, want []ev) {
 	got := h.tab.DrainEvents()
 	var gotShort []ev
 	for _, e := range got {
-		gotShort = append(gotShort, ev{tid: e.TransferID, ready: e.Ready, reason: e.Reason})
+		gotShort = append(gotShort, shortEvent(e))
+		if e.Gone {
+			require.Empty(t, e.TransferID, "step %d: a Gone event names no transfer", i)
+			require.False(t, e.Ready, "step %d: a Gone event is not ready", i)
+			require.Positive(t, e.NBytes, "step %d: a Gone event carries the copy's size", i)
+			require.True(t, h.held[e.MMHash], "step %d: Gone for %s, which was not announced ready", i, e.MMHash)
+			delete(h.held, e.MMHash)
+			continue
+		}
+		if e.Ready {
+			h.held[e.MMHash] = true
+		}
 		it := h.items[e.TransferID]
 		require.Equal(t, it.MMHash, e.MMHash, "step %d: event for %s", i, e.TransferID)
 		require.Equal(t, it.NBytes, e.NBytes, "step %d: event for %s", i, e.TransferID)

@@ -195,6 +195,7 @@ func runModel(t *testing.T, seed uint64, steps int) {
 	for tid := range granted {
 		require.Equal(t, 1, h.terminal[tid], "transfer %s must end with exactly one terminal event", tid)
 	}
+	require.Empty(t, h.held, "every copy announced ready must end with a Gone event once its region is gone")
 	s := h.tab.Stats()
 	require.Positive(t, s.Evictions, "the run never evicted")
 	require.Positive(t, s.Expired-s.Evictions, "the run never expired a lease")
@@ -206,7 +207,7 @@ func runModel(t *testing.T, seed uint64, steps int) {
 func (h *harness) peekEvents() []ev {
 	var out []ev
 	for _, e := range h.tab.events {
-		out = append(out, ev{tid: e.TransferID, ready: e.Ready, reason: e.Reason})
+		out = append(out, shortEvent(e))
 	}
 	return out
 }

@@ -93,7 +93,7 @@ func TestScenarios(t *testing.T) {
 				require.Equal(t, 1, s.Residents)
 				require.Equal(t, uint64(1024), s.ResidentBytes)
 			}},
-			{op: "evict", check: inUse(0)},
+			{op: "evict", events: gone(ReasonEvicted, "h1"), check: inUse(0)},
 		}},
 		{name: "writer abandons and followers fail at once", steps: []step{
 			{op: "reserve", items: []Item{item("w", "h1", 1000), item("f1", "h1", 1000)}, kinds: []Kind{KindWrite, KindFollow}},
@@ -152,7 +152,7 @@ func TestScenarios(t *testing.T) {
 		{name: "cancel of a ready region that nobody else wants frees it", steps: []step{
 			{op: "reserve", items: []Item{item("w", "h1", 1000)}},
 			{op: "complete", tid: "w", events: ready("w")},
-			{op: "cancel", tid: "w", check: all(inUse(0),
+			{op: "cancel", tid: "w", events: gone(ReasonCancelled, "h1"), check: all(inUse(0),
 				statusIs("w", StatusInfo{MMHash: "h1", State: Cancelled, Kind: KindWrite, NBytes: 1000, Done: true, Reason: ReasonCancelled}))},
 			{op: "acquire", hash: "h1", err: ErrUnknown},
 		}},
@@ -222,7 +222,7 @@ func TestScenarios(t *testing.T) {
 			{at: 10 * time.Second, op: "complete", tid: "b", events: ready("b")},
 			{at: 10 * time.Second, op: "acquire", hash: "h2"},
 			{at: 10*time.Second + lease - 1, op: "tick", check: inUse(2048)},
-			{at: 10*time.Second + lease, op: "tick", check: all(inUse(1024),
+			{at: 10*time.Second + lease, op: "tick", events: gone(ReasonExpired, "h1"), check: all(inUse(1024),
 				statusIs("a", StatusInfo{MMHash: "h1", State: Expired, Kind: KindWrite, NBytes: 1000, Done: true, Reason: ReasonExpired}))},
 			{at: 100 * lease, op: "release", hash: "h2"},
 			{at: 200 * lease, op: "tick", check: inUse(1024)},
@@ -233,7 +233,7 @@ func TestScenarios(t *testing.T) {
 			{op: "complete", tid: "w", events: ready("w")},
 			{at: lease / 2, op: "reserve", items: []Item{item("c", "h1", 1000)}, kinds: []Kind{KindCached}, events: ready("c")},
 			{at: lease, op: "tick", check: inUse(1024)},
-			{at: lease/2 + lease, op: "tick", check: inUse(0)},
+			{at: lease/2 + lease, op: "tick", events: gone(ReasonExpired, "h1"), check: inUse(0)},
 		}},
 		{name: "duplicate and late completes", steps: []step{
 			{op: "reserve", items: []Item{item("w", "h1", 1000)}},
@@ -242,7 +242,7 @@ func TestScenarios(t *testing.T) {
 			{op: "complete", tid: "w"},
 			{op: "complete", tid: "w", badToken: true, err: ErrBadToken},
 			{op: "begin", tid: "w", off: 0, n: 1, err: ErrNotWritable},
-			{op: "cancel", tid: "w", check: inUse(0)},
+			{op: "cancel", tid: "w", events: gone(ReasonCancelled, "h1"), check: inUse(0)},
 			{op: "complete", tid: "w", err: ErrGone},
 			{op: "complete", tid: "w", res: 99, err: ErrUnknown},
 		}},
@@ -309,7 +309,7 @@ func TestScenarios(t *testing.T) {
 			// would take h1 h4 h7 h2 (four copies) before h1+h2 fit; the
 			// adjacent pair h1 h2 is enough.
 			[]string{"h1", "h4", "h7", "h2", "h5", "h8"},
-			step{op: "reserve", items: []Item{item("x", "h9", 2048)}, kinds: []Kind{KindWrite}, check: func(t *testing.T, h *harness) {
+			step{op: "reserve", items: []Item{item("x", "h9", 2048)}, kinds: []Kind{KindWrite}, events: gone(ReasonEvicted, "h1", "h2"), check: func(t *testing.T, h *harness) {
 				require.Equal(t, uint64(2), h.tab.Stats().Evictions)
 				for hash, want := range map[string]bool{"h1": false, "h2": false, "h4": true, "h5": true, "h7": true, "h8": true} {
 					_, _, ok := h.tab.Lookup(hash)
@@ -320,7 +320,7 @@ func TestScenarios(t *testing.T) {
 		)},
 		{name: "fragmented slab: among extents, the one of the least recently used copies", slab: 8192, steps: fragmented(
 			[]string{"h2", "h8", "h4", "h5", "h7", "h1"},
-			step{op: "reserve", items: []Item{item("x", "h9", 2048)}, kinds: []Kind{KindWrite}, check: func(t *testing.T, h *harness) {
+			step{op: "reserve", items: []Item{item("x", "h9", 2048)}, kinds: []Kind{KindWrite}, events: gone(ReasonEvicted, "h4", "h5"), check: func(t *testing.T, h *harness) {
 				require.Equal(t, uint64(2), h.tab.Stats().Evictions)
 				require.Equal(t, uint64(3072), h.grants["x"].Offset, "h4 h5 are older than h1 h2 (h1 is the newest) and h7 h8 (h7 is newer than h5)")
 			}},
@@ -345,7 +345,7 @@ func TestScenarios(t *testing.T) {
 			{op: "reserve", items: []Item{item("c2", "h2", 1024)}, kinds: []Kind{KindCached}, events: ready("c2")},
 			{op: "acquire", hash: "h3"},
 			// Order now, oldest first: h1, h2 (touched by the cached answer); h3 pinned.
-			{op: "reserve", items: []Item{item("d", "h4", 2048)}, kinds: []Kind{KindWrite}, check: func(t *testing.T, h *harness) {
+			{op: "reserve", items: []Item{item("d", "h4", 2048)}, kinds: []Kind{KindWrite}, events: gone(ReasonEvicted, "h1", "h2"), check: func(t *testing.T, h *harness) {
 				require.Equal(t, uint64(2), h.tab.Stats().Evictions)
 				_, _, ok := h.tab.Lookup("h1")
 				require.False(t, ok)
@@ -358,9 +358,26 @@ func TestScenarios(t *testing.T) {
 			{op: "reserve", items: []Item{item("e", "h5", 2048)}, errs: []error{ErrPoolFull},
 				events: failed("refused: reserve transfer e (h5): pool full (2048 bytes asked, 3072 of 4096 bytes in use, largest free extent 1024 bytes)", "e")},
 			{op: "release", hash: "h3"},
-			{op: "reserve", items: []Item{item("e2", "h5", 2048)}, kinds: []Kind{KindWrite}, check: func(t *testing.T, h *harness) {
+			{op: "reserve", items: []Item{item("e2", "h5", 2048)}, kinds: []Kind{KindWrite}, events: gone(ReasonEvicted, "h3"), check: func(t *testing.T, h *harness) {
 				require.Equal(t, uint64(3), h.tab.Stats().Evictions)
 			}},
+		}},
+		{name: "an evicted copy that served cached answers ends with one gone event, before a new copy", slab: 4096, steps: []step{
+			{op: "reserve", items: []Item{item("w", "h1", 2048)}},
+			{op: "complete", tid: "w", events: ready("w")},
+			{op: "reserve", items: []Item{item("c", "h1", 2048)}, kinds: []Kind{KindCached}, events: ready("c")},
+			{op: "acquire", hash: "h1"}, {op: "release", hash: "h1"},
+			{op: "reserve", items: []Item{item("x", "h2", 4096)}, kinds: []Kind{KindWrite}, events: gone(ReasonEvicted, "h1"), check: all(
+				statusIs("w", StatusInfo{MMHash: "h1", State: Expired, Kind: KindWrite, NBytes: 2048, Done: true, Reason: ReasonEvicted}),
+				// Forgotten as ready, but its bytes went with the copy.
+				statusIs("c", StatusInfo{MMHash: "h1", State: Expired, Kind: KindCached, NBytes: 2048, Done: true, Reason: ReasonCopyGone}),
+			)},
+			{op: "complete", tid: "x", events: ready("x")},
+			{op: "acquire", hash: "h2"}, {op: "release", hash: "h2"},
+			{op: "reserve", items: []Item{item("w2", "h1", 2048)}, kinds: []Kind{KindWrite}, events: gone(ReasonEvicted, "h2"),
+				check: statusIs("c", StatusInfo{MMHash: "h1", State: Expired, Kind: KindCached, NBytes: 2048, Done: true, Reason: ReasonCopyGone})},
+			{op: "complete", tid: "w2", events: ready("w2"), check: statusIs("c",
+				StatusInfo{MMHash: "h1", State: Ready, Kind: KindCached, NBytes: 2048, Done: true})},
 		}},
 		{name: "eviction is skipped when it cannot help", slab: 4096, steps: []step{
 			{op: "reserve", items: []Item{item("a", "h1", 1024), item("b", "h2", 2048)}},
@@ -380,7 +397,7 @@ func TestScenarios(t *testing.T) {
 			{op: "complete", tid: "c", events: ready("c")},
 			{op: "acquire", hash: "h1"}, {op: "acquire", hash: "h2"}, {op: "acquire", hash: "h3"},
 			{op: "release", hash: "h1"}, {op: "release", hash: "h2"},
-			{op: "release", hash: "h3", check: func(t *testing.T, h *harness) {
+			{op: "release", hash: "h3", events: gone(ReasonEvicted, "h1"), check: func(t *testing.T, h *harness) {
 				s := h.tab.Stats()
 				require.Equal(t, 2, s.Residents)
 				require.Equal(t, uint64(2048), s.ResidentBytes)
@@ -454,7 +471,7 @@ func TestScenarios(t *testing.T) {
 			{op: "abandon", tid: "c", events: failed(ReasonAbandoned, "c")},
 			{op: "release", hash: "h1"},
 			{op: "end", tid: "b", ok: false},
-			{op: "evict", check: all(inUse(0), func(t *testing.T, h *harness) {
+			{op: "evict", events: gone(ReasonEvicted, "h1"), check: all(inUse(0), func(t *testing.T, h *harness) {
 				require.Zero(t, h.slab.Allocations())
 				s := h.tab.Stats()
 				require.Zero(t, s.Transfers)

@@ -48,6 +48,9 @@ const (
 	ReasonExpired   = "lease expired"
 	ReasonEvicted   = "evicted"
 	ReasonAbandoned = "abandoned"
+	// ReasonCopyGone: Status of a follower or cached transfer whose
+	// content this shard no longer holds ready.
+	ReasonCopyGone = "copy gone"
 )
 
 // Defaults applied to zero Config fields.
@@ -100,13 +103,19 @@ type Grant struct {
 	Err    error
 }
 
-// Event is the terminal news of one transfer: ready, or failed with a reason.
+// Event is the terminal news of one transfer: ready, or failed with a
+// reason. With Gone set it is instead the end of a region that had been
+// ready: it names the content (MMHash, NBytes, Reason) and no transfer,
+// because the transfers the copy served (the writer's, cached answers,
+// followers) all had their Ready event long ago, and most of them are
+// forgotten. Without it the scheduler would keep offering the content.
 type Event struct {
 	TransferID string
 	MMHash     string
 	Ready      bool
 	NBytes     uint64
 	Reason     string
+	Gone       bool
 }
 
 // StatusInfo describes a transfer. For a live transfer State is its
@@ -763,9 +772,23 @@ func (t *Table) Status(transferID string) (StatusInfo, bool) {
 		return StatusInfo{MMHash: tr.mmHash, State: tr.region.state, Kind: tr.kind, NBytes: tr.nbytes, Done: tr.done}, true
 	}
 	if tb, ok := t.tomb.transfers[transferID]; ok {
-		return StatusInfo{MMHash: tb.mmHash, State: tb.state, Kind: tb.kind, NBytes: tb.nbytes, Done: true, Reason: tb.reason}, true
+		info := StatusInfo{MMHash: tb.mmHash, State: tb.state, Kind: tb.kind, NBytes: tb.nbytes, Done: true, Reason: tb.reason}
+		// A follower or cached transfer is forgotten as Ready, but its
+		// bytes were its region's: once no ready copy of the content is
+		// left, a scheduler catching up through Status must not learn
+		// that the transfer is ready after the Gone event told it not.
+		if tb.state == Ready && !t.holdsReady(tb.mmHash, tb.nbytes) {
+			info.State, info.Reason = Expired, ReasonCopyGone
+		}
+		return info, true
 	}
 	return StatusInfo{}, false
+}
+
+// holdsReady reports whether a ready copy of mmHash, of n bytes, is here.
+func (t *Table) holdsReady(mmHash string, n uint64) bool {
+	r := t.byHash[mmHash]
+	return r != nil && r.state == Ready && r.nbytes == n
 }
 
 // Stats is a snapshot of the counters and gauges.
@@ -803,6 +826,7 @@ func (t *Table) Stats() Stats {
 // Expired). Its live transfers are settled now; its memory returns now, or
 // when the last write in flight ends.
 func (t *Table) doom(r *region, to State, reason string) {
+	announced := r.state == Ready
 	target := to
 	if r.inflight > 0 {
 		target = ExpirePending
@@ -820,6 +844,9 @@ func (t *Table) doom(r *region, to State, reason string) {
 	}
 	for len(r.followers) > 0 {
 		t.settle(r.followers[0], to, reason)
+	}
+	if announced {
+		t.events = append(t.events, Event{MMHash: r.mmHash, NBytes: r.nbytes, Reason: reason, Gone: true})
 	}
 	if t.byHash[r.mmHash] == r {
 		delete(t.byHash, r.mmHash)

@@ -28,11 +28,11 @@
 //	                                                                    ▲                                     │
 //	                                                                    └──────────────StartLoad──────────────┘
 //
-//	WaitingEvent: shard failure or EventWait ─▶ Unavailable; Finish or a sibling loaded ─▶ Cancelled
-//	Available:    AvailableTTL or shard failure ─▶ Expired;  Finish or a sibling loaded ─▶ Cancelled
-//	Loading:      Loaded failed ─▶ Failed; LoadWait or shard failure ─▶ Unavailable
-//	Ready:        shard failure ─▶ Expired
-//	Resident:     ResidentTTL or shard failure ─▶ Expired
+//	WaitingEvent: shard failure, gone or EventWait ─▶ Unavailable; Finish or a sibling loaded ─▶ Cancelled
+//	Available:    AvailableTTL, shard failure or gone ─▶ Expired;  Finish or a sibling loaded ─▶ Cancelled
+//	Loading:      Loaded failed ─▶ Failed; LoadWait, shard failure or gone ─▶ Unavailable
+//	Ready:        shard failure or gone ─▶ Expired
+//	Resident:     ResidentTTL, shard failure or gone ─▶ Expired
 //
 // The edges are exactly those documented on the State constants; transition
 // is the only function that allows a move, and every state change goes
@@ -44,8 +44,19 @@
 //
 // A failure event from a shard ends a record wherever it stands: before
 // loading it becomes Unavailable; once the bytes were available it becomes
-// Expired, which is how a shard's slab evicting a resident copy reaches the
-// table when ResidentTTL is zero.
+// Expired.
+//
+// A gone event names content, not a transfer: the shard's copy of an
+// mm_hash ended (evicted to make room, its lease ran out, cancelled) after
+// the shard had reported it ready. The copy may have served many transfers
+// (its writer, cached answers, followers) that the shard has long
+// forgotten, so the shard cannot name them; the table ends every record of
+// that mm_hash whose readiness the shard had reported, as a failure event
+// would, since an item is available only when every shard holds it. This
+// is how a shard's slab evicting a resident copy reaches the table when
+// ResidentTTL is zero. A shard's events arrive in order and it holds one
+// ready copy of a hash at a time, so reports of a later copy, which follow
+// the gone event, are untouched.
 //
 // # Shards that die or restart
 //

@@ -171,8 +171,14 @@ func runModel(t *testing.T, rng *rand.Rand, steps int) (map[State]bool, Stats) {
 			if rng.Intn(20) == 0 {
 				ev.Shard = []int{-1, 2}[rng.Intn(2)]
 			}
+			if rng.Intn(40) == 0 {
+				ev = Event{Shard: ev.Shard, MMHash: ev.MMHash, Reason: "evicted", Gone: true}
+			}
 			where = fmt.Sprintf("step %d: event %+v", step, ev)
 			tb.OnEvent(ev, now)
+			if ev.Gone && ev.Shard >= 0 && ev.Shard < 2 {
+				require.False(t, tb.Has(ev.MMHash), "%s: content one shard no longer holds is still offered", where)
+			}
 		case op < 62:
 			rid := pick("r", 6)
 			where = fmt.Sprintf("step %d: ensure %s", step, rid)

@@ -23,6 +23,7 @@ var base = time.Date(2026, 11, 29, 12, 0, 0, 0, time.UTC)
 //	expect R T=H ... [-> collision|invalid]
 //	ready S T H [NBYTES]        shard S reports T ready
 //	fail S T H REASON...        shard S reports T failed
+//	gone S H [REASON...]        shard S's copy of H ended
 //	state T -> STATE|none
 //	has H -> yes|no
 //	ensure R -> ready|wait|failed T,T
@@ -100,6 +101,10 @@ func runScript(t *testing.T, cfg Config, script string) *Table {
 				ev.Reason = strings.Join(f[4:], " ")
 			}
 			tb.OnEvent(ev, now)
+		case "gone":
+			shard, err := strconv.Atoi(f[1])
+			require.NoError(t, err, where)
+			tb.OnEvent(Event{Shard: shard, MMHash: f[2], Reason: strings.Join(f[3:], " "), Gone: true}, now)
 		case "state":
 			needWant()
 			got := "none"

@@ -80,6 +80,12 @@ type Expected struct {
 
 // Event is one shard's word on one transfer: its bytes are ready in the
 // shard's slab (Ready), or the shard gave up on it (Reason says why).
+//
+// With Gone set it is instead the shard's word on content: its copy of
+// MMHash ended (evicted, lease expired, cancelled) after it had been
+// reported ready. It names no transfer, because the copy may have served
+// many (the writer's, cached answers, followers) whose ids the shard no
+// longer keeps; TransferID is ignored.
 type Event struct {
 	Shard      int
 	TransferID string
@@ -87,6 +93,7 @@ type Event struct {
 	Ready      bool
 	NBytes     uint64
 	Reason     string
+	Gone       bool
 }
 
 // Failure tells a request that one of its items will not come. Retryable is
@@ -291,6 +298,10 @@ func (t *Table) knownHash(transferID string) (string, bool) {
 // so nothing here fails: an event that does not fit is counted and dropped.
 func (t *Table) OnEvent(ev Event, now time.Time) {
 	t.advance(now)
+	if ev.Gone {
+		t.onGone(ev, now)
+		return
+	}
 	if ev.Shard < 0 || ev.Shard >= t.cfg.Shards || ev.TransferID == "" || ev.MMHash == "" {
 		t.ignoredEvents++
 		return
@@ -322,6 +333,50 @@ func (t *Table) applyEvent(r *record, ev Event, now time.Time) {
 	r.shards.add(ev.Shard)
 	if r.state == WaitingEvent && r.shards.count() == t.cfg.Shards {
 		t.move(r, Available, now, "")
+	}
+}
+
+// onGone ends every record of the content that relied on the shard's
+// copy: those the shard had reported ready. A shard's events arrive in
+// order and it holds at most one ready copy of a hash at a time, so every
+// such report came from the copy that just ended, and reports of a later
+// copy come after this event. Records not yet reported ready by the shard
+// wait for a push that will land in a new copy, so they stay.
+//
+// An item is available only when every shard holds it, so one shard's
+// loss is enough: the content stops being offered (Has), a request still
+// waiting fails now (retryable) instead of at its deadline, and a load
+// cannot be started against bytes a shard no longer has.
+func (t *Table) onGone(ev Event, now time.Time) {
+	if ev.Shard < 0 || ev.Shard >= t.cfg.Shards || ev.MMHash == "" {
+		t.ignoredEvents++
+		return
+	}
+	reason := fmt.Sprintf("shard %d no longer holds %s", ev.Shard, ev.MMHash)
+	if ev.Reason != "" {
+		reason += ": " + ev.Reason
+	}
+	// fail edits byHash[ev.MMHash], so pick the records first.
+	var doomed []*record
+	for _, r := range t.byHash[ev.MMHash] {
+		if r.shards.has(ev.Shard) {
+			doomed = append(doomed, r)
+		}
+	}
+	for _, r := range doomed {
+		t.fail(r, reason, now)
+	}
+	// Early events of the content that this shard reported ready came
+	// from the same copy: their transfer, once expected, would otherwise
+	// look available. Early events are few (they wait only for the
+	// proxy's request to arrive), so a scan is cheap.
+	for _, e := range t.early {
+		if e.hash == ev.MMHash && e.shards.has(ev.Shard) {
+			e.shards.remove(ev.Shard)
+			if e.reason == "" {
+				e.reason = reason
+			}
+		}
 	}
 }
 

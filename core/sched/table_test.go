@@ -437,6 +437,80 @@ func TestScenarios(t *testing.T) {
 			ensure r2 -> failed t1
 			reason r3 t1 -> shard 1: evicted
 		`},
+		{"a gone copy ends every record the shard reported from it, cached answers included", two, `
+			expect r1 t1=h1
+			ready 0 t1 h1 100
+			ready 1 t1 h1 100
+			load h1 -> t1
+			loaded t1 ok
+			freed h1
+			state t1 -> Resident
+			# Another push of the content, answered cached by both shards,
+			# and a third that only shard 1 has answered so far.
+			expect r2 t2=h1
+			ready 0 t2 h1 100
+			ready 1 t2 h1 100
+			state t2 -> Available
+			expect r3 t3=h1
+			ready 1 t3 h1 100
+			gone 0 h1 evicted
+			state t1 -> Expired
+			state t2 -> Expired
+			state t3 -> WaitingEvent
+			has h1 -> no
+			load h1 -> error
+			tick -> r2/t2
+			reason r2 t2 -> shard 0 no longer holds h1: evicted
+			ensure r1 -> failed t1
+			# Shard 0's word on t3 comes from a new copy, after the gone event.
+			ready 0 t3 h1 100
+			state t3 -> Available
+			has h1 -> yes
+			ensure r3 -> ready
+			stats -> ignored=0
+		`},
+		{"a gone copy that another shard still holds is still not offered", two, `
+			expect r1 t1=h1
+			ready 0 t1 h1
+			ready 1 t1 h1
+			gone 1 h1 lease expired
+			state t1 -> Expired
+			has h1 -> no
+			tick -> r1/t1
+			reason r1 t1 -> shard 1 no longer holds h1: lease expired
+		`},
+		{"a gone copy fails the load that was about to pin it", two, `
+			expect r1 t1=h1
+			ready 0 t1 h1
+			ready 1 t1 h1
+			load h1 -> t1
+			gone 1 h1 lease expired
+			state t1 -> Unavailable
+			loaded t1 ok
+			stats -> reports=1
+			tick -> r1/t1
+		`},
+		{"a gone copy fails early events it had announced", two, `
+			ready 0 t1 h1
+			ready 1 t1 h1
+			gone 1 h1
+			stats -> early=1
+			expect r1 t1=h1
+			state t1 -> Unavailable
+			tick -> r1/t1
+			reason r1 t1 -> shard 1 no longer holds h1
+		`},
+		{"gone events out of range are ignored, of unknown content harmless", two, `
+			gone 2 h1 evicted
+			gone -1 h1 evicted
+			stats -> ignored=2
+			gone 0 hZ evicted
+			stats -> ignored=2 early=0 live=-
+			expect r1 t1=h1
+			ready 0 t1 h1
+			gone 1 h1 evicted
+			state t1 -> WaitingEvent
+		`},
 		{"tombstones are bounded", Config{Shards: 2, MaxTombstones: 2}, `
 			expect r1 t1=h1 t2=h2 t3=h3
 			finish r1 -> t1,t2,t3

@@ -11,7 +11,7 @@
 //     afterwards periodically asks the shard for the status of items that
 //     have waited a while, so an event lost while a socket reconnected
 //     costs latency, never a request;
-//   - one goroutine pumps readiness events into the table;
+//   - one goroutine pumps readiness and gone events into the table;
 //   - one goroutine applies deadlines when they fall due.
 //
 // With auth_secret set, the scheduler's control clients and its event

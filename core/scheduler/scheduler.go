@@ -189,7 +189,8 @@ func (s *Scheduler) apply(evs ...wire.Event) {
 		if ev.SentNS > 0 {
 			metrics.Phase(metrics.PhaseEventDelivery, time.Duration(now.UnixNano()-ev.SentNS))
 		}
-		s.table.OnEvent(sched.Event{Shard: ev.Shard, TransferID: ev.TransferID, MMHash: ev.MMHash, Ready: ev.Ready, NBytes: ev.NBytes, Reason: ev.Reason}, now)
+		s.table.OnEvent(sched.Event{Shard: ev.Shard, TransferID: ev.TransferID, MMHash: ev.MMHash, Ready: ev.Ready,
+			NBytes: ev.NBytes, Reason: ev.Reason, Gone: ev.Kind == wire.EventGone}, now)
 		ids[i] = ev.TransferID
 	}
 	s.waits.settle(s.table, ids, now)

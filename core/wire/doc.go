@@ -13,10 +13,14 @@
 //   - Reply {v, id, err, body}: the answer to the request with the same id.
 //     A reply carries either err or body. A reply with id 0 answers a request
 //     whose id could not be read; no caller can match it.
-//   - Event {v, shard, seq, ...}: readiness or abandonment of one transfer,
+//   - Event {v, kind, shard, seq, ...}: readiness or abandonment of one
+//     transfer, or (kind "gone") the end of a shard's copy of one mm_hash,
 //     consumer shard → consumer scheduler (PUSH → PULL). Seq counts events of
 //     one publisher from 1 with no holes; a hole means events were dropped
-//     and the scheduler must resync with the status op.
+//     and the scheduler must resync with the status op. The kind is optional
+//     and omitted for a transfer's outcome, so peers built before kinds
+//     existed exchange transfer outcomes unchanged; they refuse a gone event
+//     (it names no transfer) as invalid, and keep serving.
 //
 // Every envelope carries v == Version. A peer of another version is refused
 // with CodeVersion rather than guessed at: both sides run from one build in

@@ -65,6 +65,7 @@ func FuzzDecodeEvent(f *testing.F) {
 	for _, ev := range []Event{
 		{V: Version, Shard: 0, Seq: 1, TransferID: "t1", MMHash: "h1", Ready: true, NBytes: 1 << 20},
 		{V: Version, Shard: 3, Seq: 42, TransferID: "t2", MMHash: "h2", Reason: "abandoned"},
+		{V: Version, Kind: EventGone, Shard: 1, Seq: 43, MMHash: "h2", NBytes: 1 << 20, Reason: "evicted"},
 	} {
 		b, err := EncodeEvent(ev)
 		require.NoError(f, err)

@@ -163,6 +163,7 @@ func TestEventRoundTrip(t *testing.T) {
 		{V: Version, Shard: 0, Seq: 1, TransferID: "t1", MMHash: "h1", Ready: true, NBytes: 1 << 20},
 		{V: Version, Shard: 0, Seq: 2, TransferID: "t1", MMHash: "h1", Ready: true, NBytes: 1, SentNS: 1_764_000_000_123_456_789},
 		{V: Version, Shard: 3, Seq: 42, TransferID: "t2", MMHash: "h2", Reason: "writer abandoned: encoder failed"},
+		{V: Version, Kind: EventGone, Shard: 1, Seq: 43, MMHash: "h2", NBytes: 1 << 20, Reason: "evicted"},
 	} {
 		b, err := EncodeEvent(ev)
 		require.NoError(t, err)
@@ -248,6 +249,10 @@ func TestDecodeEventRejects(t *testing.T) {
 		{"mm hash too long", func(e *Event) { e.MMHash = long }, ErrInvalid, "mm_hash"},
 		{"ready without size", func(e *Event) { e.NBytes = 0 }, ErrInvalid, "nbytes"},
 		{"negative send time", func(e *Event) { e.SentNS = -1 }, ErrInvalid, "sent_ns"},
+		{"unknown kind", func(e *Event) { e.Kind = "moved" }, ErrInvalid, "kind"},
+		{"gone naming a transfer", func(e *Event) { e.Kind, e.Ready = EventGone, false }, ErrInvalid, "transfer_id"},
+		{"gone and ready", func(e *Event) { e.Kind, e.TransferID = EventGone, "" }, ErrInvalid, "ready"},
+		{"gone without mm hash", func(e *Event) { e.Kind, e.TransferID, e.Ready, e.MMHash = EventGone, "", false, "" }, ErrInvalid, "mm_hash"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ev := ok
@@ -264,6 +269,23 @@ func TestDecodeEventRejects(t *testing.T) {
 	}
 	_, err := DecodeEvent([]byte(`{"v":1,"seq":"x"}`))
 	require.ErrorIs(t, err, ErrMalformed)
+}
+
+// A peer that predates event kinds sends no kind field: its events decode
+// as transfer outcomes, and a transfer outcome encodes without the field,
+// so such a peer still reads what this one sends about transfers.
+func TestEventWithoutKindIsATransferOutcome(t *testing.T) {
+	old := []byte(`{"v":1,"shard":0,"seq":7,"transfer_id":"t","mm_hash":"h","ready":true,"nbytes":9}`)
+	ev, err := DecodeEvent(old)
+	require.NoError(t, err)
+	require.Equal(t, EventTransfer, ev.Kind)
+	b, err := EncodeEvent(ev)
+	require.NoError(t, err)
+	require.NotContains(t, string(b), `"kind"`)
+
+	b, err = EncodeEvent(Event{V: Version, Kind: EventGone, Seq: 8, MMHash: "h", Reason: "evicted"})
+	require.NoError(t, err)
+	require.Contains(t, string(b), `"kind":"gone"`)
 }
 
 func TestBodyRejects(t *testing.T) {

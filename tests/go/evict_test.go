@@ -25,8 +25,6 @@ func (c *cluster) loadOnce(req string, it item) {
 // A resident copy that its shard evicts to make room stops being offered:
 // has_cache_item must not say yes to bytes that a load cannot find.
 func TestEvictedResidentCopyIsNotOffered(t *testing.T) {
-	t.Skip("known: a shard that evicts a resident copy tells the scheduler nothing, so its Resident record stays; " +
-		"needs an end-of-content event from the shard (see the soak's -soak.squeeze)")
 	c := newCluster(t, clusterOpts{tp: 2, slabBytes: 1 << 20})
 	first := makeItems(50, 1, 600<<10, 600<<10, 0)
 	require.Empty(t, c.pushAll("req-first", first).Failed)
