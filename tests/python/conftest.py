@@ -77,3 +77,12 @@ def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "c
         if time.monotonic() >= deadline:
             pytest.fail(f"{what} not reached within {timeout:.0f}s")
         time.sleep(interval)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Shows how long the end-to-end test's phases took, passed or not."""
+    e2e = sys.modules.get("test_vllm_serve")
+    timings = getattr(e2e, "TIMINGS", None)
+    if timings:
+        line = ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
+        terminalreporter.write_line(f"end-to-end phases: {line}")
