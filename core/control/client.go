@@ -7,10 +7,10 @@ import (
 	"log/slog"
 	"runtime"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	zmq "github.com/pebbe/zmq4"
+	"go.uber.org/atomic"
 
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )

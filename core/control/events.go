@@ -4,10 +4,10 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	zmq "github.com/pebbe/zmq4"
+	"go.uber.org/atomic"
 
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )

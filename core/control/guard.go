@@ -5,10 +5,10 @@ import (
 	"log/slog"
 	"maps"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	zmq "github.com/pebbe/zmq4"
+	"go.uber.org/atomic"
 
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 )

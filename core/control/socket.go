@@ -6,11 +6,11 @@ import (
 	"log/slog"
 	"runtime/debug"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
 	zmq "github.com/pebbe/zmq4"
+	"go.uber.org/atomic"
 
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )

@@ -4,9 +4,9 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
-	"sync/atomic"
 
 	zmq "github.com/pebbe/zmq4"
+	"go.uber.org/atomic"
 )
 
 // zapEndpoint is where libzmq asks, within one context, whether to admit

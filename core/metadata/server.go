@@ -13,11 +13,11 @@ import (
 	"net"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
 	"github.com/valyala/fasthttp"
+	"go.uber.org/atomic"
 
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 )

@@ -2,10 +2,10 @@ package metrics
 
 import (
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/atomic"
 )
 
 // The readiness path of one batch, from its copies to the consumer's

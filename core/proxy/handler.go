@@ -9,10 +9,10 @@ import (
 	"io"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/valyala/fasthttp"
+	"go.uber.org/atomic"
 
 	"github.com/ecmooncake/ecmooncake/core/discovery"
 	"github.com/ecmooncake/ecmooncake/core/metrics"

@@ -5,10 +5,10 @@ import (
 	"fmt"
 	"sort"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/valyala/fasthttp"
+	"go.uber.org/atomic"
 
 	"github.com/ecmooncake/ecmooncake/core/discovery"
 )

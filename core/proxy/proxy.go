@@ -11,10 +11,10 @@ import (
 	"net"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/valyala/fasthttp"
+	"go.uber.org/atomic"
 
 	"github.com/ecmooncake/ecmooncake/core/discovery"
 	"github.com/ecmooncake/ecmooncake/core/metrics"

@@ -2,7 +2,7 @@ package scheduler
 
 import (
 	"fmt"
-	"sync/atomic"
+	"go.uber.org/atomic"
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/metrics"

@@ -147,6 +147,9 @@ func (s *Scheduler) Watch(counter *uint64) {
 
 func (s *Scheduler) publishLocked() {
 	if s.watch != nil && !s.closed {
+		// A plain word in the caller's memory, read by Python: sync/atomic's
+		// store on the raw address, where the library's own counters use
+		// go.uber.org/atomic's types.
 		atomic.StoreUint64(s.watch, s.table.Generation())
 	}
 }

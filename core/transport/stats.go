@@ -3,8 +3,9 @@ package transport
 import (
 	"log/slog"
 	"sync"
-	"sync/atomic"
 	"time"
+
+	"go.uber.org/atomic"
 )
 
 // recvCounters backs RecvStats for every receiver implementation.

@@ -8,8 +8,9 @@ import (
 	"net"
 	"runtime/debug"
 	"sync"
-	"sync/atomic"
 	"time"
+
+	"go.uber.org/atomic"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
 )

@@ -11,8 +11,9 @@ import (
 	"os"
 	"runtime/debug"
 	"sync"
-	"sync/atomic"
 	"time"
+
+	"go.uber.org/atomic"
 )
 
 // ackDrain bounds how long a connection whose sending side broke keeps

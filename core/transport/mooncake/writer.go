@@ -7,8 +7,9 @@ import (
 	"log/slog"
 	"math"
 	"sync"
-	"sync/atomic"
 	"time"
+
+	"go.uber.org/atomic"
 
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )

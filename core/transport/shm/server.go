@@ -8,9 +8,10 @@ import (
 	"net"
 	"runtime/debug"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
+
+	"go.uber.org/atomic"
 
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )

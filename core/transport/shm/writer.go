@@ -8,10 +8,10 @@ import (
 	"os"
 	"runtime"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
+	"go.uber.org/atomic"
 	"golang.org/x/sys/unix"
 
 	"github.com/ecmooncake/ecmooncake/core/transport"
