@@ -69,6 +69,7 @@ OPTIONAL_HOOKS = {
     "take_unavailable_requests": "a request whose items never arrive is not failed",
     "build_connector_worker_meta": "load and push outcomes do not reach the scheduler",
     "has_pending_push_work": "an idle engine may sit on pushes in flight",
+    "get_ec_connector_stats": "transfer statistics stay off vLLM's /metrics (metrics_port still serves the library's)",
 }
 
 # dtypes an item's description may name; anything else from the wire is
@@ -226,6 +227,207 @@ def _guarded(default: Callable[[], Any]) -> Callable:
     return wrap
 
 
+# --- statistics for vLLM's /metrics --------------------------------------------
+
+# The series vLLM serves for this connector on its own /metrics, named as
+# vLLM names its connectors' series (vllm:nixl_..., vllm:mooncake_...).
+PROM_PREFIX = "vllm:ec_mooncake_"
+SECONDS_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+BYTES_BUCKETS = [float(1 << k) for k in range(16, 34, 2)]  # 64 KiB .. 4 GiB
+# Observations a part keeps until vLLM reads them. A reader that never comes
+# (vLLM's V1 model runner asks its workers for no stats) costs no more than this.
+MAX_STAT_SAMPLES = 1 << 14
+_MiB = float(1 << 20)
+
+
+def _empty_stats() -> dict[str, Any]:
+    # Plain lists, dicts and numbers: vLLM pickles the worker's stats to the
+    # engine core and sends the data dict to its front end as msgpack.
+    return {
+        "push_seconds": [],  # per push: the encoder output handed over, to written on every shard
+        "push_bytes": [],  # per push: the item's bytes
+        "push_failures": 0,
+        # Keyed by transfer id, so that the TP ranks of a consumer, which all
+        # load the same item, count it once; a failure on any rank fails it.
+        "load_bytes": {},
+        "load_failures": [],
+        "wait_seconds": [],  # per item: the request first asking for it, to its load handed to the workers
+        "failed_requests": 0,  # requests failed for items that never arrived or never left
+    }
+
+
+def _ms(values: list[float], quantile: float | None = None) -> float:
+    if not values:
+        return 0.0
+    if quantile is None:
+        return round(sum(values) / len(values) * 1e3, 3)
+    ordered = sorted(values)
+    return round(ordered[max(0, math.ceil(quantile * len(ordered)) - 1)] * 1e3, 3)
+
+
+class _Stats:
+    """Transfer statistics of one step, or of vLLM's logging interval.
+
+    Bound to vLLM's ``ECConnectorStats`` as ``ECMooncakeConnectorStats``:
+    vLLM merges the TP ranks' worker stats and the scheduler's with
+    ``aggregate``, sends ``data`` to its front end, rebuilds it there with
+    ``build_ec_connector_stats`` and logs ``reduce()`` every interval.
+    """
+
+    def __init__(self, data: dict[str, Any] | None = None):
+        self.data = _empty_stats()
+        if data:
+            self._merge(data)
+
+    def _merge(self, data: dict[str, Any]) -> None:
+        d = self.data
+        for key in ("push_seconds", "push_bytes", "wait_seconds"):
+            d[key].extend(data.get(key) or ())
+        for key in ("push_failures", "failed_requests"):
+            d[key] += int(data.get(key) or 0)
+        d["load_bytes"].update(data.get("load_bytes") or {})
+        known = set(d["load_failures"])
+        d["load_failures"].extend(t for t in data.get("load_failures") or () if t not in known)
+
+    def reset(self) -> None:
+        self.data = _empty_stats()
+
+    def aggregate(self, other: Any) -> Any:
+        self._merge(other.data)
+        return self
+
+    def is_empty(self) -> bool:
+        d = self.data
+        return not any(d[key] for key in d)
+
+    def loaded_bytes(self) -> list[int]:
+        failed = set(self.data["load_failures"])
+        return [n for tid, n in self.data["load_bytes"].items() if tid not in failed]
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {}
+        # Only what happened: an encoder's line has no loads, a PD's no pushes.
+        if d["push_seconds"] or d["push_failures"]:
+            out["Num pushes"] = len(d["push_seconds"])
+            out["Push MiB"] = round(sum(d["push_bytes"]) / _MiB, 3)
+            out["Avg push time (ms)"] = _ms(d["push_seconds"])
+            out["P90 push time (ms)"] = _ms(d["push_seconds"], 0.9)
+            out["Num failed pushes"] = d["push_failures"]
+        if d["load_bytes"] or d["load_failures"]:
+            loaded = self.loaded_bytes()
+            out["Num loads"] = len(loaded)
+            out["Load MiB"] = round(sum(loaded) / _MiB, 3)
+            out["Num failed loads"] = len(d["load_failures"])
+        if d["wait_seconds"]:
+            out["Avg wait (ms)"] = _ms(d["wait_seconds"])
+            out["P90 wait (ms)"] = _ms(d["wait_seconds"], 0.9)
+        if d["failed_requests"]:
+            out["Num failed requests"] = d["failed_requests"]
+        return out
+
+
+class _Recorder:
+    """What one part of the connector observed since vLLM last asked."""
+
+    def __init__(self) -> None:
+        # The producer's copy thread records failures too.
+        self._lock = threading.Lock()
+        self._data = _empty_stats()
+        self._count = 0
+
+    def _note(self, **changes: Any) -> None:
+        with self._lock:
+            if self._count >= MAX_STAT_SAMPLES:
+                self._data, self._count = _empty_stats(), 0
+            self._count += 1
+            for key, value in changes.items():
+                slot = self._data[key]
+                if isinstance(slot, list):
+                    slot.append(value)
+                elif isinstance(slot, dict):
+                    slot.update(value)
+                else:
+                    self._data[key] = slot + value
+
+    def pushed(self, seconds: float, nbytes: int) -> None:
+        self._note(push_seconds=seconds, push_bytes=nbytes)
+
+    def push_failed(self) -> None:
+        self._note(push_failures=1)
+
+    def loaded(self, transfer_id: str, nbytes: int) -> None:
+        self._note(load_bytes={transfer_id: nbytes})
+
+    def load_failed(self, transfer_id: str) -> None:
+        self._note(load_failures=transfer_id)
+
+    def waited(self, seconds: float) -> None:
+        self._note(wait_seconds=seconds)
+
+    def requests_failed(self, count: int) -> None:
+        if count:
+            self._note(failed_requests=count)
+
+    def drain_into(self, stats: _Stats) -> None:
+        with self._lock:
+            data, self._data, self._count = self._data, _empty_stats(), 0
+        stats._merge(data)
+
+
+class _PromMetrics:
+    """The connector's series on vLLM's /metrics, labelled by engine.
+
+    Bound to vLLM's ``ECConnectorPromMetrics``; vLLM's Prometheus logger
+    calls ``observe`` with each step's stats data.
+    """
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict[int, list[Any]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_engine(metric: Any) -> dict[int, Any]:
+            return {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
+
+        def histogram(name: str, documentation: str, buckets: list[float]) -> dict[int, Any]:
+            return per_engine(self._histogram_cls(name=PROM_PREFIX + name, documentation=documentation, buckets=buckets, labelnames=labelnames))
+
+        def counter(name: str, documentation: str) -> dict[int, Any]:
+            return per_engine(self._counter_cls(name=PROM_PREFIX + name, documentation=documentation, labelnames=labelnames))
+
+        self.push_time = histogram(
+            "push_time_seconds",
+            "Encoder: time from an encoder output's hand-over to its push written and completed on every consumer shard.",
+            SECONDS_BUCKETS,
+        )
+        self.push_bytes = histogram("push_bytes", "Encoder: bytes of each encoder output pushed (each consumer shard gets a copy).", BYTES_BUCKETS)
+        self.failed_pushes = counter("num_failed_pushes", "Encoder: pushes that failed.")
+        self.load_bytes = histogram("load_bytes", "PD: bytes of each encoder output loaded into the encoder cache (TP ranks counted once).", BYTES_BUCKETS)
+        self.failed_loads = counter("num_failed_loads", "PD: loads that failed on any TP rank.")
+        self.wait_time = histogram(
+            "wait_time_seconds",
+            "PD: time from the scheduler first asking for a request's item to its load handed to the workers.",
+            SECONDS_BUCKETS,
+        )
+        self.failed_requests = counter(
+            "num_failed_requests", "Requests failed (retryable) because an encoder output did not arrive or could not be pushed."
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        stats = _Stats(transfer_stats_data)
+        d = stats.data
+        for seconds in d["push_seconds"]:
+            self.push_time[engine_idx].observe(seconds)
+        for nbytes in d["push_bytes"]:
+            self.push_bytes[engine_idx].observe(nbytes)
+        for nbytes in stats.loaded_bytes():
+            self.load_bytes[engine_idx].observe(nbytes)
+        for seconds in d["wait_seconds"]:
+            self.wait_time[engine_idx].observe(seconds)
+        self.failed_pushes[engine_idx].inc(d["push_failures"])
+        self.failed_loads[engine_idx].inc(len(d["load_failures"]))
+        self.failed_requests[engine_idx].inc(d["failed_requests"])
+
+
 # How long shutdown waits for a native object to close. The library's close
 # waits for control round trips in flight, each up to control_timeout_s, and
 # vLLM's shutdown should not; the object (and any memory the library may
@@ -372,6 +574,9 @@ class _ConsumerScheduler:
         # request id -> failures at _at, for every registered request
         # (absent: none) when _at comes from a snapshot.
         self._failed: dict[str, list[dict[str, Any]]] = {}
+        self.recorder = _Recorder()
+        # mm_hash -> when a request first asked for it, for the wait statistic.
+        self._asked_at: dict[str, float] = {}
 
     @property
     def endpoints(self) -> str:
@@ -387,6 +592,9 @@ class _ConsumerScheduler:
                 if tid is not None
             ]
             self._requests[rid] = items
+            now = time.monotonic()
+            for it in items:
+                self._asked_at.setdefault(it.mm_hash, now)
         return items
 
     def has_cache_item(self, identifier: str) -> bool:
@@ -561,6 +769,9 @@ class _ConsumerScheduler:
             else:
                 self._inflight[tid] = _Inflight(h, plan.requests, deadline)
                 self._loading[h] = tid
+                asked = self._asked_at.pop(h, None)
+                if asked is not None:
+                    self.recorder.waited(now - asked)
             meta.loads.append(LoadSpec(h, tid, plan.num_embeds, plan.modality, error))
 
     def _drop_inflight(self, tid: str) -> _Inflight | None:
@@ -584,7 +795,8 @@ class _ConsumerScheduler:
 
     def request_finished(self, request: Any) -> None:
         rid = request.request_id
-        self._requests.pop(rid, None)
+        for it in self._requests.pop(rid, None) or ():
+            self._asked_at.pop(it.mm_hash, None)
         self._to_register.pop(rid, None)
         self._refused.discard(rid)
         self._unavailable.discard(rid)
@@ -984,6 +1196,19 @@ class _ConsumerWorker:
         device = self._device if self._device is not None else "cpu"
         encoder_cache[spec.mm_hash] = torch.zeros(spec.num_embeds, width, dtype=getattr(torch, dtype), device=device)
 
+    def note_loads(self, meta: _StepMetadata, before: set[str], encoder_cache: dict[str, Any], recorder: _Recorder) -> None:
+        """Counts this step's loads for vLLM's stats: the bytes of each entry
+        a load put into the encoder cache from the slab, and each failure."""
+        for spec in meta.loads:
+            if not spec.transfer_id:
+                continue  # failed by the scheduler, and counted there
+            if spec.transfer_id in self._failed:
+                recorder.load_failed(spec.transfer_id)
+            elif spec.mm_hash not in before and spec.mm_hash in self._held:
+                tensor = encoder_cache.get(spec.mm_hash)
+                if tensor is not None:
+                    recorder.loaded(spec.transfer_id, tensor.numel() * tensor.element_size())
+
     def report(self, report: _WorkerReport) -> None:
         report.loaded |= self._loaded
         report.failed_loads.update(self._failed)
@@ -1007,6 +1232,8 @@ class _Push:
     announced: float
     submitted: bool = False
     sourced: bool = False
+    # When the encoder output was handed over: the push time starts here.
+    sourced_at: float = 0.0
 
 
 # Transfer ids of pushes that ended, remembered so that announcing one again
@@ -1103,6 +1330,7 @@ class _ProducerWorker:
         self._give_up_s = 3 * push_wait + 2 * control + 30.0
         self._ended: dict[str, None] = {}
         self._closed = False
+        self.recorder = _Recorder()
 
     def start(self) -> None:
         with self._lock:
@@ -1122,6 +1350,7 @@ class _ProducerWorker:
             for spec in new:
                 if spec.transfer_id in self._ended:
                     self._failed[spec.transfer_id] = "transfer id already used by an earlier push"
+                    self.recorder.push_failed()
                     continue
                 self._pushes[spec.transfer_id] = _Push(spec, now)
                 self._by_hash.setdefault(spec.mm_hash, set()).add(spec.transfer_id)
@@ -1169,8 +1398,10 @@ class _ProducerWorker:
                 reason = f"encoder output on {tensor.device}: only CPU and CUDA memory can be sent"
                 self._abandon_locked(list(self._by_hash.get(mm_hash, ())), reason)
                 return
+            now = time.monotonic()
             for tid in self._by_hash.get(mm_hash, ()):
                 self._pushes[tid].sourced = True
+                self._pushes[tid].sourced_at = now
             if device == "cpu":
                 self._ready[mm_hash] = tensor
                 return
@@ -1233,6 +1464,7 @@ class _ProducerWorker:
             reason,
         )
         self._failed[tid] = reason
+        self.recorder.push_failed()
         self._forget_locked(push)
 
     def _forget_locked(self, push: _Push) -> None:
@@ -1273,9 +1505,11 @@ class _ProducerWorker:
                     self._forget_locked(p)
                 self._cancel_locked([p.spec.transfer_id for p in orphans if p.submitted])
             out = self._native.poll(0)
+            now = time.monotonic()
             for tid in out.get("done") or ():
                 push = self._pushes.pop(tid, None)
                 if push is not None:
+                    self.recorder.pushed(now - (push.sourced_at or push.announced), push.spec.nbytes or 0)
                     self._forget_locked(push)
                 self._done.add(tid)
             for failure in out.get("failed") or ():
@@ -1310,6 +1544,47 @@ class _ProducerWorker:
             _close_bounded(native)
 
 
+# --- the startup line --------------------------------------------------------
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.4g} {unit}"
+    return f"{nbytes} B"
+
+
+def _transport_line(cfg: ec_config.ECMooncakeConfig) -> str:
+    transport = cfg.value("transport")
+    name = transport
+    if transport == "mooncake":
+        name = f"mooncake/{cfg.extra.get('mooncake_protocol', 'rdma')}"
+    if not cfg.is_producer:
+        return f"transport {name}"
+    # The producer picks per shard (see the README's GPU memory section).
+    if transport == "shm":
+        return "transport shm: other hosts refused, this host shm"
+    return f"transport {name}: other hosts {name}, this host {name} (cuda_ipc into a GPU slab)"
+
+
+def _slab_line(cfg: ec_config.ECMooncakeConfig) -> str:
+    line = f"slab {_size(cfg.buffer_size)} on {cfg.buffer_device}"
+    if cfg.buffer_device.startswith("cuda"):
+        return line + " (pinned host memory, copied to the GPU at load)"
+    if cfg.value("transport") == "shm":
+        return line + " (a memfd shared with producers on this host)"
+    return line
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "unknown"))
+    except ImportError:
+        return "not installed"
+
+
 # --- the connector -----------------------------------------------------------
 
 
@@ -1335,6 +1610,8 @@ class _Connector:
     _hooks: dict[str, bool] = {}
     _metadata_cls: type = _StepMetadata
     _report_cls: type = _WorkerReport
+    _stats_cls: type = _Stats
+    _prom_cls: type | None = None
 
     def __init__(self, vllm_config: Any, role: Any):
         super().__init__(vllm_config=vllm_config, role=role)
@@ -1345,6 +1622,7 @@ class _Connector:
         self._producer_sched: _ProducerScheduler | None = None
         self._consumer_worker: _ConsumerWorker | None = None
         self._producer_worker: _ProducerWorker | None = None
+        self._recorder = _Recorder()
         if getattr(role, "name", str(role)) == "SCHEDULER":
             if self._cfg.is_consumer:
                 self._consumer_sched = _ConsumerScheduler(self._cfg, ensure_hook=self._hooks.get("ensure_cache_available", True))
@@ -1355,19 +1633,29 @@ class _Connector:
                 self._consumer_worker = _ConsumerWorker(self._cfg, vllm_config)
             if self._cfg.is_producer:
                 self._producer_worker = _ProducerWorker(self._cfg)
-        missing = [f"{name} ({OPTIONAL_HOOKS[name]})" for name, present in self._hooks.items() if not present]
+        level, line = self._startup_line(getattr(role, "name", str(role)))
+        logger.log(level, "%s", line)
+
+    def _startup_line(self, role: str) -> tuple[int, str]:
+        """Everything an operator checks first, in one line per connector:
+        a warning when this vLLM lacks hooks, naming what each costs."""
+        cfg = self._cfg
+        t = cfg.topology
+        kinds = [k for k, on in (("producer", cfg.is_producer), ("consumer", cfg.is_consumer)) if on]
+        parts = [f"ecmooncake: {role} connector ({'+'.join(kinds)})"]
+        if cfg.is_consumer:
+            where = cfg.consumer_endpoint if self._consumer_worker is None else self._consumer_worker.endpoint
+            parts.append(f"consumer at {where}, tp_rank {t.tp_rank} of {t.tp_size}, dp_rank {t.dp_rank}")
+        parts.append(_transport_line(cfg))
+        if cfg.is_consumer:
+            parts.append(_slab_line(cfg) + (" per shard" if self._consumer_worker is None else ""))
+        parts.append(f"vLLM {_vllm_version()}")
+        present = [name for name in OPTIONAL_HOOKS if self._hooks.get(name, True)]
+        parts.append("calls " + (", ".join(present) if present else "none of the optional hooks"))
+        missing = [f"{name} ({cost})" for name, cost in OPTIONAL_HOOKS.items() if not self._hooks.get(name, True)]
         if missing:
-            logger.warning("ecmooncake: this vLLM's connector interface lacks %s", "; ".join(missing))
-        logger.info(
-            "ecmooncake: %s connector (%s%s) for %s, tp_rank %d of %d, dp_rank %d",
-            getattr(role, "name", role),
-            "producer" if self._cfg.is_producer else "",
-            "consumer" if self._cfg.is_consumer else "",
-            self._cfg.consumer_endpoint if self._cfg.is_consumer else "encoder",
-            self._cfg.topology.tp_rank,
-            self._cfg.topology.tp_size,
-            self._cfg.topology.dp_rank,
-        )
+            parts.append("lacks " + ", ".join(missing))
+        return (logging.WARNING if missing else logging.INFO), "; ".join(parts)
 
     # --- scheduler side ---
 
@@ -1447,6 +1735,7 @@ class _Connector:
         for part in (self._consumer_sched, self._producer_sched):
             if part is not None:
                 out |= part.take_unavailable()
+        self._recorder.requests_failed(len(out))
         return out
 
     @_guarded(lambda: False)
@@ -1482,7 +1771,10 @@ class _Connector:
         meta = self._connector_metadata
         if self._consumer_worker is None or not isinstance(meta, _StepMetadata):
             return
+        before = set(encoder_cache) if meta.loads else set()
         self._consumer_worker.load(meta, encoder_cache)
+        if meta.loads:
+            self._consumer_worker.note_loads(meta, before, encoder_cache, self._recorder)
 
     @_guarded(lambda: None)
     def save_caches(self, encoder_cache: dict[str, Any], mm_hash: str, **kwargs: Any) -> None:
@@ -1515,6 +1807,32 @@ class _Connector:
 
     # --- both ---
 
+    @_guarded(lambda: None)
+    def get_ec_connector_stats(self) -> Any:
+        """This step's transfers, for vLLM's /metrics and its log line
+        (None when nothing happened, so that vLLM sends nothing)."""
+        stats = self._stats_cls()
+        recorders = [self._recorder] + [p.recorder for p in (self._producer_worker, self._consumer_sched) if p is not None]
+        for recorder in recorders:
+            recorder.drain_into(stats)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return cls._stats_cls(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict[int, list[Any]]) -> Any:
+        if cls._prom_cls is None:
+            return None
+        try:
+            return cls._prom_cls(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        except Exception as exc:
+            # A server without these series still serves; one that cannot
+            # start over them does not.
+            logger.warning("ecmooncake: no connector series on vLLM's /metrics: %s: %s", type(exc).__name__, exc)
+            return None
+
     def native_stats(self) -> dict[str, Any]:
         """Counters of the native objects this connector owns (for tools)."""
         out: dict[str, Any] = {}
@@ -1542,7 +1860,7 @@ class _Connector:
 
 # --- binding to vLLM's base classes ------------------------------------------
 
-_PUBLIC = ("ECMooncakeConnector", MODULE_PATH_NAME, "ECMooncakeConnectorMetadata", "ECMooncakeWorkerMetadata")
+_PUBLIC = ("ECMooncakeConnector", MODULE_PATH_NAME, "ECMooncakeConnectorMetadata", "ECMooncakeWorkerMetadata", "ECMooncakeConnectorStats")
 _bind_lock = threading.Lock()
 
 
@@ -1558,15 +1876,23 @@ def _bind() -> None:
 
     metadata = make("ECMooncakeConnectorMetadata", _StepMetadata, base.ECConnectorMetadata)
     report = make("ECMooncakeWorkerMetadata", _WorkerReport, getattr(base, "ECConnectorWorkerMetadata", object))
+    try:
+        # Since vLLM 0.33; older releases have no stats hooks to serve.
+        from vllm.distributed.ec_transfer.ec_connector import metrics as ec_metrics
+    except ImportError:
+        ec_metrics = None
+    stats = make("ECMooncakeConnectorStats", _Stats, getattr(ec_metrics, "ECConnectorStats", object))
+    prom = make("ECMooncakePromMetrics", _PromMetrics, ec_metrics.ECConnectorPromMetrics) if ec_metrics else None
     connector = make(
         "ECMooncakeConnector",
         _Connector,
         base.ECConnectorBase,
-        {"_hooks": hooks, "_metadata_cls": metadata, "_report_cls": report},
+        {"_hooks": hooks, "_metadata_cls": metadata, "_report_cls": report, "_stats_cls": stats, "_prom_cls": prom},
     )
     namespace.update(
         ECMooncakeConnectorMetadata=metadata,
         ECMooncakeWorkerMetadata=report,
+        ECMooncakeConnectorStats=stats,
         ECMooncakeConnector=connector,
         **{MODULE_PATH_NAME: connector},
     )

@@ -8,6 +8,8 @@ Both roles run in this process here, as with vLLM's single-process executor.
 
 from __future__ import annotations
 
+import json
+import logging
 import pickle
 import subprocess
 import sys
@@ -154,7 +156,7 @@ def test_roles_after_init(model_dir):
 
 
 def test_every_hook_of_the_base_class_is_implemented():
-    inherited = {"update_state_after_free", "get_ec_connector_stats", "register_caches", "build_ec_connector_stats", "build_prom_metrics", "clear_connector_metadata", "_get_connector_metadata"}
+    inherited = {"update_state_after_free", "register_caches", "clear_connector_metadata", "_get_connector_metadata"}
     hooks = {name for name in dir(ECConnectorBase) if callable(getattr(ECConnectorBase, name)) and not name.startswith("__")}
     cls = ecm_connector.ECMooncakeConnector
     missing = sorted(name for name in hooks - inherited if getattr(cls, name) is getattr(ECConnectorBase, name))
@@ -502,3 +504,166 @@ def test_hooks_never_raise_into_the_engine(instance):
     assert w.build_connector_worker_meta().failed_loads.keys() == {"c0"}
     w.clear_connector_metadata()
     assert item.identifier in cache, "a stand-in keeps vLLM's gather from failing"
+
+
+# --- the startup line ----------------------------------------------------------
+
+
+def startup_lines(caplog, config, role) -> list[logging.LogRecord]:
+    plugin.register()  # its own line, once per process
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.ecmooncake"):
+        c = create(config, role)
+    c.shutdown()
+    return [r for r in caplog.records if r.name == "vllm.ecmooncake"]
+
+
+def test_startup_is_one_line_naming_role_transport_slab_version_and_hooks(model_dir, caplog):
+    import vllm
+
+    port = free_port_range(1)
+    consumer = make_config("ec_consumer", model_dir=model_dir, port=port, tp_size=2, buffer_size=64 * MiB, extra=EXTRA)
+    producer = make_config("ec_producer", model_dir=model_dir, port=port, extra={**EXTRA, "transport": "shm"}, widths={"image": WIDTH})
+    (worker,) = startup_lines(caplog, consumer, ECConnectorRole.WORKER)
+    assert worker.levelno == logging.INFO
+    line = worker.getMessage()
+    for part in ("WORKER", "consumer", f"127.0.0.1:{port}", "tp_rank 0 of 2", "transport tcp", "slab 64 MiB on cpu", f"vLLM {vllm.__version__}"):
+        assert part in line, (part, line)
+    for hook in ecm_connector.OPTIONAL_HOOKS:
+        assert hook in line, (hook, line)
+    (sched,) = startup_lines(caplog, consumer, ECConnectorRole.SCHEDULER)
+    assert "SCHEDULER" in sched.getMessage() and f"tcp://127.0.0.1:{port}" in sched.getMessage()
+    (encoder,) = startup_lines(caplog, producer, ECConnectorRole.WORKER)
+    line = encoder.getMessage()
+    assert "producer" in line and "this host shm" in line and "other hosts refused" in line, line
+
+
+def test_startup_line_names_each_missing_hook_and_its_cost(model_dir, caplog, monkeypatch):
+    cls = ecm_connector.ECMooncakeConnector
+    monkeypatch.setattr(cls, "_hooks", {**cls._hooks, "has_pending_push_work": False, "get_ec_connector_stats": False})
+    config = make_config("ec_producer", model_dir=model_dir, port=free_port_range(1), extra=EXTRA, widths={"image": WIDTH})
+    (line,) = startup_lines(caplog, config, ECConnectorRole.SCHEDULER)
+    assert line.levelno == logging.WARNING
+    text = line.getMessage()
+    assert "lacks" in text
+    for hook in ("has_pending_push_work", "get_ec_connector_stats"):
+        assert f"{hook} ({ecm_connector.OPTIONAL_HOOKS[hook]})" in text, text
+
+
+# --- statistics for vLLM's /metrics ---------------------------------------------
+
+
+def test_stats_merge_tp_ranks_and_reduce_to_a_log_line():
+    from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
+
+    stats = ecm_connector.ECMooncakeConnectorStats
+    assert issubclass(stats, ECConnectorStats)
+    assert stats().is_empty() and stats(data={}).is_empty()
+    # Both TP ranks load t1 and t2; rank 1 fails t2, so only t1 counts.
+    rank0 = stats(data={"load_bytes": {"t1": 3 * MiB, "t2": MiB}})
+    rank1 = stats(data={"load_bytes": {"t1": 3 * MiB}, "load_failures": ["t2"]})
+    sched = stats(data={"wait_seconds": [0.010, 0.030], "failed_requests": 1})
+    merged = pickle.loads(pickle.dumps(rank0.aggregate(rank1))).aggregate(sched)
+    assert not merged.is_empty()
+    out = merged.reduce()
+    assert out["Num loads"] == 1 and out["Load MiB"] == 3 and out["Num failed loads"] == 1
+    assert out["Avg wait (ms)"] == 20 and out["Num failed requests"] == 1
+    assert "Num pushes" not in out, "groups without activity stay out of the log line"
+    pushes = stats(data={"push_seconds": [0.002, 0.004], "push_bytes": [MiB, MiB], "push_failures": 1}).reduce()
+    assert pushes["Num pushes"] == 2 and pushes["Push MiB"] == 2 and pushes["Num failed pushes"] == 1
+    assert pushes["Avg push time (ms)"] == 3
+    merged.reset()
+    assert merged.is_empty()
+
+
+def test_each_part_hands_its_step_to_get_ec_connector_stats(instance):
+    items = [Item("stats/a", 300, WIDTH), Item("stats/b", 77, WIDTH)]
+    req = instance.expect("pd-stats", items, ["sa", "sb"])
+    instance.push(items, ["sa", "sb"])
+    w = instance.producer_worker
+    total = ecm_connector.ECMooncakeConnectorStats()
+
+    def pushed():
+        w.get_finished(set())
+        got = w.get_ec_connector_stats()
+        if got is not None:
+            total.aggregate(got)
+        return len(total.data["push_bytes"]) == 2
+
+    wait_until(pushed, 20, interval=0.01, what="both pushes done")
+    data = total.data
+    assert sorted(data["push_bytes"]) == sorted(it.nbytes for it in items)
+    assert len(data["push_seconds"]) == 2 and all(s >= 0 for s in data["push_seconds"])
+    assert w.get_ec_connector_stats() is None, "a step's stats are handed over once"
+    instance.wait_available(req)
+    s = instance.consumer_sched
+    for i, it in enumerate(items):
+        assert s.has_cache_item(it.identifier)
+        s.update_state_after_alloc(req, i)
+    step_load(instance)
+    loads = instance.consumer_worker.get_ec_connector_stats().data
+    assert loads["load_bytes"] == {"sa": items[0].nbytes, "sb": items[1].nbytes} and loads["load_failures"] == []
+    waits = s.get_ec_connector_stats().data
+    assert len(waits["wait_seconds"]) == 2 and all(x >= 0 for x in waits["wait_seconds"])
+    assert s.get_ec_connector_stats() is None
+
+
+def test_stats_on_vllms_prometheus_logger(model_dir):
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    config = make_config("ec_consumer", model_dir=model_dir, port=free_port_range(1), extra=EXTRA)
+    plugin.register()
+    logger = PrometheusStatLogger(config, engine_indexes=[0])
+    labels = {"model_name": config.model_config.served_model_name, "engine": "0"}
+
+    def value(name: str) -> float | None:
+        return REGISTRY.get_sample_value(name, labels)
+
+    assert value("vllm:ec_mooncake_load_bytes_count") == 0, "series exist before the first transfer"
+    steps = [
+        {"load_bytes": {"t1": 4 * MiB, "t2": MiB}, "load_failures": ["t2"], "wait_seconds": [0.05]},
+        {"push_seconds": [0.2], "push_bytes": [2 * MiB], "push_failures": 1, "failed_requests": 2},
+    ]
+    for data in steps:
+        logger.record(scheduler_stats=SchedulerStats(ec_connector_stats=data), iteration_stats=None, engine_idx=0)
+    assert value("vllm:ec_mooncake_load_bytes_count") == 1
+    assert value("vllm:ec_mooncake_load_bytes_sum") == 4 * MiB
+    assert value("vllm:ec_mooncake_num_failed_loads_total") == 1
+    assert value("vllm:ec_mooncake_wait_time_seconds_count") == 1
+    assert value("vllm:ec_mooncake_wait_time_seconds_sum") == pytest.approx(0.05)
+    assert value("vllm:ec_mooncake_push_time_seconds_count") == 1
+    assert value("vllm:ec_mooncake_push_bytes_sum") == 2 * MiB
+    assert value("vllm:ec_mooncake_num_failed_pushes_total") == 1
+    assert value("vllm:ec_mooncake_num_failed_requests_total") == 2
+
+
+OLDER_VLLM = r"""
+import json, pickle, sys
+# vLLM 0.32: no ec_connector/metrics.py, no stats hooks on the base class.
+sys.modules["vllm.distributed.ec_transfer.ec_connector.metrics"] = None
+from vllm.distributed.ec_transfer.ec_connector import base
+for name in ("get_ec_connector_stats", "build_ec_connector_stats", "build_prom_metrics"):
+    delattr(base.ECConnectorBase, name)
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+from ecmooncake import connector, plugin
+plugin.register()
+config = pickle.loads(sys.stdin.buffer.read())
+c = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+meta = c.build_connector_meta(__import__("vllm.v1.core.sched.output", fromlist=["x"]).SchedulerOutput.make_empty())
+c.shutdown()
+print(json.dumps({"hook": connector.ECMooncakeConnector._hooks["get_ec_connector_stats"],
+                  "stats_mro": [k.__name__ for k in connector.ECMooncakeConnectorStats.__mro__],
+                  "meta": type(meta).__name__}))
+"""
+
+
+def test_an_older_vllm_without_stats_hooks_still_works(model_dir):
+    config = make_config("ec_consumer", model_dir=model_dir, port=free_port_range(1), extra=EXTRA)
+    done = subprocess.run([sys.executable, "-c", OLDER_VLLM], input=pickle.dumps(config), capture_output=True, timeout=240, env=subprocess_env())
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    out = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    assert out["hook"] is False and out["meta"] == "ECMooncakeConnectorMetadata"
+    assert "ECConnectorStats" not in out["stats_mro"], "no vLLM base to bind to, and no failure for it"

@@ -47,6 +47,8 @@ class Deployment:
     pd: Engine
     port: int
     shards: list[WorkerProc]
+    encoder_config: object = None
+    pd_config: object = None
 
     @property
     def address(self) -> str:
@@ -81,6 +83,8 @@ def deployment(library, tmp_path_factory):
             pd=Engine("pd", pd_sched, workers[:2], encode_only=False, cache_embeds=CACHE_EMBEDS),
             port=port,
             shards=workers[:2],
+            encoder_config=encoder_config,
+            pd_config=pd_config,
         )
     finally:
         for connector in connectors:
@@ -256,3 +260,59 @@ def test_evicted_item_is_reloaded_from_the_resident_pool(deployment):
     run_until([d.pd], lambda: plain in d.pd.outcomes, 30, "request without transfer params")
     assert_bit_exact(d, plain, [x])
     settle(d)
+
+
+def front_end(config, payloads: list[dict]) -> tuple[dict, str]:
+    """vLLM's front end fed each step's stats: its Prometheus logger (the
+    connector's series, read back from the registry) and its log line."""
+    from prometheus_client import REGISTRY
+    from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorLogging
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    prom = PrometheusStatLogger(config, engine_indexes=[0])
+    logging_ = ECConnectorLogging(config.ec_transfer_config)
+    for data in payloads:
+        prom.record(scheduler_stats=SchedulerStats(ec_connector_stats=data), iteration_stats=None, engine_idx=0)
+        logging_.observe(data)
+    labels = {"model_name": config.model_config.served_model_name, "engine": "0"}
+    series = {}
+    for name in (
+        "push_time_seconds_count", "push_bytes_count", "push_bytes_sum", "num_failed_pushes_total",
+        "load_bytes_count", "load_bytes_sum", "num_failed_loads_total",
+        "wait_time_seconds_count", "num_failed_requests_total",
+    ):
+        series[name] = REGISTRY.get_sample_value("vllm:ec_mooncake_" + name, labels)
+    lines: list[str] = []
+    logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    return series, "\n".join(lines)
+
+
+def test_transfer_stats_reach_vllms_metrics(deployment):
+    d = deployment
+    settle(d)
+    d.encoder.stats_log.clear()
+    d.pd.stats_log.clear()
+    items = [Item("stats/a", 1024, WIDTH), Item("stats/b", 333, WIDTH)]
+    _, pd = serve(d, items)
+    assert_bit_exact(d, pd, items)
+    lost = Item("stats/lost", 64, WIDTH)
+    never = prefill(d, [lost], [{"mm_hash": lost.identifier, "transfer_id": f"lost-{next(_ids)}"}])
+    run_until([d.pd], lambda: never in d.pd.outcomes, PUSH_WAIT_S + 30, "the unavailable request")
+    settle(d)
+    total = sum(it.nbytes for it in items)
+
+    encoder, encoder_log = front_end(d.encoder_config, d.encoder.stats_log)
+    assert encoder["push_bytes_count"] == 2 and encoder["push_bytes_sum"] == total
+    assert encoder["push_time_seconds_count"] == 2
+    assert encoder["num_failed_pushes_total"] == 0 and encoder["load_bytes_count"] == 0
+    assert "EC Transfer metrics: Num pushes=2" in encoder_log, encoder_log
+
+    pd_series, pd_log = front_end(d.pd_config, d.pd.stats_log)
+    # Two TP ranks load each item; an item counts once.
+    assert pd_series["load_bytes_count"] == 2 and pd_series["load_bytes_sum"] == total
+    assert pd_series["num_failed_loads_total"] == 0
+    assert pd_series["wait_time_seconds_count"] == 2, "the lost item never loads, so it has no wait"
+    assert pd_series["num_failed_requests_total"] == 1
+    assert pd_series["push_bytes_count"] == 0
+    assert "Num loads=2" in pd_log and "Num failed requests=1" in pd_log, pd_log

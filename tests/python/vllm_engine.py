@@ -377,6 +377,9 @@ class Engine:
         self.loads_log: list[str] = []
         self.encoded_log: list[str] = []
         self.widths: dict[str, int] = {}
+        # Each step's ec_connector_stats as the engine core sends them to
+        # vLLM's front end (SchedulerStats, msgpack), for its stat loggers.
+        self.stats_log: list[dict] = []
         self._finished_ids: set[str] = set()
         self._waited: dict[str, int] = {}
         self.steps = 0
@@ -535,6 +538,21 @@ class Engine:
         ec_output = merged.ec_connector_output if merged is not None else None
         if ec_output is not None:
             c.update_connector_output(ec_output)
+        self._collect_stats(ec_output)
+
+    def _collect_stats(self, ec_output: Any) -> None:
+        """The workers' stats merged with the scheduler's, as vLLM's
+        Scheduler.update_from_output and make_stats do."""
+        from vllm.v1.metrics.stats import SchedulerStats
+        from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+        stats = ec_output.ec_connector_stats if ec_output is not None else None
+        scheduler_stats = self.connector.get_ec_connector_stats()
+        if scheduler_stats is not None and not scheduler_stats.is_empty():
+            stats = stats.aggregate(scheduler_stats) if stats is not None else scheduler_stats
+        if stats is not None:
+            wire = MsgpackEncoder().encode(SchedulerStats(ec_connector_stats=stats.data))
+            self.stats_log.append(MsgpackDecoder(SchedulerStats).decode(wire).ec_connector_stats)
 
     def _finish(self, req: Any, status: str, gathered: dict) -> None:
         _, params = self.connector.request_finished(req)
