@@ -30,6 +30,20 @@ func newMooncake(c mooncake.Config) (transport.Transport, error) {
 	return tr, nil
 }
 
+// MooncakeInfo says whether the TransferEngine library in {"library": path}
+// (empty: the loader's search path) loads and has every function the
+// transport calls; a library that does not is an answer, not an error.
+func MooncakeInfo(raw []byte) ([]byte, error) {
+	setup()
+	var in struct {
+		Library string `json:"library"`
+	}
+	if err := unmarshal("mooncake_info", raw, &in); err != nil {
+		return nil, err
+	}
+	return marshal(mooncake.Probe(in.Library))
+}
+
 // consumerTransport is the data plane a consumer shard listens on.
 func consumerTransport(cfg config.Consumer) (transport.Transport, error) {
 	switch cfg.Transport {

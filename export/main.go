@@ -136,6 +136,11 @@ func ecm_gpu_info(out **C.char, errOut **C.char) C.int {
 	return finishJSON(errOut, "ecm_gpu_info", out, capi.GPUInfo)
 }
 
+//export ecm_mooncake_info
+func ecm_mooncake_info(cfg *C.char, out **C.char, errOut **C.char) C.int {
+	return finishJSON(errOut, "ecm_mooncake_info", out, func() ([]byte, error) { return capi.MooncakeInfo(goBytes(cfg)) })
+}
+
 //export ecm_stats
 func ecm_stats(h C.uint64_t, out **C.char, errOut **C.char) C.int {
 	return finishJSON(errOut, "ecm_stats", out, func() ([]byte, error) { return capi.Stats(uint64(h)) })

@@ -68,6 +68,12 @@ int ecm_configure(const char *config_json, char **err);
  * with dlopen on first use; without it every GPU feature fails with
  * ECM_ERR_UNAVAILABLE and everything else works. */
 int ecm_gpu_info(char **out_json, char **err);
+/* Whether Mooncake's TransferEngine can serve the mooncake transport, for
+ * {"library": path} (empty: libtransfer_engine.so on the loader's search
+ * path): {"library", "available": bool, "reason", "symbols": [functions
+ * the transport needs]}. Loads the library as an object choosing mooncake
+ * would; creates no engine. */
+int ecm_mooncake_info(const char *config_json, char **out_json, char **err);
 /* Counters and state of any open object, as JSON. */
 int ecm_stats(ecm_handle_t h, char **out_json, char **err);
 /* Closes any object; closing twice is ECM_ERR_HANDLE. */

@@ -43,6 +43,7 @@ PROTOTYPES: dict[str, tuple[object, tuple[object, ...]]] = {
     "ecm_free": (None, (c_void_p,)),
     "ecm_configure": (c_int, (c_char_p, c_str_out)),
     "ecm_gpu_info": (c_int, (c_str_out, c_str_out)),
+    "ecm_mooncake_info": (c_int, (c_char_p, c_str_out, c_str_out)),
     "ecm_stats": (c_int, (ecm_handle_t, c_str_out, c_str_out)),
     "ecm_close": (c_int, (ecm_handle_t, c_str_out)),
     "ecm_consumer_open": (

@@ -322,6 +322,18 @@ def gpu_info() -> dict:
     return _call("ecm_gpu_info", out=True)
 
 
+def mooncake_info(library: str | None = None) -> dict:
+    """Whether Mooncake's TransferEngine serves the mooncake transport here:
+    library, available, reason, symbols (the functions it needs).
+
+    ``library`` defaults to $ECMOONCAKE_MOONCAKE_LIBRARY, then
+    libtransfer_engine.so on the loader's search path, as for a consumer
+    or producer. Loads the library; creates no engine."""
+    if library is None:
+        library = os.environ.get(MOONCAKE_LIBRARY_ENV, "")
+    return _call("ecm_mooncake_info", _encode({"library": library}, "mooncake_info"), out=True)
+
+
 def _stream_handle(stream: Any, tensor: Any) -> int:
     """The cudaStream_t whose queued work produces ``tensor``: ``stream``
     (a torch.cuda.Stream or a raw handle), else the tensor device's current
@@ -672,6 +684,7 @@ __all__ = [
     "error_for",
     "gpu_info",
     "memory_of",
+    "mooncake_info",
     "with_metadata_token",
     "with_mooncake_library",
 ]

@@ -67,6 +67,7 @@ def test_metadata_server_open_with_null_out_opens_nothing():
     [
         ("ecm_abi_version", (None,)),
         ("ecm_gpu_info", (None,)),
+        ("ecm_mooncake_info", (b"{}", None)),
         ("ecm_stats", (1, None)),
         ("ecm_consumer_info", (1, None)),
         ("ecm_consumer_acquire", (1, b"{}", None)),

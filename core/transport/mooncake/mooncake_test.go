@@ -429,3 +429,26 @@ func FuzzParsePeer(f *testing.F) {
 		}
 	})
 }
+
+func TestProbeSaysWhatIsMissing(t *testing.T) {
+	needDouble(t)
+	cases := []struct {
+		name, path string
+		available  bool
+		want       string
+	}{
+		{"library with the C API", doublePath, true, ""},
+		{"no library", "/nonexistent/libtransfer_engine.so", false, "cannot load"},
+		{"missing symbol", noFreePath, false, "lacks freeBatchID"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got := Probe(tc.path)
+			require.Equal(t, tc.path, got.Library)
+			require.Equal(t, tc.available, got.Available, got.Reason)
+			require.Contains(t, got.Reason, tc.want)
+			require.Contains(t, got.Symbols, "submitTransfer")
+		})
+	}
+	require.Equal(t, DefaultLibrary, Probe("").Library)
+}
