@@ -127,6 +127,17 @@ def _parser() -> argparse.ArgumentParser:
             "Prints its URL as the first line of stdout.",
         )
     )
+    from . import doctor as _doctor  # argument table only; loads no library
+
+    _doctor.add_arguments(
+        commands.add_parser(
+            "doctor",
+            help="check that this host can serve the connector: library, libzmq, GPU, Mooncake, /dev/shm, ports, vLLM",
+            description="One line per check (ok, warn or fail, with the fix); exits 1 if any check fails. "
+            "With --ec-transfer-config, what that config asks for must be there; without, a GPU and "
+            "Mooncake are optional and only warned about.",
+        )
+    )
     from .tools import tiny_model as _tiny_model  # argument table only; imports no torch
 
     _tiny_model.add_arguments(
@@ -152,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tools import tiny_model
 
         return tiny_model.main(args)
+    if args.command == "doctor":
+        from . import doctor
+
+        return doctor.main(args)
     if args.command == "demo":
         from . import demo
 

@@ -1,0 +1,159 @@
+"""``python -m ecmooncake doctor``: one line per check, a fix for each
+problem, a non-zero exit on any failure. On this build VM (no GPU, no
+Mooncake) the GPU and Mooncake lines are warnings unless the config asks
+for them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, subprocess_env
+from ecmooncake import doctor
+from ecmooncake.harness import free_port_range
+
+pytestmark = pytest.mark.usefixtures("library")
+
+MiB = 1 << 20
+
+
+def config(**fields) -> str:
+    base = {"ec_connector": "ECMooncakeConnector", "ec_role": "ec_consumer", "ec_buffer_device": "cpu", "ec_buffer_size": 64 * MiB}
+    return json.dumps({**base, **fields})
+
+
+def by_name(checks) -> dict[str, doctor.Check]:
+    return {c.name: c for c in checks}
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ecmooncake", "doctor", *args], capture_output=True, text=True, timeout=240, env=subprocess_env(**env)
+    )
+
+
+def test_this_vm_passes_with_warnings_for_gpu_and_mooncake():
+    port = free_port_range(2)
+    checks = by_name(doctor.run(config(ec_port=port), tensor_parallel_size=2))
+    assert checks["library"].status == "ok" and checks["libzmq"].status == "ok", checks
+    assert "libzmq" in checks["libzmq"].message
+    for name in ("gpu", "mooncake"):
+        assert checks[name].status == "warn", checks[name]
+        assert "not available" in checks[name].message and checks[name].fix
+    assert checks["ports"].status == "ok" and f"{port}, {port + 1}" in checks["ports"].message
+    assert checks["vllm"].status == "ok", checks["vllm"]
+    assert checks["config"].status == "ok"
+    assert doctor.exit_status(checks.values()) == 0
+
+
+def test_cli_prints_one_line_per_check_and_exits_zero_here():
+    done = cli("--ec-transfer-config", config(ec_port=free_port_range(1)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == len(doctor.CHECKS)
+    assert all(line.split()[0] in ("ok", "warn", "fail") for line in lines), lines
+    assert any(line.startswith("warn") and " gpu " in line for line in lines)
+
+
+def test_a_port_in_use_fails_naming_the_port_and_the_fix():
+    port = free_port_range(2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        checks = by_name(doctor.run(config(ec_port=port), tensor_parallel_size=2))
+    ports = checks["ports"]
+    assert ports.status == "fail"
+    assert f"127.0.0.1:{port + 1}" in ports.message and "in use" in ports.message
+    assert "ec_port" in ports.fix
+    assert doctor.exit_status(checks.values()) == 1
+
+
+def test_data_and_metrics_ports_are_checked_too():
+    port = free_port_range(1)
+    data = free_port_range(1)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", data))
+        taken.listen()
+        checks = by_name(doctor.run(config(ec_port=port, ec_connector_extra_config={"data_port": data})))
+    assert checks["ports"].status == "fail" and f":{data}" in checks["ports"].message
+    assert "data_port" in checks["ports"].fix
+
+
+def test_a_missing_libzmq_fails_naming_the_fix(tmp_path):
+    # A stand-in library that needs a libzmq no loader can find, as a host
+    # without libzmq installed sees the real one.
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.fail("a C compiler is needed to build the stand-in library")
+    (tmp_path / "zmq.c").write_text("int zmq_stand_in(void) { return 0; }\n")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", tmp_path / "libzmq.so.999", tmp_path / "zmq.c", "-Wl,-soname,libzmq.so.999"], check=True)
+    (tmp_path / "lib.c").write_text("int zmq_stand_in(void); int ecm_stand_in(void) { return zmq_stand_in(); }\n")
+    lib = tmp_path / "libecmooncake.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", lib, tmp_path / "lib.c", tmp_path / "libzmq.so.999"], check=True)
+    (tmp_path / "libzmq.so.999").unlink()
+    done = cli("--ec-transfer-config", config(ec_port=free_port_range(1)), ECMOONCAKE_LIBRARY=str(lib))
+    assert done.returncode == 1, done.stdout + done.stderr
+    zmq = next(line for line in done.stdout.splitlines() if " libzmq " in line)
+    assert zmq.startswith("fail") and "libzmq.so.999" in zmq and "apt-get install libzmq5" in zmq, zmq
+    library = next(line for line in done.stdout.splitlines() if " library " in line)
+    assert library.startswith("fail") and str(lib) in library
+
+
+def test_a_library_override_that_is_not_there_is_named(tmp_path):
+    # The loader falls back to the package's own copy: a build other than
+    # the one asked for, which the doctor says.
+    missing = tmp_path / "nowhere" / "libecmooncake.so"
+    done = cli("--json", "--ec-transfer-config", config(ec_port=free_port_range(1)), ECMOONCAKE_LIBRARY=str(missing))
+    checks = {c["name"]: c for c in json.loads(done.stdout)}
+    library = checks["library"]
+    assert library["status"] == "warn" and str(missing) in library["message"], library
+    assert "ECMOONCAKE_LIBRARY" in library["fix"]
+    assert done.returncode == 0, "the library that loaded works"
+
+
+def test_a_config_that_asks_for_a_gpu_or_mooncake_fails_here():
+    checks = by_name(doctor.run(config(ec_port=free_port_range(1), ec_buffer_device="cuda")))
+    assert checks["gpu"].status == "fail" and '"ec_buffer_device": "cpu"' in checks["gpu"].fix
+    checks = by_name(doctor.run(config(ec_port=free_port_range(1), ec_connector_extra_config={"transport": "mooncake"}), mooncake_library="/nonexistent/libtransfer_engine.so"))
+    mooncake = checks["mooncake"]
+    assert mooncake.status == "fail" and "/nonexistent/libtransfer_engine.so" in mooncake.message
+    assert "mooncake_library" in mooncake.fix
+
+
+def test_mooncake_with_every_symbol_is_ok(tmp_path):
+    spec = importlib.util.spec_from_file_location("build_mooncake_double", REPO / "build" / "build_mooncake_double.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ok = module.build(tmp_path / "ok")
+    partial = module.build(tmp_path / "partial", omit_free_batch_id=True)
+    cfg = config(ec_port=free_port_range(1), ec_connector_extra_config={"transport": "mooncake"})
+    assert by_name(doctor.run(cfg, mooncake_library=str(ok)))["mooncake"].status == "ok"
+    lacking = by_name(doctor.run(cfg, mooncake_library=str(partial)))["mooncake"]
+    assert lacking.status == "fail" and "freeBatchID" in lacking.message
+
+
+def test_shm_needs_room_for_every_slab_in_dev_shm():
+    free = doctor.shm_free_bytes()
+    small = by_name(doctor.run(config(ec_port=free_port_range(1), ec_connector_extra_config={"transport": "shm"})))["shm"]
+    assert small.status == "ok" and "memfd" in small.message
+    huge = by_name(doctor.run(config(ec_port=free_port_range(1), ec_buffer_size=free + (1 << 30), ec_connector_extra_config={"transport": "shm"})))["shm"]
+    assert huge.status == "fail" and "ec_buffer_size" in huge.fix
+
+
+def test_a_bad_config_fails_with_the_connectors_message():
+    checks = by_name(doctor.run(config(ec_port=free_port_range(1), ec_connector_extra_config={"no_such_key": 1})))
+    assert checks["config"].status == "fail" and "no_such_key" in checks["config"].message
+    assert doctor.exit_status(checks.values()) == 1
+
+
+def test_the_readme_documents_the_doctor():
+    readme = (REPO / "README.md").read_text()
+    assert "python -m ecmooncake doctor" in readme
+    assert Path(doctor.__file__).name == "doctor.py"
