@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--ceiling-mb", type=float, default=1024, help="MiB per ceiling sample (default %(default)s)")
     bench.add_argument("--json", action="store_true", help="print the summary as JSON")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bench.add_argument("--plot", metavar="FILE.png", help="also draw throughput against item size, with the ceilings, into this PNG (needs matplotlib)")
 
     from . import ceiling as _ceiling  # argument table only; loads no library
 
@@ -94,6 +95,16 @@ def _parser() -> argparse.ArgumentParser:
             "producer process pushes the requests' encoder outputs, and prints p50/p99 of "
             "has_cache_item and ensure_cache_available beside vLLM's own "
             "EncoderCacheManager.check_and_update_cache, timed in the same run. Needs vLLM and torch.",
+        )
+    )
+
+    from . import gpubench as _gpubench  # argument table only; imports no torch
+
+    _gpubench.add_arguments(
+        commands.add_parser(
+            "gpubench",
+            help="GPU memory end to end: cuda_ipc and TCP against ceilings measured in the same run",
+            description=_gpubench.__doc__.splitlines()[0] + " Needs a GPU and torch.",
         )
     )
 
@@ -183,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import bench_vllm
 
         return bench_vllm.main(args, (sys.argv[1:] if argv is None else argv)[1:])
+    if args.command == "gpubench":
+        from . import gpubench
+
+        return gpubench.run_args(args)
     if args.command in ("proxy", "register"):
         from . import proxy
 

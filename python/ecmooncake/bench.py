@@ -174,6 +174,14 @@ def format_summary(s: dict) -> str:
 
 
 def main(args) -> int:
+    from . import plot
+
+    if args.plot:
+        try:
+            plot.require()
+        except plot.PlotUnavailable as exc:
+            print(f"ecmooncake bench: {exc}", file=sys.stderr)
+            return 2
     return harness.report(
         "bench",
         lambda: run(
@@ -190,4 +198,5 @@ def main(args) -> int:
         ),
         format_summary,
         args.json,
+        plot_path=args.plot,
     )

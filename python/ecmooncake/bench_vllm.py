@@ -671,6 +671,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-netns", action="store_true", help="run the mooncake peer on the host's loopback (its engine may then advertise another address)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw throughput against item size, with the ceilings, into this PNG (needs matplotlib)")
 
 
 def _in_namespace(argv: list[str]) -> int:
@@ -685,6 +686,14 @@ def _in_namespace(argv: list[str]) -> int:
 
 
 def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    from . import plot
+
+    if args.plot:
+        try:
+            plot.require()
+        except plot.PlotUnavailable as exc:
+            print(f"ecmooncake bench-vllm: {exc}", file=sys.stderr)
+            return 2
     peers = tuple(p for p in args.peers.split(",") if p)
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -708,4 +717,6 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     summary = run(args.sizes_mb, args.reps, args.width, args.dir, args.quiet, args.transport, peers,
                   tuple(args.batches), args.gomaxprocs, args.tcp_conns, int(args.ceiling_mb * MiB))
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    if args.plot:
+        print(f"ecmooncake bench-vllm: plot written to {plot.write(summary, args.plot)}", file=sys.stderr)
     return 0 if summary["ok"] else 1

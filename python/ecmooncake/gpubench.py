@@ -519,13 +519,29 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines + ceilings.warning_lines(s))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ecmooncake.gpubench", description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--consumer-device", default="cuda:0")
     parser.add_argument("--producer-device", default="cuda:0")
     parser.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
     parser.add_argument("--quiet", action="store_true")
-    args = parser.parse_args(argv)
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw throughput against item size, with the ceilings, into this PNG (needs matplotlib)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ecmooncake.gpubench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_args(parser.parse_args(argv))
+
+
+def run_args(args: argparse.Namespace) -> int:
+    from . import plot
+
+    if args.plot:
+        try:
+            plot.require()
+        except plot.PlotUnavailable as exc:
+            print(f"ecmooncake gpubench: {exc}", file=sys.stderr)
+            return 2
     try:
         summary = run(args.consumer_device, args.producer_device, progress=not args.quiet)
     except (EcmError, WorkerError, OSError, ValueError) as exc:
@@ -535,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
     print(format_summary(summary))
+    if args.plot:
+        print(f"ecmooncake gpubench: plot written to {plot.write(summary, args.plot)}", file=sys.stderr)
     return 0 if summary["ok"] else 1
 
 

@@ -444,8 +444,9 @@ def stop_all(workers: list[Worker], timeout: float = 10.0) -> None:
             worker.kill()
 
 
-def report(name: str, run: Any, format_summary: Any, as_json: bool) -> int:
-    """Runs a tool's measurement and prints its summary, as text or JSON.
+def report(name: str, run: Any, format_summary: Any, as_json: bool, plot_path: str | None = None) -> int:
+    """Runs a tool's measurement and prints its summary, as text or JSON,
+    and draws it into plot_path when given.
 
     Exit status: 0 when the summary says ok, 1 when it does not, 2 when the
     run could not finish (the reason goes to stderr).
@@ -459,4 +460,8 @@ def report(name: str, run: Any, format_summary: Any, as_json: bool) -> int:
         print(f"ecmooncake {name}: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=2, sort_keys=True) if as_json else format_summary(summary))
+    if plot_path:
+        from . import plot
+
+        print(f"ecmooncake {name}: plot written to {plot.write(summary, plot_path)}", file=sys.stderr)
     return 0 if summary["ok"] else 1

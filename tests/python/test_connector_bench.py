@@ -19,11 +19,13 @@ pytestmark = pytest.mark.usefixtures("library")
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_bench_vllm_runs_both_connectors(tmp_path, transport):
+def test_bench_vllm_runs_both_connectors(tmp_path, tmp_path_factory, transport):
+    plot = tmp_path_factory.mktemp("plot") / "bench-vllm.png"
     done = subprocess.run(
         [
             sys.executable, "-m", "ecmooncake", "bench-vllm", "--sizes-mb", "1", "--batches", "1", "2", "--reps", "2",
             "--width", "1024", "--dir", str(tmp_path), "--transport", transport, "--ceiling-mb", "16", "--json", "--quiet",
+            "--plot", str(plot),
         ],
         capture_output=True,
         text=True,
@@ -46,6 +48,7 @@ def test_bench_vllm_runs_both_connectors(tmp_path, transport):
     assert tcp["params"]["processes"] == 2 and tcp["samples"] == 2
     assert "ceiling_exceeded" in summary
     assert list(tmp_path.iterdir()) == [], "the bench removes its shared directory"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "--plot draws the summary"
 
 
 def test_bench_vllm_refuses_an_unknown_peer():
