@@ -371,6 +371,8 @@ class _Recorder:
 
     def drain_into(self, stats: _Stats) -> None:
         with self._lock:
+            if not self._count:
+                return  # the common step: nothing to hand over
             data, self._data, self._count = self._data, _empty_stats(), 0
         stats._merge(data)
 

@@ -64,7 +64,8 @@ class Setup:
 
 def _parse(raw: str | None, tp: int, dp: int, mooncake_library: str | None) -> Setup:
     if raw is None:
-        # vLLM's defaults, for a consumer: what `vllm serve` would use.
+        # A consumer at vLLM's default address, in host memory so that a
+        # GPU stays optional.
         fields: dict[str, Any] = {"ec_role": "ec_consumer", "ec_buffer_device": "cpu"}
     else:
         try:
@@ -99,7 +100,7 @@ def _parse(raw: str | None, tp: int, dp: int, mooncake_library: str | None) -> S
 
 def check_config(s: Setup) -> Check:
     if not s.given:
-        return Check("config", OK, "none given: checking vLLM's defaults for a consumer (ec_port 14579); pass --ec-transfer-config for yours")
+        return Check("config", OK, "none given: checking a host-memory consumer at vLLM's default 127.0.0.1:14579; pass --ec-transfer-config for yours")
     if s.cfg is None:
         return Check("config", FAIL, s.config_error, "correct --ec-transfer-config as the message says")
     if s.connector not in CONNECTOR_NAMES:
