@@ -251,9 +251,16 @@ def _mooncake_phase(name, model, logs, requests_, baseline, transport: str) -> N
         ph.ready()
         pd_urls = [f"http://127.0.0.1:{pd_metrics}/metrics", f"http://127.0.0.1:{pd_metrics + 1}/metrics"]
         proxy_url = f"http://127.0.0.1:{proxy_metrics}/metrics"
-        out = run_client(_plan(f"http://127.0.0.1:{proxy_port}", model, requests_, [proxy_url] + pd_urls))
+        vllm_url = f"http://127.0.0.1:{pd_http}/metrics"
+        out = run_client(_plan(f"http://127.0.0.1:{proxy_port}", model, requests_, [proxy_url, vllm_url] + pd_urls))
         assert _answers(out) == baseline, "tokens or logprobs differ from the single instance"
         _check_transfers(out, proxy_url, pd_urls, len(requests_), len({r['image'] for r in requests_}))
+        # The connector's own series on vLLM's /metrics: each distinct image
+        # waited for once by the PD instance's scheduler.
+        vllm_metrics = out["metrics"][vllm_url]
+        assert metric(vllm_metrics, "vllm:ec_mooncake_wait_time_seconds_count") >= 1, vllm_metrics[-3000:]
+        assert "vllm:ec_mooncake_num_failed_requests_total" in vllm_metrics, vllm_metrics[-3000:]
+        assert metric(vllm_metrics, "vllm:ec_mooncake_num_failed_requests_total") == 0, vllm_metrics[-3000:]
     left = _ecm_shm_files() - before
     assert not left, f"{name}: left in /dev/shm after vLLM stopped: {sorted(left)}"
 
