@@ -287,7 +287,18 @@ const goodbyeWait = time.Second
 func (rc *rconn) goodbye(reason string) {
 	rc.r.stats.close(reason)
 	_ = rc.c.SetDeadline(time.Now().Add(goodbyeWait))
-	if !rc.sendAck(Ack{Seq: 0, Status: StatusClosing, Msg: reason}) || !rc.flush() {
+	if !rc.sendAck(Ack{Seq: 0, Status: StatusClosing, Msg: reason}) {
+		return
+	}
+	rc.linger()
+}
+
+// linger sends the acks owed, closes the sending side and reads what the
+// writer still sends until it closes too (within the deadline set): a
+// close with unread bytes would reset the connection, and a reset can
+// discard acks already on their way to the writer.
+func (rc *rconn) linger() {
+	if !rc.flush() {
 		return
 	}
 	if tc, ok := rc.c.(*net.TCPConn); ok {
@@ -377,6 +388,9 @@ func (rc *rconn) frame() bool {
 	if err != nil {
 		r.stats.badConns.Add(1)
 		r.logs.warn(r.log, "transport: closing connection that sent a bad frame", "peer", rc.peer, "err", err)
+		// The frames before it are answered, and must reach the writer.
+		_ = rc.c.SetDeadline(time.Now().Add(goodbyeWait))
+		rc.linger()
 		return false
 	}
 	dst, end, err := openFrame(r.sink, h.Res, h.Token, h.Offset, h.Length)
