@@ -30,8 +30,8 @@ def test_summary_reports_the_ready_path_and_the_targets():
     phases = [_phase("ipc-32m", "cuda_ipc", 32, 1, 0.55, 120.0), _phase("ipc-32m-stream", "cuda_ipc", 32, 32, 0.7, 20.0)]
     s = {
         "ok": True, "date": "2026-12-01", "gpu": "H200", "devices": "cuda:0 -> cuda:0", "torch": "2.11",
-        "ceilings": {"device_copy_gb_per_s": {"32 MiB": 1772.0}, "pinned_d2h_gb_per_s": 55.0,
-                     "tcp_loopback_gb_per_s": 5.0, "tcp_loopback_streams": 2, "tcp_by_streams_gb_per_s": {}},
+        "ceilings": {"device_copy_gb_per_s": {"32 MiB": 1772.0}, "pinned_d2h_gb_per_s": 55.0, "tcp_gb_per_s": 5.0,
+                     "tcp": {"text": "raw Go TCP 5.00 GB/s (1 sender + 1 receiver process, GOMAXPROCS 4 each, 4 connections)"}},
         "phases": phases, "targets": gpubench.targets(phases),
     }
     met = {t["name"]: t["met"] for t in s["targets"]}
@@ -39,3 +39,4 @@ def test_summary_reports_the_ready_path_and_the_targets():
     text = gpubench.format_summary(s)
     assert "copy 150 (2), event_delivery 30 (16)" in text
     assert "MISSED" in text and "result OK" in text
+    assert "TCP ceiling: raw Go TCP 5.00 GB/s (1 sender + 1 receiver process" in text
