@@ -4,6 +4,8 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
+	"math/rand/v2"
+	"strconv"
 
 	"io"
 	"net"
@@ -165,8 +167,19 @@ func readAll(t *testing.T, resp *http.Response) string {
 	return string(b)
 }
 
+// freePort is a port free now, taken from below the kernel's ephemeral
+// range (32768 and up on Linux): a port of that range, free when checked,
+// may be any process's outgoing connection by the time the test binds it.
 func freePort(t *testing.T) int {
 	t.Helper()
+	for range 200 {
+		port := 10000 + rand.IntN(22000)
+		ln, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port))
+		if err == nil {
+			ln.Close()
+			return port
+		}
+	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	defer ln.Close()

@@ -100,9 +100,11 @@ func Open(cfg Config, log *slog.Logger) (p *Proxy, err error) {
 	if p.ln, err = net.Listen("tcp", addr); err != nil {
 		return nil, fmt.Errorf("proxy: listen on %s: %w", addr, err)
 	}
+	// p is the named result, nil on an error return: close by name.
+	ln := p.ln
 	defer func() {
 		if err != nil {
-			_ = p.ln.Close()
+			_ = ln.Close()
 		}
 	}()
 	if cfg.AdminPort != 0 {
@@ -114,9 +116,10 @@ func Open(cfg Config, log *slog.Logger) (p *Proxy, err error) {
 		if p.adminLn, err = net.Listen("tcp", at); err != nil {
 			return nil, fmt.Errorf("proxy: admin port: listen on %s: %w", at, err)
 		}
+		adminLn := p.adminLn
 		defer func() {
 			if err != nil {
-				_ = p.adminLn.Close()
+				_ = adminLn.Close()
 			}
 		}()
 	}

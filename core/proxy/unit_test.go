@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"io"
+	"net"
 	"strings"
 	"testing"
 
@@ -174,4 +175,29 @@ func FuzzEncoderReply(f *testing.F) {
 		_, _ = parseEncoderReply(body, "t", "image")
 		_, _ = classify(body)
 	})
+}
+
+// A port that cannot be had fails Open with an error, never a panic, and
+// the ports already taken are given back.
+func TestOpenFailsCleanlyWhenAPortIsTaken(t *testing.T) {
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer taken.Close()
+	port := taken.Addr().(*net.TCPAddr).Port
+	for name, mut := range map[string]func(*Config){
+		"metrics port": func(c *Config) { c.MetricsPort = port },
+		"admin port":   func(c *Config) { c.AdminPort = port },
+	} {
+		t.Run(name, func(t *testing.T) {
+			cfg := DefaultConfig()
+			cfg.Host, cfg.Port = "127.0.0.1", 0
+			cfg.PD = []string{"http://127.0.0.1:1"}
+			cfg.RegisterToken = "a-register-token-of-some-length"
+			mut(&cfg)
+			p, err := Open(cfg, nil)
+			require.Error(t, err)
+			require.Nil(t, p)
+			require.Contains(t, err.Error(), "address already in use")
+		})
+	}
 }
