@@ -65,7 +65,10 @@ func parsePeer(s string) (peer, error) {
 	if p.Len, err = strconv.ParseUint(q.Get("len"), 10, 64); err != nil || p.Len == 0 || p.Base+p.Len < p.Base || p.Len > maxLen {
 		return bad("len is not a positive size that fits after base")
 	}
-	if n, err := hex.Decode(p.Nonce[:], []byte(q.Get("nonce"))); err != nil || n != nonceLen || len(q.Get("nonce")) != 2*nonceLen {
+	// The length first: hex.Decode writes past a short destination.
+	if nonce := q.Get("nonce"); len(nonce) != 2*nonceLen {
+		return bad(fmt.Sprintf("nonce is not %d hex digits", 2*nonceLen))
+	} else if n, err := hex.Decode(p.Nonce[:], []byte(nonce)); err != nil || n != nonceLen {
 		return bad(fmt.Sprintf("nonce is not %d hex digits", 2*nonceLen))
 	}
 	if p.Host == "" {
