@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import random
 import signal
 import socket
 import time
@@ -43,27 +42,17 @@ def payload(seed: int, nbytes: int) -> np.ndarray:
     return data
 
 
-def free_port_range(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
-    """A base port such that base .. base+count-1 are all free on host now.
-
-    Taken from below the kernel's ephemeral range: the caller binds the
-    ports later, and a port of that range that is free when checked may by
-    then be any process's outgoing connection."""
-    low = _ephemeral_low()
-    rng = random.Random()
+def free_port_range(count: int, host: str = "127.0.0.1", attempts: int = 64) -> int:
+    """A base port such that base .. base+count-1 are all free on host now."""
     for _ in range(attempts):
-        base = rng.randrange(10000, max(10001, low - count))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
         if all(_port_free(host, base + i) for i in range(count)):
             return base
-    raise WorkerError(f"no run of {count} free ports below {low} on {host} after {attempts} tries")
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+    raise WorkerError(f"no run of {count} free ports on {host} after {attempts} tries")
 
 
 def _port_free(host: str, port: int) -> bool:
