@@ -19,7 +19,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/metadata"
 	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
-	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/mooncake"
 	"github.com/ecmooncake/ecmooncake/core/transport/shm"

@@ -11,7 +11,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/cuda"
 	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/producer"
-	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/cudaipc"
 	"github.com/ecmooncake/ecmooncake/core/transport/route"

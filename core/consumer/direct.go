@@ -4,7 +4,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
-	"github.com/ecmooncake/ecmooncake/core/reserve"
+	"github.com/ecmooncake/ecmooncake/core/fsm/reserve"
 )
 
 // One-sided data planes (mooncake: RDMA writes straight into the slab;

@@ -8,7 +8,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/ids"
-	"github.com/ecmooncake/ecmooncake/core/reserve"
+	"github.com/ecmooncake/ecmooncake/core/fsm/reserve"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )

@@ -8,7 +8,7 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
-	"github.com/ecmooncake/ecmooncake/core/push"
+	"github.com/ecmooncake/ecmooncake/core/fsm/push"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )

@@ -13,7 +13,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
-	"github.com/ecmooncake/ecmooncake/core/push"
+	"github.com/ecmooncake/ecmooncake/core/fsm/push"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )

@@ -3,7 +3,7 @@ package producer
 import (
 	"fmt"
 
-	"github.com/ecmooncake/ecmooncake/core/push"
+	"github.com/ecmooncake/ecmooncake/core/fsm/push"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 

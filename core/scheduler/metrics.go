@@ -6,7 +6,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/metrics"
-	"github.com/ecmooncake/ecmooncake/core/sched"
+	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
 )
 
 // maxWaiting bounds waitClock: an item that never becomes available is

@@ -6,7 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/ecmooncake/ecmooncake/core/sched"
+	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
 )
 
 // The wait clock forgets every transfer once it leaves WAITING_EVENT,

@@ -14,7 +14,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
-	"github.com/ecmooncake/ecmooncake/core/sched"
+	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
 

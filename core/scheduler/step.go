@@ -6,7 +6,7 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
-	"github.com/ecmooncake/ecmooncake/core/sched"
+	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
 )
 
 // ExpectIn registers one request's items.

@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"testing"
 
-	"github.com/ecmooncake/ecmooncake/core/sched"
+	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
 )
 
 // BenchmarkStepRefresh300 answers 300 waiting requests: by naming each

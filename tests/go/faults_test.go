@@ -7,7 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecmooncake/ecmooncake/core/producer"
-	"github.com/ecmooncake/ecmooncake/core/sched"
+	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
 )
 

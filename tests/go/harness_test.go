@@ -16,9 +16,9 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/consumer"
 	"github.com/ecmooncake/ecmooncake/core/producer"
-	"github.com/ecmooncake/ecmooncake/core/sched"
+	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
-	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 

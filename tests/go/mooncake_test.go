@@ -16,7 +16,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/consumer"
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/metadata"
-	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/mooncake"
 	"github.com/ecmooncake/ecmooncake/core/transport/mooncake/mooncaketest"

@@ -11,7 +11,7 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/consumer"
-	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/shm"
 )

@@ -19,8 +19,8 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/consumer"
 	"github.com/ecmooncake/ecmooncake/core/producer"
-	"github.com/ecmooncake/ecmooncake/core/reserve"
-	"github.com/ecmooncake/ecmooncake/core/sched"
+	"github.com/ecmooncake/ecmooncake/core/fsm/reserve"
+	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
 )
 

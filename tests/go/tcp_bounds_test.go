@@ -14,8 +14,8 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
-	"github.com/ecmooncake/ecmooncake/core/reserve"
-	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/fsm/reserve"
+	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )

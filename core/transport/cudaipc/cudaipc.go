@@ -6,7 +6,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/gpu"
-	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 

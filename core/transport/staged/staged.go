@@ -12,7 +12,7 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/ids"
-	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 

@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
-	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 )
 
 // Sentinel errors; callers test them with errors.Is.

@@ -6,7 +6,7 @@ import (
 	"testing"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
-	"github.com/ecmooncake/ecmooncake/core/slab"
+	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/stretchr/testify/require"
 )
 
