@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Builds libecmooncake.so from the Go sources.
+"""Builds libecmooncake.so and the ecm-ceiling command from the Go sources.
 
     python build/build_lib.py [--out DIR]
 
 Runs ``go build -buildmode=c-shared`` on ./export from the repository root and
 writes DIR/libecmooncake.so (default: python/ecmooncake/, where the Python
-package looks for it). setup.py imports this file for ``pip install``, so it
-uses the standard library only.
+package looks for it), then builds ./core/transport/cmd/ecm-ceiling, the
+benchmarks' TCP ceiling, into DIR/ecm-ceiling beside it (a static binary: it
+needs neither cgo nor libzmq). setup.py imports this file for ``pip install``,
+so it uses the standard library only.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIR = ROOT / "python" / "ecmooncake"
 LIBRARY_NAME = "libecmooncake.so"
+CEILING_NAME = "ecm-ceiling"
+CEILING_PACKAGE = "./core/transport/cmd/ecm-ceiling"
 ZMQ_HINT = "install libzmq and its headers (Debian/Ubuntu: apt-get install libzmq3-dev)"
 INCLUDE_DIRS = [Path("/usr/include"), Path("/usr/local/include")]
 
@@ -65,7 +69,8 @@ def _has_libzmq(env: dict[str, str]) -> bool:
 
 
 def build(out_dir: Path | str = PACKAGE_DIR, verbose: bool = True) -> Path:
-    """Builds the library into out_dir and returns its path."""
+    """Builds the library and ecm-ceiling into out_dir and returns the
+    library's path."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / LIBRARY_NAME
@@ -92,6 +97,19 @@ def build(out_dir: Path | str = PACKAGE_DIR, verbose: bool = True) -> Path:
     target.with_suffix(".h").unlink(missing_ok=True)
     if result.returncode != 0:
         raise BuildError(f"go build failed with exit status {result.returncode}")
+    build_ceiling(out_dir, go, verbose)
+    return target
+
+
+def build_ceiling(out_dir: Path, go: str, verbose: bool = True) -> Path:
+    """Builds ecm-ceiling into out_dir and returns its path."""
+    target = out_dir / CEILING_NAME
+    cmd = [go, "build", "-trimpath", "-o", str(target), CEILING_PACKAGE]
+    if verbose:
+        print("+ CGO_ENABLED=0 " + " ".join(cmd), file=sys.stderr, flush=True)
+    result = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, CGO_ENABLED="0"))
+    if result.returncode != 0:
+        raise BuildError(f"go build of {CEILING_NAME} failed with exit status {result.returncode}")
     return target
 
 
@@ -100,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out",
         default=str(PACKAGE_DIR),
-        help=f"directory for {LIBRARY_NAME} (default: %(default)s)",
+        help=f"directory for {LIBRARY_NAME} and {CEILING_NAME} (default: %(default)s)",
     )
     args = parser.parse_args(argv)
     try:

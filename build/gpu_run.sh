@@ -3,8 +3,9 @@
 #
 #   bash build/gpu_run.sh pack        on the CPU build machine: puts what a
 #                                     GPU host lacks into .artifacts/ (the
-#                                     library, libzmq and the libraries it
-#                                     loads, the Go test binary of core/cuda)
+#                                     library and ecm-ceiling beside it,
+#                                     libzmq and the libraries it loads, the
+#                                     Go test binary of core/cuda)
 #   bash build/gpu_run.sh run [DIR]   on a host with a GPU, from a copy of the
 #                                     working tree plus .artifacts/: the Go
 #                                     GPU tests, the Python GPU tests and the
@@ -12,6 +13,14 @@
 #                                     their per-phase breakdown and targets);
 #                                     logs and JSON go to DIR; a summary
 #                                     table comes last.
+#   bash build/gpu_run.sh tcp [DIR]   on the same host, the TCP figures and
+#                                     their ceilings: the TCP ceiling alone,
+#                                     `python -m ecmooncake bench` and `demo`
+#                                     (host memory) and the gpubench TCP
+#                                     phases, each ratio to a ceiling taken
+#                                     in the same run; a step fails when a
+#                                     ratio is above 1.02 (the ceiling was
+#                                     not one).
 #
 # The GPU host needs python3 with PyTorch (CUDA), numpy and pytest, and
 # libcuda.so.1 on the loader path; no Go, no libzmq, no network. Never ship
@@ -111,8 +120,45 @@ PY
 	return $rc
 }
 
+tcp() {
+	local out=${1:-/tmp/ecm-tcp-run} rc=0 log step
+	mkdir -p "$out"
+	export ECMOONCAKE_LIBRARY="$ART/libecmooncake.so" ECMOONCAKE_CEILING="$ART/ecm-ceiling" PYTHONUNBUFFERED=1
+	export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+	echo "== host: $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
+	# name, then the command; its log is $out/name.log
+	for step in \
+		"ceiling|python3 -m ecmooncake ceiling --gomaxprocs 2 --conns 4" \
+		"bench|python3 -m ecmooncake bench --quiet" \
+		"demo|python3 -m ecmooncake demo --quiet" \
+		"gpubench-tcp|python3 -m ecmooncake.gpubench --quiet --phases tcp-4m,tcp-32m,tcp-32m-stream --json $out/gpubench-tcp.json"; do
+		local name=${step%%|*} cmd=${step#*|}
+		log="$out/$name.log"
+		echo "== $name: $cmd"
+		bash -c "$cmd" 2>&1 | tee "$log"
+		local step_rc=${PIPESTATUS[0]}
+		if [ "$step_rc" != 0 ]; then
+			record "$name" FAIL "exit $step_rc"
+			rc=1
+		elif grep -q 'CEILING EXCEEDED' "$log"; then
+			record "$name" FAIL "a ratio above 1.02: $(grep -m1 -o '[a-z0-9 -]*: [0-9.]* of its ceiling' "$log")"
+			rc=1
+		else
+			record "$name" PASS "every ratio within its ceiling"
+		fi
+	done
+	echo
+	echo "== summary ($(date -u +%Y-%m-%dT%H:%MZ))"
+	printf '%-20s %-6s %s\n' step result detail
+	for i in "${!NAMES[@]}"; do
+		printf '%-20s %-6s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${DETAILS[$i]}"
+	done
+	return $rc
+}
+
 case "${1:-run}" in
 pack) pack ;;
 run) shift; run "$@" ;;
-*) echo "usage: $0 pack | run [DIR]" >&2; exit 2 ;;
+tcp) shift; tcp "$@" ;;
+*) echo "usage: $0 pack | run [DIR] | tcp [DIR]" >&2; exit 2 ;;
 esac

@@ -6,11 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"os"
 	"runtime"
 	"sync"
-	"syscall"
 	"time"
 	"unsafe"
 
@@ -384,79 +382,4 @@ func SchedulerWait(h uint64, raw []byte, timeoutMs int32) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(max(timeoutMs, 0))*time.Millisecond)
 	defer cancel()
 	return marshal(s.Wait(ctx, in.TransferIDs))
-}
-
-// BenchTCPLoopback measures the raw TCP ceiling. Without a role, both ends
-// run in this process over 127.0.0.1. With role "recv" or "send" this
-// process is one end of a ceiling whose other end is another process, each
-// with its own GOMAXPROCS as the transfer's producer and consumer have:
-// "recv" serves one round on listen_fd (a listening socket the caller keeps
-// and may pass again), "send" dials conns connections to each of addrs.
-func BenchTCPLoopback(raw []byte) ([]byte, error) {
-	setup()
-	in := struct {
-		Role     string   `json:"role"`
-		Bytes    int64    `json:"bytes"`
-		Streams  int      `json:"streams"`
-		ListenFD int      `json:"listen_fd"`
-		Addrs    []string `json:"addrs"`
-		Conns    int      `json:"conns"`
-		TimeoutS float64  `json:"timeout_s"`
-	}{Bytes: 1 << 30, Streams: 1, ListenFD: -1, Conns: 1, TimeoutS: 300}
-	if err := unmarshal("bench_tcp_loopback", raw, &in); err != nil {
-		return nil, err
-	}
-	if in.TimeoutS <= 0 || in.TimeoutS > 3600 {
-		return nil, statusErr(StatusInvalid, "bench_tcp_loopback: timeout_s = %v; want (0, 3600]", in.TimeoutS)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(in.TimeoutS*float64(time.Second)))
-	defer cancel()
-	switch in.Role {
-	case "":
-		if in.Bytes <= 0 || in.Streams < 1 || in.Streams > 64 {
-			return nil, statusErr(StatusInvalid, "bench_tcp_loopback: bytes = %d, streams = %d; want bytes > 0 and streams in [1, 64]", in.Bytes, in.Streams)
-		}
-		bps, err := transport.LoopbackCeiling(ctx, in.Bytes, in.Streams)
-		if err != nil {
-			return nil, fmt.Errorf("bench_tcp_loopback: %w", err)
-		}
-		return marshal(map[string]float64{"bytes_per_sec": bps})
-	case "recv":
-		if in.ListenFD < 0 || in.Conns < 1 || in.Conns > 256 {
-			return nil, statusErr(StatusInvalid, "bench_tcp_loopback recv: listen_fd = %d, conns = %d; want listen_fd >= 0 and conns in [1, 256]", in.ListenFD, in.Conns)
-		}
-		ln, err := listenerFromFD(in.ListenFD)
-		if err != nil {
-			return nil, statusErr(StatusInvalid, "bench_tcp_loopback recv: listen_fd %d: %v", in.ListenFD, err)
-		}
-		defer ln.Close()
-		n, err := transport.CeilingReceive(ctx, ln, in.Conns)
-		if err != nil {
-			return nil, fmt.Errorf("bench_tcp_loopback recv: %w", err)
-		}
-		return marshal(map[string]int64{"bytes": n})
-	case "send":
-		if len(in.Addrs) == 0 || len(in.Addrs) > 64 || in.Conns < 1 || in.Conns > 256 || in.Bytes < int64(len(in.Addrs)*in.Conns) {
-			return nil, statusErr(StatusInvalid, "bench_tcp_loopback send: %d addrs, conns = %d, bytes = %d; want 1 to 64 addrs, conns in [1, 256] and a byte for each connection",
-				len(in.Addrs), in.Conns, in.Bytes)
-		}
-		bps, err := transport.CeilingSend(ctx, in.Addrs, in.Conns, in.Bytes)
-		if err != nil {
-			return nil, fmt.Errorf("bench_tcp_loopback send: %w", err)
-		}
-		return marshal(map[string]float64{"bytes_per_sec": bps})
-	}
-	return nil, statusErr(StatusInvalid, "bench_tcp_loopback: role %q; want \"\", \"recv\" or \"send\"", in.Role)
-}
-
-// listenerFromFD wraps a duplicate of fd, so that closing the listener
-// leaves the caller's socket open for the next round.
-func listenerFromFD(fd int) (net.Listener, error) {
-	dup, err := syscall.Dup(fd)
-	if err != nil {
-		return nil, err
-	}
-	f := os.NewFile(uintptr(dup), "ceiling-listener")
-	defer f.Close()
-	return net.FileListener(f)
 }

@@ -330,11 +330,6 @@ func ecm_scheduler_wait(h C.uint64_t, in *C.char, timeoutMs C.int32_t, out **C.c
 	})
 }
 
-//export ecm_bench_tcp_loopback
-func ecm_bench_tcp_loopback(in *C.char, out **C.char, errOut **C.char) C.int {
-	return finishJSON(errOut, "ecm_bench_tcp_loopback", out, func() ([]byte, error) { return capi.BenchTCPLoopback(goBytes(in)) })
-}
-
 //export ecm_proxy_open
 func ecm_proxy_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
 	return finishHandle(errOut, "ecm_proxy_open", out, func() (uint64, error) { return capi.ProxyOpen(goBytes(cfg)) })

@@ -180,16 +180,6 @@ int ecm_scheduler_watch(ecm_handle_t h, uint64_t *counter, char **err);
 int ecm_scheduler_wait(ecm_handle_t h, const char *in_json, int32_t timeout_ms,
                        char **out_json, char **err);
 
-/* Measures raw Go TCP throughput, the ceiling for the TCP data plane (for
- * benchmarks; the engine never calls it). in: {"bytes": N, "streams": S}
- * runs both ends here over 127.0.0.1; out: {"bytes_per_sec": x}. As one
- * end of a ceiling across processes: {"role": "recv", "listen_fd": FD,
- * "conns": C} serves one round on a listening socket the caller keeps,
- * out: {"bytes": n}; {"role": "send", "addrs": [...], "conns": C,
- * "bytes": N} dials C connections to each address, out: {"bytes_per_sec":
- * x}. "timeout_s" bounds either (default 300). */
-int ecm_bench_tcp_loopback(const char *in_json, char **out_json, char **err);
-
 /* EPD proxy: the OpenAI-compatible HTTP front for encoder and
  * prefill/decode instances (see `python -m ecmooncake proxy --help` for
  * the settings; "register_token" turns registration on, "admin_port"

@@ -96,9 +96,12 @@
 // writer then sends the frames it had not had acked again, once, on a new
 // connection. Each close is counted in RecvStats.Closed by reason.
 //
-// LoopbackCeiling measures raw TCP over 127.0.0.1 so that benchmarks report
-// the transport's throughput as a ratio to the machine's ceiling measured
-// in the same run.
+// The ceiling that benchmarks divide TCP throughput by is this data plane
+// with the reservations taken out (ceiling.go): the same writer and
+// receiver, frame size and socket options, with a sink that admits every
+// frame into memory of its own. ListenCeiling and CeilingSend are its two
+// ends, for processes of their own (cmd/ecm-ceiling, which the Python
+// benchmarks start); LoopbackCeiling runs both in one process.
 //
 // # GPU memory
 //

@@ -4,12 +4,10 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
-	"errors"
 	"io"
 	"net"
 	"runtime"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -398,69 +396,6 @@ func TestTCPNoGoroutineLeftAfterClose(t *testing.T) {
 	require.Eventually(t, func() bool { return len(transportGoroutines()) == 0 }, eventually, time.Millisecond,
 		"left behind: %v", transportGoroutines())
 	sink.requireBalanced(t)
-}
-
-func TestLoopbackCeiling(t *testing.T) {
-	bps, err := LoopbackCeiling(context.Background(), 16<<20, 2)
-	require.NoError(t, err)
-	require.Positive(t, bps)
-
-	_, err = LoopbackCeiling(context.Background(), 0, 2)
-	require.Error(t, err)
-	_, err = LoopbackCeiling(context.Background(), 1, 0)
-	require.Error(t, err)
-
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
-	_, err = LoopbackCeiling(ctx, 1<<30, 2)
-	require.True(t, errors.Is(err, context.Canceled), "%v", err)
-}
-
-// Two receivers, as two consumer shards would be, each serving two of the
-// sender's four connections: every byte is counted on arrival.
-func TestCeilingSendReceive(t *testing.T) {
-	ctx := context.Background()
-	const total = 16<<20 + 3 // not a multiple of the streams
-	lns := make([]net.Listener, 2)
-	addrs := make([]string, len(lns))
-	got := make([]int64, len(lns))
-	errs := make([]error, len(lns))
-	var wg sync.WaitGroup
-	for i := range lns {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = ln.Close() })
-		lns[i], addrs[i] = ln, ln.Addr().String()
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			got[i], errs[i] = CeilingReceive(ctx, ln, 2)
-		}()
-	}
-	bps, err := CeilingSend(ctx, addrs, 2, total)
-	wg.Wait()
-	require.NoError(t, err)
-	require.Positive(t, bps)
-	require.NoError(t, errors.Join(errs...))
-	require.Equal(t, int64(total), got[0]+got[1])
-
-	_, err = CeilingSend(ctx, addrs, 0, total)
-	require.Error(t, err)
-	_, err = CeilingSend(ctx, nil, 2, total)
-	require.Error(t, err)
-	_, err = CeilingReceive(ctx, lns[0], 0)
-	require.Error(t, err)
-}
-
-// A receiver whose sender never comes stops when its context does.
-func TestCeilingReceiveCancelled(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer ln.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
-	defer cancel()
-	_, err = CeilingReceive(ctx, ln, 2)
-	require.ErrorIs(t, err, context.DeadlineExceeded)
 }
 
 // fakeReceiver accepts one connection, reads one frame and answers with

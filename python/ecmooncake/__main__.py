@@ -41,9 +41,9 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "bench",
-        help="measure host-memory transfer over loopback against the raw TCP ceiling",
+        help="measure host-memory transfer over loopback against the TCP ceiling",
         description="Pushes batches of large and small items from a producer process to a "
-        "consumer process and reports throughput as a ratio to Go's raw TCP loopback, "
+        "consumer process and reports throughput as a ratio to the TCP data plane alone over loopback, "
         "measured in the same run.",
     )
     bench.add_argument("--mb", type=float, default=32, help="large item size, MiB (default %(default)s)")
@@ -64,8 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     _ceiling.add_arguments(
         commands.add_parser(
             "ceiling",
-            help="measure the raw TCP ceiling the benchmarks divide by",
-            description="Raw Go TCP from a sender process to receiver processes, each with "
+            help="measure the TCP ceiling the benchmarks divide by",
+            description="The TCP data plane alone (its own writer and receiver, no reservations; "
+            "the ecm-ceiling command) from a sender process to receiver processes, each with "
             "its own GOMAXPROCS, over 1 to --conns connections, as the benchmarks measure it "
             "before and after their timed phases.",
         )

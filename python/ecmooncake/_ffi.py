@@ -98,7 +98,6 @@ PROTOTYPES: dict[str, tuple[object, tuple[object, ...]]] = {
         c_int,
         (ecm_handle_t, c_char_p, c_int32, c_str_out, c_str_out),
     ),
-    "ecm_bench_tcp_loopback": (c_int, (c_char_p, c_str_out, c_str_out)),
     "ecm_proxy_open": (c_int, (c_char_p, POINTER(ecm_handle_t), c_str_out)),
     "ecm_registrar_open": (c_int, (c_char_p, POINTER(ecm_handle_t), c_str_out)),
     "ecm_metrics_text": (c_int, (c_str_out, c_str_out)),

@@ -1,14 +1,15 @@
 """The transfer benchmark: host memory over loopback TCP, large and small items,
-reported as ratios to the raw Go TCP ceiling measured in the same run.
+reported as ratios to the TCP ceiling measured in the same run.
 
 One consumer shard and one producer run in spawned processes. Each batch is
 one submit of distinct items; its time runs from the submit until the producer
 has seen every push done. Between batches the consumer acquires and releases
 the items so that their space can be reused; that is off the clock.
 
-The ceiling (:class:`ceiling.TCPCeiling`) is the same layout without
-ecmooncake: a sender and a receiver process with the workers' GOMAXPROCS,
-over the producer's ``tcp_conns`` connections, sampled before and after the
+The ceiling (:class:`ceiling.TCPCeiling`) is the same layout with only the
+data plane: its own writer and receiver, no reservations, in a sender and a
+receiver process with the workers' GOMAXPROCS, over the producer's
+``tcp_conns`` connections and frame size, sampled before and after the
 timed phases.
 """
 

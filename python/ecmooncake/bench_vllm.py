@@ -26,8 +26,9 @@ while it has pushes pending. Every loaded tensor is compared with the
 encoder's, bit for bit, outside the timed span.
 
 Ceilings (``ceiling``), each sampled before and after the connectors run,
-the higher kept: raw Go TCP between two processes with the connector's
-GOMAXPROCS over its ``tcp_conns`` connections (for the TCP planes), and a
+the higher kept: the TCP data plane alone (its own writer and receiver,
+no reservations) between two processes with the connector's GOMAXPROCS
+over its ``tcp_conns`` connections (for the TCP planes), and a
 PyTorch copy of one item with the measured copy's threads (one for the
 example connector's file write and read; GOMAXPROCS for the shm plane).
 """
@@ -645,7 +646,7 @@ def format_summary(summary: dict) -> str:
             f" {c['ceiling']:>15}{c['ceiling_gb_per_s']:>7.2f}{c['ceiling_ratio']:>7.2f}{vs}"
         )
     lines.append("  (ours/this: ecmooncake's GB/s over this connector's; p50 x: this connector's p50 over ecmooncake's;")
-    lines.append("   ceilings: tcp = raw TCP above, copy_1 / copy_gomaxprocs = the copy of one item on 1 / GOMAXPROCS threads)")
+    lines.append("   ceilings: tcp = the TCP ceiling above, copy_1 / copy_gomaxprocs = the copy of one item on 1 / GOMAXPROCS threads)")
     lines.append("  result " + ("OK" if s["ok"] else "FAILED: a loaded tensor differs from the encoder's"))
     return "\n".join(lines + ceilings.warning_lines(s))
 

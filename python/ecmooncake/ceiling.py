@@ -5,10 +5,13 @@ A ceiling is one only when it does the measured path's work with at least
 the measured path's resources. So every benchmark takes its ceilings from
 here, and:
 
-- raw TCP runs its sender and its receivers as separate processes (one
-  receiver per consumer shard), each with the GOMAXPROCS of the measured
-  workers, over as many connections as the transfer opens; the best over
-  fewer connections is reported beside it;
+- TCP is the data plane's own writer and receiver with no reservations
+  around them (the ``ecm-ceiling`` command built beside the library), with
+  the transfer's frame size and socket options, its sender and its
+  receivers in separate processes (one receiver per consumer shard), each
+  with the GOMAXPROCS of the measured workers, over as many connections as
+  the transfer opens; the best over fewer connections is reported beside
+  it;
 - a copy ceiling copies with as many threads as the measured copy uses;
 - each ceiling is sampled before and after the measured phase and the
   higher sample kept, so load that came and went during the run cannot
@@ -17,9 +20,7 @@ here, and:
 A ratio above :data:`RATIO_LIMIT` means the ceiling was not one, a bug in
 the benchmark: :func:`mark` flags the summary and says so on stderr.
 
-``python -m ecmooncake ceiling`` measures the TCP ceiling alone; its
-``--role recv`` and ``--role send`` forms are the processes this module
-starts.
+``python -m ecmooncake ceiling`` measures the TCP ceiling alone.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 RATIO_LIMIT = 1.02
@@ -166,7 +167,32 @@ def warning_lines(summary: dict) -> list[str]:
     ]
 
 
-# --- raw TCP across processes ------------------------------------------------
+# --- TCP across processes -----------------------------------------------------
+
+# The command build/build_lib.py builds beside the library: one end of the
+# TCP ceiling per process (core/transport/cmd/ecm-ceiling).
+CEILING_COMMAND = "ecm-ceiling"
+CEILING_ENV = "ECMOONCAKE_CEILING"
+# The transfer's frame size unless tcp_chunk_bytes says otherwise (the
+# library's default).
+DEFAULT_CHUNK_BYTES = 8 << 20
+
+
+def ceiling_command() -> Path:
+    """The ecm-ceiling executable: $ECMOONCAKE_CEILING, else the one beside
+    the library that would be loaded ($ECMOONCAKE_LIBRARY, then the package
+    directory)."""
+    from . import _ffi
+
+    paths = [Path(os.environ[CEILING_ENV])] if os.environ.get(CEILING_ENV) else []
+    paths += [lib.parent / CEILING_COMMAND for lib in _ffi.candidates()]
+    for path in paths:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise CeilingError(
+        f"{CEILING_COMMAND} not found (tried {', '.join(map(str, paths))}); build it with "
+        f"'python build/build_lib.py' (it is built beside {_ffi.LIBRARY_NAME}) or point {CEILING_ENV} at it"
+    )
 
 
 def stream_counts(conns: int, receivers: int = 1) -> list[int]:
@@ -183,9 +209,18 @@ def stream_counts(conns: int, receivers: int = 1) -> list[int]:
 
 
 class TCPCeiling:
-    """Raw Go TCP from one sender process to ``receivers`` receiver
-    processes, each with GOMAXPROCS ``gomaxprocs``, over ``conns``
-    connections in all (and the fewer ones of :func:`stream_counts`)."""
+    """The TCP data plane alone, from one sender process to ``receivers``
+    receiver processes, each with GOMAXPROCS ``gomaxprocs``, over ``conns``
+    connections in all (and the fewer ones of :func:`stream_counts`).
+
+    It is the data plane's own writer and receiver (ecm-ceiling, see
+    core/transport/ceiling.go) with the transfer's frame size
+    (``chunk_bytes``, its ``tcp_chunk_bytes``) and socket options, and no
+    reservations, no control plane and no Python around them: the work of
+    the transfer's sockets and nothing else, so an upper bound on it. Its
+    source is untouched memory (the kernel's zero page, the cheapest there
+    is) and each receiver reads into reused regions touched beforehand.
+    Like the workers, its processes are not pinned to CPUs."""
 
     def __init__(
         self,
@@ -196,27 +231,39 @@ class TCPCeiling:
         host: str = "127.0.0.1",
         timeout_s: float = 300,
         runner: Callable[..., list[float]] | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        socket_buffer: int = 0,
     ):
         self.gomaxprocs, self.conns, self.receivers = gomaxprocs, conns, receivers
         self.nbytes, self.host, self.timeout_s = nbytes, host, timeout_s
+        self.chunk_bytes, self.socket_buffer = chunk_bytes, socket_buffer
         self.variants = stream_counts(conns, receivers)
         self._runner = runner or run_tcp_rounds
         self.book = Ceiling(
-            "raw Go TCP",
+            "TCP data plane alone",
             {
                 "processes": 1 + receivers,
                 "senders": 1,
                 "receivers": receivers,
                 "gomaxprocs": gomaxprocs,
                 "connections": conns,
+                "goroutines_per_connection": "1 sender + 1 ack reader; 1 receiver",
+                "chunk_bytes": chunk_bytes,
+                "socket_buffer": socket_buffer or "kernel autotuning",
+                "cpu_affinity": "none (inherited, as the workers)",
+                "source": "untouched memory (zero page)",
+                "destination": "reused regions, touched beforehand",
                 "bytes_per_sample": nbytes,
                 "host": host,
             },
             primary=conns,
             phrases=[
+                f"the data plane's own writer and receiver, {size_text(chunk_bytes)} frames, no reservations",
                 f"1 sender + {receivers} receiver process{'es' if receivers > 1 else ''}",
                 f"GOMAXPROCS {gomaxprocs} each",
                 f"{conns} connections" + (f" ({conns // receivers} per receiver)" if receivers > 1 else ""),
+                "socket buffers " + (size_text(socket_buffer) if socket_buffer else "autotuned"),
+                "no CPU pinning",
                 f"{size_text(nbytes)} per sample",
                 f"on {host}",
             ],
@@ -232,29 +279,28 @@ class TCPCeiling:
             nbytes=self.nbytes,
             host=self.host,
             timeout_s=self.timeout_s,
+            chunk_bytes=self.chunk_bytes,
+            socket_buffer=self.socket_buffer,
         )
         for streams, rate in zip(self.variants, rates, strict=True):
             self.book.add(streams, when, rate)
 
 
-def _role_command(role: str, gomaxprocs: int, schedule: list[int], host: str, timeout_s: float, **extra: Any) -> list[str]:
-    cmd = [
-        sys.executable, "-m", "ecmooncake", "ceiling", "--role", role,
-        "--gomaxprocs", str(gomaxprocs),
-        "--schedule", ",".join(map(str, schedule)),
-        "--host", host,
-        "--timeout", str(timeout_s),
-    ]
-    for k, v in extra.items():
-        cmd += [f"--{k.replace('_', '-')}", str(v)]
-    return cmd
-
-
 def run_tcp_rounds(
-    gomaxprocs: int, receivers: int, schedule: list[int], nbytes: int, host: str = "127.0.0.1", timeout_s: float = 300
+    gomaxprocs: int,
+    receivers: int,
+    schedule: list[int],
+    nbytes: int,
+    host: str = "127.0.0.1",
+    timeout_s: float = 300,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    socket_buffer: int = 0,
 ) -> list[float]:
-    """Starts the receiver and sender processes and runs one round per
-    entry of schedule (connections per receiver); returns bytes/s of each."""
+    """Starts the receiver and sender processes (ecm-ceiling) and runs one
+    round per entry of schedule (connections per receiver); returns bytes/s
+    of each. Every byte the sender sent must have landed on a receiver."""
+    exe = str(ceiling_command())
+    common = ["-gomaxprocs", str(gomaxprocs), "-chunk-bytes", str(chunk_bytes), "-socket-buffer", str(socket_buffer)]
     procs: list[subprocess.Popen] = []
     # A process that hangs is killed at the deadline, which ends every
     # read below with EOF.
@@ -262,34 +308,46 @@ def run_tcp_rounds(
     killer = threading.Timer(budget, lambda: [p.kill() for p in procs if p.poll() is None])
     killer.daemon = True
     killer.start()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         addrs = []
         for _ in range(receivers):
             p = subprocess.Popen(
-                _role_command("recv", gomaxprocs, schedule, host, timeout_s),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                [exe, "recv", "-listen", f"{host}:0", "-regions", str(max(schedule)), *common],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )
             procs.append(p)
             line = p.stdout.readline()
             try:
-                addrs.append(f"{host}:{json.loads(line)['port']}")
+                addrs.append(json.loads(line)["addr"])
             except (ValueError, KeyError) as exc:
-                raise CeilingError(f"TCP ceiling receiver gave no port: {_tail(p, line)}") from exc
+                raise CeilingError(f"TCP ceiling receiver gave no address: {_tail(p, line)}") from exc
         sender = subprocess.Popen(
-            _role_command("send", gomaxprocs, schedule, host, timeout_s, to=",".join(addrs), bytes=nbytes),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            [exe, "send", "-to", ",".join(addrs), "-schedule", ",".join(map(str, schedule)),
+             "-bytes", str(nbytes), "-timeout", str(timeout_s), *common],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         procs.append(sender)
         out, err = sender.communicate()
+        landed = 0
         for p in procs[:-1]:
+            p.stdin.close()
+            line = p.stdout.readline()
             p.wait()
-        bad = [p for p in procs if p.returncode != 0]
-        if bad:
-            raise CeilingError("TCP ceiling: " + "; ".join(_tail(p, "") for p in bad) + (f"; sender: {err.strip()[-2000:]}" if err else ""))
-        rates = json.loads(out.strip().splitlines()[-1])["bytes_per_sec"]
+            if p.returncode == 0:
+                landed += int(json.loads(line)["bytes"])
+        bad = [p for p in procs[:-1] if p.returncode != 0]
+        if bad or sender.returncode != 0:
+            raise CeilingError(
+                "TCP ceiling: " + "; ".join(_tail(p, "") for p in bad) + (f"; sender (exit {sender.returncode}): {err.strip()[-2000:]}")
+            )
+        report = json.loads(out.strip().splitlines()[-1])
+        rates = report["bytes_per_sec"]
         if len(rates) != len(schedule):
             raise CeilingError(f"TCP ceiling: {len(rates)} rounds reported, {len(schedule)} run")
+        if report["params"]["gomaxprocs"] != gomaxprocs:
+            raise CeilingError(f"TCP ceiling: the sender ran with GOMAXPROCS {report['params']['gomaxprocs']}, not {gomaxprocs}")
+        if landed != report["bytes_sent"]:
+            raise CeilingError(f"TCP ceiling: {report['bytes_sent']} bytes sent but {landed} landed")
         return [float(r) for r in rates]
     finally:
         killer.cancel()
@@ -297,7 +355,7 @@ def run_tcp_rounds(
             if p.poll() is None:
                 p.kill()
             p.wait()
-            for f in (p.stdout, p.stderr):
+            for f in (p.stdin, p.stdout, p.stderr):
                 if f:
                     f.close()
 
@@ -307,24 +365,7 @@ def _tail(p: subprocess.Popen, line: str) -> str:
         err = p.stderr.read() if p.stderr and p.poll() is not None else ""
     except (OSError, ValueError):
         err = ""
-    return f"{p.args[5]} (exit {p.returncode}): {(line + err).strip()[-2000:]}"
-
-
-def _serve_role(args: argparse.Namespace) -> int:
-    from .native import ceiling_tcp_receive, ceiling_tcp_send, configure
-
-    configure(gomaxprocs=args.gomaxprocs, log_level="warn")
-    schedule = [int(s) for s in args.schedule.split(",")]
-    if args.role == "recv":
-        with socket.create_server((args.host, 0), backlog=256) as ln:
-            print(json.dumps({"port": ln.getsockname()[1]}), flush=True)
-            counts = [ceiling_tcp_receive(ln.fileno(), k, args.timeout) for k in schedule]
-        print(json.dumps({"bytes": counts}), flush=True)
-        return 0
-    addrs = args.to.split(",")
-    rates = [ceiling_tcp_send(addrs, k, args.bytes, args.timeout) for k in schedule]
-    print(json.dumps({"bytes_per_sec": rates}), flush=True)
-    return 0
+    return f"{' '.join(p.args[:2])} (exit {p.returncode}): {(line + err).strip()[-2000:]}"
 
 
 # --- copies ------------------------------------------------------------------
@@ -359,23 +400,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conns", type=int, default=4, help="connections in all, as the transfer opens (default %(default)s)")
     parser.add_argument("--receivers", type=int, default=1, help="receiver processes, as consumer shards (default %(default)s)")
     parser.add_argument("--gomaxprocs", type=int, default=2, help="GOMAXPROCS of each process (default %(default)s)")
+    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="frame size, the transfer's tcp_chunk_bytes (default %(default)s)")
     parser.add_argument("--gib", type=float, default=1.0, help="GiB per sample (default %(default)s)")
     parser.add_argument("--samples", type=int, default=2, help="samples of each connection count (default %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address the receivers listen on (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds allowed per round (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    # The processes the measurement starts.
-    parser.add_argument("--role", choices=("recv", "send"), help=argparse.SUPPRESS)
-    parser.add_argument("--schedule", help=argparse.SUPPRESS)
-    parser.add_argument("--to", help=argparse.SUPPRESS)
-    parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.role:
-        return _serve_role(args)
     try:
-        tcp = TCPCeiling(args.gomaxprocs, args.conns, args.receivers, int(args.gib * GiB), args.host, args.timeout)
+        tcp = TCPCeiling(args.gomaxprocs, args.conns, args.receivers, int(args.gib * GiB), args.host, args.timeout,
+                         chunk_bytes=args.chunk_bytes)
         for i in range(args.samples):
             tcp.measure(f"sample {i + 1}")
     except (CeilingError, ValueError, OSError) as exc:

@@ -11,9 +11,10 @@ ceilings the figures are compared with:
 
 - PyTorch's own device-to-device copy between the same two devices, at each
   item size (the ceiling of cuda_ipc);
-- a device-to-host copy into page-locked memory, and raw Go TCP from a
-  sender process to a receiver process with the workers' GOMAXPROCS over
-  the producer's connections (TCP with GPU memory crosses PCIe on each side
+- a device-to-host copy into page-locked memory, and the TCP data plane
+  alone (its own writer and receiver, no reservations) from a sender
+  process to a receiver process with the workers' GOMAXPROCS over the
+  producer's connections (TCP with GPU memory crosses PCIe on each side
   and the socket between; its ceiling is the smaller of the two).
 
 Every ceiling is sampled before and after the phases, the higher kept.
@@ -524,6 +525,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--producer-device", default="cuda:0")
     parser.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--phases", help="comma-separated phase names to run, e.g. tcp-4m,tcp-32m,tcp-32m-stream (default: all)")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw throughput against item size, with the ceilings, into this PNG (needs matplotlib)")
 
 
@@ -543,7 +545,13 @@ def run_args(args: argparse.Namespace) -> int:
             print(f"ecmooncake gpubench: {exc}", file=sys.stderr)
             return 2
     try:
-        summary = run(args.consumer_device, args.producer_device, progress=not args.quiet)
+        phases = None
+        if args.phases:
+            names = args.phases.split(",")
+            phases = [p for p in PHASES if p["name"] in names]
+            if len(phases) != len(names):
+                raise ValueError(f"unknown phase in {args.phases!r}; phases: {', '.join(p['name'] for p in PHASES)}")
+        summary = run(args.consumer_device, args.producer_device, progress=not args.quiet, phases=phases)
     except (EcmError, WorkerError, OSError, ValueError) as exc:
         print(f"ecmooncake gpubench: {exc}", file=sys.stderr)
         return 2

@@ -188,43 +188,6 @@ def configure(**settings: Any) -> None:
     _call("ecm_configure", _encode(settings, "settings"))
 
 
-def bench_tcp_loopback(nbytes: int, streams: int = 1) -> float:
-    """Raw Go TCP loopback throughput in bytes/s: the TCP data plane's ceiling."""
-    out = _call(
-        "ecm_bench_tcp_loopback",
-        _encode({"bytes": int(nbytes), "streams": int(streams)}, "bench"),
-        out=True,
-    )
-    return float(out["bytes_per_sec"])
-
-
-def ceiling_tcp_receive(listen_fd: int, conns: int, timeout_s: float = 300) -> int:
-    """One round of a two-process TCP ceiling, the receiving end: accepts
-    ``conns`` connections on the listening socket ``listen_fd`` (which stays
-    open for the next round) and reads each to its end; returns the bytes."""
-    out = _call(
-        "ecm_bench_tcp_loopback",
-        _encode({"role": "recv", "listen_fd": int(listen_fd), "conns": int(conns), "timeout_s": float(timeout_s)}, "bench"),
-        out=True,
-    )
-    return int(out["bytes"])
-
-
-def ceiling_tcp_send(addrs: list[str], conns: int, nbytes: int, timeout_s: float = 300) -> float:
-    """One round of a two-process TCP ceiling, the sending end: ``conns``
-    connections to each ``host:port`` of addrs, nbytes over all of them;
-    returns bytes/s from the first write until every byte was counted."""
-    out = _call(
-        "ecm_bench_tcp_loopback",
-        _encode(
-            {"role": "send", "addrs": list(addrs), "conns": int(conns), "bytes": int(nbytes), "timeout_s": float(timeout_s)},
-            "bench",
-        ),
-        out=True,
-    )
-    return float(out["bytes_per_sec"])
-
-
 def buffer_of(obj: Any, writable: bool = False) -> tuple[int, int]:
     """(data pointer, nbytes) of a C-contiguous numpy array or CPU torch tensor.
 
@@ -678,7 +641,6 @@ __all__ = [
     "MetadataServer",
     "Producer",
     "Scheduler",
-    "bench_tcp_loopback",
     "buffer_of",
     "configure",
     "error_for",

@@ -56,7 +56,7 @@ def _bench(s: dict) -> tuple[str, list[Series]]:
 
 
 def _ceiling_name(which: str, s: dict) -> str:
-    names = {"tcp": "raw TCP", "copy_1": "host copy, 1 thread", "copy_gomaxprocs": f"host copy, {s.get('gomaxprocs', 'GOMAXPROCS')} threads"}
+    names = {"tcp": "TCP data plane alone", "copy_1": "host copy, 1 thread", "copy_gomaxprocs": f"host copy, {s.get('gomaxprocs', 'GOMAXPROCS')} threads"}
     return names.get(which, which)
 
 

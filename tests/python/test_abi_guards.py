@@ -79,9 +79,6 @@ def test_metadata_server_open_with_null_out_opens_nothing():
         ("ecm_scheduler_step", (1, b"{}", None)),
         ("ecm_scheduler_has", (1, b"h", None)),
         ("ecm_scheduler_wait", (1, b"{}", 0, None)),
-        # Would run a 1 GiB loopback benchmark before finding nowhere to
-        # write its answer.
-        ("ecm_bench_tcp_loopback", (b"{}", None)),
         ("ecm_proxy_open", (b'{"host": "127.0.0.1", "port": 0, "pd": ["http://127.0.0.1:1"]}', None)),
         ("ecm_registrar_open", (b'{"proxies": ["http://127.0.0.1:1"], "role": "encode", "url": "http://127.0.0.1:2"}', None)),
         ("ecm_metrics_text", (None,)),

@@ -1,6 +1,7 @@
 """The ceilings' bookkeeping, with made-up measurements: which sample is
 kept, which variant the ratio is against, when a summary is flagged. Then
-the two-process TCP ceiling and a tiny bench run as a user starts them,
+the two-process TCP ceiling (ecm-ceiling) and a tiny bench run as a user
+starts them,
 checking that they say what the ceiling was measured with (no figure is
 judged)."""
 
@@ -96,18 +97,20 @@ def test_tcp_ceiling_samples_every_variant_per_measurement():
         base = 1e9 if len(calls) == 1 else 2e9
         return [base * (4 - i) for i in range(len(kw["schedule"]))]
 
-    tcp = TCPCeiling(gomaxprocs=3, conns=8, receivers=2, nbytes=1 << 20, runner=runner)
+    tcp = TCPCeiling(gomaxprocs=3, conns=8, receivers=2, nbytes=1 << 20, runner=runner, chunk_bytes=4 << 20)
     tcp.measure(BEFORE)
     tcp.measure(AFTER)
     assert [c["schedule"] for c in calls] == [[1, 2, 4], [1, 2, 4]]
-    assert all(c["gomaxprocs"] == 3 and c["receivers"] == 2 for c in calls)
+    assert all(c["gomaxprocs"] == 3 and c["receivers"] == 2 and c["chunk_bytes"] == 4 << 20 for c in calls)
     assert tcp.book.value() == 4e9
     assert tcp.book.best() == (2, 8e9)
     p = tcp.book.params
     assert (p["processes"], p["gomaxprocs"], p["connections"], p["bytes_per_sample"]) == (3, 3, 8, 1 << 20)
+    assert p["chunk_bytes"] == 4 << 20 and p["socket_buffer"] == "kernel autotuning"
     text = tcp.book.describe()
-    for phrase in ("1 sender + 2 receiver processes", "GOMAXPROCS 3 each", "8 connections (4 per receiver)",
-                   "1 MiB per sample", "2 samples: before, after"):
+    for phrase in ("the data plane's own writer and receiver, 4 MiB frames, no reservations",
+                   "1 sender + 2 receiver processes", "GOMAXPROCS 3 each", "8 connections (4 per receiver)",
+                   "socket buffers autotuned", "no CPU pinning", "1 MiB per sample", "2 samples: before, after"):
         assert phrase in text
 
 
@@ -118,6 +121,23 @@ def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     )
 
 
+def test_a_missing_ceiling_command_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("ECMOONCAKE_LIBRARY", str(tmp_path / "libecmooncake.so"))
+    monkeypatch.delenv(ceiling.CEILING_ENV, raising=False)
+    monkeypatch.setattr(ceiling, "CEILING_COMMAND", "ecm-ceiling-absent")
+    with pytest.raises(ceiling.CeilingError, match="ecm-ceiling-absent not found.*build_lib.py"):
+        ceiling.ceiling_command()
+
+
+def test_the_ceiling_command_is_found_beside_the_library(tmp_path, monkeypatch):
+    exe = tmp_path / "ecm-ceiling"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("ECMOONCAKE_LIBRARY", str(tmp_path / "libecmooncake.so"))
+    monkeypatch.delenv(ceiling.CEILING_ENV, raising=False)
+    assert ceiling.ceiling_command() == exe
+
+
 @pytest.mark.usefixtures("library")
 def test_tcp_ceiling_across_processes():
     proc = _run("ceiling", "--conns", "4", "--receivers", "2", "--gib", "0.02", "--samples", "1", "--json")
@@ -126,6 +146,7 @@ def test_tcp_ceiling_across_processes():
     assert set(out["by_variant_gb_per_s"]) == {"2", "4"}
     assert out["gb_per_s"] > 0
     assert out["params"]["processes"] == 3 and out["params"]["gomaxprocs"] == 2
+    assert out["params"]["chunk_bytes"] == 8 << 20
 
 
 @pytest.mark.usefixtures("library")
@@ -136,7 +157,8 @@ def test_a_tiny_bench_prints_its_ceiling_parameters():
     )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     (line,) = [line for line in proc.stdout.splitlines() if line.strip().startswith("ceiling")]
-    for phrase in ("1 sender + 1 receiver process", "GOMAXPROCS 2 each", "2 connections", "16 MiB per sample",
+    for phrase in ("the data plane's own writer and receiver, 8 MiB frames", "1 sender + 1 receiver process",
+                   "GOMAXPROCS 2 each", "2 connections", "16 MiB per sample",
                    "2 samples: before, after", "best of 1, 2 connections"):
         assert phrase in line, line
     assert "of the ceiling" in proc.stdout

@@ -205,12 +205,6 @@ def test_bad_config_is_refused_with_a_message(open_object, words):
 def test_bad_arguments_are_refused():
     with pytest.raises(EcmInvalid, match="gomaxprocs"):
         native.configure(gomaxprocs="many")
-    with pytest.raises(EcmInvalid, match="bytes"):
-        native.bench_tcp_loopback(0, 1)
-    with pytest.raises(EcmInvalid, match="addrs"):
-        native.ceiling_tcp_send([], 1, 1 << 20)
-    with pytest.raises(EcmInvalid, match="listen_fd"):
-        native.ceiling_tcp_receive(-1, 1)
     with Scheduler(scheduler_config(free_port_range(1, IP), 1)) as scheduler:
         with pytest.raises(EcmInvalid, match="step"):
             scheduler.step("{not json")

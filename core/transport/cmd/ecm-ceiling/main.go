@@ -1,0 +1,138 @@
+// Command ecm-ceiling measures the ceiling of the TCP data plane: the data
+// plane's own writer and receiver with no reservations around them (see
+// transport.CeilingSend). It is one end per process, so that each end has
+// the GOMAXPROCS of the process it stands for:
+//
+//	ecm-ceiling recv [-listen 127.0.0.1:0] [-gomaxprocs N] [-chunk-bytes N] [-regions N] [-socket-buffer N]
+//	ecm-ceiling send -to HOST:PORT[,HOST:PORT...] -schedule 1,2,4 -bytes N [-gomaxprocs N] [-chunk-bytes N] [-socket-buffer N] [-timeout S]
+//
+// recv prints {"addr": ...} once it listens, serves until its standard
+// input closes, then prints {"frames": F, "bytes": B, ...}: what landed.
+// send runs one round per entry of -schedule (connections to each
+// address), -bytes in each, and prints {"bytes_per_sec": [...],
+// "bytes_sent": N, ...}. Each prints its parameters as it ran with them
+// (GOMAXPROCS, chunk size, socket buffer) beside its figures. Exit status
+// 2 for bad arguments, 1 when the measurement failed.
+//
+// python/ecmooncake/ceiling.py starts these processes; build/build_lib.py
+// builds this command beside libecmooncake.so.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/transport"
+)
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdin, os.Stdout, os.Stderr))
+}
+
+func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
+	if len(args) == 0 || (args[0] != "recv" && args[0] != "send") {
+		fmt.Fprintln(stderr, "usage: ecm-ceiling recv|send [flags] (-h for the flags)")
+		return 2
+	}
+	role := args[0]
+	fs := flag.NewFlagSet("ecm-ceiling "+role, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	procs := fs.Int("gomaxprocs", 0, "GOMAXPROCS of this process (0: the Go default)")
+	chunk := fs.Int("chunk-bytes", transport.DefaultChunkSize, "largest frame payload, the transfer's tcp_chunk_bytes")
+	sockBuf := fs.Int("socket-buffer", 0, "SO_SNDBUF and SO_RCVBUF of every connection (0: the kernel's autotuning, as the transfer)")
+	listen := fs.String("listen", "127.0.0.1:0", "recv: address to listen on")
+	regions := fs.Int("regions", 4, "recv: receive regions touched before the first frame (one per connection served at once)")
+	to := fs.String("to", "", "send: receivers, comma-separated host:port")
+	schedule := fs.String("schedule", "4", "send: connections to each receiver, one round per entry, comma-separated")
+	nbytes := fs.Int64("bytes", 1<<30, "send: bytes per round, over all receivers")
+	timeout := fs.Float64("timeout", 300, "send: seconds allowed per round")
+	if err := fs.Parse(args[1:]); err != nil {
+		return 2
+	}
+	if *procs < 0 || *chunk < 64<<10 || *chunk > transport.MaxFrame || *sockBuf < 0 || *regions < 0 || *timeout <= 0 {
+		fmt.Fprintln(stderr, "ecm-ceiling: want -gomaxprocs >= 0, -chunk-bytes in [64 KiB, 1 GiB], -socket-buffer >= 0, -regions >= 0, -timeout > 0")
+		return 2
+	}
+	if *procs > 0 {
+		runtime.GOMAXPROCS(*procs)
+	}
+	slog.SetDefault(slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
+	params := map[string]any{
+		"gomaxprocs":    runtime.GOMAXPROCS(0),
+		"chunk_bytes":   *chunk,
+		"socket_buffer": *sockBuf,
+	}
+	enc := json.NewEncoder(stdout)
+	if role == "recv" {
+		return recv(*listen, transport.TCPConfig{Conns: max(*regions, 1), ChunkSize: *chunk, SocketBuffer: *sockBuf}, params, stdin, enc, stderr)
+	}
+	addrs := strings.Split(*to, ",")
+	if *to == "" {
+		fmt.Fprintln(stderr, "ecm-ceiling send: -to is required")
+		return 2
+	}
+	var rounds []int
+	for _, s := range strings.Split(*schedule, ",") {
+		k, err := strconv.Atoi(s)
+		if err != nil || k < 1 || k > 64 {
+			fmt.Fprintf(stderr, "ecm-ceiling send: -schedule entry %q: want 1 to 64 connections\n", s)
+			return 2
+		}
+		rounds = append(rounds, k)
+	}
+	if *nbytes < int64(len(addrs)) {
+		fmt.Fprintln(stderr, "ecm-ceiling send: -bytes below one per receiver")
+		return 2
+	}
+	rates := make([]float64, 0, len(rounds))
+	var sent int64
+	for _, k := range rounds {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(*timeout*float64(time.Second)))
+		cfg := transport.TCPConfig{Conns: k, ChunkSize: *chunk, SocketBuffer: *sockBuf}
+		bps, n, err := transport.CeilingSend(ctx, addrs, cfg, *nbytes)
+		cancel()
+		if err != nil {
+			fmt.Fprintf(stderr, "ecm-ceiling send: %d connections per receiver: %v\n", k, err)
+			return 1
+		}
+		rates = append(rates, bps)
+		sent += n
+	}
+	params["schedule"] = rounds
+	params["receivers"] = len(addrs)
+	params["bytes_per_round"] = *nbytes
+	if err := enc.Encode(map[string]any{"bytes_per_sec": rates, "bytes_sent": sent, "params": params}); err != nil {
+		return 1
+	}
+	return 0
+}
+
+func recv(addr string, cfg transport.TCPConfig, params map[string]any, stdin io.Reader, enc *json.Encoder, stderr io.Writer) int {
+	r, err := transport.ListenCeiling(addr, cfg)
+	if err != nil {
+		fmt.Fprintf(stderr, "ecm-ceiling recv: %v\n", err)
+		return 1
+	}
+	params["regions"] = cfg.Conns
+	if err := enc.Encode(map[string]any{"addr": r.Addr(), "params": params}); err != nil {
+		_ = r.Close()
+		return 1
+	}
+	// Serves until the process that started it closes our input.
+	_, _ = io.Copy(io.Discard, stdin)
+	_ = r.Close()
+	st := r.Stats()
+	if err := enc.Encode(map[string]any{"frames": st.Frames, "bytes": st.Bytes, "rejected": st.Rejected, "params": params}); err != nil {
+		return 1
+	}
+	return 0
+}
