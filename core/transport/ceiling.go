@@ -45,27 +45,31 @@ func ListenCeiling(addr string, cfg TCPConfig) (Receiver, error) {
 
 // CeilingSend moves total bytes from this process through the data
 // plane's writer to the ceiling receivers at addrs, over cfg.Conns
-// connections to each, and returns bytes per second from the first frame
-// of the timed part to the last ack. Before the clock starts, each
-// connection is dialed and carries one chunk, as the connections of a
-// running producer are open and warm. It also returns the bytes it sent in
-// all, the warm-up included, for a receiver's count to be checked against.
+// connections to each, rounds times over the same connections, and
+// returns each round's bytes per second, from its first frame to its last
+// ack. Before the first round, each connection is dialed and carries one
+// chunk, as the connections of a running producer are open and warm. It
+// also returns the bytes it sent in all, the warm-up included, for a
+// receiver's count to be checked against. A caller that wants a ceiling
+// keeps the fastest round: on a loaded machine that is the one the load
+// took least from.
 //
 // The source is untouched anonymous memory, which the kernel backs with
 // its one zero page: no source is cheaper to read, so the figure bounds a
 // transfer from any source, however hot in cache.
-func CeilingSend(ctx context.Context, addrs []string, cfg TCPConfig, total int64) (bytesPerSec float64, sent int64, err error) {
+func CeilingSend(ctx context.Context, addrs []string, cfg TCPConfig, total int64, rounds int) (bytesPerSec []float64, sent int64, err error) {
 	t := NewTCP(cfg)
 	cfg = t.cfg
-	if len(addrs) == 0 || total < int64(len(addrs)) {
-		return 0, 0, fmt.Errorf("transport: ceiling send: need addresses and a byte for each, got %d and %d", len(addrs), total)
+	if len(addrs) == 0 || total < int64(len(addrs)) || rounds < 1 {
+		return nil, 0, fmt.Errorf("transport: ceiling send: need addresses, a byte for each and a round, got %d, %d and %d",
+			len(addrs), total, rounds)
 	}
 	if err := ctx.Err(); err != nil {
-		return 0, 0, fmt.Errorf("transport: ceiling send: %w", err)
+		return nil, 0, fmt.Errorf("transport: ceiling send: %w", err)
 	}
 	src, err := syscall.Mmap(-1, 0, cfg.ChunkSize, syscall.PROT_READ, syscall.MAP_PRIVATE|syscall.MAP_ANON)
 	if err != nil {
-		return 0, 0, fmt.Errorf("transport: ceiling send: source: %w", err)
+		return nil, 0, fmt.Errorf("transport: ceiling send: source: %w", err)
 	}
 	w := t.NewWriter()
 	// Close first: the writer never touches src after its Write returns,
@@ -81,25 +85,28 @@ func CeilingSend(ctx context.Context, addrs []string, cfg TCPConfig, total int64
 		warm[i] = int64(cfg.Conns) * int64(cfg.ChunkSize)
 	}
 	if _, err := ceilingRound(ctx, w, addrs, warm, src); err != nil {
-		return 0, 0, fmt.Errorf("transport: ceiling send: warm-up: %w", err)
+		return nil, 0, fmt.Errorf("transport: ceiling send: warm-up: %w", err)
+	}
+	for _, n := range warm {
+		sent += n
 	}
 	shares := make([]int64, len(addrs))
 	for i := range shares {
 		shares[i] = total / int64(len(addrs))
 	}
 	shares[0] += total % int64(len(addrs))
-	elapsed, err := ceilingRound(ctx, w, addrs, shares, src)
-	if err != nil {
-		return 0, 0, fmt.Errorf("transport: ceiling send: %w", err)
+	for r := range rounds {
+		elapsed, err := ceilingRound(ctx, w, addrs, shares, src)
+		if err != nil {
+			return nil, 0, fmt.Errorf("transport: ceiling send: round %d of %d: %w", r+1, rounds, err)
+		}
+		if elapsed <= 0 {
+			return nil, 0, errors.New("transport: ceiling send: clock did not advance")
+		}
+		sent += total
+		bytesPerSec = append(bytesPerSec, float64(total)/elapsed.Seconds())
 	}
-	if elapsed <= 0 {
-		return 0, 0, errors.New("transport: ceiling send: clock did not advance")
-	}
-	sent = total
-	for _, n := range warm {
-		sent += n
-	}
-	return float64(total) / elapsed.Seconds(), sent, nil
+	return bytesPerSec, sent, nil
 }
 
 // ceilingRound writes shares[i] bytes to addrs[i], all destinations at
@@ -145,11 +152,11 @@ func LoopbackCeiling(ctx context.Context, total int64, streams int) (bytesPerSec
 		return 0, fmt.Errorf("transport: loopback ceiling: %w", err)
 	}
 	defer r.Close()
-	bps, _, err := CeilingSend(ctx, []string{r.Addr()}, cfg, total)
+	bps, _, err := CeilingSend(ctx, []string{r.Addr()}, cfg, total, 1)
 	if err != nil {
 		return 0, fmt.Errorf("transport: loopback ceiling: %w", err)
 	}
-	return bps, nil
+	return bps[0], nil
 }
 
 // ceilingSink admits every frame into a region of its own: regions of the

@@ -39,10 +39,12 @@ func TestCeilingSendReceive(t *testing.T) {
 		t.Cleanup(func() { _ = r.Close() })
 		rs[i], addrs[i] = r, r.Addr()
 	}
-	bps, sent, err := CeilingSend(context.Background(), addrs, cfg, total)
+	bps, sent, err := CeilingSend(context.Background(), addrs, cfg, total, 2)
 	require.NoError(t, err)
-	require.Positive(t, bps)
-	require.Equal(t, int64(total+2*2*chunk), sent, "the timed bytes and one chunk per connection")
+	require.Len(t, bps, 2)
+	require.Positive(t, bps[0])
+	require.Positive(t, bps[1])
+	require.Equal(t, int64(2*total+2*2*chunk), sent, "two rounds and one chunk per connection")
 	var landed, frames uint64
 	for _, r := range rs {
 		st := r.Stats()
@@ -51,13 +53,15 @@ func TestCeilingSendReceive(t *testing.T) {
 		frames += st.Frames
 	}
 	require.Equal(t, uint64(sent), landed)
-	// 8 whole chunks and a tail (2 bytes, 1 byte) to each, and the
-	// warm-up's 2 per receiver.
-	require.Equal(t, uint64(9+9+2+2), frames)
+	// Each round: 8 whole chunks and a tail (2 bytes, 1 byte) to each;
+	// and the warm-up's 2 per receiver.
+	require.Equal(t, uint64(2*(9+9)+2+2), frames)
 
-	_, _, err = CeilingSend(context.Background(), nil, cfg, total)
+	_, _, err = CeilingSend(context.Background(), nil, cfg, total, 1)
 	require.Error(t, err)
-	_, _, err = CeilingSend(context.Background(), addrs, cfg, 1)
+	_, _, err = CeilingSend(context.Background(), addrs, cfg, 1, 1)
+	require.Error(t, err)
+	_, _, err = CeilingSend(context.Background(), addrs, cfg, total, 0)
 	require.Error(t, err)
 }
 
@@ -67,7 +71,7 @@ func TestCeilingSendNoReceiver(t *testing.T) {
 	require.NoError(t, err)
 	addr := r.Addr()
 	require.NoError(t, r.Close())
-	_, _, err = CeilingSend(context.Background(), []string{addr}, TCPConfig{Conns: 1, ChunkSize: 64 << 10}, 1<<20)
+	_, _, err = CeilingSend(context.Background(), []string{addr}, TCPConfig{Conns: 1, ChunkSize: 64 << 10}, 1<<20, 1)
 	require.ErrorIs(t, err, ErrUnreachable)
 }
 

@@ -10,8 +10,8 @@ here, and:
   the transfer's frame size and socket options, its sender and its
   receivers in separate processes (one receiver per consumer shard), each
   with the GOMAXPROCS of the measured workers, over as many connections as
-  the transfer opens; the best over fewer connections is reported beside
-  it;
+  the transfer opens; a sample is the fastest of a few rounds over the same
+  connections; the best over fewer connections is reported beside it;
 - a copy ceiling copies with as many threads as the measured copy uses;
 - each ceiling is sampled before and after the measured phase and the
   higher sample kept, so load that came and went during the run cannot
@@ -176,6 +176,11 @@ CEILING_ENV = "ECMOONCAKE_CEILING"
 # The transfer's frame size unless tcp_chunk_bytes says otherwise (the
 # library's default).
 DEFAULT_CHUNK_BYTES = 8 << 20
+# A TCP sample is the fastest of this many rounds over the same warm
+# connections, each a share of the sample's bytes: on a loaded machine a
+# single round can land on a burst of other work and read far below what
+# the sockets do, even below the transfer beside it.
+DEFAULT_ROUNDS = 4
 
 
 def ceiling_command() -> Path:
@@ -220,7 +225,9 @@ class TCPCeiling:
     the transfer's sockets and nothing else, so an upper bound on it. Its
     source is untouched memory (the kernel's zero page, the cheapest there
     is) and each receiver reads into reused regions touched beforehand.
-    Like the workers, its processes are not pinned to CPUs."""
+    Like the workers, its processes are not pinned to CPUs. A sample of
+    ``nbytes`` is ``rounds`` rounds of ``nbytes / rounds`` over the same
+    connections, the fastest kept."""
 
     def __init__(
         self,
@@ -233,10 +240,13 @@ class TCPCeiling:
         runner: Callable[..., list[float]] | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         socket_buffer: int = 0,
+        rounds: int = DEFAULT_ROUNDS,
     ):
+        if rounds < 1 or nbytes < rounds * conns:
+            raise ValueError(f"a TCP ceiling of {nbytes} bytes cannot be {rounds} rounds over {conns} connections")
         self.gomaxprocs, self.conns, self.receivers = gomaxprocs, conns, receivers
         self.nbytes, self.host, self.timeout_s = nbytes, host, timeout_s
-        self.chunk_bytes, self.socket_buffer = chunk_bytes, socket_buffer
+        self.chunk_bytes, self.socket_buffer, self.rounds = chunk_bytes, socket_buffer, rounds
         self.variants = stream_counts(conns, receivers)
         self._runner = runner or run_tcp_rounds
         self.book = Ceiling(
@@ -254,6 +264,7 @@ class TCPCeiling:
                 "source": "untouched memory (zero page)",
                 "destination": "reused regions, touched beforehand",
                 "bytes_per_sample": nbytes,
+                "rounds_per_sample": rounds,
                 "host": host,
             },
             primary=conns,
@@ -264,7 +275,8 @@ class TCPCeiling:
                 f"{conns} connections" + (f" ({conns // receivers} per receiver)" if receivers > 1 else ""),
                 "socket buffers " + (size_text(socket_buffer) if socket_buffer else "autotuned"),
                 "no CPU pinning",
-                f"{size_text(nbytes)} per sample",
+                f"{size_text(nbytes)} per sample"
+                + (f" (the fastest of {rounds} rounds of {size_text(nbytes // rounds)})" if rounds > 1 else ""),
                 f"on {host}",
             ],
             variant_unit="connections",
@@ -276,7 +288,8 @@ class TCPCeiling:
             gomaxprocs=self.gomaxprocs,
             receivers=self.receivers,
             schedule=[s // self.receivers for s in self.variants],
-            nbytes=self.nbytes,
+            nbytes=self.nbytes // self.rounds,
+            rounds=self.rounds,
             host=self.host,
             timeout_s=self.timeout_s,
             chunk_bytes=self.chunk_bytes,
@@ -295,16 +308,18 @@ def run_tcp_rounds(
     timeout_s: float = 300,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     socket_buffer: int = 0,
+    rounds: int = 1,
 ) -> list[float]:
-    """Starts the receiver and sender processes (ecm-ceiling) and runs one
-    round per entry of schedule (connections per receiver); returns bytes/s
-    of each. Every byte the sender sent must have landed on a receiver."""
+    """Starts the receiver and sender processes (ecm-ceiling) and measures
+    each entry of schedule (connections per receiver): ``rounds`` rounds of
+    nbytes; returns the fastest round's bytes/s of each. Every byte the
+    sender sent must have landed on a receiver."""
     exe = str(ceiling_command())
     common = ["-gomaxprocs", str(gomaxprocs), "-chunk-bytes", str(chunk_bytes), "-socket-buffer", str(socket_buffer)]
     procs: list[subprocess.Popen] = []
     # A process that hangs is killed at the deadline, which ends every
     # read below with EOF.
-    budget = timeout_s * (len(schedule) + 1)
+    budget = timeout_s * (len(schedule) * rounds + 1)
     killer = threading.Timer(budget, lambda: [p.kill() for p in procs if p.poll() is None])
     killer.daemon = True
     killer.start()
@@ -323,7 +338,7 @@ def run_tcp_rounds(
                 raise CeilingError(f"TCP ceiling receiver gave no address: {_tail(p, line)}") from exc
         sender = subprocess.Popen(
             [exe, "send", "-to", ",".join(addrs), "-schedule", ",".join(map(str, schedule)),
-             "-bytes", str(nbytes), "-timeout", str(timeout_s), *common],
+             "-bytes", str(nbytes), "-rounds", str(rounds), "-timeout", str(timeout_s), *common],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         procs.append(sender)
@@ -403,6 +418,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="frame size, the transfer's tcp_chunk_bytes (default %(default)s)")
     parser.add_argument("--gib", type=float, default=1.0, help="GiB per sample (default %(default)s)")
     parser.add_argument("--samples", type=int, default=2, help="samples of each connection count (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="rounds per sample, the fastest kept (default %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address the receivers listen on (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds allowed per round (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -411,7 +427,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         tcp = TCPCeiling(args.gomaxprocs, args.conns, args.receivers, int(args.gib * GiB), args.host, args.timeout,
-                         chunk_bytes=args.chunk_bytes)
+                         chunk_bytes=args.chunk_bytes, rounds=args.rounds)
         for i in range(args.samples):
             tcp.measure(f"sample {i + 1}")
     except (CeilingError, ValueError, OSError) as exc:

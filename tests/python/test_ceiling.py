@@ -102,6 +102,7 @@ def test_tcp_ceiling_samples_every_variant_per_measurement():
     tcp.measure(AFTER)
     assert [c["schedule"] for c in calls] == [[1, 2, 4], [1, 2, 4]]
     assert all(c["gomaxprocs"] == 3 and c["receivers"] == 2 and c["chunk_bytes"] == 4 << 20 for c in calls)
+    assert all(c["rounds"] == 4 and c["nbytes"] == 1 << 18 for c in calls), "a sample is 4 rounds of a quarter"
     assert tcp.book.value() == 4e9
     assert tcp.book.best() == (2, 8e9)
     p = tcp.book.params
@@ -110,7 +111,8 @@ def test_tcp_ceiling_samples_every_variant_per_measurement():
     text = tcp.book.describe()
     for phrase in ("the data plane's own writer and receiver, 4 MiB frames, no reservations",
                    "1 sender + 2 receiver processes", "GOMAXPROCS 3 each", "8 connections (4 per receiver)",
-                   "socket buffers autotuned", "no CPU pinning", "1 MiB per sample", "2 samples: before, after"):
+                   "socket buffers autotuned", "no CPU pinning",
+                   "1 MiB per sample (the fastest of 4 rounds of 256 KiB)", "2 samples: before, after"):
         assert phrase in text
 
 
@@ -140,13 +142,13 @@ def test_the_ceiling_command_is_found_beside_the_library(tmp_path, monkeypatch):
 
 @pytest.mark.usefixtures("library")
 def test_tcp_ceiling_across_processes():
-    proc = _run("ceiling", "--conns", "4", "--receivers", "2", "--gib", "0.02", "--samples", "1", "--json")
+    proc = _run("ceiling", "--conns", "4", "--receivers", "2", "--gib", "0.02", "--samples", "1", "--rounds", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert set(out["by_variant_gb_per_s"]) == {"2", "4"}
     assert out["gb_per_s"] > 0
     assert out["params"]["processes"] == 3 and out["params"]["gomaxprocs"] == 2
-    assert out["params"]["chunk_bytes"] == 8 << 20
+    assert out["params"]["chunk_bytes"] == 8 << 20 and out["params"]["rounds_per_sample"] == 2
 
 
 @pytest.mark.usefixtures("library")
@@ -158,7 +160,7 @@ def test_a_tiny_bench_prints_its_ceiling_parameters():
     assert proc.returncode == 0, proc.stderr + proc.stdout
     (line,) = [line for line in proc.stdout.splitlines() if line.strip().startswith("ceiling")]
     for phrase in ("the data plane's own writer and receiver, 8 MiB frames", "1 sender + 1 receiver process",
-                   "GOMAXPROCS 2 each", "2 connections", "16 MiB per sample",
+                   "GOMAXPROCS 2 each", "2 connections", "16 MiB per sample (the fastest of 4 rounds of 4 MiB)",
                    "2 samples: before, after", "best of 1, 2 connections"):
         assert phrase in line, line
     assert "of the ceiling" in proc.stdout

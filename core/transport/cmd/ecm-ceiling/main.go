@@ -4,13 +4,14 @@
 // the GOMAXPROCS of the process it stands for:
 //
 //	ecm-ceiling recv [-listen 127.0.0.1:0] [-gomaxprocs N] [-chunk-bytes N] [-regions N] [-socket-buffer N]
-//	ecm-ceiling send -to HOST:PORT[,HOST:PORT...] -schedule 1,2,4 -bytes N [-gomaxprocs N] [-chunk-bytes N] [-socket-buffer N] [-timeout S]
+//	ecm-ceiling send -to HOST:PORT[,HOST:PORT...] -schedule 1,2,4 -bytes N [-rounds N] [-gomaxprocs N] [-chunk-bytes N] [-socket-buffer N] [-timeout S]
 //
 // recv prints {"addr": ...} once it listens, serves until its standard
 // input closes, then prints {"frames": F, "bytes": B, ...}: what landed.
-// send runs one round per entry of -schedule (connections to each
-// address), -bytes in each, and prints {"bytes_per_sec": [...],
-// "bytes_sent": N, ...}. Each prints its parameters as it ran with them
+// send measures each entry of -schedule (connections to each address):
+// -rounds rounds of -bytes over the same connections, and prints
+// {"bytes_per_sec": [...], "rounds_bytes_per_sec": [[...], ...],
+// "bytes_sent": N, ...}, bytes_per_sec holding each entry's fastest round. Each prints its parameters as it ran with them
 // (GOMAXPROCS, chunk size, socket buffer) beside its figures. Exit status
 // 2 for bad arguments, 1 when the measurement failed.
 //
@@ -27,6 +28,7 @@ import (
 	"log/slog"
 	"os"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -54,12 +56,13 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	to := fs.String("to", "", "send: receivers, comma-separated host:port")
 	schedule := fs.String("schedule", "4", "send: connections to each receiver, one round per entry, comma-separated")
 	nbytes := fs.Int64("bytes", 1<<30, "send: bytes per round, over all receivers")
+	rounds := fs.Int("rounds", 1, "send: rounds per -schedule entry; the fastest is reported")
 	timeout := fs.Float64("timeout", 300, "send: seconds allowed per round")
 	if err := fs.Parse(args[1:]); err != nil {
 		return 2
 	}
-	if *procs < 0 || *chunk < 64<<10 || *chunk > transport.MaxFrame || *sockBuf < 0 || *regions < 0 || *timeout <= 0 {
-		fmt.Fprintln(stderr, "ecm-ceiling: want -gomaxprocs >= 0, -chunk-bytes in [64 KiB, 1 GiB], -socket-buffer >= 0, -regions >= 0, -timeout > 0")
+	if *procs < 0 || *chunk < 64<<10 || *chunk > transport.MaxFrame || *sockBuf < 0 || *regions < 0 || *rounds < 1 || *timeout <= 0 {
+		fmt.Fprintln(stderr, "ecm-ceiling: want -gomaxprocs >= 0, -chunk-bytes in [64 KiB, 1 GiB], -socket-buffer >= 0, -regions >= 0, -rounds >= 1, -timeout > 0")
 		return 2
 	}
 	if *procs > 0 {
@@ -80,37 +83,41 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "ecm-ceiling send: -to is required")
 		return 2
 	}
-	var rounds []int
+	var entries []int
 	for _, s := range strings.Split(*schedule, ",") {
 		k, err := strconv.Atoi(s)
 		if err != nil || k < 1 || k > 64 {
 			fmt.Fprintf(stderr, "ecm-ceiling send: -schedule entry %q: want 1 to 64 connections\n", s)
 			return 2
 		}
-		rounds = append(rounds, k)
+		entries = append(entries, k)
 	}
 	if *nbytes < int64(len(addrs)) {
 		fmt.Fprintln(stderr, "ecm-ceiling send: -bytes below one per receiver")
 		return 2
 	}
-	rates := make([]float64, 0, len(rounds))
+	best := make([]float64, 0, len(entries))
+	all := make([][]float64, 0, len(entries))
 	var sent int64
-	for _, k := range rounds {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(*timeout*float64(time.Second)))
+	for _, k := range entries {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(*timeout*float64(*rounds)*float64(time.Second)))
 		cfg := transport.TCPConfig{Conns: k, ChunkSize: *chunk, SocketBuffer: *sockBuf}
-		bps, n, err := transport.CeilingSend(ctx, addrs, cfg, *nbytes)
+		bps, n, err := transport.CeilingSend(ctx, addrs, cfg, *nbytes, *rounds)
 		cancel()
 		if err != nil {
 			fmt.Fprintf(stderr, "ecm-ceiling send: %d connections per receiver: %v\n", k, err)
 			return 1
 		}
-		rates = append(rates, bps)
+		best = append(best, slices.Max(bps))
+		all = append(all, bps)
 		sent += n
 	}
-	params["schedule"] = rounds
+	params["schedule"] = entries
 	params["receivers"] = len(addrs)
 	params["bytes_per_round"] = *nbytes
-	if err := enc.Encode(map[string]any{"bytes_per_sec": rates, "bytes_sent": sent, "params": params}); err != nil {
+	params["rounds"] = *rounds
+	out := map[string]any{"bytes_per_sec": best, "rounds_bytes_per_sec": all, "bytes_sent": sent, "params": params}
+	if err := enc.Encode(out); err != nil {
 		return 1
 	}
 	return 0

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"io"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -33,19 +34,27 @@ func TestCeilingRecvSend(t *testing.T) {
 	require.EqualValues(t, 2, hello.Params["gomaxprocs"])
 
 	var out bytes.Buffer
-	rc := run([]string{"send", "-to", hello.Addr, "-schedule", "1,2", "-bytes", "1000000", "-chunk-bytes", "65536", "-gomaxprocs", "2"}, nil, &out, &stderr)
+	rc := run([]string{"send", "-to", hello.Addr, "-schedule", "1,2", "-bytes", "1000000", "-rounds", "3",
+		"-chunk-bytes", "65536", "-gomaxprocs", "2"}, nil, &out, &stderr)
 	require.Zero(t, rc, stderr.String())
 	var sent struct {
 		Rates  []float64      `json:"bytes_per_sec"`
+		Rounds [][]float64    `json:"rounds_bytes_per_sec"`
 		Sent   int64          `json:"bytes_sent"`
 		Params map[string]any `json:"params"`
 	}
 	require.NoError(t, json.Unmarshal(out.Bytes(), &sent))
 	require.Len(t, sent.Rates, 2)
-	require.Positive(t, sent.Rates[0])
+	require.Len(t, sent.Rounds, 2)
+	for i, rounds := range sent.Rounds {
+		require.Len(t, rounds, 3)
+		require.Equal(t, slices.Max(rounds), sent.Rates[i], "the fastest round is the entry's figure")
+	}
 	require.EqualValues(t, 65536, sent.Params["chunk_bytes"])
-	// Two rounds of 1,000,000 bytes, and one chunk per connection (1, then 2) to warm up.
-	require.Equal(t, int64(2*1000000+3*65536), sent.Sent)
+	require.EqualValues(t, 3, sent.Params["rounds"])
+	// Three rounds of 1,000,000 bytes per entry, and one chunk per
+	// connection (1, then 2) to warm up.
+	require.Equal(t, int64(2*3*1000000+3*65536), sent.Sent)
 
 	require.NoError(t, inW.Close())
 	require.True(t, lines.Scan(), "no count: %s", stderr.String())
@@ -65,6 +74,7 @@ func TestCeilingBadArguments(t *testing.T) {
 		{"send"},
 		{"send", "-to", "127.0.0.1:1", "-schedule", "0"},
 		{"recv", "-chunk-bytes", "10"},
+		{"send", "-to", "127.0.0.1:1", "-rounds", "0"},
 		{"recv", "-nonsense"},
 	} {
 		require.Equal(t, 2, run(args, nil, &out, &stderr), "%q", args)
