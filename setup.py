@@ -1,5 +1,6 @@
-"""Packaging hooks: build_py builds libecmooncake.so into the package, and the
-wheel is tagged for the platform because it carries a native library.
+"""Packaging hooks: build_py builds libecmooncake.so and the ecm-ceiling command
+(the benchmarks' TCP ceiling, started by ecmooncake.ceiling) into the package,
+and the wheel is tagged for the platform because it carries native code.
 
 Metadata lives in pyproject.toml.
 """
