@@ -183,6 +183,9 @@ func (m *Manager) checkRecord(r *rec, hasEntry bool, bad func(string, ...any)) {
 			bad("%s: source held but no write queued", r)
 		}
 	}
+	if r.cancelWanted && !r.state.Terminal() && !r.followed && !m.awaitedAt(r) {
+		bad("%s: a cancel waits though no other push follows or may follow", r)
+	}
 	if r.state.Terminal() {
 		if r.seq != 0 {
 			bad("%s: keeps a deadline", r)
