@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/internal/deadlines"
 )
 
 // Sentinel errors; callers branch on them with errors.Is.
@@ -787,7 +788,7 @@ func (m *Manager) expire(r *rec, now time.Time) {
 	default:
 		return
 	}
-	m.move(r, Failed, now, fmt.Sprintf("%s: %s within %s", r.state, what, secs(wait)))
+	m.move(r, Failed, now, fmt.Sprintf("%s: %s within %s", r.state, what, deadlines.Secs(wait)))
 }
 
 // move is the only writer of rec.state. Every caller picks the target from

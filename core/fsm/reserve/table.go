@@ -7,8 +7,8 @@ import (
 	"slices"
 	"time"
 
-	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
+	"github.com/ecmooncake/ecmooncake/core/ids"
 )
 
 // Sentinel errors; callers test them with errors.Is.

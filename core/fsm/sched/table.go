@@ -7,6 +7,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/internal/deadlines"
 )
 
 // Sentinel errors; callers branch on them with errors.Is.
@@ -853,13 +855,13 @@ func (t *Table) expire(r *record, now time.Time) {
 	switch r.state {
 	case WaitingEvent:
 		t.move(r, Unavailable, now, fmt.Sprintf("push did not arrive within %s (%d of %d shards ready)",
-			secs(t.cfg.EventWait), r.shards.count(), t.cfg.Shards))
+			deadlines.Secs(t.cfg.EventWait), r.shards.count(), t.cfg.Shards))
 	case Available:
-		t.move(r, Expired, now, fmt.Sprintf("not loaded within %s of arriving", secs(t.cfg.AvailableTTL)))
+		t.move(r, Expired, now, fmt.Sprintf("not loaded within %s of arriving", deadlines.Secs(t.cfg.AvailableTTL)))
 	case Loading:
-		t.move(r, Unavailable, now, fmt.Sprintf("load did not finish within %s", secs(t.cfg.LoadWait)))
+		t.move(r, Unavailable, now, fmt.Sprintf("load did not finish within %s", deadlines.Secs(t.cfg.LoadWait)))
 	case Resident:
-		t.move(r, Expired, now, fmt.Sprintf("resident copy expired after %s", secs(t.cfg.ResidentTTL)))
+		t.move(r, Expired, now, fmt.Sprintf("resident copy expired after %s", deadlines.Secs(t.cfg.ResidentTTL)))
 	}
 }
 
