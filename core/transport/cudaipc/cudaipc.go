@@ -5,8 +5,8 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
+	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
@@ -34,8 +34,10 @@ type Config struct {
 	// producer whose outputs are in host memory); 0 by default.
 	HostOrdinal int
 	DialTimeout time.Duration
-	MaxConns    int
-	Logger      *slog.Logger
+	// MaxConns caps the producer connections the shard's socket holds at
+	// once (max_data_conns); zero means DefaultMaxConns.
+	MaxConns int
+	Logger   *slog.Logger
 }
 
 // Transport is the CUDA IPC data plane.
