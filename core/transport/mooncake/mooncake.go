@@ -155,13 +155,9 @@ type receiver struct {
 // Config.Host), and registers the sink's whole slab with it once. The sink
 // must be a transport.DirectSink.
 func (t *Transport) Listen(addr string, sink transport.Sink) (transport.Receiver, error) {
-	ds, ok := sink.(transport.DirectSink)
-	if !ok {
-		return nil, fmt.Errorf("mooncake: listen %s: the sink does not expose its memory (transport.DirectSink)", addr)
-	}
-	base, n, device := ds.Memory()
-	if base == 0 || n == 0 {
-		return nil, fmt.Errorf("mooncake: listen %s: empty slab", addr)
+	base, n, device, err := transport.DirectMemory(sink)
+	if err != nil {
+		return nil, fmt.Errorf("mooncake: listen %s: %w", addr, err)
 	}
 	host, portStr, err := net.SplitHostPort(addr)
 	if err != nil {
