@@ -9,6 +9,7 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/internal/deadlines"
+	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
 )
 
 // Sentinel errors; callers branch on them with errors.Is.
@@ -47,21 +48,11 @@ type Config struct {
 }
 
 func (c Config) withDefaults() Config {
-	if c.ReserveWait <= 0 {
-		c.ReserveWait = DefaultReserveWait
-	}
-	if c.SourceWait <= 0 {
-		c.SourceWait = DefaultSourceWait
-	}
-	if c.WriteWait <= 0 {
-		c.WriteWait = DefaultWriteWait
-	}
-	if c.NotifyWait <= 0 {
-		c.NotifyWait = DefaultNotifyWait
-	}
-	if c.MaxTombstones <= 0 {
-		c.MaxTombstones = DefaultMaxTombstones
-	}
+	defaults.Positive(&c.ReserveWait, DefaultReserveWait)
+	defaults.Positive(&c.SourceWait, DefaultSourceWait)
+	defaults.Positive(&c.WriteWait, DefaultWriteWait)
+	defaults.Positive(&c.NotifyWait, DefaultNotifyWait)
+	defaults.Positive(&c.MaxTombstones, DefaultMaxTombstones)
 	return c
 }
 

@@ -192,13 +192,6 @@ func TestScenarios(t *testing.T) {
 			ready -> done t2
 			source h1 11 100
 			ready -> write d1:t1@s11 d2:t1@s11
-			wrote t1 d1
-			wrote t1 d2
-			ready -> complete d1:t1 d2:t1 | release s11
-			completed t1 d1
-			completed t1 d2
-			ready -> done t1
-			pending -> no
 		`},
 		{"a follow that arrives before its writer's grant spares that writer", Config{}, `
 			# Two batches to one shard whose replies come back out of order.

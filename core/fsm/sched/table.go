@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/internal/deadlines"
+	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
 )
 
 // Sentinel errors; callers branch on them with errors.Is.
@@ -49,27 +50,15 @@ type Config struct {
 }
 
 func (c Config) withDefaults() Config {
-	if c.Shards <= 0 {
-		c.Shards = DefaultShards
-	}
-	if c.EventWait <= 0 {
-		c.EventWait = DefaultEventWait
-	}
-	if c.LoadWait <= 0 {
-		c.LoadWait = DefaultLoadWait
-	}
-	if c.AvailableTTL <= 0 {
-		c.AvailableTTL = DefaultAvailableTTL
-	}
+	defaults.Positive(&c.Shards, DefaultShards)
+	defaults.Positive(&c.EventWait, DefaultEventWait)
+	defaults.Positive(&c.LoadWait, DefaultLoadWait)
+	defaults.Positive(&c.AvailableTTL, DefaultAvailableTTL)
 	if c.ResidentTTL < 0 {
 		c.ResidentTTL = 0
 	}
-	if c.MaxTombstones <= 0 {
-		c.MaxTombstones = DefaultMaxTombstones
-	}
-	if c.MaxEarlyEvents <= 0 {
-		c.MaxEarlyEvents = DefaultMaxEarlyEvents
-	}
+	defaults.Positive(&c.MaxTombstones, DefaultMaxTombstones)
+	defaults.Positive(&c.MaxEarlyEvents, DefaultMaxEarlyEvents)
 	return c
 }
 

@@ -7,6 +7,7 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/gpu"
+	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
@@ -49,12 +50,8 @@ var _ transport.Transport = (*Transport)(nil)
 
 // New returns the transport; zero fields take defaults.
 func New(cfg Config) *Transport {
-	if cfg.DialTimeout <= 0 {
-		cfg.DialTimeout = DefaultDialTimeout
-	}
-	if cfg.MaxConns <= 0 {
-		cfg.MaxConns = DefaultMaxConns
-	}
+	defaults.Positive(&cfg.DialTimeout, DefaultDialTimeout)
+	defaults.Positive(&cfg.MaxConns, DefaultMaxConns)
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}

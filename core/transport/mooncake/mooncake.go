@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
+	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
@@ -74,18 +75,14 @@ func (c Config) withDefaults() Config {
 	if c.Protocol == "" {
 		c.Protocol = DefaultProtocol
 	}
-	if c.StagingBytes <= 0 {
-		c.StagingBytes = DefaultStagingBytes
-	}
+	defaults.Positive(&c.StagingBytes, DefaultStagingBytes)
 	if c.ChunkBytes == 0 {
 		c.ChunkBytes = DefaultChunkBytes
 	}
 	// Four chunks in flight at least, so that one writer never has to
 	// wait for its own last chunk to land before copying the next.
 	c.ChunkBytes = min(c.ChunkBytes, uint64(c.StagingBytes)/4)
-	if c.DrainTimeout <= 0 {
-		c.DrainTimeout = DefaultDrainTimeout
-	}
+	defaults.Positive(&c.DrainTimeout, DefaultDrainTimeout)
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}

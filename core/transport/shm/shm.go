@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
@@ -69,9 +70,7 @@ func New(cfg Config) *Transport {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	if cfg.MaxConns <= 0 {
-		cfg.MaxConns = DefaultMaxConns
-	}
+	defaults.Positive(&cfg.MaxConns, DefaultMaxConns)
 	return &Transport{cfg: cfg, log: cfg.Logger.With("transport", Name)}
 }
 
