@@ -8,6 +8,15 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
+// cancelOneOfTwo starts a script: two pushes of one content to one shard,
+// their reservations out and unanswered, and the first cancelled.
+const cancelOneOfTwo = `
+	add t1 h1 100 d1
+	add t2 h1 100 d1
+	ready -> reserve d1:t1,t2
+	cancel t1
+`
+
 func TestScenarios(t *testing.T) {
 	cases := []struct {
 		name   string
@@ -208,11 +217,7 @@ func TestScenarios(t *testing.T) {
 			source h1 11 100
 			ready -> write d1:t1@s11
 		`},
-		{"a deferred cancel ends when the other push is not made to follow", Config{}, `
-			add t1 h1 100 d1
-			add t2 h1 100 d1
-			ready -> reserve d1:t1,t2
-			cancel t1
+		{"a deferred cancel ends when the other push is not made to follow", Config{}, cancelOneOfTwo + `
 			grant t1 d1 write 1
 			state t1 -> d1=WaitingInputs
 			grant t2 d1 cached
@@ -220,22 +225,14 @@ func TestScenarios(t *testing.T) {
 			ready -> cancel d1:t1 | done t2
 			pending -> no
 		`},
-		{"a deferred cancel whose own grant is a follow ends cancelled", Config{}, `
-			add t1 h1 100 d1
-			add t2 h1 100 d1
-			ready -> reserve d1:t1,t2
-			cancel t1
+		{"a deferred cancel whose own grant is a follow ends cancelled", Config{}, cancelOneOfTwo + `
 			grant t1 d1 follow 5
 			state t1 -> d1=Cancelled
 			ready -> cancel d1:t1
 			grant t2 d1 write 2
 			state t2 -> d1=WaitingInputs
 		`},
-		{"both pushes cancelled before their grants: the shared write is cancelled", Config{}, `
-			add t1 h1 100 d1
-			add t2 h1 100 d1
-			ready -> reserve d1:t1,t2
-			cancel t1
+		{"both pushes cancelled before their grants: the shared write is cancelled", Config{}, cancelOneOfTwo + `
 			state t1 -> d1=Reserving
 			cancel t2
 			state t1 -> d1=Cancelled
@@ -245,11 +242,7 @@ func TestScenarios(t *testing.T) {
 			ready -> cancel d1:t1,t2
 			pending -> no
 		`},
-		{"a deferred cancel still fails at the reservation deadline", Config{}, `
-			add t1 h1 100 d1
-			add t2 h1 100 d1
-			ready -> reserve d1:t1,t2
-			cancel t1
+		{"a deferred cancel still fails at the reservation deadline", Config{}, cancelOneOfTwo + `
 			at 31s
 			ready -> fail t1/d1=Reserving: no reservation grant within 30s; t2/d1=Reserving: no reservation grant within 30s
 			pending -> no
