@@ -18,6 +18,10 @@ func TestDecode(t *testing.T) {
 		"huge tp":          {`{"role":"encode","url":"http://h:1","tp_size":5000}`, "tp_size"},
 		"negative ttl":     {`{"role":"encode","url":"http://h:1","ttl_s":-1}`, "ttl_s"},
 		"url with a query": {`{"role":"encode","url":"http://h:1?a=b"}`, "no path or query"},
+		"url without host": {`{"role":"encode","url":"http://:8000"}`, "want http://host:port"},
+		"port zero":        {`{"role":"encode","url":"http://h:0"}`, "port 0"},
+		"port past range":  {`{"role":"encode","url":"http://h:65536"}`, "port 65536"},
+		"default port":     {`{"role":"encode","url":"http://h"}`, ""},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -30,6 +34,20 @@ func TestDecode(t *testing.T) {
 			require.NoError(t, err)
 			require.GreaterOrEqual(t, r.TPSize, 1)
 		})
+	}
+}
+
+// A backend URL names a host the proxy can dial: one with no host or a
+// port out of range would be admitted and then fail every request.
+func TestHostPort(t *testing.T) {
+	for raw, want := range map[string]string{"http://h:8100": "h:8100", "http://h": "h:80", "http://[::1]:1": "[::1]:1", "http://h:65535/": "h:65535"} {
+		got, err := HostPort(raw)
+		require.NoError(t, err, raw)
+		require.Equal(t, want, got, raw)
+	}
+	for _, raw := range []string{"http://:8000", "http://h:0", "http://h:65536", "http://h:99999999999999999999", "https://h:1", "http://"} {
+		_, err := HostPort(raw)
+		require.ErrorIs(t, err, ErrInvalid, raw)
 	}
 }
 

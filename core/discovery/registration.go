@@ -91,8 +91,13 @@ func (r *Registration) Normalize() error {
 // HostPort checks an http:// base URL and returns its host:port.
 func HostPort(raw string) (string, error) {
 	u, err := url.Parse(raw)
-	if err != nil || u.Scheme != "http" || u.Host == "" {
+	if err != nil || u.Scheme != "http" || u.Hostname() == "" {
 		return "", fmt.Errorf("%w: url %q; want http://host:port", ErrInvalid, raw)
+	}
+	if p := u.Port(); p != "" {
+		if n, err := strconv.Atoi(p); err != nil || n < 1 || n > 65535 {
+			return "", fmt.Errorf("%w: url %q: port %s; want one in [1, 65535]", ErrInvalid, raw, p)
+		}
 	}
 	if u.Path != "" && u.Path != "/" || u.RawQuery != "" {
 		return "", fmt.Errorf("%w: url %q; want a base URL with no path or query", ErrInvalid, raw)

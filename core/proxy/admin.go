@@ -226,17 +226,28 @@ func (p *Proxy) serveRegister(ctx *fasthttp.RequestCtx) {
 	writeJSON(ctx, fasthttp.StatusOK, map[string]any{"ok": true, "ttl_s": ttl.Seconds()})
 }
 
+// deregistration is the body of a deregister request.
+type deregistration struct {
+	Role string `json:"role"`
+	URL  string `json:"url"`
+}
+
+func decodeDeregister(body []byte) (deregistration, error) {
+	var in deregistration
+	if err := json.Unmarshal(body, &in); err != nil || in.URL == "" {
+		return deregistration{}, errors.New("deregister wants {\"role\": ..., \"url\": ...}")
+	}
+	return in, nil
+}
+
 func (p *Proxy) serveDeregister(ctx *fasthttp.RequestCtx) {
 	const op = "deregister"
 	if !p.authorize(ctx, op) {
 		return
 	}
-	var in struct {
-		Role string `json:"role"`
-		URL  string `json:"url"`
-	}
-	if err := json.Unmarshal(ctx.PostBody(), &in); err != nil || in.URL == "" {
-		p.refuse(ctx, op, "invalid", fasthttp.StatusBadRequest, "deregister wants {\"role\": ..., \"url\": ...}")
+	in, err := decodeDeregister(ctx.PostBody())
+	if err != nil {
+		p.refuse(ctx, op, "invalid", fasthttp.StatusBadRequest, err.Error())
 		return
 	}
 	removed, static := false, false

@@ -408,18 +408,15 @@ func (c *call) splitCall(pl *pool, cons *backend, rank int, top map[string]json.
 		}
 		return nil, fmt.Errorf("prefill: %w", err)
 	}
-	var kv struct {
-		KV json.RawMessage `json:"kv_transfer_params"`
-	}
 	if pre.status != fasthttp.StatusOK {
 		return pre, nil // a client error from the prefill: the client sees it
 	}
-	_ = json.Unmarshal(pre.body, &kv)
+	kv := prefillKV(pre.body)
 	dec := p.dec.pick(nil)
 	if dec == nil {
 		return nil, &errRetry{reason: "no_decode", err: errors.New("no healthy decode instance")}
 	}
-	body, err = marshalTop(decodeTop(top, kv.KV))
+	body, err = marshalTop(decodeTop(top, kv))
 	if err != nil {
 		return nil, err
 	}

@@ -289,6 +289,17 @@ func prefillTop(top map[string]json.RawMessage) map[string]json.RawMessage {
 // decodeTop is the decode half: the consumer request without the EC
 // parameters (the decode instance receives KV, not encoder outputs) and
 // with the prefill's kv_transfer_params.
+// prefillKV is what a prefill instance's answer hands on to the decode
+// instance: its kv_transfer_params, or nothing when the answer has none
+// or is not a JSON object.
+func prefillKV(body []byte) json.RawMessage {
+	var kv struct {
+		KV json.RawMessage `json:"kv_transfer_params"`
+	}
+	_ = json.Unmarshal(body, &kv)
+	return kv.KV
+}
+
 func decodeTop(top map[string]json.RawMessage, kv json.RawMessage) map[string]json.RawMessage {
 	out := make(map[string]json.RawMessage, len(top))
 	for k, v := range top {

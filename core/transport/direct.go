@@ -1,5 +1,10 @@
 package transport
 
+import (
+	"errors"
+	"fmt"
+)
+
 // DirectSink is a Sink whose memory a one-sided transport registers with
 // its engine once, so that writers can put bytes straight into it.
 type DirectSink interface {
@@ -7,6 +12,20 @@ type DirectSink interface {
 	// Memory describes the receive slab: address, length and device
 	// ("cpu" or "cuda:N"). The address is never turned into a Go pointer.
 	Memory() (addr uintptr, n uint64, device string)
+}
+
+// DirectMemory is the slab a one-sided transport registers at Listen: the
+// memory of sink, which must be a DirectSink over a slab that is not
+// empty.
+func DirectMemory(sink Sink) (addr uintptr, n uint64, device string, err error) {
+	ds, ok := sink.(DirectSink)
+	if !ok {
+		return 0, 0, "", errors.New("the sink does not expose its memory (transport.DirectSink)")
+	}
+	if addr, n, device = ds.Memory(); addr == 0 || n == 0 {
+		return 0, 0, "", errors.New("empty slab")
+	}
+	return addr, n, device, nil
 }
 
 // Direct is implemented by the Receiver of a one-sided transport (RDMA,
@@ -55,4 +74,20 @@ func DirectOf(r Receiver) (Direct, bool) {
 // rather than failing each one.
 type AddrChecker interface {
 	CheckAddr(addr string) error
+}
+
+// PlaceInSlab is where the bytes of it land, as an offset into the slab
+// of size bytes at base, after the bounds checks a one-sided writer owes
+// the rule that a write lands only inside its reservation: inside the
+// region its grant reserved ([Addr, Addr+Size)), and that region inside
+// the slab. owner names the slab's side in errors ("consumer", "shard").
+func PlaceInSlab(it WriteItem, base, size uint64, owner string) (uint64, error) {
+	n := it.Len()
+	switch {
+	case it.Off > it.Size || n > it.Size-it.Off:
+		return 0, fmt.Errorf("%w: bytes [%d,%d) reach past the %d-byte region the grant reserved", ErrWriteBounds, it.Off, it.Off+n, it.Size)
+	case it.Addr < base || it.Addr-base > size || it.Size > size-(it.Addr-base):
+		return 0, fmt.Errorf("%w: region [%#x,+%d) is outside the %s's %d-byte slab at %#x", ErrStaleAddr, it.Addr, it.Size, owner, size, base)
+	}
+	return it.Addr - base + it.Off, nil
 }

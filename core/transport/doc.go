@@ -96,6 +96,14 @@
 // writer then sends the frames it had not had acked again, once, on a new
 // connection. Each close is counted in RecvStats.Closed by reason.
 //
+// Every receiver that accepts connections (tcp here, shm and cuda_ipc in
+// their packages) runs the same accept loop, Acceptor: a failing Accept
+// (out of descriptors) is retried after a growing wait instead of ending
+// the listener, and a panic costs one connection. shm and cuda_ipc keep
+// their connections in a Conns, which closes one past MaxConns at once
+// (ClosedLimit) and cuts them all at Close; Counts backs the Rejected and
+// Closed maps of every receiver's stats.
+//
 // The ceiling that benchmarks divide TCP throughput by is this data plane
 // with the reservations taken out (ceiling.go): the same writer and
 // receiver, frame size and socket options, with a sink that admits every

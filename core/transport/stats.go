@@ -11,10 +11,7 @@ import (
 // recvCounters backs RecvStats for every receiver implementation.
 type recvCounters struct {
 	frames, bytes, badConns atomic.Uint64
-
-	mu       sync.Mutex
-	rejected map[string]uint64
-	closed   map[string]uint64
+	rejected, closed        Counts
 }
 
 // Reasons a receiver closes a connection to protect itself, the keys of
@@ -26,46 +23,22 @@ const (
 	ClosedFrameTimeout = "frame_timeout" // a frame not done within FrameTimeout
 )
 
-func (c *recvCounters) close(reason string) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.closed == nil {
-		c.closed = make(map[string]uint64)
-	}
-	c.closed[reason]++
-}
+func (c *recvCounters) close(reason string) { c.closed.Add(reason) }
 
 func (c *recvCounters) landed(n uint64) {
 	c.frames.Add(1)
 	c.bytes.Add(n)
 }
 
-func (c *recvCounters) reject(s Status) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.rejected == nil {
-		c.rejected = make(map[string]uint64)
-	}
-	c.rejected[s.String()]++
-}
+func (c *recvCounters) reject(s Status) { c.rejected.Add(s.String()) }
 
 func (c *recvCounters) snapshot() RecvStats {
-	c.mu.Lock()
-	rej := make(map[string]uint64, len(c.rejected))
-	for k, v := range c.rejected {
-		rej[k] = v
-	}
-	closed := make(map[string]uint64, len(c.closed))
-	for k, v := range c.closed {
-		closed[k] = v
-	}
-	c.mu.Unlock()
 	return RecvStats{
 		Frames:   c.frames.Load(),
 		Bytes:    c.bytes.Load(),
-		Rejected: rej,
+		Rejected: c.rejected.Snapshot(),
 		BadConns: c.badConns.Load(),
-		Closed:   closed,
+		Closed:   c.closed.Snapshot(),
 	}
 }
 

@@ -6,6 +6,8 @@ import (
 	"log/slog"
 	"net"
 	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
 )
 
 // Defaults applied by NewTCP to zero fields of TCPConfig.
@@ -68,25 +70,13 @@ type TCP struct {
 
 // NewTCP returns a TCP transport with cfg's zero fields defaulted.
 func NewTCP(cfg TCPConfig) *TCP {
-	if cfg.Conns <= 0 {
-		cfg.Conns = DefaultConns
-	}
-	if cfg.ChunkSize <= 0 {
-		cfg.ChunkSize = DefaultChunkSize
-	}
+	defaults.Positive(&cfg.Conns, DefaultConns)
+	defaults.Positive(&cfg.ChunkSize, DefaultChunkSize)
 	cfg.ChunkSize = min(cfg.ChunkSize, MaxFrame)
-	if cfg.DialTimeout <= 0 {
-		cfg.DialTimeout = DefaultDialTimeout
-	}
-	if cfg.MaxConns <= 0 {
-		cfg.MaxConns = DefaultMaxConns
-	}
-	if cfg.IdleTimeout <= 0 {
-		cfg.IdleTimeout = DefaultIdleTimeout
-	}
-	if cfg.FrameTimeout <= 0 {
-		cfg.FrameTimeout = DefaultFrameTimeout
-	}
+	defaults.Positive(&cfg.DialTimeout, DefaultDialTimeout)
+	defaults.Positive(&cfg.MaxConns, DefaultMaxConns)
+	defaults.Positive(&cfg.IdleTimeout, DefaultIdleTimeout)
+	defaults.Positive(&cfg.FrameTimeout, DefaultFrameTimeout)
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}

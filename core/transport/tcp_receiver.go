@@ -95,53 +95,40 @@ func (r *tcpReceiver) Close() error {
 
 func (r *tcpReceiver) acceptLoop() {
 	defer r.wg.Done()
-	var backoff time.Duration
-	for {
-		c, err := r.acceptOne()
-		if err != nil {
-			select {
-			case <-r.done:
-				return
-			default:
-			}
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			// Running out of descriptors must not kill the listener: wait
-			// and try again, like net/http does.
-			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
-			r.logs.warn(r.log, "transport: accept failed", "err", err, "retry_in", backoff)
-			t := time.NewTimer(backoff)
-			select {
-			case <-r.done:
-				t.Stop()
-				return
-			case <-t.C:
-			}
-			continue
-		}
-		backoff = 0
-		if c == nil {
-			continue
-		}
-		r.mu.Lock()
-		if r.closed {
-			r.mu.Unlock()
-			_ = c.Close()
-			return
-		}
-		if len(r.conns)-r.evicting >= r.cfg.MaxConns && !r.evictLocked() {
-			r.mu.Unlock()
-			r.refuseConn(c)
-			continue
-		}
-		rc := &rconn{r: r, c: c, br: bufio.NewReaderSize(c, readBuf), peer: c.RemoteAddr().String(), acks: make([]byte, 0, AckHeaderLen+MaxAckMsg), idleSince: time.Now()}
-		r.conns[c] = rc
-		r.wg.Add(1)
+	Acceptor[net.Conn]{
+		Accept: r.ln.Accept,
+		Tune:   func(c net.Conn) { tuneConn(c, r.cfg) },
+		Admit:  r.admit,
+		Failed: func(err error, retryIn time.Duration) {
+			r.logs.warn(r.log, "transport: accept failed", "err", err, "retry_in", retryIn)
+		},
+		Done: r.done,
+		Log:  r.log,
+	}.Run()
+}
+
+// admit serves c unless the receiver is closing; at MaxConns it makes room
+// by evicting an idle connection, or refuses c. Its own bookkeeping (idle
+// and evicted connections hold no slot) is why it does not use Conns.
+func (r *tcpReceiver) admit(c net.Conn) bool {
+	r.mu.Lock()
+	if r.closed {
 		r.mu.Unlock()
-		r.accepted.Add(1)
-		go r.serve(rc)
+		_ = c.Close()
+		return false
 	}
+	if len(r.conns)-r.evicting >= r.cfg.MaxConns && !r.evictLocked() {
+		r.mu.Unlock()
+		r.refuseConn(c)
+		return true
+	}
+	rc := &rconn{r: r, c: c, br: bufio.NewReaderSize(c, readBuf), peer: c.RemoteAddr().String(), acks: make([]byte, 0, AckHeaderLen+MaxAckMsg), idleSince: time.Now()}
+	r.conns[c] = rc
+	r.wg.Add(1)
+	r.mu.Unlock()
+	r.accepted.Add(1)
+	go r.serve(rc)
+	return true
 }
 
 // evictLocked makes room for a new connection by telling the one idle
@@ -180,26 +167,6 @@ func (r *tcpReceiver) refuseConn(c net.Conn) {
 			"max_conns", r.cfg.MaxConns, "peer", c.RemoteAddr().String())
 	}
 	_ = c.Close()
-}
-
-// acceptOne is split out so that a panic costs one connection, not the
-// listener.
-func (r *tcpReceiver) acceptOne() (c net.Conn, err error) {
-	defer func() {
-		if p := recover(); p != nil {
-			r.log.Error("transport: panic in accept", "panic", p, "stack", string(debug.Stack()))
-			if c != nil {
-				_ = c.Close()
-			}
-			c, err = nil, nil
-		}
-	}()
-	c, err = r.ln.Accept()
-	if err != nil {
-		return nil, err
-	}
-	tuneConn(c, r.cfg)
-	return c, nil
 }
 
 // rconn is one accepted connection; only its serve goroutine reads or

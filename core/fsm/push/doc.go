@@ -16,7 +16,8 @@
 //	           └─grant follow/cached─▶ Done
 //
 //	Cancel:   Reserving, WaitingInputs ─▶ Cancelled;  Writing ─▶ CancelPending ─WriteDone─▶ Cancelled
-//	          (not a write that another push of the content follows: it goes on for the follower)
+//	          (not a write that another push of the content follows: it goes on for the follower;
+//	          nor, until the grants tell, one that another push of the content may come to follow)
 //	Failures: refused or invalid grant, write or complete error, size mismatch, any deadline ─▶ Failed
 //
 // Reserving is the part of the design's WAITING_INPUTS spent waiting for the
@@ -46,6 +47,15 @@
 // nothing written and end the record Done. Once the bytes landed
 // (Notifying) the push is no longer cancelled: the complete goes out and
 // the consumer's scheduler drops what no request wants.
+//
+// A shard makes the later of two reservations of one content follow the
+// earlier's write and fails the follower if that writer gives up. So a
+// cancel does not give up a write that another push follows, nor one it
+// may come to follow: while a push of the content to that shard still
+// waits for its grant (even when the cancelled push's own grant has not
+// come back either), the cancel waits with the record, and takes effect as
+// soon as the grants show nobody follows it. A follow grant that comes back
+// before its writer's grant marks the records still waiting for theirs.
 //
 // # Deadlines
 //

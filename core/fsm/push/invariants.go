@@ -1,18 +1,17 @@
 package push
 
 import (
-	"errors"
 	"fmt"
+
+	"github.com/ecmooncake/ecmooncake/core/internal/invariant"
 )
 
 // CheckInvariants walks the whole manager and reports every inconsistency
 // it finds, each wrapping ErrInvariant. It costs O(size of the manager):
 // tests call it after every step, production code when it suspects a bug.
 func (m *Manager) CheckInvariants() error {
-	var errs []error
-	bad := func(format string, args ...any) {
-		errs = append(errs, fmt.Errorf("%w: "+format, append([]any{ErrInvariant}, args...)...))
-	}
+	rep := invariant.New(ErrInvariant)
+	bad := rep.Bad
 	if m.illegalMoves > 0 {
 		bad("%d illegal moves attempted", m.illegalMoves)
 	}
@@ -146,7 +145,7 @@ func (m *Manager) CheckInvariants() error {
 			}
 		}
 	}
-	return errors.Join(errs...)
+	return rep.Err()
 }
 
 // checkRecord verifies what one record's state implies. A write in flight
@@ -182,6 +181,9 @@ func (m *Manager) checkRecord(r *rec, hasEntry bool, bad func(string, ...any)) {
 		if c := m.contents[r.tr.push.MMHash]; c != nil && c.src != 0 {
 			bad("%s: source held but no write queued", r)
 		}
+	}
+	if r.cancelWanted && !r.state.Terminal() && !r.followed && !m.awaitedAt(r) {
+		bad("%s: a cancel waits though no other push follows or may follow", r)
 	}
 	if r.state.Terminal() {
 		if r.seq != 0 {

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/internal/deadlines"
+	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
 )
 
 // Sentinel errors; callers branch on them with errors.Is.
@@ -46,21 +48,11 @@ type Config struct {
 }
 
 func (c Config) withDefaults() Config {
-	if c.ReserveWait <= 0 {
-		c.ReserveWait = DefaultReserveWait
-	}
-	if c.SourceWait <= 0 {
-		c.SourceWait = DefaultSourceWait
-	}
-	if c.WriteWait <= 0 {
-		c.WriteWait = DefaultWriteWait
-	}
-	if c.NotifyWait <= 0 {
-		c.NotifyWait = DefaultNotifyWait
-	}
-	if c.MaxTombstones <= 0 {
-		c.MaxTombstones = DefaultMaxTombstones
-	}
+	defaults.Positive(&c.ReserveWait, DefaultReserveWait)
+	defaults.Positive(&c.SourceWait, DefaultSourceWait)
+	defaults.Positive(&c.WriteWait, DefaultWriteWait)
+	defaults.Positive(&c.NotifyWait, DefaultNotifyWait)
+	defaults.Positive(&c.MaxTombstones, DefaultMaxTombstones)
 	return c
 }
 
@@ -222,11 +214,18 @@ type rec struct {
 	// this record's shard: the shard joined it to this record's write, so
 	// cancelling this push must not cancel that write.
 	followed bool
-	inFlight bool // a write reading src is out; may outlive the record's failure
-	src      SourceID
-	queued   bool // in writeQ
-	deadline time.Time
-	seq      uint64 // seq of the current deadline entry; 0 when none
+	// asked says Ready handed the reservation out: the shard may already
+	// have answered it, and made another push of the content follow it.
+	asked bool
+	// cancelWanted says Cancel was asked while another push of the content
+	// follows this record's write, or may come to: the cancel waits until
+	// it can no longer cost that push its image (settle).
+	cancelWanted bool
+	inFlight     bool // a write reading src is out; may outlive the record's failure
+	src          SourceID
+	queued       bool // in writeQ
+	deadline     time.Time
+	seq          uint64 // seq of the current deadline entry; 0 when none
 }
 
 // content is what the manager knows about one mm_hash: its live pushes and
@@ -376,6 +375,12 @@ func (m *Manager) Granted(transferID, dest string, g Grant, now time.Time) {
 	if g.Res != 0 {
 		r.grant, r.hasGrant = g, true
 	}
+	if r.cancelWanted && (g.Kind == KindFollow || g.Kind == KindCached) {
+		// Nothing to write and nobody follows a follower: the cancel asked
+		// for earlier takes effect, freeing the region it was granted.
+		m.move(r, Cancelled, now, "")
+		return
+	}
 	switch g.Kind {
 	case KindFollow:
 		m.noteFollower(r)
@@ -397,31 +402,62 @@ func (m *Manager) Granted(transferID, dest string, g Grant, now time.Time) {
 }
 
 // noteFollower marks the write that a follow grant joined: the live write
-// record of the same content to the same shard. A follow from a region of
-// another producer finds none, which is right: that write is not ours.
+// record of the same content to the same shard. Replies of two reserve
+// batches may come back in either order, so when no such record holds its
+// grant yet, the ones whose reservation is out and unanswered are marked:
+// the writer is among them. A follow from a region of another producer
+// finds none, which is right: that write is not ours.
 func (m *Manager) noteFollower(follower *rec) {
-	for _, tr := range m.contents[follower.tr.push.MMHash].transfers {
-		for _, r := range tr.recs {
-			if r.dest == follower.dest && r != follower && r.hasGrant && r.grant.Kind == KindWrite && !r.state.Terminal() {
-				r.followed = true
-			}
+	var writers, asked []*rec
+	for _, r := range m.peers(follower) {
+		switch {
+		case r.hasGrant && r.grant.Kind == KindWrite:
+			writers = append(writers, r)
+		case r.state == Reserving && r.asked:
+			asked = append(asked, r)
 		}
+	}
+	if len(writers) == 0 {
+		writers = asked
+	}
+	for _, r := range writers {
+		r.followed = true
 	}
 }
 
-// awaitedAt reports whether another push of r's content still waits for
-// its grant from r's shard: the shard will make it follow r's write if
-// that write is still going when its reservation arrives.
-func (m *Manager) awaitedAt(r *rec) bool {
+// peers returns the live records of other pushes of r's content to r's
+// shard.
+func (m *Manager) peers(r *rec) []*rec {
 	c := m.contents[r.tr.push.MMHash]
-	if c == nil || r.state.Terminal() || !r.hasGrant || r.grant.Kind != KindWrite {
-		return false
+	if c == nil {
+		return nil
 	}
+	var out []*rec
 	for _, tr := range c.transfers {
 		for _, x := range tr.recs {
-			if x.dest == r.dest && x.tr != r.tr && x.state == Reserving {
-				return true
+			if x.dest == r.dest && x.tr != r.tr && !x.state.Terminal() {
+				out = append(out, x)
 			}
+		}
+	}
+	return out
+}
+
+// awaitedAt reports whether another push of r's content, not itself being
+// cancelled, still waits for its grant from r's shard while r holds a write
+// grant or has its own reservation out: the shard makes the later of two
+// reservations follow the earlier's write, and the producer cannot yet
+// tell which one writes.
+func (m *Manager) awaitedAt(r *rec) bool {
+	switch {
+	case r.state == Reserving && r.asked:
+	case !r.state.Terminal() && r.hasGrant && r.grant.Kind == KindWrite:
+	default:
+		return false
+	}
+	for _, x := range m.peers(r) {
+		if x.state == Reserving && !x.cancelWanted {
+			return true
 		}
 	}
 	return false
@@ -497,6 +533,7 @@ func (m *Manager) Ready(now time.Time) Ready {
 	var out Ready
 	for _, r := range m.reserveQ {
 		if r.state == Reserving {
+			r.asked = true
 			p := r.tr.push
 			out.Reserves = appendTo(out.Reserves, r.dest, ReserveItem{p.TransferID, p.MMHash, p.NBytes, p.Meta})
 		}
@@ -600,9 +637,11 @@ func (m *Manager) CompleteDone(transferID, dest string, err error, now time.Time
 // write to finish, because the write reads the source. Once the bytes
 // landed the push completes anyway. A write that another push of the
 // content follows, or may follow (its reservation is on its way to the
-// same shard), goes on: the shard fails a follower whose writer gives up,
-// and a request still waiting for the image would fail with it; the write
-// ends at its deadlines if no source comes.
+// same shard, or both reservations are out and unanswered), goes on: the
+// shard fails a follower whose writer gives up, and a request still
+// waiting for the image would fail with it. Such a cancel waits (settle)
+// and takes effect once the other push's grant shows that it does not
+// follow; a followed write ends at its deadlines if no source comes.
 func (m *Manager) Cancel(transferID string, now time.Time) {
 	m.advance(now)
 	tr := m.transfers[transferID]
@@ -610,15 +649,25 @@ func (m *Manager) Cancel(transferID string, now time.Time) {
 		return
 	}
 	for _, r := range tr.recs {
-		if r.followed || m.awaitedAt(r) {
-			continue
+		if !r.state.Terminal() {
+			r.cancelWanted = true
+			m.settle(r, now)
 		}
-		switch r.state {
-		case Reserving, WaitingInputs:
-			m.move(r, Cancelled, now, "")
-		case Writing:
-			m.move(r, CancelPending, now, "")
-		}
+	}
+}
+
+// settle carries out a cancel that r waits with, unless another push of the
+// content follows r's write or still may.
+func (m *Manager) settle(r *rec, now time.Time) {
+	if !r.cancelWanted || r.state.Terminal() || r.followed || m.awaitedAt(r) {
+		return
+	}
+	r.cancelWanted = false
+	switch r.state {
+	case Reserving, WaitingInputs:
+		m.move(r, Cancelled, now, "")
+	case Writing:
+		m.move(r, CancelPending, now, "")
 	}
 }
 
@@ -730,7 +779,7 @@ func (m *Manager) expire(r *rec, now time.Time) {
 	default:
 		return
 	}
-	m.move(r, Failed, now, fmt.Sprintf("%s: %s within %s", r.state, what, secs(wait)))
+	m.move(r, Failed, now, fmt.Sprintf("%s: %s within %s", r.state, what, deadlines.Secs(wait)))
 }
 
 // move is the only writer of rec.state. Every caller picks the target from
@@ -766,6 +815,14 @@ func (m *Manager) move(r *rec, to State, now time.Time, reason string) {
 		// The write it waits for keeps the deadline it had.
 	default:
 		m.end(r, reason)
+	}
+	if from == Reserving {
+		// r has its answer and one fewer push waits for a grant from r's
+		// shard: a cancel that waited for either may now take effect.
+		m.settle(r, now)
+		for _, x := range m.peers(r) {
+			m.settle(x, now)
+		}
 	}
 }
 

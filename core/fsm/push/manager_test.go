@@ -8,6 +8,15 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
+// cancelOneOfTwo starts a script: two pushes of one content to one shard,
+// their reservations out and unanswered, and the first cancelled.
+const cancelOneOfTwo = `
+	add t1 h1 100 d1
+	add t2 h1 100 d1
+	ready -> reserve d1:t1,t2
+	cancel t1
+`
+
 func TestScenarios(t *testing.T) {
 	cases := []struct {
 		name   string
@@ -174,6 +183,69 @@ func TestScenarios(t *testing.T) {
 			grant t2 d1 follow
 			source h1 11 100
 			ready -> write d1:t1@s11 | done t2
+		`},
+		{"cancel before the grants spares the write that the other push follows", Config{}, `
+			# The shard granted t1 a write and made t2 follow it, but the
+			# producer cancels t1 before either grant arrives: t1 must not
+			# give its region up, or the shard fails t2.
+			add t1 h1 100 d1,d2
+			add t2 h1 100 d1,d2
+			ready -> reserve d1:t1,t2 d2:t1,t2
+			cancel t1
+			state t1 -> d1=Reserving d2=Reserving
+			grant t1 d1 write 1
+			grant t2 d1 follow
+			grant t1 d2 write 2
+			grant t2 d2 follow
+			state t1 -> d1=WaitingInputs d2=WaitingInputs
+			ready -> done t2
+			source h1 11 100
+			ready -> write d1:t1@s11 d2:t1@s11
+		`},
+		{"a follow that arrives before its writer's grant spares that writer", Config{}, `
+			# Two batches to one shard whose replies come back out of order.
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			add t2 h1 100 d1
+			ready -> reserve d1:t2
+			grant t2 d1 follow
+			cancel t1
+			state t1 -> d1=Reserving
+			grant t1 d1 write 1
+			state t1 -> d1=WaitingInputs
+			ready -> done t2
+			source h1 11 100
+			ready -> write d1:t1@s11
+		`},
+		{"a deferred cancel ends when the other push is not made to follow", Config{}, cancelOneOfTwo + `
+			grant t1 d1 write 1
+			state t1 -> d1=WaitingInputs
+			grant t2 d1 cached
+			state t1 -> d1=Cancelled
+			ready -> cancel d1:t1 | done t2
+			pending -> no
+		`},
+		{"a deferred cancel whose own grant is a follow ends cancelled", Config{}, cancelOneOfTwo + `
+			grant t1 d1 follow 5
+			state t1 -> d1=Cancelled
+			ready -> cancel d1:t1
+			grant t2 d1 write 2
+			state t2 -> d1=WaitingInputs
+		`},
+		{"both pushes cancelled before their grants: the shared write is cancelled", Config{}, cancelOneOfTwo + `
+			state t1 -> d1=Reserving
+			cancel t2
+			state t1 -> d1=Cancelled
+			state t2 -> d1=Cancelled
+			grant t1 d1 write 1
+			grant t2 d1 follow 2
+			ready -> cancel d1:t1,t2
+			pending -> no
+		`},
+		{"a deferred cancel still fails at the reservation deadline", Config{}, cancelOneOfTwo + `
+			at 31s
+			ready -> fail t1/d1=Reserving: no reservation grant within 30s; t2/d1=Reserving: no reservation grant within 30s
+			pending -> no
 		`},
 		{"a followed write that gets no source fails at its deadline", Config{}, `
 			add t1 h1 100 d1

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/internal/fsmtest"
 	"github.com/stretchr/testify/require"
 )
 
@@ -38,29 +39,9 @@ func FuzzModel(f *testing.F) {
 	f.Add([]byte("ecmooncake push model seed"))
 	f.Add(make([]byte, 64))
 	f.Fuzz(func(t *testing.T, data []byte) {
-		newModel(t, rand.New(&byteSource{b: data})).run(min(len(data)/2, 400))
+		newModel(t, rand.New(&fsmtest.ByteSource{B: data})).run(min(len(data)/2, 400))
 	})
 }
-
-// byteSource feeds math/rand from fuzz input; exhausted, it yields zeros.
-type byteSource struct {
-	b []byte
-	i int
-}
-
-func (s *byteSource) Int63() int64 {
-	var v uint64
-	for k := 0; k < 8; k++ {
-		v <<= 8
-		if s.i < len(s.b) {
-			v |= uint64(s.b[s.i])
-			s.i++
-		}
-	}
-	return int64(v >> 1)
-}
-
-func (s *byteSource) Seed(int64) {}
 
 type pairKey struct{ tid, dest string }
 

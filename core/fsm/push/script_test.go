@@ -7,14 +7,14 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/internal/fsmtest"
 	"github.com/stretchr/testify/require"
 )
 
 // base is the script clock's zero; "at 5s" sets the clock to base+5s.
-var base = time.Date(2026, 11, 29, 12, 0, 0, 0, time.UTC)
+var base = fsmtest.Base
 
 // tokenFor derives a recognisable token from a reservation id.
 func tokenFor(res ids.ResID) ids.Token {
@@ -27,12 +27,13 @@ func tokenFor(res ids.ResID) ids.Token {
 	return tok
 }
 
-// runScript drives a Manager from a small line-oriented script, in the
-// manner of Pebble's datadriven tests. Each line is a command, optionally
-// followed by "-> want"; commands that return something must state what
-// they expect. CheckInvariants runs after every line.
+// scriptErrs names the sentinels a script line may expect.
+var scriptErrs = map[string]error{"collision": ErrCollision, "invalid": ErrInvalid, "sizemismatch": ErrSizeMismatch}
+
+// runScript drives a Manager from a script (fsmtest.Script: at, next and
+// stats lines, "-> want" expectations). CheckInvariants runs after every
+// line. Its own commands:
 //
-//	at D                              set the clock to base+D (a Go duration)
 //	add T H N D1,D2 [-> collision|invalid]
 //	grant T D write RES [NBYTES]      token derived from RES; NBYTES defaults to the push's
 //	grant T D follow|cached [RES]
@@ -46,8 +47,6 @@ func tokenFor(res ids.ResID) ids.Token {
 //	ready -> SECTION | SECTION ...    or "-" when empty; see formatReady
 //	state T -> D=STATE ...|none
 //	pending -> yes|no
-//	next -> D|none
-//	stats -> key=value ...            only the keys given are compared
 //
 // Every Write, Complete and Cancel that Ready returns must carry the
 // reservation id and token of the grant given for its (transfer, dest),
@@ -56,94 +55,62 @@ func tokenFor(res ids.ResID) ids.Token {
 func runScript(t *testing.T, cfg Config, script string) *Manager {
 	t.Helper()
 	m := New(cfg)
-	now := base
 	sizes := map[string]uint64{}
 	grants := map[string][]ids.ResID{} // "T/D" → every reservation id granted
-	for n, raw := range strings.Split(script, "\n") {
-		line := strings.TrimSpace(raw)
-		if line == "" || strings.HasPrefix(line, "#") {
-			continue
-		}
-		where := fmt.Sprintf("line %d: %s", n+1, line)
-		cmd, want, hasWant := strings.Cut(line, "->")
-		want = strings.TrimSpace(want)
-		f := strings.Fields(cmd)
-		needWant := func() {
-			require.True(t, hasWant, "%s: command must state its expected result", where)
-		}
-		checkErr := func(err error) {
-			switch want {
-			case "":
-				require.NoError(t, err, where)
-			case "collision":
-				require.ErrorIs(t, err, ErrCollision, where)
-			case "invalid":
-				require.ErrorIs(t, err, ErrInvalid, where)
-			case "sizemismatch":
-				require.ErrorIs(t, err, ErrSizeMismatch, where)
-			default:
-				t.Fatalf("%s: unknown expectation", where)
-			}
-		}
-		switch f[0] {
-		case "at":
-			d, err := time.ParseDuration(f[1])
-			require.NoError(t, err, where)
-			now = base.Add(d)
+	s := &fsmtest.Script{
+		Next:  m.NextDeadline,
+		Stats: func() map[string]string { return statsMap(m.Stats()) },
+		Check: m.CheckInvariants,
+	}
+	s.Do = func(l fsmtest.Line) bool {
+		a := l.Args
+		switch l.Cmd {
 		case "add":
-			nb, err := strconv.ParseUint(f[3], 10, 64)
-			require.NoError(t, err, where)
+			nb := l.Uint(2)
 			var dests []string
-			if len(f) > 4 {
-				dests = strings.Split(f[4], ",")
+			if len(a) > 3 {
+				dests = strings.Split(a[3], ",")
 			}
-			err = m.Add(Push{TransferID: f[1], MMHash: f[2], NBytes: nb, Dests: dests}, now)
-			checkErr(err)
+			err := m.Add(Push{TransferID: a[0], MMHash: a[1], NBytes: nb, Dests: dests}, s.Now)
+			l.ExpectErr(err, scriptErrs)
 			if err == nil {
-				sizes[f[1]] = nb
+				sizes[a[0]] = nb
 			}
 		case "grant":
-			g := Grant{Kind: f[3]}
+			g := Grant{Kind: a[2]}
 			switch {
 			case g.Kind == "err":
-				g = Grant{Err: strings.Join(f[4:], " ")}
-			case len(f) > 4:
-				res, err := strconv.ParseUint(f[4], 10, 64)
-				require.NoError(t, err, where)
-				g.Res, g.Token = ids.ResID(res), tokenFor(ids.ResID(res))
-				g.NBytes = sizes[f[1]]
-				if len(f) > 5 {
-					g.NBytes, err = strconv.ParseUint(f[5], 10, 64)
-					require.NoError(t, err, where)
+				g = Grant{Err: l.Rest(3)}
+			case len(a) > 3:
+				res := ids.ResID(l.Uint(3))
+				g.Res, g.Token = res, tokenFor(res)
+				g.NBytes = sizes[a[0]]
+				if len(a) > 4 {
+					g.NBytes = l.Uint(4)
 				}
-				key := f[1] + "/" + f[2]
+				key := a[0] + "/" + a[1]
 				grants[key] = append(grants[key], g.Res)
 			}
-			m.Granted(f[1], f[2], g, now)
+			m.Granted(a[0], a[1], g, s.Now)
 		case "source":
-			src, err := strconv.ParseUint(f[2], 10, 64)
-			require.NoError(t, err, where)
-			nb, err := strconv.ParseUint(f[3], 10, 64)
-			require.NoError(t, err, where)
-			checkErr(m.SourceReady(f[1], SourceID(src), nb, now))
+			l.ExpectErr(m.SourceReady(a[0], SourceID(l.Uint(1)), l.Uint(2), s.Now), scriptErrs)
 		case "wrote":
-			m.WriteDone(f[1], f[2], errOf(f[3:]), now)
+			m.WriteDone(a[0], a[1], errOf(a[2:]), s.Now)
 		case "completed":
-			m.CompleteDone(f[1], f[2], errOf(f[3:]), now)
+			m.CompleteDone(a[0], a[1], errOf(a[2:]), s.Now)
 		case "cancel":
-			m.Cancel(f[1], now)
+			m.Cancel(a[0], s.Now)
 		case "tick":
-			m.Tick(now)
+			m.Tick(s.Now)
 		case "ready":
-			needWant()
-			rd := m.Ready(now)
-			require.Equal(t, want == "-", rd.Empty(), where)
-			require.Equal(t, want, formatReady(rd), where)
-			checkReady(t, where, rd, sizes, grants)
+			l.NeedWant()
+			rd := m.Ready(s.Now)
+			require.Equal(t, l.Want == "-", rd.Empty(), l.Where)
+			l.Expect(formatReady(rd))
+			checkReady(t, l.Where, rd, sizes, grants)
 		case "state":
-			needWant()
 			got := "none"
-			if st, ok := m.Status(f[1]); ok {
+			if st, ok := m.Status(a[0]); ok {
 				var parts []string
 				for d, s := range st {
 					parts = append(parts, d+"="+s.String())
@@ -151,31 +118,15 @@ func runScript(t *testing.T, cfg Config, script string) *Manager {
 				sort.Strings(parts)
 				got = strings.Join(parts, " ")
 			}
-			require.Equal(t, want, got, where)
+			l.Expect(got)
 		case "pending":
-			needWant()
-			require.Equal(t, want, map[bool]string{true: "yes", false: "no"}[m.Pending()], where)
-		case "next":
-			needWant()
-			got := "none"
-			if at, ok := m.NextDeadline(); ok {
-				got = at.Sub(base).String()
-			}
-			require.Equal(t, want, got, where)
-		case "stats":
-			needWant()
-			got := statsMap(m.Stats())
-			for _, kv := range strings.Fields(want) {
-				k, v, _ := strings.Cut(kv, "=")
-				gv, ok := got[k]
-				require.True(t, ok, "%s: unknown stat %s", where, k)
-				require.Equal(t, v, gv, "%s: stat %s", where, k)
-			}
+			l.Expect(fsmtest.YesNo(m.Pending()))
 		default:
-			t.Fatalf("%s: unknown command", where)
+			return false
 		}
-		require.NoError(t, m.CheckInvariants(), where)
+		return true
 	}
+	s.Run(t, script)
 	return m
 }
 
@@ -287,16 +238,7 @@ func statsMap(s Stats) map[string]string {
 		"collisions": strconv.FormatUint(s.Collisions, 10),
 		"tombs":      strconv.Itoa(s.Tombstones),
 	}
-	var live, ended []string
-	for st, n := range s.Records {
-		live = append(live, fmt.Sprintf("%s:%d", st, n))
-	}
-	for st, n := range s.Ended {
-		ended = append(ended, fmt.Sprintf("%s:%d", st, n))
-	}
-	sort.Strings(live)
-	sort.Strings(ended)
-	m["records"] = strings.Join(live, ",")
-	m["ended"] = strings.Join(ended, ",")
+	m["records"] = strings.Join(fsmtest.Counts(s.Records), ",")
+	m["ended"] = strings.Join(fsmtest.Counts(s.Ended), ",")
 	return m
 }

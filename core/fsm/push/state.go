@@ -1,6 +1,10 @@
 package push
 
-import "fmt"
+import (
+	"fmt"
+
+	"github.com/ecmooncake/ecmooncake/core/internal/enum"
+)
 
 // State is where the push of one transfer to one destination shard stands.
 // Each constant lists the states it may move to; transition is the only
@@ -48,12 +52,7 @@ var stateNames = [numStates]string{
 	Failed:        "Failed",
 }
 
-func (s State) String() string {
-	if s < numStates {
-		return stateNames[s]
-	}
-	return fmt.Sprintf("State(%d)", uint8(s))
-}
+func (s State) String() string { return enum.Name("State", stateNames[:], s) }
 
 // Terminal reports whether s ends the push to one destination.
 func (s State) Terminal() bool {

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/internal/deadlines"
 )
 
 // The lease ends live in a min-heap so that Tick and NextDeadline cost
@@ -19,23 +20,15 @@ type deadlineEntry struct {
 	res ids.ResID
 }
 
-type deadlineHeap []deadlineEntry
-
-func (h deadlineHeap) Len() int { return len(h) }
-func (h deadlineHeap) Less(i, j int) bool {
-	if !h[i].at.Equal(h[j].at) {
-		return h[i].at.Before(h[j].at)
+// Before makes equal deadlines expire in reservation order.
+func (a deadlineEntry) Before(b deadlineEntry) bool {
+	if !a.at.Equal(b.at) {
+		return a.at.Before(b.at)
 	}
-	return h[i].res < h[j].res // equal deadlines expire in reservation order
+	return a.res < b.res
 }
-func (h deadlineHeap) Swap(i, j int) { h[i], h[j] = h[j], h[i] }
-func (h *deadlineHeap) Push(x any)   { *h = append(*h, x.(deadlineEntry)) }
-func (h *deadlineHeap) Pop() any {
-	old := *h
-	e := old[len(old)-1]
-	*h = old[:len(old)-1]
-	return e
-}
+
+type deadlineHeap = deadlines.Heap[deadlineEntry]
 
 // setDeadline starts (or restarts) r's lease.
 func (t *Table) setDeadline(r *region, at time.Time) {

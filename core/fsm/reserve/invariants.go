@@ -1,16 +1,15 @@
 package reserve
 
 import (
-	"errors"
-	"fmt"
+	"github.com/ecmooncake/ecmooncake/core/internal/invariant"
 )
 
 // CheckInvariants verifies the table's bookkeeping against itself and the
 // slab. It walks everything, so tests call it after every step; production
 // code may call it from a debug endpoint.
 func (t *Table) CheckInvariants() error {
-	var errs []error
-	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	rep := invariant.New(nil)
+	bad := rep.Bad
 	if t.broken != nil {
 		bad("internal fault: %w", t.broken)
 	}
@@ -123,5 +122,5 @@ func (t *Table) CheckInvariants() error {
 	if ts.len() > ts.max || ts.len() != len(ts.transfers)+len(ts.regions) {
 		bad("tombstones: %d queued (max %d), %d transfers + %d regions", ts.len(), ts.max, len(ts.transfers), len(ts.regions))
 	}
-	return errors.Join(errs...)
+	return rep.Err()
 }

@@ -5,8 +5,8 @@ import (
 	"errors"
 	"testing"
 
-	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
+	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/stretchr/testify/require"
 )
 

@@ -3,6 +3,8 @@ package reserve
 import (
 	"errors"
 	"fmt"
+
+	"github.com/ecmooncake/ecmooncake/core/internal/enum"
 )
 
 // State is the state of a region (one slab allocation holding one mm_hash).
@@ -32,23 +34,16 @@ const (
 	numStates
 )
 
-func (s State) String() string {
-	switch s {
-	case Writing:
-		return "writing"
-	case Ready:
-		return "ready"
-	case CancelPending:
-		return "cancel_pending"
-	case ExpirePending:
-		return "expire_pending"
-	case Cancelled:
-		return "cancelled"
-	case Expired:
-		return "expired"
-	}
-	return fmt.Sprintf("State(%d)", uint8(s))
+var stateNames = [numStates]string{
+	Writing:       "writing",
+	Ready:         "ready",
+	CancelPending: "cancel_pending",
+	ExpirePending: "expire_pending",
+	Cancelled:     "cancelled",
+	Expired:       "expired",
 }
+
+func (s State) String() string { return enum.Name("State", stateNames[:], s) }
 
 // pending reports whether the region is doomed but still holds memory
 // because writes are in flight.
@@ -91,14 +86,6 @@ const (
 	KindCached
 )
 
-func (k Kind) String() string {
-	switch k {
-	case KindWrite:
-		return "write"
-	case KindFollow:
-		return "follow"
-	case KindCached:
-		return "cached"
-	}
-	return fmt.Sprintf("Kind(%d)", uint8(k))
-}
+var kindNames = []string{KindWrite: "write", KindFollow: "follow", KindCached: "cached"}
+
+func (k Kind) String() string { return enum.Name("Kind", kindNames, k) }

@@ -1,10 +1,11 @@
 package reserve
 
 import (
-	"fmt"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/ecmooncake/ecmooncake/core/internal/fsmtest"
 )
 
 func TestTransitions(t *testing.T) {
@@ -20,24 +21,24 @@ func TestTransitions(t *testing.T) {
 		{ExpirePending, Cancelled}: true,
 		{ExpirePending, Expired}:   true,
 	}
-	pairs := 0
-	for from := range numStates {
-		for to := range numStates {
-			pairs++
-			t.Run(fmt.Sprintf("%s->%s", from, to), func(t *testing.T) {
-				r := &region{res: 1, mmHash: "h", state: from}
-				err := r.transition(to)
-				if legalEdges[[2]State{from, to}] {
-					require.NoError(t, err)
-					require.Equal(t, to, r.state)
-				} else {
-					require.ErrorIs(t, err, ErrBadTransition)
-					require.Equal(t, from, r.state, "a refused move leaves the state alone")
-				}
-			})
-		}
-	}
-	require.Equal(t, 36, pairs)
+	pairs := map[[2]State]bool{}
+	fsmtest.CheckAll(t, fsmtest.Machine[State]{
+		N: numStates, Legal: legalEdges, Illegal: ErrBadTransition, Terminal: State.final,
+		Transition: func(from, to State) error {
+			if from < numStates && to < numStates {
+				pairs[[2]State{from, to}] = true
+			}
+			r := &region{res: 1, mmHash: "h", state: from}
+			err := r.transition(to)
+			if err == nil {
+				require.Equal(t, to, r.state, "%s -> %s", from, to)
+			} else {
+				require.Equal(t, from, r.state, "%s -> %s: a refused move leaves the state alone", from, to)
+			}
+			return err
+		},
+	})
+	require.Len(t, pairs, 36)
 	r := &region{state: numStates + 1}
 	require.ErrorIs(t, r.transition(Ready), ErrBadTransition, "a corrupt state moves nowhere")
 }

@@ -7,8 +7,9 @@ import (
 	"slices"
 	"time"
 
-	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
+	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
 )
 
 // Sentinel errors; callers test them with errors.Is.
@@ -72,12 +73,8 @@ type Config struct {
 }
 
 func (c Config) withDefaults() Config {
-	if c.Lease <= 0 {
-		c.Lease = DefaultLease
-	}
-	if c.MaxTombstones <= 0 {
-		c.MaxTombstones = DefaultMaxTombstones
-	}
+	defaults.Positive(&c.Lease, DefaultLease)
+	defaults.Positive(&c.MaxTombstones, DefaultMaxTombstones)
 	return c
 }
 

@@ -1,10 +1,10 @@
 package sched
 
 import (
-	"container/heap"
 	"math/bits"
-	"strconv"
 	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/internal/deadlines"
 )
 
 // deadline is one entry of the deadline heap. Entries are never removed
@@ -17,34 +17,19 @@ type deadline struct {
 	seq uint64
 }
 
-type deadlineHeap []deadline
-
-func (h deadlineHeap) Len() int { return len(h) }
-
-// Less orders ties by id and seq so that deadlines that fall due together
+// Before orders ties by id and seq so that deadlines that fall due together
 // fire in the same order on every run.
-func (h deadlineHeap) Less(i, j int) bool {
-	if !h[i].at.Equal(h[j].at) {
-		return h[i].at.Before(h[j].at)
+func (a deadline) Before(b deadline) bool {
+	if !a.at.Equal(b.at) {
+		return a.at.Before(b.at)
 	}
-	if h[i].id != h[j].id {
-		return h[i].id < h[j].id
+	if a.id != b.id {
+		return a.id < b.id
 	}
-	return h[i].seq < h[j].seq
+	return a.seq < b.seq
 }
 
-func (h deadlineHeap) Swap(i, j int) { h[i], h[j] = h[j], h[i] }
-
-func (h *deadlineHeap) Push(x any) { *h = append(*h, x.(deadline)) }
-
-func (h *deadlineHeap) Pop() any {
-	old := *h
-	d := old[len(old)-1]
-	*h = old[:len(old)-1]
-	return d
-}
-
-var _ heap.Interface = (*deadlineHeap)(nil)
+type deadlineHeap = deadlines.Heap[deadline]
 
 // shardSet is a bitmap of the shards that reported a transfer ready.
 type shardSet []uint64
@@ -75,9 +60,4 @@ func (s shardSet) inRange(shards int) bool {
 		return false
 	}
 	return true
-}
-
-// secs renders a wait the way operators configure it ("60s", "0.5s").
-func secs(d time.Duration) string {
-	return strconv.FormatFloat(d.Seconds(), 'f', -1, 64) + "s"
 }

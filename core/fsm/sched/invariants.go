@@ -1,18 +1,15 @@
 package sched
 
 import (
-	"errors"
-	"fmt"
+	"github.com/ecmooncake/ecmooncake/core/internal/invariant"
 )
 
 // CheckInvariants walks the whole table and reports every inconsistency it
 // finds, each wrapping ErrInvariant. It costs O(size of the table): tests
 // call it after every step, production code when it suspects a bug.
 func (t *Table) CheckInvariants() error {
-	var errs []error
-	bad := func(format string, args ...any) {
-		errs = append(errs, fmt.Errorf("%w: "+format, append([]any{ErrInvariant}, args...)...))
-	}
+	rep := invariant.New(ErrInvariant)
+	bad := rep.Bad
 	if t.illegalMoves > 0 {
 		bad("%d illegal moves attempted", t.illegalMoves)
 	}
@@ -164,7 +161,7 @@ func (t *Table) CheckInvariants() error {
 			bad("early entry %s: shard bitmap %x outside %d shards", id, []uint64(e.shards), t.cfg.Shards)
 		}
 	}
-	return errors.Join(errs...)
+	return rep.Err()
 }
 
 func btoi(b bool) int {

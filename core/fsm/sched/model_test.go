@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ecmooncake/ecmooncake/core/internal/fsmtest"
 	"github.com/stretchr/testify/require"
 )
 
@@ -35,29 +36,9 @@ func FuzzModel(f *testing.F) {
 	f.Add([]byte("ecmooncake sched model seed"))
 	f.Add(make([]byte, 64))
 	f.Fuzz(func(t *testing.T, data []byte) {
-		runModel(t, rand.New(&byteSource{b: data}), min(len(data)/2, 400))
+		runModel(t, rand.New(&fsmtest.ByteSource{B: data}), min(len(data)/2, 400))
 	})
 }
-
-// byteSource feeds math/rand from fuzz input; exhausted, it yields zeros.
-type byteSource struct {
-	b []byte
-	i int
-}
-
-func (s *byteSource) Int63() int64 {
-	var v uint64
-	for k := 0; k < 8; k++ {
-		v <<= 8
-		if s.i < len(s.b) {
-			v |= uint64(s.b[s.i])
-			s.i++
-		}
-	}
-	return int64(v >> 1)
-}
-
-func (s *byteSource) Seed(int64) {}
 
 // runModel returns the states it saw and the final stats, so that a seeded
 // run can show what it covered.

@@ -7,6 +7,9 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/internal/deadlines"
+	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
 )
 
 // Sentinel errors; callers branch on them with errors.Is.
@@ -47,27 +50,15 @@ type Config struct {
 }
 
 func (c Config) withDefaults() Config {
-	if c.Shards <= 0 {
-		c.Shards = DefaultShards
-	}
-	if c.EventWait <= 0 {
-		c.EventWait = DefaultEventWait
-	}
-	if c.LoadWait <= 0 {
-		c.LoadWait = DefaultLoadWait
-	}
-	if c.AvailableTTL <= 0 {
-		c.AvailableTTL = DefaultAvailableTTL
-	}
+	defaults.Positive(&c.Shards, DefaultShards)
+	defaults.Positive(&c.EventWait, DefaultEventWait)
+	defaults.Positive(&c.LoadWait, DefaultLoadWait)
+	defaults.Positive(&c.AvailableTTL, DefaultAvailableTTL)
 	if c.ResidentTTL < 0 {
 		c.ResidentTTL = 0
 	}
-	if c.MaxTombstones <= 0 {
-		c.MaxTombstones = DefaultMaxTombstones
-	}
-	if c.MaxEarlyEvents <= 0 {
-		c.MaxEarlyEvents = DefaultMaxEarlyEvents
-	}
+	defaults.Positive(&c.MaxTombstones, DefaultMaxTombstones)
+	defaults.Positive(&c.MaxEarlyEvents, DefaultMaxEarlyEvents)
 	return c
 }
 
@@ -853,13 +844,13 @@ func (t *Table) expire(r *record, now time.Time) {
 	switch r.state {
 	case WaitingEvent:
 		t.move(r, Unavailable, now, fmt.Sprintf("push did not arrive within %s (%d of %d shards ready)",
-			secs(t.cfg.EventWait), r.shards.count(), t.cfg.Shards))
+			deadlines.Secs(t.cfg.EventWait), r.shards.count(), t.cfg.Shards))
 	case Available:
-		t.move(r, Expired, now, fmt.Sprintf("not loaded within %s of arriving", secs(t.cfg.AvailableTTL)))
+		t.move(r, Expired, now, fmt.Sprintf("not loaded within %s of arriving", deadlines.Secs(t.cfg.AvailableTTL)))
 	case Loading:
-		t.move(r, Unavailable, now, fmt.Sprintf("load did not finish within %s", secs(t.cfg.LoadWait)))
+		t.move(r, Unavailable, now, fmt.Sprintf("load did not finish within %s", deadlines.Secs(t.cfg.LoadWait)))
 	case Resident:
-		t.move(r, Expired, now, fmt.Sprintf("resident copy expired after %s", secs(t.cfg.ResidentTTL)))
+		t.move(r, Expired, now, fmt.Sprintf("resident copy expired after %s", deadlines.Secs(t.cfg.ResidentTTL)))
 	}
 }
 

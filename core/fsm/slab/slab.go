@@ -3,6 +3,8 @@ package slab
 import (
 	"errors"
 	"fmt"
+
+	"github.com/ecmooncake/ecmooncake/core/internal/enum"
 )
 
 var (
@@ -29,17 +31,9 @@ const (
 	numStates
 )
 
-func (s State) String() string {
-	switch s {
-	case Open:
-		return "open"
-	case Closing:
-		return "closing"
-	case Closed:
-		return "closed"
-	}
-	return fmt.Sprintf("State(%d)", uint8(s))
-}
+var stateNames = [numStates]string{Open: "open", Closing: "closing", Closed: "closed"}
+
+func (s State) String() string { return enum.Name("State", stateNames[:], s) }
 
 var legal = [numStates][numStates]bool{
 	Open:    {Closing: true, Closed: true},

@@ -1,11 +1,12 @@
 package slab
 
 import (
-	"fmt"
 	"math"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/ecmooncake/ecmooncake/core/internal/fsmtest"
 )
 
 func TestMemoryBytes(t *testing.T) {
@@ -68,21 +69,20 @@ func TestSlabTransitions(t *testing.T) {
 		{Open, Closed}:    true,
 		{Closing, Closed}: true,
 	}
-	for from := range numStates {
-		for to := range numStates {
-			t.Run(fmt.Sprintf("%s->%s", from, to), func(t *testing.T) {
-				s := &Slab{alloc: NewAllocator(0), state: from}
-				err := s.transition(to)
-				if legalEdges[[2]State{from, to}] {
-					require.NoError(t, err)
-					require.Equal(t, to, s.State())
-				} else {
-					require.ErrorIs(t, err, ErrBadTransition)
-					require.Equal(t, from, s.State(), "a refused move leaves the state alone")
-				}
-			})
-		}
-	}
+	fsmtest.CheckAll(t, fsmtest.Machine[State]{
+		N: numStates, Legal: legalEdges, Illegal: ErrBadTransition,
+		Terminal: func(s State) bool { return s == Closed },
+		Transition: func(from, to State) error {
+			s := &Slab{alloc: NewAllocator(0), state: from}
+			err := s.transition(to)
+			if err == nil {
+				require.Equal(t, to, s.State(), "%s -> %s", from, to)
+			} else {
+				require.Equal(t, from, s.State(), "%s -> %s: a refused move leaves the state alone", from, to)
+			}
+			return err
+		},
+	})
 	require.Equal(t, "State(9)", State(9).String())
 }
 

@@ -1,7 +1,12 @@
-// Package fsmtest checks the state enums of the core's state machines the
-// same way everywhere: every pair of states against an independently
-// written list of legal edges, terminal states without exits, and distinct
-// names. It is imported by tests only.
+// Package fsmtest holds what the tests of the core's state machines share,
+// and is imported by tests only:
+//
+//   - CheckAll checks a state enum the same way everywhere: every pair of
+//     states against an independently written list of legal edges,
+//     terminal states without exits, and distinct names;
+//   - Script runs a scripted, data-driven test: the clock, the parsing of
+//     lines and expectations, and the commands every machine shares;
+//   - ByteSource lets a fuzzer's input drive a random model.
 package fsmtest
 
 import (

@@ -5,8 +5,9 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
+	"github.com/ecmooncake/ecmooncake/core/gpu"
+	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
@@ -34,8 +35,10 @@ type Config struct {
 	// producer whose outputs are in host memory); 0 by default.
 	HostOrdinal int
 	DialTimeout time.Duration
-	MaxConns    int
-	Logger      *slog.Logger
+	// MaxConns caps the producer connections the shard's socket holds at
+	// once (max_data_conns); zero means DefaultMaxConns.
+	MaxConns int
+	Logger   *slog.Logger
 }
 
 // Transport is the CUDA IPC data plane.
@@ -47,12 +50,8 @@ var _ transport.Transport = (*Transport)(nil)
 
 // New returns the transport; zero fields take defaults.
 func New(cfg Config) *Transport {
-	if cfg.DialTimeout <= 0 {
-		cfg.DialTimeout = DefaultDialTimeout
-	}
-	if cfg.MaxConns <= 0 {
-		cfg.MaxConns = DefaultMaxConns
-	}
+	defaults.Positive(&cfg.DialTimeout, DefaultDialTimeout)
+	defaults.Positive(&cfg.MaxConns, DefaultMaxConns)
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}

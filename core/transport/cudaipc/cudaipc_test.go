@@ -13,8 +13,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
+	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/transporttest"
 )
@@ -351,4 +351,36 @@ func TestWriterClosed(t *testing.T) {
 func TestListenNeedsADeviceSlab(t *testing.T) {
 	_, err := New(Config{}).Listen("127.0.0.1:0", transporttest.NewHost(10))
 	require.ErrorContains(t, err, "slab in GPU memory")
+}
+
+// A shard greets at most MaxConns producers at once; the rest are cut at
+// once and counted, and a slot that frees up serves the next one.
+func TestShardCapsItsConnections(t *testing.T) {
+	host := gpu.NewFakeHost(1)
+	dev, err := host.Device(0)
+	require.NoError(t, err)
+	base, window := host.Alloc(0, slabSize)
+	regions := transporttest.NewDevice(slabSize)
+	rcv, err := New(Config{Slab: slab.DeviceMemory(base, slabSize, dev.Name()), SlabDevice: dev, MaxConns: 2, Logger: quiet()}).Listen("127.0.0.1:0", regions)
+	require.NoError(t, err)
+	defer rcv.Close()
+	p, err := parseAddr(rcv.Addr())
+	require.NoError(t, err)
+	var idle []net.Conn
+	for range 2 {
+		c, err := net.Dial("tcp", p.hostPort)
+		require.NoError(t, err)
+		defer c.Close()
+		idle = append(idle, c)
+	}
+	w := newWriter(t, host)
+	res, tok := regions.Reserve(1)
+	it := transport.WriteItem{Res: res, Token: tok, Addr: rcv.(transport.Direct).RemoteAddr(regions.Offset(res)), Size: 1, Src: []byte{9}}
+	require.ErrorIs(t, write(w, rcv.Addr(), it)[0], transport.ErrUnreachable)
+	require.NotZero(t, rcv.Stats().Closed[transport.ClosedLimit])
+	require.Zero(t, window[regions.Offset(res)])
+
+	idle[0].Close()
+	require.Eventually(t, func() bool { return write(w, rcv.Addr(), it)[0] == nil }, 10*time.Second, time.Millisecond)
+	require.Equal(t, byte(9), window[regions.Offset(res)])
 }

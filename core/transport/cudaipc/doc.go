@@ -20,7 +20,10 @@
 // address and size in the shard's process. The handle goes only to a peer
 // that knows the nonce, and the nonce only ever travels on the
 // authenticated control plane. The connection then stays open and idle:
-// its end is how each side learns that the other is gone.
+// its end is how each side learns that the other is gone. The socket holds
+// at most Config.MaxConns connections at once (the shard's max_data_conns,
+// like the other data planes); one past the cap is closed at once and
+// counted in RecvStats.Closed under transport.ClosedLimit.
 //
 // # One Write
 //

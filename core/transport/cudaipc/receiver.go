@@ -27,15 +27,10 @@ type receiver struct {
 	cfg   Config
 
 	requests, attached, badConns atomic.Uint64
-	rejMu                        sync.Mutex
-	rejected                     map[string]uint64
-	closedBy                     map[string]uint64
+	rejected, closedBy           transport.Counts
 
-	wg        sync.WaitGroup
+	conns     *transport.Conns[net.Conn]
 	closeOnce sync.Once
-	mu        sync.Mutex
-	closed    bool
-	conns     map[net.Conn]struct{}
 }
 
 var _ transport.Direct = (*receiver)(nil)
@@ -51,15 +46,25 @@ func (t *Transport) listen(addr string) (*receiver, error) {
 	}
 	r := &receiver{
 		ln: ln, cfg: t.cfg,
-		hello:    hello{Export: exp, Base: uint64(t.cfg.Slab.Addr), Size: t.cfg.Slab.Len, Ordinal: int32(t.cfg.SlabDevice.Ordinal())},
-		log:      t.cfg.Logger.With("transport", Name, "listen", ln.Addr().String()),
-		rejected: map[string]uint64{},
-		closedBy: map[string]uint64{},
-		conns:    map[net.Conn]struct{}{},
+		hello: hello{Export: exp, Base: uint64(t.cfg.Slab.Addr), Size: t.cfg.Slab.Len, Ordinal: int32(t.cfg.SlabDevice.Ordinal())},
+		log:   t.cfg.Logger.With("transport", Name, "listen", ln.Addr().String()),
+		conns: transport.NewConns[net.Conn](t.cfg.MaxConns),
 	}
 	_, _ = rand.Read(r.hello.Nonce[:]) // crypto/rand never fails on Linux
-	r.wg.Add(1)
-	go r.accept()
+	r.conns.Go(transport.Acceptor[net.Conn]{
+		Accept: r.ln.Accept,
+		Admit: func(c net.Conn) bool {
+			return r.conns.Admit(c, r.serve, func(c net.Conn) {
+				r.closedBy.Add(transport.ClosedLimit)
+				_ = c.Close()
+			})
+		},
+		Failed: func(err error, retryIn time.Duration) {
+			r.log.Warn("cudaipc: accept failed", "cause", err, "retry_in", retryIn)
+		},
+		Done: r.conns.Done(),
+		Log:  r.log,
+	}.Run)
 	return r, nil
 }
 
@@ -79,73 +84,18 @@ func (r *receiver) RemoteAddr(slabOff uint64) uint64 { return r.hello.Base + sla
 // (bad_nonce) and connections closed for sending something else; Frames
 // and Bytes stay 0, since no write passes through the receiver.
 func (r *receiver) Stats() transport.RecvStats {
-	r.rejMu.Lock()
-	defer r.rejMu.Unlock()
-	rej := make(map[string]uint64, len(r.rejected))
-	for k, v := range r.rejected {
-		rej[k] = v
-	}
-	closed := make(map[string]uint64, len(r.closedBy))
-	for k, v := range r.closedBy {
-		closed[k] = v
-	}
-	return transport.RecvStats{Rejected: rej, BadConns: r.badConns.Load(), Closed: closed, Attached: r.attached.Load()}
-}
-
-func (r *receiver) count(m map[string]uint64, key string) {
-	r.rejMu.Lock()
-	m[key]++
-	r.rejMu.Unlock()
+	return transport.RecvStats{Rejected: r.rejected.Snapshot(), BadConns: r.badConns.Load(), Closed: r.closedBy.Snapshot(), Attached: r.attached.Load()}
 }
 
 // Close stops accepting and cuts every connection, which tells each
 // producer to close its mapping of the slab.
 func (r *receiver) Close() error {
 	r.closeOnce.Do(func() {
-		r.mu.Lock()
-		r.closed = true
-		for c := range r.conns {
-			_ = c.Close()
-		}
-		r.mu.Unlock()
+		r.conns.Close()
 		_ = r.ln.Close()
 	})
-	r.wg.Wait()
+	r.conns.Wait()
 	return nil
-}
-
-func (r *receiver) accept() {
-	defer r.wg.Done()
-	for {
-		c, err := r.ln.Accept()
-		if err != nil {
-			r.mu.Lock()
-			closed := r.closed
-			r.mu.Unlock()
-			if closed || errors.Is(err, net.ErrClosed) {
-				return
-			}
-			r.log.Warn("cudaipc: accept failed", "cause", err)
-			time.Sleep(10 * time.Millisecond)
-			continue
-		}
-		r.mu.Lock()
-		switch {
-		case r.closed:
-			r.mu.Unlock()
-			_ = c.Close()
-			return
-		case len(r.conns) >= r.cfg.MaxConns:
-			r.mu.Unlock()
-			r.count(r.closedBy, "max_conns")
-			_ = c.Close()
-			continue
-		}
-		r.conns[c] = struct{}{}
-		r.wg.Add(1)
-		r.mu.Unlock()
-		go r.serve(c)
-	}
 }
 
 // serve greets one producer, then holds its connection open until either
@@ -156,11 +106,6 @@ func (r *receiver) serve(c net.Conn) {
 		if p := recover(); p != nil {
 			r.log.Error("cudaipc: panic serving connection", "peer", c.RemoteAddr().String(), "panic", p, "stack", string(debug.Stack()))
 		}
-		_ = c.Close()
-		r.mu.Lock()
-		delete(r.conns, c)
-		r.mu.Unlock()
-		r.wg.Done()
 	}()
 	_ = c.SetDeadline(time.Now().Add(r.cfg.DialTimeout))
 	nonce, err := readHello(c)
@@ -173,7 +118,7 @@ func (r *receiver) serve(c net.Conn) {
 	}
 	r.requests.Add(1)
 	if subtle.ConstantTimeCompare(nonce[:], r.hello.Nonce[:]) != 1 {
-		r.count(r.rejected, "bad_nonce")
+		r.rejected.Add("bad_nonce")
 		_, _ = c.Write(appendHelloReply(nil, helloReply{status: statusBadNonce, msg: "this shard does not know that address's nonce (it restarted, or the address is stale)"}))
 		return
 	}

@@ -195,16 +195,10 @@ func copyTimed(dev gpu.Device, ops []gpu.DeviceCopy) error {
 // bounds check: inside the region its grant reserved ([Addr, Addr+Size)),
 // and that region inside the slab that h describes.
 func place(h hello, it transport.WriteItem) (uint64, error) {
-	n := it.Len()
-	switch {
-	case it.Addr == 0:
+	if it.Addr == 0 {
 		return 0, errNoAddr
-	case it.Off > it.Size || n > it.Size-it.Off:
-		return 0, fmt.Errorf("%w: bytes [%d,%d) reach past the %d-byte region the grant reserved", transport.ErrWriteBounds, it.Off, it.Off+n, it.Size)
-	case it.Addr < h.Base || it.Addr-h.Base > h.Size || it.Size > h.Size-(it.Addr-h.Base):
-		return 0, fmt.Errorf("%w: region [%#x,+%d) is outside the shard's %d-byte slab at %#x", transport.ErrStaleAddr, it.Addr, it.Size, h.Size, h.Base)
 	}
-	return it.Addr - h.Base + it.Off, nil
+	return transport.PlaceInSlab(it, h.Base, h.Size, "shard")
 }
 
 var errNoAddr = fmt.Errorf("%w: the grant carries no slab address (is the shard's cuda_ipc plane of this version?)", transport.ErrRefusedByWriter)

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
+	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
@@ -74,18 +75,14 @@ func (c Config) withDefaults() Config {
 	if c.Protocol == "" {
 		c.Protocol = DefaultProtocol
 	}
-	if c.StagingBytes <= 0 {
-		c.StagingBytes = DefaultStagingBytes
-	}
+	defaults.Positive(&c.StagingBytes, DefaultStagingBytes)
 	if c.ChunkBytes == 0 {
 		c.ChunkBytes = DefaultChunkBytes
 	}
 	// Four chunks in flight at least, so that one writer never has to
 	// wait for its own last chunk to land before copying the next.
 	c.ChunkBytes = min(c.ChunkBytes, uint64(c.StagingBytes)/4)
-	if c.DrainTimeout <= 0 {
-		c.DrainTimeout = DefaultDrainTimeout
-	}
+	defaults.Positive(&c.DrainTimeout, DefaultDrainTimeout)
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -155,13 +152,9 @@ type receiver struct {
 // Config.Host), and registers the sink's whole slab with it once. The sink
 // must be a transport.DirectSink.
 func (t *Transport) Listen(addr string, sink transport.Sink) (transport.Receiver, error) {
-	ds, ok := sink.(transport.DirectSink)
-	if !ok {
-		return nil, fmt.Errorf("mooncake: listen %s: the sink does not expose its memory (transport.DirectSink)", addr)
-	}
-	base, n, device := ds.Memory()
-	if base == 0 || n == 0 {
-		return nil, fmt.Errorf("mooncake: listen %s: empty slab", addr)
+	base, n, device, err := transport.DirectMemory(sink)
+	if err != nil {
+		return nil, fmt.Errorf("mooncake: listen %s: %w", addr, err)
 	}
 	host, portStr, err := net.SplitHostPort(addr)
 	if err != nil {

@@ -2,6 +2,8 @@ package shm
 
 import (
 	"bytes"
+	"fmt"
+	"strings"
 	"syscall"
 	"testing"
 )
@@ -74,15 +76,39 @@ func FuzzParseRights(f *testing.F) {
 	})
 }
 
-func FuzzParseMapsFields(f *testing.F) {
-	f.Add("7f0000000000-7f0000100000", "00:01")
-	f.Add("ffffffffffffffff-0", "fd:1ff")
-	f.Fuzz(func(t *testing.T, rng, dev string) {
-		if lo, hi, ok := parseRange(rng); ok && lo > hi {
+// FuzzParseRange and FuzzParseDev read /proc/self/maps fields: what they
+// accept is hex the way the kernel prints it, and reads back the same.
+func FuzzParseRange(f *testing.F) {
+	f.Add("7f0000000000-7f0000100000")
+	f.Add("ffffffffffffffff-0")
+	f.Add("-")
+	f.Fuzz(func(t *testing.T, rng string) {
+		lo, hi, ok := parseRange(rng)
+		if !ok {
+			return
+		}
+		if lo > hi || strings.Count(rng, "-") != 1 || strings.Trim(rng, "0123456789abcdefABCDEF-") != "" {
 			t.Fatalf("parseRange(%q) = [%#x, %#x)", rng, lo, hi)
 		}
-		if major, minor, ok := parseDev(dev); ok && (major > 1<<32-1 || minor > 1<<32-1) {
+		if lo2, hi2, ok2 := parseRange(fmt.Sprintf("%x-%x", lo, hi)); !ok2 || lo2 != lo || hi2 != hi {
+			t.Fatalf("parseRange(%q) = [%#x, %#x), which reads back as [%#x, %#x) %v", rng, lo, hi, lo2, hi2, ok2)
+		}
+	})
+}
+
+func FuzzParseDev(f *testing.F) {
+	f.Add("00:01")
+	f.Add("fd:1ff")
+	f.Fuzz(func(t *testing.T, dev string) {
+		major, minor, ok := parseDev(dev)
+		if !ok {
+			return
+		}
+		if major > 1<<32-1 || minor > 1<<32-1 || strings.Trim(dev, "0123456789abcdefABCDEF:") != "" {
 			t.Fatalf("parseDev(%q) = %d:%d", dev, major, minor)
+		}
+		if ma, mi, ok2 := parseDev(fmt.Sprintf("%x:%x", major, minor)); !ok2 || ma != major || mi != minor {
+			t.Fatalf("parseDev(%q) = %d:%d, which reads back as %d:%d %v", dev, major, minor, ma, mi, ok2)
 		}
 	})
 }

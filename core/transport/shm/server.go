@@ -38,26 +38,32 @@ type receiver struct {
 	p    peer
 	fd   int // our duplicate of the slab's memfd; closed by Close
 	ln   *net.UnixListener
-	max  int
 	log  *slog.Logger
 	once warnOnce
 
 	handed atomic.Uint64
-	statMu sync.Mutex
-	closed map[string]uint64
+	closed transport.Counts
 
-	mu      sync.Mutex
-	closing bool
-	conns   map[*net.UnixConn]struct{}
-	wg      sync.WaitGroup
-	stop    sync.Once
+	conns *transport.Conns[*net.UnixConn]
+	stop  sync.Once
 }
 
 func newReceiver(p peer, fd int, ln *net.UnixListener, max int, log *slog.Logger) *receiver {
-	r := &receiver{p: p, fd: fd, ln: ln, max: max, log: log.With("socket", "@"+p.Socket),
-		closed: map[string]uint64{}, conns: map[*net.UnixConn]struct{}{}}
-	r.wg.Add(1)
-	go r.acceptLoop()
+	r := &receiver{p: p, fd: fd, ln: ln, log: log.With("socket", "@"+p.Socket),
+		conns: transport.NewConns[*net.UnixConn](max)}
+	r.conns.Go(transport.Acceptor[*net.UnixConn]{
+		Accept: r.ln.AcceptUnix,
+		Admit: func(c *net.UnixConn) bool {
+			return r.conns.Admit(c, r.serve, func(c *net.UnixConn) {
+				r.refuse(c, closedLimit, errors.New("max_data_conns connections are open"))
+			})
+		},
+		Failed: func(err error, retryIn time.Duration) {
+			r.once.log(r.log, "accept", "shm: accept failed", "cause", err, "retry_in", retryIn)
+		},
+		Done: r.conns.Done(),
+		Log:  r.log,
+	}.Run)
 	return r
 }
 
@@ -67,22 +73,14 @@ func (r *receiver) RemoteAddr(slabOff uint64) uint64 { return r.p.Base + slabOff
 // Stats counts the connections refused, by reason; writes never pass
 // through the receiver, so frames and bytes stay zero.
 func (r *receiver) Stats() transport.RecvStats {
-	r.statMu.Lock()
-	defer r.statMu.Unlock()
-	closed := make(map[string]uint64, len(r.closed))
-	for k, v := range r.closed {
-		closed[k] = v
-	}
-	return transport.RecvStats{Rejected: map[string]uint64{}, Closed: closed}
+	return transport.RecvStats{Rejected: map[string]uint64{}, Closed: r.closed.Snapshot()}
 }
 
 // Handed is how many producers got the slab's descriptor.
 func (r *receiver) Handed() uint64 { return r.handed.Load() }
 
 func (r *receiver) refuse(c *net.UnixConn, reason string, cause error) {
-	r.statMu.Lock()
-	r.closed[reason]++
-	r.statMu.Unlock()
+	r.closed.Add(reason)
 	r.once.log(r.log, reason, "shm: refused a producer connection", "cause", cause)
 	_ = c.Close()
 }
@@ -93,52 +91,12 @@ func (r *receiver) refuse(c *net.UnixConn, reason string, cause error) {
 // still copying writes into memory no one reads any more.
 func (r *receiver) Close() error {
 	r.stop.Do(func() {
-		r.mu.Lock()
-		r.closing = true
-		for c := range r.conns {
-			_ = c.Close()
-		}
-		r.mu.Unlock()
+		r.conns.Close()
 		_ = r.ln.Close()
-		r.wg.Wait()
+		r.conns.Wait()
 		_ = syscall.Close(r.fd)
 	})
 	return nil
-}
-
-func (r *receiver) acceptLoop() {
-	defer r.wg.Done()
-	var backoff time.Duration
-	for {
-		c, err := r.ln.AcceptUnix()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			// Running out of descriptors must not end the offer: wait and
-			// try again, as net/http does.
-			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
-			r.once.log(r.log, "accept", "shm: accept failed", "cause", err, "retry_in", backoff)
-			time.Sleep(backoff)
-			continue
-		}
-		backoff = 0
-		r.mu.Lock()
-		switch {
-		case r.closing:
-			r.mu.Unlock()
-			_ = c.Close()
-			return
-		case len(r.conns) >= r.max:
-			r.mu.Unlock()
-			r.refuse(c, closedLimit, errors.New("max_data_conns connections are open"))
-			continue
-		}
-		r.conns[c] = struct{}{}
-		r.wg.Add(1)
-		r.mu.Unlock()
-		go r.serve(c)
-	}
 }
 
 func (r *receiver) serve(c *net.UnixConn) {
@@ -146,11 +104,6 @@ func (r *receiver) serve(c *net.UnixConn) {
 		if p := recover(); p != nil {
 			r.log.Error("shm: panic serving a producer", "panic", p, "stack", string(debug.Stack()))
 		}
-		_ = c.Close()
-		r.mu.Lock()
-		delete(r.conns, c)
-		r.mu.Unlock()
-		r.wg.Done()
 	}()
 	if !r.handOver(c) {
 		return

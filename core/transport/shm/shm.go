@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
@@ -69,9 +70,7 @@ func New(cfg Config) *Transport {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	if cfg.MaxConns <= 0 {
-		cfg.MaxConns = DefaultMaxConns
-	}
+	defaults.Positive(&cfg.MaxConns, DefaultMaxConns)
 	return &Transport{cfg: cfg, log: cfg.Logger.With("transport", Name)}
 }
 
@@ -100,16 +99,12 @@ func (t *Transport) checkHost(p peer) error {
 // the shard in errors. The sink must be a transport.DirectSink over host
 // memory.
 func (t *Transport) Listen(addr string, sink transport.Sink) (transport.Receiver, error) {
-	ds, ok := sink.(transport.DirectSink)
-	if !ok {
-		return nil, fmt.Errorf("shm: listen %s: the sink does not expose its memory (transport.DirectSink)", addr)
+	base, n, device, err := transport.DirectMemory(sink)
+	if err != nil {
+		return nil, fmt.Errorf("shm: listen %s: %w", addr, err)
 	}
-	base, n, device := ds.Memory()
 	if device != "" && device != "cpu" {
 		return nil, fmt.Errorf("shm: listen %s: the slab is on %s; shm carries host memory only", addr, device)
-	}
-	if base == 0 || n == 0 {
-		return nil, fmt.Errorf("shm: listen %s: empty slab", addr)
 	}
 	if t.cfg.SlabFD < 0 {
 		return nil, fmt.Errorf("shm: listen %s: slab_fd is not set; the shm transport needs the descriptor of the slab's memfd (allocate the slab with shared_slab)", addr)

@@ -131,18 +131,17 @@ func (m *mapping) serves(p peer) bool {
 
 // place is where item it goes in m, after every bounds check.
 func place(p peer, m *mapping, it transport.WriteItem) (uint64, error) {
-	n := uint64(len(it.Src))
 	switch {
 	case it.Dev != nil:
 		return 0, transport.ErrDeviceMemory
 	case it.Addr == 0:
 		return 0, errNoAddr
-	case it.Off > it.Size || n > it.Size-it.Off:
-		return 0, fmt.Errorf("%w: bytes [%d,%d) reach past the %d-byte region the grant reserved", transport.ErrWriteBounds, it.Off, it.Off+n, it.Size)
-	case it.Addr < p.Base || it.Addr-p.Base > p.Len || it.Size > p.Len-(it.Addr-p.Base):
-		return 0, fmt.Errorf("%w: region [%#x,+%d) is outside the consumer's %d-byte slab at %#x", transport.ErrStaleAddr, it.Addr, it.Size, p.Len, p.Base)
 	}
-	off := it.Addr - p.Base + it.Off
+	off, err := transport.PlaceInSlab(it, p.Base, p.Len, "consumer")
+	if err != nil {
+		return 0, err
+	}
+	n := uint64(len(it.Src))
 	if off > uint64(len(m.mem)) || n > uint64(len(m.mem))-off {
 		return 0, fmt.Errorf("%w: bytes [%d,%d) of the slab are outside its %d-byte mapping", transport.ErrStaleAddr, off, off+n, len(m.mem))
 	}

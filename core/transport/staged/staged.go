@@ -10,9 +10,10 @@ import (
 
 	"go.uber.org/atomic"
 
+	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/ids"
-	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
+	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
@@ -53,12 +54,8 @@ var _ transport.Transport = (*Transport)(nil)
 
 // New returns a staged transport; zero fields take the defaults.
 func New(cfg Config) *Transport {
-	if cfg.StagingBytes <= 0 {
-		cfg.StagingBytes = DefaultStagingBytes
-	}
-	if cfg.ChunkBytes <= 0 {
-		cfg.ChunkBytes = DefaultChunkBytes
-	}
+	defaults.Positive(&cfg.StagingBytes, DefaultStagingBytes)
+	defaults.Positive(&cfg.ChunkBytes, DefaultChunkBytes)
 	if cfg.Devices == nil {
 		cfg.Devices = gpu.Unavailable{Err: errors.New("no GPU devices configured for staging")}
 	}
