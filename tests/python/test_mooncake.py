@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO, subprocess_env
 from ecmooncake import native
-from ecmooncake.harness import free_port_range
+from ecmooncake.tools.harness import free_port_range
 from ecmooncake.native import EcmUnavailable, MetadataServer, Producer, Scheduler
 
 pytestmark = pytest.mark.usefixtures("library")

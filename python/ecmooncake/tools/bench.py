@@ -14,15 +14,14 @@ timed phases.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from . import ceiling as ceilings
+from .. import ceiling as ceilings
+from ..native import configure
 from . import harness
-from .demo import GB, MiB
 from .harness import Worker
-from .native import configure
-
-KiB = 1 << 10
+from .report import GB, KiB, MiB, add_ceiling_arguments, add_output_arguments, ceiling_settings, report
 
 
 def _numeric_deltas(before: dict, after: dict, prefix: str = "") -> dict[str, float]:
@@ -173,16 +172,19 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines + ceilings.warning_lines(s))
 
 
-def main(args) -> int:
-    from . import plot
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mb", type=float, default=32, help="large item size, MiB (default %(default)s)")
+    parser.add_argument("--batch", type=int, default=8, help="large items per batch (default %(default)s)")
+    parser.add_argument("--batches", type=int, default=16, help="timed large batches (default %(default)s)")
+    parser.add_argument("--small-kb", type=float, default=64, help="small item size, KiB (default %(default)s)")
+    parser.add_argument("--small-batch", type=int, default=256, help="small items per batch (default %(default)s)")
+    parser.add_argument("--small-batches", type=int, default=8, help="timed small batches (default %(default)s)")
+    add_ceiling_arguments(parser, conns_help="producer connections to the shard, the ceiling's too")
+    add_output_arguments(parser, plot=True)
 
-    if args.plot:
-        try:
-            plot.require()
-        except plot.PlotUnavailable as exc:
-            print(f"ecmooncake bench: {exc}", file=sys.stderr)
-            return 2
-    return harness.report(
+
+def main(args: argparse.Namespace) -> int:
+    return report(
         "bench",
         lambda: run(
             mb=args.mb,
@@ -192,9 +194,7 @@ def main(args) -> int:
             small_batch=args.small_batch,
             small_batches=args.small_batches,
             progress=not args.quiet,
-            gomaxprocs=args.gomaxprocs,
-            tcp_conns=args.tcp_conns,
-            ceiling_bytes=int(args.ceiling_mb * MiB),
+            **ceiling_settings(args),
         ),
         format_summary,
         args.json,

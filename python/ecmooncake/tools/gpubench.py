@@ -1,7 +1,7 @@
 """GPU memory end to end: worker hosts whose slab and encoder outputs live on
 a CUDA device, and the GPU benchmark.
 
-``python -m ecmooncake.gpubench`` runs on a host with a GPU. One consumer
+``python -m ecmooncake gpubench`` runs on a host with a GPU. One consumer
 shard (its receive slab on one GPU) and two producers (their outputs on a
 GPU; one free to choose cuda_ipc for the same host, one told to use TCP) run
 in spawned processes; the consumer scheduler runs in this process. An item's
@@ -25,20 +25,16 @@ part is played (load, free, finish) and the shard drains its residents.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from typing import Any
 
-from . import ceiling as ceilings
+from .. import ceiling as ceilings
+from ..native import Consumer, Producer, Scheduler, configure
 from . import harness
-from .demo import _await_available
-from .harness import ConsumerHost, ProducerHost, Worker, WorkerError
-from .native import Consumer, EcmError, Producer, Scheduler, configure
-
-MiB = 1 << 20
-GB = 1e9
+from .harness import ConsumerHost, ProducerHost, Worker, WorkerError, await_available
+from .report import GB, MiB, add_plot_argument, report
 
 
 def _torch() -> Any:
@@ -327,7 +323,7 @@ def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, p
             producer.send("push", items=batches[0], consumer=address, timeout_s=timeout, fill="zeros")
         else:
             producer.send("push_stream", batches=batches, consumer=address, timeout_s=timeout, fill="zeros")
-        available, unavailable = _await_available(sched, tids, timeout + 5)
+        available, unavailable = await_available(sched, tids, timeout + 5)
         pushed = producer.result(timeout + 30)
         if r >= 0:
             if available:
@@ -524,37 +520,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--producer-device", default="cuda:0")
     parser.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
     parser.add_argument("--quiet", action="store_true")
-    parser.add_argument("--plot", metavar="FILE.png", help="also draw throughput against item size, with the ceilings, into this PNG (needs matplotlib)")
+    add_plot_argument(parser)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ecmooncake.gpubench", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run_args(parser.parse_args(argv))
-
-
-def run_args(args: argparse.Namespace) -> int:
-    from . import plot
-
-    if args.plot:
-        try:
-            plot.require()
-        except plot.PlotUnavailable as exc:
-            print(f"ecmooncake gpubench: {exc}", file=sys.stderr)
-            return 2
-    try:
-        summary = run(args.consumer_device, args.producer_device, progress=not args.quiet)
-    except (EcmError, WorkerError, OSError, ValueError) as exc:
-        print(f"ecmooncake gpubench: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
-    print(format_summary(summary))
-    if args.plot:
-        print(f"ecmooncake gpubench: plot written to {plot.write(summary, args.plot)}", file=sys.stderr)
-    return 0 if summary["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def main(args: argparse.Namespace) -> int:
+    return report(
+        "gpubench",
+        lambda: run(args.consumer_device, args.producer_device, progress=not args.quiet),
+        format_summary,
+        plot_path=args.plot,
+        json_path=args.json,
+    )
