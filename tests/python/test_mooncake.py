@@ -160,41 +160,37 @@ def test_metadata_server_cli_token_file_and_loopback(tmp_path):
             proc.wait()
 
 
-@pytest.mark.parametrize(
-    "config, env, want",
-    [
-        ({"mooncake_metadata_server": "h:1"}, "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "t"}),
-        ('{"mooncake_metadata_server": "h:1"}', "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "t"}),
-        ({"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "mine"}, "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "mine"}),
-        ({"transport": "mooncake"}, "t", {"transport": "mooncake"}),
-        ({"mooncake_metadata_server": "h:1"}, None, {"mooncake_metadata_server": "h:1"}),
-    ],
-)
-def test_metadata_token_comes_from_the_environment(monkeypatch, config, env, want):
-    if env is None:
-        monkeypatch.delenv(native.METADATA_TOKEN_ENV, raising=False)
-    else:
-        monkeypatch.setenv(native.METADATA_TOKEN_ENV, env)
-    assert native.with_metadata_token(config) == want
+# Each setting a native config takes from the environment: its variable and
+# the function that fills it in.
+FROM_ENVIRONMENT = {
+    "metadata token": (native.METADATA_TOKEN_ENV, native.with_metadata_token),
+    "library path": (native.MOONCAKE_LIBRARY_ENV, native.with_mooncake_library),
+}
 
 
 @pytest.mark.parametrize(
-    "config, env, want",
+    "setting, config, env, want",
     [
-        ({"transport": "mooncake"}, "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/x/libte.so"}),
-        ('{"transport": "mooncake"}', "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/x/libte.so"}),
-        ({"transport": "mooncake", "mooncake_library": "/mine.so"}, "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/mine.so"}),
-        ({"transport": "tcp"}, "/x/libte.so", {"transport": "tcp"}),
-        ({"transport": "mooncake"}, None, {"transport": "mooncake"}),
-        ("not json", "/x/libte.so", "not json"),
+        ("metadata token", {"mooncake_metadata_server": "h:1"}, "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "t"}),
+        ("metadata token", '{"mooncake_metadata_server": "h:1"}', "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "t"}),
+        ("metadata token", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "mine"}, "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "mine"}),
+        ("metadata token", {"transport": "mooncake"}, "t", {"transport": "mooncake"}),
+        ("metadata token", {"mooncake_metadata_server": "h:1"}, None, {"mooncake_metadata_server": "h:1"}),
+        ("library path", {"transport": "mooncake"}, "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/x/libte.so"}),
+        ("library path", '{"transport": "mooncake"}', "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/x/libte.so"}),
+        ("library path", {"transport": "mooncake", "mooncake_library": "/mine.so"}, "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/mine.so"}),
+        ("library path", {"transport": "tcp"}, "/x/libte.so", {"transport": "tcp"}),
+        ("library path", {"transport": "mooncake"}, None, {"transport": "mooncake"}),
+        ("library path", "not json", "/x/libte.so", "not json"),
     ],
 )
-def test_library_path_comes_from_the_environment(monkeypatch, config, env, want):
+def test_a_setting_comes_from_the_environment(monkeypatch, setting, config, env, want):
+    variable, fill_in = FROM_ENVIRONMENT[setting]
     if env is None:
-        monkeypatch.delenv(native.MOONCAKE_LIBRARY_ENV, raising=False)
+        monkeypatch.delenv(variable, raising=False)
     else:
-        monkeypatch.setenv(native.MOONCAKE_LIBRARY_ENV, env)
-    assert native.with_mooncake_library(config) == want
+        monkeypatch.setenv(variable, env)
+    assert fill_in(config) == want
 
 
 def test_missing_library_is_unavailable(monkeypatch):

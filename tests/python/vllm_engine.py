@@ -323,13 +323,17 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """vLLM's finish_requests(..., ABORTED)."""
+        self._end(request_id, "aborted")
+
+    def _end(self, request_id: str, status: str) -> None:
+        """Finishes a request wherever it is, waiting or running."""
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                self._finish(req, "aborted", {})
+                self._finish(req, status, {})
         run = self.running.pop(request_id, None)
         if run is not None:
-            self._finish(run.request, "aborted", run.gathered)
+            self._finish(run.request, status, run.gathered)
 
     def _shape(self, feature: Any) -> tuple[int, int]:
         return (feature.mm_position.get_num_embeds(), self.widths[feature.identifier])
@@ -457,13 +461,7 @@ class Engine:
                 del self.running[rid]
                 self._finish(req, "done", run.gathered)
         for rid in c.take_unavailable_requests():
-            for req in list(self.waiting):
-                if req.request_id == rid:
-                    self.waiting.remove(req)
-                    self._finish(req, "error", {})
-            run = self.running.pop(rid, None)
-            if run is not None:
-                self._finish(run.request, "error", run.gathered)
+            self._end(rid, "error")
         ec_output = merged.ec_connector_output if merged is not None else None
         if ec_output is not None:
             c.update_connector_output(ec_output)

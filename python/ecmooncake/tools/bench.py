@@ -184,18 +184,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    sizes = {k: getattr(args, k) for k in ("mb", "batch", "batches", "small_kb", "small_batch", "small_batches")}
     return report(
         "bench",
-        lambda: run(
-            mb=args.mb,
-            batch=args.batch,
-            batches=args.batches,
-            small_kb=args.small_kb,
-            small_batch=args.small_batch,
-            small_batches=args.small_batches,
-            progress=not args.quiet,
-            **ceiling_settings(args),
-        ),
+        lambda: run(**sizes, progress=not args.quiet, **ceiling_settings(args)),
         format_summary,
         args.json,
         plot_path=args.plot,

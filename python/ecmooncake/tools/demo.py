@@ -351,19 +351,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    sizes = {k: getattr(args, k) for k in ("items", "min_mb", "max_mb", "dup_ratio", "seed", "slab_mb")}
     return report(
         "demo",
-        lambda: run(
-            items=args.items,
-            min_mb=args.min_mb,
-            max_mb=args.max_mb,
-            dup_ratio=args.dup_ratio,
-            seed=args.seed,
-            slab_mb=args.slab_mb,
-            timeout_s=args.timeout,
-            progress=not args.quiet,
-            **ceiling_settings(args),
-        ),
+        lambda: run(**sizes, timeout_s=args.timeout, progress=not args.quiet, **ceiling_settings(args)),
         format_summary,
         args.json,
     )

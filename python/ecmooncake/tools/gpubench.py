@@ -33,7 +33,7 @@ from typing import Any
 from .. import ceiling as ceilings
 from ..native import Consumer, Producer, Scheduler, configure
 from . import harness
-from .harness import ConsumerHost, ProducerHost, Worker, WorkerError, await_available
+from .harness import ConsumerHost, ProducerHost, Worker, await_available
 from .report import GB, MiB, add_plot_argument, report
 
 
@@ -74,38 +74,18 @@ class GPUConsumerHost(ConsumerHost):
     def ready(self) -> dict:
         return {"info": self.consumer.info(), "pid": os.getpid(), "device": self.device}
 
-    def op_read(self, mm_hash: str) -> bytes:
-        (item,) = self.consumer.acquire([mm_hash])
-        if item.get("error"):
-            raise WorkerError(f"acquire {mm_hash}: {item['error']}")
-        try:
-            return self.consumer.view(item["offset"], item["nbytes"]).cpu().numpy().tobytes()
-        finally:
-            self.consumer.release([mm_hash])
+    def _bytes(self, region: Any) -> bytes:
+        return region.cpu().numpy().tobytes()
 
-    def _verify_one(self, mm_hash: str, nbytes: int, seed: int) -> dict:
+    def _wrong(self, region: Any, seed: int, nbytes: int) -> tuple[int, int, int, int] | None:
+        # Compared on the GPU.
         torch = _torch()
-        (got,) = self.consumer.acquire([mm_hash])
-        if got.get("error"):
-            return {"mm_hash": mm_hash, "ok": False, "error": f"acquire: {got['error']}"}
-        try:
-            if got["nbytes"] != nbytes:
-                return {"mm_hash": mm_hash, "ok": False, "error": f"size {got['nbytes']}, expected {nbytes}"}
-            # The zero-copy view the engine would get, compared on the GPU.
-            region = self.consumer.view(got["offset"], got["nbytes"])
-            expected = gpu_payload(seed, nbytes, self.device).view(torch.uint8)
-            if torch.equal(region, expected):
-                return {"mm_hash": mm_hash, "ok": True, "error": ""}
-            wrong = torch.nonzero(region != expected).flatten()
-            first = int(wrong[0])
-            return {
-                "mm_hash": mm_hash,
-                "ok": False,
-                "error": f"{wrong.numel()} of {nbytes} bytes differ, first at {first} "
-                f"(got {int(region[first])}, expected {int(expected[first])})",
-            }
-        finally:
-            self.consumer.release([mm_hash])
+        expected = gpu_payload(seed, nbytes, self.device).view(torch.uint8)
+        if torch.equal(region, expected):
+            return None
+        wrong = torch.nonzero(region != expected).flatten()
+        first = int(wrong[0])
+        return wrong.numel(), first, int(region[first]), int(expected[first])
 
 
 class GPUProducerHost(ProducerHost):

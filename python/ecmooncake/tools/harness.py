@@ -122,7 +122,7 @@ class ConsumerHost:
         if item.get("error"):
             raise WorkerError(f"acquire {mm_hash}: {item['error']}")
         try:
-            return self.consumer.view(item["offset"], item["nbytes"]).tobytes()
+            return self._bytes(self.consumer.view(item["offset"], item["nbytes"]))
         finally:
             self.consumer.release([mm_hash])
 
@@ -143,25 +143,32 @@ class ConsumerHost:
             return {"mm_hash": mm_hash, "ok": False, "error": f"acquire: {got['error']}"}
         try:
             if got["nbytes"] != nbytes:
-                return {
-                    "mm_hash": mm_hash,
-                    "ok": False,
-                    "error": f"size {got['nbytes']}, expected {nbytes}",
-                }
-            region = self.consumer.view(got["offset"], got["nbytes"])
-            expected = payload(seed, nbytes)
-            if np.array_equal(region, expected):
+                return {"mm_hash": mm_hash, "ok": False, "error": f"size {got['nbytes']}, expected {nbytes}"}
+            # The zero-copy view the engine would get.
+            wrong = self._wrong(self.consumer.view(got["offset"], got["nbytes"]), seed, nbytes)
+            if wrong is None:
                 return {"mm_hash": mm_hash, "ok": True, "error": ""}
-            wrong = np.flatnonzero(region != expected)
-            first = int(wrong[0])
+            count, first, value, expected = wrong
             return {
                 "mm_hash": mm_hash,
                 "ok": False,
-                "error": f"{wrong.size} of {nbytes} bytes differ, first at {first} "
-                f"(got {int(region[first])}, expected {int(expected[first])})",
+                "error": f"{count} of {nbytes} bytes differ, first at {first} (got {value}, expected {expected})",
             }
         finally:
             self.consumer.release([mm_hash])
+
+    def _bytes(self, region: Any) -> bytes:
+        return region.tobytes()
+
+    def _wrong(self, region: Any, seed: int, nbytes: int) -> tuple[int, int, int, int] | None:
+        """None when region holds payload(seed, nbytes); else how many bytes
+        differ, the first of them, its value and the expected one."""
+        expected = payload(seed, nbytes)
+        if np.array_equal(region, expected):
+            return None
+        wrong = np.flatnonzero(region != expected)
+        first = int(wrong[0])
+        return wrong.size, first, int(region[first]), int(expected[first])
 
     def op_drain(self, mm_hashes: list[str]) -> int:
         """Acquires and releases items so they become evictable residents;

@@ -12,8 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..tokens import TokenError
-from .serve import add_token_arguments, run_until_signal, token_from
+from .serve import add_token_arguments, refuses_bad_tokens, run_until_signal, token_from
 
 TOKEN_ENV = "MC_METADATA_HTTP_TOKEN"
 
@@ -26,14 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "an address they reach, and then a token)",
     )
     parser.add_argument("--port", type=int, default=8080, help="port; 0 picks a free one (default %(default)s)")
-    add_token_arguments(
-        parser,
-        name="token",
-        env=TOKEN_ENV,
-        file_help=f"require 'Authorization: Bearer TOKEN' on /metadata, TOKEN read from FILE (default: ${TOKEN_ENV}, "
-        "which Mooncake's engines send too; unset means no token)",
-        what="the token",
-    )
+    add_token_arguments(parser, name="token", env=TOKEN_ENV, what="the token", file_help=(
+        f"require 'Authorization: Bearer TOKEN' on /metadata, TOKEN read from FILE (default: ${TOKEN_ENV}, "
+        "which Mooncake's engines send too; unset means no token)"))
     parser.add_argument("--max-keys", type=int, default=0, help="most keys the store keeps (default 65536)")
     parser.add_argument(
         "--max-value-bytes", type=int, default=0, help="largest value; a larger PUT gets 413 (default 16 MiB)"
@@ -46,14 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+@refuses_bad_tokens("metadata-server")
 def main(args: argparse.Namespace) -> int:
     from ..native import EcmError, MetadataServer
 
-    try:
-        token = token_from(args, name="token", env=TOKEN_ENV, what="metadata token")
-    except TokenError as exc:
-        print(f"metadata-server: {exc}", file=sys.stderr)
-        return 2
+    token = token_from(args, name="token", env=TOKEN_ENV, what="metadata token")
     limits = {"max_keys": args.max_keys, "max_value_bytes": args.max_value_bytes, "max_total_bytes": args.max_total_bytes}
     try:
         server = MetadataServer(args.host, args.port, token=token, **limits)

@@ -12,8 +12,7 @@ import sys
 from typing import Any
 
 from ..proxy import Proxy, Registrar
-from ..tokens import TokenError
-from .serve import add_token_arguments, run_until_signal, token_from
+from .serve import add_token_arguments, refuses_bad_tokens, run_until_signal, token_from
 
 # The register token: the proxy requires it on /v1/ecm/register and
 # /v1/ecm/deregister, and the register sidecar sends it.
@@ -42,14 +41,9 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-interval", type=float, default=2, help="seconds between /health checks of each backend (default %(default)s)")
     p.add_argument("--fail-threshold", type=int, default=3, help="consecutive failures that drop a backend (default %(default)s)")
     p.add_argument("--no-register", action="store_true", help="refuse POST /v1/ecm/register even with a register token (static lists only)")
-    add_token_arguments(
-        p,
-        name="register-token",
-        env=REGISTER_TOKEN_ENV,
-        file_help=f"file holding the bearer token that register and deregister calls must carry (default: ${REGISTER_TOKEN_ENV}; "
-        "with neither, registration is off)",
-        what="the register token",
-    )
+    add_token_arguments(p, name="register-token", env=REGISTER_TOKEN_ENV, what="the register token", file_help=(
+        f"file holding the bearer token that register and deregister calls must carry (default: ${REGISTER_TOKEN_ENV}; "
+        "with neither, registration is off)"))
     p.add_argument(
         "--admin-port",
         type=int,
@@ -97,13 +91,8 @@ def add_register_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--host-id", default="", help="machine identity shown by the proxy (default: none)")
     p.add_argument("--ttl", type=float, default=10, help="seconds the proxy keeps the entry without a heartbeat (default %(default)s)")
-    add_token_arguments(
-        p,
-        name="token",
-        env=REGISTER_TOKEN_ENV,
-        file_help=f"file holding the proxies' register token (default: ${REGISTER_TOKEN_ENV})",
-        what="the register token",
-    )
+    add_token_arguments(p, name="token", env=REGISTER_TOKEN_ENV, what="the register token",
+                        file_help=f"file holding the proxies' register token (default: ${REGISTER_TOKEN_ENV})")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
 
 
@@ -121,15 +110,11 @@ def register_config(args: argparse.Namespace, token: str | None = None) -> dict[
     }
 
 
+@refuses_bad_tokens("proxy")
 def proxy_main(args: argparse.Namespace) -> int:
-    from ..native import configure
+    from ..native import EcmInvalid, configure
 
-    try:
-        token = register_token(args)
-    except TokenError as exc:
-        print(f"proxy: {exc}", file=sys.stderr)
-        return 2
-    from ..native import EcmInvalid
+    token = register_token(args)
 
     configure(log_level=args.log_level)
     try:
@@ -150,14 +135,11 @@ def proxy_main(args: argparse.Namespace) -> int:
     return run_until_signal(proxy, (banner, sys.stdout))
 
 
+@refuses_bad_tokens("register")
 def register_main(args: argparse.Namespace) -> int:
     from ..native import configure
 
-    try:
-        token = token_from(args, name="token", env=REGISTER_TOKEN_ENV, what="register token")
-    except TokenError as exc:
-        print(f"register: {exc}", file=sys.stderr)
-        return 2
+    token = token_from(args, name="token", env=REGISTER_TOKEN_ENV, what="register token")
     if not token:
         print(
             f"register: warning: no register token (--token-file or ${REGISTER_TOKEN_ENV}); a proxy refuses registrations without one",

@@ -5,11 +5,13 @@ through :mod:`ecmooncake.tokens`, and the wait for SIGINT or SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
+import sys
 import threading
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
-from ..tokens import resolve
+from ..tokens import TokenError, resolve
 
 
 def add_token_arguments(parser: argparse.ArgumentParser, *, name: str, env: str, file_help: str, what: str) -> None:
@@ -35,6 +37,24 @@ def token_from(args: argparse.Namespace, *, name: str, env: str, what: str) -> s
         flag_name=f"--{name}",
         file_name=f"--{name}-file",
     )
+
+
+def refuses_bad_tokens(command: str) -> Callable:
+    """Turns a TokenError out of the decorated ``main(args)`` into one line
+    on stderr and exit status 2."""
+
+    def wrap(main: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        @functools.wraps(main)
+        def run(args: argparse.Namespace) -> int:
+            try:
+                return main(args)
+            except TokenError as exc:
+                print(f"{command}: {exc}", file=sys.stderr)
+                return 2
+
+        return run
+
+    return wrap
 
 
 def run_until_signal(handle: Any, *lines: tuple[str, TextIO]) -> int:
