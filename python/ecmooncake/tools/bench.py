@@ -21,7 +21,7 @@ from .. import ceiling as ceilings
 from ..native import configure
 from . import harness
 from .harness import Worker
-from .report import GB, KiB, MiB, add_ceiling_arguments, add_output_arguments, ceiling_settings, report
+from .report import GB, KiB, MiB, add_ceiling_arguments, add_output_arguments, ceiling_settings, report, summary_text
 
 
 def _numeric_deltas(before: dict, after: dict, prefix: str = "") -> dict[str, float]:
@@ -155,7 +155,7 @@ def format_summary(s: dict) -> str:
         return "n/a" if value is None else f"{value:.1f}"
 
     large, small, ceiling = s["large"], s["small"], s["ceiling"]
-    lines = ceilings.warning_lines(s) + [
+    lines = [
         f"ecmooncake bench: host memory, one consumer shard, tcp over loopback "
         f"(GOMAXPROCS {s['gomaxprocs']} per process, {s['tcp_conns']} connections)",
         f"  ceiling        {ceiling['text']}",
@@ -168,8 +168,7 @@ def format_summary(s: dict) -> str:
     ]
     for phase in (large, small):
         lines += [f"  failed: {f}" for f in phase["failures"]]
-    lines.append("  result         " + ("OK" if s["ok"] else "FAILED"))
-    return "\n".join(lines + ceilings.warning_lines(s))
+    return summary_text(s, lines, result_at=17)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

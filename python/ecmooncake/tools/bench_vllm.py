@@ -52,7 +52,7 @@ from typing import Any
 
 from .. import ceiling as ceilings
 from .harness import free_port_range, percentile
-from .report import GB, MiB, add_ceiling_arguments, add_output_arguments, ceiling_settings, plot_ready, report
+from .report import GB, MiB, add_ceiling_arguments, add_output_arguments, ceiling_settings, plot_ready, report, summary_text
 from .worker import Worker
 
 _POLL_S = 0.0005
@@ -555,7 +555,7 @@ def run(
 
 def format_summary(summary: dict) -> str:
     s = summary
-    lines = ceilings.warning_lines(s) + [
+    lines = [
         f"bench-vllm {s['date']}: save_caches -> tensor in the PD worker's encoder cache "
         f"(bf16 items, width {s['width']}; {s['reps']} timed batches per cell after one warm-up)",
         f"  host: {s['host']}, load average {s['load_average'][0]:.1f}; network: {s['network']}"
@@ -579,8 +579,7 @@ def format_summary(summary: dict) -> str:
         )
     lines.append("  (ours/this: ecmooncake's GB/s over this connector's; p50 x: this connector's p50 over ecmooncake's;")
     lines.append("   ceilings: tcp = raw TCP above, copy_1 / copy_gomaxprocs = the copy of one item on 1 / GOMAXPROCS threads)")
-    lines.append("  result " + ("OK" if s["ok"] else "FAILED: a loaded tensor differs from the encoder's"))
-    return "\n".join(lines + ceilings.warning_lines(s))
+    return summary_text(s, lines, result_at=9, failed="FAILED: a loaded tensor differs from the encoder's")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ from .. import ceiling as ceilings
 from ..native import Scheduler, configure
 from . import harness
 from .harness import Worker, await_available, percentile
-from .report import GB, MiB, add_ceiling_arguments, add_output_arguments, ceiling_settings, report
+from .report import GB, MiB, add_ceiling_arguments, add_output_arguments, ceiling_settings, report, summary_text
 
 
 @dataclass
@@ -315,7 +315,7 @@ def _ms(x: float | None) -> str:
 def format_summary(s: dict) -> str:
     lat = s["latency_ms"]
     ceiling = s["ceiling"]
-    lines = ceilings.warning_lines(s) + [
+    lines = [
         f"ecmooncake demo: {s['items']} items ({s['duplicates']} repeat an earlier mm_hash), "
         f"{s['shards']} consumer shards, {s['transport']} over loopback",
         f"  payload     {s['bytes'] / GB:.2f} GB per shard ({s['unique_bytes'] / GB:.2f} GB distinct)",
@@ -329,8 +329,7 @@ def format_summary(s: dict) -> str:
     ]
     for index, reason in s["failures"].items():
         lines.append(f"  item {index}: {reason}")
-    lines.append("  result      " + ("OK" if s["ok"] else "FAILED"))
-    return "\n".join(lines + ceilings.warning_lines(s))
+    return summary_text(s, lines, result_at=14)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

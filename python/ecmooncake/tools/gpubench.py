@@ -34,7 +34,7 @@ from .. import ceiling as ceilings
 from ..native import Consumer, Producer, Scheduler, configure
 from . import harness
 from .harness import ConsumerHost, ProducerHost, Worker, await_available
-from .report import GB, MiB, add_plot_argument, report
+from .report import GB, MiB, add_plot_argument, report, summary_text
 
 
 def _torch() -> Any:
@@ -462,7 +462,7 @@ def targets(results: list[dict]) -> list[dict]:
 def format_summary(s: dict) -> str:
     c = s["ceilings"]
     copy = ", ".join(f"{k} {v:.0f}" for k, v in c["device_copy_gb_per_s"].items())
-    lines = ceilings.warning_lines(s) + [
+    lines = [
         f"ecmooncake GPU bench, {s['date']}, {s['gpu']}, {s['devices']}, torch {s['torch']}",
         f"  ceilings (same run, each sampled before and after the phases, the higher kept): PyTorch device copy GB/s: "
         f"{copy}; pinned D2H {c['pinned_d2h_gb_per_s']:.1f} GB/s",
@@ -491,8 +491,7 @@ def format_summary(s: dict) -> str:
             lines.append(f"  {r['name']:<17}{parts}")
     for t in s.get("targets", []):
         lines.append(f"  target {t['name']:<24}{t['phase']:<17}{t['value']:>9.2f} {t['bound']:<9}{'met' if t['met'] else 'MISSED'}")
-    lines.append("  result " + ("OK" if s["ok"] else "FAILED"))
-    return "\n".join(lines + ceilings.warning_lines(s))
+    return summary_text(s, lines, result_at=9)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ import json
 import sys
 from typing import Callable
 
+from .. import ceiling as ceilings
 from ..native import EcmError
 from .worker import WorkerError
 
@@ -49,6 +50,15 @@ def add_plot_argument(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.png",
         help="also draw throughput against item size, with the ceilings, into this PNG (needs matplotlib)",
     )
+
+
+def summary_text(summary: dict, lines: list[str], result_at: int, failed: str = "FAILED") -> str:
+    """A summary's lines and its result (in column result_at), between the
+    ceiling's warnings: first and last, so that the head or the tail of a
+    log shows them."""
+    warnings = ceilings.warning_lines(summary)
+    result = "  result".ljust(result_at) + ("OK" if summary["ok"] else failed)
+    return "\n".join(warnings + lines + [result] + warnings)
 
 
 def plot_ready(name: str) -> bool:
