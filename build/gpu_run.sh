@@ -83,7 +83,7 @@ run() {
 
 	echo "== gpubench"
 	log="$out/bench.log"
-	python3 -m ecmooncake.gpubench --json "$out/bench.json" 2>&1 | tee "$log"
+	python3 -m ecmooncake gpubench --json "$out/bench.json" 2>&1 | tee "$log"
 	local bench_rc=${PIPESTATUS[0]}
 	record "gpubench" "$([ "$bench_rc" = 0 ] && echo PASS || echo FAIL)" "figures below; JSON in $out/bench.json"
 	[ "$bench_rc" = 0 ] || rc=1
@@ -102,7 +102,7 @@ PY
 	fi
 	if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
 		echo "== gpubench across two GPUs"
-		python3 -m ecmooncake.gpubench --producer-device cuda:0 --consumer-device cuda:1 \
+		python3 -m ecmooncake gpubench --producer-device cuda:0 --consumer-device cuda:1 \
 			--json "$out/bench2.json" 2>&1 | tee "$out/bench2.log"
 		bench_rc=${PIPESTATUS[0]}
 		record "gpubench 0->1" "$([ "$bench_rc" = 0 ] && echo PASS || echo FAIL)" "figures below; JSON in $out/bench2.json"
@@ -131,7 +131,7 @@ tcp() {
 		"ceiling|python3 -m ecmooncake ceiling --gomaxprocs 2 --conns 4" \
 		"bench|python3 -m ecmooncake bench --quiet" \
 		"demo|python3 -m ecmooncake demo --quiet" \
-		"gpubench-tcp|python3 -m ecmooncake.gpubench --quiet --phases tcp-4m,tcp-32m,tcp-32m-stream --json $out/gpubench-tcp.json"; do
+		"gpubench-tcp|python3 -m ecmooncake gpubench --quiet --phases tcp-4m,tcp-32m,tcp-32m-stream --json $out/gpubench-tcp.json"; do
 		local name=${step%%|*} cmd=${step#*|}
 		log="$out/$name.log"
 		echo "== $name: $cmd"

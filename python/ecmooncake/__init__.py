@@ -6,6 +6,8 @@ needs it does (see ``_ffi.lib``), so vLLM can import this package in a process
 that forks afterwards.
 """
 
+from types import ModuleType as _ModuleType
+
 from .native import (
     Consumer,
     EcmError,
@@ -28,23 +30,5 @@ from .native import (
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Consumer",
-    "EcmError",
-    "EcmHandleError",
-    "EcmIOError",
-    "EcmInternal",
-    "EcmInvalid",
-    "EcmStateError",
-    "EcmTimeout",
-    "EcmUnavailable",
-    "MetadataServer",
-    "Producer",
-    "Scheduler",
-    "__version__",
-    "buffer_of",
-    "configure",
-    "gpu_info",
-    "memory_of",
-    "shared_slab",
-]
+# Everything imported from native above (not the submodules importing binds).
+__all__ = [n for n, v in list(globals().items()) if not n.startswith("_") and not isinstance(v, _ModuleType)] + ["__version__"]

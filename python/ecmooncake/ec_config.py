@@ -150,6 +150,12 @@ def _log_level(key: str, value: Any) -> str:
     return one_of(key, value, LOG_LEVELS)
 
 
+def _mooncake_text(meaning: str, default: str = "", targets: tuple[str, ...] = ("producer", "consumer")) -> ExtraKey:
+    """A Mooncake engine setting: text, sent only when set, so that the
+    engine's own default applies otherwise."""
+    return ExtraKey(default, text, targets, meaning, only_if_set=True)
+
+
 EXTRA_KEYS: dict[str, ExtraKey] = {
     "transport": ExtraKey(
         "tcp", _transport, ("producer", "consumer"),
@@ -225,35 +231,23 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         "`metrics_port + 1` (0: off)",
         only_if_set=True,
     ),
-    "mooncake_library": ExtraKey(
-        "", text, ("producer", "consumer"),
+    "mooncake_library": _mooncake_text(
         "path of `libtransfer_engine.so` (empty: the loader's search path)",
-        only_if_set=True,
     ),
-    "mooncake_protocol": ExtraKey(
-        "rdma", text, ("producer", "consumer"),
-        "Mooncake transport; both ends must name the same one",
-        only_if_set=True,
+    "mooncake_protocol": _mooncake_text(
+        "Mooncake transport; both ends must name the same one", default="rdma",
     ),
-    "mooncake_metadata": ExtraKey(
-        "", text, ("producer", "consumer"),
+    "mooncake_metadata": _mooncake_text(
         "`P2PHANDSHAKE` or `http://host:port/metadata` (empty: P2PHANDSHAKE, or the shard's own metadata server)",
-        only_if_set=True,
     ),
-    "mooncake_metadata_server": ExtraKey(
-        "", text, ("consumer",),
-        "`host:port` at which a consumer shard serves a Mooncake metadata store",
-        only_if_set=True,
+    "mooncake_metadata_server": _mooncake_text(
+        "`host:port` at which a consumer shard serves a Mooncake metadata store", targets=("consumer",),
     ),
-    "mooncake_local_server_name": ExtraKey(
-        "", text, ("producer", "consumer"),
+    "mooncake_local_server_name": _mooncake_text(
         "the engine's segment name in HTTP metadata mode (empty: host:port)",
-        only_if_set=True,
     ),
-    "mooncake_host": ExtraKey(
-        "", text, ("producer", "consumer"),
+    "mooncake_host": _mooncake_text(
         "address peers reach the Mooncake engine at (empty: ec_ip on a consumer)",
-        only_if_set=True,
     ),
     "auth_secret": ExtraKey(
         "", secret, ("producer", "consumer", "scheduler"),

@@ -16,7 +16,7 @@ PYTHON_DIR = REPO / "python"
 sys.path.insert(0, str(PYTHON_DIR))
 
 from ecmooncake import _ffi  # noqa: E402
-from ecmooncake.harness import Worker, stop_all  # noqa: E402
+from ecmooncake.tools.harness import Worker, stop_all  # noqa: E402
 
 # A test that runs past this is stuck: dump every thread's stack and exit
 # instead of hanging CI. Workers notice the closed pipe and stop.

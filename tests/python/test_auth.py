@@ -11,7 +11,7 @@ import pytest
 
 from ecmooncake import ec_config
 from ecmooncake.ec_config import ConfigError, Secret, parse_extra
-from ecmooncake.harness import free_port_range
+from ecmooncake.tools.harness import free_port_range
 from ecmooncake.native import Consumer, EcmInvalid, Producer, Scheduler
 
 SECRET = "python-tests-deployment-secret-01"

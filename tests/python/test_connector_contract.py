@@ -33,7 +33,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ECConnectorOutput, ModelR
 from ecmooncake import connector as ecm_connector  # noqa: E402
 from ecmooncake import plugin  # noqa: E402
 from ecmooncake.connector import LoadSpec  # noqa: E402
-from ecmooncake.harness import free_port_range  # noqa: E402
+from ecmooncake.tools.harness import free_port_range  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("library")
 

@@ -23,7 +23,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole  # no
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory  # noqa: E402
 
 from ecmooncake import plugin  # noqa: E402
-from ecmooncake.harness import free_port_range  # noqa: E402
+from ecmooncake.tools.harness import free_port_range  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("library")
 

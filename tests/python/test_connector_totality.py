@@ -18,7 +18,7 @@ from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
 from ecmooncake import plugin  # noqa: E402
 from ecmooncake.connector import LoadSpec, _StepMetadata  # noqa: E402
-from ecmooncake.harness import free_port_range  # noqa: E402
+from ecmooncake.tools.harness import free_port_range  # noqa: E402
 from ecmooncake.native import EcmError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("library")

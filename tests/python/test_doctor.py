@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, subprocess_env
-from ecmooncake import doctor
-from ecmooncake.harness import free_port_range
+from ecmooncake.tools import doctor
+from ecmooncake.tools.harness import free_port_range
 
 pytestmark = pytest.mark.usefixtures("library")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import wait_until
-from ecmooncake.harness import free_port_range
+from ecmooncake.tools.harness import free_port_range
 from ecmooncake.native import Producer, Scheduler
 
 pytestmark = pytest.mark.usefixtures("library")

@@ -13,7 +13,7 @@ import zlib
 
 import pytest
 
-from ecmooncake import harness
+from ecmooncake.tools import harness
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():

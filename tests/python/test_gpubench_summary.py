@@ -1,7 +1,7 @@
 """The GPU bench's report, on made-up figures: the per-phase breakdown of
 the readiness path and the cuda_ipc targets (no GPU needed)."""
 
-from ecmooncake import gpubench
+from ecmooncake.tools import gpubench
 
 MiB = 1 << 20
 

@@ -63,7 +63,7 @@ def probe(*args: str, **env: str) -> dict:
 def test_import_loads_nothing():
     out = probe()
     assert "ecmooncake.native" in out["imported"]
-    assert "ecmooncake.demo" in out["imported"]
+    assert "ecmooncake.tools.demo" in out["imported"]
     assert "ecmooncake.__main__" in out["imported"]
     assert out["mapped"] is False
     assert out["loaded"] is False

@@ -4,6 +4,7 @@ Mooncake TransferEngine's C API, and the Mooncake metadata store (object and
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import signal
@@ -19,7 +20,7 @@ import pytest
 
 from conftest import REPO, subprocess_env
 from ecmooncake import native
-from ecmooncake.harness import free_port_range
+from ecmooncake.tools.harness import free_port_range
 from ecmooncake.native import EcmUnavailable, MetadataServer, Producer, Scheduler
 
 pytestmark = pytest.mark.usefixtures("library")
@@ -80,24 +81,32 @@ def _check_store(url: str) -> None:
     assert _http("GET", health) == (200, b"ok")
 
 
-def test_metadata_server_cli(tmp_path):
+@contextlib.contextmanager
+def _metadata_server_cli(*args: str, **env: str):
+    """``python -m ecmooncake metadata-server ARGS`` and the URL it prints
+    first; SIGTERM stops it, and it must then exit 0."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ecmooncake", "metadata-server", "--host", IP, "--port", "0"],
+        [sys.executable, "-m", "ecmooncake", "metadata-server", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=subprocess_env(),
+        env=subprocess_env(**env),
     )
     try:
         url = proc.stdout.readline().strip()
-        assert url.startswith(f"http://{IP}:") and url.endswith("/metadata"), (url, proc.stderr.read() if proc.poll() is not None else "")
-        _check_store(url)
+        yield proc, url, (proc.stderr.read() if proc.poll() is not None else "")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_metadata_server_cli(tmp_path):
+    with _metadata_server_cli("--host", IP, "--port", "0") as (_, url, died):
+        assert url.startswith(f"http://{IP}:") and url.endswith("/metadata"), (url, died)
+        _check_store(url)
 
 
 def test_metadata_server_object():
@@ -136,65 +145,48 @@ def test_metadata_server_cli_token_file_and_loopback(tmp_path):
     token_file = tmp_path / "metadata.token"
     token_file.write_text("file-token\n")
     token_file.chmod(0o600)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ecmooncake", "metadata-server", "--port", "0", "--token-file", str(token_file), "--max-keys", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=subprocess_env(MC_METADATA_HTTP_TOKEN="env-token"),
-    )
-    try:
-        url = proc.stdout.readline().strip()
-        assert url.startswith("http://127.0.0.1:"), (url, proc.stderr.read() if proc.poll() is not None else "")
+    with _metadata_server_cli("--port", "0", "--token-file", str(token_file), "--max-keys", "1",
+                              MC_METADATA_HTTP_TOKEN="env-token") as (proc, url, died):
+        assert url.startswith("http://127.0.0.1:"), (url, died)
         assert _http("PUT", _key_url(url, "k"), 1)[0] == 401
         assert _http("PUT", _key_url(url, "k"), 1, token="env-token")[0] == 401, "the file wins over the environment"
         assert _http("PUT", _key_url(url, "k"), 1, token="file-token")[0] == 200
         assert _http("PUT", _key_url(url, "k2"), 1, token="file-token")[0] == 507
         with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
             assert b"file-token" not in f.read()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+
+# Each setting a native config takes from the environment: its variable and
+# the function that fills it in.
+FROM_ENVIRONMENT = {
+    "metadata token": (native.METADATA_TOKEN_ENV, native.with_metadata_token),
+    "library path": (native.MOONCAKE_LIBRARY_ENV, native.with_mooncake_library),
+}
 
 
 @pytest.mark.parametrize(
-    "config, env, want",
+    "setting, config, env, want",
     [
-        ({"mooncake_metadata_server": "h:1"}, "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "t"}),
-        ('{"mooncake_metadata_server": "h:1"}', "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "t"}),
-        ({"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "mine"}, "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "mine"}),
-        ({"transport": "mooncake"}, "t", {"transport": "mooncake"}),
-        ({"mooncake_metadata_server": "h:1"}, None, {"mooncake_metadata_server": "h:1"}),
+        ("metadata token", {"mooncake_metadata_server": "h:1"}, "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "t"}),
+        ("metadata token", '{"mooncake_metadata_server": "h:1"}', "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "t"}),
+        ("metadata token", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "mine"}, "t", {"mooncake_metadata_server": "h:1", "mooncake_metadata_token": "mine"}),
+        ("metadata token", {"transport": "mooncake"}, "t", {"transport": "mooncake"}),
+        ("metadata token", {"mooncake_metadata_server": "h:1"}, None, {"mooncake_metadata_server": "h:1"}),
+        ("library path", {"transport": "mooncake"}, "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/x/libte.so"}),
+        ("library path", '{"transport": "mooncake"}', "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/x/libte.so"}),
+        ("library path", {"transport": "mooncake", "mooncake_library": "/mine.so"}, "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/mine.so"}),
+        ("library path", {"transport": "tcp"}, "/x/libte.so", {"transport": "tcp"}),
+        ("library path", {"transport": "mooncake"}, None, {"transport": "mooncake"}),
+        ("library path", "not json", "/x/libte.so", "not json"),
     ],
 )
-def test_metadata_token_comes_from_the_environment(monkeypatch, config, env, want):
+def test_a_setting_comes_from_the_environment(monkeypatch, setting, config, env, want):
+    variable, fill_in = FROM_ENVIRONMENT[setting]
     if env is None:
-        monkeypatch.delenv(native.METADATA_TOKEN_ENV, raising=False)
+        monkeypatch.delenv(variable, raising=False)
     else:
-        monkeypatch.setenv(native.METADATA_TOKEN_ENV, env)
-    assert native.with_metadata_token(config) == want
-
-
-@pytest.mark.parametrize(
-    "config, env, want",
-    [
-        ({"transport": "mooncake"}, "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/x/libte.so"}),
-        ('{"transport": "mooncake"}', "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/x/libte.so"}),
-        ({"transport": "mooncake", "mooncake_library": "/mine.so"}, "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/mine.so"}),
-        ({"transport": "tcp"}, "/x/libte.so", {"transport": "tcp"}),
-        ({"transport": "mooncake"}, None, {"transport": "mooncake"}),
-        ("not json", "/x/libte.so", "not json"),
-    ],
-)
-def test_library_path_comes_from_the_environment(monkeypatch, config, env, want):
-    if env is None:
-        monkeypatch.delenv(native.MOONCAKE_LIBRARY_ENV, raising=False)
-    else:
-        monkeypatch.setenv(native.MOONCAKE_LIBRARY_ENV, env)
-    assert native.with_mooncake_library(config) == want
+        monkeypatch.setenv(variable, env)
+    assert fill_in(config) == want
 
 
 def test_missing_library_is_unavailable(monkeypatch):

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import wait_until
 from ecmooncake import _ffi, native
-from ecmooncake.harness import free_port_range, payload
+from ecmooncake.tools.harness import free_port_range, payload
 from ecmooncake.native import Consumer, EcmError, EcmHandleError, EcmInvalid, Producer, Scheduler
 
 pytestmark = pytest.mark.usefixtures("library")

@@ -6,8 +6,8 @@ import socket
 
 import numpy as np
 
-from ecmooncake.demo import plan_items, windows
-from ecmooncake.harness import free_port_range, payload, percentile
+from ecmooncake.tools.demo import plan_items, windows
+from ecmooncake.tools.harness import free_port_range, payload, percentile
 
 MiB = 1 << 20
 

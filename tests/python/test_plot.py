@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO, subprocess_env
-from ecmooncake import plot
+from ecmooncake.tools import plot
 
 MiB = 1 << 20
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -210,7 +210,7 @@ def test_command_line_without_backends_or_token_says_what_is_missing(library):
 
 
 def test_token_flag_warns_and_token_files_are_checked(tmp_path):
-    from ecmooncake.proxy import add_proxy_arguments, register_token
+    from ecmooncake.tools.proxy import add_proxy_arguments, register_token
     from ecmooncake.tokens import TokenError
     import argparse
 
@@ -225,7 +225,7 @@ def test_token_flag_warns_and_token_files_are_checked(tmp_path):
     with pytest.raises(TokenError, match="cannot read"):
         register_token(parser.parse_args(["--register-token-file", str(tmp_path / "missing")]))
     out = subprocess.run(
-        [sys.executable, "-c", "import sys, argparse; from ecmooncake.proxy import add_proxy_arguments, register_token;"
+        [sys.executable, "-c", "import sys, argparse; from ecmooncake.tools.proxy import add_proxy_arguments, register_token;"
          "p = argparse.ArgumentParser(); add_proxy_arguments(p); print(register_token(p.parse_args(sys.argv[1:])))",
          "--register-token", "flagtoken"],
         env=subprocess_env(ECMOONCAKE_REGISTER_TOKEN="envtoken"), capture_output=True, text=True, timeout=60,
@@ -233,7 +233,7 @@ def test_token_flag_warns_and_token_files_are_checked(tmp_path):
     assert out.stdout.strip() == "flagtoken"
     assert "/cmdline" in out.stderr and "--register-token-file" in out.stderr
     out = subprocess.run(
-        [sys.executable, "-c", "import argparse; from ecmooncake.proxy import add_proxy_arguments, register_token;"
+        [sys.executable, "-c", "import argparse; from ecmooncake.tools.proxy import add_proxy_arguments, register_token;"
          "p = argparse.ArgumentParser(); add_proxy_arguments(p); print(register_token(p.parse_args([])))"],
         env=subprocess_env(ECMOONCAKE_REGISTER_TOKEN="envtoken"), capture_output=True, text=True, timeout=60,
     )
@@ -241,6 +241,6 @@ def test_token_flag_warns_and_token_files_are_checked(tmp_path):
 
 
 def test_console_script_help():
-    out = subprocess.run([sys.executable, "-c", "from ecmooncake.proxy import console_main; console_main(['--help'])"],
+    out = subprocess.run([sys.executable, "-c", "from ecmooncake.tools.proxy import console_main; console_main(['--help'])"],
                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert "--encode" in out.stdout and "--retries" in out.stdout

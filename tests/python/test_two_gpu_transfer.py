@@ -13,7 +13,8 @@ import zlib
 
 import pytest
 
-from ecmooncake import Scheduler, harness
+from ecmooncake import Scheduler
+from ecmooncake.tools import harness
 
 torch = pytest.importorskip("torch")
 if torch.cuda.device_count() < 2:

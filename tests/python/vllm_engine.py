@@ -19,19 +19,17 @@ the pipe pickled, as they cross vLLM's message queues.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
 import os
 import pickle
-import signal
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-_POLL_S = 0.05
+from ecmooncake.tools.worker import Worker
+
 CONNECTOR = "ECMooncakeConnector"
 
 
@@ -55,7 +53,7 @@ HIDDEN = 512
 
 def tiny_model(directory: Path, hidden: int = HIDDEN) -> Path:
     """A Qwen2.5-VL-shaped config.json: enough for vLLM's ModelConfig."""
-    from ecmooncake.bench_vllm import tiny_model_config
+    from ecmooncake.tools.bench_vllm import tiny_model_config
 
     return tiny_model_config(directory, hidden)
 
@@ -258,80 +256,11 @@ class WorkerHost:
         self.connector.shutdown()
 
 
-def _serve(conn: Any, kwargs: dict) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        host = WorkerHost(**kwargs)
-        conn.send(("ok", host.ready()))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        return
-    while True:
-        try:
-            op, args = conn.recv()
-        except EOFError:
-            op = "stop"
-        if op == "stop":
-            break
-        try:
-            conn.send(("ok", getattr(host, "op_" + op)(**args)))
-        except Exception:
-            conn.send(("error", traceback.format_exc()))
-    try:
-        host.close()
-        conn.send(("ok", None))
-    except Exception:
-        pass
-
-
-class WorkerDied(RuntimeError):
-    pass
-
-
-class WorkerProc:
-    """A spawned worker process; every wait has a deadline."""
+class WorkerProc(Worker):
+    """A spawned process holding one worker-role connector (a WorkerHost)."""
 
     def __init__(self, name: str, config: Any, rank: int = 0):
-        ctx = multiprocessing.get_context("spawn")
-        self.name = name
-        self._conn, child = ctx.Pipe()
-        kwargs = {"config": pickle.dumps(config), "rank": rank}
-        self._proc = ctx.Process(target=_serve, args=(child, kwargs), name=name, daemon=True)
-        self._proc.start()
-        child.close()
-        self._op = "start"
-
-    def send(self, op: str, **args: Any) -> None:
-        self._op = op
-        self._conn.send((op, args))
-
-    def result(self, timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        while not self._conn.poll(_POLL_S):
-            if not self._proc.is_alive() and not self._conn.poll(0):
-                raise WorkerDied(f"{self.name} died during {self._op!r} (exit {self._proc.exitcode})")
-            if time.monotonic() >= deadline:
-                raise WorkerDied(f"{self.name}: no answer to {self._op!r} within {timeout:.0f}s")
-        status, value = self._conn.recv()
-        if status != "ok":
-            raise WorkerDied(f"{self.name}: {self._op!r} raised:\n{value}")
-        return value
-
-    def call(self, op: str, timeout: float = 60, **args: Any) -> Any:
-        self.send(op, **args)
-        return self.result(timeout)
-
-    def stop(self, timeout: float = 20) -> None:
-        if self._proc.is_alive():
-            try:
-                self.call("stop", timeout)
-            except (WorkerDied, OSError):
-                pass
-        self._proc.join(timeout)
-        if self._proc.is_alive():
-            os.kill(self._proc.pid, signal.SIGKILL)
-            self._proc.join(5)
-        self._conn.close()
+        super().__init__(WorkerHost, name, config=pickle.dumps(config), rank=rank)
 
 
 # --- the engine --------------------------------------------------------------
@@ -394,13 +323,17 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """vLLM's finish_requests(..., ABORTED)."""
+        self._end(request_id, "aborted")
+
+    def _end(self, request_id: str, status: str) -> None:
+        """Finishes a request wherever it is, waiting or running."""
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                self._finish(req, "aborted", {})
+                self._finish(req, status, {})
         run = self.running.pop(request_id, None)
         if run is not None:
-            self._finish(run.request, "aborted", run.gathered)
+            self._finish(run.request, status, run.gathered)
 
     def _shape(self, feature: Any) -> tuple[int, int]:
         return (feature.mm_position.get_num_embeds(), self.widths[feature.identifier])
@@ -528,13 +461,7 @@ class Engine:
                 del self.running[rid]
                 self._finish(req, "done", run.gathered)
         for rid in c.take_unavailable_requests():
-            for req in list(self.waiting):
-                if req.request_id == rid:
-                    self.waiting.remove(req)
-                    self._finish(req, "error", {})
-            run = self.running.pop(rid, None)
-            if run is not None:
-                self._finish(run.request, "error", run.gathered)
+            self._end(rid, "error")
         ec_output = merged.ec_connector_output if merged is not None else None
         if ec_output is not None:
             c.update_connector_output(ec_output)

@@ -50,7 +50,7 @@ from servers import (
 
 require_venv()
 
-from ecmooncake.harness import free_port_range as harness_free_port_range  # noqa: E402
+from ecmooncake.tools.harness import free_port_range as harness_free_port_range  # noqa: E402
 
 MAX_TOKENS = 8
 TIMINGS: dict[str, float] = {}

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from . import _ffi, ec_config
+from .. import _ffi, ec_config
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 ZMQ_FIX = (
@@ -158,7 +158,7 @@ def check_gpu(s: Setup) -> Check:
     wanted = _wants_gpu(s)
     if s.library_error:
         return Check("gpu", FAIL if wanted else WARN, "not checked: the library did not load", LIBRARY_FIX)
-    from .native import gpu_info
+    from ..native import gpu_info
 
     info = gpu_info()
     if info.get("available"):
@@ -177,7 +177,7 @@ def check_mooncake(s: Setup) -> Check:
     wanted = s.cfg is not None and s.cfg.value("transport") == "mooncake"
     if s.library_error:
         return Check("mooncake", FAIL if wanted else WARN, "not checked: the library did not load", LIBRARY_FIX)
-    from .native import mooncake_info
+    from ..native import mooncake_info
 
     library = s.mooncake_library
     if library is None and s.cfg is not None and s.cfg.extra.get("mooncake_library"):
@@ -289,7 +289,7 @@ def check_vllm(s: Setup) -> Check:
         from vllm.distributed.ec_transfer.ec_connector import base  # noqa: F401
     except ImportError as exc:
         return Check("vllm", needed, f"not importable: {exc}", "install vLLM (the tested release: tests/python/requirements-vllm.txt)")
-    from . import connector
+    from .. import connector
 
     version = getattr(vllm, "__version__", "unknown")
     cls = connector.ECMooncakeConnector

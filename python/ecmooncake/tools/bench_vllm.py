@@ -40,22 +40,22 @@ import contextlib
 import hashlib
 import importlib
 import json
-import multiprocessing
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-MiB = 1 << 20
-GB = 1e9
+from .. import ceiling as ceilings
+from .harness import free_port_range, percentile
+from .report import GB, MiB, add_ceiling_arguments, add_output_arguments, ceiling_settings, plot_ready, report, summary_text
+from .worker import Worker
+
 _POLL_S = 0.0005
 # ecmooncake is always measured; the others are peers beside it.
 OURS = "ecmooncake"
@@ -241,6 +241,13 @@ class _Host:
             if not current_platform.device_type:
                 current_platform.device_type = "cpu"
 
+    def ready(self) -> None:
+        return None
+
+    def close(self) -> None:
+        for kind in list(self.instances):
+            self.op_close(kind)
+
     def op_open(self, kind: str) -> None:
         from ecmooncake import plugin
 
@@ -343,73 +350,6 @@ class _Host:
         return {"loaded": loaded, "same": same}
 
 
-def _serve(conn: Any, kwargs: dict) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        host = _Host(**kwargs)
-        conn.send(("ok", None))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        return
-    while True:
-        try:
-            op, args = conn.recv()
-        except EOFError:
-            break
-        if op == "stop":
-            for kind in list(host.instances):
-                host.op_close(kind)
-            conn.send(("ok", None))
-            break
-        try:
-            conn.send(("ok", getattr(host, "op_" + op)(**args)))
-        except Exception:
-            conn.send(("error", traceback.format_exc()))
-
-
-class _Proc:
-    def __init__(self, name: str, **kwargs: Any):
-        ctx = multiprocessing.get_context("spawn")
-        self.name = name
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, kwargs), name=name, daemon=True)
-        self._proc.start()
-        child.close()
-        self._op = "start"
-
-    def send(self, op: str, **args: Any) -> None:
-        self._op = op
-        self._conn.send((op, args))
-
-    def result(self, timeout: float) -> Any:
-        op = self._op
-        deadline = time.monotonic() + timeout
-        while not self._conn.poll(0.05):
-            if not self._proc.is_alive():
-                raise RuntimeError(f"{self.name} died during {op} (exit {self._proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name}: no answer to {op} within {timeout:.0f}s")
-        status, value = self._conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"{self.name}: {op} failed:\n{value}")
-        return value
-
-    def call(self, op: str, timeout: float = 120, **args: Any) -> Any:
-        self.send(op, **args)
-        return self.result(timeout)
-
-    def stop(self) -> None:
-        if self._proc.is_alive():
-            try:
-                self.call("stop", 30)
-            except (RuntimeError, OSError):
-                pass
-        self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-
-
 def _host_line() -> str:
     model = ""
     try:
@@ -457,8 +397,6 @@ class _SocketWatch:
 
 
 def _cell(kind: str, size: int, batch: int, spans: list[float], latencies: list[float], exact: bool) -> dict:
-    from .harness import percentile
-
     total = sum(spans)
     items = len(latencies)
     return {
@@ -495,9 +433,6 @@ def run(
     tcp_conns: int = 4,
     ceiling_bytes: int = 1 << 30,
 ) -> dict:
-    from . import ceiling as ceilings
-    from . import harness
-
     def say(message: str) -> None:
         if not quiet:
             print(message, file=sys.stderr, flush=True)
@@ -510,7 +445,7 @@ def run(
     shared.mkdir()
     sizes = [int(mb * MiB) // (2 * width) * 2 * width for mb in sizes_mb]
     slab = 2 * max(sizes) * max(batches) + 64 * MiB
-    base = harness.free_port_range(len(kinds))
+    base = free_port_range(len(kinds))
     ports = {k: base + i for i, k in enumerate(kinds)}
     common = dict(model_dir=str(model_dir), ports=ports, width=width, slab_bytes=slab, shared_dir=str(shared),
                   transport=transport, gomaxprocs=gomaxprocs, tcp_conns=tcp_conns, ip=ip)
@@ -533,7 +468,7 @@ def run(
     watch = _SocketWatch() if netns else contextlib.nullcontext()
     measure_ceilings(ceilings.BEFORE)
     say(f"bench-vllm: starting an encoder and a PD process (vLLM import takes a while) in {work}")
-    procs = [_Proc("encoder", role="ec_producer", **common), _Proc("pd", role="ec_consumer", **common)]
+    procs = [Worker(_Host, "encoder", timeout=120, role="ec_producer", **common), Worker(_Host, "pd", timeout=120, role="ec_consumer", **common)]
     encoder, pd = procs
     try:
         with watch:
@@ -576,7 +511,7 @@ def run(
                 pd.call("close", kind=kind)
     finally:
         for p in procs:
-            p.stop()
+            p.stop(30)
         shutil.rmtree(work, ignore_errors=True)
     measure_ceilings(ceilings.AFTER)
 
@@ -620,10 +555,8 @@ def run(
 
 
 def format_summary(summary: dict) -> str:
-    from . import ceiling as ceilings
-
     s = summary
-    lines = ceilings.warning_lines(s) + [
+    lines = [
         f"bench-vllm {s['date']}: save_caches -> tensor in the PD worker's encoder cache "
         f"(bf16 items, width {s['width']}; {s['reps']} timed batches per cell after one warm-up)",
         f"  host: {s['host']}, load average {s['load_average'][0]:.1f}; network: {s['network']}"
@@ -647,8 +580,7 @@ def format_summary(summary: dict) -> str:
         )
     lines.append("  (ours/this: ecmooncake's GB/s over this connector's; p50 x: this connector's p50 over ecmooncake's;")
     lines.append("   ceilings: tcp = the TCP ceiling above, copy_1 / copy_gomaxprocs = the copy of one item on 1 / GOMAXPROCS threads)")
-    lines.append("  result " + ("OK" if s["ok"] else "FAILED: a loaded tensor differs from the encoder's"))
-    return "\n".join(lines + ceilings.warning_lines(s))
+    return summary_text(s, lines, result_at=9, failed="FAILED: a loaded tensor differs from the encoder's")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -666,13 +598,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--transport", choices=("tcp", "shm"), default="tcp",
         help="ECMooncakeConnector's data plane between the two processes (default %(default)s)",
     )
-    parser.add_argument("--gomaxprocs", type=int, default=2, help="ecmooncake's GOMAXPROCS, the TCP ceiling's too (default %(default)s)")
-    parser.add_argument("--tcp-conns", type=int, default=4, help="ecmooncake's connections, the TCP ceiling's too (default %(default)s)")
-    parser.add_argument("--ceiling-mb", type=float, default=1024, help="MiB per TCP ceiling sample (default %(default)s)")
+    add_ceiling_arguments(
+        parser,
+        gomaxprocs_help="ecmooncake's GOMAXPROCS, the TCP ceiling's too",
+        conns_help="ecmooncake's connections, the TCP ceiling's too",
+        ceiling_help="MiB per TCP ceiling sample",
+    )
     parser.add_argument("--no-netns", action="store_true", help="run the mooncake peer on the host's loopback (its engine may then advertise another address)")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    parser.add_argument("--plot", metavar="FILE.png", help="also draw throughput against item size, with the ceilings, into this PNG (needs matplotlib)")
+    add_output_arguments(parser, plot=True)
 
 
 def _in_namespace(argv: list[str]) -> int:
@@ -686,15 +619,10 @@ def _in_namespace(argv: list[str]) -> int:
     return subprocess.run(cmd, env=env).returncode
 
 
-def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    from . import plot
-
-    if args.plot:
-        try:
-            plot.require()
-        except plot.PlotUnavailable as exc:
-            print(f"ecmooncake bench-vllm: {exc}", file=sys.stderr)
-            return 2
+def main(args: argparse.Namespace) -> int:
+    # Before anything that imports vLLM: a refusal is one line, at once.
+    if args.plot and not plot_ready("bench-vllm"):
+        return 2
     peers = tuple(p for p in args.peers.split(",") if p)
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -714,10 +642,12 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                   "and use the python of the environment it made", file=sys.stderr)
             return 2
         if not args.no_netns and not os.environ.get(NETNS_ENV):
-            return _in_namespace(sys.argv[2:] if argv is None else list(argv))
-    summary = run(args.sizes_mb, args.reps, args.width, args.dir, args.quiet, args.transport, peers,
-                  tuple(args.batches), args.gomaxprocs, args.tcp_conns, int(args.ceiling_mb * MiB))
-    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
-    if args.plot:
-        print(f"ecmooncake bench-vllm: plot written to {plot.write(summary, args.plot)}", file=sys.stderr)
-    return 0 if summary["ok"] else 1
+            return _in_namespace(args.argv)
+    return report(
+        "bench-vllm",
+        lambda: run(args.sizes_mb, args.reps, args.width, args.dir, args.quiet, args.transport, peers,
+                    tuple(args.batches), **ceiling_settings(args)),
+        format_summary,
+        args.json,
+        plot_path=args.plot,
+    )

@@ -15,15 +15,14 @@ timed phases.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from . import ceiling as ceilings
+from .. import ceiling as ceilings
+from ..native import configure
 from . import harness
-from .demo import GB, MiB
 from .harness import Worker
-from .native import configure
-
-KiB = 1 << 10
+from .report import GB, KiB, MiB, add_ceiling_arguments, add_output_arguments, ceiling_settings, report, summary_text
 
 
 def _numeric_deltas(before: dict, after: dict, prefix: str = "") -> dict[str, float]:
@@ -157,7 +156,7 @@ def format_summary(s: dict) -> str:
         return "n/a" if value is None else f"{value:.1f}"
 
     large, small, ceiling = s["large"], s["small"], s["ceiling"]
-    lines = ceilings.warning_lines(s) + [
+    lines = [
         f"ecmooncake bench: host memory, one consumer shard, tcp over loopback "
         f"(GOMAXPROCS {s['gomaxprocs']} per process, {s['tcp_conns']} connections)",
         f"  ceiling        {ceiling['text']}",
@@ -170,33 +169,25 @@ def format_summary(s: dict) -> str:
     ]
     for phase in (large, small):
         lines += [f"  failed: {f}" for f in phase["failures"]]
-    lines.append("  result         " + ("OK" if s["ok"] else "FAILED"))
-    return "\n".join(lines + ceilings.warning_lines(s))
+    return summary_text(s, lines, result_at=17)
 
 
-def main(args) -> int:
-    from . import plot
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mb", type=float, default=32, help="large item size, MiB (default %(default)s)")
+    parser.add_argument("--batch", type=int, default=8, help="large items per batch (default %(default)s)")
+    parser.add_argument("--batches", type=int, default=16, help="timed large batches (default %(default)s)")
+    parser.add_argument("--small-kb", type=float, default=64, help="small item size, KiB (default %(default)s)")
+    parser.add_argument("--small-batch", type=int, default=256, help="small items per batch (default %(default)s)")
+    parser.add_argument("--small-batches", type=int, default=8, help="timed small batches (default %(default)s)")
+    add_ceiling_arguments(parser, conns_help="producer connections to the shard, the ceiling's too")
+    add_output_arguments(parser, plot=True)
 
-    if args.plot:
-        try:
-            plot.require()
-        except plot.PlotUnavailable as exc:
-            print(f"ecmooncake bench: {exc}", file=sys.stderr)
-            return 2
-    return harness.report(
+
+def main(args: argparse.Namespace) -> int:
+    sizes = {k: getattr(args, k) for k in ("mb", "batch", "batches", "small_kb", "small_batch", "small_batches")}
+    return report(
         "bench",
-        lambda: run(
-            mb=args.mb,
-            batch=args.batch,
-            batches=args.batches,
-            small_kb=args.small_kb,
-            small_batch=args.small_batch,
-            small_batches=args.small_batches,
-            progress=not args.quiet,
-            gomaxprocs=args.gomaxprocs,
-            tcp_conns=args.tcp_conns,
-            ceiling_bytes=int(args.ceiling_mb * MiB),
-        ),
+        lambda: run(**sizes, progress=not args.quiet, **ceiling_settings(args)),
         format_summary,
         args.json,
         plot_path=args.plot,

@@ -11,23 +11,18 @@ clock) each shard acquires, verifies and releases each item.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import sys
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import ceiling as ceilings
+from .. import ceiling as ceilings
+from ..native import Scheduler, configure
 from . import harness
-from .harness import Worker, percentile
-from .native import Scheduler, configure
-
-MiB = 1 << 20
-GB = 1e9
-# How often the scheduler is asked which items became available: the
-# resolution of the latency figures.
-_WAIT_SLICE_MS = 1
+from .harness import Worker, await_available, percentile
+from .report import GB, MiB, add_ceiling_arguments, add_output_arguments, ceiling_settings, report, summary_text
 
 
 @dataclass
@@ -215,7 +210,7 @@ def _drive(plan, groups, scheduler, shards, producer, consumer_address, timeout_
                 failed[it.index] = f"scheduler refused the request: {reason}"
         producer.send("push", items=[it.wire() for it in group], consumer=consumer_address, timeout_s=deadline_s)
         accepted = [it.transfer_id for it in group if it.index not in failed]
-        available, unavailable = _await_available(scheduler, accepted, deadline_s + 5)
+        available, unavailable = await_available(scheduler, accepted, deadline_s + 5)
         pushed = producer.result(deadline_s + 30)
 
         t_submit = pushed["t_submit"]
@@ -277,26 +272,6 @@ def _request(item: Item) -> str:
     return f"req-{item.transfer_id}"
 
 
-def _await_available(scheduler: Scheduler, transfer_ids: list[str], timeout_s: float) -> tuple[dict, dict]:
-    """Polls until every transfer is available or failed; returns
-    ({transfer_id: time available}, {transfer_id: reason not available})."""
-    available: dict[str, float] = {}
-    unavailable: dict[str, str] = {}
-    waiting = list(transfer_ids)
-    deadline = time.monotonic() + timeout_s
-    while waiting and time.monotonic() < deadline:
-        out = scheduler.wait(waiting, _WAIT_SLICE_MS)
-        now = time.monotonic()
-        for tid in out.get("available") or ():
-            available.setdefault(tid, now)
-        for tid in out.get("failed") or ():
-            unavailable.setdefault(tid, "failed before it was available")
-        waiting = [t for t in waiting if t not in available and t not in unavailable]
-    for tid in waiting:
-        unavailable[tid] = f"not available within {timeout_s:.0f}s"
-    return available, unavailable
-
-
 def _summarize(plan: list[Item], result: dict, ceiling: ceilings.Ceiling, tp_size: int) -> dict:
     seconds = result["transfer_seconds"]
     latencies_ms = [v * 1e3 for v in result["latencies"].values()]
@@ -340,7 +315,7 @@ def _ms(x: float | None) -> str:
 def format_summary(s: dict) -> str:
     lat = s["latency_ms"]
     ceiling = s["ceiling"]
-    lines = ceilings.warning_lines(s) + [
+    lines = [
         f"ecmooncake demo: {s['items']} items ({s['duplicates']} repeat an earlier mm_hash), "
         f"{s['shards']} consumer shards, {s['transport']} over loopback",
         f"  payload     {s['bytes'] / GB:.2f} GB per shard ({s['unique_bytes'] / GB:.2f} GB distinct)",
@@ -354,26 +329,31 @@ def format_summary(s: dict) -> str:
     ]
     for index, reason in s["failures"].items():
         lines.append(f"  item {index}: {reason}")
-    lines.append("  result      " + ("OK" if s["ok"] else "FAILED"))
-    return "\n".join(lines + ceilings.warning_lines(s))
+    return summary_text(s, lines, result_at=14)
 
 
-def main(args) -> int:
-    return harness.report(
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--items", type=int, default=48, help="number of items (default %(default)s)")
+    parser.add_argument("--min-mb", type=float, default=1.0, help="smallest item, MiB (default %(default)s)")
+    parser.add_argument("--max-mb", type=float, default=64.0, help="largest item, MiB (default %(default)s)")
+    parser.add_argument(
+        "--dup-ratio",
+        type=float,
+        default=0.15,
+        help="share of items that repeat an earlier item's mm_hash (default %(default)s)",
+    )
+    parser.add_argument("--seed", type=int, default=1, help="seed of sizes and contents (default %(default)s)")
+    parser.add_argument("--slab-mb", type=float, default=None, help="receive slab per shard, MiB (default: sized from --max-mb)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds allowed per window of items (default: from its size)")
+    add_ceiling_arguments(parser, conns_help="producer connections to each shard, the ceiling's too")
+    add_output_arguments(parser, plot=False)
+
+
+def main(args: argparse.Namespace) -> int:
+    sizes = {k: getattr(args, k) for k in ("items", "min_mb", "max_mb", "dup_ratio", "seed", "slab_mb")}
+    return report(
         "demo",
-        lambda: run(
-            items=args.items,
-            min_mb=args.min_mb,
-            max_mb=args.max_mb,
-            dup_ratio=args.dup_ratio,
-            seed=args.seed,
-            slab_mb=args.slab_mb,
-            timeout_s=args.timeout,
-            progress=not args.quiet,
-            gomaxprocs=args.gomaxprocs,
-            tcp_conns=args.tcp_conns,
-            ceiling_bytes=int(args.ceiling_mb * MiB),
-        ),
+        lambda: run(**sizes, timeout_s=args.timeout, progress=not args.quiet, **ceiling_settings(args)),
         format_summary,
         args.json,
     )

@@ -97,7 +97,7 @@ def _scheduler(model_dir: Path, port: int, slab_bytes: int, num_reqs: int) -> An
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from . import plugin
+    from .. import plugin
 
     ec = ECTransferConfig(
         ec_connector="ECMooncakeConnector",

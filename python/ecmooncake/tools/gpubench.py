@@ -1,7 +1,7 @@
 """GPU memory end to end: worker hosts whose slab and encoder outputs live on
 a CUDA device, and the GPU benchmark.
 
-``python -m ecmooncake.gpubench`` runs on a host with a GPU. One consumer
+``python -m ecmooncake gpubench`` runs on a host with a GPU. One consumer
 shard (its receive slab on one GPU) and two producers (their outputs on a
 GPU; one free to choose cuda_ipc for the same host, one told to use TCP) run
 in spawned processes; the consumer scheduler runs in this process. An item's
@@ -26,20 +26,16 @@ part is played (load, free, finish) and the shard drains its residents.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from typing import Any
 
-from . import ceiling as ceilings
+from .. import ceiling as ceilings
+from ..native import Consumer, Producer, Scheduler, configure
 from . import harness
-from .demo import _await_available
-from .harness import ConsumerHost, ProducerHost, Worker, WorkerError
-from .native import Consumer, EcmError, Producer, Scheduler, configure
-
-MiB = 1 << 20
-GB = 1e9
+from .harness import ConsumerHost, ProducerHost, Worker, await_available
+from .report import GB, MiB, add_plot_argument, report, summary_text
 
 
 def _torch() -> Any:
@@ -79,38 +75,18 @@ class GPUConsumerHost(ConsumerHost):
     def ready(self) -> dict:
         return {"info": self.consumer.info(), "pid": os.getpid(), "device": self.device}
 
-    def op_read(self, mm_hash: str) -> bytes:
-        (item,) = self.consumer.acquire([mm_hash])
-        if item.get("error"):
-            raise WorkerError(f"acquire {mm_hash}: {item['error']}")
-        try:
-            return self.consumer.view(item["offset"], item["nbytes"]).cpu().numpy().tobytes()
-        finally:
-            self.consumer.release([mm_hash])
+    def _bytes(self, region: Any) -> bytes:
+        return region.cpu().numpy().tobytes()
 
-    def _verify_one(self, mm_hash: str, nbytes: int, seed: int) -> dict:
+    def _wrong(self, region: Any, seed: int, nbytes: int) -> tuple[int, int, int, int] | None:
+        # Compared on the GPU.
         torch = _torch()
-        (got,) = self.consumer.acquire([mm_hash])
-        if got.get("error"):
-            return {"mm_hash": mm_hash, "ok": False, "error": f"acquire: {got['error']}"}
-        try:
-            if got["nbytes"] != nbytes:
-                return {"mm_hash": mm_hash, "ok": False, "error": f"size {got['nbytes']}, expected {nbytes}"}
-            # The zero-copy view the engine would get, compared on the GPU.
-            region = self.consumer.view(got["offset"], got["nbytes"])
-            expected = gpu_payload(seed, nbytes, self.device).view(torch.uint8)
-            if torch.equal(region, expected):
-                return {"mm_hash": mm_hash, "ok": True, "error": ""}
-            wrong = torch.nonzero(region != expected).flatten()
-            first = int(wrong[0])
-            return {
-                "mm_hash": mm_hash,
-                "ok": False,
-                "error": f"{wrong.numel()} of {nbytes} bytes differ, first at {first} "
-                f"(got {int(region[first])}, expected {int(expected[first])})",
-            }
-        finally:
-            self.consumer.release([mm_hash])
+        expected = gpu_payload(seed, nbytes, self.device).view(torch.uint8)
+        if torch.equal(region, expected):
+            return None
+        wrong = torch.nonzero(region != expected).flatten()
+        first = int(wrong[0])
+        return wrong.numel(), first, int(region[first]), int(expected[first])
 
 
 class GPUProducerHost(ProducerHost):
@@ -328,7 +304,7 @@ def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, p
             producer.send("push", items=batches[0], consumer=address, timeout_s=timeout, fill="zeros")
         else:
             producer.send("push_stream", batches=batches, consumer=address, timeout_s=timeout, fill="zeros")
-        available, unavailable = _await_available(sched, tids, timeout + 5)
+        available, unavailable = await_available(sched, tids, timeout + 5)
         pushed = producer.result(timeout + 30)
         if r >= 0:
             if available:
@@ -487,7 +463,7 @@ def targets(results: list[dict]) -> list[dict]:
 def format_summary(s: dict) -> str:
     c = s["ceilings"]
     copy = ", ".join(f"{k} {v:.0f}" for k, v in c["device_copy_gb_per_s"].items())
-    lines = ceilings.warning_lines(s) + [
+    lines = [
         f"ecmooncake GPU bench, {s['date']}, {s['gpu']}, {s['devices']}, torch {s['torch']}",
         f"  ceilings (same run, each sampled before and after the phases, the higher kept): PyTorch device copy GB/s: "
         f"{copy}; pinned D2H {c['pinned_d2h_gb_per_s']:.1f} GB/s",
@@ -516,8 +492,7 @@ def format_summary(s: dict) -> str:
             lines.append(f"  {r['name']:<17}{parts}")
     for t in s.get("targets", []):
         lines.append(f"  target {t['name']:<24}{t['phase']:<17}{t['value']:>9.2f} {t['bound']:<9}{'met' if t['met'] else 'MISSED'}")
-    lines.append("  result " + ("OK" if s["ok"] else "FAILED"))
-    return "\n".join(lines + ceilings.warning_lines(s))
+    return summary_text(s, lines, result_at=9)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -526,43 +501,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--phases", help="comma-separated phase names to run, e.g. tcp-4m,tcp-32m,tcp-32m-stream (default: all)")
-    parser.add_argument("--plot", metavar="FILE.png", help="also draw throughput against item size, with the ceilings, into this PNG (needs matplotlib)")
+    add_plot_argument(parser)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ecmooncake.gpubench", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run_args(parser.parse_args(argv))
+def _phases(spec: str | None) -> list[dict] | None:
+    if not spec:
+        return None
+    names = spec.split(",")
+    phases = [p for p in PHASES if p["name"] in names]
+    if len(phases) != len(names):
+        raise ValueError(f"unknown phase in {spec!r}; phases: {', '.join(p['name'] for p in PHASES)}")
+    return phases
 
 
-def run_args(args: argparse.Namespace) -> int:
-    from . import plot
-
-    if args.plot:
-        try:
-            plot.require()
-        except plot.PlotUnavailable as exc:
-            print(f"ecmooncake gpubench: {exc}", file=sys.stderr)
-            return 2
-    try:
-        phases = None
-        if args.phases:
-            names = args.phases.split(",")
-            phases = [p for p in PHASES if p["name"] in names]
-            if len(phases) != len(names):
-                raise ValueError(f"unknown phase in {args.phases!r}; phases: {', '.join(p['name'] for p in PHASES)}")
-        summary = run(args.consumer_device, args.producer_device, progress=not args.quiet, phases=phases)
-    except (EcmError, WorkerError, OSError, ValueError) as exc:
-        print(f"ecmooncake gpubench: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
-    print(format_summary(summary))
-    if args.plot:
-        print(f"ecmooncake gpubench: plot written to {plot.write(summary, args.plot)}", file=sys.stderr)
-    return 0 if summary["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def main(args: argparse.Namespace) -> int:
+    return report(
+        "gpubench",
+        lambda: run(args.consumer_device, args.producer_device, progress=not args.quiet, phases=_phases(args.phases)),
+        format_summary,
+        plot_path=args.plot,
+        json_path=args.json,
+    )

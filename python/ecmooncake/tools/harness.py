@@ -1,33 +1,40 @@
 """Worker processes that host a consumer shard or a producer, for the demo,
-the benchmark and the tests.
+the benchmarks and the tests, and what those share: deterministic payloads,
+free ports, percentiles and the wait for items to become available.
 
-Each worker is a child started with the *spawn* method: the parent may already
-have loaded the library (a Go runtime does not survive fork), and in vLLM every
-TP rank and the encoder are separate processes too. The parent drives a worker
-with commands over a pipe; every wait on an answer has a deadline and notices
-a worker that died, so a crashed child turns into a :class:`WorkerError`
-instead of a hang.
+A :class:`Worker` here is a :class:`~ecmooncake.tools.worker.Worker` named
+by role: ``consumer`` and ``producer`` (host memory, below), ``gpu_consumer``
+and ``gpu_producer`` (GPU memory, in :mod:`ecmooncake.tools.gpubench`).
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import signal
 import socket
 import time
-import traceback
 from typing import Any
 
 import numpy as np
 
-from .native import Consumer, EcmError, Producer, configure, error_for, shared_slab
+from ..native import Consumer, Producer, Scheduler, configure, shared_slab
+from .worker import Worker as _Worker
+from .worker import WorkerError, stop_all
 
-_POLL_S = 0.05
+__all__ = [
+    "ConsumerHost",
+    "ProducerHost",
+    "Worker",
+    "WorkerError",
+    "await_available",
+    "free_port_range",
+    "payload",
+    "percentile",
+    "stop_all",
+]
 
-
-class WorkerError(RuntimeError):
-    """A worker died, did not answer in time, or failed outside the library."""
+# How often the scheduler is asked which items became available: the
+# resolution of the latency figures.
+_WAIT_SLICE_MS = 1
 
 
 def payload(seed: int, nbytes: int) -> np.ndarray:
@@ -115,7 +122,7 @@ class ConsumerHost:
         if item.get("error"):
             raise WorkerError(f"acquire {mm_hash}: {item['error']}")
         try:
-            return self.consumer.view(item["offset"], item["nbytes"]).tobytes()
+            return self._bytes(self.consumer.view(item["offset"], item["nbytes"]))
         finally:
             self.consumer.release([mm_hash])
 
@@ -136,25 +143,32 @@ class ConsumerHost:
             return {"mm_hash": mm_hash, "ok": False, "error": f"acquire: {got['error']}"}
         try:
             if got["nbytes"] != nbytes:
-                return {
-                    "mm_hash": mm_hash,
-                    "ok": False,
-                    "error": f"size {got['nbytes']}, expected {nbytes}",
-                }
-            region = self.consumer.view(got["offset"], got["nbytes"])
-            expected = payload(seed, nbytes)
-            if np.array_equal(region, expected):
+                return {"mm_hash": mm_hash, "ok": False, "error": f"size {got['nbytes']}, expected {nbytes}"}
+            # The zero-copy view the engine would get.
+            wrong = self._wrong(self.consumer.view(got["offset"], got["nbytes"]), seed, nbytes)
+            if wrong is None:
                 return {"mm_hash": mm_hash, "ok": True, "error": ""}
-            wrong = np.flatnonzero(region != expected)
-            first = int(wrong[0])
+            count, first, value, expected = wrong
             return {
                 "mm_hash": mm_hash,
                 "ok": False,
-                "error": f"{wrong.size} of {nbytes} bytes differ, first at {first} "
-                f"(got {int(region[first])}, expected {int(expected[first])})",
+                "error": f"{count} of {nbytes} bytes differ, first at {first} (got {value}, expected {expected})",
             }
         finally:
             self.consumer.release([mm_hash])
+
+    def _bytes(self, region: Any) -> bytes:
+        return region.tobytes()
+
+    def _wrong(self, region: Any, seed: int, nbytes: int) -> tuple[int, int, int, int] | None:
+        """None when region holds payload(seed, nbytes); else how many bytes
+        differ, the first of them, its value and the expected one."""
+        expected = payload(seed, nbytes)
+        if np.array_equal(region, expected):
+            return None
+        wrong = np.flatnonzero(region != expected)
+        first = int(wrong[0])
+        return wrong.size, first, int(region[first]), int(expected[first])
 
     def op_drain(self, mm_hashes: list[str]) -> int:
         """Acquires and releases items so they become evictable residents;
@@ -276,192 +290,40 @@ class ProducerHost:
         self.producer.close()
 
 
-_HOSTS = {"consumer": ConsumerHost, "producer": ProducerHost}
-
-# Roles whose hosts keep their memory on a GPU. They live in gpubench, which
-# imports torch, so they are looked up only in a worker that plays one.
-_GPU_ROLES = {"gpu_consumer": "GPUConsumerHost", "gpu_producer": "GPUProducerHost"}
-
-
-def _host_class(role: str) -> Any:
-    if role in _GPU_ROLES:
-        from . import gpubench
-
-        return getattr(gpubench, _GPU_ROLES[role])
-    return _HOSTS[role]
+# Roles and their hosts. The GPU hosts live in gpubench, which imports
+# torch, so they are named here and imported only in a worker that plays one.
+ROLES: dict[str, type | str] = {
+    "consumer": ConsumerHost,
+    "producer": ProducerHost,
+    "gpu_consumer": "ecmooncake.tools.gpubench:GPUConsumerHost",
+    "gpu_producer": "ecmooncake.tools.gpubench:GPUProducerHost",
+}
 
 
-def _reply_error(conn: Any, exc: BaseException) -> None:
-    if isinstance(exc, EcmError):
-        conn.send(("ecm", exc.code, str(exc)))
-    else:
-        conn.send(("error", type(exc).__name__, "".join(traceback.format_exception(exc))))
-
-
-def _serve(conn: Any, role: str, kwargs: dict) -> None:
-    # The parent owns Ctrl-C: a terminal's SIGINT must not kill workers
-    # before the parent has collected their answers and stopped them.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        host = _host_class(role)(**kwargs)
-        conn.send(("ok", host.ready()))
-    except BaseException as exc:
-        _reply_error(conn, exc)
-        return
-    while True:
-        try:
-            op, args = conn.recv()
-        except EOFError:
-            op = "stop"
-        if op == "stop":
-            break
-        try:
-            conn.send(("ok", getattr(host, "op_" + op)(**args)))
-        except Exception as exc:
-            _reply_error(conn, exc)
-    try:
-        host.close()
-        conn.send(("ok", None))
-    except Exception as exc:
-        try:
-            _reply_error(conn, exc)
-        except OSError:
-            pass
-
-
-# --- parent side ------------------------------------------------------------
-
-
-class Worker:
-    """A spawned process hosting a ConsumerHost or ProducerHost.
-
-    Use :meth:`call` for one command, or :meth:`send` then :meth:`result` to
-    keep several workers busy at once.
-    """
+class Worker(_Worker):
+    """A spawned process hosting the ConsumerHost or ProducerHost of a role."""
 
     def __init__(self, role: str, name: str, **kwargs: Any):
-        if role not in _HOSTS and role not in _GPU_ROLES:
+        if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
-        ctx = multiprocessing.get_context("spawn")
-        self.name = name
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_serve, args=(child, role, kwargs), name=name, daemon=True
-        )
-        self._proc.start()
-        child.close()
-        self._op = "start"
-        self._broken: str | None = None
-        self.info: Any = None
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid
-
-    @property
-    def alive(self) -> bool:
-        return self._proc.is_alive()
-
-    def wait_ready(self, timeout: float) -> Any:
-        self.info = self.result(timeout)
-        return self.info
-
-    def call(self, op: str, timeout: float, **args: Any) -> Any:
-        self.send(op, **args)
-        return self.result(timeout)
-
-    def send(self, op: str, **args: Any) -> None:
-        if self._broken:
-            raise WorkerError(f"{self.name}: unusable after {self._broken}")
-        self._op = op
-        try:
-            self._conn.send((op, args))
-        except (BrokenPipeError, ConnectionResetError, OSError) as exc:
-            self._broken = f"{op}: {exc}"
-            raise WorkerError(self._death_note(op)) from exc
-
-    def result(self, timeout: float) -> Any:
-        op = self._op
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._conn.poll(_POLL_S):
-                try:
-                    message = self._conn.recv()
-                except (EOFError, ConnectionResetError, OSError) as exc:
-                    self._broken = f"{op}: pipe closed"
-                    raise WorkerError(self._death_note(op)) from exc
-                break
-            if not self._proc.is_alive() and not self._conn.poll(0):
-                self._broken = f"{op}: process exited"
-                raise WorkerError(self._death_note(op))
-            if time.monotonic() >= deadline:
-                self._broken = f"{op}: no answer within {timeout:.1f}s"
-                raise WorkerError(f"{self.name}: no answer to {op!r} within {timeout:.1f}s")
-        status = message[0]
-        if status == "ok":
-            return message[1]
-        if status == "ecm":
-            raise error_for(message[1], f"{self.name}: {message[2]}")
-        raise WorkerError(f"{self.name}: {op!r} raised {message[1]}:\n{message[2]}")
-
-    def _death_note(self, op: str) -> str:
-        self._proc.join(1.0)
-        code = self._proc.exitcode
-        how = f"exit status {code}" if code is None or code >= 0 else f"signal {-code}"
-        return f"{self.name} (pid {self.pid}) died during {op!r} ({how})"
-
-    def kill(self) -> None:
-        if self._proc.is_alive():
-            os.kill(self._proc.pid, signal.SIGKILL)
-        self._proc.join(5.0)
-        self._broken = self._broken or "kill"
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Closes the hosted object and ends the process; kills it if it hangs."""
-        if self._proc.is_alive() and not self._broken:
-            try:
-                self.call("stop", timeout)
-            except (WorkerError, EcmError):
-                pass
-        self._proc.join(timeout if self._proc.is_alive() else 0)
-        if self._proc.is_alive():
-            self.kill()
-        self._conn.close()
-
-    def __enter__(self) -> "Worker":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        super().__init__(ROLES[role], name, **kwargs)
 
 
-def stop_all(workers: list[Worker], timeout: float = 10.0) -> None:
-    """Stops every worker, even when some of them fail to stop."""
-    for worker in workers:
-        try:
-            worker.stop(timeout)
-        except Exception:
-            worker.kill()
-
-
-def report(name: str, run: Any, format_summary: Any, as_json: bool, plot_path: str | None = None) -> int:
-    """Runs a tool's measurement and prints its summary, as text or JSON,
-    and draws it into plot_path when given.
-
-    Exit status: 0 when the summary says ok, 1 when it does not, 2 when the
-    run could not finish (the reason goes to stderr).
-    """
-    import json
-    import sys
-
-    try:
-        summary = run()
-    except (EcmError, WorkerError, OSError, ValueError) as exc:
-        print(f"ecmooncake {name}: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, indent=2, sort_keys=True) if as_json else format_summary(summary))
-    if plot_path:
-        from . import plot
-
-        print(f"ecmooncake {name}: plot written to {plot.write(summary, plot_path)}", file=sys.stderr)
-    return 0 if summary["ok"] else 1
+def await_available(scheduler: Scheduler, transfer_ids: list[str], timeout_s: float) -> tuple[dict, dict]:
+    """Polls until every transfer is available or failed; returns
+    ({transfer_id: time available}, {transfer_id: reason not available})."""
+    available: dict[str, float] = {}
+    unavailable: dict[str, str] = {}
+    waiting = list(transfer_ids)
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        out = scheduler.wait(waiting, _WAIT_SLICE_MS)
+        now = time.monotonic()
+        for tid in out.get("available") or ():
+            available.setdefault(tid, now)
+        for tid in out.get("failed") or ():
+            unavailable.setdefault(tid, "failed before it was available")
+        waiting = [t for t in waiting if t not in available and t not in unavailable]
+    for tid in waiting:
+        unavailable[tid] = f"not available within {timeout_s:.0f}s"
+    return available, unavailable

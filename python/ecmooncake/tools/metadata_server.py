@@ -10,11 +10,9 @@ published into it must be restarted then.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 
-from .tokens import TokenError, resolve
+from .serve import add_token_arguments, refuses_bad_tokens, run_until_signal, token_from
 
 TOKEN_ENV = "MC_METADATA_HTTP_TOKEN"
 
@@ -27,19 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "an address they reach, and then a token)",
     )
     parser.add_argument("--port", type=int, default=8080, help="port; 0 picks a free one (default %(default)s)")
-    parser.add_argument(
-        "--token-file",
-        default=None,
-        metavar="FILE",
-        help=f"require 'Authorization: Bearer TOKEN' on /metadata, TOKEN read from FILE (default: ${TOKEN_ENV}, "
-        "which Mooncake's engines send too; unset means no token)",
-    )
-    parser.add_argument(
-        "--token",
-        default=None,
-        help="the token itself; visible to every user of the host in /proc/<pid>/cmdline, so prefer "
-        f"--token-file or ${TOKEN_ENV}",
-    )
+    add_token_arguments(parser, name="token", env=TOKEN_ENV, what="the token", file_help=(
+        f"require 'Authorization: Bearer TOKEN' on /metadata, TOKEN read from FILE (default: ${TOKEN_ENV}, "
+        "which Mooncake's engines send too; unset means no token)"))
     parser.add_argument("--max-keys", type=int, default=0, help="most keys the store keeps (default 65536)")
     parser.add_argument(
         "--max-value-bytes", type=int, default=0, help="largest value; a larger PUT gets 413 (default 16 MiB)"
@@ -52,36 +40,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+@refuses_bad_tokens("metadata-server")
 def main(args: argparse.Namespace) -> int:
-    from .native import EcmError, MetadataServer
+    from ..native import EcmError, MetadataServer
 
-    try:
-        token = resolve(
-            flag=args.token, file=args.token_file, env=TOKEN_ENV, what="metadata token",
-            flag_name="--token", file_name="--token-file",
-        )
-    except TokenError as exc:
-        print(f"metadata-server: {exc}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    token = token_from(args, name="token", env=TOKEN_ENV, what="metadata token")
     limits = {"max_keys": args.max_keys, "max_value_bytes": args.max_value_bytes, "max_total_bytes": args.max_total_bytes}
     try:
         server = MetadataServer(args.host, args.port, token=token, **limits)
     except EcmError as exc:
         print(f"metadata-server: {exc}", file=sys.stderr)
         return 1
-    with server:
-        # The first line of stdout is the URL, for scripts that start the
-        # server on port 0 and need to know where it went.
-        print(server.url, flush=True)
-        print(
-            f"mooncake metadata store listening on {server.address}; engines use "
-            f"mooncake_metadata {server.url!r}; Ctrl-C stops it",
-            file=sys.stderr,
-            flush=True,
-        )
-        while not stop.wait(0.5):
-            pass
-    return 0
+    # The first line of stdout is the URL, for scripts that start the
+    # server on port 0 and need to know where it went.
+    banner = f"mooncake metadata store listening on {server.address}; engines use mooncake_metadata {server.url!r}; Ctrl-C stops it"
+    return run_until_signal(server, (server.url, sys.stdout), (banner, sys.stderr))

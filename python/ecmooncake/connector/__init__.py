@@ -1,0 +1,111 @@
+"""``ECMooncakeConnector``: vLLM's encoder-cache connector over the native core.
+
+One class serves both roles vLLM gives a connector:
+
+* **scheduler role** (the engine-core process). On a consumer (prefill/decode)
+  instance it owns a native :class:`~ecmooncake.native.Scheduler`, whose
+  background goroutines keep a transfer table current from the shards'
+  readiness events. ``has_cache_item`` and ``ensure_cache_available``
+  answer from memory while the table's generation (a counter the library
+  keeps current in this process's memory) stands, and with one
+  non-blocking call for every waiting request when it moved. Everything else a step needs
+  (expectations, load outcomes, frees, finished requests, new loads) goes in
+  one ``step()`` call from ``build_connector_meta``. On a producer (encoder)
+  instance it is plain bookkeeping: which pushes to announce, and what
+  ``request_finished`` tells the proxy.
+* **worker role** (each GPU worker). A consumer rank on the first pipeline
+  stage owns a native :class:`~ecmooncake.native.Consumer` over a slab and
+  puts zero-copy views of arrived items into the engine's encoder cache; the
+  producer owns a native :class:`~ecmooncake.native.Producer` that reserves
+  space on every consumer shard before the encoder runs and writes the
+  output once it exists.
+
+Failures never reach vLLM's engine loop: every hook catches, logs one line
+naming the item, the peer and the cause, and turns the failure into a
+retryable error of the request concerned (``take_unavailable_requests``).
+
+``update_state_after_free`` is left to the base class on purpose: a request
+releasing its reference says nothing about the bytes, which are freed when
+the scheduler evicts the entry (``free_encoder_mm_hashes``).
+
+Importing this module imports neither vLLM nor torch, because importing
+vLLM starts threads and this package promises imports that start nothing.
+The classes vLLM sees (``ECMooncakeConnector`` and its metadata) subclass
+vLLM's bases and are assembled from the implementations in this package on
+first attribute access, which is what vLLM's factory and pickle do.
+
+The parts live by role: :mod:`.scheduler` (both scheduler roles),
+:mod:`.consumer` and :mod:`.producer` (the worker roles), :mod:`.hooks`
+(the hooks vLLM calls, dispatched to the parts), :mod:`.stats` (transfer
+statistics) and :mod:`.common` (metadata, guards, request helpers).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+# Re-exported: the plugin, the tools and the tests name them here.
+from .common import (  # noqa: F401
+    CONNECTOR_NAME,
+    DTYPES,
+    MODULE_PATH_NAME,
+    OPTIONAL_HOOKS,
+    LoadSpec,
+    PushSpec,
+    _StepMetadata,
+    _WorkerReport,
+    consumer_address,
+    transfer_ids,
+)
+from .hooks import _Connector
+from .stats import _PromMetrics, _Stats
+
+
+# --- binding to vLLM's base classes ------------------------------------------
+
+_PUBLIC = ("ECMooncakeConnector", MODULE_PATH_NAME, "ECMooncakeConnectorMetadata", "ECMooncakeWorkerMetadata", "ECMooncakeConnectorStats")
+_bind_lock = threading.Lock()
+
+
+def _bind() -> None:
+    from vllm.distributed.ec_transfer.ec_connector import base
+
+    hooks = {name: hasattr(base.ECConnectorBase, name) for name in OPTIONAL_HOOKS}
+    namespace = globals()
+
+    def make(name: str, impl: type, vllm_base: type, extra: dict[str, Any] | None = None) -> type:
+        attrs = {"__module__": __name__, "__qualname__": name, "__doc__": impl.__doc__, **(extra or {})}
+        return type(name, (impl, vllm_base), attrs)
+
+    metadata = make("ECMooncakeConnectorMetadata", _StepMetadata, base.ECConnectorMetadata)
+    report = make("ECMooncakeWorkerMetadata", _WorkerReport, getattr(base, "ECConnectorWorkerMetadata", object))
+    try:
+        # Since vLLM 0.33; older releases have no stats hooks to serve.
+        from vllm.distributed.ec_transfer.ec_connector import metrics as ec_metrics
+    except ImportError:
+        ec_metrics = None
+    stats = make("ECMooncakeConnectorStats", _Stats, getattr(ec_metrics, "ECConnectorStats", object))
+    prom = make("ECMooncakePromMetrics", _PromMetrics, ec_metrics.ECConnectorPromMetrics) if ec_metrics else None
+    connector = make(
+        "ECMooncakeConnector",
+        _Connector,
+        base.ECConnectorBase,
+        {"_hooks": hooks, "_metadata_cls": metadata, "_report_cls": report, "_stats_cls": stats, "_prom_cls": prom},
+    )
+    namespace.update(
+        ECMooncakeConnectorMetadata=metadata,
+        ECMooncakeWorkerMetadata=report,
+        ECMooncakeConnectorStats=stats,
+        ECMooncakeConnector=connector,
+        **{MODULE_PATH_NAME: connector},
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        with _bind_lock:
+            if name not in globals():
+                _bind()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,252 @@
+"""The consumer worker role: one TP rank of a prefill/decode instance, its
+slab, its native :class:`~ecmooncake.native.Consumer`, and the zero-copy
+views it puts into the engine's encoder cache."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from .. import ec_config
+from ..native import Consumer, EcmError, shared_slab
+from .common import DTYPES, LoadSpec, _StepMetadata, _WorkerReport, _configure_process, _dtype_name, logger, _throttle, _torch
+from .stats import _Recorder
+
+# --- worker side: consumer ---------------------------------------------------
+
+
+def _require_cuda(device: str) -> None:
+    """Refuses a GPU receive buffer on a host where torch sees no GPU, at
+    startup and naming the setting; vLLM's default ec_buffer_device is
+    "cuda", so this is the first thing a CPU-only PD instance meets."""
+    torch = _torch()
+    if torch.cuda.is_available():
+        return
+    raise ec_config.ConfigError(
+        f"ECMooncakeConnector: ec_buffer_device = {device!r} (vLLM's default is 'cuda'), but this "
+        f"process has no usable CUDA device (torch.cuda.is_available() is False); on a host "
+        f'without a GPU add "ec_buffer_device": "cpu" to --ec-transfer-config'
+    )
+
+
+class _ConsumerWorker:
+    """One consumer TP rank: a slab, a native Consumer, zero-copy loads."""
+
+    def __init__(self, cfg: ec_config.ECMooncakeConfig, vllm_config: Any):
+        self._cfg = cfg
+        self.receiving = cfg.topology.first_pp_stage
+        if self.receiving and cfg.buffer_device.startswith("cuda"):
+            _require_cuda(cfg.buffer_device)
+        self._native: Consumer | None = None
+        self._slab: Any = None
+        self._device: Any = None
+        self._held: set[str] = set()
+        self._loaded: set[str] = set()
+        self._failed: dict[str, str] = {}
+        model_config = getattr(vllm_config, "model_config", None)
+        self._fallback_width = None
+        self._fallback_dtype = None
+        if model_config is not None:
+            try:
+                self._fallback_width = int(model_config.get_hidden_size())
+                self._fallback_dtype = _dtype_name(model_config.dtype)
+            except Exception:
+                pass
+        # The (dtype, width) last seen per modality: sizes a stand-in entry
+        # for an item that could not be loaded (see _stand_in).
+        self._seen: dict[str, tuple[str, int]] = {}
+
+    @property
+    def endpoint(self) -> str:
+        t = self._cfg.topology
+        return f"{self._cfg.ec_ip}:{self._cfg.ec_port + t.dp_rank * t.tp_size + t.tp_rank}"
+
+    def start(self) -> None:
+        if not self.receiving or self._native is not None:
+            return
+        torch = _torch()
+        device = self._cfg.buffer_device
+        settings = self._cfg.consumer_settings()
+        if device.startswith("cuda"):
+            # The data plane writes host memory; until GPU slabs land, items
+            # arrive in pinned host memory and are copied to the GPU at load.
+            self._device = torch.device(device if ":" in device else f"cuda:{torch.cuda.current_device()}")
+            slab = torch.empty(self._cfg.buffer_size, dtype=torch.uint8, pin_memory=True)
+            logger.info(
+                "ecmooncake: ec_buffer_device=%s: receiving into %d bytes of pinned host memory, copied to %s at load",
+                device,
+                self._cfg.buffer_size,
+                self._device,
+            )
+        elif self._cfg.value("transport") == "shm":
+            # The shard hands the slab's memfd to producers on this host.
+            shared, settings["slab_fd"] = shared_slab(self._cfg.buffer_size)
+            slab = torch.from_numpy(shared)
+        else:
+            slab = torch.empty(self._cfg.buffer_size, dtype=torch.uint8)
+        # Touch every page now, so that first writes do not pay page faults
+        # inside a timed transfer.
+        slab.zero_()
+        _configure_process(self._cfg, worker=True)
+        self._native = Consumer(settings, slab)
+        self._slab = slab
+        logger.info("ecmooncake: consumer shard listening at %s", self._native.info().get("control"))
+
+    def load(self, meta: _StepMetadata, encoder_cache: dict[str, Any]) -> None:
+        if not self.receiving:
+            return
+        if self._native is None:
+            try:
+                self.start()
+            except Exception as exc:
+                for spec in meta.loads:
+                    self._fail(spec, encoder_cache, f"consumer shard cannot start: {exc}")
+                return
+        gone = [h for h in self._held if h not in encoder_cache]
+        if gone:
+            self._held.difference_update(gone)
+            try:
+                released = self._native.release(gone)
+            except EcmError as exc:
+                released = [{"mm_hash": h, "error": str(exc)} for h in gone]
+            for item in released:
+                if item.get("error"):
+                    _throttle.warn("release", "ecmooncake: release of %s at shard %s: %s", item["mm_hash"], self.endpoint, item["error"])
+        wanted: list[LoadSpec] = []
+        for spec in meta.loads:
+            if spec.mm_hash in encoder_cache:
+                if spec.transfer_id:
+                    self._loaded.add(spec.transfer_id)
+            else:
+                wanted.append(spec)
+        if not wanted:
+            return
+        try:
+            self._load(wanted, encoder_cache)
+        except Exception as exc:
+            # vLLM treats a missing entry as fatal: whatever went wrong, each
+            # wanted item gets its tensor or a stand-in, and a failure.
+            for spec in wanted:
+                if spec.mm_hash not in encoder_cache:
+                    self._fail(spec, encoder_cache, f"load failed: {type(exc).__name__}: {exc}")
+
+    def _load(self, wanted: list[LoadSpec], encoder_cache: dict[str, Any]) -> None:
+        try:
+            acquired = self._native.acquire([s.mm_hash for s in wanted])
+        except EcmError as exc:
+            acquired = [{"error": str(exc)}] * len(wanted)
+        if not isinstance(acquired, list):
+            acquired = []
+        by_hash = {item.get("mm_hash"): item for item in acquired if isinstance(item, dict) and item.get("mm_hash")}
+        for index, spec in enumerate(wanted):
+            # Answers come in the order asked; one that names its hash is
+            # matched by it, and a missing answer is a failure, not a skip.
+            item = by_hash.get(spec.mm_hash)
+            if item is None:
+                item = acquired[index] if index < len(acquired) and isinstance(acquired[index], dict) else None
+            if item is None:
+                self._fail(spec, encoder_cache, "the shard did not answer for this item")
+                continue
+            if item.get("error"):
+                self._fail(spec, encoder_cache, item["error"] if not spec.error else f"{spec.error}; {item['error']}")
+                continue
+            try:
+                tensor = self._view(spec, item)
+            except (ValueError, TypeError, RuntimeError, KeyError) as exc:
+                self._release_quietly(spec.mm_hash)
+                self._fail(spec, encoder_cache, f"bad item description {item.get('meta')!r}: {type(exc).__name__}: {exc}")
+                continue
+            encoder_cache[spec.mm_hash] = tensor
+            self._held.add(spec.mm_hash)
+            if spec.error:
+                # The shard had it although the scheduler could not name a
+                # transfer; the request is failed already, the entry is real.
+                continue
+            self._loaded.add(spec.transfer_id)
+
+    def _release_quietly(self, mm_hash: str) -> None:
+        try:
+            self._native.release([mm_hash])
+        except Exception as exc:
+            _throttle.warn("release", "ecmooncake: release of %s at shard %s: %s", mm_hash, self.endpoint, exc)
+
+    def _view(self, spec: LoadSpec, item: dict[str, Any]) -> Any:
+        torch = _torch()
+        desc = json.loads(item.get("meta") or "{}")
+        name = desc.get("dtype")
+        shape = desc.get("shape")
+        if name not in DTYPES:
+            raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+        if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(d, int) and d > 0 for d in shape)):
+            raise ValueError(f"shape {shape!r} is not two positive integers")
+        dtype = getattr(torch, name)
+        nbytes = int(item["nbytes"])
+        if math.prod(shape) * dtype.itemsize != nbytes:
+            raise ValueError(f"{shape} x {name} is not {nbytes} bytes")
+        if spec.num_embeds and shape[0] != spec.num_embeds:
+            raise ValueError(f"{shape[0]} embeddings, the request places {spec.num_embeds}")
+        offset = int(item["offset"])
+        view = self._slab[offset : offset + nbytes].view(dtype).view(shape[0], shape[1])
+        self._seen[spec.modality] = (name, shape[1])
+        if self._device is not None:
+            # The host region stays pinned until vLLM frees the entry, by
+            # which time the step that consumed this copy has completed.
+            return view.to(self._device, non_blocking=True)
+        return view
+
+    def _fail(self, spec: LoadSpec, encoder_cache: dict[str, Any], reason: str) -> None:
+        logger.warning(
+            "ecmooncake: load of %s (transfer %s) at shard %s failed: %s",
+            spec.mm_hash,
+            spec.transfer_id or "-",
+            self.endpoint,
+            reason,
+        )
+        if spec.transfer_id:
+            self._failed[spec.transfer_id] = reason
+        self._stand_in(spec, encoder_cache)
+
+    def _stand_in(self, spec: LoadSpec, encoder_cache: dict[str, Any]) -> None:
+        """Fills the entry of an item that could not be loaded with zeros.
+
+        vLLM has already scheduled the step that gathers it, and a missing
+        entry is a fatal error of the engine; the request itself is failed
+        through take_unavailable_requests, so nothing reads the zeros.
+        """
+        dtype, width = self._seen.get(spec.modality, (self._fallback_dtype, self._fallback_width))
+        if dtype is None or width is None or spec.num_embeds <= 0:
+            logger.error(
+                "ecmooncake: no stand-in for %s: its width is unknown; the engine will miss it",
+                spec.mm_hash,
+            )
+            return
+        torch = _torch()
+        device = self._device if self._device is not None else "cpu"
+        encoder_cache[spec.mm_hash] = torch.zeros(spec.num_embeds, width, dtype=getattr(torch, dtype), device=device)
+
+    def note_loads(self, meta: _StepMetadata, before: set[str], encoder_cache: dict[str, Any], recorder: _Recorder) -> None:
+        """Counts this step's loads for vLLM's stats: the bytes of each entry
+        a load put into the encoder cache from the slab, and each failure."""
+        for spec in meta.loads:
+            if not spec.transfer_id:
+                continue  # failed by the scheduler, and counted there
+            if spec.transfer_id in self._failed:
+                recorder.load_failed(spec.transfer_id)
+            elif spec.mm_hash not in before and spec.mm_hash in self._held:
+                tensor = encoder_cache.get(spec.mm_hash)
+                if tensor is not None:
+                    recorder.loaded(spec.transfer_id, tensor.numel() * tensor.element_size())
+
+    def report(self, report: _WorkerReport) -> None:
+        report.loaded |= self._loaded
+        report.failed_loads.update(self._failed)
+        self._loaded, self._failed = set(), {}
+
+    def stats(self) -> dict[str, Any]:
+        return self._native.stats() if self._native is not None else {}
+
+    def close(self) -> None:
+        if self._native is not None:
+            self._native.close()
+        self._slab = None

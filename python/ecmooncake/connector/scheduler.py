@@ -1,0 +1,490 @@
+"""The scheduler role (vLLM's engine-core process).
+
+On a consumer (prefill/decode) instance :class:`_ConsumerScheduler` owns a
+native :class:`~ecmooncake.native.Scheduler` and answers ``has_cache_item``
+and ``ensure_cache_available`` from memory; on a producer (encoder) instance
+:class:`_ProducerScheduler` is plain bookkeeping: which pushes to announce,
+and what ``request_finished`` tells the proxy."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import ec_config
+from ..native import EcmError, Scheduler
+from .common import DTYPES, LoadSpec, PushSpec, _StepMetadata, _WorkerReport, _close_bounded, _configure_process, consumer_address, _dtype_name, logger, _num_embeds, _throttle, transfer_ids, _unconsumed
+from .stats import _Recorder
+
+# --- scheduler side: consumer ------------------------------------------------
+
+
+@dataclass
+class _Expected:
+    index: int
+    transfer_id: str
+    mm_hash: str
+
+
+@dataclass
+class _LoadPlan:
+    num_embeds: int
+    modality: str
+    requests: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Inflight:
+    mm_hash: str
+    requests: set[str]
+    deadline: float
+
+
+class _ConsumerScheduler:
+    """Consumer instance, engine core: what may load, from Go-side state."""
+
+    def __init__(self, cfg: ec_config.ECMooncakeConfig, ensure_hook: bool):
+        self._cfg = cfg
+        # Without ensure_cache_available (older vLLM) expectations are
+        # registered from update_state_after_alloc instead.
+        self._ensure_hook = ensure_hook
+        self._load_timeout_s = float(cfg.value("load_timeout_s"))
+        _configure_process(cfg, worker=False)
+        self._native = Scheduler(cfg.scheduler_settings())
+        self._requests: dict[str, list[_Expected]] = {}
+        self._registered: set[str] = set()
+        self._refused: set[str] = set()
+        self._to_register: dict[str, list[_Expected]] = {}
+        # What the engine holds in its encoder cache, from alloc and free
+        # notices: such items need nothing from the network.
+        self._local: set[str] = set()
+        self._said_yes: set[str] = set()
+        self._to_load: dict[str, _LoadPlan] = {}
+        self._inflight: dict[str, _Inflight] = {}
+        self._loading: dict[str, str] = {}  # mm_hash -> transfer id in flight
+        self._reports: list[dict[str, Any]] = []
+        self._freed: list[str] = []
+        self._deferred_free: set[str] = set()
+        self._finished: list[str] = []
+        self._unavailable: set[str] = set()
+        # Answers remembered at one generation of the native table, which
+        # the library keeps current in _counter: vLLM asks the same
+        # questions for every waiting request on every schedule pass, and
+        # while the generation stands the answers do (sched.Generation).
+        self._counter = self._native.generation_counter
+        self._at = -1  # the generation of _has and _failed; -1: none
+        # mm_hash -> has_cache_item's answer at _at: every item of every
+        # registered request after a snapshot, and hashes asked one by one.
+        self._has: dict[str, bool] = {}
+        # request id -> failures at _at, for every registered request
+        # (absent: none) when _at comes from a snapshot.
+        self._failed: dict[str, list[dict[str, Any]]] = {}
+        self.recorder = _Recorder()
+        # mm_hash -> when a request first asked for it, for the wait statistic.
+        self._asked_at: dict[str, float] = {}
+
+    @property
+    def endpoints(self) -> str:
+        return self._cfg.consumer_endpoint
+
+    def _expected(self, request: Any) -> list[_Expected]:
+        rid = request.request_id
+        items = self._requests.get(rid)
+        if items is None:
+            items = [
+                _Expected(i, tid, request.mm_features[i].identifier)
+                for i, tid in enumerate(transfer_ids(request))
+                if tid is not None
+            ]
+            self._requests[rid] = items
+            now = time.monotonic()
+            for it in items:
+                self._asked_at.setdefault(it.mm_hash, now)
+        return items
+
+    def has_cache_item(self, identifier: str) -> bool:
+        generation = self._counter.value
+        found = self._has.get(identifier) if generation == self._at else None
+        if found is None:
+            found = self._native.has(identifier)
+            if generation != self._at:
+                self._at, self._has, self._failed = -1, {}, {}
+            else:
+                self._has[identifier] = found
+        if found:
+            self._said_yes.add(identifier)
+        return found
+
+    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+        rid = request.request_id
+        if rid in self._refused or rid in self._unavailable:
+            return False
+        items = self._expected(request)
+        remaining = {
+            it.mm_hash
+            for it in items
+            if it.mm_hash not in self._local and _unconsumed(request, it.index, num_computed_tokens)
+        }
+        if not remaining:
+            return True
+        if rid not in self._registered:
+            if not self._register(rid, items):
+                return False
+        elif self._counter.value != self._at:
+            self._take(self._native.step({"snapshot": True}))
+        has = self._has
+        failed = [f for f in self._failed.get(rid) or () if f.get("mm_hash") in remaining and not has.get(f.get("mm_hash"))]
+        if failed:
+            for f in failed:
+                logger.warning(
+                    "ecmooncake: request %s fails (retryable): item %s (transfer %s) from consumer %s: %s",
+                    rid,
+                    f.get("mm_hash"),
+                    f.get("transfer_id"),
+                    self.endpoints,
+                    f.get("reason"),
+                )
+            self._unavailable.add(rid)
+            return False
+        return all(has.get(h) for h in remaining)
+
+    def _register(self, rid: str, items: list[_Expected]) -> bool:
+        """Registers a new request and learns its answer in one native step.
+        When the remembered answers were current up to this step, the step's
+        own answer for the request's contents brings them up to date
+        (registering one request changes no other answer but those of its
+        contents); otherwise the step also takes a snapshot of every answer.
+        False when the step refused the registration."""
+        current = self._counter.value == self._at
+        body: dict[str, Any] = {
+            "expect": [self._expect_entry(rid, items)],
+            "ensure": [rid],
+            "has": sorted({it.mm_hash for it in items}),
+        }
+        if not current:
+            body["snapshot"] = True
+        out = self._native.step(body)
+        if self._note_expect_errors(out):
+            return False
+        self._registered.add(rid)
+        if current and out.get("since") == self._at:
+            self._has.update(out.get("has") or {})
+            failed = ((out.get("ensure") or {}).get(rid) or {}).get("failed")
+            if failed:
+                self._failed[rid] = failed
+            self._at = int(out.get("generation", -1))
+        else:
+            self._take(out if "snapshot" in body else self._native.step({"snapshot": True}))
+        return True
+
+    def _take(self, out: dict[str, Any]) -> None:
+        """Remembers a snapshot: every registered request's answers."""
+        covered = set(out.get("covered") or ())
+        self._has = {it.mm_hash: it.mm_hash in covered for r in self._registered for it in self._requests.get(r) or ()}
+        self._failed = out.get("failed") or {}
+        # Registration moves the generation, so a snapshot covers every
+        # request registered before it was taken.
+        self._at = int(out.get("generation", -1))
+
+    @staticmethod
+    def _expect_entry(rid: str, items: list[_Expected]) -> dict[str, Any]:
+        return {"request_id": rid, "items": [{"transfer_id": it.transfer_id, "mm_hash": it.mm_hash} for it in items]}
+
+    def _note_expect_errors(self, out: dict[str, Any]) -> bool:
+        errors = out.get("expect_errors") or {}
+        for rid, reason in errors.items():
+            logger.warning(
+                "ecmooncake: request %s refused (retryable with new transfer ids) by consumer %s: %s",
+                rid,
+                self.endpoints,
+                reason,
+            )
+            self._refused.add(rid)
+            self._unavailable.add(rid)
+        return bool(errors)
+
+    def update_state_after_alloc(self, request: Any, index: int) -> None:
+        feature = request.mm_features[index]
+        self._local.add(feature.identifier)
+        rid = request.request_id
+        if not self._ensure_hook and rid not in self._registered:
+            items = self._expected(request)
+            if items:
+                self._to_register[rid] = items
+        if feature.identifier in self._said_yes:
+            plan = self._to_load.get(feature.identifier)
+            if plan is None:
+                plan = _LoadPlan(_num_embeds(request, index), feature.modality)
+                self._to_load[feature.identifier] = plan
+            plan.requests.add(rid)
+
+    def build(self, scheduler_output: Any, meta: _StepMetadata) -> None:
+        now = time.monotonic()
+        for tid, inflight in list(self._inflight.items()):
+            if inflight.deadline <= now:
+                # No report will come (a step whose worker output was lost);
+                # the table's own load deadline has failed the transfer.
+                self._drop_inflight(tid)
+        for h in getattr(scheduler_output, "free_encoder_mm_hashes", None) or ():
+            self._local.discard(h)
+            # A free that overtakes its load's report (async scheduling)
+            # waits for it: the table moves only loaded items to resident.
+            if h in self._loading:
+                self._deferred_free.add(h)
+            else:
+                self._freed.append(h)
+        plans, self._to_load = self._to_load, {}
+        self._said_yes.clear()
+        body: dict[str, Any] = {}
+        if self._to_register:
+            body["expect"] = [self._expect_entry(rid, items) for rid, items in self._to_register.items()]
+        if self._reports:
+            body["loaded"] = self._reports
+        if self._freed:
+            body["freed"] = self._freed
+        if self._finished:
+            body["finished"] = self._finished
+        if plans:
+            body["load"] = list(plans)
+        registering = list(self._to_register)
+        self._to_register, self._reports, self._freed, self._finished = {}, [], [], []
+        if not body:
+            return
+        try:
+            out = self._native.step(body)
+        except EcmError as exc:
+            out = {"load": [{"mm_hash": h, "error": f"scheduler step failed: {exc}"} for h in plans]}
+        self._note_expect_errors(out)
+        self._registered.update(r for r in registering if r not in self._refused)
+        deadline = now + self._load_timeout_s
+        answered = {lo.get("mm_hash"): lo for lo in out.get("load") or ()}
+        for h, plan in plans.items():
+            lo = answered.get(h) or {"error": "no answer from the scheduler step"}
+            tid = lo.get("transfer_id") or ""
+            error = lo.get("error") or ("" if tid else "no transfer to load")
+            if error:
+                logger.warning(
+                    "ecmooncake: load of %s for requests %s from consumer %s cannot start: %s",
+                    h,
+                    sorted(plan.requests),
+                    self.endpoints,
+                    error,
+                )
+                self._unavailable |= plan.requests
+            else:
+                self._inflight[tid] = _Inflight(h, plan.requests, deadline)
+                self._loading[h] = tid
+                asked = self._asked_at.pop(h, None)
+                if asked is not None:
+                    self.recorder.waited(now - asked)
+            meta.loads.append(LoadSpec(h, tid, plan.num_embeds, plan.modality, error))
+
+    def _drop_inflight(self, tid: str) -> _Inflight | None:
+        inflight = self._inflight.pop(tid, None)
+        if inflight is not None and self._loading.get(inflight.mm_hash) == tid:
+            del self._loading[inflight.mm_hash]
+            if inflight.mm_hash in self._deferred_free:
+                self._deferred_free.discard(inflight.mm_hash)
+                self._freed.append(inflight.mm_hash)
+        return inflight
+
+    def update_connector_output(self, report: _WorkerReport) -> None:
+        for tid, reason in report.failed_loads.items():
+            inflight = self._drop_inflight(tid)
+            self._reports.append({"transfer_id": tid, "ok": False, "reason": reason})
+            if inflight is not None:
+                self._unavailable |= inflight.requests
+        for tid in report.loaded - report.failed_loads.keys():
+            self._drop_inflight(tid)
+            self._reports.append({"transfer_id": tid, "ok": True})
+
+    def request_finished(self, request: Any) -> None:
+        rid = request.request_id
+        for it in self._requests.pop(rid, None) or ():
+            self._asked_at.pop(it.mm_hash, None)
+        self._to_register.pop(rid, None)
+        self._refused.discard(rid)
+        self._unavailable.discard(rid)
+        if rid in self._registered:
+            self._registered.discard(rid)
+            self._finished.append(rid)
+
+    def fail(self, request_id: str, reason: str) -> None:
+        """Fails a request (retryable) through take_unavailable_requests."""
+        if request_id not in self._unavailable:
+            logger.warning("ecmooncake: request %s fails (retryable) at consumer %s: %s", request_id, self.endpoints, reason)
+        self._unavailable.add(request_id)
+
+    def take_unavailable(self) -> set[str]:
+        out, self._unavailable = self._unavailable, set()
+        return out
+
+    def has_pending_work(self) -> bool:
+        # Outcomes, frees and finished requests reach the table with the next
+        # step; asking for one keeps an otherwise idle engine from sitting on
+        # them (cancels of finished requests free slab space on the shards).
+        return bool(self._reports or self._freed or self._finished or self._to_register)
+
+    def stats(self) -> dict[str, Any]:
+        return self._native.stats()
+
+    def close(self) -> None:
+        # The counter stops once closed: no remembered answer outlives it.
+        self._at, self._has, self._failed = -1, {}, {}
+        _close_bounded(self._native)
+
+
+# --- scheduler side: producer ------------------------------------------------
+
+
+class _ProducerScheduler:
+    """Encoder instance, engine core: announces pushes, answers the proxy."""
+
+    def __init__(self, cfg: ec_config.ECMooncakeConfig, vllm_config: Any):
+        self._vllm_config = vllm_config
+        model_config = getattr(vllm_config, "model_config", None)
+        dtype = getattr(model_config, "dtype", None)
+        self._dtype = _dtype_name(dtype) if dtype is not None and _dtype_name(dtype) in DTYPES else None
+        self._model_config = model_config
+        self._resolver: Any = None
+        self._widths: dict[str, int | None] = {}
+        self._prepared: dict[str, PushSpec] = {}
+        self._by_request: dict[str, list[str]] = {}
+        self._new: list[PushSpec] = []
+        self._unavailable: set[str] = set()
+        self._pending = False
+
+    def _width(self, modality: str) -> int | None:
+        if modality not in self._widths:
+            width = None
+            try:
+                from vllm.distributed.ec_transfer.ec_connector.encoder_output_width import (
+                    get_encoder_output_width,
+                )
+
+                width = int(get_encoder_output_width(self._vllm_config, modality))
+            except (ImportError, ValueError, AssertionError) as exc:
+                logger.info(
+                    "ecmooncake: no measured encoder output width for %s (%s); "
+                    "its pushes reserve space once the encoder output exists",
+                    modality,
+                    exc,
+                )
+            self._widths[modality] = width
+        return self._widths[modality]
+
+    def prepare(self, request: Any, index: int) -> None:
+        consumer = consumer_address(getattr(request, "ec_transfer_params", None))
+        if consumer is None:
+            return
+        rid = request.request_id
+        tid = transfer_ids(request)[index]
+        if tid is None:
+            # The proxy still learns this id from request_finished and can
+            # hand it to the consumer.
+            tid = f"{rid}:{index}"
+            _throttle.warn(
+                "no-transfer-id",
+                "ecmooncake: request %s item %d names no transfer_id in ec_items; using %s",
+                rid,
+                index,
+                tid,
+            )
+        if tid in self._prepared:
+            return
+        feature = request.mm_features[index]
+        width = self._width(feature.modality)
+        spec = PushSpec(tid, feature.identifier, consumer, rid, feature.modality)
+        if width is not None and self._dtype is not None:
+            spec.dtype = self._dtype
+            spec.shape = (_num_embeds(request, index), width)
+        self._prepared[tid] = spec
+        self._by_request.setdefault(rid, []).append(tid)
+        self._new.append(spec)
+
+    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> None:
+        # Items the encoder cache already holds never reach
+        # update_state_after_alloc, so pushes are prepared here as well.
+        for index in range(len(request.mm_features)):
+            if _unconsumed(request, index, num_computed_tokens):
+                self.prepare(request, index)
+
+    def build(self, meta: _StepMetadata) -> None:
+        meta.pushes, self._new = self._new, []
+
+    def update_connector_output(self, report: _WorkerReport) -> None:
+        self._pending = report.pending_pushes
+        for tid, reason in report.pushes_failed.items():
+            spec = self._prepared.get(tid)
+            if spec is None:
+                logger.warning("ecmooncake: push %s failed after its request finished: %s", tid, reason)
+                continue
+            logger.warning(
+                "ecmooncake: request %s fails (retryable): push of %s (transfer %s) to %s: %s",
+                spec.request_id,
+                spec.mm_hash,
+                tid,
+                spec.consumer,
+                reason,
+            )
+            self._unavailable.add(spec.request_id)
+
+    def request_finished(self, request: Any) -> dict[str, Any] | None:
+        rid = request.request_id
+        specs = {}
+        for tid in self._by_request.pop(rid, ()):
+            spec = self._prepared.pop(tid, None)
+            if spec is not None:
+                specs[tid] = spec
+        self._unavailable.discard(rid)
+        features = getattr(request, "mm_features", None) or []
+        if not features:
+            return None
+        items = self._item_metadata(features)
+        for index, tid in enumerate(transfer_ids(request)):
+            ident = features[index].identifier
+            entry = items[ident]
+            if tid is None:
+                tid = f"{rid}:{index}" if f"{rid}:{index}" in specs else None
+            spec = specs.get(tid) if tid else None
+            if tid:
+                entry["transfer_id"] = tid
+            entry["mm_hash"] = ident
+            if spec is not None and spec.shape is not None:
+                entry.update(dtype=spec.dtype, shape=list(spec.shape), nbytes=spec.nbytes)
+        return items
+
+    def _item_metadata(self, features: list[Any]) -> dict[str, dict[str, Any]]:
+        if self._model_config is not None:
+            try:
+                from vllm.distributed.ec_transfer.ec_connector.utils import (
+                    PlaceholderMetadataResolver,
+                    collect_ec_item_metadata,
+                )
+
+                if self._resolver is None:
+                    self._resolver = PlaceholderMetadataResolver(self._model_config)
+                items = collect_ec_item_metadata(features, self._resolver)
+            except ImportError:
+                items = None
+        else:
+            items = None
+        if items is None:
+            items = {}
+            for index, feature in enumerate(features):
+                items.setdefault(feature.identifier, {"item_indices": []})["item_indices"].append(index)
+        for feature in features:
+            entry = items[feature.identifier]
+            # vLLM 0.32's helper leaves modality out (0.33 fills it in); the
+            # proxy needs it to choose the embeds part for the PD request.
+            entry.setdefault("modality", feature.modality)
+            entry.setdefault("metadata", {})
+        return items
+
+    def take_unavailable(self) -> set[str]:
+        out, self._unavailable = self._unavailable, set()
+        return out
+
+    def has_pending_work(self) -> bool:
+        return bool(self._pending or self._new)

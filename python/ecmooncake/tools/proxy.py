@@ -1,0 +1,166 @@
+"""``python -m ecmooncake proxy`` (also the ``ecmooncake-proxy`` script) runs
+the EPD proxy in this process until SIGINT or SIGTERM; ``python -m
+ecmooncake register`` keeps an instance registered with proxies, as a
+sidecar next to ``vllm serve``. Python owns the signals: the library never
+installs a handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ..proxy import Proxy, Registrar
+from .serve import add_token_arguments, refuses_bad_tokens, run_until_signal, token_from
+
+# The register token: the proxy requires it on /v1/ecm/register and
+# /v1/ecm/deregister, and the register sidecar sends it.
+REGISTER_TOKEN_ENV = "ECMOONCAKE_REGISTER_TOKEN"
+
+
+def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--encode", nargs="*", default=[], metavar="URL", help="encoder instances (http://host:port)")
+    p.add_argument(
+        "--pd",
+        nargs="*",
+        default=[],
+        metavar="URL",
+        help="prefill/decode instances; a URL may carry its consumer layout in the fragment: "
+        "http://h:8100#ec=tcp://h:14579&tp_size=2&dp_size=2 (ec defaults to tcp://<host>:--ec-port)",
+    )
+    p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill instances (the consumers) of a split P/D deployment")
+    p.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode instances of a split P/D deployment")
+    p.add_argument("--retries", type=int, default=2, help="re-encode and resend a request whose consumer failed before the first byte, up to N times (default %(default)s)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=0, help="also serve /metrics on this port (it is always on the main port)")
+    p.add_argument("--ec-port", type=int, default=14579, help="consumers' ec_port for --pd/--prefill URLs without ec= (default %(default)s)")
+    p.add_argument("--encode-timeout", type=float, default=60, help="seconds allowed per encoder call (default %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=600, help="seconds allowed per request, end to end (default %(default)s)")
+    p.add_argument("--health-interval", type=float, default=2, help="seconds between /health checks of each backend (default %(default)s)")
+    p.add_argument("--fail-threshold", type=int, default=3, help="consecutive failures that drop a backend (default %(default)s)")
+    p.add_argument("--no-register", action="store_true", help="refuse POST /v1/ecm/register even with a register token (static lists only)")
+    add_token_arguments(p, name="register-token", env=REGISTER_TOKEN_ENV, what="the register token", file_help=(
+        f"file holding the bearer token that register and deregister calls must carry (default: ${REGISTER_TOKEN_ENV}; "
+        "with neither, registration is off)"))
+    p.add_argument(
+        "--admin-port",
+        type=int,
+        default=0,
+        help="serve /v1/ecm/register, /deregister and /backends on this port only, so that --port can be exposed alone "
+        "(default: on --port)",
+    )
+    p.add_argument("--admin-host", default="", help="address of the admin port (default: --host)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
+
+
+def register_token(args: argparse.Namespace) -> str | None:
+    """The proxy's register token, from --register-token-file, --register-token or the environment."""
+    return token_from(args, name="register-token", env=REGISTER_TOKEN_ENV, what="register token")
+
+
+def proxy_config(args: argparse.Namespace, token: str | None = None) -> dict[str, Any]:
+    return {
+        "host": args.host,
+        "port": args.port,
+        "metrics_port": args.metrics_port,
+        "encode": args.encode,
+        "pd": args.pd,
+        "prefill": args.prefill,
+        "decode": args.decode,
+        "retries": args.retries,
+        "ec_port": args.ec_port,
+        "encode_timeout_s": args.encode_timeout,
+        "request_timeout_s": args.request_timeout,
+        "health_interval_s": args.health_interval,
+        "fail_threshold": args.fail_threshold,
+        "allow_register": not args.no_register,
+        "register_token": token or "",
+        "admin_port": args.admin_port,
+        "admin_host": args.admin_host,
+    }
+
+
+def add_register_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--proxy", nargs="+", required=True, metavar="URL", help="proxies to register with (http://host:port)")
+    p.add_argument("--role", default="pd", choices=["pd", "prefill", "decode", "encode"])
+    p.add_argument("--url", required=True, help="this instance's base URL, as the proxy reaches it (http://host:port)")
+    p.add_argument("--consumer", default="", help="control endpoint of the first consumer shard, tcp://<ec_ip>:<ec_port> (pd, prefill)")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--host-id", default="", help="machine identity shown by the proxy (default: none)")
+    p.add_argument("--ttl", type=float, default=10, help="seconds the proxy keeps the entry without a heartbeat (default %(default)s)")
+    add_token_arguments(p, name="token", env=REGISTER_TOKEN_ENV, what="the register token",
+                        file_help=f"file holding the proxies' register token (default: ${REGISTER_TOKEN_ENV})")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
+
+
+def register_config(args: argparse.Namespace, token: str | None = None) -> dict[str, Any]:
+    return {
+        "proxies": args.proxy,
+        "role": args.role,
+        "url": args.url,
+        "consumer": args.consumer,
+        "tp_size": args.tp_size,
+        "dp_size": args.dp_size,
+        "host": args.host_id,
+        "ttl_s": args.ttl,
+        "token": token or "",
+    }
+
+
+@refuses_bad_tokens("proxy")
+def proxy_main(args: argparse.Namespace) -> int:
+    from ..native import EcmInvalid, configure
+
+    token = register_token(args)
+
+    configure(log_level=args.log_level)
+    try:
+        proxy = Proxy(proxy_config(args, token))
+    except EcmInvalid as exc:
+        print(f"proxy: {exc}", file=sys.stderr)
+        return 2
+    stats = proxy.stats()
+    banner = f"ecmooncake proxy listening on http://{stats['addr']}"
+    if stats.get("metrics_addr"):
+        banner += f" (metrics also on http://{stats['metrics_addr']}/metrics)"
+    if not token or args.no_register:
+        banner += "; registration off"
+    elif stats.get("admin_addr"):
+        banner += f"; registration on the admin port http://{stats['admin_addr']}"
+    else:
+        banner += "; registration on (bearer token)"
+    return run_until_signal(proxy, (banner, sys.stdout))
+
+
+@refuses_bad_tokens("register")
+def register_main(args: argparse.Namespace) -> int:
+    from ..native import configure
+
+    token = token_from(args, name="token", env=REGISTER_TOKEN_ENV, what="register token")
+    if not token:
+        print(
+            f"register: warning: no register token (--token-file or ${REGISTER_TOKEN_ENV}); a proxy refuses registrations without one",
+            file=sys.stderr,
+            flush=True,
+        )
+    configure(log_level=args.log_level)
+    reg = Registrar(register_config(args, token))
+    return run_until_signal(reg, (f"registering {args.role} {args.url} with {', '.join(args.proxy)}", sys.stdout))
+
+
+def console_main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ecmooncake-proxy`` script."""
+    parser = argparse.ArgumentParser(
+        prog="ecmooncake-proxy",
+        description="EPD proxy: an OpenAI-compatible front that sends media to encoder instances "
+        "and the rewritten request to prefill/decode instances.",
+    )
+    add_proxy_arguments(parser)
+    return proxy_main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(console_main())
