@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"runtime"
 	"sync"
 	"time"
 
@@ -129,12 +128,7 @@ func Dial(zctx *zmq.Context, endpoint string, log *slog.Logger, opts ...ClientOp
 	if err := sock.Connect(target); err != nil {
 		return fail(fmt.Errorf("control: dial %s: %w", endpoint, err))
 	}
-	w, err := newWaker(zctx)
-	if err != nil {
-		return fail(err)
-	}
 	c := &Client{
-		owner:    newOwner(log, "client "+endpoint, w),
 		sock:     sock,
 		hs:       hs,
 		endpoint: endpoint,
@@ -143,7 +137,11 @@ func Dial(zctx *zmq.Context, endpoint string, log *slog.Logger, opts ...ClientOp
 		sendq:    make(chan outgoing, sendQueue),
 		pending:  map[uint64]chan result{},
 	}
-	go c.run(c.loop, sock, hs.mon)
+	c.owner, err = newOwner(log, "client "+endpoint, pollItem{sock: sock, want: c.wants}, pollItem{sock: hs.mon})
+	if err != nil {
+		return fail(err)
+	}
+	c.start(c.step)
 	return c, nil
 }
 
@@ -190,7 +188,7 @@ func (c *Client) Call(ctx context.Context, op wire.Op, body any, out any) error 
 
 	select {
 	case c.sendq <- outgoing{id: id, frame: frame}:
-		c.wake.wake()
+		c.wakeup()
 	case <-ctx.Done():
 		return c.fail(op, id, ctx.Err())
 	case <-c.done:
@@ -200,6 +198,8 @@ func (c *Client) Call(ctx context.Context, op wire.Op, body any, out any) error 
 	select {
 	case res = <-ch:
 	case <-ctx.Done():
+		// The frame may still wait for room; the owner drops it.
+		c.wakeup()
 		return c.fail(op, id, ctx.Err())
 	case <-c.done:
 		return c.fail(op, id, c.err)
@@ -268,49 +268,25 @@ func (c *Client) Stats() ClientStats {
 	return ClientStats{RoundTrips: c.roundTrips.Load(), LateReplies: c.late.Load(), BadReplies: c.bad.Load()}
 }
 
-func (c *Client) loop() error {
-	p := zmq.NewPoller()
-	sockIdx := p.Add(c.sock, zmq.POLLIN)
-	p.Add(c.wake.rx, zmq.POLLIN)
-	p.Add(c.hs.mon, zmq.POLLIN)
-	for !c.quitting() {
-		events := zmq.POLLIN
-		if c.head != nil {
-			events |= zmq.POLLOUT
-		}
-		if _, err := p.Update(sockIdx, events); err != nil {
-			return fmt.Errorf("poller: %w", err)
-		}
-		polled, err := poll(p)
-		if err != nil {
-			return err
-		}
-		for _, ev := range polled {
-			switch ev.Socket {
-			case c.wake.rx:
-				c.wake.drain()
-			case c.hs.mon:
-				c.hs.watch(time.Now(), c.setRefused)
-			case c.sock:
-				if ev.Events&zmq.POLLIN != 0 {
-					if err := c.readReplies(); err != nil {
-						return err
-					}
-					// The callers just readied sit on this goroutine's P,
-					// which stays parked with it in the cgo poll until the
-					// runtime retakes it; yielding first lets them run now.
-					runtime.Gosched()
-				}
-			}
-		}
-		if err := c.redial(); err != nil {
-			return err
-		}
-		if err := c.flush(); err != nil {
-			return err
-		}
+// step is one turn of the owner's loop. Owner only.
+func (c *Client) step() error {
+	c.hs.watch(time.Now(), c.setRefused)
+	if err := c.readReplies(); err != nil {
+		return err
 	}
-	return nil
+	if err := c.redial(); err != nil {
+		return err
+	}
+	return c.flush()
+}
+
+// wants is what the owner waits for on the socket: replies, and room
+// while a frame waits for it. Owner only.
+func (c *Client) wants() zmq.State {
+	if c.head != nil {
+		return zmq.POLLIN | zmq.POLLOUT
+	}
+	return zmq.POLLIN
 }
 
 // setRefused records the server's latest security verdict and fails every

@@ -132,8 +132,9 @@ func (g *guard) watch() {
 	})
 }
 
-// sockets lists what the owner must poll and close besides its own.
-func (g *guard) sockets() []*zmq.Socket { return []*zmq.Socket{g.mon} }
+// items lists what the owner of the guarded socket polls and closes: that
+// socket and the guard's monitor.
+func (g *guard) items(guarded pollItem) []pollItem { return []pollItem{guarded, {sock: g.mon}} }
 
 // Refused returns the refusals by reason.
 func (g *guard) stats() map[string]uint64 {

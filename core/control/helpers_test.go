@@ -172,3 +172,10 @@ func names(prefix string, n int) []string {
 	}
 	return out
 }
+
+// waitingAny reports whether some call waits for its reply.
+func (c *Client) waitingAny() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.pending) > 0
+}

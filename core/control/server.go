@@ -106,21 +106,17 @@ func NewServer(zctx *zmq.Context, bind string, h Handler, log *slog.Logger, opts
 	if err != nil {
 		return fail(err)
 	}
-	w, err := newWaker(zctx)
-	if err != nil {
-		return fail(err)
-	}
 	s := &Server{
-		owner:    newOwner(log, "server "+endpoint, w),
 		sock:     sock,
 		guard:    g,
 		h:        h,
 		endpoint: endpoint,
 		stats:    ServerStats{Errors: map[string]uint64{}},
 	}
-	// Handing sock to the new goroutine is the one move of ownership; the
-	// go statement orders everything above before it.
-	go s.run(s.serve, append([]*zmq.Socket{sock}, g.sockets()...)...)
+	if s.owner, err = newOwner(log, "server "+endpoint, g.items(pollItem{sock: sock})...); err != nil {
+		return fail(err)
+	}
+	s.start(s.step)
 	return s, nil
 }
 
@@ -141,9 +137,7 @@ func newGuardedSocket(zctx *zmq.Context, t zmq.Type, sec Security, bindHost stri
 // closeGuarded undoes newGuardedSocket for a socket no goroutine owns yet.
 func closeGuarded(sock *zmq.Socket, g *guard) {
 	sock.Close()
-	for _, s := range g.sockets() {
-		s.Close()
-	}
+	g.mon.Close()
 	g.close()
 }
 
@@ -198,30 +192,10 @@ func (s *Server) Stats() ServerStats {
 	return out
 }
 
-func (s *Server) serve() error {
-	p := zmq.NewPoller()
-	p.Add(s.sock, zmq.POLLIN)
-	p.Add(s.wake.rx, zmq.POLLIN)
-	p.Add(s.guard.mon, zmq.POLLIN)
-	for !s.quitting() {
-		polled, err := poll(p)
-		if err != nil {
-			return err
-		}
-		for _, ev := range polled {
-			switch ev.Socket {
-			case s.wake.rx:
-				s.wake.drain()
-			case s.guard.mon:
-				s.guard.watch()
-			case s.sock:
-				if err := s.serveBatch(); err != nil {
-					return err
-				}
-			}
-		}
-	}
-	return nil
+// step is one turn of the owner's loop. Owner only.
+func (s *Server) step() error {
+	s.guard.watch()
+	return s.serveBatch()
 }
 
 func (s *Server) serveBatch() error {
