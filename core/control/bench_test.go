@@ -69,12 +69,12 @@ func BenchmarkControlRoundTrip(b *testing.B) {
 	require.NoError(b, err)
 	defer zctx.Term()
 	body := wire.Status{TransferIDs: []string{"transfer-0"}}
-	frame := mustEncodeB(b, 1, wire.OpStatus, body)
+	frame := mustEncode(b, 1, wire.OpStatus, body)
 
 	for _, curve := range []bool{false, true} {
 		name := map[bool]string{false: "plain", true: "curve"}[curve]
 		sec := benchSecurity(b, curve)
-		floor := newBareReqRep(b, frame, sec)
+		floor := newBareFloor(b, frame, sec, zmq.REP, zmq.REQ)
 		srv, err := NewServer(zctx, "tcp://127.0.0.1:0", HandlerFunc(statusEcho), nil, WithServerSecurity(sec))
 		require.NoError(b, err)
 		cli, err := Dial(zctx, srv.Endpoint(), nil, WithClientSecurity(sec))
@@ -87,7 +87,7 @@ func BenchmarkControlRoundTrip(b *testing.B) {
 			}
 		}
 		b.Run(name, func(b *testing.B) {
-			interleaved(b, floor.roundTrips, func(n int) {
+			interleaved(b, floor.run, func(n int) {
 				for range n {
 					call()
 				}
@@ -95,7 +95,7 @@ func BenchmarkControlRoundTrip(b *testing.B) {
 		})
 		b.Run(name+"-parallel", func(b *testing.B) {
 			callers := runtime.GOMAXPROCS(0)
-			interleaved(b, floor.roundTrips, func(n int) {
+			interleaved(b, floor.run, func(n int) {
 				var wg sync.WaitGroup
 				for w := range callers {
 					wg.Go(func() {
@@ -129,7 +129,7 @@ func BenchmarkEventDelivery(b *testing.B) {
 	for _, curve := range []bool{false, true} {
 		name := map[bool]string{false: "plain", true: "curve"}[curve]
 		sec := benchSecurity(b, curve)
-		floor := newBarePushPull(b, frame, sec)
+		floor := newBareFloor(b, frame, sec, zmq.PULL, zmq.PUSH)
 		pub, err := NewEventPub(zctx, "127.0.0.1", nil, WithServerSecurity(sec))
 		require.NoError(b, err)
 		sub, err := NewEventSub(zctx, nil, WithClientSecurity(sec))
@@ -139,7 +139,7 @@ func BenchmarkEventDelivery(b *testing.B) {
 		pub.Send(ev)
 		<-sub.Events()
 		b.Run(name, func(b *testing.B) {
-			interleaved(b, floor.deliveries, func(n int) {
+			interleaved(b, floor.run, func(n int) {
 				for range n {
 					pub.Send(ev)
 					if _, ok := <-sub.Events(); !ok {
@@ -152,15 +152,6 @@ func BenchmarkEventDelivery(b *testing.B) {
 		require.NoError(b, pub.Close())
 		floor.close()
 	}
-}
-
-func mustEncodeB(b *testing.B, id uint64, op wire.Op, body any) []byte {
-	b.Helper()
-	req, err := wire.NewRequest(id, op, body)
-	require.NoError(b, err)
-	frame, err := wire.EncodeRequest(req)
-	require.NoError(b, err)
-	return frame
 }
 
 // barePair opens a bound and a connected socket over loopback TCP on a
@@ -187,98 +178,67 @@ func barePair(b *testing.B, sec Security, bound, connected zmq.Type) (*zmq.Conte
 	return zctx, srv, cli
 }
 
-// bareReqRep is the round-trip floor: a REQ (the benchmark goroutine's)
-// and a REP echo (its own goroutine's), each blocking in libzmq.
-type bareReqRep struct {
+// bareFloor is a floor: a socket of the benchmark goroutine's (REQ, or
+// PUSH) and its peer on a goroutine of its own (a REP echo, or a PULL that
+// hands each message back over a Go channel, as a scheduler's reader is
+// handed its events), each blocking in libzmq.
+type bareFloor struct {
 	b     *testing.B
 	zctx  *zmq.Context
-	req   *zmq.Socket
+	near  *zmq.Socket
 	frame []byte
+	got   chan []byte // from a PULL; nil for a REP
 	done  chan struct{}
 }
 
-func newBareReqRep(b *testing.B, frame []byte, sec Security) *bareReqRep {
+func newBareFloor(b *testing.B, frame []byte, sec Security, far, near zmq.Type) *bareFloor {
 	b.Helper()
-	zctx, rep, req := barePair(b, sec, zmq.REP, zmq.REQ)
-	f := &bareReqRep{b: b, zctx: zctx, req: req, frame: frame, done: make(chan struct{})}
+	zctx, farSock, nearSock := barePair(b, sec, far, near)
+	f := &bareFloor{b: b, zctx: zctx, near: nearSock, frame: frame, done: make(chan struct{})}
+	if far == zmq.PULL {
+		f.got = make(chan []byte, 1)
+	}
 	go func() {
 		defer close(f.done)
-		defer rep.Close()
+		defer farSock.Close()
 		for {
-			m, err := rep.RecvBytes(0)
+			m, err := farSock.RecvBytes(0)
 			if err != nil || len(m) == 0 {
 				return
 			}
-			if _, err := rep.SendBytes(m, 0); err != nil {
+			if f.got != nil {
+				f.got <- m
+			} else if _, err := farSock.SendBytes(m, 0); err != nil {
 				return
 			}
 		}
 	}()
-	f.roundTrips(1) // connect
+	f.run(1) // connect
 	return f
 }
 
-func (f *bareReqRep) roundTrips(n int) {
+// run sends frame n times, each once the last came back.
+func (f *bareFloor) run(n int) {
 	for range n {
-		_, err := f.req.SendBytes(f.frame, 0)
+		_, err := f.near.SendBytes(f.frame, 0)
 		require.NoError(f.b, err)
-		_, err = f.req.RecvBytes(0)
-		require.NoError(f.b, err)
+		if f.got == nil {
+			_, err = f.near.RecvBytes(0)
+			require.NoError(f.b, err)
+			continue
+		}
+		select {
+		case <-f.got:
+		case <-f.done:
+			f.b.Fatal("bare PULL stopped")
+		}
 	}
 }
 
-// close stops the echo with an empty frame.
-func (f *bareReqRep) close() {
-	_, _ = f.req.SendBytes(nil, 0)
+// close stops the peer with an empty frame.
+func (f *bareFloor) close() {
+	_, _ = f.near.SendBytes(nil, 0)
 	<-f.done
-	f.req.Close()
-	require.NoError(f.b, f.zctx.Term())
-}
-
-// barePushPull is the event floor: a PUSH (the benchmark goroutine's) and
-// a PULL (its own goroutine's, blocking in libzmq) that hands each message
-// back over a Go channel.
-type barePushPull struct {
-	b     *testing.B
-	zctx  *zmq.Context
-	push  *zmq.Socket
-	frame []byte
-	got   chan []byte
-}
-
-func newBarePushPull(b *testing.B, frame []byte, sec Security) *barePushPull {
-	b.Helper()
-	zctx, push, pull := barePair(b, sec, zmq.PUSH, zmq.PULL)
-	f := &barePushPull{b: b, zctx: zctx, push: push, frame: frame, got: make(chan []byte, 1)}
-	go func() {
-		defer close(f.got)
-		defer pull.Close()
-		for {
-			m, err := pull.RecvBytes(0)
-			if err != nil || len(m) == 0 {
-				return
-			}
-			f.got <- m
-		}
-	}()
-	f.deliveries(1) // connect
-	return f
-}
-
-func (f *barePushPull) deliveries(n int) {
-	for range n {
-		_, err := f.push.SendBytes(f.frame, 0)
-		require.NoError(f.b, err)
-		_, ok := <-f.got
-		require.True(f.b, ok, "bare PULL stopped")
-	}
-}
-
-// close stops the receiver with an empty frame.
-func (f *barePushPull) close() {
-	_, _ = f.push.SendBytes(nil, 0)
-	for range f.got {
-	}
-	f.push.Close()
+	f.near.Close()
 	require.NoError(f.b, f.zctx.Term())
 }

@@ -137,11 +137,11 @@ func Dial(zctx *zmq.Context, endpoint string, log *slog.Logger, opts ...ClientOp
 		sendq:    make(chan outgoing, sendQueue),
 		pending:  map[uint64]chan result{},
 	}
-	c.owner, err = newOwner(log, "client "+endpoint, pollItem{sock: sock, want: c.wants}, pollItem{sock: hs.mon})
+	c.owner, err = newOwner(log, "client "+endpoint, pollItem{sock: sock, serve: c.serve, want: c.wants}, hs.item(c.setRefused))
 	if err != nil {
 		return fail(err)
 	}
-	c.start(c.step)
+	c.start()
 	return c, nil
 }
 
@@ -268,10 +268,10 @@ func (c *Client) Stats() ClientStats {
 	return ClientStats{RoundTrips: c.roundTrips.Load(), LateReplies: c.late.Load(), BadReplies: c.bad.Load()}
 }
 
-// step is one turn of the owner's loop. Owner only.
-func (c *Client) step() error {
-	c.hs.watch(time.Now(), c.setRefused)
-	if err := c.readReplies(); err != nil {
+// serve reads the replies, reconnects when due and sends what is queued.
+// Owner only.
+func (c *Client) serve() error {
+	if err := recvEach(c.sock, c.handleReply); err != nil {
 		return err
 	}
 	if err := c.redial(); err != nil {
@@ -358,28 +358,12 @@ func (c *Client) flush() error {
 	}
 }
 
-func (c *Client) readReplies() error {
-	for range recvBatch {
-		m, err := recvCapped(c.sock)
-		if isAgain(err) {
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("receive: %w", err)
-		}
-		if m.over {
-			m.parts = nil // fails the length check below
-		}
-		c.handleReply(m.parts)
-	}
-	return nil
-}
-
-func (c *Client) handleReply(parts [][]byte) {
+// handleReply hands one reply to its caller; it always asks for the next.
+func (c *Client) handleReply(m capped) bool {
 	var rep wire.Reply
 	err := errors.New("want one frame per reply")
-	if len(parts) == 1 {
-		rep, err = wire.DecodeReply(parts[0])
+	if len(m.parts) == 1 && !m.over {
+		rep, err = wire.DecodeReply(m.parts[0])
 	}
 	if err != nil {
 		c.bad.Add(1)
@@ -388,9 +372,10 @@ func (c *Client) handleReply(parts [][]byte) {
 		if rep.ID != 0 {
 			c.deliver(rep.ID, result{err: fmt.Errorf("undecodable reply: %w", err)})
 		}
-		return
+		return true
 	}
 	if !c.deliver(rep.ID, result{rep: rep}) {
 		c.late.Add(1)
 	}
+	return true
 }

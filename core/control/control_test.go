@@ -308,8 +308,8 @@ func TestLateRepliesAreDroppedAndCounted(t *testing.T) {
 	late := cli.nextID.Load()
 	frame, err := wire.EncodeReply(wire.OKReply(late, wire.StatusReply{}))
 	require.NoError(t, err)
-	cli.handleReply([][]byte{frame})
-	cli.handleReply([][]byte{[]byte("junk")})
+	cli.handleReply(capped{parts: [][]byte{frame}})
+	cli.handleReply(capped{parts: [][]byte{[]byte("junk")}})
 	require.Equal(t, ClientStats{RoundTrips: 1, LateReplies: 1, BadReplies: 1}, cli.Stats())
 
 	require.NoError(t, cli.Call(context.Background(), wire.OpStatus, wire.Status{}, nil))
@@ -330,21 +330,21 @@ func TestServerCloseIsIdempotent(t *testing.T) {
 // waiters see ErrStopped.
 func TestOwnerPanicStopsOnlyItsObject(t *testing.T) {
 	zctx := harness(t)
-	sock, err := newSocket(zctx, zmq.PAIR)
-	require.NoError(t, err)
-	o, err := newOwner(nil, "test", pollItem{sock: sock})
-	require.NoError(t, err)
-	o.start(func() error { panic("owner bug") })
-	err = o.stopped()
+	start := func(serve func() error) *owner {
+		sock, err := newSocket(zctx, zmq.PAIR)
+		require.NoError(t, err)
+		o, err := newOwner(nil, "test", pollItem{sock: sock, serve: serve})
+		require.NoError(t, err)
+		o.start()
+		return o
+	}
+	o := start(func() error { panic("owner bug") })
+	err := o.stopped()
 	require.ErrorIs(t, err, ErrStopped)
 	require.Contains(t, err.Error(), "owner bug")
 	o.stop()
 
-	sock2, err := newSocket(zctx, zmq.PAIR)
-	require.NoError(t, err)
-	o2, err := newOwner(nil, "test", pollItem{sock: sock2})
-	require.NoError(t, err)
-	o2.start(func() error { return errors.New("context terminated") })
+	o2 := start(func() error { return errors.New("context terminated") })
 	require.ErrorIs(t, o2.stopped(), ErrStopped)
 	o2.stop()
 }

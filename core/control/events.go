@@ -68,11 +68,12 @@ func NewEventPub(zctx *zmq.Context, host string, log *slog.Logger, opts ...Serve
 		endpoint: endpoint,
 		q:        make(chan []byte, EventQueue),
 	}
-	if p.owner, err = newOwner(log, "event pub "+endpoint, g.items(pollItem{sock: sock, want: p.wants})...); err != nil {
+	if p.owner, err = newOwner(log, "event pub "+endpoint, pollItem{sock: sock, serve: p.flush, want: p.wants}, g.item()); err != nil {
 		closeGuarded(sock, g)
 		return nil, err
 	}
-	p.start(p.step)
+	p.onExit = g.close
+	p.start()
 	return p, nil
 }
 
@@ -117,17 +118,7 @@ func (p *EventPub) Stats() PubStats {
 
 // Close stops publishing and closes the socket; queued events are lost.
 // Idempotent.
-func (p *EventPub) Close() error {
-	p.stop()
-	p.guard.close()
-	return nil
-}
-
-// step is one turn of the owner's loop. Owner only.
-func (p *EventPub) step() error {
-	p.guard.watch()
-	return p.flush()
-}
+func (p *EventPub) Close() error { p.stop(); return nil }
 
 // wants is what the owner waits for on the socket: room, while a frame
 // waits for it. Owner only.
@@ -210,13 +201,17 @@ func NewEventSub(zctx *zmq.Context, log *slog.Logger, opts ...ClientOption) (*Ev
 		out:       make(chan wire.Event, EventQueue),
 		connected: map[string]bool{},
 	}
-	if s.owner, err = newOwner(log, "event sub", pollItem{sock: sock}, pollItem{sock: hs.mon}); err != nil {
+	// The refusal is logged once by handshakes; the scheduler's control
+	// calls to the same shard fail with it too, which is where it
+	// surfaces.
+	ignore := func(string, error) {}
+	if s.owner, err = newOwner(log, "event sub", pollItem{sock: sock, serve: s.serve}, hs.item(ignore)); err != nil {
 		sock.Close()
 		hs.mon.Close()
 		return nil, err
 	}
 	s.onExit = func() { close(s.out) }
-	s.start(s.step)
+	s.start()
 	return s, nil
 }
 
@@ -262,12 +257,9 @@ func (s *EventSub) Close() error {
 	return nil
 }
 
-// step is one turn of the owner's loop. Owner only.
-func (s *EventSub) step() error {
-	// The refusal is logged once by handshakes; the scheduler's control
-	// calls to the same shard fail with it too, which is where it
-	// surfaces.
-	s.hs.watch(time.Now(), func(string, error) {})
+// serve receives, connects what was asked and reconnects when due. Owner
+// only.
+func (s *EventSub) serve() error {
 	if err := s.receive(); err != nil {
 		return err
 	}
@@ -312,37 +304,30 @@ func (s *EventSub) connect(req connectReq) {
 // receive reads a batch and hands each valid event to the reader. While
 // the reader is behind it waits, still serving Connect and Close, and
 // reads nothing more: that is the back-pressure.
-func (s *EventSub) receive() error {
-	for range recvBatch {
-		m, err := recvCapped(s.sock)
-		if isAgain(err) {
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("receive: %w", err)
-		}
-		parts := m.parts
-		if m.over || len(parts) != 1 {
-			s.bad.Add(1)
-			continue
-		}
-		ev, err := wire.DecodeEvent(parts[0])
-		if err != nil {
-			s.bad.Add(1)
-			s.log.Warn("control: undecodable event", "err", err)
-			continue
-		}
-		s.received.Add(1)
-		for delivered := false; !delivered; {
-			select {
-			case s.out <- ev:
-				delivered = true
-			case req := <-s.connq:
-				s.connect(req)
-			case <-s.quit:
-				return nil
-			}
+func (s *EventSub) receive() error { return recvEach(s.sock, s.handleEvent) }
+
+// handleEvent hands one event to the reader; false when the subscriber
+// is closing.
+func (s *EventSub) handleEvent(m capped) bool {
+	if m.over || len(m.parts) != 1 {
+		s.bad.Add(1)
+		return true
+	}
+	ev, err := wire.DecodeEvent(m.parts[0])
+	if err != nil {
+		s.bad.Add(1)
+		s.log.Warn("control: undecodable event", "err", err)
+		return true
+	}
+	s.received.Add(1)
+	for {
+		select {
+		case s.out <- ev:
+			return true
+		case req := <-s.connq:
+			s.connect(req)
+		case <-s.quit:
+			return false
 		}
 	}
-	return nil
 }

@@ -132,9 +132,11 @@ func (g *guard) watch() {
 	})
 }
 
-// items lists what the owner of the guarded socket polls and closes: that
-// socket and the guard's monitor.
-func (g *guard) items(guarded pollItem) []pollItem { return []pollItem{guarded, {sock: g.mon}} }
+// item is the guard's monitor, for the owner of the guarded socket to
+// poll and close.
+func (g *guard) item() pollItem {
+	return pollItem{sock: g.mon, serve: func() error { g.watch(); return nil }}
+}
 
 // Refused returns the refusals by reason.
 func (g *guard) stats() map[string]uint64 {
@@ -143,7 +145,8 @@ func (g *guard) stats() map[string]uint64 {
 	return maps.Clone(g.refused)
 }
 
-// close leaves the ZAP handler. Call once the socket is closed.
+// close leaves the ZAP handler. Call once the socket is closed;
+// idempotent.
 func (g *guard) close() {
 	if g.release != nil {
 		g.release()
@@ -266,6 +269,12 @@ func (h *handshakes) due(now time.Time) []string {
 		}
 	}
 	return out
+}
+
+// item is the monitor, for the owner of the socket to poll and close;
+// changed is as for watch.
+func (h *handshakes) item(changed func(endpoint string, err error)) pollItem {
+	return pollItem{sock: h.mon, serve: func() error { h.watch(time.Now(), changed); return nil }}
 }
 
 // forget drops what is known of an endpoint. Owner only.

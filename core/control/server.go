@@ -113,10 +113,11 @@ func NewServer(zctx *zmq.Context, bind string, h Handler, log *slog.Logger, opts
 		endpoint: endpoint,
 		stats:    ServerStats{Errors: map[string]uint64{}},
 	}
-	if s.owner, err = newOwner(log, "server "+endpoint, g.items(pollItem{sock: sock})...); err != nil {
+	if s.owner, err = newOwner(log, "server "+endpoint, pollItem{sock: sock, serve: s.serve}, g.item()); err != nil {
 		return fail(err)
 	}
-	s.start(s.step)
+	s.onExit = g.close
+	s.start()
 	return s, nil
 }
 
@@ -174,11 +175,7 @@ func bindAll(sock *zmq.Socket, host string, port int, log *slog.Logger) (string,
 func (s *Server) Endpoint() string { return s.endpoint }
 
 // Close stops the server and closes its socket. Idempotent.
-func (s *Server) Close() error {
-	s.stop()
-	s.guard.close()
-	return nil
-}
+func (s *Server) Close() error { s.stop(); return nil }
 
 // Stats returns a snapshot of the counters.
 func (s *Server) Stats() ServerStats {
@@ -192,24 +189,9 @@ func (s *Server) Stats() ServerStats {
 	return out
 }
 
-// step is one turn of the owner's loop. Owner only.
-func (s *Server) step() error {
-	s.guard.watch()
-	return s.serveBatch()
-}
-
-func (s *Server) serveBatch() error {
-	for range recvBatch {
-		m, err := recvCapped(s.sock)
-		if isAgain(err) {
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("receive: %w", err)
-		}
-		s.serveOne(m)
-	}
-	return nil
+// serve answers the requests waiting. Owner only.
+func (s *Server) serve() error {
+	return recvEach(s.sock, func(m capped) bool { s.serveOne(m); return true })
 }
 
 // serveOne answers one message. parts[0] is the caller's identity, added

@@ -126,9 +126,13 @@ func isAgain(err error) bool { return zmq.AsErrno(err) == zmq.Errno(syscall.EAGA
 
 func isTerm(err error) bool { return zmq.AsErrno(err) == zmq.ETERM }
 
-// pollItem is a socket an owner polls and what it waits for on it.
+// pollItem is a socket an owner polls: what it does with it on each step,
+// and what it waits for on it.
 type pollItem struct {
 	sock *zmq.Socket
+	// serve does what the socket allows without blocking: reads until
+	// EAGAIN (or a batch), sends what is queued. Owner only.
+	serve func() error
 	// want is the events the owner has work for (POLLIN to read,
 	// POLLOUT while a frame waits for room); nil means POLLIN.
 	want func() zmq.State
@@ -142,8 +146,8 @@ func (it pollItem) wants() zmq.State {
 }
 
 // owner is the goroutine that owns a set of sockets, and the one loop
-// every such goroutine runs: do the work (step), and when no socket has
-// more of it, park until something happens.
+// every such goroutine runs: serve every socket (a step), and when no
+// socket has more work, park until something happens.
 //
 // It parks in Go, never in libzmq. Each socket's ZMQ_FD (the descriptor
 // libzmq signals whenever the socket's state may have changed) is watched
@@ -162,9 +166,11 @@ func (it pollItem) wants() zmq.State {
 // processes all queued commands) and steps again at once while any has
 // work; a command queued after that signals afresh.
 type owner struct {
-	log   *slog.Logger
-	name  string
-	items []pollItem // items[0] is the owner's own to wait on
+	log  *slog.Logger
+	name string
+	// items[0] is the owner's own to wait on, and is served last in a
+	// step: the others are monitors, whose news (a refusal) applies to it.
+	items []pollItem
 	fds   []*os.File // a duplicate of each item's ZMQ_FD, for the poller
 	// poked coalesces wake-ups: set by the first wakeup after the owner
 	// last looked for work, which is the one that expires the deadline.
@@ -229,15 +235,15 @@ func (o *owner) closeFDs() {
 	}
 }
 
-// start runs the loop with step on a new goroutine. Handing the sockets
-// to it is their one move of ownership; the go statement orders
-// everything the constructor did before it.
-func (o *owner) start(step func() error) { go o.run(step) }
+// start runs the loop on a new goroutine. Handing the sockets to it is
+// their one move of ownership; the go statement orders everything the
+// constructor did before it.
+func (o *owner) start() { go o.run() }
 
 // run runs the loop until stop, an error or a panic, then closes the
 // sockets and publishes why it stopped. A panic is logged and becomes
 // ErrStopped for everyone waiting: it never reaches the process.
-func (o *owner) run(step func() error) {
+func (o *owner) run() {
 	var watchers sync.WaitGroup
 	defer close(o.done)
 	defer func() {
@@ -263,7 +269,7 @@ func (o *owner) run(step func() error) {
 			o.watch(f)
 		}()
 	}
-	if err := o.loop(step); err != nil {
+	if err := o.loop(); err != nil {
 		o.log.Error("control: socket goroutine stopped", "socket", o.name, "err", err)
 		o.err = fmt.Errorf("%w: %s: %w", ErrStopped, o.name, err)
 		return
@@ -280,7 +286,7 @@ func (o *owner) run(step func() error) {
 //
 // The tick is no part of any work's latency: it is the clock of timed work
 // (reconnects on a backoff) and a safety net.
-func (o *owner) loop(step func() error) error {
+func (o *owner) loop() error {
 	wait, err := o.fds[0].SyscallConn()
 	if err != nil {
 		return fmt.Errorf("poller: %w", err)
@@ -288,7 +294,7 @@ func (o *owner) loop(step func() error) error {
 	var stepErr error
 	turn := func(uintptr) bool {
 		for !o.quitting() {
-			if stepErr = step(); stepErr != nil {
+			if stepErr = o.step(); stepErr != nil {
 				return true
 			}
 			more, err := o.settle()
@@ -313,6 +319,34 @@ func (o *owner) loop(step func() error) error {
 		}
 		if err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
 			return fmt.Errorf("poller: %w", err)
+		}
+	}
+	return nil
+}
+
+// step serves every socket once, the monitors first. Owner only.
+func (o *owner) step() error {
+	for i := len(o.items) - 1; i >= 0; i-- {
+		if err := o.items[i].serve(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// recvEach hands the messages waiting on sock to handle, at most
+// recvBatch of them, until EAGAIN or handle returns false. Owner only.
+func recvEach(sock *zmq.Socket, handle func(m capped) bool) error {
+	for range recvBatch {
+		m, err := recvCapped(sock)
+		if isAgain(err) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("receive: %w", err)
+		}
+		if !handle(m) {
+			return nil
 		}
 	}
 	return nil

@@ -85,11 +85,11 @@ func startZAP(zctx *zmq.Context, log *slog.Logger) (*zapHandler, error) {
 		return nil, fmt.Errorf("control: bind ZAP handler %s: %w", zapEndpoint, err)
 	}
 	z := &zapHandler{zctx: zctx, sock: sock, domains: map[string]zapDomain{}}
-	if z.owner, err = newOwner(log, "zap handler", pollItem{sock: sock}); err != nil {
+	if z.owner, err = newOwner(log, "zap handler", pollItem{sock: sock, serve: z.answerBatch}); err != nil {
 		sock.Close()
 		return nil, err
 	}
-	z.start(z.answerBatch)
+	z.start()
 	return z, nil
 }
 
