@@ -97,34 +97,65 @@ func fuzzBody[T interface{ Validate() error }](t *testing.T, b []byte) {
 	require.Equal(t, v, back)
 }
 
-func seedBody(f *testing.F, pick func(req, rep any) any) {
+// fuzzBodyOf fuzzes the decoder of body type T (what a shard decodes of a
+// request, or a client of a reply), seeded with every body of that type in
+// the codec tests and with extra.
+func fuzzBodyOf[T interface{ Validate() error }](f *testing.F, extra ...string) {
 	for _, tc := range bodies() {
-		if v := pick(tc.req, tc.rep); v != nil {
-			b, err := json.Marshal(v)
-			require.NoError(f, err)
-			f.Add(b)
+		for _, v := range []any{tc.req, tc.rep} {
+			if body, ok := v.(T); ok {
+				b, err := json.Marshal(body)
+				require.NoError(f, err)
+				f.Add(b)
+			}
 		}
 	}
+	for _, b := range extra {
+		f.Add([]byte(b))
+	}
+	f.Fuzz(fuzzBody[T])
 }
 
+// Request bodies, as the shard decodes them.
+
 func FuzzDecodeReserveBatch(f *testing.F) {
-	seedBody(f, func(req, _ any) any {
-		if b, ok := req.(ReserveBatch); ok {
-			return b
-		}
-		return nil
-	})
-	f.Add([]byte(`{"items":[{"transfer_id":"t","mm_hash":"h","nbytes":3,"extra":[1,{"a":null}]}]}`))
-	f.Fuzz(fuzzBody[ReserveBatch])
+	fuzzBodyOf[ReserveBatch](f, `{"items":[{"transfer_id":"t","mm_hash":"h","nbytes":3,"extra":[1,{"a":null}]}]}`)
 }
 
 func FuzzDecodeCompleteBatch(f *testing.F) {
-	seedBody(f, func(req, _ any) any {
-		if b, ok := req.(CompleteBatch); ok {
-			return b
-		}
-		return nil
-	})
-	f.Add([]byte(`{"items":[{"transfer_id":"t","token":"00000000000000000000000000000000"}]}`))
-	f.Fuzz(fuzzBody[CompleteBatch])
+	fuzzBodyOf[CompleteBatch](f, `{"items":[{"transfer_id":"t","token":"00000000000000000000000000000000"}]}`)
+}
+
+func FuzzDecodeCancel(f *testing.F) {
+	fuzzBodyOf[Cancel](f, `{"transfer_ids":["a","a"]}`, `{"transfer_ids":[]}`, `{"transfer_ids":null}`, `{"transfer_ids":["\u0000"]}`)
+}
+
+func FuzzDecodeStatus(f *testing.F) {
+	fuzzBodyOf[Status](f, `{}`, `{"transfer_ids":["t","t"]}`, `{"transfer_ids":[""]}`, `{"transfer_ids":"t"}`)
+}
+
+// Reply bodies, as the clients (producer, scheduler) decode them.
+
+func FuzzDecodePeersReply(f *testing.F) {
+	fuzzBodyOf[PeersReply](f, `{"shards":[{"rank":0,"control":"tcp://a:1"}],"extra":1}`, `{"shards":[]}`)
+}
+
+func FuzzDecodeEventPortReply(f *testing.F) {
+	fuzzBodyOf[EventPortReply](f, `{"endpoint":""}`, `{"endpoint":"tcp://[::1]:5","epoch":"e"}`)
+}
+
+func FuzzDecodeReserveBatchReply(f *testing.F) {
+	fuzzBodyOf[ReserveBatchReply](f, `{"grants":[{"transfer_id":"t","kind":"write","res":1,"nbytes":1}]}`, `{"grants":[],"data":{"":""}}`)
+}
+
+func FuzzDecodeCompleteBatchReply(f *testing.F) {
+	fuzzBodyOf[CompleteBatchReply](f, `{"results":[{"transfer_id":""}]}`, `{"results":null}`)
+}
+
+func FuzzDecodeCancelReply(f *testing.F) {
+	fuzzBodyOf[CancelReply](f, `{"cancelled":-1}`, `{"cancelled":1e30}`)
+}
+
+func FuzzDecodeStatusReply(f *testing.F) {
+	fuzzBodyOf[StatusReply](f, `{"items":[{"transfer_id":"t","known":true}]}`, `{"items":[{"transfer_id":"t","nbytes":-1}]}`)
 }
