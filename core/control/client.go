@@ -137,7 +137,7 @@ func Dial(zctx *zmq.Context, endpoint string, log *slog.Logger, opts ...ClientOp
 		sendq:    make(chan outgoing, sendQueue),
 		pending:  map[uint64]chan result{},
 	}
-	c.owner, err = newOwner(log, "client "+endpoint, pollItem{sock: sock, serve: c.serve, want: c.wants}, hs.item(c.setRefused))
+	c.owner, err = newOwner(log, "client "+endpoint, pollItem{sock: sock, serve: c.serve, want: c.wants}, hs.monitor(c.setRefused))
 	if err != nil {
 		return fail(err)
 	}

@@ -68,7 +68,7 @@ func NewEventPub(zctx *zmq.Context, host string, log *slog.Logger, opts ...Serve
 		endpoint: endpoint,
 		q:        make(chan []byte, EventQueue),
 	}
-	if p.owner, err = newOwner(log, "event pub "+endpoint, pollItem{sock: sock, serve: p.flush, want: p.wants}, g.item()); err != nil {
+	if p.owner, err = newOwner(log, "event pub "+endpoint, pollItem{sock: sock, serve: p.flush, want: p.wants}, g.monitor()); err != nil {
 		closeGuarded(sock, g)
 		return nil, err
 	}
@@ -205,7 +205,7 @@ func NewEventSub(zctx *zmq.Context, log *slog.Logger, opts ...ClientOption) (*Ev
 	// calls to the same shard fail with it too, which is where it
 	// surfaces.
 	ignore := func(string, error) {}
-	if s.owner, err = newOwner(log, "event sub", pollItem{sock: sock, serve: s.serve}, hs.item(ignore)); err != nil {
+	if s.owner, err = newOwner(log, "event sub", pollItem{sock: sock, serve: s.serve}, hs.monitor(ignore)); err != nil {
 		sock.Close()
 		hs.mon.Close()
 		return nil, err

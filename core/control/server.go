@@ -113,7 +113,7 @@ func NewServer(zctx *zmq.Context, bind string, h Handler, log *slog.Logger, opts
 		endpoint: endpoint,
 		stats:    ServerStats{Errors: map[string]uint64{}},
 	}
-	if s.owner, err = newOwner(log, "server "+endpoint, pollItem{sock: sock, serve: s.serve}, g.item()); err != nil {
+	if s.owner, err = newOwner(log, "server "+endpoint, pollItem{sock: sock, serve: s.serve}, g.monitor()); err != nil {
 		return fail(err)
 	}
 	s.onExit = g.close

@@ -145,16 +145,32 @@ func (it pollItem) wants() zmq.State {
 	return it.want()
 }
 
+// monitor is a socket monitor an owner reads beside its socket: read
+// hands on every queued event until EAGAIN or a batch, and reports
+// whether it stopped at the batch (full). Owner only.
+type monitor struct {
+	sock *zmq.Socket
+	read func() (full bool)
+}
+
+// watched is a monitor with the watcher's view of it.
+type watched struct {
+	monitor
+	fd        *os.File    // a duplicate of its ZMQ_FD, for the poller
+	signalled atomic.Bool // set by the watcher, cleared by the owner
+}
+
 // owner is the goroutine that owns a set of sockets, and the one loop
 // every such goroutine runs: serve every socket (a step), and when no
 // socket has more work, park until something happens.
 //
 // It parks in Go, never in libzmq. Each socket's ZMQ_FD (the descriptor
 // libzmq signals whenever the socket's state may have changed) is watched
-// by Go's network poller: the first socket's by the owner itself, which
-// steps on the goroutine the poller wakes, the others' (monitors) by a
-// watcher goroutine each. Work queued by other goroutines wakes the owner
-// by expiring the read deadline of that wait. A goroutine blocked in a cgo
+// by Go's network poller: the owner's socket's by the owner itself, which
+// steps on the goroutine the poller wakes; a monitor's by a watcher
+// goroutine, which marks it signalled and wakes the owner. Work queued by
+// other goroutines wakes the owner by expiring the read deadline of its
+// wait. A goroutine blocked in a cgo
 // zmq_poll instead keeps its OS thread and, until the runtime retakes it,
 // its P: with GOMAXPROCS 2 a few such owners leave no P for the goroutines
 // they ready, which then wait for the runtime's monitor; and each hand-off
@@ -162,16 +178,17 @@ func (it pollItem) wants() zmq.State {
 //
 // ZMQ_FD is edge-triggered: libzmq signals it when it queues a command for
 // the socket, and only once the socket has processed every earlier one.
-// So before parking the loop reads ZMQ_EVENTS of every socket (which
-// processes all queued commands) and steps again at once while any has
-// work; a command queued after that signals afresh.
+// So before parking the loop reads ZMQ_EVENTS of its socket (which
+// processes all queued commands) and steps again at once while it has
+// work; a command queued after that signals afresh. A monitor is only
+// read, until EAGAIN, which processes its commands too; it is read when
+// signalled, so a quiet one costs nothing.
 type owner struct {
 	log  *slog.Logger
 	name string
-	// items[0] is the owner's own to wait on, and is served last in a
-	// step: the others are monitors, whose news (a refusal) applies to it.
-	items []pollItem
-	fds   []*os.File // a duplicate of each item's ZMQ_FD, for the poller
+	item pollItem
+	fd   *os.File // a duplicate of item's ZMQ_FD, for the poller
+	mons []*watched
 	// poked coalesces wake-ups: set by the first wakeup after the owner
 	// last looked for work, which is the one that expires the deadline.
 	poked atomic.Bool
@@ -187,23 +204,24 @@ type owner struct {
 // aLongTimeAgo is a deadline that has passed: setting it wakes a wait.
 var aLongTimeAgo = time.Unix(1, 0)
 
-// newOwner prepares the owner of the sockets in items (at least one);
-// start runs it. On error the sockets are left to the caller.
-func newOwner(log *slog.Logger, name string, items ...pollItem) (*owner, error) {
-	if len(items) == 0 {
-		return nil, fmt.Errorf("control: %s: no socket to own", name)
-	}
+// newOwner prepares the owner of item's socket and of the monitors; start
+// runs it. On error the sockets are left to the caller.
+func newOwner(log *slog.Logger, name string, item pollItem, mons ...monitor) (*owner, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	o := &owner{log: log, name: name, items: items, quit: make(chan struct{}), done: make(chan struct{})}
-	for _, it := range items {
-		f, err := watchable(it.sock)
-		if err != nil {
+	o := &owner{log: log, name: name, item: item, quit: make(chan struct{}), done: make(chan struct{})}
+	var err error
+	if o.fd, err = watchable(item.sock); err != nil {
+		return nil, fmt.Errorf("control: %s: %w", name, err)
+	}
+	for _, m := range mons {
+		w := &watched{monitor: m}
+		if w.fd, err = watchable(m.sock); err != nil {
 			o.closeFDs()
 			return nil, fmt.Errorf("control: %s: %w", name, err)
 		}
-		o.fds = append(o.fds, f)
+		o.mons = append(o.mons, w)
 	}
 	return o, nil
 }
@@ -230,8 +248,9 @@ func watchable(sock *zmq.Socket) (*os.File, error) {
 }
 
 func (o *owner) closeFDs() {
-	for _, f := range o.fds {
-		f.Close()
+	o.fd.Close()
+	for _, m := range o.mons {
+		m.fd.Close()
 	}
 }
 
@@ -249,8 +268,9 @@ func (o *owner) run() {
 	defer func() {
 		o.closeFDs() // ends the watchers
 		watchers.Wait()
-		for _, it := range o.items {
-			it.sock.Close()
+		o.item.sock.Close()
+		for _, m := range o.mons {
+			m.sock.Close()
 		}
 		if o.onExit != nil {
 			o.onExit()
@@ -262,11 +282,11 @@ func (o *owner) run() {
 			o.err = fmt.Errorf("%w: %s: panic: %v", ErrStopped, o.name, r)
 		}
 	}()
-	for _, f := range o.fds[1:] {
+	for _, m := range o.mons {
 		watchers.Add(1)
 		go func() {
 			defer watchers.Done()
-			o.watch(f)
+			o.watch(m)
 		}()
 	}
 	if err := o.loop(); err != nil {
@@ -279,7 +299,7 @@ func (o *owner) run() {
 
 // loop is the poll loop. Each round arms the deadline (the tick, or
 // whatever a wakeup sets meanwhile), clears poked, and then waits on the
-// first socket, stepping first and on every signal, until the deadline
+// socket, stepping first and on every signal, until the deadline
 // expires. That order loses no wake-up: a wakeup that saw poked set came
 // before the clear, so the step after it sees its work; one that set it
 // expires the deadline after the arm.
@@ -287,7 +307,7 @@ func (o *owner) run() {
 // The tick is no part of any work's latency: it is the clock of timed work
 // (reconnects on a backoff) and a safety net.
 func (o *owner) loop() error {
-	wait, err := o.fds[0].SyscallConn()
+	wait, err := o.fd.SyscallConn()
 	if err != nil {
 		return fmt.Errorf("poller: %w", err)
 	}
@@ -309,7 +329,7 @@ func (o *owner) loop() error {
 		return true
 	}
 	for !o.quitting() {
-		if err := o.fds[0].SetReadDeadline(time.Now().Add(tickInterval)); err != nil {
+		if err := o.fd.SetReadDeadline(time.Now().Add(tickInterval)); err != nil {
 			return fmt.Errorf("poller: %w", err)
 		}
 		o.poked.Store(false)
@@ -324,14 +344,15 @@ func (o *owner) loop() error {
 	return nil
 }
 
-// step serves every socket once, the monitors first. Owner only.
+// step reads the monitors that signalled, then serves the socket: what a
+// monitor tells (a refusal) applies to the socket's work. Owner only.
 func (o *owner) step() error {
-	for i := len(o.items) - 1; i >= 0; i-- {
-		if err := o.items[i].serve(); err != nil {
-			return err
+	for _, m := range o.mons {
+		if m.signalled.Swap(false) && m.read() {
+			m.signalled.Store(true) // a batch left: read on next step
 		}
 	}
-	return nil
+	return o.item.serve()
 }
 
 // recvEach hands the messages waiting on sock to handle, at most
@@ -352,31 +373,31 @@ func recvEach(sock *zmq.Socket, handle func(m capped) bool) error {
 	return nil
 }
 
-// settle reads ZMQ_EVENTS of every socket, which re-arms its ZMQ_FD, and
-// reports whether any has work left. Owner only.
+// settle reads ZMQ_EVENTS of the socket, which re-arms its ZMQ_FD, and
+// reports whether it, or a monitor, has work left. Owner only.
 func (o *owner) settle() (bool, error) {
-	more := false
-	for _, it := range o.items {
-		ev, err := it.sock.GetEvents()
-		if err != nil {
-			return false, fmt.Errorf("events: %w", err)
-		}
-		if ev&it.wants() != 0 {
-			more = true
-		}
+	ev, err := o.item.sock.GetEvents()
+	if err != nil {
+		return false, fmt.Errorf("events: %w", err)
+	}
+	more := ev&o.item.wants() != 0
+	for _, m := range o.mons {
+		more = more || m.signalled.Load()
 	}
 	return more, nil
 }
 
-// watch wakes the owner on every signal of f until f is closed. The read
-// never returns between signals, so a signal that comes while it wakes the
-// owner is kept by the poller for the next wait, never lost.
-func (o *owner) watch(f *os.File) {
-	rc, err := f.SyscallConn()
+// watch marks m signalled and wakes the owner on every signal of its
+// ZMQ_FD until that is closed. The read never returns between signals,
+// so a signal that comes while it wakes the owner is kept by the poller
+// for the next wait, never lost.
+func (o *owner) watch(m *watched) {
+	rc, err := m.fd.SyscallConn()
 	if err != nil {
 		return
 	}
 	_ = rc.Read(func(uintptr) bool {
+		m.signalled.Store(true)
 		o.wakeup()
 		return false
 	})
@@ -389,7 +410,7 @@ func (o *owner) wakeup() {
 		return
 	}
 	// Fails only once the owner has closed it, when nothing is to be done.
-	_ = o.fds[0].SetReadDeadline(aLongTimeAgo)
+	_ = o.fd.SetReadDeadline(aLongTimeAgo)
 }
 
 // quitting reports whether stop was asked. Any goroutine.
@@ -408,7 +429,7 @@ func (o *owner) stop() {
 	o.once.Do(func() {
 		close(o.quit)
 		// Not coalesced: a turn checks quit before it waits.
-		_ = o.fds[0].SetReadDeadline(aLongTimeAgo)
+		_ = o.fd.SetReadDeadline(aLongTimeAgo)
 	})
 	<-o.done
 }
