@@ -228,7 +228,8 @@ func newOwner(log *slog.Logger, name string, item pollItem, mons ...monitor) (*o
 
 // watchable returns a duplicate of sock's ZMQ_FD registered with Go's
 // network poller. Nothing reads it: libzmq alone consumes its signals, the
-// poller only reports them.
+// poller only reports them. The duplicate shares libzmq's file flags, so
+// nothing may call its Fd method, which would make both blocking.
 func watchable(sock *zmq.Socket) (*os.File, error) {
 	fd, err := sock.GetFd()
 	if err != nil {
