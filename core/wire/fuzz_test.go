@@ -10,6 +10,19 @@ import (
 // Every fuzz target checks the two codec invariants: decoding never panics,
 // and whatever decodes re-encodes to bytes that decode to an equal value.
 
+// roundTrips checks the invariants on one input.
+func roundTrips[T any](t *testing.T, b []byte, decode func([]byte) (T, error), encode func(T) ([]byte, error)) {
+	v, err := decode(b)
+	if err != nil {
+		return
+	}
+	again, err := encode(v)
+	require.NoError(t, err)
+	back, err := decode(again)
+	require.NoError(t, err)
+	require.Equal(t, v, back)
+}
+
 func seedRequests(f *testing.F) {
 	for i, tc := range bodies() {
 		req, err := NewRequest(uint64(i+1), tc.op, tc.req)
@@ -25,17 +38,7 @@ func seedRequests(f *testing.F) {
 
 func FuzzDecodeRequest(f *testing.F) {
 	seedRequests(f)
-	f.Fuzz(func(t *testing.T, b []byte) {
-		req, err := DecodeRequest(b)
-		if err != nil {
-			return
-		}
-		again, err := EncodeRequest(req)
-		require.NoError(t, err)
-		back, err := DecodeRequest(again)
-		require.NoError(t, err)
-		require.Equal(t, req, back)
-	})
+	f.Fuzz(func(t *testing.T, b []byte) { roundTrips(t, b, DecodeRequest, EncodeRequest) })
 }
 
 func FuzzDecodeReply(f *testing.F) {
@@ -48,17 +51,7 @@ func FuzzDecodeReply(f *testing.F) {
 	require.NoError(f, err)
 	f.Add(b)
 	f.Add([]byte(`{"v":1,"id":8,"err":"boom"}`))
-	f.Fuzz(func(t *testing.T, b []byte) {
-		rep, err := DecodeReply(b)
-		if err != nil {
-			return
-		}
-		again, err := EncodeReply(rep)
-		require.NoError(t, err)
-		back, err := DecodeReply(again)
-		require.NoError(t, err)
-		require.Equal(t, rep, back)
-	})
+	f.Fuzz(func(t *testing.T, b []byte) { roundTrips(t, b, DecodeReply, EncodeReply) })
 }
 
 func FuzzDecodeEvent(f *testing.F) {
@@ -71,30 +64,14 @@ func FuzzDecodeEvent(f *testing.F) {
 		require.NoError(f, err)
 		f.Add(b)
 	}
-	f.Fuzz(func(t *testing.T, b []byte) {
-		ev, err := DecodeEvent(b)
-		if err != nil {
-			return
-		}
-		again, err := EncodeEvent(ev)
-		require.NoError(t, err)
-		back, err := DecodeEvent(again)
-		require.NoError(t, err)
-		require.Equal(t, ev, back)
-	})
+	f.Fuzz(func(t *testing.T, b []byte) { roundTrips(t, b, DecodeEvent, EncodeEvent) })
 }
 
 // fuzzBody is the shared body of the per-type body fuzz targets.
 func fuzzBody[T interface{ Validate() error }](t *testing.T, b []byte) {
-	v, err := DecodeBody[T](b)
-	if err != nil {
-		return
-	}
-	again, err := marshal(v)
-	require.NoError(t, err)
-	back, err := DecodeBody[T](again)
-	require.NoError(t, err)
-	require.Equal(t, v, back)
+	decode := func(b []byte) (T, error) { return DecodeBody[T](b) }
+	encode := func(v T) ([]byte, error) { return marshal(v) }
+	roundTrips(t, b, decode, encode)
 }
 
 // fuzzBodyOf fuzzes the decoder of body type T (what a shard decodes of a
