@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"runtime"
 	"sync"
 	"time"
 
@@ -129,12 +128,7 @@ func Dial(zctx *zmq.Context, endpoint string, log *slog.Logger, opts ...ClientOp
 	if err := sock.Connect(target); err != nil {
 		return fail(fmt.Errorf("control: dial %s: %w", endpoint, err))
 	}
-	w, err := newWaker(zctx)
-	if err != nil {
-		return fail(err)
-	}
 	c := &Client{
-		owner:    newOwner(log, "client "+endpoint, w),
 		sock:     sock,
 		hs:       hs,
 		endpoint: endpoint,
@@ -143,7 +137,11 @@ func Dial(zctx *zmq.Context, endpoint string, log *slog.Logger, opts ...ClientOp
 		sendq:    make(chan outgoing, sendQueue),
 		pending:  map[uint64]chan result{},
 	}
-	go c.run(c.loop, sock, hs.mon)
+	c.owner, err = newOwner(log, "client "+endpoint, pollItem{sock: sock, serve: c.serve, want: c.wants}, hs.monitor(c.setRefused))
+	if err != nil {
+		return fail(err)
+	}
+	c.start()
 	return c, nil
 }
 
@@ -190,7 +188,7 @@ func (c *Client) Call(ctx context.Context, op wire.Op, body any, out any) error 
 
 	select {
 	case c.sendq <- outgoing{id: id, frame: frame}:
-		c.wake.wake()
+		c.wakeup()
 	case <-ctx.Done():
 		return c.fail(op, id, ctx.Err())
 	case <-c.done:
@@ -200,6 +198,8 @@ func (c *Client) Call(ctx context.Context, op wire.Op, body any, out any) error 
 	select {
 	case res = <-ch:
 	case <-ctx.Done():
+		// The frame may still wait for room; the owner drops it.
+		c.wakeup()
 		return c.fail(op, id, ctx.Err())
 	case <-c.done:
 		return c.fail(op, id, c.err)
@@ -268,49 +268,25 @@ func (c *Client) Stats() ClientStats {
 	return ClientStats{RoundTrips: c.roundTrips.Load(), LateReplies: c.late.Load(), BadReplies: c.bad.Load()}
 }
 
-func (c *Client) loop() error {
-	p := zmq.NewPoller()
-	sockIdx := p.Add(c.sock, zmq.POLLIN)
-	p.Add(c.wake.rx, zmq.POLLIN)
-	p.Add(c.hs.mon, zmq.POLLIN)
-	for !c.quitting() {
-		events := zmq.POLLIN
-		if c.head != nil {
-			events |= zmq.POLLOUT
-		}
-		if _, err := p.Update(sockIdx, events); err != nil {
-			return fmt.Errorf("poller: %w", err)
-		}
-		polled, err := poll(p)
-		if err != nil {
-			return err
-		}
-		for _, ev := range polled {
-			switch ev.Socket {
-			case c.wake.rx:
-				c.wake.drain()
-			case c.hs.mon:
-				c.hs.watch(time.Now(), c.setRefused)
-			case c.sock:
-				if ev.Events&zmq.POLLIN != 0 {
-					if err := c.readReplies(); err != nil {
-						return err
-					}
-					// The callers just readied sit on this goroutine's P,
-					// which stays parked with it in the cgo poll until the
-					// runtime retakes it; yielding first lets them run now.
-					runtime.Gosched()
-				}
-			}
-		}
-		if err := c.redial(); err != nil {
-			return err
-		}
-		if err := c.flush(); err != nil {
-			return err
-		}
+// serve reads the replies, reconnects when due and sends what is queued.
+// Owner only.
+func (c *Client) serve() error {
+	if err := recvEach(c.sock, c.handleReply); err != nil {
+		return err
 	}
-	return nil
+	if err := c.redial(); err != nil {
+		return err
+	}
+	return c.flush()
+}
+
+// wants is what the owner waits for on the socket: replies, and room
+// while a frame waits for it. Owner only.
+func (c *Client) wants() zmq.State {
+	if c.head != nil {
+		return zmq.POLLIN | zmq.POLLOUT
+	}
+	return zmq.POLLIN
 }
 
 // setRefused records the server's latest security verdict and fails every
@@ -382,28 +358,12 @@ func (c *Client) flush() error {
 	}
 }
 
-func (c *Client) readReplies() error {
-	for range recvBatch {
-		m, err := recvCapped(c.sock)
-		if isAgain(err) {
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("receive: %w", err)
-		}
-		if m.over {
-			m.parts = nil // fails the length check below
-		}
-		c.handleReply(m.parts)
-	}
-	return nil
-}
-
-func (c *Client) handleReply(parts [][]byte) {
+// handleReply hands one reply to its caller; it always asks for the next.
+func (c *Client) handleReply(m capped) bool {
 	var rep wire.Reply
 	err := errors.New("want one frame per reply")
-	if len(parts) == 1 {
-		rep, err = wire.DecodeReply(parts[0])
+	if len(m.parts) == 1 && !m.over {
+		rep, err = wire.DecodeReply(m.parts[0])
 	}
 	if err != nil {
 		c.bad.Add(1)
@@ -412,9 +372,10 @@ func (c *Client) handleReply(parts [][]byte) {
 		if rep.ID != 0 {
 			c.deliver(rep.ID, result{err: fmt.Errorf("undecodable reply: %w", err)})
 		}
-		return
+		return true
 	}
 	if !c.deliver(rep.ID, result{rep: rep}) {
 		c.late.Add(1)
 	}
+	return true
 }

@@ -308,8 +308,8 @@ func TestLateRepliesAreDroppedAndCounted(t *testing.T) {
 	late := cli.nextID.Load()
 	frame, err := wire.EncodeReply(wire.OKReply(late, wire.StatusReply{}))
 	require.NoError(t, err)
-	cli.handleReply([][]byte{frame})
-	cli.handleReply([][]byte{[]byte("junk")})
+	cli.handleReply(capped{parts: [][]byte{frame}})
+	cli.handleReply(capped{parts: [][]byte{[]byte("junk")}})
 	require.Equal(t, ClientStats{RoundTrips: 1, LateReplies: 1, BadReplies: 1}, cli.Stats())
 
 	require.NoError(t, cli.Call(context.Background(), wire.OpStatus, wire.Status{}, nil))
@@ -326,118 +326,25 @@ func TestServerCloseIsIdempotent(t *testing.T) {
 }
 
 // TestOwnerPanicStopsOnlyItsObject drives the shared owner life cycle with
-// a body that panics: the panic is recovered, the sockets are closed, and
+// a step that panics: the panic is recovered, the sockets are closed, and
 // waiters see ErrStopped.
 func TestOwnerPanicStopsOnlyItsObject(t *testing.T) {
 	zctx := harness(t)
-	w, err := newWaker(zctx)
-	require.NoError(t, err)
-	sock, err := newSocket(zctx, zmq.PAIR)
-	require.NoError(t, err)
-	o := newOwner(nil, "test", w)
-	go o.run(func() error { panic("owner bug") }, sock)
-	err = o.stopped()
+	start := func(serve func() error) *owner {
+		sock, err := newSocket(zctx, zmq.PAIR)
+		require.NoError(t, err)
+		o, err := newOwner(nil, "test", pollItem{sock: sock, serve: serve})
+		require.NoError(t, err)
+		o.start()
+		return o
+	}
+	o := start(func() error { panic("owner bug") })
+	err := o.stopped()
 	require.ErrorIs(t, err, ErrStopped)
 	require.Contains(t, err.Error(), "owner bug")
 	o.stop()
 
-	o2 := newOwner(nil, "test", mustWaker(t, zctx))
-	go o2.run(func() error { return errors.New("context terminated") })
+	o2 := start(func() error { return errors.New("context terminated") })
 	require.ErrorIs(t, o2.stopped(), ErrStopped)
 	o2.stop()
-}
-
-func mustWaker(t *testing.T, zctx *zmq.Context) *waker {
-	t.Helper()
-	w, err := newWaker(zctx)
-	require.NoError(t, err)
-	return w
-}
-
-// BenchmarkRoundTrip measures Call against a ceiling taken in the same
-// run: a bare DEALER/ROUTER lock-step echo on the same context, with no
-// owner goroutines. The x-zmq metric is the ratio to that ceiling.
-func BenchmarkRoundTrip(b *testing.B) {
-	zctx, err := zmq.NewContext()
-	require.NoError(b, err)
-	defer zctx.Term()
-	ceiling := rawRoundTrip(b, zctx, 2000)
-	b.Logf("bare zmq round trip: %v", ceiling)
-
-	srv, err := NewServer(zctx, "tcp://127.0.0.1:0", HandlerFunc(statusEcho), nil)
-	require.NoError(b, err)
-	defer srv.Close()
-	cli, err := Dial(zctx, srv.Endpoint(), nil)
-	require.NoError(b, err)
-	defer cli.Close()
-	body := wire.Status{TransferIDs: []string{"t"}}
-	ctx := context.Background()
-	require.NoError(b, cli.Call(ctx, wire.OpStatus, body, nil))
-
-	report := func(b *testing.B, start time.Time) {
-		per := time.Since(start) / time.Duration(b.N)
-		b.ReportMetric(float64(per)/float64(ceiling), "x-zmq")
-	}
-	b.Run("serial", func(b *testing.B) {
-		start := time.Now()
-		for b.Loop() {
-			if err := cli.Call(ctx, wire.OpStatus, body, nil); err != nil {
-				b.Fatal(err)
-			}
-		}
-		report(b, start)
-	})
-	b.Run("parallel", func(b *testing.B) {
-		start := time.Now()
-		b.RunParallel(func(pb *testing.PB) {
-			for pb.Next() {
-				if err := cli.Call(ctx, wire.OpStatus, body, nil); err != nil {
-					b.Fatal(err)
-				}
-			}
-		})
-		report(b, start)
-	})
-}
-
-// rawRoundTrip times n lock-step round trips between a bare DEALER (this
-// goroutine's) and a bare ROUTER echo (its own goroutine's).
-func rawRoundTrip(b *testing.B, zctx *zmq.Context, n int) time.Duration {
-	b.Helper()
-	router, err := newSocket(zctx, zmq.ROUTER)
-	require.NoError(b, err)
-	require.NoError(b, router.Bind("tcp://127.0.0.1:*"))
-	ep, err := router.GetLastEndpoint()
-	require.NoError(b, err)
-	dealer, err := newSocket(zctx, zmq.DEALER)
-	require.NoError(b, err)
-	require.NoError(b, dealer.Connect(ep))
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		defer router.Close()
-		for range n + 1 {
-			m, err := router.RecvMessageBytes(0)
-			if err != nil {
-				return
-			}
-			if _, err := router.SendMessage(m); err != nil {
-				return
-			}
-		}
-	}()
-	defer func() { dealer.Close(); <-done }()
-	msg := []byte(`{"v":1,"id":1,"op":"status"}`)
-	roundTrip := func() {
-		_, err := dealer.SendBytes(msg, 0)
-		require.NoError(b, err)
-		_, err = dealer.RecvBytes(0)
-		require.NoError(b, err)
-	}
-	roundTrip() // connect
-	start := time.Now()
-	for range n {
-		roundTrip()
-	}
-	return time.Since(start) / time.Duration(n)
 }

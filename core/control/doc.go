@@ -69,15 +69,18 @@
 // # Invariants
 //
 //   - Each socket belongs to exactly one goroutine, started by its
-//     constructor and ended by Close. Other goroutines reach it through Go
-//     channels and a wake-up: a one-byte message on an inproc PUSH/PULL
-//     pair polled beside the real socket. The PUSH end is the only socket
-//     used by several goroutines, always under a mutex; libzmq permits a
-//     socket to change threads across a full memory barrier, which the
-//     mutex provides. So queued work is picked up at once, never on a
-//     polling interval, and no socket is ever used concurrently.
-//   - Linger is 0 on every socket, and every poll and receive has a
-//     timeout: Close and zmq context termination never hang on a peer.
+//     constructor and ended by Close, and every such goroutine runs the
+//     same poll loop (owner.loop). It parks in Go, not in libzmq: the
+//     socket's ZMQ_FD is watched by Go's network poller, so a parked owner
+//     holds no thread and no P (a cgo zmq_poll would hold both, which at
+//     GOMAXPROCS 2 stalls the goroutines it readies). Other goroutines
+//     reach it through Go channels and a wake-up that expires the read
+//     deadline of its wait; no socket is ever used by two goroutines.
+//     Queued work and arriving messages are picked up at once; the loop's
+//     tick only clocks reconnects.
+//   - Linger is 0 on every socket, every receive and send of an owner is
+//     non-blocking, and the owner's wait ends at its tick: Close and zmq
+//     context termination never hang on a peer.
 //   - Nothing blocks a caller beyond its own deadline. Call honours its
 //     context (a context without deadline gets the client's default,
 //     DefaultCallTimeout unless set with WithCallTimeout); EventPub.Send

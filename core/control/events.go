@@ -62,19 +62,18 @@ func NewEventPub(zctx *zmq.Context, host string, log *slog.Logger, opts ...Serve
 		closeGuarded(sock, g)
 		return nil, err
 	}
-	w, err := newWaker(zctx)
-	if err != nil {
-		closeGuarded(sock, g)
-		return nil, err
-	}
 	p := &EventPub{
-		owner:    newOwner(log, "event pub "+endpoint, w),
 		sock:     sock,
 		guard:    g,
 		endpoint: endpoint,
 		q:        make(chan []byte, EventQueue),
 	}
-	go p.run(p.loop, append([]*zmq.Socket{sock}, g.sockets()...)...)
+	if p.owner, err = newOwner(log, "event pub "+endpoint, pollItem{sock: sock, serve: p.flush, want: p.wants}, g.monitor()); err != nil {
+		closeGuarded(sock, g)
+		return nil, err
+	}
+	p.onExit = g.close
+	p.start()
 	return p, nil
 }
 
@@ -101,7 +100,7 @@ func (p *EventPub) Send(ev wire.Event) {
 	select {
 	case p.q <- frame:
 		p.mu.Unlock()
-		p.wake.wake()
+		p.wakeup()
 	default:
 		p.mu.Unlock()
 		p.dropped.Add(1)
@@ -119,42 +118,15 @@ func (p *EventPub) Stats() PubStats {
 
 // Close stops publishing and closes the socket; queued events are lost.
 // Idempotent.
-func (p *EventPub) Close() error {
-	p.stop()
-	p.guard.close()
-	return nil
-}
+func (p *EventPub) Close() error { p.stop(); return nil }
 
-func (p *EventPub) loop() error {
-	pl := zmq.NewPoller()
-	sockIdx := pl.Add(p.sock, 0)
-	pl.Add(p.wake.rx, zmq.POLLIN)
-	pl.Add(p.guard.mon, zmq.POLLIN)
-	for !p.quitting() {
-		var events zmq.State
-		if p.head != nil {
-			events = zmq.POLLOUT
-		}
-		if _, err := pl.Update(sockIdx, events); err != nil {
-			return fmt.Errorf("poller: %w", err)
-		}
-		polled, err := poll(pl)
-		if err != nil {
-			return err
-		}
-		for _, ev := range polled {
-			switch ev.Socket {
-			case p.wake.rx:
-				p.wake.drain()
-			case p.guard.mon:
-				p.guard.watch()
-			}
-		}
-		if err := p.flush(); err != nil {
-			return err
-		}
+// wants is what the owner waits for on the socket: room, while a frame
+// waits for it. Owner only.
+func (p *EventPub) wants() zmq.State {
+	if p.head != nil {
+		return zmq.POLLOUT
 	}
-	return nil
+	return 0
 }
 
 // flush sends queued frames until the socket pushes back (no subscriber
@@ -222,21 +194,24 @@ func NewEventSub(zctx *zmq.Context, log *slog.Logger, opts ...ClientOption) (*Ev
 		sock.Close()
 		return nil, fmt.Errorf("control: new event sub: %w", err)
 	}
-	w, err := newWaker(zctx)
-	if err != nil {
-		sock.Close()
-		hs.mon.Close()
-		return nil, err
-	}
 	s := &EventSub{
-		owner:     newOwner(log, "event sub", w),
 		sock:      sock,
 		hs:        hs,
 		connq:     make(chan connectReq, connectQueue),
 		out:       make(chan wire.Event, EventQueue),
 		connected: map[string]bool{},
 	}
-	go s.run(s.loop, sock, hs.mon)
+	// The refusal is logged once by handshakes; the scheduler's control
+	// calls to the same shard fail with it too, which is where it
+	// surfaces.
+	ignore := func(string, error) {}
+	if s.owner, err = newOwner(log, "event sub", pollItem{sock: sock, serve: s.serve}, hs.monitor(ignore)); err != nil {
+		sock.Close()
+		hs.mon.Close()
+		return nil, err
+	}
+	s.onExit = func() { close(s.out) }
+	s.start()
 	return s, nil
 }
 
@@ -253,7 +228,7 @@ func (s *EventSub) Connect(endpoint string) error {
 	case <-s.done:
 		return fmt.Errorf("control: connect events %s: %w", endpoint, s.err)
 	}
-	s.wake.wake()
+	s.wakeup()
 	select {
 	case err := <-req.res:
 		if err != nil {
@@ -282,42 +257,21 @@ func (s *EventSub) Close() error {
 	return nil
 }
 
-func (s *EventSub) loop() error {
-	defer close(s.out)
-	pl := zmq.NewPoller()
-	pl.Add(s.sock, zmq.POLLIN)
-	pl.Add(s.wake.rx, zmq.POLLIN)
-	pl.Add(s.hs.mon, zmq.POLLIN)
-	for !s.quitting() {
-		polled, err := poll(pl)
-		if err != nil {
-			return err
+// serve receives, connects what was asked and reconnects when due. Owner
+// only.
+func (s *EventSub) serve() error {
+	if err := s.receive(); err != nil {
+		return err
+	}
+	s.serveConnects()
+	for _, ep := range s.hs.due(time.Now()) {
+		if !s.connected[ep] {
+			s.hs.forget(ep) // not a name we connected to: nothing to renew
+			continue
 		}
-		for _, ev := range polled {
-			switch ev.Socket {
-			case s.wake.rx:
-				s.wake.drain()
-			case s.hs.mon:
-				// The refusal is logged once by handshakes; the
-				// scheduler's control calls to the same shard fail
-				// with it too, which is where it surfaces.
-				s.hs.watch(time.Now(), func(string, error) {})
-			case s.sock:
-				if err := s.receive(); err != nil {
-					return err
-				}
-			}
-		}
-		s.serveConnects()
-		for _, ep := range s.hs.due(time.Now()) {
-			if !s.connected[ep] {
-				s.hs.forget(ep) // not a name we connected to: nothing to renew
-				continue
-			}
-			_ = s.sock.Disconnect(ep)
-			if err := s.sock.Connect(ep); err != nil {
-				s.log.Warn("control: reconnect events failed", "peer", ep, "err", err)
-			}
+		_ = s.sock.Disconnect(ep)
+		if err := s.sock.Connect(ep); err != nil {
+			s.log.Warn("control: reconnect events failed", "peer", ep, "err", err)
 		}
 	}
 	return nil
@@ -350,37 +304,30 @@ func (s *EventSub) connect(req connectReq) {
 // receive reads a batch and hands each valid event to the reader. While
 // the reader is behind it waits, still serving Connect and Close, and
 // reads nothing more: that is the back-pressure.
-func (s *EventSub) receive() error {
-	for range recvBatch {
-		m, err := recvCapped(s.sock)
-		if isAgain(err) {
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("receive: %w", err)
-		}
-		parts := m.parts
-		if m.over || len(parts) != 1 {
-			s.bad.Add(1)
-			continue
-		}
-		ev, err := wire.DecodeEvent(parts[0])
-		if err != nil {
-			s.bad.Add(1)
-			s.log.Warn("control: undecodable event", "err", err)
-			continue
-		}
-		s.received.Add(1)
-		for delivered := false; !delivered; {
-			select {
-			case s.out <- ev:
-				delivered = true
-			case req := <-s.connq:
-				s.connect(req)
-			case <-s.quit:
-				return nil
-			}
+func (s *EventSub) receive() error { return recvEach(s.sock, s.handleEvent) }
+
+// handleEvent hands one event to the reader; false when the subscriber
+// is closing.
+func (s *EventSub) handleEvent(m capped) bool {
+	if m.over || len(m.parts) != 1 {
+		s.bad.Add(1)
+		return true
+	}
+	ev, err := wire.DecodeEvent(m.parts[0])
+	if err != nil {
+		s.bad.Add(1)
+		s.log.Warn("control: undecodable event", "err", err)
+		return true
+	}
+	s.received.Add(1)
+	for {
+		select {
+		case s.out <- ev:
+			return true
+		case req := <-s.connq:
+			s.connect(req)
+		case <-s.quit:
+			return false
 		}
 	}
-	return nil
 }

@@ -12,18 +12,12 @@ import (
 
 func newPub(t *testing.T, zctx *zmq.Context, host string, opts ...ServerOption) *EventPub {
 	t.Helper()
-	p, err := NewEventPub(zctx, host, nil, opts...)
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, p.Close()) })
-	return p
+	return opened[*EventPub](t)(NewEventPub(zctx, host, nil, opts...))
 }
 
 func newSub(t *testing.T, zctx *zmq.Context, opts ...ClientOption) *EventSub {
 	t.Helper()
-	s, err := NewEventSub(zctx, nil, opts...)
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, s.Close()) })
-	return s
+	return opened[*EventSub](t)(NewEventSub(zctx, nil, opts...))
 }
 
 // next returns the next event, failing the test if none comes within the

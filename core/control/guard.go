@@ -45,15 +45,17 @@ func openMonitor(zctx *zmq.Context, sock *zmq.Socket, events zmq.Event) (*zmq.So
 	return mon, nil
 }
 
-// readEvents hands every queued monitor event to f. Owner only.
-func readEvents(mon *zmq.Socket, f func(ev zmq.Event, addr string, value int)) {
+// readEvents hands every queued monitor event to f, until EAGAIN or
+// recvBatch of them; full reports the latter. Owner only.
+func readEvents(mon *zmq.Socket, f func(ev zmq.Event, addr string, value int)) (full bool) {
 	for range recvBatch {
 		ev, addr, value, err := mon.RecvEvent(zmq.DONTWAIT)
 		if err != nil {
-			return
+			return false
 		}
 		f(ev, addr, value)
 	}
+	return true
 }
 
 // guard is the security of one server socket (a shard's ROUTER or event
@@ -113,9 +115,9 @@ func (g *guard) refuse(r refusal, peer string) {
 	}
 }
 
-// watch reads the monitor. Owner only.
-func (g *guard) watch() {
-	readEvents(g.mon, func(ev zmq.Event, _ string, value int) {
+// watch reads the monitor; full as for readEvents. Owner only.
+func (g *guard) watch() (full bool) {
+	return readEvents(g.mon, func(ev zmq.Event, _ string, value int) {
 		if ev != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL {
 			return
 		}
@@ -132,8 +134,9 @@ func (g *guard) watch() {
 	})
 }
 
-// sockets lists what the owner must poll and close besides its own.
-func (g *guard) sockets() []*zmq.Socket { return []*zmq.Socket{g.mon} }
+// monitor is the guard's monitor, for the owner of the guarded socket to
+// read and close.
+func (g *guard) monitor() monitor { return monitor{sock: g.mon, read: g.watch} }
 
 // Refused returns the refusals by reason.
 func (g *guard) stats() map[string]uint64 {
@@ -142,7 +145,8 @@ func (g *guard) stats() map[string]uint64 {
 	return maps.Clone(g.refused)
 }
 
-// close leaves the ZAP handler. Call once the socket is closed.
+// close leaves the ZAP handler. Call once the socket is closed;
+// idempotent.
 func (g *guard) close() {
 	if g.release != nil {
 		g.release()
@@ -189,10 +193,10 @@ func newHandshakes(zctx *zmq.Context, sock *zmq.Socket, sec Security, log *slog.
 }
 
 // watch reads the monitor and calls changed for every endpoint whose
-// outcome it learnt: err is the refusal, or nil after a success. Owner
-// only.
-func (h *handshakes) watch(now time.Time, changed func(endpoint string, err error)) {
-	readEvents(h.mon, func(ev zmq.Event, ep string, value int) {
+// outcome it learnt: err is the refusal, or nil after a success; full as
+// for readEvents. Owner only.
+func (h *handshakes) watch(now time.Time, changed func(endpoint string, err error)) (full bool) {
+	return readEvents(h.mon, func(ev zmq.Event, ep string, value int) {
 		// libzmq may name the peer IPv4-mapped; the sockets here connect
 		// to plain IPv4.
 		ep = unmapped(ep)
@@ -265,6 +269,12 @@ func (h *handshakes) due(now time.Time) []string {
 		}
 	}
 	return out
+}
+
+// monitor is the monitor, for the owner of the socket to read and close;
+// changed is as for watch.
+func (h *handshakes) monitor(changed func(endpoint string, err error)) monitor {
+	return monitor{sock: h.mon, read: func() bool { return h.watch(time.Now(), changed) }}
 }
 
 // forget drops what is known of an endpoint. Owner only.

@@ -97,20 +97,25 @@ func statusEcho(req wire.Request) wire.Reply {
 	return wire.ErrReply(req.ID, "not_served", string(req.Op))
 }
 
+// opened fails t on a constructor's error and closes what it made when
+// the test ends: opened[*Server](t)(NewServer(...)).
+func opened[T interface{ Close() error }](t *testing.T) func(T, error) T {
+	return func(v T, err error) T {
+		t.Helper()
+		require.NoError(t, err)
+		t.Cleanup(func() { require.NoError(t, v.Close()) })
+		return v
+	}
+}
+
 func startServer(t *testing.T, zctx *zmq.Context, bind string, h Handler, opts ...ServerOption) *Server {
 	t.Helper()
-	srv, err := NewServer(zctx, bind, h, nil, opts...)
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, srv.Close()) })
-	return srv
+	return opened[*Server](t)(NewServer(zctx, bind, h, nil, opts...))
 }
 
 func dial(t *testing.T, zctx *zmq.Context, ep string, opts ...ClientOption) *Client {
 	t.Helper()
-	c, err := Dial(zctx, ep, nil, opts...)
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, c.Close()) })
-	return c
+	return opened[*Client](t)(Dial(zctx, ep, nil, opts...))
 }
 
 // rawPeer is a bare DEALER for sending what a Client never would. It is
@@ -147,7 +152,7 @@ func (p *rawPeer) roundTrip(parts ...[]byte) wire.Reply {
 	return rep
 }
 
-func mustEncode(t *testing.T, id uint64, op wire.Op, body any) []byte {
+func mustEncode(t testing.TB, id uint64, op wire.Op, body any) []byte {
 	t.Helper()
 	req, err := wire.NewRequest(id, op, body)
 	require.NoError(t, err)
@@ -171,4 +176,11 @@ func names(prefix string, n int) []string {
 		out[i] = fmt.Sprintf("%s%d", prefix, i)
 	}
 	return out
+}
+
+// waitingAny reports whether some call waits for its reply.
+func (c *Client) waitingAny() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.pending) > 0
 }

@@ -106,21 +106,18 @@ func NewServer(zctx *zmq.Context, bind string, h Handler, log *slog.Logger, opts
 	if err != nil {
 		return fail(err)
 	}
-	w, err := newWaker(zctx)
-	if err != nil {
-		return fail(err)
-	}
 	s := &Server{
-		owner:    newOwner(log, "server "+endpoint, w),
 		sock:     sock,
 		guard:    g,
 		h:        h,
 		endpoint: endpoint,
 		stats:    ServerStats{Errors: map[string]uint64{}},
 	}
-	// Handing sock to the new goroutine is the one move of ownership; the
-	// go statement orders everything above before it.
-	go s.run(s.serve, append([]*zmq.Socket{sock}, g.sockets()...)...)
+	if s.owner, err = newOwner(log, "server "+endpoint, pollItem{sock: sock, serve: s.serve}, g.monitor()); err != nil {
+		return fail(err)
+	}
+	s.onExit = g.close
+	s.start()
 	return s, nil
 }
 
@@ -141,9 +138,7 @@ func newGuardedSocket(zctx *zmq.Context, t zmq.Type, sec Security, bindHost stri
 // closeGuarded undoes newGuardedSocket for a socket no goroutine owns yet.
 func closeGuarded(sock *zmq.Socket, g *guard) {
 	sock.Close()
-	for _, s := range g.sockets() {
-		s.Close()
-	}
+	g.mon.Close()
 	g.close()
 }
 
@@ -180,11 +175,7 @@ func bindAll(sock *zmq.Socket, host string, port int, log *slog.Logger) (string,
 func (s *Server) Endpoint() string { return s.endpoint }
 
 // Close stops the server and closes its socket. Idempotent.
-func (s *Server) Close() error {
-	s.stop()
-	s.guard.close()
-	return nil
-}
+func (s *Server) Close() error { s.stop(); return nil }
 
 // Stats returns a snapshot of the counters.
 func (s *Server) Stats() ServerStats {
@@ -198,44 +189,9 @@ func (s *Server) Stats() ServerStats {
 	return out
 }
 
+// serve answers the requests waiting. Owner only.
 func (s *Server) serve() error {
-	p := zmq.NewPoller()
-	p.Add(s.sock, zmq.POLLIN)
-	p.Add(s.wake.rx, zmq.POLLIN)
-	p.Add(s.guard.mon, zmq.POLLIN)
-	for !s.quitting() {
-		polled, err := poll(p)
-		if err != nil {
-			return err
-		}
-		for _, ev := range polled {
-			switch ev.Socket {
-			case s.wake.rx:
-				s.wake.drain()
-			case s.guard.mon:
-				s.guard.watch()
-			case s.sock:
-				if err := s.serveBatch(); err != nil {
-					return err
-				}
-			}
-		}
-	}
-	return nil
-}
-
-func (s *Server) serveBatch() error {
-	for range recvBatch {
-		m, err := recvCapped(s.sock)
-		if isAgain(err) {
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("receive: %w", err)
-		}
-		s.serveOne(m)
-	}
-	return nil
+	return recvEach(s.sock, func(m capped) bool { s.serveOne(m); return true })
 }
 
 // serveOne answers one message. parts[0] is the caller's identity, added

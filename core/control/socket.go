@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"runtime/debug"
 	"sync"
 	"syscall"
@@ -11,6 +12,7 @@ import (
 
 	zmq "github.com/pebbe/zmq4"
 	"go.uber.org/atomic"
+	"golang.org/x/sys/unix"
 
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
@@ -25,20 +27,22 @@ var (
 	ErrBadEndpoint = errors.New("bad endpoint")
 )
 
+// tickInterval is how often a parked owner wakes with nothing to do.
+// Work never waits for it (a socket's signal or queued work wakes the
+// owner at once); it clocks reconnects on a backoff and bounds how long a
+// signal lost to a bug would go unseen. A variable so that a test can
+// take the net away; read by owners only, set before they start.
+var tickInterval = 250 * time.Millisecond
+
 const (
-	// pollTimeout bounds every poll. Work never waits for it (queued work
-	// wakes the owner at once); it only bounds how long an owner takes to
-	// notice a call that gave up while its frame was stuck behind a full or
-	// unconnected socket.
-	pollTimeout = 250 * time.Millisecond
 	// ioTimeout is the socket-level receive/send timeout: every receive
-	// and send is non-blocking after a poll, so this is a safety net.
+	// and send of an owner is non-blocking, so this is a safety net.
 	ioTimeout = time.Second
 	// maxFrame caps what libzmq accepts in one frame: frames between
 	// wire.MaxMessage and this are read and refused with too_large; a peer
 	// sending more is disconnected unread, which bounds memory.
 	maxFrame = 2 * wire.MaxMessage
-	// recvBatch bounds how many messages an owner handles per wake-up so a
+	// recvBatch bounds how many messages an owner handles per step so a
 	// busy peer cannot starve Close or the other socket.
 	recvBatch = 256
 	// maxParts and maxMessage cap a whole multipart message, where
@@ -122,115 +126,155 @@ func isAgain(err error) bool { return zmq.AsErrno(err) == zmq.Errno(syscall.EAGA
 
 func isTerm(err error) bool { return zmq.AsErrno(err) == zmq.ETERM }
 
-var wakeSeq atomic.Uint64
+// pollItem is a socket an owner polls: what it does with it on each step,
+// and what it waits for on it.
+type pollItem struct {
+	sock *zmq.Socket
+	// serve does what the socket allows without blocking: reads until
+	// EAGAIN (or a batch), sends what is queued. Owner only.
+	serve func() error
+	// want is the events the owner has work for (POLLIN to read,
+	// POLLOUT while a frame waits for room); nil means POLLIN.
+	want func() zmq.State
+}
 
-// waker lets any goroutine wake a socket's owner out of its poll.
+func (it pollItem) wants() zmq.State {
+	if it.want == nil {
+		return zmq.POLLIN
+	}
+	return it.want()
+}
+
+// monitor is a socket monitor an owner reads beside its socket: read
+// hands on every queued event until EAGAIN or a batch, and reports
+// whether it stopped at the batch (full). Owner only.
+type monitor struct {
+	sock *zmq.Socket
+	read func() (full bool)
+}
+
+// watched is a monitor with the watcher's view of it.
+type watched struct {
+	monitor
+	fd        *os.File    // a duplicate of its ZMQ_FD, for the poller
+	signalled atomic.Bool // set by the watcher, cleared by the owner
+}
+
+// owner is the goroutine that owns a set of sockets, and the one loop
+// every such goroutine runs: serve every socket (a step), and when no
+// socket has more work, park until something happens.
 //
-// The owner polls rx together with its real socket. Other goroutines put
-// their work on a Go channel and then call wake, which sends one byte on tx.
-// tx is the only socket touched by more than one goroutine, and only under
-// mu: libzmq allows a socket to move between threads provided a full memory
-// barrier separates its uses, and a mutex hand-off is one. rx is the owner's
-// alone.
+// It parks in Go, never in libzmq. Each socket's ZMQ_FD (the descriptor
+// libzmq signals whenever the socket's state may have changed) is watched
+// by Go's network poller: the owner's socket's by the owner itself, which
+// steps on the goroutine the poller wakes; a monitor's by a watcher
+// goroutine, which marks it signalled and wakes the owner. Work queued by
+// other goroutines wakes the owner by expiring the read deadline of its
+// wait. A goroutine blocked in a cgo
+// zmq_poll instead keeps its OS thread and, until the runtime retakes it,
+// its P: with GOMAXPROCS 2 a few such owners leave no P for the goroutines
+// they ready, which then wait for the runtime's monitor; and each hand-off
+// between goroutines costs a wake-up of another thread.
 //
-// armed coalesces wake-ups: at most one byte is in flight, however many
-// callers queue work, and the owner disarms before draining its channels,
-// so work queued after the drain always re-arms and sends a fresh byte.
-type waker struct {
-	rx    *zmq.Socket
-	mu    sync.Mutex
-	tx    *zmq.Socket // guarded by mu; nil once closed
-	armed atomic.Bool
-}
-
-func newWaker(zctx *zmq.Context) (*waker, error) {
-	addr := fmt.Sprintf("inproc://ecmooncake-wake-%d", wakeSeq.Add(1))
-	rx, err := newSocket(zctx, zmq.PULL)
-	if err != nil {
-		return nil, err
-	}
-	if err := rx.Bind(addr); err != nil {
-		rx.Close()
-		return nil, fmt.Errorf("control: bind %s: %w", addr, err)
-	}
-	tx, err := newSocket(zctx, zmq.PUSH)
-	if err != nil {
-		rx.Close()
-		return nil, err
-	}
-	if err := tx.Connect(addr); err != nil {
-		rx.Close()
-		tx.Close()
-		return nil, fmt.Errorf("control: connect %s: %w", addr, err)
-	}
-	return &waker{rx: rx, tx: tx}, nil
-}
-
-// wake makes the owner's next (or current) poll return. Any goroutine.
-func (w *waker) wake() {
-	if !w.armed.CompareAndSwap(false, true) {
-		return
-	}
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.tx == nil {
-		return
-	}
-	if _, err := w.tx.SendBytes([]byte{1}, zmq.DONTWAIT); err != nil {
-		// Nothing is in flight, so the next wake must try again.
-		w.armed.Store(false)
-	}
-}
-
-// drain consumes pending wake-ups. Owner only; call before draining the
-// work channels.
-func (w *waker) drain() {
-	for {
-		if _, err := w.rx.RecvBytes(zmq.DONTWAIT); err != nil {
-			break
-		}
-	}
-	w.armed.Store(false)
-}
-
-// closeTx closes the write side. Idempotent; call once the owner is gone.
-func (w *waker) closeTx() {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.tx != nil {
-		w.tx.Close()
-		w.tx = nil
-	}
-}
-
-// owner is the life cycle shared by every socket-owning goroutine: a quit
-// signal, a done signal, and the reason it stopped.
+// ZMQ_FD is edge-triggered: libzmq signals it when it queues a command for
+// the socket, and only once the socket has processed every earlier one.
+// So before parking the loop reads ZMQ_EVENTS of its socket (which
+// processes all queued commands) and steps again at once while it has
+// work; a command queued after that signals afresh. A monitor is only
+// read, until EAGAIN, which processes its commands too; it is read when
+// signalled, so a quiet one costs nothing.
 type owner struct {
 	log  *slog.Logger
 	name string
-	wake *waker
-	quit chan struct{}
-	done chan struct{}
-	once sync.Once
-	err  error // why the goroutine stopped; written before done closes
+	item pollItem
+	fd   *os.File // a duplicate of item's ZMQ_FD, for the poller
+	mons []*watched
+	// poked coalesces wake-ups: set by the first wakeup after the owner
+	// last looked for work, which is the one that expires the deadline.
+	poked atomic.Bool
+	quit  chan struct{}
+	done  chan struct{}
+	once  sync.Once
+	err   error // why the goroutine stopped; written before done closes
+	// onExit, when set before start, runs on the goroutine as it ends,
+	// after the sockets are closed.
+	onExit func()
 }
 
-func newOwner(log *slog.Logger, name string, w *waker) *owner {
+// aLongTimeAgo is a deadline that has passed: setting it wakes a wait.
+var aLongTimeAgo = time.Unix(1, 0)
+
+// newOwner prepares the owner of item's socket and of the monitors; start
+// runs it. On error the sockets are left to the caller.
+func newOwner(log *slog.Logger, name string, item pollItem, mons ...monitor) (*owner, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &owner{log: log, name: name, wake: w, quit: make(chan struct{}), done: make(chan struct{})}
+	o := &owner{log: log, name: name, item: item, quit: make(chan struct{}), done: make(chan struct{})}
+	var err error
+	if o.fd, err = watchable(item.sock); err != nil {
+		return nil, fmt.Errorf("control: %s: %w", name, err)
+	}
+	for _, m := range mons {
+		w := &watched{monitor: m}
+		if w.fd, err = watchable(m.sock); err != nil {
+			o.closeFDs()
+			return nil, fmt.Errorf("control: %s: %w", name, err)
+		}
+		o.mons = append(o.mons, w)
+	}
+	return o, nil
 }
 
-// run runs body on the calling goroutine until it returns or panics, then
-// closes the owner's sockets and publishes why it stopped. A panic is
-// logged and becomes ErrStopped for everyone waiting: it never reaches the
-// process.
-func (o *owner) run(body func() error, sockets ...*zmq.Socket) {
+// watchable returns a duplicate of sock's ZMQ_FD registered with Go's
+// network poller. Nothing reads it: libzmq alone consumes its signals, the
+// poller only reports them. The duplicate shares libzmq's file flags, so
+// nothing may call its Fd method, which would make both blocking.
+func watchable(sock *zmq.Socket) (*os.File, error) {
+	fd, err := sock.GetFd()
+	if err != nil {
+		return nil, fmt.Errorf("ZMQ_FD: %w", err)
+	}
+	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("dup ZMQ_FD: %w", err)
+	}
+	// libzmq's descriptor is non-blocking, so os.NewFile registers it.
+	f := os.NewFile(uintptr(dup), "zmq-fd")
+	if err := f.SetReadDeadline(time.Time{}); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("ZMQ_FD is not pollable: %w", err)
+	}
+	return f, nil
+}
+
+func (o *owner) closeFDs() {
+	o.fd.Close()
+	for _, m := range o.mons {
+		m.fd.Close()
+	}
+}
+
+// start runs the loop on a new goroutine. Handing the sockets to it is
+// their one move of ownership; the go statement orders everything the
+// constructor did before it.
+func (o *owner) start() { go o.run() }
+
+// run runs the loop until stop, an error or a panic, then closes the
+// sockets and publishes why it stopped. A panic is logged and becomes
+// ErrStopped for everyone waiting: it never reaches the process.
+func (o *owner) run() {
+	var watchers sync.WaitGroup
 	defer close(o.done)
 	defer func() {
-		for _, s := range append(sockets, o.wake.rx) {
-			s.Close()
+		o.closeFDs() // ends the watchers
+		watchers.Wait()
+		o.item.sock.Close()
+		for _, m := range o.mons {
+			m.sock.Close()
+		}
+		if o.onExit != nil {
+			o.onExit()
 		}
 	}()
 	defer func() {
@@ -239,7 +283,14 @@ func (o *owner) run(body func() error, sockets ...*zmq.Socket) {
 			o.err = fmt.Errorf("%w: %s: panic: %v", ErrStopped, o.name, r)
 		}
 	}()
-	if err := body(); err != nil {
+	for _, m := range o.mons {
+		watchers.Add(1)
+		go func() {
+			defer watchers.Done()
+			o.watch(m)
+		}()
+	}
+	if err := o.loop(); err != nil {
 		o.log.Error("control: socket goroutine stopped", "socket", o.name, "err", err)
 		o.err = fmt.Errorf("%w: %s: %w", ErrStopped, o.name, err)
 		return
@@ -247,7 +298,123 @@ func (o *owner) run(body func() error, sockets ...*zmq.Socket) {
 	o.err = ErrClosed
 }
 
-// quitting reports whether stop was asked. Owner only.
+// loop is the poll loop. Each round arms the deadline (the tick, or
+// whatever a wakeup sets meanwhile), clears poked, and then waits on the
+// socket, stepping first and on every signal, until the deadline
+// expires. That order loses no wake-up: a wakeup that saw poked set came
+// before the clear, so the step after it sees its work; one that set it
+// expires the deadline after the arm.
+//
+// The tick is no part of any work's latency: it is the clock of timed work
+// (reconnects on a backoff) and a safety net.
+func (o *owner) loop() error {
+	wait, err := o.fd.SyscallConn()
+	if err != nil {
+		return fmt.Errorf("poller: %w", err)
+	}
+	var stepErr error
+	turn := func(uintptr) bool {
+		for !o.quitting() {
+			if stepErr = o.step(); stepErr != nil {
+				return true
+			}
+			more, err := o.settle()
+			if err != nil {
+				stepErr = err
+				return true
+			}
+			if !more {
+				return false // park until a signal or the deadline
+			}
+		}
+		return true
+	}
+	for !o.quitting() {
+		if err := o.fd.SetReadDeadline(time.Now().Add(tickInterval)); err != nil {
+			return fmt.Errorf("poller: %w", err)
+		}
+		o.poked.Store(false)
+		err := wait.Read(turn)
+		if stepErr != nil {
+			return stepErr
+		}
+		if err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+			return fmt.Errorf("poller: %w", err)
+		}
+	}
+	return nil
+}
+
+// step reads the monitors that signalled, then serves the socket: what a
+// monitor tells (a refusal) applies to the socket's work. Owner only.
+func (o *owner) step() error {
+	for _, m := range o.mons {
+		if m.signalled.Swap(false) && m.read() {
+			m.signalled.Store(true) // a batch left: read on next step
+		}
+	}
+	return o.item.serve()
+}
+
+// recvEach hands the messages waiting on sock to handle, at most
+// recvBatch of them, until EAGAIN or handle returns false. Owner only.
+func recvEach(sock *zmq.Socket, handle func(m capped) bool) error {
+	for range recvBatch {
+		m, err := recvCapped(sock)
+		if isAgain(err) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("receive: %w", err)
+		}
+		if !handle(m) {
+			return nil
+		}
+	}
+	return nil
+}
+
+// settle reads ZMQ_EVENTS of the socket, which re-arms its ZMQ_FD, and
+// reports whether it, or a monitor, has work left. Owner only.
+func (o *owner) settle() (bool, error) {
+	ev, err := o.item.sock.GetEvents()
+	if err != nil {
+		return false, fmt.Errorf("events: %w", err)
+	}
+	more := ev&o.item.wants() != 0
+	for _, m := range o.mons {
+		more = more || m.signalled.Load()
+	}
+	return more, nil
+}
+
+// watch marks m signalled and wakes the owner on every signal of its
+// ZMQ_FD until that is closed. The read never returns between signals,
+// so a signal that comes while it wakes the owner is kept by the poller
+// for the next wait, never lost.
+func (o *owner) watch(m *watched) {
+	rc, err := m.fd.SyscallConn()
+	if err != nil {
+		return
+	}
+	_ = rc.Read(func(uintptr) bool {
+		m.signalled.Store(true)
+		o.wakeup()
+		return false
+	})
+}
+
+// wakeup makes the owner look for work soon: at once when parked, else
+// after the step it is in. Any goroutine; never blocks.
+func (o *owner) wakeup() {
+	if o.poked.Swap(true) {
+		return
+	}
+	// Fails only once the owner has closed it, when nothing is to be done.
+	_ = o.fd.SetReadDeadline(aLongTimeAgo)
+}
+
+// quitting reports whether stop was asked. Any goroutine.
 func (o *owner) quitting() bool {
 	select {
 	case <-o.quit:
@@ -257,28 +424,19 @@ func (o *owner) quitting() bool {
 	}
 }
 
-// stop asks the owner to finish, waits for it, and closes the wake-up
-// write side. Idempotent, any goroutine.
+// stop asks the owner to finish and waits for it. Idempotent, any
+// goroutine.
 func (o *owner) stop() {
 	o.once.Do(func() {
 		close(o.quit)
-		o.wake.wake()
+		// Not coalesced: a turn checks quit before it waits.
+		_ = o.fd.SetReadDeadline(aLongTimeAgo)
 	})
 	<-o.done
-	o.wake.closeTx()
 }
 
 // stopped returns why the owner stopped; valid once done is closed.
 func (o *owner) stopped() error {
 	<-o.done
 	return o.err
-}
-
-// poll waits on p for at most pollTimeout.
-func poll(p *zmq.Poller) ([]zmq.Polled, error) {
-	polled, err := p.Poll(pollTimeout)
-	if err != nil {
-		return nil, fmt.Errorf("poll: %w", err)
-	}
-	return polled, nil
 }

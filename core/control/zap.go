@@ -84,37 +84,13 @@ func startZAP(zctx *zmq.Context, log *slog.Logger) (*zapHandler, error) {
 		sock.Close()
 		return nil, fmt.Errorf("control: bind ZAP handler %s: %w", zapEndpoint, err)
 	}
-	w, err := newWaker(zctx)
-	if err != nil {
+	z := &zapHandler{zctx: zctx, sock: sock, domains: map[string]zapDomain{}}
+	if z.owner, err = newOwner(log, "zap handler", pollItem{sock: sock, serve: z.answerBatch}); err != nil {
 		sock.Close()
 		return nil, err
 	}
-	z := &zapHandler{owner: newOwner(log, "zap handler", w), zctx: zctx, sock: sock, domains: map[string]zapDomain{}}
-	go z.run(z.serve, sock)
+	z.start()
 	return z, nil
-}
-
-func (z *zapHandler) serve() error {
-	p := zmq.NewPoller()
-	p.Add(z.sock, zmq.POLLIN)
-	p.Add(z.wake.rx, zmq.POLLIN)
-	for !z.quitting() {
-		polled, err := poll(p)
-		if err != nil {
-			return err
-		}
-		for _, ev := range polled {
-			switch ev.Socket {
-			case z.wake.rx:
-				z.wake.drain()
-			case z.sock:
-				if err := z.answerBatch(); err != nil {
-					return err
-				}
-			}
-		}
-	}
-	return nil
 }
 
 func (z *zapHandler) answerBatch() error {

@@ -366,12 +366,43 @@ func UnmarshalBody(raw json.RawMessage, out any) error {
 	if err := decode(name, raw, out); err != nil {
 		return err
 	}
+	if c, ok := out.(canonicalizer); ok {
+		c.canonicalize()
+	}
 	if v, ok := out.(validator); ok {
 		if err := v.Validate(); err != nil {
 			return fmt.Errorf("wire: decode %s: %w", name, err)
 		}
 	}
 	return nil
+}
+
+// canonicalizer is a body with optional (omitempty) collections. A peer
+// may send one empty ("data":{}, "transfer_ids":[]), which decodes to an
+// empty collection but re-encodes to nothing, which decodes to nil: the
+// body would not survive being passed on. canonicalize makes the decoded
+// value the one its encoding decodes to.
+type canonicalizer interface{ canonicalize() }
+
+func (p *PeersReply) canonicalize() {
+	for i := range p.Shards {
+		p.Shards[i].Data = nilIfEmpty(p.Shards[i].Data)
+	}
+}
+
+func (r *ReserveBatchReply) canonicalize() { r.Data = nilIfEmpty(r.Data) }
+
+func (s *Status) canonicalize() {
+	if len(s.TransferIDs) == 0 {
+		s.TransferIDs = nil
+	}
+}
+
+func nilIfEmpty(m map[string]string) map[string]string {
+	if len(m) == 0 {
+		return nil
+	}
+	return m
 }
 
 func typeName(v any) string {

@@ -10,6 +10,19 @@ import (
 // Every fuzz target checks the two codec invariants: decoding never panics,
 // and whatever decodes re-encodes to bytes that decode to an equal value.
 
+// roundTrips checks the invariants on one input.
+func roundTrips[T any](t *testing.T, b []byte, decode func([]byte) (T, error), encode func(T) ([]byte, error)) {
+	v, err := decode(b)
+	if err != nil {
+		return
+	}
+	again, err := encode(v)
+	require.NoError(t, err)
+	back, err := decode(again)
+	require.NoError(t, err)
+	require.Equal(t, v, back)
+}
+
 func seedRequests(f *testing.F) {
 	for i, tc := range bodies() {
 		req, err := NewRequest(uint64(i+1), tc.op, tc.req)
@@ -25,17 +38,7 @@ func seedRequests(f *testing.F) {
 
 func FuzzDecodeRequest(f *testing.F) {
 	seedRequests(f)
-	f.Fuzz(func(t *testing.T, b []byte) {
-		req, err := DecodeRequest(b)
-		if err != nil {
-			return
-		}
-		again, err := EncodeRequest(req)
-		require.NoError(t, err)
-		back, err := DecodeRequest(again)
-		require.NoError(t, err)
-		require.Equal(t, req, back)
-	})
+	f.Fuzz(func(t *testing.T, b []byte) { roundTrips(t, b, DecodeRequest, EncodeRequest) })
 }
 
 func FuzzDecodeReply(f *testing.F) {
@@ -48,17 +51,7 @@ func FuzzDecodeReply(f *testing.F) {
 	require.NoError(f, err)
 	f.Add(b)
 	f.Add([]byte(`{"v":1,"id":8,"err":"boom"}`))
-	f.Fuzz(func(t *testing.T, b []byte) {
-		rep, err := DecodeReply(b)
-		if err != nil {
-			return
-		}
-		again, err := EncodeReply(rep)
-		require.NoError(t, err)
-		back, err := DecodeReply(again)
-		require.NoError(t, err)
-		require.Equal(t, rep, back)
-	})
+	f.Fuzz(func(t *testing.T, b []byte) { roundTrips(t, b, DecodeReply, EncodeReply) })
 }
 
 func FuzzDecodeEvent(f *testing.F) {
@@ -71,60 +64,75 @@ func FuzzDecodeEvent(f *testing.F) {
 		require.NoError(f, err)
 		f.Add(b)
 	}
-	f.Fuzz(func(t *testing.T, b []byte) {
-		ev, err := DecodeEvent(b)
-		if err != nil {
-			return
-		}
-		again, err := EncodeEvent(ev)
-		require.NoError(t, err)
-		back, err := DecodeEvent(again)
-		require.NoError(t, err)
-		require.Equal(t, ev, back)
-	})
+	f.Fuzz(func(t *testing.T, b []byte) { roundTrips(t, b, DecodeEvent, EncodeEvent) })
 }
 
 // fuzzBody is the shared body of the per-type body fuzz targets.
 func fuzzBody[T interface{ Validate() error }](t *testing.T, b []byte) {
-	v, err := DecodeBody[T](b)
-	if err != nil {
-		return
-	}
-	again, err := marshal(v)
-	require.NoError(t, err)
-	back, err := DecodeBody[T](again)
-	require.NoError(t, err)
-	require.Equal(t, v, back)
+	decode := func(b []byte) (T, error) { return DecodeBody[T](b) }
+	encode := func(v T) ([]byte, error) { return marshal(v) }
+	roundTrips(t, b, decode, encode)
 }
 
-func seedBody(f *testing.F, pick func(req, rep any) any) {
+// fuzzBodyOf fuzzes the decoder of body type T (what a shard decodes of a
+// request, or a client of a reply), seeded with every body of that type in
+// the codec tests and with extra.
+func fuzzBodyOf[T interface{ Validate() error }](f *testing.F, extra ...string) {
 	for _, tc := range bodies() {
-		if v := pick(tc.req, tc.rep); v != nil {
-			b, err := json.Marshal(v)
-			require.NoError(f, err)
-			f.Add(b)
+		for _, v := range []any{tc.req, tc.rep} {
+			if body, ok := v.(T); ok {
+				b, err := json.Marshal(body)
+				require.NoError(f, err)
+				f.Add(b)
+			}
 		}
 	}
+	for _, b := range extra {
+		f.Add([]byte(b))
+	}
+	f.Fuzz(fuzzBody[T])
 }
+
+// Request bodies, as the shard decodes them.
 
 func FuzzDecodeReserveBatch(f *testing.F) {
-	seedBody(f, func(req, _ any) any {
-		if b, ok := req.(ReserveBatch); ok {
-			return b
-		}
-		return nil
-	})
-	f.Add([]byte(`{"items":[{"transfer_id":"t","mm_hash":"h","nbytes":3,"extra":[1,{"a":null}]}]}`))
-	f.Fuzz(fuzzBody[ReserveBatch])
+	fuzzBodyOf[ReserveBatch](f, `{"items":[{"transfer_id":"t","mm_hash":"h","nbytes":3,"extra":[1,{"a":null}]}]}`)
 }
 
 func FuzzDecodeCompleteBatch(f *testing.F) {
-	seedBody(f, func(req, _ any) any {
-		if b, ok := req.(CompleteBatch); ok {
-			return b
-		}
-		return nil
-	})
-	f.Add([]byte(`{"items":[{"transfer_id":"t","token":"00000000000000000000000000000000"}]}`))
-	f.Fuzz(fuzzBody[CompleteBatch])
+	fuzzBodyOf[CompleteBatch](f, `{"items":[{"transfer_id":"t","token":"00000000000000000000000000000000"}]}`)
+}
+
+func FuzzDecodeCancel(f *testing.F) {
+	fuzzBodyOf[Cancel](f, `{"transfer_ids":["a","a"]}`, `{"transfer_ids":[]}`, `{"transfer_ids":null}`, `{"transfer_ids":["\u0000"]}`)
+}
+
+func FuzzDecodeStatus(f *testing.F) {
+	fuzzBodyOf[Status](f, `{}`, `{"transfer_ids":["t","t"]}`, `{"transfer_ids":[""]}`, `{"transfer_ids":"t"}`)
+}
+
+// Reply bodies, as the clients (producer, scheduler) decode them.
+
+func FuzzDecodePeersReply(f *testing.F) {
+	fuzzBodyOf[PeersReply](f, `{"shards":[{"rank":0,"control":"tcp://a:1"}],"extra":1}`, `{"shards":[]}`)
+}
+
+func FuzzDecodeEventPortReply(f *testing.F) {
+	fuzzBodyOf[EventPortReply](f, `{"endpoint":""}`, `{"endpoint":"tcp://[::1]:5","epoch":"e"}`)
+}
+
+func FuzzDecodeReserveBatchReply(f *testing.F) {
+	fuzzBodyOf[ReserveBatchReply](f, `{"grants":[{"transfer_id":"t","kind":"write","res":1,"nbytes":1}]}`, `{"grants":[],"data":{"":""}}`)
+}
+
+func FuzzDecodeCompleteBatchReply(f *testing.F) {
+	fuzzBodyOf[CompleteBatchReply](f, `{"results":[{"transfer_id":""}]}`, `{"results":null}`)
+}
+
+func FuzzDecodeCancelReply(f *testing.F) {
+	fuzzBodyOf[CancelReply](f, `{"cancelled":-1}`, `{"cancelled":1e30}`)
+}
+
+func FuzzDecodeStatusReply(f *testing.F) {
+	fuzzBodyOf[StatusReply](f, `{"items":[{"transfer_id":"t","known":true}]}`, `{"items":[{"transfer_id":"t","nbytes":-1}]}`)
 }

@@ -527,3 +527,31 @@ func TestBodyCanonicalised(t *testing.T) {
 	require.NoError(t, err)
 	require.Nil(t, req.Body)
 }
+
+// TestEmptyOptionalCollectionsDecodeAsAbsent: an empty optional collection
+// decodes as if absent, so that the body equals the decoding of its own
+// re-encoding (found by FuzzDecodeReserveBatchReply).
+func TestEmptyOptionalCollectionsDecodeAsAbsent(t *testing.T) {
+	roundTrips := func(t *testing.T, v any, decode func([]byte) any) {
+		t.Helper()
+		again, err := marshal(v)
+		require.NoError(t, err)
+		require.Equal(t, v, decode(again))
+	}
+	t.Run("reserve_batch_reply data", func(t *testing.T) {
+		r := mustBody[ReserveBatchReply](t, []byte(`{"grants":[],"data":{}}`))
+		require.Nil(t, r.Data)
+		roundTrips(t, r, func(b []byte) any { return mustBody[ReserveBatchReply](t, b) })
+	})
+	t.Run("status transfer_ids", func(t *testing.T) {
+		s := mustBody[Status](t, []byte(`{"transfer_ids":[]}`))
+		require.Nil(t, s.TransferIDs, "an empty list asks for every item, as no list does")
+		roundTrips(t, s, func(b []byte) any { return mustBody[Status](t, b) })
+	})
+	t.Run("peers shard data", func(t *testing.T) {
+		got := mustBody[PeersReply](t, []byte(`{"shards":[{"rank":0,"control":"tcp://10.0.0.1:5555","data":{}}],`+
+			`"tp_size":1,"dp_rank":0,"host":"node-a","slab_bytes":1,"transports":["tcp"]}`))
+		require.Nil(t, got.Shards[0].Data)
+		roundTrips(t, got, func(b []byte) any { return mustBody[PeersReply](t, b) })
+	})
+}
