@@ -12,8 +12,8 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
+	"github.com/ecmooncake/ecmooncake/core/node"
 	"github.com/ecmooncake/ecmooncake/core/producer"
-	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
 // A consumer whose host name never resolves holds up only its own pushes:
@@ -35,7 +35,9 @@ func TestHangingDialDoesNotStallOtherConsumers(t *testing.T) {
 	}
 	pcfg := config.DefaultProducer()
 	pcfg.ControlTimeoutS = 5
-	prod, err := producer.Open(pcfg, producer.Options{Transport: transport.NewTCP(transport.TCPConfig{Logger: c.log}), Log: c.log, Dial: dial})
+	opts := c.nodeOpts(nil)
+	opts.Dial = dial
+	prod, err := node.OpenProducer(pcfg, opts)
 	require.NoError(t, err)
 	defer func() {
 		close(release)
