@@ -3,7 +3,6 @@ package capi
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -73,9 +72,6 @@ func Close(h uint64) error {
 	}
 	return o.Close()
 }
-
-// OpenHandles counts live objects (for tests).
-func OpenHandles() int { return handles.open() }
 
 func marshal(v any) ([]byte, error) {
 	b, err := json.Marshal(v)
@@ -208,38 +204,6 @@ func ProducerSubmit(h uint64, raw []byte) ([]byte, error) {
 		}
 	}
 	return marshal(map[string]any{"items": out})
-}
-
-// Source is one encoder output handed over by the caller.
-type Source struct {
-	MMHash string
-	Mem    []byte
-}
-
-// ProducerSources hands over encoder outputs; ids[i] is 0 where item i was
-// refused, and the error names every refused item.
-func ProducerSources(h uint64, srcs []Source) ([]uint64, error) {
-	ids := make([]uint64, len(srcs))
-	p, err := lookup[*producerObj](h, "producer")
-	if err != nil {
-		return ids, err
-	}
-	in := make([]producer.Source, len(srcs))
-	for i, s := range srcs {
-		in[i] = producer.Source{MMHash: s.MMHash, Mem: s.Mem}
-	}
-	got, errs := p.Sources(in)
-	var bad []error
-	for i := range srcs {
-		ids[i] = uint64(got[i])
-		if errs[i] != nil {
-			bad = append(bad, fmt.Errorf("item %d (%s): %w", i, srcs[i].MMHash, errs[i]))
-		}
-	}
-	if len(bad) > 0 {
-		return ids, statusErr(StatusInvalid, "%d of %d sources refused: %v", len(bad), len(srcs), errors.Join(bad...))
-	}
-	return ids, nil
 }
 
 // ProducerCancel cancels pushes.
