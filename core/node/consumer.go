@@ -102,7 +102,7 @@ func OpenConsumerDevice(cfg config.Consumer, addr uintptr, n uint64, ordinal int
 
 // openShard starts the shard, which then owns meta.
 func openShard(cfg config.Consumer, mem slab.Memory, tr transport.Transport, meta *metadata.Server, opt Options) (*Consumer, error) {
-	s, err := consumer.Open(cfg, mem, consumer.Options{Transport: tr, Log: opt.log()})
+	s, err := consumer.Open(cfg, mem, consumer.Options{Transport: tr, Log: opt.log(), Links: opt.links()})
 	if err != nil {
 		closeMeta(meta)
 		return nil, err

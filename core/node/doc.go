@@ -32,9 +32,10 @@
 //	sched, err := node.OpenScheduler(scfg, node.Options{})
 //
 // The zero Options is production. A test replaces what it must: Devices
-// with a gpu.FakeHost, Network with a fault-injecting data plane, Dial
-// with a control dialer of its own; the node wraps a replaced network
-// transport exactly as it wraps its own.
+// with a gpu.FakeHost, Network with a fault-injecting data plane (the
+// transport.Inmem fake), Control with control-plane links of its own (the
+// control.InmemNetwork fake); the node wraps a replaced network transport
+// exactly as it wraps its own.
 //
 // Errors that mean "this process cannot do that" (a transport not in this
 // build, a missing TransferEngine library, no GPU) wrap ErrUnavailable;

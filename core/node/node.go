@@ -6,8 +6,6 @@ import (
 	"log/slog"
 	"os"
 
-	zmq "github.com/pebbe/zmq4"
-
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/cuda"
 	"github.com/ecmooncake/ecmooncake/core/gpu"
@@ -35,8 +33,19 @@ type Options struct {
 	// must match them); the node still wraps it as it would its own:
 	// staging through page-locked memory and a same-host plane beside it.
 	Network transport.Transport
-	// Dial replaces the producer's control dialer (producer.Options.Dial).
-	Dial func(zctx *zmq.Context, endpoint string, log *slog.Logger) (*control.Client, error)
+	// Control, when set, opens the control-plane links of each object in
+	// place of ZeroMQ (one Links per object, which then owns it): an
+	// in-memory control plane, say, or one that fails on purpose.
+	Control func() control.Links
+}
+
+// links is a fresh Links from Control, or nil: the object opens ZeroMQ
+// with the security its settings give.
+func (o Options) links() control.Links {
+	if o.Control == nil {
+		return nil
+	}
+	return o.Control()
 }
 
 func (o Options) log() *slog.Logger {

@@ -33,7 +33,7 @@ func OpenProducer(cfg config.Producer, opt Options) (*Producer, error) {
 	if err != nil {
 		return nil, err
 	}
-	p, err := producer.Open(cfg, producer.Options{Transport: tr, Log: opt.log(), Dial: opt.Dial})
+	p, err := producer.Open(cfg, producer.Options{Transport: tr, Log: opt.log(), Links: opt.links()})
 	if err != nil {
 		return nil, err
 	}

@@ -8,5 +8,5 @@ import (
 // OpenScheduler opens a consumer scheduler that follows the shards the
 // settings name.
 func OpenScheduler(cfg config.Scheduler, opt Options) (*scheduler.Scheduler, error) {
-	return scheduler.Open(cfg, opt.log())
+	return scheduler.Open(cfg, scheduler.Options{Log: opt.log(), Links: opt.links()})
 }
