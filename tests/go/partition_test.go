@@ -118,11 +118,11 @@ func TestInmemClusterSurvivesPartitionsAndDelays(t *testing.T) {
 	}
 }
 
-// Many batches in flight while one shard's links flap: whatever each push
-// meets, the invariants hold and nothing leaks.
+// Batch after batch while the links flap: whatever each push meets, the
+// invariants hold (settle checks every item the scheduler calls available)
+// and nothing leaks.
 func TestInmemClusterUnderFlappingLinks(t *testing.T) {
 	c := newInmemCluster(t)
-	var all []item
 	for b := range 6 {
 		items := makeItems(uint64(300+b), 6, 1<<10, 128<<10, 3)
 		switch b % 3 {
@@ -137,15 +137,9 @@ func TestInmemClusterUnderFlappingLinks(t *testing.T) {
 		c.settle(items)
 		c.ctl.HealAll()
 		c.guard.setCut(0, false)
-		all = append(all, items...)
 	}
 	c.guard.off()
 	c.requireReclaimed()
-	for _, it := range all {
-		if c.sched.Has(it.hash) {
-			c.requireOnEveryShard(it)
-		}
-	}
 }
 
 // The write guard itself: what it must flag, and what it must let pass.
