@@ -3,7 +3,6 @@ package capi
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -13,14 +12,10 @@ import (
 	"unsafe"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
-	"github.com/ecmooncake/ecmooncake/core/consumer"
-	"github.com/ecmooncake/ecmooncake/core/metadata"
+	"github.com/ecmooncake/ecmooncake/core/node"
 	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
-	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
-	"github.com/ecmooncake/ecmooncake/core/transport/mooncake"
-	"github.com/ecmooncake/ecmooncake/core/transport/shm"
 )
 
 var (
@@ -55,7 +50,7 @@ func Configure(raw []byte) error {
 		return statusErr(StatusInvalid, "log_level %q: %v", r.LogLevel, err)
 	}
 	logLevel.Set(lv)
-	return startMetrics(r)
+	return node.ServeMetrics(r, slog.Default())
 }
 
 // Stats returns the counters of any object as JSON.
@@ -76,9 +71,6 @@ func Close(h uint64) error {
 	return o.Close()
 }
 
-// OpenHandles counts live objects (for tests).
-func OpenHandles() int { return handles.open() }
-
 func marshal(v any) ([]byte, error) {
 	b, err := json.Marshal(v)
 	if err != nil {
@@ -94,34 +86,9 @@ func unmarshal(what string, raw []byte, into any) error {
 	return nil
 }
 
-func newTransport(name string, p config.Producer) (transport.Transport, error) {
-	switch name {
-	case "tcp":
-		return transport.NewTCP(transport.TCPConfig{Conns: p.TCPConns, ChunkSize: p.TCPChunkBytes, DialTimeout: p.ControlTimeout(), Logger: slog.Default()}), nil
-	case mooncake.Name:
-		return newMooncake(mooncake.FromProducer(p, slog.Default()))
-	case shm.Name:
-		return shm.New(shm.Config{Host: hostIdentity(p.Host), Logger: slog.Default()}), nil
-	default:
-		return nil, statusErr(StatusUnavailable, "transport %q is not available in this build", name)
-	}
-}
-
 // consumer ------------------------------------------------------------------
 
-type consumerObj struct {
-	*consumer.Shard
-	meta *metadata.Server // the Mooncake metadata store it serves, if any
-}
-
-// Close closes the shard, then the metadata store its engine used.
-func (o *consumerObj) Close() error {
-	err := o.Shard.Close()
-	if o.meta != nil {
-		err = errors.Join(err, o.meta.Close())
-	}
-	return err
-}
+type consumerObj struct{ *node.Consumer }
 
 func (o *consumerObj) stats() any { return o.Stats() }
 
@@ -132,24 +99,11 @@ func ConsumerOpen(raw []byte, mem []byte) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
-	if len(mem) == 0 {
-		return 0, statusErr(StatusInvalid, "consumer: slab is empty (pointer and nbytes must describe the receive buffer)")
-	}
-	meta, err := startMetadata(cfg)
+	c, err := node.OpenConsumer(cfg, mem, node.Options{})
 	if err != nil {
 		return 0, err
 	}
-	tr, err := consumerTransport(cfg)
-	if err == nil {
-		var s *consumer.Shard
-		if s, err = consumer.Open(cfg, slab.HostMemory(mem), consumer.Options{Transport: tr, Log: slog.Default()}); err == nil {
-			return handles.add(&consumerObj{Shard: s, meta: meta}), nil
-		}
-	}
-	if meta != nil {
-		meta.Close()
-	}
-	return 0, err
+	return handles.add(&consumerObj{c}), nil
 }
 
 // ConsumerInfo returns the shard's endpoints.
@@ -205,7 +159,7 @@ func ConsumerRelease(h uint64, raw []byte) ([]byte, error) {
 
 // producer ------------------------------------------------------------------
 
-type producerObj struct{ *producer.Producer }
+type producerObj struct{ *node.Producer }
 
 func (o *producerObj) stats() any { return o.Stats() }
 
@@ -216,11 +170,7 @@ func ProducerOpen(raw []byte) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
-	tr, err := producerTransport(cfg)
-	if err != nil {
-		return 0, err
-	}
-	p, err := producer.Open(cfg, producer.Options{Transport: tr, Log: slog.Default()})
+	p, err := node.OpenProducer(cfg, node.Options{})
 	if err != nil {
 		return 0, err
 	}
@@ -252,38 +202,6 @@ func ProducerSubmit(h uint64, raw []byte) ([]byte, error) {
 		}
 	}
 	return marshal(map[string]any{"items": out})
-}
-
-// Source is one encoder output handed over by the caller.
-type Source struct {
-	MMHash string
-	Mem    []byte
-}
-
-// ProducerSources hands over encoder outputs; ids[i] is 0 where item i was
-// refused, and the error names every refused item.
-func ProducerSources(h uint64, srcs []Source) ([]uint64, error) {
-	ids := make([]uint64, len(srcs))
-	p, err := lookup[*producerObj](h, "producer")
-	if err != nil {
-		return ids, err
-	}
-	in := make([]producer.Source, len(srcs))
-	for i, s := range srcs {
-		in[i] = producer.Source{MMHash: s.MMHash, Mem: s.Mem}
-	}
-	got, errs := p.Sources(in)
-	var bad []error
-	for i := range srcs {
-		ids[i] = uint64(got[i])
-		if errs[i] != nil {
-			bad = append(bad, fmt.Errorf("item %d (%s): %w", i, srcs[i].MMHash, errs[i]))
-		}
-	}
-	if len(bad) > 0 {
-		return ids, statusErr(StatusInvalid, "%d of %d sources refused: %v", len(bad), len(srcs), errors.Join(bad...))
-	}
-	return ids, nil
 }
 
 // ProducerCancel cancels pushes.
@@ -324,7 +242,7 @@ func SchedulerOpen(raw []byte) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
-	s, err := scheduler.Open(cfg, slog.Default())
+	s, err := node.OpenScheduler(cfg, node.Options{})
 	if err != nil {
 		return 0, err
 	}

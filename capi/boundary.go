@@ -9,7 +9,7 @@ import (
 // runs while the Go runtime starts, when the library is loaded.
 var loadPID = os.Getpid()
 
-// MaxSources bounds the items of one ecm_producer_sources call
+// MaxSources bounds the items of one ecm_producer_sources_device call
 // (ECM_MAX_SOURCES): one model step's encoder outputs are a few hundred
 // at most, and a count from a caller that lies must be refused before it
 // sizes an allocation the runtime cannot make (which aborts the process).

@@ -1,7 +1,9 @@
 // Package capi is the boundary between the C ABI (package main in
 // export/) and the core: handles, status codes with error text, settings
-// decoding and panic recovery. It is plain Go with no cgo, so everything the
-// ABI does can be tested with go test.
+// decoding and panic recovery. It decides no wiring: each open call decodes
+// its settings and hands them to package node, which assembles the object.
+// It is plain Go with no cgo, so everything the ABI does can be tested with
+// go test.
 //
 // Handles are our own table of uint64 ids rather than runtime/cgo.Handle:
 // cgo.Handle panics on an unknown or deleted value, while a Python caller

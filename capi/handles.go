@@ -46,12 +46,6 @@ func (t *handleTable) remove(h uint64) (closer, error) {
 	return o, nil
 }
 
-func (t *handleTable) open() int {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return len(t.objs)
-}
-
 // lookup returns the object behind h as a T, or a handle error naming the
 // kind that was expected.
 func lookup[T closer](h uint64, kind string) (T, error) {

@@ -9,26 +9,9 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/metadata"
-	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/mooncake"
-	"github.com/ecmooncake/ecmooncake/core/transport/shm"
 )
-
-// newMooncake loads the TransferEngine library; a missing library or
-// symbol is ECM_ERR_UNAVAILABLE, and only the objects that chose this
-// transport ever see it.
-func newMooncake(c mooncake.Config) (transport.Transport, error) {
-	tr, err := mooncake.New(c)
-	if errors.Is(err, mooncake.ErrUnavailable) {
-		return nil, &Error{Code: StatusUnavailable, Err: err}
-	}
-	if err != nil {
-		return nil, err
-	}
-	return tr, nil
-}
 
 // MooncakeInfo says whether the TransferEngine library in {"library": path}
 // (empty: the loader's search path) loads and has every function the
@@ -42,31 +25,6 @@ func MooncakeInfo(raw []byte) ([]byte, error) {
 		return nil, err
 	}
 	return marshal(mooncake.Probe(in.Library))
-}
-
-// consumerTransport is the data plane a consumer shard listens on.
-func consumerTransport(cfg config.Consumer) (transport.Transport, error) {
-	switch cfg.Transport {
-	case mooncake.Name:
-		return newMooncake(mooncake.FromConsumer(cfg, slog.Default()))
-	case shm.Name:
-		return shm.New(shm.Config{Host: hostIdentity(cfg.Host), SlabFD: cfg.SlabFD, MaxConns: cfg.MaxDataConns, Logger: slog.Default()}), nil
-	case "tcp":
-		return transport.NewTCP(transport.TCPConfig{
-			MaxConns: cfg.MaxDataConns, IdleTimeout: cfg.DataIdleTimeout(), FrameTimeout: cfg.DataFrameTimeout(), Logger: slog.Default(),
-		}), nil
-	}
-	return newTransport(cfg.Transport, config.DefaultProducer())
-}
-
-// startMetadata serves the Mooncake metadata store a consumer asked for,
-// or finds the one another shard of this host already serves there (then
-// it returns nil: that shard owns it).
-func startMetadata(cfg config.Consumer) (*metadata.Server, error) {
-	if cfg.MooncakeMetadataServer == "" {
-		return nil, nil
-	}
-	return metadata.Ensure(metadata.Config{Addr: cfg.MooncakeMetadataServer, Token: cfg.MooncakeMetadataToken, Logger: slog.Default()})
 }
 
 // metadata server --------------------------------------------------------------

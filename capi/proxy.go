@@ -1,11 +1,8 @@
 package capi
 
 import (
-	"fmt"
 	"log/slog"
-	"sync"
 
-	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/discovery"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/proxy"
@@ -60,33 +57,4 @@ func MetricsText() ([]byte, error) {
 		return nil, statusErr(StatusInternal, "%v", err)
 	}
 	return b, nil
-}
-
-var (
-	metricsMu  sync.Mutex
-	metricsSrv *metrics.Server
-	metricsAt  string
-)
-
-// startMetrics serves /metrics once a configure call names a port. The
-// server lives as long as the process: vLLM processes end by exiting.
-func startMetrics(r config.Runtime) error {
-	if r.MetricsPort == 0 {
-		return nil
-	}
-	want := fmt.Sprintf("%s:%d", r.MetricsIP, r.MetricsPort)
-	metricsMu.Lock()
-	defer metricsMu.Unlock()
-	if metricsSrv != nil {
-		if want != metricsAt {
-			return statusErr(StatusState, "metrics already served on %s; a process serves them on one port (asked for %s)", metricsAt, want)
-		}
-		return nil
-	}
-	srv, err := metrics.Serve(r.MetricsIP, r.MetricsPort, nil, slog.Default())
-	if err != nil {
-		return statusErr(StatusIO, "%v", err)
-	}
-	metricsSrv, metricsAt = srv, want
-	return nil
 }

@@ -9,6 +9,7 @@ import (
 	"runtime/debug"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
+	"github.com/ecmooncake/ecmooncake/core/node"
 )
 
 // Status mirrors the ECM_* codes of include/ecmooncake.h.
@@ -27,7 +28,7 @@ const (
 )
 
 // ABIVersion is ECM_ABI_VERSION.
-const ABIVersion = 1
+const ABIVersion = 2
 
 // Error carries a status code across the boundary.
 type Error struct {
@@ -50,6 +51,10 @@ func Classify(err error) Status {
 		return StatusOK
 	case errors.As(err, &e):
 		return e.Code
+	case errors.Is(err, node.ErrUnavailable):
+		return StatusUnavailable
+	case errors.Is(err, node.ErrState):
+		return StatusState
 	case errors.Is(err, config.ErrInvalid):
 		return StatusInvalid
 	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, os.ErrDeadlineExceeded):

@@ -213,32 +213,6 @@ func sourceArrays(fn string, n C.uint64_t, arrays ...any) (int, error) {
 	return k, nil
 }
 
-//export ecm_producer_sources
-func ecm_producer_sources(h C.uint64_t, n C.uint64_t, hashes **C.char, ptrs *unsafe.Pointer, nbytes *C.uint64_t, out *C.uint64_t, errOut **C.char) C.int {
-	const fn = "ecm_producer_sources"
-	return finish(errOut, fn, func() error {
-		k, err := sourceArrays(fn, n, "mm_hashes", hashes != nil, "ptrs", ptrs != nil, "nbytes", nbytes != nil, "out_sources", out != nil)
-		if err != nil {
-			return err
-		}
-		srcs := make([]capi.Source, k)
-		hs, ps, ns := unsafe.Slice(hashes, k), unsafe.Slice(ptrs, k), unsafe.Slice(nbytes, k)
-		for i := range srcs {
-			mem, err := memory(fn, fmt.Sprintf("item %d", i), ps[i], ns[i])
-			if err != nil {
-				return err
-			}
-			srcs[i] = capi.Source{MMHash: goString(hs[i]), Mem: mem}
-		}
-		ids, err := capi.ProducerSources(uint64(h), srcs)
-		outs := unsafe.Slice(out, k)
-		for i := range outs {
-			outs[i] = C.uint64_t(ids[i])
-		}
-		return err
-	})
-}
-
 //export ecm_producer_sources_device
 func ecm_producer_sources_device(h C.uint64_t, n C.uint64_t, hashes **C.char, ptrs *C.uintptr_t, nbytes *C.uint64_t, devices *C.int32_t, streams *C.uint64_t, out *C.uint64_t, errOut **C.char) C.int {
 	const fn = "ecm_producer_sources_device"

@@ -41,7 +41,7 @@
 extern "C" {
 #endif
 
-#define ECM_ABI_VERSION 1
+#define ECM_ABI_VERSION 2
 
 #define ECM_OK 0
 #define ECM_ERR_INVALID 1     /* bad argument, config or JSON */
@@ -52,7 +52,7 @@ extern "C" {
 #define ECM_ERR_INTERNAL 6    /* a recovered panic or a broken invariant */
 #define ECM_ERR_UNAVAILABLE 7 /* a feature this build or host lacks */
 
-/* Most items one ecm_producer_sources(_device) call takes. */
+/* Most items one ecm_producer_sources_device call takes. */
 #define ECM_MAX_SOURCES 65536
 
 typedef uint64_t ecm_handle_t;
@@ -113,21 +113,16 @@ int ecm_producer_submit(ecm_handle_t h, const char *in_json, char **out_json,
                         char **err);
 /* Hands over encoder outputs in one call, so that they go out as one write
  * batch per consumer shard: item i is mm_hashes[i] at [ptrs[i],
- * ptrs[i]+nbytes[i]). out_sources[i] receives the source id, or 0 when that
- * item was refused (the call then fails and *err names every refused item).
- * The library reads a source until ecm_producer_poll reports its id
- * released; the caller keeps the memory alive until then. n is at most
- * ECM_MAX_SOURCES; with n = 0 the arrays may be NULL. */
-int ecm_producer_sources(ecm_handle_t h, uint64_t n,
-                         const char *const *mm_hashes, void *const *ptrs,
-                         const uint64_t *nbytes, uint64_t *out_sources,
-                         char **err);
-/* The same for outputs that may live on a GPU: devices[i] is -1 for host
- * memory, else the CUDA ordinal of ptrs[i]; streams[i] is the CUDA stream
- * (cudaStream_t; 0 is the legacy default stream) whose queued work
- * produces item i. The call records an event on that stream and returns
- * at once: the library reads the item only after that work completed.
- * streams[i] is ignored for host memory. */
+ * ptrs[i]+nbytes[i]), in host memory when devices[i] is -1, else on the
+ * GPU of that CUDA ordinal; streams[i] is the CUDA stream (cudaStream_t; 0
+ * is the legacy default stream) whose queued work produces item i, ignored
+ * for host memory. The call records an event on that stream and returns at
+ * once: the library reads the item only after that work completed.
+ * out_sources[i] receives the source id, or 0 when that item was refused
+ * (the call then fails and *err names every refused item). The library
+ * reads a source until ecm_producer_poll reports its id released; the
+ * caller keeps the memory alive until then. n is at most ECM_MAX_SOURCES;
+ * with n = 0 the arrays may be NULL. */
 int ecm_producer_sources_device(ecm_handle_t h, uint64_t n,
                                 const char *const *mm_hashes,
                                 void *const *ptrs, const uint64_t *nbytes,

@@ -2,7 +2,8 @@
 // TP rank of a prefill/decode instance that receives encoder outputs.
 //
 // A Shard wires the deterministic reservation table (package reserve) to
-// the outside world: a ZeroMQ ROUTER control server at
+// the outside world through control.Links (ZeroMQ unless Options.Links
+// says otherwise): a ROUTER control server at
 // ec_port + dp_rank*tp_size + tp_rank, a data-plane listener of the chosen
 // transport, and a PUSH socket that carries readiness and abandon events,
 // and the end of every copy it had announced ready (gone events), to the

@@ -12,14 +12,12 @@ import (
 	"sync"
 	"time"
 
-	zmq "github.com/pebbe/zmq4"
-
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
-	"github.com/ecmooncake/ecmooncake/core/ids"
-	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/fsm/reserve"
 	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
+	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
@@ -31,6 +29,9 @@ type Options struct {
 	Log       *slog.Logger
 	// Tokens defaults to crypto/rand.
 	Tokens ids.TokenSource
+	// Links opens the control server and the event channel; when nil,
+	// ZeroMQ with the security of auth_secret. The shard closes it.
+	Links control.Links
 }
 
 // Shard is one consumer shard. Its methods are safe for concurrent use.
@@ -47,9 +48,9 @@ type Shard struct {
 	table *reserve.Table
 	slab  *slab.Slab
 
-	zctx   *zmq.Context
-	server *control.Server
-	events *control.EventPub
+	links  control.Links
+	server control.Serving
+	events control.Publisher
 	recv   transport.Receiver
 	// direct is recv's one-sided data plane, if it has one (recv itself,
 	// or cuda_ipc next to TCP); remote holds the regions admitted for its
@@ -94,6 +95,7 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 	s.slab = slab.NewSlab(mem)
 	s.table = reserve.New(s.slab, reserve.Config{Lease: cfg.Lease(), MaxResidentBytes: cfg.MaxResidentBytes}, opt.Tokens)
 
+	s.links = opt.Links
 	// The shard, not s: a failing return sets s to nil before this runs.
 	opened := s
 	defer func() {
@@ -105,11 +107,12 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 	if err != nil {
 		return nil, err
 	}
-	if s.zctx, err = zmq.NewContext(); err != nil {
-		return nil, fmt.Errorf("consumer: zmq context: %w", err)
+	if s.links == nil {
+		if s.links, err = control.NewZMQ(sec); err != nil {
+			return nil, fmt.Errorf("consumer: %w", err)
+		}
 	}
-	guarded := control.WithServerSecurity(sec)
-	if s.events, err = control.NewEventPub(s.zctx, cfg.IP, s.log, guarded); err != nil {
+	if s.events, err = s.links.Publish(cfg.IP, s.log); err != nil {
 		return nil, fmt.Errorf("consumer: event socket on %s: %w", cfg.IP, err)
 	}
 	dataAddr := net.JoinHostPort(cfg.IP, strconv.Itoa(cfg.DataPort))
@@ -119,7 +122,7 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 	s.direct, _ = transport.DirectOf(s.recv)
 	s.remote = map[ids.ResID]remoteWrite{}
 	bind := control.Endpoint(cfg.IP, cfg.ControlPort())
-	if s.server, err = control.NewServer(s.zctx, bind, handler{s}, s.log, guarded); err != nil {
+	if s.server, err = s.links.Serve(bind, handler{s}, s.log); err != nil {
 		return nil, fmt.Errorf("consumer: control server on %s: %w", bind, err)
 	}
 	s.logSecurity(sec, bind)
@@ -301,8 +304,8 @@ func (s *Shard) shutdown() error {
 	if s.events != nil {
 		errs = append(errs, s.events.Close())
 	}
-	if s.zctx != nil {
-		errs = append(errs, s.zctx.Term())
+	if s.links != nil {
+		errs = append(errs, s.links.Close())
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("consumer: close: %w", err)

@@ -29,6 +29,15 @@
 //	err = sub.Connect(endpointFromEventPortOp)
 //	for ev := range sub.Events() { ... }
 //
+// # Links
+//
+// The runtimes (consumer, producer, scheduler) see the control plane only
+// through the small interfaces of links.go: Links opens a Serving server, a
+// Publisher, Callers and a Subscriber for one process object. ZMQ is the
+// production Links; InmemNetwork (inmem.go) is the fake beside it, which
+// keeps the codec, the one-request-at-a-time server and the event order,
+// and can partition, delay and heal the link between any two objects.
+//
 // # Security
 //
 // A deployment-wide secret turns on libzmq's CURVE on every socket: every

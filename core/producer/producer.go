@@ -8,12 +8,10 @@ import (
 	"sync"
 	"time"
 
-	zmq "github.com/pebbe/zmq4"
-
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
-	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/fsm/push"
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
@@ -25,11 +23,11 @@ var ErrClosed = errors.New("producer: closed")
 type Options struct {
 	Transport transport.Transport
 	Log       *slog.Logger
-	// Dial opens the control client of one shard; when nil, control.Dial
-	// with the security of auth_secret (a Dial given here chooses its own).
-	// It may block (it resolves host names), so the producer never calls
-	// it under its lock.
-	Dial func(zctx *zmq.Context, endpoint string, log *slog.Logger) (*control.Client, error)
+	// Links dials the control client of each shard; when nil, ZeroMQ with
+	// the security of auth_secret. Its Dial may block (it resolves host
+	// names), so the producer never calls it under its lock. The producer
+	// closes it.
+	Links control.Links
 }
 
 // Push is one item to send, as the engine announces it.
@@ -72,7 +70,7 @@ type plane struct {
 // dialing is a control client being opened; callers for the same shard
 // wait for the one dial instead of starting their own.
 type dialing struct {
-	c    *control.Client
+	c    control.Caller
 	err  error
 	done chan struct{} // closed once c or err is set
 }
@@ -90,7 +88,7 @@ type Producer struct {
 	log    *slog.Logger
 	tr     transport.Transport
 	writer transport.Writer
-	zctx   *zmq.Context
+	links  control.Links
 
 	mu        sync.Mutex // guards everything below; never held across I/O
 	mgr       *push.Manager
@@ -102,14 +100,13 @@ type Producer struct {
 	// the manager would otherwise release at once as unwanted.
 	admitting map[string]int
 	parked    map[string][]parkedSource
-	clients   map[string]*control.Client // by shard control endpoint
-	dialing   map[string]*dialing        // clients being opened, by shard control endpoint
-	planes    map[string]plane           // by shard control endpoint
+	clients   map[string]control.Caller // by shard control endpoint
+	dialing   map[string]*dialing       // clients being opened, by shard control endpoint
+	planes    map[string]plane          // by shard control endpoint
 	// granted and wrote are when the oldest reserve reply (write batch)
 	// from each shard whose write (complete) has not left yet arrived
 	// (ended), for timing the driver's hand-offs.
 	granted, wrote map[string]time.Time
-	dial           func(zctx *zmq.Context, endpoint string, log *slog.Logger) (*control.Client, error)
 	out            Outcomes
 	outReady       chan struct{} // closed and replaced when out gains something
 	roundTrip      uint64
@@ -128,7 +125,12 @@ type Producer struct {
 }
 
 // Open starts a producer.
-func Open(cfg config.Producer, opt Options) (*Producer, error) {
+func Open(cfg config.Producer, opt Options) (_ *Producer, err error) {
+	defer func() {
+		if err != nil && opt.Links != nil {
+			_ = opt.Links.Close()
+		}
+	}()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -146,18 +148,15 @@ func Open(cfg config.Producer, opt Options) (*Producer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("producer: auth_secret: %w", err)
 	}
-	if opt.Dial == nil {
-		opt.Dial = func(zctx *zmq.Context, endpoint string, log *slog.Logger) (*control.Client, error) {
-			return control.Dial(zctx, endpoint, log, control.WithClientSecurity(sec))
+	links := opt.Links
+	if links == nil {
+		if links, err = control.NewZMQ(sec); err != nil {
+			return nil, fmt.Errorf("producer: %w", err)
 		}
-	}
-	zctx, err := zmq.NewContext()
-	if err != nil {
-		return nil, fmt.Errorf("producer: zmq context: %w", err)
 	}
 	wait := cfg.PushWait()
 	p := &Producer{
-		cfg: cfg, log: opt.Log.With("role", "producer"), tr: opt.Transport, writer: opt.Transport.NewWriter(), zctx: zctx,
+		cfg: cfg, log: opt.Log.With("role", "producer"), tr: opt.Transport, writer: opt.Transport.NewWriter(), links: links,
 		mgr: push.New(push.Config{
 			ReserveWait: cfg.ControlTimeout() + wait, SourceWait: wait, WriteWait: wait, NotifyWait: cfg.ControlTimeout(),
 		}),
@@ -165,12 +164,11 @@ func Open(cfg config.Producer, opt Options) (*Producer, error) {
 		consumers: map[string]*consumerInfo{},
 		admitting: map[string]int{},
 		parked:    map[string][]parkedSource{},
-		clients:   map[string]*control.Client{},
+		clients:   map[string]control.Caller{},
 		dialing:   map[string]*dialing{},
 		planes:    map[string]plane{},
 		granted:   map[string]time.Time{},
 		wrote:     map[string]time.Time{},
-		dial:      opt.Dial,
 		outReady:  make(chan struct{}),
 		wake:      make(chan struct{}, 1),
 		stop:      make(chan struct{}),
@@ -506,12 +504,12 @@ func (p *Producer) Close() error {
 	p.mu.Unlock()
 	p.wg.Wait()
 	p.mu.Lock()
-	p.clients = map[string]*control.Client{}
+	p.clients = map[string]control.Caller{}
 	for id := range p.sources {
 		p.releaseSourceLocked(id)
 	}
 	p.mu.Unlock()
-	errs = append(errs, p.zctx.Term())
+	errs = append(errs, p.links.Close())
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("producer: close: %w", err)
 	}
@@ -555,7 +553,7 @@ func (p *Producer) signalLocked() {
 // outside the lock (it may resolve a host name for seconds), so a slow
 // shard never holds up calls that concern other consumers; callers for the
 // same shard wait for that one dial, or for ctx.
-func (p *Producer) client(ctx context.Context, endpoint string) (*control.Client, error) {
+func (p *Producer) client(ctx context.Context, endpoint string) (control.Caller, error) {
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
@@ -585,7 +583,7 @@ func (p *Producer) client(ctx context.Context, endpoint string) (*control.Client
 // d.done closes on every path.
 func (p *Producer) dialShard(endpoint string, d *dialing) {
 	defer p.wg.Done()
-	var c *control.Client
+	var c control.Caller
 	err := errors.New("dial ended without an answer")
 	defer func() {
 		if r := recover(); r != nil {
@@ -607,7 +605,7 @@ func (p *Producer) dialShard(endpoint string, d *dialing) {
 		p.mu.Unlock()
 		close(d.done)
 	}()
-	c, err = p.dial(p.zctx, endpoint, p.log)
+	c, err = p.links.Dial(endpoint, p.log)
 }
 
 // call makes one control round trip. A call that got no answer (timeout,

@@ -17,7 +17,7 @@ func openIdle(t testing.TB) *Scheduler {
 	t.Helper()
 	cfg := config.DefaultScheduler()
 	cfg.Shards = []string{"tcp://127.0.0.1:9"}
-	s, err := Open(cfg, nil)
+	s, err := Open(cfg, Options{})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = s.Close() })
 	return s

@@ -9,12 +9,10 @@ import (
 	"sync/atomic"
 	"time"
 
-	zmq "github.com/pebbe/zmq4"
-
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
-	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
 
@@ -45,9 +43,8 @@ type Scheduler struct {
 	waits   waitClock
 	unwatch func() // detaches the metrics probe
 
-	zctx    *zmq.Context
-	sec     control.Security // of every control socket
-	sub     *control.EventSub
+	links   control.Links
+	sub     control.Subscriber
 	cancels []chan []string // per shard
 	kick    chan struct{}
 	stop    chan struct{}
@@ -58,12 +55,26 @@ type Scheduler struct {
 	wg      sync.WaitGroup
 }
 
+// Options carries what the caller chooses beyond the settings.
+type Options struct {
+	Log *slog.Logger
+	// Links dials the shards and subscribes to their events; when nil,
+	// ZeroMQ with the security of auth_secret. The scheduler closes it.
+	Links control.Links
+}
+
 // Open starts the background goroutines; it does not wait for the shards,
 // which may start later than the scheduler.
-func Open(cfg config.Scheduler, log *slog.Logger) (*Scheduler, error) {
+func Open(cfg config.Scheduler, opt Options) (_ *Scheduler, err error) {
+	defer func() {
+		if err != nil && opt.Links != nil {
+			_ = opt.Links.Close()
+		}
+	}()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	log := opt.Log
 	if log == nil {
 		log = slog.Default()
 	}
@@ -81,20 +92,24 @@ func Open(cfg config.Scheduler, log *slog.Logger) (*Scheduler, error) {
 	if err != nil {
 		return nil, fmt.Errorf("scheduler: auth_secret: %w", err)
 	}
-	zctx, err := zmq.NewContext()
-	if err != nil {
-		return nil, fmt.Errorf("scheduler: zmq context: %w", err)
+	links := opt.Links
+	if links == nil {
+		if links, err = control.NewZMQ(sec); err != nil {
+			return nil, fmt.Errorf("scheduler: %w", err)
+		}
 	}
-	sub, err := control.NewEventSub(zctx, log, control.WithClientSecurity(sec))
+	sub, err := links.Subscribe(log)
 	if err != nil {
-		_ = zctx.Term()
+		if opt.Links == nil {
+			_ = links.Close()
+		}
 		return nil, fmt.Errorf("scheduler: event socket: %w", err)
 	}
 	s := &Scheduler{
 		cfg: cfg, log: log.With("role", "scheduler"), shards: shards,
 		table:   sched.New(sched.Config{Shards: len(shards), EventWait: cfg.PushWait(), LoadWait: cfg.LoadTimeout()}),
 		changed: make(chan struct{}),
-		zctx:    zctx, sub: sub, sec: sec,
+		links:   links, sub: sub,
 		kick: make(chan struct{}, 1),
 		stop: make(chan struct{}),
 	}
@@ -240,7 +255,7 @@ func (s *Scheduler) follow(rank int, endpoint string, cancels <-chan []string) {
 	defer s.wg.Done()
 	defer s.recover("follow")
 	log := s.log.With("shard", rank, "peer", endpoint)
-	client, err := control.Dial(s.zctx, endpoint, log, control.WithClientSecurity(s.sec))
+	client, err := s.links.Dial(endpoint, log)
 	if err != nil {
 		log.Error("cannot follow shard", "cause", err)
 		return
@@ -296,7 +311,7 @@ type shardLife struct {
 // restarted one is followed anew: either way the items it held stop being
 // available (sched.Table.ShardLost, ShardRestarted). It reports whether the
 // shard answered.
-func (s *Scheduler) heartbeat(rank int, client *control.Client, log *slog.Logger, life *shardLife) bool {
+func (s *Scheduler) heartbeat(rank int, client control.Caller, log *slog.Logger, life *shardLife) bool {
 	var rep wire.EventPortReply
 	err := s.call(client, wire.OpEventPort, struct{}{}, &rep)
 	var refused *wire.Error
@@ -352,7 +367,7 @@ func (s *Scheduler) dropShard(rank int, reason string, restarted bool) {
 
 // resync asks the shard about items that have waited longer than
 // resyncAge and feeds the answers in as if they were events.
-func (s *Scheduler) resync(rank int, client *control.Client, log *slog.Logger, life *shardLife) {
+func (s *Scheduler) resync(rank int, client control.Caller, log *slog.Logger, life *shardLife) {
 	s.mu.Lock()
 	waiting := s.table.Waiting(time.Now(), resyncAge)
 	s.mu.Unlock()
@@ -390,7 +405,7 @@ func (s *Scheduler) resync(rank int, client *control.Client, log *slog.Logger, l
 	}
 }
 
-func (s *Scheduler) call(c *control.Client, op wire.Op, body, out any) error {
+func (s *Scheduler) call(c control.Caller, op wire.Op, body, out any) error {
 	ctx, cancel := context.WithTimeout(s.life, s.cfg.ControlTimeout())
 	defer cancel()
 	start := time.Now()
@@ -431,7 +446,7 @@ func (s *Scheduler) Close() error {
 	s.unwatch()
 	err := s.sub.Close()
 	s.wg.Wait()
-	err = errors.Join(err, s.zctx.Term())
+	err = errors.Join(err, s.links.Close())
 	if err != nil {
 		return fmt.Errorf("scheduler: close: %w", err)
 	}

@@ -490,27 +490,24 @@ class Producer(_Handle):
         ptrs = (c_void_p * n)(*[ptr for ptr, _, _ in buffers])
         sizes = (c_uint64 * n)(*[nbytes for _, nbytes, _ in buffers])
         ids = (c_uint64 * n)()
+        devices = (c_int32 * n)(*[device for _, _, device in buffers])
+        handles: dict[int, int] = {}
+        for (_, array), (_, _, device) in zip(items, buffers):
+            if device >= 0 and device not in handles:
+                handles[device] = _stream_handle(stream, array)
+        streams = (c_uint64 * n)(*[handles.get(device, 0) for _, _, device in buffers])
         try:
-            if all(device < 0 for _, _, device in buffers):
-                _call("ecm_producer_sources", self.handle, c_uint64(n), hashes, ptrs, sizes, ids)
-            else:
-                devices = (c_int32 * n)(*[device for _, _, device in buffers])
-                handles: dict[int, int] = {}
-                for (_, array), (_, _, device) in zip(items, buffers):
-                    if device >= 0 and device not in handles:
-                        handles[device] = _stream_handle(stream, array)
-                streams = (c_uint64 * n)(*[handles.get(device, 0) for _, _, device in buffers])
-                _call(
-                    "ecm_producer_sources_device",
-                    self.handle,
-                    c_uint64(n),
-                    hashes,
-                    ptrs,
-                    sizes,
-                    devices,
-                    streams,
-                    ids,
-                )
+            _call(
+                "ecm_producer_sources_device",
+                self.handle,
+                c_uint64(n),
+                hashes,
+                ptrs,
+                sizes,
+                devices,
+                streams,
+                ids,
+            )
         finally:
             for source_id, (_, array) in zip(ids, items):
                 if source_id:

@@ -10,17 +10,14 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
-	"github.com/ecmooncake/ecmooncake/core/consumer"
+	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
 	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
+	"github.com/ecmooncake/ecmooncake/core/node"
 	"github.com/ecmooncake/ecmooncake/core/producer"
-	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
-	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/cudaipc"
-	"github.com/ecmooncake/ecmooncake/core/transport/route"
-	"github.com/ecmooncake/ecmooncake/core/transport/staged"
 )
 
 // gpuCluster is a consumer whose TP shards each hold their slab on a GPU of
@@ -30,9 +27,9 @@ type gpuCluster struct {
 	t        testing.TB
 	host     *gpu.FakeHost
 	windows  [][]byte // each shard's slab, as the test sees it
-	shards   []*consumer.Shard
+	shards   []*node.Consumer
 	sched    *scheduler.Scheduler
-	prods    map[string]*producer.Producer
+	prods    map[string]*node.Producer
 	consumer string
 }
 
@@ -40,21 +37,14 @@ const gpuHostName = "gpu-host-0"
 
 func newGPUCluster(t testing.TB, tp, slabBytes int) *gpuCluster {
 	log := quietLog()
-	c := &gpuCluster{t: t, host: gpu.NewFakeHost(tp), prods: map[string]*producer.Producer{}}
+	c := &gpuCluster{t: t, host: gpu.NewFakeHost(tp), prods: map[string]*node.Producer{}}
+	opts := node.Options{Log: log, Devices: c.host}
 	base := freeBaseTB(t, tp)
 	for r := 0; r < tp; r++ {
-		dev, err := c.host.Device(r)
-		require.NoError(t, err)
 		addr, window := c.host.Alloc(r, slabBytes)
-		mem := slab.DeviceMemory(addr, uint64(slabBytes), dev.Name())
-		tr := route.New(route.Config{
-			Network: staged.New(staged.Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: log}), Slab: mem, SlabDevice: dev, Logger: log}),
-			Local:   cudaipc.New(cudaipc.Config{Slab: mem, SlabDevice: dev, Logger: log}),
-			Host:    gpuHostName, Logger: log,
-		})
 		cfg := config.DefaultConsumer()
 		cfg.Port, cfg.TPSize, cfg.TPRank, cfg.Host = base, tp, r, gpuHostName
-		s, err := consumer.Open(cfg, mem, consumer.Options{Transport: tr, Log: log})
+		s, err := node.OpenConsumerDevice(cfg, addr, uint64(slabBytes), r, opts)
 		require.NoError(t, err)
 		c.windows = append(c.windows, window)
 		c.shards = append(c.shards, s)
@@ -63,19 +53,15 @@ func newGPUCluster(t testing.TB, tp, slabBytes int) *gpuCluster {
 	scfg := config.DefaultScheduler()
 	scfg.Port, scfg.TPSize = base, tp
 	var err error
-	c.sched, err = scheduler.Open(scfg, log)
+	c.sched, err = node.OpenScheduler(scfg, opts)
 	require.NoError(t, err)
 	for _, plane := range []string{cudaipc.Name, "tcp"} {
-		rc := route.Config{
-			Network: staged.New(staged.Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: log}), Devices: c.host, Logger: log}),
-			Host:    gpuHostName, Logger: log, LocalOff: "local_transport is none",
-		}
-		if plane == cudaipc.Name {
-			rc.Local, rc.LocalOff = cudaipc.New(cudaipc.Config{Devices: c.host, Logger: log}), ""
-		}
 		pcfg := config.DefaultProducer()
-		pcfg.ControlTimeoutS, pcfg.PushWaitS = 5, 20
-		c.prods[plane], err = producer.Open(pcfg, producer.Options{Transport: route.New(rc), Log: log})
+		pcfg.ControlTimeoutS, pcfg.PushWaitS, pcfg.Host = 5, 20, gpuHostName
+		if plane != cudaipc.Name {
+			pcfg.LocalTransport = "none"
+		}
+		c.prods[plane], err = node.OpenProducer(pcfg, opts)
 		require.NoError(t, err)
 	}
 	t.Cleanup(c.close)

@@ -3,6 +3,7 @@ package gotests
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
@@ -14,12 +15,13 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
-	"github.com/ecmooncake/ecmooncake/core/consumer"
-	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
+	"github.com/ecmooncake/ecmooncake/core/gpu"
+	"github.com/ecmooncake/ecmooncake/core/node"
+	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
-	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/shm"
 )
 
 // cluster is one consumer instance (TP shards + scheduler) and a producer.
@@ -31,9 +33,9 @@ type cluster struct {
 	made     int // slabs made so far: each shard incarnation gets its own
 	slabFD   func(n int) int
 	slabs    [][]byte
-	shards   []*consumer.Shard
+	shards   []*node.Consumer
 	sched    *scheduler.Scheduler
-	prod     *producer.Producer
+	prod     *node.Producer
 	consumer string // control endpoint of shard 0
 }
 
@@ -42,14 +44,16 @@ type clusterOpts struct {
 	slabBytes int
 	lease     time.Duration
 	pushWait  time.Duration
-	// Data plane and slabs; TCP over Go memory when nil. consumerTr gets
-	// the index of the slab made for the shard (slabs are made in order,
-	// one per shard incarnation), so a plane can serve that very slab.
+	// Network data planes in place of the ones the settings name (TCP)
+	// and slabs (Go memory) when nil; the node wraps them as it wraps its
+	// own. consumerTr gets the index of the slab made for the shard (slabs
+	// are made in order, one per shard incarnation), so a plane can serve
+	// that very slab.
 	consumerTr func(slab int) transport.Transport
 	producerTr func() transport.Transport
 	slab       func(n int) []byte
-	// shm puts each slab in a sealed memfd and moves the bytes
-	// over the shm data plane (see shmPlane); it overrides the three above.
+	// shm puts each slab in a sealed memfd and moves the bytes over the
+	// shm data plane (see shmPlane); it overrides the three above.
 	shm bool
 	// secret is every end's auth_secret; producerSecret, when set,
 	// overrides the producer's.
@@ -112,15 +116,9 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 	if o.quiet && os.Getenv("ECM_TEST_LOG") == "" {
 		c.log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
 	}
-	log := c.log
 	if c.o.shm {
-		c.o.slab, c.o.consumerTr, c.o.producerTr, c.slabFD = shmPlane(t, log)
-	}
-	if c.o.consumerTr == nil {
-		c.o.consumerTr = func(int) transport.Transport { return transport.NewTCP(transport.TCPConfig{Logger: log}) }
-	}
-	if c.o.producerTr == nil {
-		c.o.producerTr = func() transport.Transport { return transport.NewTCP(transport.TCPConfig{Conns: 4, Logger: log}) }
+		c.o.slab, c.slabFD = shmPlane(t)
+		c.o.consumerTr, c.o.producerTr = nil, nil
 	}
 	if c.o.slab == nil {
 		c.o.slab = func(n int) []byte { return make([]byte, n) }
@@ -136,7 +134,7 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 	scfg.Port, scfg.TPSize, scfg.PushWaitS = c.base, o.tp, o.pushWait.Seconds()
 	scfg.Secret = config.Secret(o.secret)
 	var err error
-	c.sched, err = scheduler.Open(scfg, log)
+	c.sched, err = node.OpenScheduler(scfg, c.nodeOpts(nil))
 	require.NoError(t, err)
 	pcfg := config.DefaultProducer()
 	pcfg.PushWaitS = o.pushWait.Seconds()
@@ -145,28 +143,45 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 	if o.producerSecret != nil {
 		pcfg.Secret = config.Secret(*o.producerSecret)
 	}
-	ptr := o.producerTr()
-	pcfg.Transport = ptr.Name()
-	c.prod, err = producer.Open(pcfg, producer.Options{Transport: ptr, Log: log})
+	var ptr transport.Transport
+	if o.producerTr != nil {
+		ptr = o.producerTr()
+		pcfg.Transport = ptr.Name()
+	}
+	if o.shm {
+		pcfg.Transport, pcfg.Host = shm.Name, shmHost
+	}
+	c.prod, err = node.OpenProducer(pcfg, c.nodeOpts(ptr))
 	require.NoError(t, err)
 	t.Cleanup(c.close)
 	return c
 }
 
+// nodeOpts are the assembly options of every node of the cluster: its
+// host-memory slabs need no GPU, and network (when not nil) replaces the
+// data plane the settings name.
+func (c *cluster) nodeOpts(network transport.Transport) node.Options {
+	return node.Options{Log: c.log, Devices: gpu.Unavailable{Err: errors.New("a host-memory cluster uses no GPU")}, Network: network}
+}
+
 // openShard opens shard r over a slab of its own.
-func (c *cluster) openShard(r int) ([]byte, *consumer.Shard) {
+func (c *cluster) openShard(r int) ([]byte, *node.Consumer) {
 	c.t.Helper()
 	idx := c.made
 	c.made++
 	mem := c.o.slab(c.o.slabBytes)
-	tr := c.o.consumerTr(idx)
 	cfg := config.DefaultConsumer()
-	cfg.Port, cfg.TPSize, cfg.TPRank, cfg.LeaseS, cfg.Transport = c.base, c.o.tp, r, c.o.lease.Seconds(), tr.Name()
+	cfg.Port, cfg.TPSize, cfg.TPRank, cfg.LeaseS = c.base, c.o.tp, r, c.o.lease.Seconds()
 	cfg.Secret = config.Secret(c.o.secret)
-	if c.slabFD != nil {
-		cfg.SlabFD = c.slabFD(idx)
+	var tr transport.Transport
+	if c.o.consumerTr != nil {
+		tr = c.o.consumerTr(idx)
+		cfg.Transport = tr.Name()
 	}
-	s, err := consumer.Open(cfg, slab.HostMemory(mem), consumer.Options{Transport: tr, Log: c.log})
+	if c.o.shm {
+		cfg.Transport, cfg.Host, cfg.SlabFD = shm.Name, shmHost, c.slabFD(idx)
+	}
+	s, err := node.OpenConsumer(cfg, mem, c.nodeOpts(tr))
 	require.NoError(c.t, err)
 	return mem, s
 }

@@ -13,10 +13,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
-	"github.com/ecmooncake/ecmooncake/core/consumer"
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/metadata"
-	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
+	"github.com/ecmooncake/ecmooncake/core/node"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/mooncake"
 	"github.com/ecmooncake/ecmooncake/core/transport/mooncake/mooncaketest"
@@ -195,7 +194,7 @@ func TestMooncakeVanishedWriterReleasedAfterTwoLeases(t *testing.T) {
 	mem := offHeap(t)(1 << 20)
 	cfg := config.DefaultConsumer()
 	cfg.Port, cfg.LeaseS, cfg.Transport = base, 0.2, mooncake.Name
-	s, err := consumer.Open(cfg, slab.HostMemory(mem), consumer.Options{Transport: mooncakeTr(t, nil), Log: quietLog()})
+	s, err := node.OpenConsumer(cfg, mem, node.Options{Log: quietLog(), Network: mooncakeTr(t, nil)})
 	require.NoError(t, err)
 	defer s.Close()
 

@@ -7,14 +7,33 @@ import (
 	"testing"
 	"time"
 
-	zmq "github.com/pebbe/zmq4"
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
+	"github.com/ecmooncake/ecmooncake/core/node"
 	"github.com/ecmooncake/ecmooncake/core/producer"
-	"github.com/ecmooncake/ecmooncake/core/transport"
 )
+
+// hangingDial is ZeroMQ links whose dial of a host name under
+// hang.invalid waits for release, as a resolver that never answers would.
+type hangingDial struct {
+	*control.ZMQ
+	entered chan<- struct{}
+	release <-chan struct{}
+}
+
+func (h hangingDial) Dial(ep string, log *slog.Logger) (control.Caller, error) {
+	if strings.Contains(ep, "hang.invalid") {
+		select {
+		case h.entered <- struct{}{}:
+		default:
+		}
+		<-h.release
+		return nil, errors.New("resolver gave up")
+	}
+	return h.ZMQ.Dial(ep, log)
+}
 
 // A consumer whose host name never resolves holds up only its own pushes:
 // Submit, Sources and Poll for another consumer go on while its dial hangs.
@@ -22,20 +41,15 @@ func TestHangingDialDoesNotStallOtherConsumers(t *testing.T) {
 	c := newCluster(t, clusterOpts{tp: 1})
 	entered := make(chan struct{}, 1)
 	release := make(chan struct{})
-	dial := func(zctx *zmq.Context, ep string, log *slog.Logger) (*control.Client, error) {
-		if strings.Contains(ep, "hang.invalid") {
-			select {
-			case entered <- struct{}{}:
-			default:
-			}
-			<-release
-			return nil, errors.New("resolver gave up")
-		}
-		return control.Dial(zctx, ep, log)
-	}
 	pcfg := config.DefaultProducer()
 	pcfg.ControlTimeoutS = 5
-	prod, err := producer.Open(pcfg, producer.Options{Transport: transport.NewTCP(transport.TCPConfig{Logger: c.log}), Log: c.log, Dial: dial})
+	opts := c.nodeOpts(nil)
+	opts.Control = func() control.Links {
+		z, err := control.NewZMQ(control.Security{})
+		require.NoError(t, err)
+		return hangingDial{ZMQ: z, entered: entered, release: release}
+	}
+	prod, err := node.OpenProducer(pcfg, opts)
 	require.NoError(t, err)
 	defer func() {
 		close(release)

@@ -1,7 +1,6 @@
 package gotests
 
 import (
-	"log/slog"
 	"syscall"
 	"testing"
 	"time"
@@ -10,9 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
-	"github.com/ecmooncake/ecmooncake/core/consumer"
-	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
-	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/node"
 	"github.com/ecmooncake/ecmooncake/core/transport/shm"
 )
 
@@ -20,9 +17,9 @@ import (
 const shmHost = "shm-test-host"
 
 // shmPlane makes slabs as sealed memfds, mapped shared and closed at the
-// end of the test, and the shm transports over them: consumerTr(i) serves
-// the slab made by the i-th call of slab, whose descriptor is fd(i).
-func shmPlane(t *testing.T, log *slog.Logger) (slab func(int) []byte, consumerTr func(int) transport.Transport, producerTr func() transport.Transport, fd func(int) int) {
+// end of the test, for the shm data plane: fd(i) is the descriptor of the
+// slab made by the i-th call of slab.
+func shmPlane(t *testing.T) (slab func(int) []byte, fd func(int) int) {
 	var fds []int
 	slab = func(n int) []byte {
 		f, err := unix.MemfdCreate("ecm-gotest-slab", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
@@ -38,12 +35,8 @@ func shmPlane(t *testing.T, log *slog.Logger) (slab func(int) []byte, consumerTr
 		fds = append(fds, f)
 		return mem
 	}
-	consumerTr = func(r int) transport.Transport {
-		return shm.New(shm.Config{Host: shmHost, SlabFD: fds[r], Logger: log})
-	}
-	producerTr = func() transport.Transport { return shm.New(shm.Config{Host: shmHost, Logger: log}) }
 	fd = func(r int) int { return fds[r] }
-	return slab, consumerTr, producerTr, fd
+	return slab, fd
 }
 
 // The whole path over the shm data plane: two shards, several items per
@@ -69,10 +62,10 @@ func TestShmPushToShardedConsumer(t *testing.T) {
 // A shard whose slab is not mapped from its memfd refuses to open, with
 // the reason, and releases what it had started.
 func TestShmShardRefusesASlabNotFromItsMemfd(t *testing.T) {
-	slabOf, consumerTr, _, fd := shmPlane(t, quietLog())
+	slabOf, fd := shmPlane(t)
 	slabOf(1 << 20)
 	cfg := config.DefaultConsumer()
-	cfg.Port, cfg.Transport, cfg.SlabFD = freeBase(t, 1), shm.Name, fd(0)
-	_, err := consumer.Open(cfg, slab.HostMemory(make([]byte, 1<<20)), consumer.Options{Transport: consumerTr(0), Log: quietLog()})
+	cfg.Port, cfg.Transport, cfg.Host, cfg.SlabFD = freeBase(t, 1), shm.Name, shmHost, fd(0)
+	_, err := node.OpenConsumer(cfg, make([]byte, 1<<20), node.Options{Log: quietLog()})
 	require.ErrorContains(t, err, "not mapped from slab_fd")
 }

@@ -17,10 +17,10 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/ecmooncake/ecmooncake/core/consumer"
-	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/fsm/reserve"
 	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
+	"github.com/ecmooncake/ecmooncake/core/node"
+	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
 )
 
@@ -174,7 +174,7 @@ type soakReq struct {
 // cacheEntry is one mm_hash in the engine's encoder cache: pinned on the
 // shard incarnations that were loaded from, used by users.
 type cacheEntry struct {
-	pinned []*consumer.Shard
+	pinned []*node.Consumer
 	users  map[string]bool
 }
 
@@ -567,9 +567,9 @@ func (s *soak) workerLoad(loads []scheduler.LoadOut) {
 
 // acquire pins the item on every shard and checks its bytes; on a
 // failure it unpins what it pinned and says why.
-func (s *soak) acquire(h string) ([]*consumer.Shard, string) {
+func (s *soak) acquire(h string) ([]*node.Consumer, string) {
 	img := s.byHash[h]
-	var pinned []*consumer.Shard
+	var pinned []*node.Consumer
 	reason := ""
 	for r, sh := range s.c.shards {
 		got := sh.Acquire([]string{h})[0]
@@ -595,7 +595,7 @@ func (s *soak) acquire(h string) ([]*consumer.Shard, string) {
 
 // release unpins on the incarnations that were loaded from; a shard that
 // restarted since never pinned the item.
-func (s *soak) release(h string, pinned []*consumer.Shard) {
+func (s *soak) release(h string, pinned []*node.Consumer) {
 	for _, sh := range pinned {
 		if !slices.Contains(s.c.shards, sh) {
 			continue

@@ -10,24 +10,23 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
-	"github.com/ecmooncake/ecmooncake/core/consumer"
 	"github.com/ecmooncake/ecmooncake/core/control"
+	"github.com/ecmooncake/ecmooncake/core/fsm/reserve"
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
-	"github.com/ecmooncake/ecmooncake/core/fsm/reserve"
-	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
+	"github.com/ecmooncake/ecmooncake/core/node"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
 
-// tcpShard opens a consumer shard on the TCP data plane with tcp's
-// bounds, and a control client to it.
-func tcpShard(t *testing.T, lease float64, tcp transport.TCPConfig) (*consumer.Shard, *control.Client) {
+// tcpShard opens a consumer shard on the TCP data plane with the bounds
+// that bound sets, and a control client to it.
+func tcpShard(t *testing.T, lease float64, bound func(*config.Consumer)) (*node.Consumer, *control.Client) {
 	t.Helper()
 	cfg := config.DefaultConsumer()
 	cfg.Port, cfg.LeaseS = freeBase(t, 1), lease
-	tcp.Logger = quietLog()
-	s, err := consumer.Open(cfg, slab.HostMemory(make([]byte, 1<<20)), consumer.Options{Transport: transport.NewTCP(tcp), Log: quietLog()})
+	bound(&cfg)
+	s, err := node.OpenConsumer(cfg, make([]byte, 1<<20), node.Options{Log: quietLog()})
 	require.NoError(t, err)
 	t.Cleanup(func() { s.Close() })
 	zctx, err := zmq.NewContext()
@@ -53,7 +52,7 @@ func reserveOne(t *testing.T, cl *control.Client, tid string, n uint64) wire.Gra
 // hold its region for ever: the frame deadline tears the frame, and the
 // lease then reclaims the region.
 func TestTCPStalledFrameIsReclaimed(t *testing.T) {
-	s, cl := tcpShard(t, 0.5, transport.TCPConfig{FrameTimeout: 100 * time.Millisecond})
+	s, cl := tcpShard(t, 0.5, func(c *config.Consumer) { c.DataFrameTimeoutS = 0.1 })
 	g := reserveOne(t, cl, "t-stall", 64<<10)
 
 	c, err := net.Dial("tcp", s.Info().Data)
@@ -84,7 +83,7 @@ func TestTCPStalledFrameIsReclaimed(t *testing.T) {
 // Connections that hold a slot and send nothing cannot lock a producer
 // out: at the cap, a new connection takes the place of the idlest one.
 func TestTCPIdleConnectionsDoNotLockOutAProducer(t *testing.T) {
-	s, cl := tcpShard(t, 30, transport.TCPConfig{MaxConns: 4})
+	s, cl := tcpShard(t, 30, func(c *config.Consumer) { c.MaxDataConns = 4 })
 	var idle []net.Conn
 	for range 12 {
 		c, err := net.Dial("tcp", s.Info().Data)

@@ -1,0 +1,121 @@
+package control
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+
+	zmq "github.com/pebbe/zmq4"
+
+	"github.com/ecmooncake/ecmooncake/core/wire"
+)
+
+// The control plane as the runtimes see it: a few small interfaces, so that
+// a consumer shard, a producer and a scheduler run the same over ZeroMQ
+// (ZMQ, the production links) and over the in-memory fake (Inmem), which
+// can cut, delay and heal any link.
+
+// Caller is a producer's or a scheduler's client of one shard's server.
+// Call has Client.Call's contract: a server's refusal is a *wire.Error, an
+// expired context its ctx.Err(), a closed caller ErrClosed.
+type Caller interface {
+	Call(ctx context.Context, op wire.Op, body, out any) error
+	Close() error
+}
+
+// Serving is a shard's control server, answering with its Handler.
+type Serving interface {
+	Endpoint() string
+	Stats() ServerStats
+	Close() error
+}
+
+// Publisher is a shard's event channel to its scheduler. Send never blocks.
+type Publisher interface {
+	Endpoint() string
+	Send(ev wire.Event)
+	Stats() PubStats
+	Close() error
+}
+
+// Subscriber gathers the events of every publisher it connected to.
+// Events is closed once Close returns.
+type Subscriber interface {
+	Connect(endpoint string) error
+	Events() <-chan wire.Event
+	Stats() SubStats
+	Close() error
+}
+
+// Links opens the control-plane links of one process object, which owns
+// them: it closes every link it opened, then the Links.
+type Links interface {
+	Serve(bind string, h Handler, log *slog.Logger) (Serving, error)
+	Publish(host string, log *slog.Logger) (Publisher, error)
+	Dial(endpoint string, log *slog.Logger) (Caller, error)
+	Subscribe(log *slog.Logger) (Subscriber, error)
+	Close() error
+}
+
+var (
+	_ Caller     = (*Client)(nil)
+	_ Serving    = (*Server)(nil)
+	_ Publisher  = (*EventPub)(nil)
+	_ Subscriber = (*EventSub)(nil)
+	_ Links      = (*ZMQ)(nil)
+)
+
+// ZMQ is the production Links: sockets of one zmq context, every one
+// secured as sec says (servers admit, clients present, its keys).
+type ZMQ struct {
+	zctx *zmq.Context
+	sec  Security
+}
+
+// NewZMQ opens the zmq context of one process object.
+func NewZMQ(sec Security) (*ZMQ, error) {
+	zctx, err := zmq.NewContext()
+	if err != nil {
+		return nil, fmt.Errorf("zmq context: %w", err)
+	}
+	return &ZMQ{zctx: zctx, sec: sec}, nil
+}
+
+// Serve binds a ROUTER server (NewServer).
+func (z *ZMQ) Serve(bind string, h Handler, log *slog.Logger) (Serving, error) {
+	s, err := NewServer(z.zctx, bind, h, log, WithServerSecurity(z.sec))
+	if err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// Publish binds an event PUSH socket (NewEventPub).
+func (z *ZMQ) Publish(host string, log *slog.Logger) (Publisher, error) {
+	p, err := NewEventPub(z.zctx, host, log, WithServerSecurity(z.sec))
+	if err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// Dial connects a DEALER client (Dial).
+func (z *ZMQ) Dial(endpoint string, log *slog.Logger) (Caller, error) {
+	c, err := Dial(z.zctx, endpoint, log, WithClientSecurity(z.sec))
+	if err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// Subscribe opens an event PULL socket (NewEventSub).
+func (z *ZMQ) Subscribe(log *slog.Logger) (Subscriber, error) {
+	s, err := NewEventSub(z.zctx, log, WithClientSecurity(z.sec))
+	if err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// Close terminates the context once every socket of it is closed.
+func (z *ZMQ) Close() error { return z.zctx.Term() }

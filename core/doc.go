@@ -1,0 +1,24 @@
+// Package core is the whole connector in plain Go; this file maps its
+// packages onto one request's journey (DESIGN.md, section 1).
+//
+//   - proxy mints a transfer_id per image and sends it to an encoder;
+//     discovery keeps instances registered at the proxies.
+//   - producer (the encoder's worker) reserves room on every consumer
+//     shard before the encoder runs, writes the output there and sends one
+//     complete per shard; consumer (each TP shard of the prefill/decode
+//     instance) serves those reservations and announces what is ready;
+//     scheduler (that instance's engine core) learns from the events that
+//     every shard holds an item, and answers vLLM's hooks without I/O.
+//   - fsm/{slab,reserve,sched,push} are the I/O-free state machines those
+//     three runtimes drive: the receive slab, a shard's reservations, the
+//     scheduler's transfers, the producer's pushes.
+//   - node assembles a shard, a producer or a scheduler from its settings
+//     (config): data planes per peer, staging, routes, metadata, metrics.
+//   - control (ZeroMQ sockets) and wire (messages and codec) are the
+//     control plane; transport and its subpackages (tcp, shm, cuda_ipc,
+//     mooncake, staged, route) the data planes; cuda and gpu the GPUs.
+//   - metadata serves Mooncake's metadata store, metrics the counters;
+//     ids are the identities and tokens that every plane checks.
+//
+// The C ABI (capi, export) and the Python package sit on top of node.
+package core

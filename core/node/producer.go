@@ -1,0 +1,192 @@
+package node
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/ecmooncake/ecmooncake/core/config"
+	"github.com/ecmooncake/ecmooncake/core/fsm/push"
+	"github.com/ecmooncake/ecmooncake/core/gpu"
+	"github.com/ecmooncake/ecmooncake/core/producer"
+	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/cudaipc"
+	"github.com/ecmooncake/ecmooncake/core/transport/mooncake"
+	"github.com/ecmooncake/ecmooncake/core/transport/route"
+	"github.com/ecmooncake/ecmooncake/core/transport/shm"
+	"github.com/ecmooncake/ecmooncake/core/transport/staged"
+)
+
+// Producer is a producer and the GPUs its sources may live on.
+type Producer struct {
+	*producer.Producer
+	devs gpu.Devices
+}
+
+// OpenProducer opens a producer whose data plane is the configured network
+// transport (TCP stages GPU sources through page-locked memory), routed
+// per shard: cuda_ipc to shards on this host when this process has a GPU.
+func OpenProducer(cfg config.Producer, opt Options) (*Producer, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	tr, devs, err := producerTransport(cfg, opt)
+	if err != nil {
+		return nil, err
+	}
+	p, err := producer.Open(cfg, producer.Options{Transport: tr, Log: opt.log(), Links: opt.links()})
+	if err != nil {
+		return nil, err
+	}
+	return &Producer{Producer: p, devs: devs}, nil
+}
+
+func producerTransport(cfg config.Producer, opt Options) (transport.Transport, gpu.Devices, error) {
+	network, err := producerNetwork(cfg, opt)
+	if err != nil {
+		return nil, nil, err
+	}
+	log := opt.log()
+	devs, gpuErr := opt.devices()
+	if network.Name() == "tcp" {
+		network = staged.New(staged.Config{Inner: network, Devices: devs, StagingBytes: cfg.Staging(), ChunkBytes: cfg.TCPChunkBytes, Logger: log})
+	}
+	rc := route.Config{Network: network, Host: hostIdentity(cfg.Host), Overrides: cfg.TransportOverrides, Logger: log}
+	switch {
+	case cfg.Local() == "":
+		rc.LocalOff = "local_transport is none"
+	case gpuErr != nil:
+		rc.LocalOff = fmt.Sprintf("%s is unavailable: %v", cfg.Local(), gpuErr)
+	default:
+		rc.Local = cudaipc.New(cudaipc.Config{Devices: devs, DialTimeout: cfg.ControlTimeout(), Logger: log})
+	}
+	return route.New(rc), devs, nil
+}
+
+// producerNetwork is the producer's network data plane.
+func producerNetwork(cfg config.Producer, opt Options) (transport.Transport, error) {
+	if opt.Network != nil {
+		return opt.Network, nil
+	}
+	log := opt.log()
+	switch cfg.Transport {
+	case "tcp":
+		return transport.NewTCP(transport.TCPConfig{Conns: cfg.TCPConns, ChunkSize: cfg.TCPChunkBytes, DialTimeout: cfg.ControlTimeout(), Logger: log}), nil
+	case mooncake.Name:
+		return newMooncake(mooncake.FromProducer(cfg, log))
+	case shm.Name:
+		return shm.New(shm.Config{Host: hostIdentity(cfg.Host), Logger: log}), nil
+	}
+	return nil, unknownTransport(cfg.Transport)
+}
+
+// DeviceSource is one encoder output with its device: host memory in Mem
+// when Ordinal is negative, else N bytes of GPU memory at Addr, produced
+// by work queued on Stream (a CUDA stream handle of this process; 0 is the
+// legacy default stream).
+type DeviceSource struct {
+	MMHash  string
+	Mem     []byte
+	Addr    uintptr
+	N       uint64
+	Ordinal int
+	Stream  uintptr
+}
+
+// SourcesDevice hands over encoder outputs that may live on a GPU. For the
+// GPU sources of each stream one event is recorded on that stream now, so
+// that the producer reads their bytes only after the work queued there so
+// far has completed, without the caller waiting for it. ids[i] is 0 where
+// item i was refused; the error names every refused item, and wraps
+// ErrUnavailable when each was refused for want of a GPU.
+func (p *Producer) SourcesDevice(srcs []DeviceSource) ([]push.SourceID, error) {
+	ids := make([]push.SourceID, len(srcs))
+	ready, bad, unavailable := p.readyEvents(srcs)
+	var in []producer.Source
+	var at []int // index in srcs of each entry of in
+	for i, s := range srcs {
+		switch {
+		case s.Ordinal < 0:
+			in, at = append(in, producer.Source{MMHash: s.MMHash, Mem: s.Mem}), append(at, i)
+		case ready[i] != nil:
+			dev := &transport.DeviceSrc{Addr: s.Addr, Len: s.N, Ordinal: s.Ordinal, Ready: ready[i]}
+			in, at = append(in, producer.Source{MMHash: s.MMHash, Dev: dev}), append(at, i)
+		}
+	}
+	got, errs := p.Sources(in)
+	for j, i := range at {
+		ids[i] = got[j]
+		if errs[j] != nil {
+			bad = append(bad, fmt.Errorf("item %d (%s): %w", i, srcs[i].MMHash, errs[j]))
+			if ready[i] != nil {
+				_ = ready[i].Close()
+			}
+		}
+	}
+	if len(bad) == 0 {
+		return ids, nil
+	}
+	kind := config.ErrInvalid
+	if unavailable == len(bad) {
+		kind = ErrUnavailable
+	}
+	return ids, kindf(kind, "%d of %d sources refused: %v", len(bad), len(srcs), errors.Join(bad...))
+}
+
+// readyEvents checks every GPU source and records one event per (device,
+// stream), shared by that stream's sources: ready[i] is source i's handle,
+// nil for host sources and refused ones, which bad describes (unavailable
+// of them for want of a GPU).
+func (p *Producer) readyEvents(srcs []DeviceSource) (ready []gpu.Event, bad []error, unavailable int) {
+	type stream struct {
+		ordinal int
+		handle  uintptr
+	}
+	ready = make([]gpu.Event, len(srcs))
+	groups := map[stream][]int{}
+	var order []stream
+	refuse := func(i int, err error) {
+		if errors.Is(err, gpu.ErrUnavailable) {
+			unavailable++
+		}
+		bad = append(bad, fmt.Errorf("item %d (%s): %w", i, srcs[i].MMHash, err))
+	}
+	for i, s := range srcs {
+		if s.Ordinal < 0 {
+			continue
+		}
+		dev, err := p.devs.Device(s.Ordinal)
+		if err == nil && (s.Addr == 0 || s.N == 0) {
+			err = fmt.Errorf("empty source on %s", dev.Name())
+		}
+		if err == nil {
+			err = dev.CheckDevice(s.Addr, s.N)
+		}
+		if err != nil {
+			refuse(i, err)
+			continue
+		}
+		k := stream{s.Ordinal, s.Stream}
+		if _, ok := groups[k]; !ok {
+			order = append(order, k)
+		}
+		groups[k] = append(groups[k], i)
+	}
+	for _, k := range order {
+		idx := groups[k]
+		dev, err := p.devs.Device(k.ordinal)
+		var ev gpu.Event
+		if err == nil {
+			ev, err = dev.RecordEvent(k.handle)
+		}
+		if err != nil {
+			for _, i := range idx {
+				refuse(i, err)
+			}
+			continue
+		}
+		for j, handle := range gpu.Share(ev, len(idx)) {
+			ready[idx[j]] = handle
+		}
+	}
+	return ready, bad, unavailable
+}
