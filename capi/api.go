@@ -3,7 +3,6 @@ package capi
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"log/slog"
 	"os"
 	"runtime"
@@ -15,7 +14,6 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/node"
 	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
-	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
 var (
