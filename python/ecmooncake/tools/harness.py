@@ -10,8 +10,10 @@ and ``gpu_producer`` (GPU memory, in :mod:`ecmooncake.tools.gpubench`).
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,17 +51,27 @@ def payload(seed: int, nbytes: int) -> np.ndarray:
     return data
 
 
-def free_port_range(count: int, host: str = "127.0.0.1", attempts: int = 64) -> int:
-    """A base port such that base .. base+count-1 are all free on host now."""
+def free_port_range(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """A base port such that base .. base+count-1 are all free on host now.
+
+    The run is taken below the kernel's ephemeral range: whoever asked binds
+    it only later (a worker process, a vLLM server seconds after), and a port
+    in the ephemeral range may by then be any process's outgoing connection.
+    """
+    top = _ephemeral_low() - count
+    rng = random.Random()
     for _ in range(attempts):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((host, 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        if all(_port_free(host, base + i) for i in range(count)):
+        base = rng.randrange(10000, max(10001, top))
+        if base + count <= 65536 and all(_port_free(host, base + i) for i in range(count)):
             return base
-    raise WorkerError(f"no run of {count} free ports on {host} after {attempts} tries")
+    raise WorkerError(f"no run of {count} free ports on {host} below {top + count} after {attempts} tries")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _port_free(host: str, port: int) -> bool:

@@ -24,8 +24,6 @@ import base64
 import io
 import json
 import os
-import random
-import socket
 import sys
 import time
 from pathlib import Path
@@ -50,34 +48,10 @@ from servers import (
 
 require_venv()
 
-from ecmooncake.tools.harness import free_port_range as harness_free_port_range  # noqa: E402
+from ecmooncake.tools.harness import free_port_range  # noqa: E402
 
 MAX_TOKENS = 8
 TIMINGS: dict[str, float] = {}
-
-
-def free_port_range(count: int) -> int:
-    """A base port below the kernel's ephemeral range such that base ..
-    base+count-1 are free: the servers bind them seconds after this check,
-    and a port from the ephemeral range may by then be any process's
-    outgoing connection (vLLM's own sockets, other tests)."""
-    low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    top = min(low, 65536) - count
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(10000, max(10001, top))
-        if all(_free(base + i) for i in range(count)):
-            return base
-    return harness_free_port_range(count)
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _png(seed: int, size: tuple[int, int]) -> str:
