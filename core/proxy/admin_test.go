@@ -53,9 +53,7 @@ func pdURLs(p *Proxy) []string {
 // proxy has no registration at all.
 func TestRegistrationIsOffWithoutAToken(t *testing.T) {
 	r := newRig(t, rigOpts{encoders: 1, pds: 1})
-	rogue, err := fakevllm.Start(fakevllm.Config{Role: fakevllm.RolePD})
-	require.NoError(t, err)
-	t.Cleanup(rogue.Close)
+	rogue := startFake(t, fakevllm.RolePD, fakevllm.Config{})
 
 	code, body := adminCall(t, r.url, discovery.RegisterPath, "", discovery.Registration{Role: discovery.RolePD, URL: rogue.URL(), Consumer: "tcp://127.0.0.1:15000"})
 	require.Equal(t, http.StatusForbidden, code)
@@ -80,9 +78,7 @@ func TestRegistrationIsOffWithoutAToken(t *testing.T) {
 
 func TestRegistrationNeedsTheToken(t *testing.T) {
 	r := newRig(t, rigOpts{encoders: 1, mut: func(c *Config) { c.RegisterToken = testToken }})
-	pd, err := fakevllm.Start(fakevllm.Config{Role: fakevllm.RolePD})
-	require.NoError(t, err)
-	t.Cleanup(pd.Close)
+	pd := startFake(t, fakevllm.RolePD, fakevllm.Config{})
 	reg := discovery.Registration{Role: discovery.RolePD, URL: pd.URL(), Consumer: "tcp://127.0.0.1:15000"}
 
 	for name, tc := range map[string]struct {
@@ -145,9 +141,7 @@ func TestStaticBackendsAreNotReplaceable(t *testing.T) {
 
 func TestDeregistrationNeedsTheToken(t *testing.T) {
 	r := newRig(t, rigOpts{encoders: 1, mut: func(c *Config) { c.RegisterToken = testToken }})
-	pd, err := fakevllm.Start(fakevllm.Config{Role: fakevllm.RolePD})
-	require.NoError(t, err)
-	t.Cleanup(pd.Close)
+	pd := startFake(t, fakevllm.RolePD, fakevllm.Config{})
 	code, body := adminCall(t, r.url, discovery.RegisterPath, testToken, discovery.Registration{Role: discovery.RolePD, URL: pd.URL(), Consumer: "tcp://127.0.0.1:15000"})
 	require.Equal(t, http.StatusOK, code, body)
 
@@ -174,9 +168,7 @@ func TestAdminPortTakesDiscoveryOffTheUserPort(t *testing.T) {
 	}})
 	admin := "http://" + r.p.AdminAddr()
 	require.NotEqual(t, r.url, admin)
-	pd, err := fakevllm.Start(fakevllm.Config{Role: fakevllm.RolePD})
-	require.NoError(t, err)
-	t.Cleanup(pd.Close)
+	pd := startFake(t, fakevllm.RolePD, fakevllm.Config{})
 	reg := discovery.Registration{Role: discovery.RolePD, URL: pd.URL(), Consumer: "tcp://127.0.0.1:15000"}
 
 	code, _ := adminCall(t, r.url, discovery.RegisterPath, testToken, reg)
@@ -209,9 +201,7 @@ func TestAdminPortTakesDiscoveryOffTheUserPort(t *testing.T) {
 // refuses and the registrar says why.
 func TestRegistrarSendsItsToken(t *testing.T) {
 	r := newRig(t, rigOpts{encoders: 1, mut: func(c *Config) { c.RegisterToken = testToken }})
-	pd, err := fakevllm.Start(fakevllm.Config{Role: fakevllm.RolePD})
-	require.NoError(t, err)
-	t.Cleanup(pd.Close)
+	pd := startFake(t, fakevllm.RolePD, fakevllm.Config{})
 	cfg := discovery.RegistrarConfig{
 		Proxies:      []string{r.url},
 		Registration: discovery.Registration{Role: discovery.RolePD, URL: pd.URL(), Consumer: "tcp://127.0.0.1:15000", TTLS: 5},
@@ -233,7 +223,7 @@ func TestRegistrarSendsItsToken(t *testing.T) {
 }
 
 func TestAdminConfigValidation(t *testing.T) {
-	for name, tc := range map[string]struct{ json, want string }{
+	decodeCases{
 		"no backend and no token":  {`{}`, "nothing could serve"},
 		"token enables discovery":  {`{"register_token": "` + testToken + `"}`, ""},
 		"token with a space":       {`{"pd": ["http://a:1"], "register_token": "two words"}`, "register_token"},
@@ -241,16 +231,7 @@ func TestAdminConfigValidation(t *testing.T) {
 		"admin port is the port":   {`{"pd": ["http://a:1"], "port": 8000, "admin_port": 8000}`, "admin_port"},
 		"admin port out of range":  {`{"pd": ["http://a:1"], "admin_port": 70000}`, "admin_port"},
 		"admin port without token": {`{"pd": ["http://a:1"], "admin_port": 8001}`, ""},
-	} {
-		t.Run(name, func(t *testing.T) {
-			_, err := DecodeConfig([]byte(tc.json))
-			if tc.want == "" {
-				require.NoError(t, err)
-				return
-			}
-			require.ErrorContains(t, err, tc.want)
-		})
-	}
+	}.check(t)
 }
 
 func TestTokenMatches(t *testing.T) {
