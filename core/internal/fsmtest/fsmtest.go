@@ -4,6 +4,8 @@
 //   - CheckAll checks a state enum the same way everywhere: every pair of
 //     states against an independently written list of legal edges,
 //     terminal states without exits, and distinct names;
+//   - Corruptions checks that CheckInvariants sees each of a table of
+//     corruptions of a known-good machine;
 //   - Script runs a scripted, data-driven test: the clock, the parsing of
 //     lines and expectations, and the commands every machine shares;
 //   - ByteSource lets a fuzzer's input drive a random model.
@@ -100,4 +102,18 @@ func edges[S State](t *testing.T, n S, spec string) map[[2]S]bool {
 		}
 	}
 	return legal
+}
+
+// Corruptions runs one subtest per entry of corruptions: build returns a
+// fresh, consistent machine, the entry corrupts it, and check (its
+// CheckInvariants) must then report a violation wrapping sentinel.
+func Corruptions[M any](t *testing.T, build func() M, check func(M) error, sentinel error, corruptions map[string]func(M)) {
+	t.Helper()
+	for name, corrupt := range corruptions {
+		t.Run(name, func(t *testing.T) {
+			m := build()
+			corrupt(m)
+			require.ErrorIs(t, check(m), sentinel)
+		})
+	}
 }
