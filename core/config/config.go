@@ -222,38 +222,28 @@ func DefaultRuntime() Runtime { return Runtime{GOMAXPROCS: 2, LogLevel: "info", 
 
 // DecodeConsumer decodes and validates a consumer shard's settings.
 func DecodeConsumer(raw []byte) (Consumer, error) {
-	c := DefaultConsumer()
-	if err := decode("consumer", raw, &c); err != nil {
-		return c, err
-	}
-	return c, c.Validate()
+	return decodeOver("consumer", DefaultConsumer(), raw)
 }
 
 // DecodeProducer decodes and validates the producer's settings.
 func DecodeProducer(raw []byte) (Producer, error) {
-	p := DefaultProducer()
-	if err := decode("producer", raw, &p); err != nil {
-		return p, err
-	}
-	return p, p.Validate()
+	return decodeOver("producer", DefaultProducer(), raw)
 }
 
 // DecodeScheduler decodes and validates the consumer scheduler's settings.
 func DecodeScheduler(raw []byte) (Scheduler, error) {
-	s := DefaultScheduler()
-	if err := decode("scheduler", raw, &s); err != nil {
-		return s, err
-	}
-	return s, s.Validate()
+	return decodeOver("scheduler", DefaultScheduler(), raw)
 }
 
 // DecodeRuntime decodes and validates process-wide settings.
-func DecodeRuntime(raw []byte) (Runtime, error) {
-	r := DefaultRuntime()
-	if err := decode("runtime", raw, &r); err != nil {
-		return r, err
+func DecodeRuntime(raw []byte) (Runtime, error) { return decodeOver("runtime", DefaultRuntime(), raw) }
+
+// decodeOver decodes raw over the defaults def, then validates the result.
+func decodeOver[T interface{ Validate() error }](what string, def T, raw []byte) (T, error) {
+	if err := decode(what, raw, &def); err != nil {
+		return def, err
 	}
-	return r, r.Validate()
+	return def, def.Validate()
 }
 
 // Validate checks every field.

@@ -30,9 +30,7 @@ const DefaultTTL = 10 * time.Second
 // DecodeRegistrarConfig decodes and validates a registrar's settings.
 func DecodeRegistrarConfig(raw []byte) (RegistrarConfig, error) {
 	var c RegistrarConfig
-	dec := json.NewDecoder(bytes.NewReader(raw))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&c); err != nil {
+	if err := strictDecoder(raw).Decode(&c); err != nil {
 		return c, fmt.Errorf("%w: registrar settings: %v", ErrInvalid, err)
 	}
 	return c, c.Normalize()

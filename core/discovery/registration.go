@@ -133,12 +133,18 @@ func RankEndpoint(ep string, tpSize, rank int) (string, error) {
 	return "tcp://" + net.JoinHostPort(h, strconv.Itoa(p+rank*tpSize)), nil
 }
 
+// strictDecoder reads JSON from b, refusing unknown keys.
+func strictDecoder(b []byte) *json.Decoder {
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	return dec
+}
+
 // Decode reads one registration from a request body, strictly: unknown
 // keys are errors, so a typo does not register a half-described instance.
 func Decode(body []byte) (Registration, error) {
 	var r Registration
-	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.DisallowUnknownFields()
+	dec := strictDecoder(body)
 	if err := dec.Decode(&r); err != nil {
 		return r, fmt.Errorf("%w: %v", ErrInvalid, err)
 	}

@@ -8,4 +8,10 @@
 // that drive them from sockets and goroutines live beside this folder:
 // core/consumer drives slab and reserve, core/scheduler drives sched and
 // core/producer drives push.
+//
+// What the four share lives in core/internal: machine (the sentinel errors
+// for the refusals they have in common, re-exported under each package's
+// own names, and Edges, the one check of a state move against a table of
+// legal edges), invariant (the report CheckInvariants builds) and, for
+// their tests, fsmtest.
 package fsm

@@ -42,11 +42,8 @@ const (
 // Phases of microseconds to seconds: doubling from 5 µs.
 var phaseBuckets = prometheus.ExponentialBuckets(5e-6, 2, 20)
 
-var phaseSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
-	Name:    "ecm_ready_path_phase_seconds",
-	Help:    "Time of each phase of the path from a batch's copies to the consumer's scheduler seeing its items, by phase.",
-	Buckets: phaseBuckets,
-}, []string{"phase"})
+var phaseSeconds = Histograms("ecm_ready_path_phase_seconds",
+	"Time of each phase of the path from a batch's copies to the consumer's scheduler seeing its items, by phase.", phaseBuckets, "phase")
 
 // PhaseStat is how often a phase was observed and its total time.
 type PhaseStat struct {

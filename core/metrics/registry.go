@@ -41,43 +41,30 @@ var sizeBuckets = prometheus.ExponentialBuckets(64<<10, 4, 9)
 var latencyBuckets = prometheus.ExponentialBuckets(50e-6, 3, 13)
 
 var (
-	transferBytes = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "ecm_transfer_bytes_total",
-		Help: "Bytes of encoder output written by this process's producers, by data-plane transport.",
-	}, []string{"transport"})
-	transferItems = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "ecm_transfer_items_total",
-		Help: "Encoder outputs written by this process's producers, by data-plane transport.",
-	}, []string{"transport"})
-	itemBytes = prometheus.NewHistogramVec(prometheus.HistogramOpts{
-		Name:    "ecm_transfer_item_bytes",
-		Help:    "Size of each encoder output written, by transport.",
-		Buckets: sizeBuckets,
-	}, []string{"transport"})
-	writeSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
-		Name:    "ecm_transfer_write_seconds",
-		Help:    "Duration of each data-plane write batch (one per consumer shard and model step), by transport and outcome.",
-		Buckets: latencyBuckets,
-	}, []string{"transport", "outcome"})
-	failures = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "ecm_failures_total",
-		Help: "Items that failed, by the component that gave up and a short reason.",
-	}, []string{"component", "reason"})
-	roundTrips = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "ecm_control_round_trips_total",
-		Help: "Control-plane round trips, by op and outcome.",
-	}, []string{"op", "outcome"})
-	roundTripSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
-		Name:    "ecm_control_round_trip_seconds",
-		Help:    "Duration of control-plane round trips, by op.",
-		Buckets: latencyBuckets,
-	}, []string{"op"})
-	transferWait = prometheus.NewHistogram(prometheus.HistogramOpts{
+	transferBytes    = Counters("ecm_transfer_bytes_total", "Bytes of encoder output written by this process's producers, by data-plane transport.", "transport")
+	transferItems    = Counters("ecm_transfer_items_total", "Encoder outputs written by this process's producers, by data-plane transport.", "transport")
+	itemBytes        = Histograms("ecm_transfer_item_bytes", "Size of each encoder output written, by transport.", sizeBuckets, "transport")
+	writeSeconds     = Histograms("ecm_transfer_write_seconds", "Duration of each data-plane write batch (one per consumer shard and model step), by transport and outcome.", latencyBuckets, "transport", "outcome")
+	failures         = Counters("ecm_failures_total", "Items that failed, by the component that gave up and a short reason.", "component", "reason")
+	roundTrips       = Counters("ecm_control_round_trips_total", "Control-plane round trips, by op and outcome.", "op", "outcome")
+	roundTripSeconds = Histograms("ecm_control_round_trip_seconds", "Duration of control-plane round trips, by op.", latencyBuckets, "op")
+	transferWait     = prometheus.NewHistogram(prometheus.HistogramOpts{
 		Name:    "ecm_transfer_wait_seconds",
 		Help:    "Consumer scheduler: time from a request expecting an item to the item being available on every shard.",
 		Buckets: latencyBuckets,
 	})
 )
+
+// Counters returns the counter family name, one series per value of labels.
+func Counters(name, help string, labels ...string) *prometheus.CounterVec {
+	return prometheus.NewCounterVec(prometheus.CounterOpts{Name: name, Help: help}, labels)
+}
+
+// Histograms returns the histogram family name over buckets, one series per
+// value of labels.
+func Histograms(name, help string, buckets []float64, labels ...string) *prometheus.HistogramVec {
+	return prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: name, Help: help, Buckets: buckets}, labels)
+}
 
 // Moved counts one encoder output of n bytes written over a transport.
 func Moved(transport string, n uint64) {

@@ -40,6 +40,33 @@ func metricsText(t *testing.T, base string) string {
 	return readAll(t, resp)
 }
 
+// refusal is one count of ecm_proxy_registration_refusals_total.
+type refusal struct {
+	op, reason string
+	n          int
+}
+
+// requireRefusals requires the proxy at base to report each count.
+func requireRefusals(t *testing.T, base string, want ...refusal) {
+	t.Helper()
+	m := metricsText(t, base)
+	for _, w := range want {
+		require.Contains(t, m, fmt.Sprintf("ecm_proxy_registration_refusals_total{op=%q,reason=%q} %d", w.op, w.reason, w.n))
+	}
+}
+
+// tokenRig is a proxy with one encoder that takes registrations carrying
+// testToken.
+func tokenRig(t *testing.T) *rig {
+	return newRig(t, rigOpts{encoders: 1, mut: func(c *Config) { c.RegisterToken = testToken }})
+}
+
+// pdAt registers a PD instance at url that takes pushes on the test's
+// consumer endpoint.
+func pdAt(url string) discovery.Registration {
+	return discovery.Registration{Role: discovery.RolePD, URL: url, Consumer: "tcp://127.0.0.1:15000"}
+}
+
 func pdURLs(p *Proxy) []string {
 	var out []string
 	for _, b := range p.Stats().Backends[discovery.RolePD] {
@@ -53,15 +80,13 @@ func pdURLs(p *Proxy) []string {
 // proxy has no registration at all.
 func TestRegistrationIsOffWithoutAToken(t *testing.T) {
 	r := newRig(t, rigOpts{encoders: 1, pds: 1})
-	rogue, err := fakevllm.Start(fakevllm.Config{Role: fakevllm.RolePD})
-	require.NoError(t, err)
-	t.Cleanup(rogue.Close)
+	rogue := startFake(t, fakevllm.RolePD, fakevllm.Config{})
 
-	code, body := adminCall(t, r.url, discovery.RegisterPath, "", discovery.Registration{Role: discovery.RolePD, URL: rogue.URL(), Consumer: "tcp://127.0.0.1:15000"})
+	code, body := adminCall(t, r.url, discovery.RegisterPath, "", pdAt(rogue.URL()))
 	require.Equal(t, http.StatusForbidden, code)
 	require.Contains(t, body, "registration is off")
 	require.Contains(t, body, "ECMOONCAKE_REGISTER_TOKEN")
-	code, _ = adminCall(t, r.url, discovery.RegisterPath, testToken, discovery.Registration{Role: discovery.RolePD, URL: rogue.URL(), Consumer: "tcp://127.0.0.1:15000"})
+	code, _ = adminCall(t, r.url, discovery.RegisterPath, testToken, pdAt(rogue.URL()))
 	require.Equal(t, http.StatusForbidden, code, "a token the proxy does not hold opens nothing")
 	code, _ = adminCall(t, r.url, discovery.DeregisterPath, "", map[string]string{"url": r.pd[0].URL()})
 	require.Equal(t, http.StatusForbidden, code)
@@ -73,17 +98,13 @@ func TestRegistrationIsOffWithoutAToken(t *testing.T) {
 	require.Empty(t, rogue.Calls())
 	require.Len(t, r.pd[0].Calls(), 6)
 	require.Equal(t, []string{r.pd[0].URL()}, pdURLs(r.p))
-	m := metricsText(t, r.url)
-	require.Contains(t, m, `ecm_proxy_registration_refusals_total{op="register",reason="off"} 2`)
-	require.Contains(t, m, `ecm_proxy_registration_refusals_total{op="deregister",reason="off"} 1`)
+	requireRefusals(t, r.url, refusal{"register", "off", 2}, refusal{"deregister", "off", 1})
 }
 
 func TestRegistrationNeedsTheToken(t *testing.T) {
-	r := newRig(t, rigOpts{encoders: 1, mut: func(c *Config) { c.RegisterToken = testToken }})
-	pd, err := fakevllm.Start(fakevllm.Config{Role: fakevllm.RolePD})
-	require.NoError(t, err)
-	t.Cleanup(pd.Close)
-	reg := discovery.Registration{Role: discovery.RolePD, URL: pd.URL(), Consumer: "tcp://127.0.0.1:15000"}
+	r := tokenRig(t)
+	pd := startFake(t, fakevllm.RolePD, fakevllm.Config{})
+	reg := pdAt(pd.URL())
 
 	for name, tc := range map[string]struct {
 		token, reason string
@@ -105,10 +126,8 @@ func TestRegistrationNeedsTheToken(t *testing.T) {
 	require.Equal(t, 200, code, string(answer))
 	require.Len(t, pd.Calls(), 1)
 
-	m := metricsText(t, r.url)
-	require.Contains(t, m, `ecm_proxy_registration_refusals_total{op="register",reason="unauthenticated"} 1`)
-	require.Contains(t, m, `ecm_proxy_registration_refusals_total{op="register",reason="bad_token"} 3`)
-	require.Contains(t, m, `ecm_proxy_registrations_total{kind="new"} 1`)
+	requireRefusals(t, r.url, refusal{"register", "unauthenticated", 1}, refusal{"register", "bad_token", 3})
+	require.Contains(t, metricsText(t, r.url), `ecm_proxy_registrations_total{kind="new"} 1`)
 }
 
 // A registration, even an authenticated one, never replaces or removes a
@@ -138,17 +157,13 @@ func TestStaticBackendsAreNotReplaceable(t *testing.T) {
 	}
 	require.NoError(t, json.Unmarshal(r.enc[0].Calls()[0].Body, &sent))
 	require.Equal(t, "tcp://127.0.0.1:14579", sent.P.Consumer, "encoders still push to the static consumer")
-	m := metricsText(t, r.url)
-	require.Contains(t, m, `ecm_proxy_registration_refusals_total{op="register",reason="static"} 1`)
-	require.Contains(t, m, `ecm_proxy_registration_refusals_total{op="deregister",reason="static"} 1`)
+	requireRefusals(t, r.url, refusal{"register", "static", 1}, refusal{"deregister", "static", 1})
 }
 
 func TestDeregistrationNeedsTheToken(t *testing.T) {
-	r := newRig(t, rigOpts{encoders: 1, mut: func(c *Config) { c.RegisterToken = testToken }})
-	pd, err := fakevllm.Start(fakevllm.Config{Role: fakevllm.RolePD})
-	require.NoError(t, err)
-	t.Cleanup(pd.Close)
-	code, body := adminCall(t, r.url, discovery.RegisterPath, testToken, discovery.Registration{Role: discovery.RolePD, URL: pd.URL(), Consumer: "tcp://127.0.0.1:15000"})
+	r := tokenRig(t)
+	pd := startFake(t, fakevllm.RolePD, fakevllm.Config{})
+	code, body := adminCall(t, r.url, discovery.RegisterPath, testToken, pdAt(pd.URL()))
 	require.Equal(t, http.StatusOK, code, body)
 
 	for _, tok := range []string{"", "guess"} {
@@ -160,9 +175,7 @@ func TestDeregistrationNeedsTheToken(t *testing.T) {
 	require.Equal(t, http.StatusOK, code, body)
 	require.JSONEq(t, `{"ok": true, "removed": true}`, body)
 	require.Empty(t, pdURLs(r.p))
-	m := metricsText(t, r.url)
-	require.Contains(t, m, `ecm_proxy_registration_refusals_total{op="deregister",reason="unauthenticated"} 1`)
-	require.Contains(t, m, `ecm_proxy_registration_refusals_total{op="deregister",reason="bad_token"} 1`)
+	requireRefusals(t, r.url, refusal{"deregister", "unauthenticated", 1}, refusal{"deregister", "bad_token", 1})
 }
 
 // With an admin port, discovery lives there alone and the user-facing port
@@ -174,10 +187,8 @@ func TestAdminPortTakesDiscoveryOffTheUserPort(t *testing.T) {
 	}})
 	admin := "http://" + r.p.AdminAddr()
 	require.NotEqual(t, r.url, admin)
-	pd, err := fakevllm.Start(fakevllm.Config{Role: fakevllm.RolePD})
-	require.NoError(t, err)
-	t.Cleanup(pd.Close)
-	reg := discovery.Registration{Role: discovery.RolePD, URL: pd.URL(), Consumer: "tcp://127.0.0.1:15000"}
+	pd := startFake(t, fakevllm.RolePD, fakevllm.Config{})
+	reg := pdAt(pd.URL())
 
 	code, _ := adminCall(t, r.url, discovery.RegisterPath, testToken, reg)
 	require.Equal(t, http.StatusNotFound, code, "not on the user port, token or not")
@@ -208,10 +219,8 @@ func TestAdminPortTakesDiscoveryOffTheUserPort(t *testing.T) {
 // The registrar sends the token it was given; without it the proxy
 // refuses and the registrar says why.
 func TestRegistrarSendsItsToken(t *testing.T) {
-	r := newRig(t, rigOpts{encoders: 1, mut: func(c *Config) { c.RegisterToken = testToken }})
-	pd, err := fakevllm.Start(fakevllm.Config{Role: fakevllm.RolePD})
-	require.NoError(t, err)
-	t.Cleanup(pd.Close)
+	r := tokenRig(t)
+	pd := startFake(t, fakevllm.RolePD, fakevllm.Config{})
 	cfg := discovery.RegistrarConfig{
 		Proxies:      []string{r.url},
 		Registration: discovery.Registration{Role: discovery.RolePD, URL: pd.URL(), Consumer: "tcp://127.0.0.1:15000", TTLS: 5},
@@ -233,7 +242,7 @@ func TestRegistrarSendsItsToken(t *testing.T) {
 }
 
 func TestAdminConfigValidation(t *testing.T) {
-	for name, tc := range map[string]struct{ json, want string }{
+	decodeCases{
 		"no backend and no token":  {`{}`, "nothing could serve"},
 		"token enables discovery":  {`{"register_token": "` + testToken + `"}`, ""},
 		"token with a space":       {`{"pd": ["http://a:1"], "register_token": "two words"}`, "register_token"},
@@ -241,16 +250,7 @@ func TestAdminConfigValidation(t *testing.T) {
 		"admin port is the port":   {`{"pd": ["http://a:1"], "port": 8000, "admin_port": 8000}`, "admin_port"},
 		"admin port out of range":  {`{"pd": ["http://a:1"], "admin_port": 70000}`, "admin_port"},
 		"admin port without token": {`{"pd": ["http://a:1"], "admin_port": 8001}`, ""},
-	} {
-		t.Run(name, func(t *testing.T) {
-			_, err := DecodeConfig([]byte(tc.json))
-			if tc.want == "" {
-				require.NoError(t, err)
-				return
-			}
-			require.ErrorContains(t, err, tc.want)
-		})
-	}
+	}.check(t)
 }
 
 func TestTokenMatches(t *testing.T) {
@@ -281,5 +281,5 @@ func TestDiscoveryBodiesAreBounded(t *testing.T) {
 	require.Equal(t, []string{r.pd[0].URL()}, pdURLs(r.p))
 	code, body := r.post("/v1/chat/completions", chat(false, text(strings.Repeat("x", 2*maxDiscoveryBody))))
 	require.Equal(t, 200, code, string(body))
-	require.Contains(t, metricsText(t, r.url), `ecm_proxy_registration_refusals_total{op="register",reason="too_large"} 1`)
+	requireRefusals(t, r.url, refusal{"register", "too_large", 1})
 }

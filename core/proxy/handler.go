@@ -86,13 +86,8 @@ func (p *Proxy) serveModels(ctx *fasthttp.RequestCtx) {
 		writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError", "no healthy instance to ask")
 		return
 	}
-	rctx, cancel := context.WithTimeout(context.Background(), p.cfg.encodeTimeout())
-	defer cancel()
-	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
-	defer fasthttp.ReleaseRequest(req)
-	defer fasthttp.ReleaseResponse(resp)
-	req.Header.SetMethod(fasthttp.MethodGet)
-	req.SetRequestURI("/v1/models")
+	rctx, req, resp, done := newCall(context.Background(), p.cfg.encodeTimeout(), fasthttp.MethodGet, "/v1/models")
+	defer done()
 	copyAuth(ctx, req)
 	if _, err := b.up.do(rctx, req, resp, false, p.cfg.MaxBodyBytes); err != nil {
 		p.noteHealth(pl, b, err)
@@ -608,13 +603,8 @@ func (c *call) encodeAt(enc *backend, item int, body []byte, tid string) (*encod
 	p := c.p
 	enc.inflight.Add(1)
 	defer enc.inflight.Add(-1)
-	ctx, cancel := context.WithTimeout(c.ctx, p.cfg.encodeTimeout())
-	defer cancel()
-	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
-	defer fasthttp.ReleaseRequest(req)
-	defer fasthttp.ReleaseResponse(resp)
-	req.Header.SetMethod(fasthttp.MethodPost)
-	req.SetRequestURI("/v1/chat/completions")
+	ctx, req, resp, done := newCall(c.ctx, p.cfg.encodeTimeout(), fasthttp.MethodPost, "/v1/chat/completions")
+	defer done()
 	req.Header.SetContentType("application/json")
 	req.Header.Set(headerRequestID, fmt.Sprintf("%s-enc%d", c.id, item))
 	if len(c.auth) > 0 {

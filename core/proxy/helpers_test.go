@@ -4,12 +4,11 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
-	"math/rand/v2"
-	"strconv"
-
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -36,6 +35,34 @@ type rigOpts struct {
 	mut           func(*Config)
 }
 
+// startFake starts a fake vLLM instance of role, closed with the test.
+func startFake(t *testing.T, role string, fc fakevllm.Config) *fakevllm.Server {
+	t.Helper()
+	fc.Role = role
+	s, err := fakevllm.Start(fc)
+	require.NoError(t, err)
+	t.Cleanup(s.Close)
+	return s
+}
+
+// decodeCases is a table of DecodeConfig inputs, by name, and the text
+// each one's error must hold ("" for none).
+type decodeCases map[string]struct{ json, want string }
+
+func (cases decodeCases) check(t *testing.T) {
+	t.Helper()
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			_, err := DecodeConfig([]byte(tc.json))
+			if tc.want == "" {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
+}
+
 func newRig(t *testing.T, o rigOpts) *rig {
 	t.Helper()
 	r := &rig{t: t, httpc: &http.Client{Timeout: 30 * time.Second}}
@@ -44,22 +71,12 @@ func newRig(t *testing.T, o rigOpts) *rig {
 	cfg.HealthIntervalS, cfg.FailThreshold = 0.05, 2
 	cfg.EncodeTimeoutS, cfg.RequestTimeoutS = 10, 20
 	for i := 0; i < o.encoders; i++ {
-		fc := o.fake
-		fc.Role = fakevllm.RoleEncode
-		s, err := fakevllm.Start(fc)
-		require.NoError(t, err)
-		t.Cleanup(s.Close)
-		r.enc = append(r.enc, s)
-		cfg.Encode = append(cfg.Encode, s.URL())
+		r.enc = append(r.enc, startFake(t, fakevllm.RoleEncode, o.fake))
+		cfg.Encode = append(cfg.Encode, r.enc[i].URL())
 	}
 	for i := 0; i < o.pds; i++ {
-		fc := o.fake
-		fc.Role = fakevllm.RolePD
-		s, err := fakevllm.Start(fc)
-		require.NoError(t, err)
-		t.Cleanup(s.Close)
-		r.pd = append(r.pd, s)
-		cfg.PD = append(cfg.PD, s.URL())
+		r.pd = append(r.pd, startFake(t, fakevllm.RolePD, o.fake))
+		cfg.PD = append(cfg.PD, r.pd[i].URL())
 	}
 	if o.mut != nil {
 		o.mut(&cfg)
@@ -82,6 +99,15 @@ func (r *rig) post(path string, body any) (int, []byte) {
 	out, err := io.ReadAll(resp.Body)
 	require.NoError(r.t, err)
 	return resp.StatusCode, out
+}
+
+// abandon sends a chat request from a client that gives up on it after
+// 300 ms, before the answer comes.
+func (r *rig) abandon(body any) {
+	r.t.Helper()
+	c := &http.Client{Timeout: 300 * time.Millisecond}
+	_, err := c.Post(r.url+"/v1/chat/completions", "application/json", strings.NewReader(mustJSON(r.t, body)))
+	require.Error(r.t, err)
 }
 
 // sseText joins the content of every chunk of an SSE answer and reports

@@ -142,35 +142,34 @@ func pct(d []time.Duration, p int) time.Duration {
 	return s[(len(s)-1)*p/100]
 }
 
-func postOnce(c *http.Client, base, body string) error {
+// chatOnce sends one chat request and returns the whole answer, an error
+// unless its status is 200.
+func chatOnce(c *http.Client, base, body string) ([]byte, error) {
 	resp, err := c.Post(base+"/v1/chat/completions", "application/json", bytes.NewReader([]byte(body)))
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if resp.StatusCode != 200 {
-		return fmt.Errorf("status %d: %s", resp.StatusCode, b)
+		return nil, fmt.Errorf("status %d: %s", resp.StatusCode, b)
 	}
-	return nil
+	return b, nil
+}
+
+func postOnce(c *http.Client, base, body string) error {
+	_, err := chatOnce(c, base, body)
+	return err
 }
 
 // streamOnce sends one streamed request and checks the whole answer.
 func streamOnce(c *http.Client, base, body, want string) error {
-	resp, err := c.Post(base+"/v1/chat/completions", "application/json", bytes.NewReader([]byte(body)))
+	b, err := chatOnce(c, base, body)
 	if err != nil {
 		return err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return err
-	}
-	if resp.StatusCode != 200 {
-		return fmt.Errorf("status %d: %s", resp.StatusCode, b)
 	}
 	got, done := "", false
 	for _, line := range bytes.Split(b, []byte("\n")) {

@@ -27,40 +27,23 @@ var latencyBuckets = prometheus.ExponentialBuckets(0.0005, 2, 18) // 0.5 ms .. 6
 
 func newProxyMetrics(p *Proxy) *proxyMetrics {
 	m := &proxyMetrics{
-		reg: prometheus.NewRegistry(),
-		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "ecm_proxy_requests_total", Help: "Requests answered, by route and outcome.",
-		}, []string{"route", "outcome"}),
-		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "ecm_proxy_request_seconds", Help: "Time from a request's arrival to the last byte of its answer, by route.", Buckets: latencyBuckets,
-		}, []string{"route"}),
-		phase: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "ecm_proxy_phase_seconds",
-			Help:    "Request time by phase: encode (all encoder calls of an attempt), transfer_wait (consumer request sent to its first byte: the consumer waits there for pushed items, then prefills), pd (consumer request sent to its last byte).",
-			Buckets: latencyBuckets,
-		}, []string{"phase"}),
-		items: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "ecm_proxy_media_items_total", Help: "Media items, by what became of them: encoded (sent as embeds), fallback (sent as media), duplicate (repeated in one request, encoded once).",
-		}, []string{"outcome"}),
-		derived: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "ecm_proxy_derived_fields_total", Help: "Fields an encoder's answer lacked and the proxy filled in from the request it sent, by field (modality: vLLM before 0.33 reports none).",
-		}, []string{"field"}),
-		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "ecm_proxy_retries_total", Help: "Consumer attempts retried, by reason.",
-		}, []string{"reason"}),
-		encodes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "ecm_proxy_encoder_calls_total", Help: "Encoder calls, by outcome.",
-		}, []string{"outcome"}),
+		reg:      prometheus.NewRegistry(),
+		requests: metrics.Counters("ecm_proxy_requests_total", "Requests answered, by route and outcome.", "route", "outcome"),
+		latency:  metrics.Histograms("ecm_proxy_request_seconds", "Time from a request's arrival to the last byte of its answer, by route.", latencyBuckets, "route"),
+		phase: metrics.Histograms("ecm_proxy_phase_seconds",
+			"Request time by phase: encode (all encoder calls of an attempt), transfer_wait (consumer request sent to its first byte: the consumer waits there for pushed items, then prefills), pd (consumer request sent to its last byte).",
+			latencyBuckets, "phase"),
+		items:   metrics.Counters("ecm_proxy_media_items_total", "Media items, by what became of them: encoded (sent as embeds), fallback (sent as media), duplicate (repeated in one request, encoded once).", "outcome"),
+		derived: metrics.Counters("ecm_proxy_derived_fields_total", "Fields an encoder's answer lacked and the proxy filled in from the request it sent, by field (modality: vLLM before 0.33 reports none).", "field"),
+		retries: metrics.Counters("ecm_proxy_retries_total", "Consumer attempts retried, by reason.", "reason"),
+		encodes: metrics.Counters("ecm_proxy_encoder_calls_total", "Encoder calls, by outcome.", "outcome"),
 		gone: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "ecm_proxy_client_disconnects_total", Help: "Requests whose client went away before the answer ended; their backend calls were cancelled.",
 		}),
-		registers: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "ecm_proxy_registrations_total", Help: "Discovery calls that changed or kept an entry, by kind (new, heartbeat, deregister, expired).",
-		}, []string{"kind"}),
-		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "ecm_proxy_registration_refusals_total",
-			Help: "Register and deregister calls refused, by op and reason: off (no register token, or allow_register false), unauthenticated (no bearer token), bad_token, static (would replace or remove a static backend), invalid (a malformed registration), too_large (a body above 64 KiB).",
-		}, []string{"op", "reason"}),
+		registers: metrics.Counters("ecm_proxy_registrations_total", "Discovery calls that changed or kept an entry, by kind (new, heartbeat, deregister, expired).", "kind"),
+		refusals: metrics.Counters("ecm_proxy_registration_refusals_total",
+			"Register and deregister calls refused, by op and reason: off (no register token, or allow_register false), unauthenticated (no bearer token), bad_token, static (would replace or remove a static backend), invalid (a malformed registration), too_large (a body above 64 KiB).",
+			"op", "reason"),
 	}
 	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.derived, m.retries, m.encodes, m.gone, m.registers, m.refusals, backendCollector{p})
 	m.gatherer = prometheus.Gatherers{m.reg, metrics.Registry()}

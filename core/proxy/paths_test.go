@@ -217,17 +217,13 @@ func TestClientDisconnectCancelsUpstream(t *testing.T) {
 	t.Run("while the consumer has not answered", func(t *testing.T) {
 		r := newRig(t, rigOpts{encoders: 1, pds: 1})
 		r.pd[0].Inject(fakevllm.Hang)
-		c := &http.Client{Timeout: 300 * time.Millisecond}
-		_, err := c.Post(r.url+"/v1/chat/completions", "application/json", strings.NewReader(mustJSON(t, chat(false, text("hi")))))
-		require.Error(t, err)
+		r.abandon(chat(false, text("hi")))
 		eventually(t, "the PD instance sees its request cancelled", func() bool { return r.pd[0].Cancelled() == 1 })
 	})
 	t.Run("while the encoder works", func(t *testing.T) {
 		r := newRig(t, rigOpts{encoders: 1, pds: 1})
 		r.enc[0].Inject(fakevllm.Hang)
-		c := &http.Client{Timeout: 300 * time.Millisecond}
-		_, err := c.Post(r.url+"/v1/chat/completions", "application/json", strings.NewReader(mustJSON(t, chat(false, image("http://img/1.png")))))
-		require.Error(t, err)
+		r.abandon(chat(false, image("http://img/1.png")))
 		eventually(t, "the encoder sees its request cancelled", func() bool { return r.enc[0].Cancelled() == 1 })
 		eventually(t, "no consumer call follows", func() bool { return r.p.served.Load() == 1 })
 		require.Empty(t, r.pd[0].Calls())
@@ -238,9 +234,7 @@ func TestClientDisconnectCancelsUpstream(t *testing.T) {
 // spreads requests over their DP ranks and derives each rank's endpoint.
 func TestDiscovery(t *testing.T) {
 	r := newRig(t, rigOpts{encoders: 1, pds: 0, mut: func(c *Config) { c.RegisterToken = testToken }})
-	pd, err := fakevllm.Start(fakevllm.Config{Role: fakevllm.RolePD})
-	require.NoError(t, err)
-	t.Cleanup(pd.Close)
+	pd := startFake(t, fakevllm.RolePD, fakevllm.Config{})
 	code, _ := r.post("/v1/chat/completions", chat(false, text("hi")))
 	require.Equal(t, 503, code, "nothing registered yet")
 

@@ -230,13 +230,8 @@ func (p *pool) report(b *backend, err error) (changed, healthy bool) {
 
 // checkHealth asks one backend's /health.
 func checkHealth(ctx context.Context, b *backend, timeout time.Duration) error {
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
-	defer fasthttp.ReleaseRequest(req)
-	defer fasthttp.ReleaseResponse(resp)
-	req.Header.SetMethod(fasthttp.MethodGet)
-	req.SetRequestURI("/health")
+	ctx, req, resp, done := newCall(ctx, timeout, fasthttp.MethodGet, "/health")
+	defer done()
 	if _, err := b.up.do(ctx, req, resp, false, 1<<20); err != nil {
 		return fmt.Errorf("health check: %w", err)
 	}

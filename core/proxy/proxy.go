@@ -96,32 +96,36 @@ func Open(cfg Config, log *slog.Logger) (p *Proxy, err error) {
 			}
 		}
 	}
-	addr := net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port))
-	if p.ln, err = net.Listen("tcp", addr); err != nil {
-		return nil, fmt.Errorf("proxy: listen on %s: %w", addr, err)
-	}
-	// p is the named result, nil on an error return: close by name.
-	ln := p.ln
+	// p is the named result, nil on an error return: what listen opened
+	// is closed from this list.
+	var opened []net.Listener
 	defer func() {
 		if err != nil {
-			_ = ln.Close()
+			for _, ln := range opened {
+				_ = ln.Close()
+			}
 		}
 	}()
+	listen := func(what, host string, port int) (net.Listener, error) {
+		at := net.JoinHostPort(host, strconv.Itoa(port))
+		ln, err := net.Listen("tcp", at)
+		if err != nil {
+			return nil, fmt.Errorf("proxy: %slisten on %s: %w", what, at, err)
+		}
+		opened = append(opened, ln)
+		return ln, nil
+	}
+	if p.ln, err = listen("", cfg.Host, cfg.Port); err != nil {
+		return nil, err
+	}
 	if cfg.AdminPort != 0 {
 		host := cfg.AdminHost
 		if host == "" {
 			host = cfg.Host
 		}
-		at := net.JoinHostPort(host, strconv.Itoa(cfg.AdminPort))
-		if p.adminLn, err = net.Listen("tcp", at); err != nil {
-			return nil, fmt.Errorf("proxy: admin port: listen on %s: %w", at, err)
+		if p.adminLn, err = listen("admin port: ", host, cfg.AdminPort); err != nil {
+			return nil, err
 		}
-		adminLn := p.adminLn
-		defer func() {
-			if err != nil {
-				_ = adminLn.Close()
-			}
-		}()
 	}
 	if cfg.MetricsPort != 0 {
 		if p.metricsSrv, err = metrics.Serve(cfg.Host, cfg.MetricsPort, p.m.gatherer, p.log); err != nil {

@@ -54,10 +54,7 @@ func TestSSEReaderSplitsEvents(t *testing.T) {
 }
 
 func TestConfigValidation(t *testing.T) {
-	cases := map[string]struct {
-		json string
-		want string
-	}{
+	decodeCases{
 		"defaults with a pd":        {`{"pd": ["http://h:8100"]}`, ""},
 		"fragment layout":           {`{"pd": ["http://h:8100#ec=tcp://h:15000&tp_size=2&dp_size=4"]}`, ""},
 		"unknown key":               {`{"pdd": []}`, "unknown field"},
@@ -69,17 +66,7 @@ func TestConfigValidation(t *testing.T) {
 		"negative retries":          {`{"pd": ["http://a:1"], "retries": -1}`, "retries"},
 		"no consumer, no discovery": {`{"allow_register": false}`, "nothing could serve"},
 		"bad ec in fragment":        {`{"pd": ["http://h:1#ec=udp://h:2"]}`, "tcp://host:port"},
-	}
-	for name, tc := range cases {
-		t.Run(name, func(t *testing.T) {
-			_, err := DecodeConfig([]byte(tc.json))
-			if tc.want == "" {
-				require.NoError(t, err)
-				return
-			}
-			require.ErrorContains(t, err, tc.want)
-		})
-	}
+	}.check(t)
 	c, err := DecodeConfig([]byte(`{"pd": ["http://[::1]:8100"]}`))
 	require.NoError(t, err)
 	reg, err := c.static("pd", c.PD[0])

@@ -103,6 +103,21 @@ func (x *exchange) Close() {
 	})
 }
 
+// newCall starts one call to a backend: ctx bounded by timeout, and a
+// request with method and uri and an empty response from fasthttp's pools.
+// done ends the context and returns both to the pools; the caller defers it.
+func newCall(ctx context.Context, timeout time.Duration, method, uri string) (context.Context, *fasthttp.Request, *fasthttp.Response, func()) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+	req.Header.SetMethod(method)
+	req.SetRequestURI(uri)
+	return ctx, req, resp, func() {
+		fasthttp.ReleaseRequest(req)
+		fasthttp.ReleaseResponse(resp)
+		cancel()
+	}
+}
+
 // errNoResponse marks failures before any response byte: the backend
 // never saw or never answered the request, so it is safe to send again.
 var errNoResponse = errors.New("no response")

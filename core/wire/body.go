@@ -124,10 +124,7 @@ type ReserveBatch struct {
 
 // Validate requires 1..MaxItems items, each with both ids and a size.
 func (b ReserveBatch) Validate() error {
-	if err := checkCount("items", len(b.Items)); err != nil {
-		return err
-	}
-	for i, it := range b.Items {
+	return checkItems(b.Items, func(i int, it ReserveItem) error {
 		if err := checkID(fmt.Sprintf("items[%d].transfer_id", i), it.TransferID); err != nil {
 			return err
 		}
@@ -140,8 +137,8 @@ func (b ReserveBatch) Validate() error {
 		if len(it.Meta) > MaxMetaLen {
 			return fmt.Errorf("%w: items[%d].meta: %d bytes, at most %d", ErrInvalid, i, len(it.Meta), MaxMetaLen)
 		}
-	}
-	return nil
+		return nil
+	})
 }
 
 // Grant answers one ReserveItem. Err, when set, refuses the item and the
@@ -230,15 +227,9 @@ type CompleteBatch struct {
 
 // Validate requires 1..MaxItems items with transfer ids.
 func (b CompleteBatch) Validate() error {
-	if err := checkCount("items", len(b.Items)); err != nil {
-		return err
-	}
-	for i, it := range b.Items {
-		if err := checkID(fmt.Sprintf("items[%d].transfer_id", i), it.TransferID); err != nil {
-			return err
-		}
-	}
-	return nil
+	return checkItems(b.Items, func(i int, it CompleteItem) error {
+		return checkID(fmt.Sprintf("items[%d].transfer_id", i), it.TransferID)
+	})
 }
 
 // ItemResult answers one item of a batch; Err is empty on success.
@@ -444,6 +435,19 @@ func checkOffer(field string, offer map[string]string) error {
 			return err
 		}
 		if err := checkID(fmt.Sprintf("%s[%q]", field, name), addr); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// checkItems requires 1..MaxItems items, each passing check.
+func checkItems[T any](items []T, check func(i int, it T) error) error {
+	if err := checkCount("items", len(items)); err != nil {
+		return err
+	}
+	for i, it := range items {
+		if err := check(i, it); err != nil {
 			return err
 		}
 	}

@@ -284,33 +284,38 @@ func EncodeRequest(r Request) ([]byte, error) { return encode("request", r) }
 // DecodeRequest decodes and validates one request frame. On failure the
 // returned Request holds whatever was recovered (at least the id when it
 // could be read), so that the server can answer that id.
-func DecodeRequest(b []byte) (Request, error) {
-	var r Request
-	if err := decode("request", b, &r); err != nil {
-		return Request{ID: recoverID(b, r.ID)}, err
-	}
-	r.Body = canonical(r.Body)
-	if err := r.Validate(); err != nil {
-		return r, fmt.Errorf("wire: decode request %d: %w", r.ID, err)
-	}
-	return r, nil
-}
+func DecodeRequest(b []byte) (Request, error) { return decodeFrame[Request]("request", b) }
 
 // EncodeReply validates and encodes r.
 func EncodeReply(r Reply) ([]byte, error) { return encode("reply", r) }
 
 // DecodeReply decodes and validates one reply frame; on failure the id is
 // recovered when possible, as for DecodeRequest.
-func DecodeReply(b []byte) (Reply, error) {
-	var r Reply
-	if err := decode("reply", b, &r); err != nil {
-		return Reply{ID: recoverID(b, r.ID)}, err
+func DecodeReply(b []byte) (Reply, error) { return decodeFrame[Reply]("reply", b) }
+
+func (r *Request) head() (*uint64, *json.RawMessage) { return &r.ID, &r.Body }
+func (r *Reply) head() (*uint64, *json.RawMessage) { return &r.ID, &r.Body }
+
+// decodeFrame is DecodeRequest and DecodeReply: head gives it the id and
+// body every frame has.
+func decodeFrame[F any, P interface {
+	*F
+	validator
+	head() (*uint64, *json.RawMessage)
+}](what string, b []byte) (F, error) {
+	var f F
+	id, body := P(&f).head()
+	if err := decode(what, b, &f); err != nil {
+		var bare F
+		bareID, _ := P(&bare).head()
+		*bareID = recoverID(b, *id)
+		return bare, err
 	}
-	r.Body = canonical(r.Body)
-	if err := r.Validate(); err != nil {
-		return r, fmt.Errorf("wire: decode reply %d: %w", r.ID, err)
+	*body = canonical(*body)
+	if err := P(&f).Validate(); err != nil {
+		return f, fmt.Errorf("wire: decode %s %d: %w", what, *id, err)
 	}
-	return r, nil
+	return f, nil
 }
 
 // recoverID returns the id of a message that failed to decode: the one

@@ -10,11 +10,8 @@ import (
 // it finds, each wrapping ErrInvariant. It costs O(size of the manager):
 // tests call it after every step, production code when it suspects a bug.
 func (m *Manager) CheckInvariants() error {
-	rep := invariant.New(ErrInvariant)
+	rep := invariant.New(ErrInvariant).IllegalMoves(m.illegalMoves)
 	bad := rep.Bad
-	if m.illegalMoves > 0 {
-		bad("%d illegal moves attempted", m.illegalMoves)
-	}
 
 	inWriteQ := make(map[*rec]bool, len(m.writeQ))
 	for _, r := range m.writeQ {

@@ -2,7 +2,6 @@ package push
 
 import (
 	"container/heap"
-	"errors"
 	"fmt"
 	"slices"
 	"time"
@@ -10,22 +9,6 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/internal/deadlines"
 	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
-)
-
-// Sentinel errors; callers branch on them with errors.Is.
-var (
-	// ErrCollision: a transfer_id already names another push, or an mm_hash
-	// was announced with another size.
-	ErrCollision = errors.New("push collision")
-	// ErrInvalid: an argument is missing or malformed.
-	ErrInvalid = errors.New("invalid argument")
-	// ErrSizeMismatch: an encoder output's size differs from what its
-	// pushes announced.
-	ErrSizeMismatch = errors.New("size mismatch")
-	// ErrIllegalTransition: a move the state machine does not allow.
-	ErrIllegalTransition = errors.New("illegal transition")
-	// ErrInvariant: CheckInvariants found inconsistent state.
-	ErrInvariant = errors.New("invariant violated")
 )
 
 // Defaults for the zero fields of Config.

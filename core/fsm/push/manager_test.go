@@ -4,8 +4,10 @@ import (
 	"fmt"
 	"testing"
 
-	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/stretchr/testify/require"
+
+	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/internal/fsmtest"
 )
 
 // cancelOneOfTwo starts a script: two pushes of one content to one shard,
@@ -15,6 +17,16 @@ const cancelOneOfTwo = `
 	add t2 h1 100 d1
 	ready -> reserve d1:t1,t2
 	cancel t1
+`
+
+// toWriting starts many scenarios: one push of t1 (content h1, 100 bytes)
+// to d1, granted a region and handed out for writing.
+const toWriting = `
+	add t1 h1 100 d1
+	ready -> reserve d1:t1
+	grant t1 d1 write 1
+	source h1 11 100
+	ready -> write d1:t1@s11
 `
 
 func TestScenarios(t *testing.T) {
@@ -259,12 +271,7 @@ func TestScenarios(t *testing.T) {
 			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s
 			pending -> no
 		`},
-		{"cancel during the write holds the source until the write ends", Config{}, `
-			add t1 h1 100 d1
-			ready -> reserve d1:t1
-			grant t1 d1 write 1
-			source h1 11 100
-			ready -> write d1:t1@s11
+		{"cancel during the write holds the source until the write ends", Config{}, toWriting + `
 			cancel t1
 			state t1 -> d1=CancelPending
 			ready -> -
@@ -275,12 +282,7 @@ func TestScenarios(t *testing.T) {
 			ready -> cancel d1:t1 | release s11
 			pending -> no
 		`},
-		{"cancel once the bytes landed lets the push complete", Config{}, `
-			add t1 h1 100 d1
-			ready -> reserve d1:t1
-			grant t1 d1 write 1
-			source h1 11 100
-			ready -> write d1:t1@s11
+		{"cancel once the bytes landed lets the push complete", Config{}, toWriting + `
 			wrote t1 d1
 			cancel t1
 			ready -> complete d1:t1 | release s11
@@ -333,12 +335,7 @@ func TestScenarios(t *testing.T) {
 			pending -> no
 			stats -> transfers=0 tombs=1
 		`},
-		{"complete deadline", Config{}, `
-			add t1 h1 100 d1
-			ready -> reserve d1:t1
-			grant t1 d1 write 1
-			source h1 11 100
-			ready -> write d1:t1@s11
+		{"complete deadline", Config{}, toWriting + `
 			at 10s
 			wrote t1 d1
 			ready -> complete d1:t1 | release s11
@@ -350,12 +347,7 @@ func TestScenarios(t *testing.T) {
 			completed t1 d1
 			stats -> ignored=1
 		`},
-		{"cancel-pending deadline keeps the write's deadline", Config{}, `
-			add t1 h1 100 d1
-			ready -> reserve d1:t1
-			grant t1 d1 write 1
-			source h1 11 100
-			ready -> write d1:t1@s11
+		{"cancel-pending deadline keeps the write's deadline", Config{}, toWriting + `
 			at 10s
 			cancel t1
 			next -> 1m0s
@@ -381,12 +373,7 @@ func TestScenarios(t *testing.T) {
 			state t1 -> d1=Failed d2=Done
 			pending -> no
 		`},
-		{"complete error", Config{}, `
-			add t1 h1 100 d1
-			ready -> reserve d1:t1
-			grant t1 d1 write 1
-			source h1 11 100
-			ready -> write d1:t1@s11
+		{"complete error", Config{}, toWriting + `
 			wrote t1 d1
 			ready -> complete d1:t1 | release s11
 			completed t1 d1 shard restarted
@@ -571,13 +558,7 @@ func TestCheckInvariantsCatchesCorruption(t *testing.T) {
 		"both live and retired": func(m *Manager) { m.tombs["t2"] = m.transfers["t2"] },
 		"held count":            func(m *Manager) { m.held++ },
 	}
-	for name, corrupt := range corruptions {
-		t.Run(name, func(t *testing.T) {
-			m := build()
-			corrupt(m)
-			require.ErrorIs(t, m.CheckInvariants(), ErrInvariant)
-		})
-	}
+	fsmtest.Corruptions(t, build, (*Manager).CheckInvariants, ErrInvariant, corruptions)
 }
 
 func TestDeadlineHeapStaysBounded(t *testing.T) {

@@ -20,27 +20,21 @@ import (
 // is never released while a write reading it is out, that every effect is
 // emitted once, and that nothing is left once all work has drained.
 func TestRandomModel(t *testing.T) {
-	for seed := int64(1); seed <= 8; seed++ {
-		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
-			md := newModel(t, rand.New(rand.NewSource(seed)))
-			md.run(2000)
-			s := md.m.Stats()
-			require.NotZero(t, s.Ended[Done], "the run should finish pushes")
-			require.NotZero(t, s.Ended[Failed], "the run should fail pushes")
-			require.NotZero(t, s.Ended[Cancelled], "the run should cancel pushes")
-			require.NotZero(t, s.Collisions, "the run should exercise collisions")
-		})
-	}
+	fsmtest.Seeds(t, func(t *testing.T, rng *rand.Rand) {
+		md := newModel(t, rng)
+		md.run(2000)
+		s := md.m.Stats()
+		require.NotZero(t, s.Ended[Done], "the run should finish pushes")
+		require.NotZero(t, s.Ended[Failed], "the run should fail pushes")
+		require.NotZero(t, s.Ended[Cancelled], "the run should cancel pushes")
+		require.NotZero(t, s.Collisions, "the run should exercise collisions")
+	})
 }
 
 // FuzzModel runs the same model with the fuzzer's bytes choosing every
 // call, so that coverage guidance can steer towards rare interleavings.
 func FuzzModel(f *testing.F) {
-	f.Add([]byte("ecmooncake push model seed"))
-	f.Add(make([]byte, 64))
-	f.Fuzz(func(t *testing.T, data []byte) {
-		newModel(t, rand.New(&fsmtest.ByteSource{B: data})).run(min(len(data)/2, 400))
-	})
+	fsmtest.FuzzModel(f, "push", func(t *testing.T, rng *rand.Rand, steps int) { newModel(t, rng).run(steps) })
 }
 
 type pairKey struct{ tid, dest string }

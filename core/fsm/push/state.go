@@ -1,9 +1,8 @@
 package push
 
 import (
-	"fmt"
-
 	"github.com/ecmooncake/ecmooncake/core/internal/enum"
+	"github.com/ecmooncake/ecmooncake/core/internal/machine"
 )
 
 // State is where the push of one transfer to one destination shard stands.
@@ -65,19 +64,15 @@ func (s State) needsSource() bool {
 	return s == Reserving || s == WaitingInputs
 }
 
-var legal = [numStates][numStates]bool{
-	Reserving:     {WaitingInputs: true, Done: true, Cancelled: true, Failed: true},
-	WaitingInputs: {Writing: true, Cancelled: true, Failed: true},
-	Writing:       {Notifying: true, CancelPending: true, Failed: true},
-	Notifying:     {Done: true, Failed: true},
-	CancelPending: {Cancelled: true, Failed: true},
-}
+// legal is the one rule book of the machine: exactly the edges documented
+// on the State constants.
+var legal = machine.NewEdges(numStates, map[State][]State{
+	Reserving:     {WaitingInputs, Done, Cancelled, Failed},
+	WaitingInputs: {Writing, Cancelled, Failed},
+	Writing:       {Notifying, CancelPending, Failed},
+	Notifying:     {Done, Failed},
+	CancelPending: {Cancelled, Failed},
+})
 
-// transition is the one rule book of the machine: it accepts exactly the
-// edges documented on the State constants.
-func transition(from, to State) error {
-	if from >= numStates || to >= numStates || !legal[from][to] {
-		return fmt.Errorf("%w: %s -> %s", ErrIllegalTransition, from, to)
-	}
-	return nil
-}
+// transition checks one move against legal.
+func transition(from, to State) error { return legal.Check(from, to) }

@@ -1,10 +1,10 @@
 package reserve
 
 import (
-	"errors"
 	"fmt"
 
 	"github.com/ecmooncake/ecmooncake/core/internal/enum"
+	"github.com/ecmooncake/ecmooncake/core/internal/machine"
 )
 
 // State is the state of a region (one slab allocation holding one mm_hash).
@@ -52,20 +52,20 @@ func (s State) pending() bool { return s == CancelPending || s == ExpirePending 
 // final reports whether the region is over and its memory returned.
 func (s State) final() bool { return s == Cancelled || s == Expired }
 
-var legal = [numStates][numStates]bool{
-	Writing:       {Ready: true, CancelPending: true, ExpirePending: true, Cancelled: true, Expired: true},
-	Ready:         {Cancelled: true, Expired: true},
-	CancelPending: {Cancelled: true},
-	ExpirePending: {Cancelled: true, Expired: true},
-}
+var legal = machine.NewEdges(numStates, map[State][]State{
+	Writing:       {Ready, CancelPending, ExpirePending, Cancelled, Expired},
+	Ready:         {Cancelled, Expired},
+	CancelPending: {Cancelled},
+	ExpirePending: {Cancelled, Expired},
+})
 
 // ErrBadTransition: an illegal state move (a bug in the table, never caused
-// by input).
-var ErrBadTransition = errors.New("illegal state transition")
+// by input); the sentinel every state machine shares.
+var ErrBadTransition = machine.ErrIllegalTransition
 
 // transition is the only place a region's state changes.
 func (r *region) transition(to State) error {
-	if r.state >= numStates || to >= numStates || !legal[r.state][to] {
+	if !legal.Allows(r.state, to) {
 		return fmt.Errorf("reserve: region %d (%s): %s -> %s: %w", r.res, r.mmHash, r.state, to, ErrBadTransition)
 	}
 	r.state = to

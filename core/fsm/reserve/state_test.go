@@ -9,18 +9,12 @@ import (
 )
 
 func TestTransitions(t *testing.T) {
-	legalEdges := map[[2]State]bool{
-		{Writing, Ready}:           true,
-		{Writing, CancelPending}:   true,
-		{Writing, ExpirePending}:   true,
-		{Writing, Cancelled}:       true,
-		{Writing, Expired}:         true,
-		{Ready, Cancelled}:         true,
-		{Ready, Expired}:           true,
-		{CancelPending, Cancelled}: true,
-		{ExpirePending, Cancelled}: true,
-		{ExpirePending, Expired}:   true,
-	}
+	const legalEdges = `
+		writing        -> ready cancel_pending expire_pending cancelled expired
+		ready          -> cancelled expired
+		cancel_pending -> cancelled
+		expire_pending -> cancelled expired
+	`
 	pairs := map[[2]State]bool{}
 	fsmtest.CheckAll(t, fsmtest.Machine[State]{
 		N: numStates, Legal: legalEdges, Illegal: ErrBadTransition, Terminal: State.final,

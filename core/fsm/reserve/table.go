@@ -10,21 +10,24 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
+	"github.com/ecmooncake/ecmooncake/core/internal/machine"
 )
 
-// Sentinel errors; callers test them with errors.Is.
+// Sentinel errors; callers test them with errors.Is. ErrInvalid,
+// ErrSizeMismatch, ErrCollision and ErrUnknown are the ones every state
+// machine shares (core/internal/machine).
 var (
 	// ErrInvalid: an item with an empty id or zero size.
-	ErrInvalid = errors.New("invalid item")
+	ErrInvalid = machine.ErrInvalid
 	// ErrPoolFull: the slab cannot hold the region even after evicting
 	// every resident copy.
 	ErrPoolFull = errors.New("pool full")
 	// ErrSizeMismatch: an mm_hash asked with a size other than its region's.
-	ErrSizeMismatch = errors.New("size mismatch")
+	ErrSizeMismatch = machine.ErrSizeMismatch
 	// ErrCollision: a transfer id already known for another mm_hash.
-	ErrCollision = errors.New("transfer id collision")
+	ErrCollision = machine.ErrCollision
 	// ErrUnknown: an id that was never issued here (or long forgotten).
-	ErrUnknown = errors.New("unknown")
+	ErrUnknown = machine.ErrUnknown
 	// ErrGone: the transfer or region is over; a late message is harmless.
 	ErrGone = errors.New("gone")
 	// ErrBadToken: the token does not authorise this region.

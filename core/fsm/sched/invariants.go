@@ -8,11 +8,8 @@ import (
 // finds, each wrapping ErrInvariant. It costs O(size of the table): tests
 // call it after every step, production code when it suspects a bug.
 func (t *Table) CheckInvariants() error {
-	rep := invariant.New(ErrInvariant)
+	rep := invariant.New(ErrInvariant).IllegalMoves(t.illegalMoves)
 	bad := rep.Bad
-	if t.illegalMoves > 0 {
-		bad("%d illegal moves attempted", t.illegalMoves)
-	}
 
 	current := make(map[string]uint64, len(t.deadlines))
 	for _, d := range t.deadlines {

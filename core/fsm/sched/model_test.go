@@ -17,27 +17,21 @@ import (
 // often. After every step it checks the table's own invariants and what a
 // caller can observe against a model of identity and terminal states.
 func TestRandomModel(t *testing.T) {
-	for seed := int64(1); seed <= 8; seed++ {
-		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
-			visited, stats := runModel(t, rand.New(rand.NewSource(seed)), 3000)
-			for st := State(0); st < numStates; st++ {
-				require.True(t, visited[st], "the run should visit %s", st)
-			}
-			require.NotZero(t, stats.Collisions, "the run should exercise collisions")
-			require.NotZero(t, stats.IgnoredEvents, "the run should exercise ignored events")
-			require.NotZero(t, stats.EarlyDropped, "the run should exercise early events")
-		})
-	}
+	fsmtest.Seeds(t, func(t *testing.T, rng *rand.Rand) {
+		visited, stats := runModel(t, rng, 3000)
+		for st := State(0); st < numStates; st++ {
+			require.True(t, visited[st], "the run should visit %s", st)
+		}
+		require.NotZero(t, stats.Collisions, "the run should exercise collisions")
+		require.NotZero(t, stats.IgnoredEvents, "the run should exercise ignored events")
+		require.NotZero(t, stats.EarlyDropped, "the run should exercise early events")
+	})
 }
 
 // FuzzModel runs the same model with the fuzzer's bytes choosing every
 // call, so that coverage guidance can steer towards rare interleavings.
 func FuzzModel(f *testing.F) {
-	f.Add([]byte("ecmooncake sched model seed"))
-	f.Add(make([]byte, 64))
-	f.Fuzz(func(t *testing.T, data []byte) {
-		runModel(t, rand.New(&fsmtest.ByteSource{B: data}), min(len(data)/2, 400))
-	})
+	fsmtest.FuzzModel(f, "sched", func(t *testing.T, rng *rand.Rand, steps int) { runModel(t, rng, steps) })
 }
 
 // runModel returns the states it saw and the final stats, so that a seeded

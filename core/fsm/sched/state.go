@@ -1,9 +1,8 @@
 package sched
 
 import (
-	"fmt"
-
 	"github.com/ecmooncake/ecmooncake/core/internal/enum"
+	"github.com/ecmooncake/ecmooncake/core/internal/machine"
 )
 
 // State is where one transfer stands in the consumer scheduler. Each
@@ -74,19 +73,15 @@ func (s State) usable() bool {
 	return false
 }
 
-var legal = [numStates][numStates]bool{
-	WaitingEvent: {Available: true, Unavailable: true, Cancelled: true},
-	Available:    {Loading: true, Expired: true, Cancelled: true},
-	Loading:      {Ready: true, Failed: true, Unavailable: true, Cancelled: true},
-	Ready:        {Resident: true, Expired: true},
-	Resident:     {Loading: true, Expired: true},
-}
+// legal is the one rule book of the machine: exactly the edges documented
+// on the State constants.
+var legal = machine.NewEdges(numStates, map[State][]State{
+	WaitingEvent: {Available, Unavailable, Cancelled},
+	Available:    {Loading, Expired, Cancelled},
+	Loading:      {Ready, Failed, Unavailable, Cancelled},
+	Ready:        {Resident, Expired},
+	Resident:     {Loading, Expired},
+})
 
-// transition is the one rule book of the machine: it accepts exactly the
-// edges documented on the State constants.
-func transition(from, to State) error {
-	if from >= numStates || to >= numStates || !legal[from][to] {
-		return fmt.Errorf("%w: %s -> %s", ErrIllegalTransition, from, to)
-	}
-	return nil
-}
+// transition checks one move against legal.
+func transition(from, to State) error { return legal.Check(from, to) }

@@ -2,7 +2,6 @@ package sched
 
 import (
 	"container/heap"
-	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -10,20 +9,6 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/internal/deadlines"
 	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
-)
-
-// Sentinel errors; callers branch on them with errors.Is.
-var (
-	// ErrCollision: a transfer_id already names different content.
-	ErrCollision = errors.New("transfer_id collision")
-	// ErrInvalid: an argument is missing or malformed.
-	ErrInvalid = errors.New("invalid argument")
-	// ErrNotAvailable: no transfer of the content can be loaded now.
-	ErrNotAvailable = errors.New("not available")
-	// ErrIllegalTransition: a move the state machine does not allow.
-	ErrIllegalTransition = errors.New("illegal transition")
-	// ErrInvariant: CheckInvariants found inconsistent state.
-	ErrInvariant = errors.New("invariant violated")
 )
 
 // Defaults for the zero fields of Config.

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/ecmooncake/ecmooncake/core/internal/fsmtest"
 )
 
 func TestScenarios(t *testing.T) {
@@ -655,13 +657,7 @@ func TestCheckInvariantsCatchesCorruption(t *testing.T) {
 			tb.clearDeadline(r)
 		},
 	}
-	for name, corrupt := range corruptions {
-		t.Run(name, func(t *testing.T) {
-			tb := build()
-			corrupt(tb)
-			require.ErrorIs(t, tb.CheckInvariants(), ErrInvariant)
-		})
-	}
+	fsmtest.Corruptions(t, build, (*Table).CheckInvariants, ErrInvariant, corruptions)
 }
 
 func TestEarlyQueueIsCompacted(t *testing.T) {

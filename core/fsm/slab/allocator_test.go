@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -52,6 +53,8 @@ type allocStep struct {
 
 func TestAllocatorScripts(t *testing.T) {
 	const A = Align
+	// threeBlocks starts several scripts: three blocks of A from offset 0.
+	threeBlocks := []allocStep{{arg: A, wantOff: 0}, {arg: A, wantOff: A}, {arg: A, wantOff: 2 * A}}
 	tests := []struct {
 		name  string
 		size  uint64
@@ -68,41 +71,29 @@ func TestAllocatorScripts(t *testing.T) {
 			{arg: 1, wantErr: ErrFull},
 		}},
 		{"zero size", 4 * A, []allocStep{{arg: 0, wantErr: ErrZeroSize}}},
-		{"first fit reuses the lowest hole", 4 * A, []allocStep{
-			{arg: A, wantOff: 0},
-			{arg: A, wantOff: A},
-			{arg: A, wantOff: 2 * A},
+		{"first fit reuses the lowest hole", 4 * A, slices.Concat(threeBlocks, []allocStep{
 			{free: true, arg: 0},
 			{free: true, arg: 2 * A},
 			{arg: A, wantOff: 0},
 			{arg: 2 * A, wantOff: 2 * A},
-		}},
-		{"coalesces left", 3 * A, []allocStep{
-			{arg: A, wantOff: 0},
-			{arg: A, wantOff: A},
-			{arg: A, wantOff: 2 * A},
+		})},
+		{"coalesces left", 3 * A, slices.Concat(threeBlocks, []allocStep{
 			{free: true, arg: 0},
 			{free: true, arg: A},
 			{arg: 2 * A, wantOff: 0},
-		}},
-		{"coalesces right", 3 * A, []allocStep{
-			{arg: A, wantOff: 0},
-			{arg: A, wantOff: A},
-			{arg: A, wantOff: 2 * A},
+		})},
+		{"coalesces right", 3 * A, slices.Concat(threeBlocks, []allocStep{
 			{free: true, arg: A},
 			{free: true, arg: 0},
 			{arg: 2 * A, wantOff: 0},
-		}},
-		{"coalesces both sides", 3 * A, []allocStep{
-			{arg: A, wantOff: 0},
-			{arg: A, wantOff: A},
-			{arg: A, wantOff: 2 * A},
+		})},
+		{"coalesces both sides", 3 * A, slices.Concat(threeBlocks, []allocStep{
 			{free: true, arg: 0},
 			{free: true, arg: 2 * A},
 			{arg: 2 * A, wantErr: ErrFull},
 			{free: true, arg: A},
 			{arg: 3 * A, wantOff: 0},
-		}},
+		})},
 		{"double free", 2 * A, []allocStep{
 			{arg: A, wantOff: 0},
 			{free: true, arg: 0},

@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/ecmooncake/ecmooncake/core/internal/enum"
+	"github.com/ecmooncake/ecmooncake/core/internal/machine"
 )
 
 var (
@@ -12,8 +13,9 @@ var (
 	ErrClosed = errors.New("slab closed")
 	// ErrInUse: a non-forced Close while bytes are in use.
 	ErrInUse = errors.New("slab in use")
-	// ErrBadTransition: an illegal lifecycle move.
-	ErrBadTransition = errors.New("illegal state transition")
+	// ErrBadTransition: an illegal lifecycle move; the sentinel every
+	// state machine shares.
+	ErrBadTransition = machine.ErrIllegalTransition
 )
 
 // State is the lifecycle of a Slab.
@@ -35,10 +37,10 @@ var stateNames = [numStates]string{Open: "open", Closing: "closing", Closed: "cl
 
 func (s State) String() string { return enum.Name("State", stateNames[:], s) }
 
-var legal = [numStates][numStates]bool{
-	Open:    {Closing: true, Closed: true},
-	Closing: {Closed: true},
-}
+var legal = machine.NewEdges(numStates, map[State][]State{
+	Open:    {Closing, Closed},
+	Closing: {Closed},
+})
 
 // Slab is a Memory carved by an Allocator, with a lifecycle.
 type Slab struct {
@@ -54,7 +56,7 @@ func NewSlab(m Memory) *Slab {
 
 // transition is the only place the state changes.
 func (s *Slab) transition(to State) error {
-	if s.state >= numStates || to >= numStates || !legal[s.state][to] {
+	if !legal.Allows(s.state, to) {
 		return fmt.Errorf("slab: %s -> %s: %w", s.state, to, ErrBadTransition)
 	}
 	s.state = to

@@ -64,11 +64,10 @@ func TestMemoryBytes(t *testing.T) {
 }
 
 func TestSlabTransitions(t *testing.T) {
-	legalEdges := map[[2]State]bool{
-		{Open, Closing}:   true,
-		{Open, Closed}:    true,
-		{Closing, Closed}: true,
-	}
+	const legalEdges = `
+		open    -> closing closed
+		closing -> closed
+	`
 	fsmtest.CheckAll(t, fsmtest.Machine[State]{
 		N: numStates, Legal: legalEdges, Illegal: ErrBadTransition,
 		Terminal: func(s State) bool { return s == Closed },

@@ -4,6 +4,8 @@
 //   - CheckAll checks a state enum the same way everywhere: every pair of
 //     states against an independently written list of legal edges,
 //     terminal states without exits, and distinct names;
+//   - Corruptions checks that CheckInvariants sees each of a table of
+//     corruptions of a known-good machine;
 //   - Script runs a scripted, data-driven test: the clock, the parsing of
 //     lines and expectations, and the commands every machine shares;
 //   - ByteSource lets a fuzzer's input drive a random model.
@@ -11,6 +13,7 @@ package fsmtest
 
 import (
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -29,8 +32,9 @@ type Machine[S State] struct {
 	// Transition is the machine's one transition function.
 	Transition func(from, to S) error
 	// Legal lists the edges the test expects, written independently of the
-	// table the transition function uses, so that a change to either shows.
-	Legal map[[2]S]bool
+	// table the transition function uses, so that a change to either shows:
+	// a line a state, "from -> to to ...", each state by its String.
+	Legal string
 	// Illegal is the sentinel every refused move wraps.
 	Illegal error
 	// Terminal reports states that must have no exits.
@@ -40,10 +44,11 @@ type Machine[S State] struct {
 // CheckAll runs every check on m, including one value past the last state.
 func CheckAll[S State](t *testing.T, m Machine[S]) {
 	t.Helper()
+	legal := edges(t, m.N, m.Legal)
 	for from := S(0); from <= m.N; from++ {
 		for to := S(0); to <= m.N; to++ {
 			err := m.Transition(from, to)
-			if m.Legal[[2]S{from, to}] {
+			if legal[[2]S{from, to}] {
 				require.NoError(t, err, "%s -> %s", from, to)
 				continue
 			}
@@ -70,5 +75,45 @@ func CheckAll[S State](t *testing.T, m Machine[S]) {
 		require.NotEmpty(t, name)
 		require.False(t, seen[name], "duplicate name %s", name)
 		seen[name] = true
+	}
+}
+
+// edges parses a Machine's Legal.
+func edges[S State](t *testing.T, n S, spec string) map[[2]S]bool {
+	t.Helper()
+	byName := map[string]S{}
+	for s := S(0); s < n; s++ {
+		byName[s.String()] = s
+	}
+	state := func(name string) S {
+		s, ok := byName[name]
+		require.True(t, ok, "legal edges: no state %q", name)
+		return s
+	}
+	legal := map[[2]S]bool{}
+	for _, line := range strings.Split(spec, "\n") {
+		from, tos, ok := strings.Cut(line, "->")
+		if !ok {
+			require.Empty(t, strings.TrimSpace(line), "legal edges: want from -> to ...")
+			continue
+		}
+		for _, to := range strings.Fields(tos) {
+			legal[[2]S{state(strings.TrimSpace(from)), state(to)}] = true
+		}
+	}
+	return legal
+}
+
+// Corruptions runs one subtest per entry of corruptions: build returns a
+// fresh, consistent machine, the entry corrupts it, and check (its
+// CheckInvariants) must then report a violation wrapping sentinel.
+func Corruptions[M any](t *testing.T, build func() M, check func(M) error, sentinel error, corruptions map[string]func(M)) {
+	t.Helper()
+	for name, corrupt := range corruptions {
+		t.Run(name, func(t *testing.T) {
+			m := build()
+			corrupt(m)
+			require.ErrorIs(t, check(m), sentinel)
+		})
 	}
 }

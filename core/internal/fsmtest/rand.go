@@ -1,5 +1,11 @@
 package fsmtest
 
+import (
+	"fmt"
+	"math/rand"
+	"testing"
+)
+
 // ByteSource feeds math/rand from fuzz input, so that the fuzzer's bytes
 // choose every call of a random model; exhausted, it yields zeros.
 type ByteSource struct {
@@ -22,3 +28,25 @@ func (s *ByteSource) Int63() int64 {
 
 // Seed is a no-op: the input is the seed.
 func (s *ByteSource) Seed(int64) {}
+
+// Seeds runs model once for each of the fixed seeds 1 to 8, each a subtest
+// with a generator of its own, so that a failure names its seed.
+func Seeds(t *testing.T, model func(t *testing.T, rng *rand.Rand)) {
+	t.Helper()
+	for seed := int64(1); seed <= 8; seed++ {
+		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
+			model(t, rand.New(rand.NewSource(seed)))
+		})
+	}
+}
+
+// FuzzModel runs model with the fuzzer's bytes choosing every call, so
+// that coverage guidance can steer towards rare interleavings: one step a
+// two bytes of input, at most 400. name seeds the corpus.
+func FuzzModel(f *testing.F, name string, model func(t *testing.T, rng *rand.Rand, steps int)) {
+	f.Add([]byte("ecmooncake " + name + " model seed"))
+	f.Add(make([]byte, 64))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		model(t, rand.New(&ByteSource{B: data}), min(len(data)/2, 400))
+	})
+}

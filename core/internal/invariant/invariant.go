@@ -27,5 +27,15 @@ func (r *Report) Bad(format string, args ...any) {
 	r.errs = append(r.errs, fmt.Errorf(format, args...))
 }
 
+// IllegalMoves records the n illegal moves a machine was asked to make, a
+// violation unless n is zero: the machine counts them rather than panic,
+// and any is a bug. It returns r, to go with New on one line.
+func (r *Report) IllegalMoves(n uint64) *Report {
+	if n > 0 {
+		r.Bad("%d illegal moves attempted", n)
+	}
+	return r
+}
+
 // Err joins the violations; nil when there were none.
 func (r *Report) Err() error { return errors.Join(r.errs...) }

@@ -19,6 +19,9 @@ func TestReport(t *testing.T) {
 	require.ErrorIs(t, err, cause)
 	require.EqualError(t, err, "invariant violated: record 7: cause\ninvariant violated: count 2")
 
+	require.NoError(t, New(sentinel).IllegalMoves(0).Err())
+	require.EqualError(t, New(sentinel).IllegalMoves(3).Err(), "invariant violated: 3 illegal moves attempted")
+
 	plain := New(nil)
 	plain.Bad("region %d", 1)
 	require.EqualError(t, plain.Err(), "region 1")
