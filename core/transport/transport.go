@@ -159,23 +159,21 @@ const (
 	StatusClosing
 )
 
+// statusNames are the reason names used as the keys of RecvStats.Rejected.
+var statusNames = [...]string{
+	StatusOK:          "ok",
+	StatusOther:       "other",
+	StatusBadToken:    "bad_token",
+	StatusUnknownRes:  "unknown_res",
+	StatusOutOfBounds: "out_of_bounds",
+	StatusGone:        "gone",
+	StatusClosing:     "closing",
+}
+
 // String returns the reason name used as the key of RecvStats.Rejected.
 func (s Status) String() string {
-	switch s {
-	case StatusOK:
-		return "ok"
-	case StatusOther:
-		return "other"
-	case StatusBadToken:
-		return "bad_token"
-	case StatusUnknownRes:
-		return "unknown_res"
-	case StatusOutOfBounds:
-		return "out_of_bounds"
-	case StatusGone:
-		return "gone"
-	case StatusClosing:
-		return "closing"
+	if int(s) < len(statusNames) {
+		return statusNames[s]
 	}
 	return fmt.Sprintf("status_%d", uint16(s))
 }

@@ -54,6 +54,8 @@ type Writer struct {
 	batches, tasks, bytes, failedTasks, submitErrors, leaked, reopens atomic.Uint64
 }
 
+var _ transport.Writer = (*Writer)(nil)
+
 // segState is an opened segment and the incarnation of the peer it was
 // opened for.
 type segState struct {
@@ -141,6 +143,16 @@ func (w *Writer) Write(ctx context.Context, dest string, items []transport.Write
 	b := &batch{w: w, eng: eng, stg: stg, p: p, seg: seg, items: items, errs: errs}
 	b.run(ctx)
 	return errs
+}
+
+// checkProto refuses a consumer whose engine runs another protocol than
+// ours: Write runs it on every destination, CheckAddr ahead of any write.
+func (t *Transport) checkProto(p peer) error {
+	if p.Proto != t.cfg.Protocol {
+		return fmt.Errorf("%w: the consumer's engine at %s runs %q and this producer's runs %q; set mooncake_protocol the same on both",
+			ErrProtocol, p.Segment, p.Proto, t.cfg.Protocol)
+	}
+	return nil
 }
 
 // ensure makes the engine and the staging slab on first use. A failure is

@@ -195,10 +195,10 @@ static int g_fail_next;
 
 /* ---- helpers -------------------------------------------------------- */
 
-static int write_all(int fd, const void *p, size_t n) {
-    const char *c = p;
+/* move_all sends (or, with sending 0, receives) all n bytes at p. */
+static int move_all(int fd, char *c, size_t n, int sending) {
     while (n > 0) {
-        ssize_t k = send(fd, c, n, MSG_NOSIGNAL);
+        ssize_t k = sending ? send(fd, c, n, MSG_NOSIGNAL) : recv(fd, c, n, MSG_WAITALL);
         if (k < 0 && errno == EINTR) continue;
         if (k <= 0) return -1;
         c += k;
@@ -207,17 +207,8 @@ static int write_all(int fd, const void *p, size_t n) {
     return 0;
 }
 
-static int read_all(int fd, void *p, size_t n) {
-    char *c = p;
-    while (n > 0) {
-        ssize_t k = recv(fd, c, n, MSG_WAITALL);
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) return -1;
-        c += k;
-        n -= (size_t)k;
-    }
-    return 0;
-}
+static int write_all(int fd, const void *p, size_t n) { return move_all(fd, (char *)p, n, 1); }
+static int read_all(int fd, void *p, size_t n) { return move_all(fd, p, n, 0); }
 
 static uint64_t random64(void) {
     struct timespec ts;
