@@ -616,14 +616,20 @@ func (wc *wconn) take(seq uint64) *chunk {
 }
 
 func (wc *wconn) failAll(err error) {
+	for _, ch := range wc.takePending() {
+		ch.settle(err)
+	}
+}
+
+// takePending marks the connection dead, so that no chunk joins the
+// pending ones any more, and returns them.
+func (wc *wconn) takePending() map[uint64]*chunk {
 	wc.mu.Lock()
+	defer wc.mu.Unlock()
 	wc.dead = true
 	pending := wc.pending
 	wc.pending = make(map[uint64]*chunk)
-	wc.mu.Unlock()
-	for _, ch := range pending {
-		ch.settle(err)
-	}
+	return pending
 }
 
 // writeFrames writes headers and payloads in one writev, straight from the
@@ -686,12 +692,7 @@ var errGoodbye = errors.New("receiver closed the connection (goodbye)")
 // resendPending hands the chunks the receiver never began back to the
 // slot, which sends them on a new connection.
 func (wc *wconn) resendPending() {
-	wc.mu.Lock()
-	wc.dead = true
-	pending := wc.pending
-	wc.pending = make(map[uint64]*chunk)
-	wc.mu.Unlock()
-	for _, ch := range pending {
+	for _, ch := range wc.takePending() {
 		if ch.resent.Swap(true) {
 			ch.settle(wc.w.lost(errGoodbye))
 			continue
