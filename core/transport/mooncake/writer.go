@@ -221,18 +221,26 @@ func (w *Writer) markStale(name string) {
 	}
 }
 
+// markClosed fails writes that have not started; it is false when the
+// writer was closed already.
+func (w *Writer) markClosed() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed {
+		return false
+	}
+	w.closed = true
+	close(w.closing)
+	return true
+}
+
 // Close fails writes that have not started, waits for those in flight to
 // drain, then unregisters the staging slab and destroys the engine;
 // idempotent.
 func (w *Writer) Close() error {
-	w.mu.Lock()
-	if w.closed {
-		w.mu.Unlock()
+	if !w.markClosed() {
 		return nil
 	}
-	w.closed = true
-	close(w.closing)
-	w.mu.Unlock()
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
