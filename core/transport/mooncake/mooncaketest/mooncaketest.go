@@ -44,6 +44,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"testing"
 	"unsafe"
 )
 
@@ -95,6 +96,56 @@ func Build(dir, name string, omitFreeBatchID bool) (string, error) {
 		return "", fmt.Errorf("mooncaketest: %s %v: %w", cc, args, err)
 	}
 	return out, nil
+}
+
+// Setup is what a test binary runs against: the library, the protocol
+// to install on it ("" for the transport's default) and, when the library
+// is the double, the double (nil against a real library) and the
+// directory it was built in, removed after the run.
+type Setup struct {
+	Library  string
+	Protocol string
+	Double   *Double
+	Dir      string
+}
+
+// Main runs m and exits: against the real library the environment names
+// (Real), else against the double, built for this run into a temporary
+// directory named after prefix. ready receives the setup before any test
+// runs; its error fails the run.
+func Main(m *testing.M, prefix string, ready func(Setup) error) {
+	os.Exit(run(m, prefix, ready))
+}
+
+func run(m *testing.M, prefix string, ready func(Setup) error) int {
+	s, cleanup, err := setup(prefix)
+	defer cleanup()
+	if err == nil {
+		err = ready(s)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	return m.Run()
+}
+
+// setup is the real library the environment names, else the double built
+// into a new directory that cleanup removes.
+func setup(prefix string) (s Setup, cleanup func(), err error) {
+	cleanup = func() {}
+	if lib, proto, ok := Real(); ok {
+		return Setup{Library: lib, Protocol: proto}, cleanup, nil
+	}
+	if s.Dir, err = os.MkdirTemp("", prefix); err != nil {
+		return s, cleanup, err
+	}
+	dir := s.Dir
+	cleanup = func() { _ = os.RemoveAll(dir) }
+	if s.Library, err = Build(dir, "libtransfer_engine.so", false); err == nil {
+		s.Double, err = Open(s.Library)
+	}
+	return s, cleanup, err
 }
 
 // Stats are the double's process-wide counters.
