@@ -10,11 +10,8 @@
 package mooncaketest
 
 /*
-#cgo LDFLAGS: -ldl
-#include <dlfcn.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 struct mcd_stats {
 	int64_t engines_live, batches_live, batches_allocated, batches_freed, busy_frees, bad_batch_ids;
@@ -22,12 +19,6 @@ struct mcd_stats {
 	int64_t tasks_submitted, tasks_failed, bytes_landed, writes_refused;
 };
 
-static void *t_open(const char *path, char **err) {
-	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-	if (!h) { const char *e = dlerror(); *err = strdup(e ? e : "dlopen failed"); }
-	return h;
-}
-static void *t_sym(void *h, const char *name) { return dlsym(h, name); }
 static void t_fail_next(void *f, int n) { ((void (*)(int))f)(n); }
 static int t_by_name(void *f, const char *s, int v) { return ((int (*)(const char *, int))f)(s, v); }
 static int t_kill(void *f, const char *s) { return ((int (*)(const char *))f)(s); }
@@ -46,6 +37,8 @@ import (
 	"runtime"
 	"testing"
 	"unsafe"
+
+	"github.com/ecmooncake/ecmooncake/core/transport/mooncake/internal/dl"
 )
 
 // EnvLibrary names a real libtransfer_engine.so for the tests to run
@@ -162,20 +155,14 @@ type Double struct {
 
 // Open loads the double at path (the same copy the transport loads).
 func Open(path string) (*Double, error) {
-	cp := C.CString(path)
-	defer C.free(unsafe.Pointer(cp))
-	var cerr *C.char
-	h := C.t_open(cp, &cerr)
-	if h == nil {
-		defer C.free(unsafe.Pointer(cerr))
-		return nil, fmt.Errorf("mooncaketest: load %s: %s", path, C.GoString(cerr))
+	lib, err := dl.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("mooncaketest: load %s: %v", path, err)
 	}
 	d := &Double{fn: map[string]unsafe.Pointer{}}
 	for _, name := range []string{"mcd_fail_next", "mcd_set_delay_us", "mcd_kill", "mcd_stats", "mcd_raw_write"} {
-		cn := C.CString(name)
-		f := C.t_sym(h, cn)
-		C.free(unsafe.Pointer(cn))
-		if f == nil {
+		f, err := lib.Sym(name)
+		if err != nil {
 			return nil, fmt.Errorf("mooncaketest: %s lacks %s", path, name)
 		}
 		d.fn[name] = f
