@@ -52,8 +52,8 @@ func decodeHello(b []byte) (hello, error) {
 	return h, nil
 }
 
-// checkPreamble checks the first 8 bytes that hello and grant share in
-// form (magic, version, reserved bytes from reserved on) and the length.
+// checkPreamble checks what hello and grant share: their length n, and in
+// their first 8 bytes the magic, the version and, from reserved on, zeros.
 func checkPreamble(b []byte, what, magic string, n, reserved int) error {
 	switch {
 	case len(b) != n:
