@@ -47,8 +47,7 @@ type Writer struct {
 	segs  map[string]*segState // by segment name
 
 	mu       sync.Mutex
-	closed   bool
-	closing  chan struct{}
+	closing  chan struct{} // closed, under mu, when Close begins
 	inflight sync.WaitGroup
 
 	batches, tasks, bytes, failedTasks, submitErrors, leaked, reopens atomic.Uint64
@@ -97,9 +96,11 @@ func (w *Writer) Write(ctx context.Context, dest string, items []transport.Write
 		return errs
 	}
 	w.mu.Lock()
-	if w.closed {
+	select {
+	case <-w.closing:
 		w.mu.Unlock()
 		return failAll(dest, transport.ErrClosed)
+	default:
 	}
 	w.inflight.Add(1)
 	w.mu.Unlock()
@@ -226,12 +227,13 @@ func (w *Writer) markStale(name string) {
 func (w *Writer) markClosed() bool {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.closed {
+	select {
+	case <-w.closing:
 		return false
+	default:
+		close(w.closing)
+		return true
 	}
-	w.closed = true
-	close(w.closing)
-	return true
 }
 
 // Close fails writes that have not started, waits for those in flight to
