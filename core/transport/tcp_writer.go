@@ -9,7 +9,6 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"runtime/debug"
 	"sync"
 	"time"
 
@@ -461,7 +460,7 @@ func (s *slot) send(g []*chunk) {
 	defer c.end()
 	defer func() {
 		if p := recover(); p != nil {
-			s.w.log.Error("transport: panic sending frame", "dest", s.dest, "panic", p, "stack", string(debug.Stack()))
+			LogPanic(s.w.log, p, "transport: panic sending frame", "dest", s.dest)
 			if s.wc != nil {
 				s.retire(s.wc)
 			}
@@ -706,7 +705,7 @@ func (wc *wconn) resendPending() {
 func (wc *wconn) ackLoop() (err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			wc.w.log.Error("transport: panic reading acks", "panic", p, "stack", string(debug.Stack()))
+			LogPanic(wc.w.log, p, "transport: panic reading acks")
 			err = fmt.Errorf("panic reading acks: %v", p)
 		}
 	}()

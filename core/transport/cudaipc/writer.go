@@ -6,7 +6,6 @@ import (
 	"log/slog"
 	"maps"
 	"net"
-	"runtime/debug"
 	"slices"
 	"sync"
 	"time"
@@ -107,7 +106,7 @@ func (w *writer) Write(ctx context.Context, addr string, items []transport.Write
 	}
 	defer func() {
 		if r := recover(); r != nil {
-			w.log.Error("cudaipc: panic in write", "dest", addr, "panic", r, "stack", string(debug.Stack()))
+			transport.LogPanic(w.log, r, "cudaipc: panic in write", "dest", addr)
 			errs = failAll(fmt.Errorf("%w: panic: %v", transport.ErrConnLost, r))
 		}
 	}()
