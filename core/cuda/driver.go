@@ -142,9 +142,33 @@ type Device struct {
 
 	queueMu sync.Mutex // held while a batch of device copies is queued on d2x
 
-	evMu  sync.Mutex
-	done  []C.ecm_CUevent    // free events for waiting on copies
-	timed [][2]C.ecm_CUevent // free (start, done) pairs with timing enabled
+	done  freeList[C.ecm_CUevent]    // events for waiting on copies
+	timed freeList[[2]C.ecm_CUevent] // (start, done) pairs with timing enabled
+}
+
+// freeList keeps events for reuse; its zero value is empty and ready.
+type freeList[T any] struct {
+	mu   sync.Mutex
+	free []T
+}
+
+// get returns a kept value, else a new one from create.
+func (l *freeList[T]) get(create func() (T, error)) (T, error) {
+	l.mu.Lock()
+	if n := len(l.free); n > 0 {
+		v := l.free[n-1]
+		l.free = l.free[:n-1]
+		l.mu.Unlock()
+		return v, nil
+	}
+	l.mu.Unlock()
+	return create()
+}
+
+func (l *freeList[T]) put(v T) {
+	l.mu.Lock()
+	l.free = append(l.free, v)
+	l.mu.Unlock()
 }
 
 func newDevice(ordinal int) (*Device, error) {
@@ -195,37 +219,21 @@ func (d *Device) Model() string { return d.model }
 // getDone returns a free blocking-sync event; the caller holds the thread
 // with the context current.
 func (d *Device) getDone() (C.ecm_CUevent, error) {
-	d.evMu.Lock()
-	if n := len(d.done); n > 0 {
-		ev := d.done[n-1]
-		d.done = d.done[:n-1]
-		d.evMu.Unlock()
-		return ev, nil
-	}
-	d.evMu.Unlock()
-	var ev C.ecm_CUevent
-	err := check("cuEventCreate", C.ecm_cuEventCreate(&ev, C.ECM_CU_EVENT_BLOCKING_SYNC|C.ECM_CU_EVENT_DISABLE_TIMING))
-	return ev, err
-}
-
-func (d *Device) putDone(ev C.ecm_CUevent) {
-	d.evMu.Lock()
-	d.done = append(d.done, ev)
-	d.evMu.Unlock()
+	return d.done.get(func() (C.ecm_CUevent, error) {
+		var ev C.ecm_CUevent
+		err := check("cuEventCreate", C.ecm_cuEventCreate(&ev, C.ECM_CU_EVENT_BLOCKING_SYNC|C.ECM_CU_EVENT_DISABLE_TIMING))
+		return ev, err
+	})
 }
 
 // getTimed returns a free (start, done) pair of events that keep time;
 // done blocks its waiter rather than spinning. The caller holds the thread
 // with the context current.
 func (d *Device) getTimed() ([2]C.ecm_CUevent, error) {
-	d.evMu.Lock()
-	if n := len(d.timed); n > 0 {
-		p := d.timed[n-1]
-		d.timed = d.timed[:n-1]
-		d.evMu.Unlock()
-		return p, nil
-	}
-	d.evMu.Unlock()
+	return d.timed.get(newTimed)
+}
+
+func newTimed() ([2]C.ecm_CUevent, error) {
 	var p [2]C.ecm_CUevent
 	if err := check("cuEventCreate", C.ecm_cuEventCreate(&p[0], 0)); err != nil {
 		return p, err
@@ -235,12 +243,6 @@ func (d *Device) getTimed() ([2]C.ecm_CUevent, error) {
 		return p, err
 	}
 	return p, nil
-}
-
-func (d *Device) putTimed(p [2]C.ecm_CUevent) {
-	d.evMu.Lock()
-	d.timed = append(d.timed, p)
-	d.evMu.Unlock()
 }
 
 // copyErr names the failed driver call of a copy helper.
@@ -354,7 +356,7 @@ func (d *Device) CopyDeviceTimed(ops []gpu.DeviceCopy) (gpu.CopyTiming, error) {
 			C.ecm_cuEventDestroy(evs[1])
 			return copyErr(fmt.Sprintf("%s: %d device copies", d.Name(), len(ops)), failed, r)
 		}
-		d.putTimed(evs)
+		d.timed.put(evs)
 		return nil
 	})
 	if err != nil {
@@ -376,20 +378,9 @@ func (d *Device) CopyToHost(dst []byte, src uintptr, after gpu.Event) error {
 	if err != nil {
 		return err
 	}
-	return d.with(func() error {
-		done, err := d.getDone()
-		if err != nil {
-			return err
-		}
-		var failed *C.char
-		r := C.ecm_cu_copy_dtoh(d.d2x, done, ev, unsafe.Pointer(unsafe.SliceData(dst)), C.ecm_CUdeviceptr(src), C.size_t(len(dst)), &failed)
-		if r != C.ECM_CUDA_SUCCESS {
-			C.ecm_cuEventDestroy(done)
-			return copyErr(fmt.Sprintf("%s: %d bytes to host from %#x", d.Name(), len(dst), src), failed, r)
-		}
-		d.putDone(done)
-		return nil
-	})
+	return d.hostCopy(func(done C.ecm_CUevent, failed **C.char) C.ecm_CUresult {
+		return C.ecm_cu_copy_dtoh(d.d2x, done, ev, unsafe.Pointer(unsafe.SliceData(dst)), C.ecm_CUdeviceptr(src), C.size_t(len(dst)), failed)
+	}, func() string { return fmt.Sprintf("%s: %d bytes to host from %#x", d.Name(), len(dst), src) })
 }
 
 // CopyFromHost implements gpu.Device.
@@ -397,18 +388,26 @@ func (d *Device) CopyFromHost(dst uintptr, src []byte) error {
 	if len(src) == 0 {
 		return nil
 	}
+	return d.hostCopy(func(done C.ecm_CUevent, failed **C.char) C.ecm_CUresult {
+		return C.ecm_cu_copy_htod(d.h2d, done, C.ecm_CUdeviceptr(dst), unsafe.Pointer(unsafe.SliceData(src)), C.size_t(len(src)), failed)
+	}, func() string { return fmt.Sprintf("%s: %d bytes from host to %#x", d.Name(), len(src), dst) })
+}
+
+// hostCopy runs one copy between host and device that records done, an
+// event of the free list, and waits for it. A failed copy's event is
+// destroyed, as its state is unknown, and its error names what.
+func (d *Device) hostCopy(run func(done C.ecm_CUevent, failed **C.char) C.ecm_CUresult, what func() string) error {
 	return d.with(func() error {
 		done, err := d.getDone()
 		if err != nil {
 			return err
 		}
 		var failed *C.char
-		r := C.ecm_cu_copy_htod(d.h2d, done, C.ecm_CUdeviceptr(dst), unsafe.Pointer(unsafe.SliceData(src)), C.size_t(len(src)), &failed)
-		if r != C.ECM_CUDA_SUCCESS {
+		if r := run(done, &failed); r != C.ECM_CUDA_SUCCESS {
 			C.ecm_cuEventDestroy(done)
-			return copyErr(fmt.Sprintf("%s: %d bytes from host to %#x", d.Name(), len(src), dst), failed, r)
+			return copyErr(what(), failed, r)
 		}
-		d.putDone(done)
+		d.done.put(done)
 		return nil
 	})
 }

@@ -72,16 +72,10 @@ func pattern(n int, seed byte) []byte {
 func TestCopiesRoundTrip(t *testing.T) {
 	dev := gpuDevice(t)
 	const n = 3<<20 + 123
-	a, err := dev.memAlloc(2 * n)
-	require.NoError(t, err)
-	defer dev.memFree(a)
-	b, err := dev.memAlloc(n)
-	require.NoError(t, err)
-	defer dev.memFree(b)
+	a := devMem(t, dev, 2*n)
+	b := devMem(t, dev, n)
 
-	pinned, err := dev.AllocHost(n)
-	require.NoError(t, err)
-	defer pinned.Free()
+	pinned := pinnedMem(t, dev, n)
 	want := pattern(n, 3)
 	copy(pinned.Bytes(), want)
 	// Into the second half of a, from page-locked memory; then a plain Go
@@ -99,15 +93,11 @@ func TestCopiesRoundTrip(t *testing.T) {
 func TestCheckAndExport(t *testing.T) {
 	dev := gpuDevice(t)
 	const n = 4 << 20
-	a, err := dev.memAlloc(n)
-	require.NoError(t, err)
-	defer dev.memFree(a)
+	a := devMem(t, dev, n)
 
 	require.NoError(t, dev.CheckDevice(a+4096, n-4096))
 	require.ErrorContains(t, dev.CheckDevice(a+4096, n), "runs past its allocation")
-	pinned, err := dev.AllocHost(4096)
-	require.NoError(t, err)
-	defer pinned.Free()
+	pinned := pinnedMem(t, dev, 4096)
 	require.Error(t, dev.CheckDevice(hostAddr(pinned.Bytes()), 4096), "page-locked host memory is not device memory")
 
 	whole, err := dev.ExportIPC(a, n)
@@ -117,6 +107,24 @@ func TestCheckAndExport(t *testing.T) {
 	require.Equal(t, uint64(0), whole.Offset)
 	require.Equal(t, uint64(1<<20), inner.Offset, "an interior pointer exports its allocation plus an offset")
 	require.Equal(t, whole.Handle, inner.Handle)
+}
+
+// devMem is n bytes of device memory, freed when t ends.
+func devMem(t testing.TB, dev *Device, n int) uintptr {
+	t.Helper()
+	a, err := dev.memAlloc(n)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = dev.memFree(a) })
+	return a
+}
+
+// pinnedMem is n bytes of page-locked host memory, freed when t ends.
+func pinnedMem(t testing.TB, dev *Device, n int) gpu.HostMem {
+	t.Helper()
+	h, err := dev.AllocHost(n)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = h.Free() })
+	return h
 }
 
 // hostAddr is the address of host memory as the driver sees it.
@@ -130,15 +138,9 @@ func benchCopy(b *testing.B, n int, copyOnce func(dev *Device, dst, src uintptr,
 	}
 	dev, err := drv.device(0)
 	require.NoError(b, err)
-	src, err := dev.memAlloc(n)
-	require.NoError(b, err)
-	defer dev.memFree(src)
-	dst, err := dev.memAlloc(n)
-	require.NoError(b, err)
-	defer dev.memFree(dst)
-	host, err := dev.AllocHost(n)
-	require.NoError(b, err)
-	defer host.Free()
+	src := devMem(b, dev, n)
+	dst := devMem(b, dev, n)
+	host := pinnedMem(b, dev, n)
 	require.NoError(b, copyOnce(dev, dst, src, host.Bytes()))
 	b.SetBytes(int64(n))
 	b.ResetTimer()
@@ -188,12 +190,8 @@ func BenchmarkRecordEventAndCheck(b *testing.B) {
 func TestTimedCopyReportsTheGPUsTime(t *testing.T) {
 	dev := gpuDevice(t)
 	const n = 64 << 20
-	a, err := dev.memAlloc(n)
-	require.NoError(t, err)
-	defer dev.memFree(a)
-	b, err := dev.memAlloc(n)
-	require.NoError(t, err)
-	defer dev.memFree(b)
+	a := devMem(t, dev, n)
+	b := devMem(t, dev, n)
 	for range 3 {
 		tm, err := dev.CopyDeviceTimed([]gpu.DeviceCopy{{Dst: b, Src: a, N: n / 2}, {Dst: b + n/2, Src: a + n/2, N: n / 2}})
 		require.NoError(t, err)

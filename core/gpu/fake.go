@@ -106,31 +106,38 @@ func (h *FakeHost) FailNextOpens(errs ...error) {
 }
 
 // OpenMappings counts IPC mappings not closed yet.
-func (h *FakeHost) OpenMappings() int {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.mappings
-}
+func (h *FakeHost) OpenMappings() int { return h.read(&h.mappings) }
 
 // OpenEvents counts events recorded and not closed yet.
-func (h *FakeHost) OpenEvents() int {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.events
-}
+func (h *FakeHost) OpenEvents() int { return h.read(&h.events) }
 
 // HostBuffers counts page-locked buffers allocated and not freed.
-func (h *FakeHost) HostBuffers() int {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.hostBufs
-}
+func (h *FakeHost) HostBuffers() int { return h.read(&h.hostBufs) }
 
 // Copies counts copies performed.
-func (h *FakeHost) Copies() int {
+func (h *FakeHost) Copies() int { return h.read(&h.copies) }
+
+// release marks a handle released and takes it off counter, under h.mu,
+// then runs also (when not nil); releasing it again is an error.
+func (h *FakeHost) release(done *bool, counter *int, what string, also func()) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.copies
+	if *done {
+		return fmt.Errorf("gpu: fake %s twice", what)
+	}
+	*done = true
+	*counter--
+	if also != nil {
+		also()
+	}
+	return nil
+}
+
+// read returns one of h's counters, read under h.mu.
+func (h *FakeHost) read(counter *int) int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return *counter
 }
 
 func (h *FakeHost) addLocked(mem []byte, dev int, alias bool) *fakeAlloc {
@@ -221,14 +228,7 @@ func (e *fakeEvent) wait() {
 }
 
 func (e *fakeEvent) Close() error {
-	e.h.mu.Lock()
-	defer e.h.mu.Unlock()
-	if e.closed {
-		return errors.New("gpu: fake event closed twice")
-	}
-	e.closed = true
-	e.h.events--
-	return nil
+	return e.h.release(&e.closed, &e.h.events, "event closed", nil)
 }
 
 type fakeHostMem struct {
@@ -240,14 +240,7 @@ type fakeHostMem struct {
 func (m *fakeHostMem) Bytes() []byte { return m.a.mem }
 
 func (m *fakeHostMem) Free() error {
-	m.h.mu.Lock()
-	defer m.h.mu.Unlock()
-	if m.freed {
-		return errors.New("gpu: fake host memory freed twice")
-	}
-	m.freed, m.a.freed = true, true
-	m.h.hostBufs--
-	return nil
+	return m.h.release(&m.freed, &m.h.hostBufs, "host memory freed", func() { m.a.freed = true })
 }
 
 type fakeMapping struct {
@@ -259,18 +252,9 @@ type fakeMapping struct {
 func (m *fakeMapping) Addr() uintptr { return m.a.base }
 
 func (m *fakeMapping) Close() error {
-	m.h.mu.Lock()
-	defer m.h.mu.Unlock()
-	if m.closed {
-		return errors.New("gpu: fake mapping closed twice")
-	}
-	m.closed = true
-	m.h.mappings--
 	// The alias stays in the table, marked dead, so that a copy through a
 	// closed mapping fails instead of landing somewhere.
-	m.a.freed = true
-	m.a.alias = false
-	return nil
+	return m.h.release(&m.closed, &m.h.mappings, "mapping closed", func() { m.a.freed, m.a.alias = true, false })
 }
 
 type fakeDevice struct {
@@ -359,25 +343,26 @@ func (d *fakeDevice) CopyToHost(dst []byte, src uintptr, after Event) error {
 	if err := waitAfter(after); err != nil {
 		return err
 	}
-	return d.copy(func() error {
-		_, s, err := d.h.resolveLocked("copy source", src, uint64(len(dst)))
-		if err != nil {
-			return err
-		}
-		copy(dst, s)
-		return nil
-	})
+	return d.copy(func() error { return d.h.moveLocked("copy source", src, dst, false) })
 }
 
 func (d *fakeDevice) CopyFromHost(dst uintptr, src []byte) error {
-	return d.copy(func() error {
-		_, t, err := d.h.resolveLocked("copy destination", dst, uint64(len(src)))
-		if err != nil {
-			return err
-		}
-		copy(t, src)
-		return nil
-	})
+	return d.copy(func() error { return d.h.moveLocked("copy destination", dst, src, true) })
+}
+
+// moveLocked copies host bytes to the fake memory at addr (toFake) or from
+// it; what names addr's side in errors.
+func (h *FakeHost) moveLocked(what string, addr uintptr, host []byte, toFake bool) error {
+	_, mem, err := h.resolveLocked(what, addr, uint64(len(host)))
+	if err != nil {
+		return err
+	}
+	if toFake {
+		copy(mem, host)
+	} else {
+		copy(host, mem)
+	}
+	return nil
 }
 
 func (d *fakeDevice) copy(f func() error) error {

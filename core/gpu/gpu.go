@@ -126,6 +126,15 @@ func (u Unavailable) Device(ordinal int) (Device, error) {
 	return nil, fmt.Errorf("gpu: %s: %w", Name(ordinal), u.Err)
 }
 
+// Configured is devs, or when that is nil an Unavailable saying that
+// nothing configured devices for what.
+func Configured(devs Devices, what string) Devices {
+	if devs == nil {
+		return Unavailable{Err: errors.New("no GPU devices configured for " + what)}
+	}
+	return devs
+}
+
 // Share turns one event into n handles, so that n sources produced by the
 // same stream wait on one recorded event; each handle closes once, and ev
 // is closed with the last of them.

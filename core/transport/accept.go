@@ -69,7 +69,7 @@ func (a Acceptor[C]) closing() bool {
 func (a Acceptor[C]) acceptOne() (c C, ok bool, err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			a.Log.Error("transport: panic in accept", "panic", p, "stack", string(debug.Stack()))
+			LogPanic(a.Log, p, "transport: panic in accept")
 			if ok {
 				_ = c.Close()
 			}
@@ -171,6 +171,13 @@ func (s *Conns[C]) Close() {
 
 // Wait waits until every goroutine started by Go and Admit has returned.
 func (s *Conns[C]) Wait() { s.wg.Wait() }
+
+// LogPanic logs p, what recover returned in a goroutine of a data plane,
+// at Error with the stack: a panic serving one peer costs that peer's
+// work and a log line, not the process.
+func LogPanic(log *slog.Logger, p any, msg string, args ...any) {
+	log.Error(msg, append(args, "panic", p, "stack", string(debug.Stack()))...)
+}
 
 // Counts are counters by reason, safe for concurrent use: the Rejected
 // and Closed maps of RecvStats. The zero value is ready.

@@ -76,6 +76,16 @@ type AddrChecker interface {
 	CheckAddr(addr string) error
 }
 
+// CheckParsed is the CheckAddr of a transport whose addresses parse into
+// a P that check judges: the check its writer runs again before each write.
+func CheckParsed[P any](addr string, parse func(string) (P, error), check func(P) error) error {
+	p, err := parse(addr)
+	if err != nil {
+		return err
+	}
+	return check(p)
+}
+
 // PlaceInSlab is where the bytes of it land, as an offset into the slab
 // of size bytes at base, after the bounds checks a one-sided writer owes
 // the rule that a write lands only inside its reservation: inside the

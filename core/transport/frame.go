@@ -94,15 +94,21 @@ type Ack struct {
 
 // AppendAck appends a's wire form to b, truncating Msg to MaxAckMsg bytes.
 func AppendAck(b []byte, a Ack) []byte {
-	msg := a.Msg
-	if len(msg) > MaxAckMsg {
-		msg = msg[:MaxAckMsg]
-	}
+	msg := ClipMsg(a.Msg, MaxAckMsg)
 	b = append(b, ackMagic...)
 	b = binary.LittleEndian.AppendUint64(b, a.Seq)
 	b = binary.LittleEndian.AppendUint16(b, uint16(a.Status))
 	b = binary.LittleEndian.AppendUint16(b, uint16(len(msg)))
 	return append(b, msg...)
+}
+
+// ClipMsg is msg cut to at most max bytes, the room a wire message gives
+// an error's text.
+func ClipMsg(msg string, max int) string {
+	if len(msg) > max {
+		return msg[:max]
+	}
+	return msg
 }
 
 // DecodeAck decodes the ack at the start of b; b must hold its message too.

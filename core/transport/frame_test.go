@@ -26,16 +26,8 @@ func TestHeaderRoundTrip(t *testing.T) {
 
 func TestDecodeHeaderRefuses(t *testing.T) {
 	good := AppendHeader(nil, sampleHeader())
-	with := func(f func(b []byte)) []byte {
-		b := bytes.Clone(good)
-		f(b)
-		return b
-	}
-	cases := []struct {
-		name string
-		b    []byte
-		want string
-	}{
+	with := func(f func(b []byte)) []byte { return mutated(good, f) }
+	requireRefuses(t, DecodeHeader, []refusal{
 		{"empty", nil, "0 of 56 bytes"},
 		{"short", good[:HeaderLen-1], "55 of 56 bytes"},
 		{"bad magic", with(func(b []byte) { b[0] = 'X' }), "magic"},
@@ -47,10 +39,29 @@ func TestDecodeHeaderRefuses(t *testing.T) {
 		{"reserved high", with(func(b []byte) { b[7] = 1 }), "reserved"},
 		{"length over MaxFrame", with(func(b []byte) { binary.LittleEndian.PutUint64(b[48:], MaxFrame+1) }), "length"},
 		{"length huge", with(func(b []byte) { binary.LittleEndian.PutUint64(b[48:], ^uint64(0)) }), "length"},
-	}
+	})
+}
+
+// mutated is a copy of b changed by f.
+func mutated(b []byte, f func(b []byte)) []byte {
+	b = bytes.Clone(b)
+	f(b)
+	return b
+}
+
+// refusal is bytes a decoder must refuse with ErrBadFrame, and what the
+// error must say.
+type refusal struct {
+	name string
+	b    []byte
+	want string
+}
+
+func requireRefuses[T any](t *testing.T, decode func([]byte) (T, error), cases []refusal) {
+	t.Helper()
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			_, err := DecodeHeader(c.b)
+			_, err := decode(c.b)
 			require.ErrorIs(t, err, ErrBadFrame)
 			require.Contains(t, err.Error(), c.want)
 		})
@@ -83,24 +94,13 @@ func TestDecodeAckRefuses(t *testing.T) {
 	long := AppendAck(nil, Ack{Seq: 9})
 	binary.LittleEndian.PutUint16(long[14:], MaxAckMsg+1)
 	long = append(long, make([]byte, MaxAckMsg+1)...)
-	cases := []struct {
-		name string
-		b    []byte
-		want string
-	}{
+	requireRefuses(t, DecodeAck, []refusal{
 		{"empty", nil, "0 of 16 bytes"},
 		{"short head", good[:AckHeaderLen-1], "15 of 16"},
 		{"short message", good[:len(good)-1], "message 3 of 4"},
 		{"frame magic", append([]byte(frameMagic), good[4:]...), "magic"},
 		{"message length over max", long, "message length"},
-	}
-	for _, c := range cases {
-		t.Run(c.name, func(t *testing.T) {
-			_, err := DecodeAck(c.b)
-			require.ErrorIs(t, err, ErrBadFrame)
-			require.Contains(t, err.Error(), c.want)
-		})
-	}
+	})
 }
 
 func FuzzDecodeHeader(f *testing.F) {

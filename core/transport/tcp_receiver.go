@@ -6,7 +6,6 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"runtime/debug"
 	"sync"
 	"time"
 
@@ -199,7 +198,7 @@ func (r *tcpReceiver) serve(rc *rconn) {
 	c := rc.c
 	defer func() {
 		if p := recover(); p != nil {
-			r.log.Error("transport: panic serving connection", "peer", rc.peer, "panic", p, "stack", string(debug.Stack()))
+			LogPanic(r.log, p, "transport: panic serving connection", "peer", rc.peer)
 		}
 		rc.endOpen(false)
 		// Frames that landed before whatever ends the connection are
@@ -301,7 +300,7 @@ func (rc *rconn) endOpen(ok bool) (settled bool, failed error) {
 	rc.open = false
 	defer func() {
 		if p := recover(); p != nil {
-			rc.r.log.Error("transport: panic in sink EndWrite", "res", rc.openRes, "panic", p, "stack", string(debug.Stack()))
+			LogPanic(rc.r.log, p, "transport: panic in sink EndWrite", "res", rc.openRes)
 			settled = false
 		}
 	}()

@@ -120,11 +120,7 @@ func TestTCPGarbageClosesOnlyThatConnection(t *testing.T) {
 	check(1)
 
 	good := AppendHeader(nil, Header{Res: res, Token: tok, Length: 1})
-	mutate := func(f func(b []byte)) []byte {
-		b := bytes.Clone(good)
-		f(b)
-		return b
-	}
+	mutate := func(f func(b []byte)) []byte { return mutated(good, f) }
 	cases := []struct {
 		name string
 		b    []byte

@@ -9,7 +9,6 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"runtime/debug"
 	"sync"
 	"time"
 
@@ -461,7 +460,7 @@ func (s *slot) send(g []*chunk) {
 	defer c.end()
 	defer func() {
 		if p := recover(); p != nil {
-			s.w.log.Error("transport: panic sending frame", "dest", s.dest, "panic", p, "stack", string(debug.Stack()))
+			LogPanic(s.w.log, p, "transport: panic sending frame", "dest", s.dest)
 			if s.wc != nil {
 				s.retire(s.wc)
 			}
@@ -616,14 +615,20 @@ func (wc *wconn) take(seq uint64) *chunk {
 }
 
 func (wc *wconn) failAll(err error) {
+	for _, ch := range wc.takePending() {
+		ch.settle(err)
+	}
+}
+
+// takePending marks the connection dead, so that no chunk joins the
+// pending ones any more, and returns them.
+func (wc *wconn) takePending() map[uint64]*chunk {
 	wc.mu.Lock()
+	defer wc.mu.Unlock()
 	wc.dead = true
 	pending := wc.pending
 	wc.pending = make(map[uint64]*chunk)
-	wc.mu.Unlock()
-	for _, ch := range pending {
-		ch.settle(err)
-	}
+	return pending
 }
 
 // writeFrames writes headers and payloads in one writev, straight from the
@@ -686,12 +691,7 @@ var errGoodbye = errors.New("receiver closed the connection (goodbye)")
 // resendPending hands the chunks the receiver never began back to the
 // slot, which sends them on a new connection.
 func (wc *wconn) resendPending() {
-	wc.mu.Lock()
-	wc.dead = true
-	pending := wc.pending
-	wc.pending = make(map[uint64]*chunk)
-	wc.mu.Unlock()
-	for _, ch := range pending {
+	for _, ch := range wc.takePending() {
 		if ch.resent.Swap(true) {
 			ch.settle(wc.w.lost(errGoodbye))
 			continue
@@ -705,7 +705,7 @@ func (wc *wconn) resendPending() {
 func (wc *wconn) ackLoop() (err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			wc.w.log.Error("transport: panic reading acks", "panic", p, "stack", string(debug.Stack()))
+			LogPanic(wc.w.log, p, "transport: panic reading acks")
 			err = fmt.Errorf("panic reading acks: %v", p)
 		}
 	}()

@@ -112,10 +112,10 @@ var (
 // specific reasons wrap it too, so callers can test either.
 var (
 	ErrRejected    = errors.New("rejected by receiver")
-	ErrBadToken    = fmt.Errorf("%w: bad token", ErrRejected)
-	ErrUnknownRes  = fmt.Errorf("%w: unknown reservation", ErrRejected)
-	ErrOutOfBounds = fmt.Errorf("%w: outside the reservation", ErrRejected)
-	ErrGone        = fmt.Errorf("%w: reservation gone", ErrRejected)
+	ErrBadToken    = rejection("bad token")
+	ErrUnknownRes  = rejection("unknown reservation")
+	ErrOutOfBounds = rejection("outside the reservation")
+	ErrGone        = rejection("reservation gone")
 
 	// ErrConnLost: the path to the receiver broke before the frame was
 	// acknowledged. Part of the item may have landed; the sink saw
@@ -159,57 +159,64 @@ const (
 	StatusClosing
 )
 
+// statusNames are the reason names used as the keys of RecvStats.Rejected.
+var statusNames = [...]string{
+	StatusOK:          "ok",
+	StatusOther:       "other",
+	StatusBadToken:    "bad_token",
+	StatusUnknownRes:  "unknown_res",
+	StatusOutOfBounds: "out_of_bounds",
+	StatusGone:        "gone",
+	StatusClosing:     "closing",
+}
+
 // String returns the reason name used as the key of RecvStats.Rejected.
 func (s Status) String() string {
-	switch s {
-	case StatusOK:
-		return "ok"
-	case StatusOther:
-		return "other"
-	case StatusBadToken:
-		return "bad_token"
-	case StatusUnknownRes:
-		return "unknown_res"
-	case StatusOutOfBounds:
-		return "out_of_bounds"
-	case StatusGone:
-		return "gone"
-	case StatusClosing:
-		return "closing"
+	if int(s) < len(statusNames) {
+		return statusNames[s]
 	}
 	return fmt.Sprintf("status_%d", uint16(s))
 }
 
+// rejection is the error of one reason a receiver refuses a frame for; it
+// wraps ErrRejected.
+func rejection(reason string) error { return fmt.Errorf("%w: %s", ErrRejected, reason) }
+
+// statusErrs are the refusals that cross the wire by name, as a status:
+// statusOf looks a sink's error up here, and errOf gives it back to the
+// writer.
+var statusErrs = []struct {
+	s   Status
+	err error
+}{
+	{StatusBadToken, ErrBadToken},
+	{StatusUnknownRes, ErrUnknownRes},
+	{StatusOutOfBounds, ErrOutOfBounds},
+	{StatusGone, ErrGone},
+}
+
 // statusOf classifies a refusal returned by a Sink.
 func statusOf(err error) Status {
-	switch {
-	case err == nil:
+	if err == nil {
 		return StatusOK
-	case errors.Is(err, ErrBadToken):
-		return StatusBadToken
-	case errors.Is(err, ErrUnknownRes):
-		return StatusUnknownRes
-	case errors.Is(err, ErrOutOfBounds):
-		return StatusOutOfBounds
-	case errors.Is(err, ErrGone):
-		return StatusGone
+	}
+	for _, e := range statusErrs {
+		if errors.Is(err, e.err) {
+			return e.s
+		}
 	}
 	return StatusOther
 }
 
 // errOf is the inverse of statusOf on the writer's side of the wire.
 func errOf(s Status) error {
-	switch s {
-	case StatusOK:
+	if s == StatusOK {
 		return nil
-	case StatusBadToken:
-		return ErrBadToken
-	case StatusUnknownRes:
-		return ErrUnknownRes
-	case StatusOutOfBounds:
-		return ErrOutOfBounds
-	case StatusGone:
-		return ErrGone
+	}
+	for _, e := range statusErrs {
+		if e.s == s {
+			return e.err
+		}
 	}
 	return ErrRejected
 }

@@ -35,6 +35,17 @@ func transports() []harness {
 	}
 }
 
+// eachTransport runs body as a subtest for each transport, with a
+// receiver of it in front of a sink of sinkBytes.
+func eachTransport(t *testing.T, sinkBytes int, body func(t *testing.T, h harness, sink *memSink, r Receiver)) {
+	for _, h := range transports() {
+		t.Run(h.name, func(t *testing.T) {
+			sink := newMemSink(sinkBytes)
+			body(t, h, sink, listen(t, h.tr, h.addr, sink))
+		})
+	}
+}
+
 func listen(t testing.TB, tr Transport, addr string, sink Sink) Receiver {
 	t.Helper()
 	r, err := tr.Listen(addr, sink)
@@ -69,198 +80,170 @@ func requireLanded(t testing.TB, sink *memSink, items []WriteItem, errs []error)
 
 func TestRoundTripSizes(t *testing.T) {
 	sizes := []int{1, 100, 4096, 64<<10 + 3, 1 << 20, DefaultChunkSize, DefaultChunkSize + 1, 32_000_000, 64 << 20}
-	for _, h := range transports() {
-		t.Run(h.name, func(t *testing.T) {
-			sink := newMemSink(120 << 20)
-			r := listen(t, h.tr, h.addr, sink)
-			w := newWriter(t, h.tr)
-			var frames uint64
-			var total uint64
-			for i, n := range sizes {
-				t.Run(fmt.Sprint(n), func(t *testing.T) {
-					res, tok := sink.reserve(t, n)
-					it := WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), n)}
-					errs := write(t, w, r.Addr(), it)
-					requireLanded(t, sink, []WriteItem{it}, errs)
-					want := len(split(n, DefaultChunkSize))
-					ends := sink.endsOf(res)
-					require.Len(t, ends, want, "one EndWrite per frame")
-					require.NotContains(t, ends, false)
-					frames += uint64(want)
-					total += uint64(n)
-				})
-			}
-			st := r.Stats()
-			require.Equal(t, frames, st.Frames)
-			require.Equal(t, total, st.Bytes)
-			require.Empty(t, st.Rejected)
-		})
-	}
+	eachTransport(t, 120<<20, func(t *testing.T, h harness, sink *memSink, r Receiver) {
+		w := newWriter(t, h.tr)
+		var frames uint64
+		var total uint64
+		for i, n := range sizes {
+			t.Run(fmt.Sprint(n), func(t *testing.T) {
+				res, tok := sink.reserve(t, n)
+				it := WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), n)}
+				errs := write(t, w, r.Addr(), it)
+				requireLanded(t, sink, []WriteItem{it}, errs)
+				want := len(split(n, DefaultChunkSize))
+				ends := sink.endsOf(res)
+				require.Len(t, ends, want, "one EndWrite per frame")
+				require.NotContains(t, ends, false)
+				frames += uint64(want)
+				total += uint64(n)
+			})
+		}
+		st := r.Stats()
+		require.Equal(t, frames, st.Frames)
+		require.Equal(t, total, st.Bytes)
+		require.Empty(t, st.Rejected)
+	})
 }
 
 func TestManyItemsPerBatch(t *testing.T) {
-	for _, h := range transports() {
-		t.Run(h.name, func(t *testing.T) {
-			sink := newMemSink(64 << 20)
-			r := listen(t, h.tr, h.addr, sink)
-			w := newWriter(t, h.tr)
-			rng := rand.New(rand.NewPCG(1, 2))
-			var items []WriteItem
-			for i := range 300 {
-				n := rng.IntN(20_000)
-				if i%100 == 7 {
-					n = DefaultChunkSize + rng.IntN(1<<20)
-				}
-				res, tok := sink.reserve(t, n)
-				items = append(items, WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), n)})
+	eachTransport(t, 64<<20, func(t *testing.T, h harness, sink *memSink, r Receiver) {
+		w := newWriter(t, h.tr)
+		rng := rand.New(rand.NewPCG(1, 2))
+		var items []WriteItem
+		for i := range 300 {
+			n := rng.IntN(20_000)
+			if i%100 == 7 {
+				n = DefaultChunkSize + rng.IntN(1<<20)
 			}
-			requireLanded(t, sink, items, write(t, w, r.Addr(), items...))
-		})
-	}
+			res, tok := sink.reserve(t, n)
+			items = append(items, WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), n)})
+		}
+		requireLanded(t, sink, items, write(t, w, r.Addr(), items...))
+	})
 }
 
 func TestConcurrentWriters(t *testing.T) {
 	const writers, batches, perBatch = 6, 4, 8
-	for _, h := range transports() {
-		t.Run(h.name, func(t *testing.T) {
-			sink := newMemSink(200 << 20)
-			r := listen(t, h.tr, h.addr, sink)
-			batchItems := make([][][]WriteItem, writers)
-			for wi := range writers {
-				for b := range batches {
-					var items []WriteItem
-					for k := range perBatch {
-						n := 1 + (wi*7919+b*104729+k*31)%(256<<10)
-						if k == 0 && b == 0 {
-							n = DefaultChunkSize + 12345
-						}
-						res, tok := sink.reserve(t, n)
-						items = append(items, WriteItem{Res: res, Token: tok, Src: randBytes(uint64(res), n)})
+	eachTransport(t, 200<<20, func(t *testing.T, h harness, sink *memSink, r Receiver) {
+		batchItems := make([][][]WriteItem, writers)
+		for wi := range writers {
+			for b := range batches {
+				var items []WriteItem
+				for k := range perBatch {
+					n := 1 + (wi*7919+b*104729+k*31)%(256<<10)
+					if k == 0 && b == 0 {
+						n = DefaultChunkSize + 12345
 					}
-					batchItems[wi] = append(batchItems[wi], items)
+					res, tok := sink.reserve(t, n)
+					items = append(items, WriteItem{Res: res, Token: tok, Src: randBytes(uint64(res), n)})
 				}
+				batchItems[wi] = append(batchItems[wi], items)
 			}
-			var wg sync.WaitGroup
-			results := make([][][]error, writers)
-			for wi := range writers {
-				w := newWriter(t, h.tr)
-				wg.Go(func() {
-					for _, items := range batchItems[wi] {
-						ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
-						results[wi] = append(results[wi], w.Write(ctx, r.Addr(), items))
-						cancel()
-					}
-				})
-			}
-			wg.Wait()
-			for wi := range writers {
-				for b, items := range batchItems[wi] {
-					requireLanded(t, sink, items, results[wi][b])
+		}
+		var wg sync.WaitGroup
+		results := make([][][]error, writers)
+		for wi := range writers {
+			w := newWriter(t, h.tr)
+			wg.Go(func() {
+				for _, items := range batchItems[wi] {
+					ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+					results[wi] = append(results[wi], w.Write(ctx, r.Addr(), items))
+					cancel()
 				}
+			})
+		}
+		wg.Wait()
+		for wi := range writers {
+			for b, items := range batchItems[wi] {
+				requireLanded(t, sink, items, results[wi][b])
 			}
-		})
-	}
+		}
+	})
 }
 
 func TestRejectionsArePerItem(t *testing.T) {
-	for _, h := range transports() {
-		t.Run(h.name, func(t *testing.T) {
-			sink := newMemSink(1 << 20)
-			r := listen(t, h.tr, h.addr, sink)
-			w := newWriter(t, h.tr)
-			good, goodTok := sink.reserve(t, 1000)
-			small, smallTok := sink.reserve(t, 1000)
-			gone, goneTok := sink.reserve(t, 1000)
-			sink.markGone(gone)
-			var wrongTok ids.Token
-			wrongTok[0] = 1
+	eachTransport(t, 1<<20, func(t *testing.T, h harness, sink *memSink, r Receiver) {
+		w := newWriter(t, h.tr)
+		good, goodTok := sink.reserve(t, 1000)
+		small, smallTok := sink.reserve(t, 1000)
+		gone, goneTok := sink.reserve(t, 1000)
+		sink.markGone(gone)
+		var wrongTok ids.Token
+		wrongTok[0] = 1
 
-			cases := []struct {
-				name string
-				item WriteItem
-				want error
-			}{
-				{"good", WriteItem{Res: good, Token: goodTok, Src: randBytes(1, 1000)}, nil},
-				{"bad token", WriteItem{Res: good, Token: wrongTok, Src: randBytes(2, 10)}, ErrBadToken},
-				{"unknown res", WriteItem{Res: ids.ResID(9999), Token: goodTok, Src: randBytes(3, 10)}, ErrUnknownRes},
-				{"larger than reservation", WriteItem{Res: small, Token: smallTok, Src: randBytes(4, 1001)}, ErrOutOfBounds},
-				{"chunked, larger than reservation", WriteItem{Res: small, Token: smallTok, Src: randBytes(5, DefaultChunkSize+1)}, ErrOutOfBounds},
-				{"sink says gone", WriteItem{Res: gone, Token: goneTok, Src: randBytes(6, 10)}, ErrGone},
-				{"good after refusals", WriteItem{Res: small, Token: smallTok, Src: randBytes(7, 1000)}, nil},
+		cases := []struct {
+			name string
+			item WriteItem
+			want error
+		}{
+			{"good", WriteItem{Res: good, Token: goodTok, Src: randBytes(1, 1000)}, nil},
+			{"bad token", WriteItem{Res: good, Token: wrongTok, Src: randBytes(2, 10)}, ErrBadToken},
+			{"unknown res", WriteItem{Res: ids.ResID(9999), Token: goodTok, Src: randBytes(3, 10)}, ErrUnknownRes},
+			{"larger than reservation", WriteItem{Res: small, Token: smallTok, Src: randBytes(4, 1001)}, ErrOutOfBounds},
+			{"chunked, larger than reservation", WriteItem{Res: small, Token: smallTok, Src: randBytes(5, DefaultChunkSize+1)}, ErrOutOfBounds},
+			{"sink says gone", WriteItem{Res: gone, Token: goneTok, Src: randBytes(6, 10)}, ErrGone},
+			{"good after refusals", WriteItem{Res: small, Token: smallTok, Src: randBytes(7, 1000)}, nil},
+		}
+		items := make([]WriteItem, len(cases))
+		for i, c := range cases {
+			items[i] = c.item
+		}
+		errs := write(t, w, r.Addr(), items...)
+		for i, c := range cases {
+			if c.want == nil {
+				require.NoError(t, errs[i], c.name)
+				require.True(t, bytes.Equal(c.item.Src, sink.region(c.item.Res)), c.name)
+				continue
 			}
-			items := make([]WriteItem, len(cases))
-			for i, c := range cases {
-				items[i] = c.item
-			}
-			errs := write(t, w, r.Addr(), items...)
-			for i, c := range cases {
-				if c.want == nil {
-					require.NoError(t, errs[i], c.name)
-					require.True(t, bytes.Equal(c.item.Src, sink.region(c.item.Res)), c.name)
-					continue
-				}
-				require.ErrorIs(t, errs[i], c.want, c.name)
-				require.ErrorIs(t, errs[i], ErrRejected, c.name)
-				require.Contains(t, errs[i].Error(), r.Addr(), "%s: error names the destination", c.name)
-			}
-			require.Equal(t, map[string]uint64{"bad_token": 1, "unknown_res": 1, "out_of_bounds": 3, "gone": 1}, r.Stats().Rejected)
+			require.ErrorIs(t, errs[i], c.want, c.name)
+			require.ErrorIs(t, errs[i], ErrRejected, c.name)
+			require.Contains(t, errs[i].Error(), r.Addr(), "%s: error names the destination", c.name)
+		}
+		require.Equal(t, map[string]uint64{"bad_token": 1, "unknown_res": 1, "out_of_bounds": 3, "gone": 1}, r.Stats().Rejected)
 
-			// The path stays usable after refusals.
-			again := WriteItem{Res: good, Token: goodTok, Src: randBytes(8, 1000)}
-			requireLanded(t, sink, []WriteItem{again}, write(t, w, r.Addr(), again))
-			require.Zero(t, r.Stats().BadConns)
-		})
-	}
+		// The path stays usable after refusals.
+		again := WriteItem{Res: good, Token: goodTok, Src: randBytes(8, 1000)}
+		requireLanded(t, sink, []WriteItem{again}, write(t, w, r.Addr(), again))
+		require.Zero(t, r.Stats().BadConns)
+	})
 }
 
 func TestWriteAfterClose(t *testing.T) {
-	for _, h := range transports() {
-		t.Run(h.name, func(t *testing.T) {
-			sink := newMemSink(1 << 10)
-			r := listen(t, h.tr, h.addr, sink)
-			res, tok := sink.reserve(t, 10)
-			w := h.tr.NewWriter()
-			require.NoError(t, w.Close())
-			require.NoError(t, w.Close(), "Close is idempotent")
-			errs := write(t, w, r.Addr(), WriteItem{Res: res, Token: tok, Src: make([]byte, 10)})
-			require.ErrorIs(t, errs[0], ErrClosed)
-			require.Zero(t, sink.beginCount())
-		})
-	}
+	eachTransport(t, 1<<10, func(t *testing.T, h harness, sink *memSink, r Receiver) {
+		res, tok := sink.reserve(t, 10)
+		w := h.tr.NewWriter()
+		require.NoError(t, w.Close())
+		require.NoError(t, w.Close(), "Close is idempotent")
+		errs := write(t, w, r.Addr(), WriteItem{Res: res, Token: tok, Src: make([]byte, 10)})
+		require.ErrorIs(t, errs[0], ErrClosed)
+		require.Zero(t, sink.beginCount())
+	})
 }
 
 func TestWriteToNobody(t *testing.T) {
-	for _, h := range transports() {
-		t.Run(h.name, func(t *testing.T) {
-			sink := newMemSink(1 << 10)
-			r := listen(t, h.tr, h.addr, sink)
-			dest := r.Addr()
-			require.NoError(t, r.Close())
-			w := newWriter(t, h.tr)
-			errs := write(t, w, dest, WriteItem{Res: 1, Token: ids.Token{1}, Src: make([]byte, 10)}, WriteItem{Res: 2, Token: ids.Token{1}, Src: nil})
-			for _, err := range errs {
-				require.ErrorIs(t, err, ErrUnreachable)
-				require.Contains(t, err.Error(), dest)
-			}
-		})
-	}
+	eachTransport(t, 1<<10, func(t *testing.T, h harness, sink *memSink, r Receiver) {
+		dest := r.Addr()
+		require.NoError(t, r.Close())
+		w := newWriter(t, h.tr)
+		errs := write(t, w, dest, WriteItem{Res: 1, Token: ids.Token{1}, Src: make([]byte, 10)}, WriteItem{Res: 2, Token: ids.Token{1}, Src: nil})
+		for _, err := range errs {
+			require.ErrorIs(t, err, ErrUnreachable)
+			require.Contains(t, err.Error(), dest)
+		}
+	})
 }
 
 func TestExpiredContextSendsNothing(t *testing.T) {
-	for _, h := range transports() {
-		t.Run(h.name, func(t *testing.T) {
-			sink := newMemSink(1 << 10)
-			r := listen(t, h.tr, h.addr, sink)
-			res, tok := sink.reserve(t, 10)
-			w := newWriter(t, h.tr)
-			ctx, cancel := context.WithCancel(context.Background())
-			cancel()
-			errs := w.Write(ctx, r.Addr(), []WriteItem{{Res: res, Token: tok, Src: make([]byte, 10)}})
-			require.ErrorIs(t, errs[0], context.Canceled)
-			require.Zero(t, sink.beginCount())
-			require.Empty(t, w.Write(context.Background(), r.Addr(), nil))
-		})
-	}
+	eachTransport(t, 1<<10, func(t *testing.T, h harness, sink *memSink, r Receiver) {
+		res, tok := sink.reserve(t, 10)
+		w := newWriter(t, h.tr)
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		errs := w.Write(ctx, r.Addr(), []WriteItem{{Res: res, Token: tok, Src: make([]byte, 10)}})
+		require.ErrorIs(t, errs[0], context.Canceled)
+		require.Zero(t, sink.beginCount())
+		require.Empty(t, w.Write(context.Background(), r.Addr(), nil))
+	})
 }
 
 // shortSink hands out fewer bytes than asked, a sink bug the transport

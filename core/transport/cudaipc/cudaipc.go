@@ -41,6 +41,16 @@ type Config struct {
 	Logger   *slog.Logger
 }
 
+func (c Config) withDefaults() Config {
+	defaults.Positive(&c.DialTimeout, DefaultDialTimeout)
+	defaults.Positive(&c.MaxConns, DefaultMaxConns)
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	c.Devices = gpu.Configured(c.Devices, "cuda_ipc")
+	return c
+}
+
 // Transport is the CUDA IPC data plane.
 type Transport struct {
 	cfg Config
@@ -49,17 +59,7 @@ type Transport struct {
 var _ transport.Transport = (*Transport)(nil)
 
 // New returns the transport; zero fields take defaults.
-func New(cfg Config) *Transport {
-	defaults.Positive(&cfg.DialTimeout, DefaultDialTimeout)
-	defaults.Positive(&cfg.MaxConns, DefaultMaxConns)
-	if cfg.Logger == nil {
-		cfg.Logger = slog.Default()
-	}
-	if cfg.Devices == nil {
-		cfg.Devices = gpu.Unavailable{Err: errors.New("no GPU devices configured for cuda_ipc")}
-	}
-	return &Transport{cfg: cfg}
-}
+func New(cfg Config) *Transport { return &Transport{cfg: cfg.withDefaults()} }
 
 // Name implements transport.Transport.
 func (t *Transport) Name() string { return Name }

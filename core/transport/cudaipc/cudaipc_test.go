@@ -4,8 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"log/slog"
-	"math/rand/v2"
 	"net"
 	"strings"
 	"testing"
@@ -18,17 +16,6 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/transporttest"
 )
-
-func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
-
-func randBytes(seed uint64, n int) []byte {
-	r := rand.New(rand.NewPCG(seed, 11))
-	b := make([]byte, n)
-	for i := range b {
-		b[i] = byte(r.Uint32())
-	}
-	return b
-}
 
 const slabSize = 8 << 20
 
@@ -49,7 +36,7 @@ func listenShard(t *testing.T, host *gpu.FakeHost, ordinal int, at string) *shar
 	// The slab starts 4 KiB into its allocation, as a PyTorch tensor can.
 	base, window := host.Alloc(ordinal, slabSize+4096)
 	s := &shard{host: host, addr: base + 4096, window: window[4096:], regions: transporttest.NewDevice(slabSize)}
-	tr := New(Config{Slab: slab.DeviceMemory(s.addr, slabSize, dev.Name()), SlabDevice: dev, Logger: quiet()})
+	tr := New(Config{Slab: slab.DeviceMemory(s.addr, slabSize, dev.Name()), SlabDevice: dev, Logger: transporttest.Quiet()})
 	r, err := tr.Listen(at, s.regions)
 	require.NoError(t, err)
 	s.recv = r.(*receiver)
@@ -72,7 +59,7 @@ func (s *shard) region(it transport.WriteItem) []byte {
 
 func newWriter(t *testing.T, host *gpu.FakeHost) transport.Writer {
 	t.Helper()
-	w := New(Config{Devices: host, Logger: quiet()}).NewWriter()
+	w := New(Config{Devices: host, Logger: transporttest.Quiet()}).NewWriter()
 	t.Cleanup(func() { _ = w.Close() })
 	return w
 }
@@ -109,7 +96,7 @@ func TestWritesLandInTheSlab(t *testing.T) {
 			var want [][]byte
 			for i, ord := range tc.srcs {
 				n := 1000 + i*(1<<20)
-				data := randBytes(uint64(i), n)
+				data := transporttest.RandBytes(uint64(i), n)
 				it := s.grant(n)
 				if ord < 0 {
 					it.Src = data
@@ -145,7 +132,7 @@ func TestNoDataPlaneExchangePerBatch(t *testing.T) {
 		var items []transport.WriteItem
 		for i := range 4 {
 			it := s.grant(4096)
-			it.Dev = deviceSource(host, 0, randBytes(uint64(10*b+i), 4096))
+			it.Dev = deviceSource(host, 0, transporttest.RandBytes(uint64(10*b+i), 4096))
 			items = append(items, it)
 		}
 		for i, err := range write(w, s.recv.Addr(), items...) {
@@ -163,7 +150,7 @@ func TestWriterRefusesGrantsOutsideTheSlab(t *testing.T) {
 	host := gpu.NewFakeHost(1)
 	s := listenShard(t, host, 0, "127.0.0.1:0")
 	w := newWriter(t, host)
-	src := deviceSource(host, 0, randBytes(1, 100))
+	src := deviceSource(host, 0, transporttest.RandBytes(1, 100))
 	good := s.grant(100)
 	good.Dev = src
 	noAddr := good
@@ -187,7 +174,7 @@ func TestWriterRefusesGrantsOutsideTheSlab(t *testing.T) {
 	}
 	require.NoError(t, errs[5])
 	off := s.regions.Offset(good.Res)
-	copy(before[off:], randBytes(1, 100))
+	copy(before[off:], transporttest.RandBytes(1, 100))
 	require.Equal(t, before, s.window, "only the good item's region changed")
 }
 
@@ -206,7 +193,7 @@ func TestSourceIsReadOnlyAfterItsEvent(t *testing.T) {
 	it.Dev = &transport.DeviceSrc{Addr: addr, Len: n, Ready: ready}
 	done := make(chan []error, 1)
 	go func() { done <- write(w, s.recv.Addr(), it) }()
-	final := randBytes(5, n)
+	final := transporttest.RandBytes(5, n)
 	copy(window, final)
 	stream.Release()
 	require.NoError(t, (<-done)[0])
@@ -224,12 +211,12 @@ func TestBatchesToOneShardOverlap(t *testing.T) {
 	stream := host.NewStream()
 	stream.Hold()
 	slow := s.grant(100)
-	slow.Dev = deviceSource(host, 0, randBytes(1, 100))
+	slow.Dev = deviceSource(host, 0, transporttest.RandBytes(1, 100))
 	slow.Dev.Ready, _ = dev.RecordEvent(stream.Handle())
 	done := make(chan []error, 1)
 	go func() { done <- write(w, s.recv.Addr(), slow) }()
 	fast := s.grant(100)
-	fast.Dev = deviceSource(host, 0, randBytes(2, 100))
+	fast.Dev = deviceSource(host, 0, transporttest.RandBytes(2, 100))
 	require.NoError(t, write(w, s.recv.Addr(), fast)[0], "the second batch lands while the first waits")
 	select {
 	case <-done:
@@ -238,7 +225,7 @@ func TestBatchesToOneShardOverlap(t *testing.T) {
 	}
 	stream.Release()
 	require.NoError(t, (<-done)[0])
-	require.Equal(t, randBytes(1, 100), s.region(slow))
+	require.Equal(t, transporttest.RandBytes(1, 100), s.region(slow))
 }
 
 func TestCopyFailureFailsItsItems(t *testing.T) {
@@ -246,7 +233,7 @@ func TestCopyFailureFailsItsItems(t *testing.T) {
 	s := listenShard(t, host, 0, "127.0.0.1:0")
 	w := newWriter(t, host)
 	it := s.grant(100)
-	it.Dev = deviceSource(host, 0, randBytes(1, 100))
+	it.Dev = deviceSource(host, 0, transporttest.RandBytes(1, 100))
 	host.FailNextCopies(errors.New("injected copy failure"))
 	errs := write(w, s.recv.Addr(), it)
 	require.ErrorContains(t, errs[0], "injected copy failure")
@@ -361,7 +348,7 @@ func TestShardCapsItsConnections(t *testing.T) {
 	require.NoError(t, err)
 	base, window := host.Alloc(0, slabSize)
 	regions := transporttest.NewDevice(slabSize)
-	rcv, err := New(Config{Slab: slab.DeviceMemory(base, slabSize, dev.Name()), SlabDevice: dev, MaxConns: 2, Logger: quiet()}).Listen("127.0.0.1:0", regions)
+	rcv, err := New(Config{Slab: slab.DeviceMemory(base, slabSize, dev.Name()), SlabDevice: dev, MaxConns: 2, Logger: transporttest.Quiet()}).Listen("127.0.0.1:0", regions)
 	require.NoError(t, err)
 	defer rcv.Close()
 	p, err := parseAddr(rcv.Addr())

@@ -8,7 +8,6 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"runtime/debug"
 	"sync"
 	"time"
 
@@ -104,7 +103,7 @@ func (r *receiver) Close() error {
 func (r *receiver) serve(c net.Conn) {
 	defer func() {
 		if p := recover(); p != nil {
-			r.log.Error("cudaipc: panic serving connection", "peer", c.RemoteAddr().String(), "panic", p, "stack", string(debug.Stack()))
+			transport.LogPanic(r.log, p, "cudaipc: panic serving connection", "peer", c.RemoteAddr().String())
 		}
 	}()
 	_ = c.SetDeadline(time.Now().Add(r.cfg.DialTimeout))

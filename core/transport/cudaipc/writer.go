@@ -4,8 +4,9 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
-	"runtime/debug"
+	"slices"
 	"sync"
 	"time"
 
@@ -105,7 +106,7 @@ func (w *writer) Write(ctx context.Context, addr string, items []transport.Write
 	}
 	defer func() {
 		if r := recover(); r != nil {
-			w.log.Error("cudaipc: panic in write", "dest", addr, "panic", r, "stack", string(debug.Stack()))
+			transport.LogPanic(w.log, r, "cudaipc: panic in write", "dest", addr)
 			errs = failAll(fmt.Errorf("%w: panic: %v", transport.ErrConnLost, r))
 		}
 	}()
@@ -360,17 +361,10 @@ func (w *writer) release(hostPort string, a *attachment) {
 // Close fails later writes, waits for the copies in flight, and closes
 // every connection and mapping; idempotent.
 func (w *writer) Close() error {
-	w.mu.Lock()
-	if w.closed {
-		w.mu.Unlock()
+	dests, first := w.markClosed()
+	if !first {
 		return nil
 	}
-	w.closed = true
-	dests := make([]*dest, 0, len(w.dests))
-	for _, d := range w.dests {
-		dests = append(dests, d)
-	}
-	w.mu.Unlock()
 	for _, d := range dests {
 		d.mu.Lock()
 		a := d.cur
@@ -382,4 +376,16 @@ func (w *writer) Close() error {
 	}
 	w.wg.Wait()
 	return nil
+}
+
+// markClosed fails later writes and returns the destinations to release;
+// first is false when the writer was closed already.
+func (w *writer) markClosed() (dests []*dest, first bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed {
+		return nil, false
+	}
+	w.closed = true
+	return slices.Collect(maps.Values(w.dests)), true
 }

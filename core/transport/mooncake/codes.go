@@ -5,18 +5,6 @@ import (
 	"fmt"
 )
 
-// Sentinel errors; callers test them with errors.Is.
-var (
-	// ErrUnavailable: the library cannot be loaded or lacks a function.
-	// Every other transport keeps working; choosing this one fails.
-	ErrUnavailable = errors.New("mooncake transport unavailable")
-	// ErrProtocol: the consumer's engine speaks another protocol than
-	// ours; nothing is written.
-	ErrProtocol = errors.New("mooncake protocol mismatch")
-	// ErrEngine: a call of the C API failed; the error is a *CallError.
-	ErrEngine = errors.New("mooncake engine call failed")
-)
-
 // CallError is a failed call of the TransferEngine C API: the function
 // and the code it returned, in that function's convention.
 type CallError struct {
@@ -37,6 +25,18 @@ func (e *CallError) Error() string {
 
 // Unwrap lets errors.Is(err, ErrEngine) match any call error.
 func (e *CallError) Unwrap() error { return ErrEngine }
+
+// Sentinel errors; callers test them with errors.Is.
+var (
+	// ErrUnavailable: the library cannot be loaded or lacks a function.
+	// Every other transport keeps working; choosing this one fails.
+	ErrUnavailable = errors.New("mooncake transport unavailable")
+	// ErrProtocol: the consumer's engine speaks another protocol than
+	// ours; nothing is written.
+	ErrProtocol = errors.New("mooncake protocol mismatch")
+	// ErrEngine: a call of the C API failed; the error is a *CallError.
+	ErrEngine = errors.New("mooncake engine call failed")
+)
 
 // Mooncake's functions come in two conventions. submitTransfer,
 // getTransferStatus and freeBatchID return a Status code: 0 or positive.
@@ -97,33 +97,30 @@ func errnoCall(fn string, rc int) error {
 	return &CallError{Func: fn, Code: rc, OffConvention: rc > 0}
 }
 
-// Task states of getTransferStatus.
+// Task states of getTransferStatus, and their names in the engine's enum.
 const (
-	taskWaiting   = 0
-	taskPending   = 1
-	taskInvalid   = 2
-	taskCanceled  = 3
-	taskCompleted = 4
-	taskTimeout   = 5
-	taskFailed    = 6
+	taskWaiting = iota
+	taskPending
+	taskInvalid
+	taskCanceled
+	taskCompleted
+	taskTimeout
+	taskFailed
 )
 
+var taskStateNames = [...]string{
+	taskWaiting:   "WAITING",
+	taskPending:   "PENDING",
+	taskInvalid:   "INVALID",
+	taskCanceled:  "CANCELED",
+	taskCompleted: "COMPLETED",
+	taskTimeout:   "TIMEOUT",
+	taskFailed:    "FAILED",
+}
+
 func taskStateName(s int) string {
-	switch s {
-	case taskWaiting:
-		return "WAITING"
-	case taskPending:
-		return "PENDING"
-	case taskInvalid:
-		return "INVALID"
-	case taskCanceled:
-		return "CANCELED"
-	case taskCompleted:
-		return "COMPLETED"
-	case taskTimeout:
-		return "TIMEOUT"
-	case taskFailed:
-		return "FAILED"
+	if s >= 0 && s < len(taskStateNames) {
+		return taskStateNames[s]
 	}
 	return fmt.Sprintf("state %d", s)
 }

@@ -1,11 +1,8 @@
 package mooncake
 
 /*
-#cgo LDFLAGS: -ldl
-#include <dlfcn.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 // transfer_engine_c.h's structs, with addresses as uintptr_t (the same
 // layout as void *) so that Go fills them without turning numbers into
@@ -35,20 +32,6 @@ typedef int (*submit_fn)(void *, uint64_t, struct mc_request *, size_t);
 typedef int (*status_fn)(void *, uint64_t, size_t, struct mc_status *);
 typedef int (*free_fn)(void *, uint64_t);
 
-// dlerror's text lives in a buffer the next dl call overwrites, so it is
-// copied inside the same C call that failed.
-static void *mc_dlopen(const char *path, char **err) {
-	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-	if (!h) { const char *e = dlerror(); *err = strdup(e ? e : "dlopen failed"); }
-	return h;
-}
-static void *mc_dlsym(void *h, const char *name, char **err) {
-	dlerror();
-	void *f = dlsym(h, name);
-	if (!f) { const char *e = dlerror(); *err = strdup(e ? e : "symbol is NULL"); }
-	return f;
-}
-
 static void *mc_create(void *f, const char *m, const char *n, const char *h, uint64_t p, int a) { return ((create_fn)f)(m, n, h, p, a); }
 static void mc_destroy(void *f, void *e) { ((destroy_fn)f)(e); }
 static int mc_ipport(void *f, void *e, char *buf, size_t n) { return ((ipport_fn)f)(e, buf, n); }
@@ -76,6 +59,8 @@ import (
 	"fmt"
 	"sync"
 	"unsafe"
+
+	"github.com/ecmooncake/ecmooncake/core/transport/mooncake/internal/dl"
 )
 
 // DefaultLibrary is what dlopen looks for on the default search path when
@@ -113,27 +98,19 @@ func load(path string) (*library, error) {
 	if l, ok := libs[path]; ok {
 		return l, nil
 	}
-	cpath := C.CString(path)
-	defer C.free(unsafe.Pointer(cpath))
-	var cerr *C.char
-	h := C.mc_dlopen(cpath, &cerr)
-	if h == nil {
-		defer C.free(unsafe.Pointer(cerr))
-		return nil, fmt.Errorf("%w: cannot load %s: %s (build Mooncake with -DBUILD_SHARED_LIBS=ON and set mooncake_library, or ECMOONCAKE_MOONCAKE_LIBRARY, to the library's path)",
-			ErrUnavailable, path, C.GoString(cerr))
+	h, err := dl.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("%w: cannot load %s: %v (build Mooncake with -DBUILD_SHARED_LIBS=ON and set mooncake_library, or ECMOONCAKE_MOONCAKE_LIBRARY, to the library's path)",
+			ErrUnavailable, path, err)
 	}
 	l := &library{path: path, fn: make(map[string]unsafe.Pointer, len(symbols))}
 	for _, name := range symbols {
-		cname := C.CString(name)
-		f := C.mc_dlsym(h, cname, &cerr)
-		C.free(unsafe.Pointer(cname))
-		if f == nil {
-			msg := C.GoString(cerr)
-			C.free(unsafe.Pointer(cerr))
-			// The handle stays open: dlclose of a half-checked C++
+		f, err := h.Sym(name)
+		if err != nil {
+			// The library stays loaded: dlclose of a half-checked C++
 			// library buys nothing and can run its static destructors.
-			return nil, fmt.Errorf("%w: %s lacks %s (%s): not a Mooncake TransferEngine library with the C API",
-				ErrUnavailable, path, name, msg)
+			return nil, fmt.Errorf("%w: %s lacks %s (%v): not a Mooncake TransferEngine library with the C API",
+				ErrUnavailable, path, name, err)
 		}
 		l.fn[name] = f
 	}

@@ -3,7 +3,6 @@ package mooncake
 import (
 	"fmt"
 	"log/slog"
-	"os"
 	"syscall"
 	"testing"
 	"unsafe"
@@ -32,32 +31,16 @@ func needDouble(t testing.TB) {
 }
 
 // TestMain builds the double with the system C compiler for this run,
-// unless the environment names a real library.
+// and the variant without freeBatchID, unless the environment names a
+// real library.
 func TestMain(m *testing.M) {
-	if lib, proto, ok := mooncaketest.Real(); ok {
-		doublePath, protocol = lib, proto
-		os.Exit(m.Run())
-	}
-	os.Exit(func() int {
-		dir, err := os.MkdirTemp("", "ecm-mooncake-double-")
-		if err != nil {
-			panic(err)
+	mooncaketest.Main(m, "ecm-mooncake-double-", func(s mooncaketest.Setup) (err error) {
+		doublePath, protocol, double = s.Library, s.Protocol, s.Double
+		if s.Double != nil {
+			noFreePath, err = mooncaketest.Build(s.Dir, "libtransfer_engine_nofree.so", true)
 		}
-		defer os.RemoveAll(dir)
-		if doublePath, err = mooncaketest.Build(dir, "libtransfer_engine.so", false); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			return 1
-		}
-		if noFreePath, err = mooncaketest.Build(dir, "libtransfer_engine_nofree.so", true); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			return 1
-		}
-		if double, err = mooncaketest.Open(doublePath); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			return 1
-		}
-		return m.Run()
-	}())
+		return err
+	})
 }
 
 // hostSlab is memory outside the Go heap, as a consumer's slab is (Python

@@ -101,8 +101,6 @@ type Transport struct {
 var (
 	_ transport.Transport   = (*Transport)(nil)
 	_ transport.AddrChecker = (*Transport)(nil)
-	_ transport.Direct      = (*receiver)(nil)
-	_ transport.Writer      = (*Writer)(nil)
 )
 
 // New loads the library (once per process and path) and checks the
@@ -125,19 +123,7 @@ func (t *Transport) Name() string { return Name }
 
 // CheckAddr refuses a consumer whose engine speaks another protocol.
 func (t *Transport) CheckAddr(addr string) error {
-	p, err := parsePeer(addr)
-	if err != nil {
-		return err
-	}
-	return t.checkProto(p)
-}
-
-func (t *Transport) checkProto(p peer) error {
-	if p.Proto != t.cfg.Protocol {
-		return fmt.Errorf("%w: the consumer's engine at %s runs %q and this producer's runs %q; set mooncake_protocol the same on both",
-			ErrProtocol, p.Segment, p.Proto, t.cfg.Protocol)
-	}
-	return nil
+	return transport.CheckParsed(addr, parsePeer, t.checkProto)
 }
 
 // receiver is a consumer shard's engine with its slab registered.
@@ -147,6 +133,8 @@ type receiver struct {
 	closeOnce sync.Once
 	closeErr  error
 }
+
+var _ transport.Direct = (*receiver)(nil)
 
 // Listen creates the shard's engine, named after addr's host (or
 // Config.Host), and registers the sink's whole slab with it once. The sink

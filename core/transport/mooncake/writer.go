@@ -47,12 +47,13 @@ type Writer struct {
 	segs  map[string]*segState // by segment name
 
 	mu       sync.Mutex
-	closed   bool
-	closing  chan struct{}
+	closing  chan struct{} // closed, under mu, when Close begins
 	inflight sync.WaitGroup
 
 	batches, tasks, bytes, failedTasks, submitErrors, leaked, reopens atomic.Uint64
 }
+
+var _ transport.Writer = (*Writer)(nil)
 
 // segState is an opened segment and the incarnation of the peer it was
 // opened for.
@@ -95,9 +96,11 @@ func (w *Writer) Write(ctx context.Context, dest string, items []transport.Write
 		return errs
 	}
 	w.mu.Lock()
-	if w.closed {
+	select {
+	case <-w.closing:
 		w.mu.Unlock()
 		return failAll(dest, transport.ErrClosed)
+	default:
 	}
 	w.inflight.Add(1)
 	w.mu.Unlock()
@@ -141,6 +144,16 @@ func (w *Writer) Write(ctx context.Context, dest string, items []transport.Write
 	b := &batch{w: w, eng: eng, stg: stg, p: p, seg: seg, items: items, errs: errs}
 	b.run(ctx)
 	return errs
+}
+
+// checkProto refuses a consumer whose engine runs another protocol than
+// ours: Write runs it on every destination, CheckAddr ahead of any write.
+func (t *Transport) checkProto(p peer) error {
+	if p.Proto != t.cfg.Protocol {
+		return fmt.Errorf("%w: the consumer's engine at %s runs %q and this producer's runs %q; set mooncake_protocol the same on both",
+			ErrProtocol, p.Segment, p.Proto, t.cfg.Protocol)
+	}
+	return nil
 }
 
 // ensure makes the engine and the staging slab on first use. A failure is
@@ -209,18 +222,27 @@ func (w *Writer) markStale(name string) {
 	}
 }
 
+// markClosed fails writes that have not started; it is false when the
+// writer was closed already.
+func (w *Writer) markClosed() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	select {
+	case <-w.closing:
+		return false
+	default:
+		close(w.closing)
+		return true
+	}
+}
+
 // Close fails writes that have not started, waits for those in flight to
 // drain, then unregisters the staging slab and destroys the engine;
 // idempotent.
 func (w *Writer) Close() error {
-	w.mu.Lock()
-	if w.closed {
-		w.mu.Unlock()
+	if !w.markClosed() {
 		return nil
 	}
-	w.closed = true
-	close(w.closing)
-	w.mu.Unlock()
 	done := make(chan struct{})
 	go func() {
 		defer close(done)

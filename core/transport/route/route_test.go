@@ -12,8 +12,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
+	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/cudaipc"
 	"github.com/ecmooncake/ecmooncake/core/transport/staged"
@@ -99,8 +99,6 @@ func TestPick(t *testing.T) {
 	}
 }
 
-func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
-
 // consumer is a shard over a fake GPU slab offering both data planes.
 func consumer(t *testing.T, host *gpu.FakeHost) (*transporttest.Regions, []byte, transport.Receiver) {
 	t.Helper()
@@ -110,9 +108,9 @@ func consumer(t *testing.T, host *gpu.FakeHost) (*transporttest.Regions, []byte,
 	mem := slab.DeviceMemory(addr, size, dev.Name())
 	regions := transporttest.NewDevice(size)
 	r := New(Config{
-		Network: staged.New(staged.Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: quiet()}), Slab: mem, SlabDevice: dev, Logger: quiet()}),
-		Local:   cudaipc.New(cudaipc.Config{Slab: mem, SlabDevice: dev, Logger: quiet()}),
-		Host:    "h1", Logger: quiet(),
+		Network: staged.New(staged.Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: transporttest.Quiet()}), Slab: mem, SlabDevice: dev, Logger: transporttest.Quiet()}),
+		Local:   cudaipc.New(cudaipc.Config{Slab: mem, SlabDevice: dev, Logger: transporttest.Quiet()}),
+		Host:    "h1", Logger: transporttest.Quiet(),
 	})
 	recv, err := r.Listen("127.0.0.1:0", regions)
 	require.NoError(t, err)
@@ -122,9 +120,9 @@ func consumer(t *testing.T, host *gpu.FakeHost) (*transporttest.Regions, []byte,
 
 func producer(host *gpu.FakeHost, name string) *Transport {
 	return New(Config{
-		Network: staged.New(staged.Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: quiet()}), Devices: host, Logger: quiet()}),
-		Local:   cudaipc.New(cudaipc.Config{Devices: host, Logger: quiet()}),
-		Host:    name, Logger: quiet(),
+		Network: staged.New(staged.Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: transporttest.Quiet()}), Devices: host, Logger: transporttest.Quiet()}),
+		Local:   cudaipc.New(cudaipc.Config{Devices: host, Logger: transporttest.Quiet()}),
+		Host:    name, Logger: transporttest.Quiet(),
 	})
 }
 
@@ -217,7 +215,7 @@ func TestTheOneSidedPlaneNamesRegionsBySlabAddress(t *testing.T) {
 	require.NotZero(t, direct.RemoteAddr(0))
 	require.Equal(t, direct.RemoteAddr(0)+4096, direct.RemoteAddr(4096), "a region's address is the slab's plus its offset")
 
-	tcpOnly, err := New(Config{Network: transport.NewTCP(transport.TCPConfig{Logger: quiet()}), Host: "h1", Logger: quiet()}).Listen("127.0.0.1:0", transporttest.NewHost(10))
+	tcpOnly, err := New(Config{Network: transport.NewTCP(transport.TCPConfig{Logger: transporttest.Quiet()}), Host: "h1", Logger: transporttest.Quiet()}).Listen("127.0.0.1:0", transporttest.NewHost(10))
 	require.NoError(t, err)
 	defer tcpOnly.Close()
 	_, ok = transport.DirectOf(tcpOnly)
@@ -228,7 +226,7 @@ type failingListen struct{ named }
 
 func TestLocalThatCannotListenIsLeftOut(t *testing.T) {
 	log := &lines{}
-	r := New(Config{Network: transport.NewTCP(transport.TCPConfig{Logger: quiet()}), Local: failingListen{"cuda_ipc"}, Host: "h1", Logger: slog.New(log)})
+	r := New(Config{Network: transport.NewTCP(transport.TCPConfig{Logger: transporttest.Quiet()}), Local: failingListen{"cuda_ipc"}, Host: "h1", Logger: slog.New(log)})
 	recv, err := r.Listen("127.0.0.1:0", transporttest.NewHost(10))
 	require.NoError(t, err)
 	defer recv.Close()
@@ -237,7 +235,7 @@ func TestLocalThatCannotListenIsLeftOut(t *testing.T) {
 }
 
 func TestUnknownSchemeFails(t *testing.T) {
-	r := New(Config{Network: transport.NewTCP(transport.TCPConfig{Logger: quiet()}), Host: "h1", Logger: quiet()})
+	r := New(Config{Network: transport.NewTCP(transport.TCPConfig{Logger: transporttest.Quiet()}), Host: "h1", Logger: transporttest.Quiet()})
 	w := r.NewWriter()
 	defer w.Close()
 	errs := w.Write(context.Background(), "cuda_ipc://127.0.0.1:1", []transport.WriteItem{{Res: 1, Src: []byte("x")}})

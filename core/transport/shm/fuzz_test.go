@@ -3,6 +3,7 @@ package shm
 import (
 	"bytes"
 	"fmt"
+	"math"
 	"strings"
 	"syscall"
 	"testing"
@@ -83,15 +84,8 @@ func FuzzParseRange(f *testing.F) {
 	f.Add("ffffffffffffffff-0")
 	f.Add("-")
 	f.Fuzz(func(t *testing.T, rng string) {
-		lo, hi, ok := parseRange(rng)
-		if !ok {
-			return
-		}
-		if lo > hi || strings.Count(rng, "-") != 1 || strings.Trim(rng, "0123456789abcdefABCDEF-") != "" {
+		if lo, hi, ok := checkHexPair(t, "parseRange", parseRange, rng, "-", math.MaxUint64); ok && lo > hi {
 			t.Fatalf("parseRange(%q) = [%#x, %#x)", rng, lo, hi)
-		}
-		if lo2, hi2, ok2 := parseRange(fmt.Sprintf("%x-%x", lo, hi)); !ok2 || lo2 != lo || hi2 != hi {
-			t.Fatalf("parseRange(%q) = [%#x, %#x), which reads back as [%#x, %#x) %v", rng, lo, hi, lo2, hi2, ok2)
 		}
 	})
 }
@@ -100,15 +94,23 @@ func FuzzParseDev(f *testing.F) {
 	f.Add("00:01")
 	f.Add("fd:1ff")
 	f.Fuzz(func(t *testing.T, dev string) {
-		major, minor, ok := parseDev(dev)
-		if !ok {
-			return
-		}
-		if major > 1<<32-1 || minor > 1<<32-1 || strings.Trim(dev, "0123456789abcdefABCDEF:") != "" {
-			t.Fatalf("parseDev(%q) = %d:%d", dev, major, minor)
-		}
-		if ma, mi, ok2 := parseDev(fmt.Sprintf("%x:%x", major, minor)); !ok2 || ma != major || mi != minor {
-			t.Fatalf("parseDev(%q) = %d:%d, which reads back as %d:%d %v", dev, major, minor, ma, mi, ok2)
-		}
+		checkHexPair(t, "parseDev", parseDev, dev, ":", math.MaxUint32)
 	})
+}
+
+// checkHexPair checks that what parse accepts of s is two hex numbers of
+// at most max around one sep, and that they read back the same.
+func checkHexPair(t *testing.T, name string, parse func(string) (uint64, uint64, bool), s, sep string, max uint64) (a, b uint64, ok bool) {
+	a, b, ok = parse(s)
+	if !ok {
+		return a, b, false
+	}
+	if a > max || b > max || strings.Count(s, sep) != 1 || strings.Trim(s, "0123456789abcdefABCDEF"+sep) != "" {
+		t.Fatalf("%s(%q) = %#x%s%#x", name, s, a, sep, b)
+	}
+	again := fmt.Sprintf("%x%s%x", a, sep, b)
+	if a2, b2, ok2 := parse(again); !ok2 || a2 != a || b2 != b {
+		t.Fatalf("%s(%q) = %#x%s%#x, which reads back as %#x%s%#x %v", name, s, a, sep, b, a2, sep, b2, ok2)
+	}
+	return a, b, true
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"strings"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -44,18 +45,27 @@ func appendHello(b []byte, h hello) []byte {
 
 func decodeHello(b []byte) (hello, error) {
 	var h hello
-	switch {
-	case len(b) != helloLen:
-		return h, fmt.Errorf("hello of %d bytes, want %d: %w", len(b), helloLen, errBadHandshake)
-	case string(b[:4]) != helloMagic:
-		return h, fmt.Errorf("hello magic %q: %w", b[:4], errBadHandshake)
-	case b[4] != handshakeVersion:
-		return h, fmt.Errorf("hello version %d, want %d: %w", b[4], handshakeVersion, errBadHandshake)
-	case b[5] != 0 || b[6] != 0 || b[7] != 0:
-		return h, fmt.Errorf("hello reserved bytes not zero: %w", errBadHandshake)
+	if err := checkPreamble(b, "hello", helloMagic, helloLen, 5); err != nil {
+		return h, err
 	}
 	copy(h.Nonce[:], b[8:])
 	return h, nil
+}
+
+// checkPreamble checks what hello and grant share: their length n, and in
+// their first 8 bytes the magic, the version and, from reserved on, zeros.
+func checkPreamble(b []byte, what, magic string, n, reserved int) error {
+	switch {
+	case len(b) != n:
+		return fmt.Errorf("%s of %d bytes, want %d: %w", what, len(b), n, errBadHandshake)
+	case string(b[:4]) != magic:
+		return fmt.Errorf("%s magic %q: %w", what, b[:4], errBadHandshake)
+	case b[4] != handshakeVersion:
+		return fmt.Errorf("%s version %d, want %d: %w", what, b[4], handshakeVersion, errBadHandshake)
+	case strings.Trim(string(b[reserved:8]), "\x00") != "":
+		return fmt.Errorf("%s reserved bytes not zero: %w", what, errBadHandshake)
+	}
+	return nil
 }
 
 type grantStatus uint8
@@ -69,14 +79,11 @@ const (
 	grantRefused
 )
 
+var grantStatusNames = [...]string{grantOK: "ok", grantBadNonce: "bad nonce", grantRefused: "refused"}
+
 func (s grantStatus) String() string {
-	switch s {
-	case grantOK:
-		return "ok"
-	case grantBadNonce:
-		return "bad nonce"
-	case grantRefused:
-		return "refused"
+	if int(s) < len(grantStatusNames) {
+		return grantStatusNames[s]
 	}
 	return fmt.Sprintf("status %d", uint8(s))
 }
@@ -94,15 +101,8 @@ func appendGrant(b []byte, g grant) []byte {
 
 func decodeGrant(b []byte) (grant, error) {
 	var g grant
-	switch {
-	case len(b) != grantLen:
-		return g, fmt.Errorf("grant of %d bytes, want %d: %w", len(b), grantLen, errBadHandshake)
-	case string(b[:4]) != grantMagic:
-		return g, fmt.Errorf("grant magic %q: %w", b[:4], errBadHandshake)
-	case b[4] != handshakeVersion:
-		return g, fmt.Errorf("grant version %d, want %d: %w", b[4], handshakeVersion, errBadHandshake)
-	case b[6] != 0 || b[7] != 0:
-		return g, fmt.Errorf("grant reserved bytes not zero: %w", errBadHandshake)
+	if err := checkPreamble(b, "grant", grantMagic, grantLen, 6); err != nil {
+		return g, err
 	}
 	g.Status = grantStatus(b[5])
 	g.Len = binary.LittleEndian.Uint64(b[8:])

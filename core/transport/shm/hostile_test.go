@@ -24,10 +24,16 @@ import (
 // lived; a hostile peer may still name them.
 const shmDir = "/dev/shm"
 
-// victim is a file the producer may write, holding known bytes.
-func victim(t *testing.T, dir string) (path string, content []byte, ino uint64) {
+// victimFile is a file the producer may write, holding known bytes.
+type victimFile struct {
+	path string
+	was  []byte
+	ino  uint64
+}
+
+func victim(t *testing.T, dir string) victimFile {
 	t.Helper()
-	content = pattern(3*4096, 9)
+	content := pattern(3*4096, 9)
 	f, err := os.CreateTemp(dir, "ecm-victim-")
 	require.NoError(t, err)
 	_, err = f.Write(content)
@@ -36,16 +42,30 @@ func victim(t *testing.T, dir string) (path string, content []byte, ino uint64) 
 	t.Cleanup(func() { os.Remove(f.Name()) })
 	var st syscall.Stat_t
 	require.NoError(t, syscall.Stat(f.Name(), &st))
-	return f.Name(), content, st.Ino
+	return victimFile{path: f.Name(), was: content, ino: st.Ino}
+}
+
+// requireUntouched checks that refused writes left both victims as they
+// were and mapped nothing.
+func requireUntouched(t *testing.T, w *Writer, outside, inShm victimFile) {
+	t.Helper()
+	for _, v := range []struct {
+		f    victimFile
+		what string
+	}{{outside, "the file outside /dev/shm is unchanged"}, {inShm, "the file in /dev/shm is unchanged"}} {
+		got, err := os.ReadFile(v.f.path)
+		require.NoError(t, err)
+		require.Equal(t, v.f.was, got, v.what)
+	}
+	require.Zero(t, w.Stats().Maps)
 }
 
 // A consumer's peers reply is its own to write: one that names a file of
 // its choosing must not make the producer write into that file.
 func TestWriteRefusesAPeerThatNamesAFile(t *testing.T) {
-	outside, outsideWas, outsideIno := victim(t, "")
-	inShm, inShmWas, inShmIno := victim(t, shmDir)
+	outside, inShm := victim(t, ""), victim(t, shmDir)
 	link := filepath.Join(shmDir, "ecm-test-link-"+randomHex(8))
-	require.NoError(t, os.Symlink(outside, link))
+	require.NoError(t, os.Symlink(outside.path, link))
 	t.Cleanup(func() { os.Remove(link) })
 
 	w := New(Config{Host: "h1"}).newWriter()
@@ -54,9 +74,9 @@ func TestWriteRefusesAPeerThatNamesAFile(t *testing.T) {
 		name, path string
 		ino        uint64
 	}{
-		{"a file outside /dev/shm", outside, outsideIno},
-		{"a symlink in /dev/shm to a file", link, outsideIno},
-		{"another file in /dev/shm", inShm, inShmIno},
+		{"a file outside /dev/shm", outside.path, outside.ino},
+		{"a symlink in /dev/shm to a file", link, outside.ino},
+		{"another file in /dev/shm", inShm.path, inShm.ino},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			const base = 1 << 30
@@ -65,13 +85,7 @@ func TestWriteRefusesAPeerThatNamesAFile(t *testing.T) {
 			require.Error(t, errs[0])
 		})
 	}
-	got, err := os.ReadFile(outside)
-	require.NoError(t, err)
-	require.Equal(t, outsideWas, got, "the file outside /dev/shm is unchanged")
-	got, err = os.ReadFile(inShm)
-	require.NoError(t, err)
-	require.Equal(t, inShmWas, got, "the file in /dev/shm is unchanged")
-	require.Zero(t, w.Stats().Maps)
+	requireUntouched(t, w, outside, inShm)
 }
 
 // fakeShard offers fd, whatever it is, as a slab of n bytes: a consumer
@@ -93,12 +107,11 @@ func fakeShard(t *testing.T, fd int, n uint64) string {
 // left untouched.
 func TestWriteRefusesADescriptorThatIsNotASlab(t *testing.T) {
 	const n = 3 * 4096
-	outside, outsideWas, _ := victim(t, "")
-	onDisk, err := os.OpenFile(outside, os.O_RDWR, 0)
+	outside, inShm := victim(t, ""), victim(t, shmDir)
+	onDisk, err := os.OpenFile(outside.path, os.O_RDWR, 0)
 	require.NoError(t, err)
 	defer onDisk.Close()
-	inShm, inShmWas, _ := victim(t, shmDir)
-	shmFile, err := os.OpenFile(inShm, os.O_RDWR, 0)
+	shmFile, err := os.OpenFile(inShm.path, os.O_RDWR, 0)
 	require.NoError(t, err)
 	defer shmFile.Close()
 	readOnly := memfd(t, n, true)
@@ -137,13 +150,7 @@ func TestWriteRefusesADescriptorThatIsNotASlab(t *testing.T) {
 			require.Equal(t, uint64(i+1), w.Stats().Refused)
 		})
 	}
-	got, err := os.ReadFile(outside)
-	require.NoError(t, err)
-	require.Equal(t, outsideWas, got, "the file outside /dev/shm is unchanged")
-	got, err = os.ReadFile(inShm)
-	require.NoError(t, err)
-	require.Equal(t, inShmWas, got, "the file in /dev/shm is unchanged")
-	require.Zero(t, w.Stats().Maps)
+	requireUntouched(t, w, outside, inShm)
 	require.Equal(t, make([]byte, n/3), must(os.ReadFile(fmt.Sprintf("/proc/self/fd/%d", small))))
 }
 

@@ -6,7 +6,6 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"runtime/debug"
 	"sync"
 	"syscall"
 	"time"
@@ -102,7 +101,7 @@ func (r *receiver) Close() error {
 func (r *receiver) serve(c *net.UnixConn) {
 	defer func() {
 		if p := recover(); p != nil {
-			r.log.Error("shm: panic serving a producer", "panic", p, "stack", string(debug.Stack()))
+			transport.LogPanic(r.log, p, "shm: panic serving a producer")
 		}
 	}()
 	if !r.handOver(c) {

@@ -79,11 +79,7 @@ func (t *Transport) Name() string { return Name }
 
 // CheckAddr refuses a consumer on another host before any write.
 func (t *Transport) CheckAddr(addr string) error {
-	p, err := parsePeer(addr)
-	if err != nil {
-		return err
-	}
-	return t.checkHost(p)
+	return transport.CheckParsed(addr, parsePeer, t.checkHost)
 }
 
 func (t *Transport) checkHost(p peer) error {
@@ -221,24 +217,22 @@ func checkMapped(st unix.Stat_t, base, n uint64) error {
 
 // parseRange parses /proc/self/maps's "lo-hi" (hex).
 func parseRange(s string) (lo, hi uint64, ok bool) {
-	a, b, found := strings.Cut(s, "-")
-	if !found {
-		return 0, 0, false
-	}
-	lo, err1 := strconv.ParseUint(a, 16, 64)
-	hi, err2 := strconv.ParseUint(b, 16, 64)
-	return lo, hi, err1 == nil && err2 == nil && lo <= hi
+	lo, hi, ok = parseHexPair(s, "-", 64)
+	return lo, hi, ok && lo <= hi
 }
 
 // parseDev parses /proc/self/maps's "major:minor" (hex).
-func parseDev(s string) (major, minor uint64, ok bool) {
-	a, b, found := strings.Cut(s, ":")
+func parseDev(s string) (major, minor uint64, ok bool) { return parseHexPair(s, ":", 32) }
+
+// parseHexPair parses two hex numbers of at most bits bits around sep.
+func parseHexPair(s, sep string, bits int) (a, b uint64, ok bool) {
+	x, y, found := strings.Cut(s, sep)
 	if !found {
 		return 0, 0, false
 	}
-	major, err1 := strconv.ParseUint(a, 16, 32)
-	minor, err2 := strconv.ParseUint(b, 16, 32)
-	return major, minor, err1 == nil && err2 == nil
+	a, err1 := strconv.ParseUint(x, 16, bits)
+	b, err2 := strconv.ParseUint(y, 16, bits)
+	return a, b, err1 == nil && err2 == nil
 }
 
 func randomHex(n int) string {

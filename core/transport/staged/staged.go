@@ -56,12 +56,10 @@ var _ transport.Transport = (*Transport)(nil)
 func New(cfg Config) *Transport {
 	defaults.Positive(&cfg.StagingBytes, DefaultStagingBytes)
 	defaults.Positive(&cfg.ChunkBytes, DefaultChunkBytes)
-	if cfg.Devices == nil {
-		cfg.Devices = gpu.Unavailable{Err: errors.New("no GPU devices configured for staging")}
-	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	cfg.Devices = gpu.Configured(cfg.Devices, "staging")
 	return &Transport{cfg: cfg}
 }
 

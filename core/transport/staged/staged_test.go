@@ -4,32 +4,19 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"log/slog"
-	"math/rand/v2"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/ids"
-	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/transporttest"
 )
 
 const chunk = 64 << 10
-
-func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
-
-func randBytes(seed uint64, n int) []byte {
-	r := rand.New(rand.NewPCG(seed, 7))
-	b := make([]byte, n)
-	for i := range b {
-		b[i] = byte(r.Uint32())
-	}
-	return b
-}
 
 // side is one end of a staged pair over loopback TCP.
 type consumerSide struct {
@@ -50,7 +37,7 @@ func (c *consumerSide) slabBytes(res ids.ResID, n int) []byte {
 func listen(t *testing.T, host *gpu.FakeHost, device bool, staging int) *consumerSide {
 	t.Helper()
 	const size = 8 << 20
-	cfg := Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: quiet()}), StagingBytes: staging, Logger: quiet()}
+	cfg := Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: transporttest.Quiet()}), StagingBytes: staging, Logger: transporttest.Quiet()}
 	c := &consumerSide{}
 	if device {
 		dev, err := host.Device(0)
@@ -71,8 +58,8 @@ func listen(t *testing.T, host *gpu.FakeHost, device bool, staging int) *consume
 func newWriter(t *testing.T, host *gpu.FakeHost, staging int) transport.Writer {
 	t.Helper()
 	tr := New(Config{
-		Inner:   transport.NewTCP(transport.TCPConfig{Conns: 3, ChunkSize: chunk, Logger: quiet()}),
-		Devices: host, ChunkBytes: chunk, StagingBytes: staging, Logger: quiet(),
+		Inner:   transport.NewTCP(transport.TCPConfig{Conns: 3, ChunkSize: chunk, Logger: transporttest.Quiet()}),
+		Devices: host, ChunkBytes: chunk, StagingBytes: staging, Logger: transporttest.Quiet(),
 	})
 	w := tr.NewWriter()
 	t.Cleanup(func() { _ = w.Close() })
@@ -106,7 +93,7 @@ func TestStagedRoundTrips(t *testing.T) {
 			var want [][]byte
 			for i, n := range sizes {
 				res, tok := c.regions.Reserve(uint64(n))
-				data := randBytes(uint64(i), n)
+				data := transporttest.RandBytes(uint64(i), n)
 				it := transport.WriteItem{Res: res, Token: tok}
 				if tc.deviceSrc {
 					addr, window := host.Alloc(0, n)
@@ -155,7 +142,7 @@ func TestSourceIsReadOnlyAfterItsEvent(t *testing.T) {
 	go func() {
 		done <- write(t, w, c.recv.Addr(), transport.WriteItem{Res: res, Token: tok, Dev: &transport.DeviceSrc{Addr: addr, Len: n, Ready: ready}})
 	}()
-	final := randBytes(9, n)
+	final := transporttest.RandBytes(9, n)
 	copy(window, final)
 	stream.Release()
 	errs := <-done
@@ -170,7 +157,7 @@ func TestReceiveCopyFailureRefusesTheFrame(t *testing.T) {
 	w := newWriter(t, host, 2*chunk)
 	res, tok := c.regions.Reserve(100)
 	host.FailNextCopies(errors.New("injected copy failure"))
-	errs := write(t, w, c.recv.Addr(), transport.WriteItem{Res: res, Token: tok, Src: randBytes(1, 100)})
+	errs := write(t, w, c.recv.Addr(), transport.WriteItem{Res: res, Token: tok, Src: transporttest.RandBytes(1, 100)})
 	require.ErrorIs(t, errs[0], transport.ErrRejected)
 	require.ErrorContains(t, errs[0], "injected copy failure")
 	require.True(t, c.regions.Torn(res), "the shard hears the frame ended without its bytes")
@@ -209,7 +196,7 @@ func TestListenOverDeviceSlabNeedsRegionSink(t *testing.T) {
 	host := gpu.NewFakeHost(1)
 	dev, _ := host.Device(0)
 	addr, _ := host.Alloc(0, 1<<20)
-	tr := New(Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: quiet()}), Slab: slab.DeviceMemory(addr, 1<<20, "cuda:0"), SlabDevice: dev})
+	tr := New(Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: transporttest.Quiet()}), Slab: slab.DeviceMemory(addr, 1<<20, "cuda:0"), SlabDevice: dev})
 	_, err := tr.Listen("127.0.0.1:0", plainSink{})
 	require.ErrorContains(t, err, "no RegionSink")
 }
@@ -227,7 +214,7 @@ func TestSpentBudgetStagesThroughPageableMemory(t *testing.T) {
 	const size = 4 << 20
 	addr, window := host.Alloc(0, size)
 	regions := transporttest.NewDevice(size)
-	s := &stagingSink{inner: regions, dev: dev, slab: slab.DeviceMemory(addr, size, "cuda:0"), pool: newPool(1, receiveRound), log: quiet()}
+	s := &stagingSink{inner: regions, dev: dev, slab: slab.DeviceMemory(addr, size, "cuda:0"), pool: newPool(1, receiveRound), log: transporttest.Quiet()}
 	res, tok := regions.Reserve(2000)
 
 	first, err := s.BeginFrame(res, tok, 0, 1000)
@@ -236,7 +223,7 @@ func TestSpentBudgetStagesThroughPageableMemory(t *testing.T) {
 	require.NoError(t, err)
 	require.NotNil(t, first.(*stagedFrame).host, "the first frame gets the one page-locked buffer the budget allows")
 	require.Nil(t, second.(*stagedFrame).host, "the second stages through pageable memory instead of waiting")
-	want := randBytes(3, 2000)
+	want := transporttest.RandBytes(3, 2000)
 	copy(first.Bytes(), want[:1000])
 	copy(second.Bytes(), want[1000:])
 	require.NoError(t, second.End(true))
@@ -254,7 +241,7 @@ func TestBeginFramePassesRefusals(t *testing.T) {
 	dev, _ := host.Device(0)
 	addr, _ := host.Alloc(0, 1<<20)
 	regions := transporttest.NewDevice(1 << 20)
-	s := &stagingSink{inner: regions, dev: dev, slab: slab.DeviceMemory(addr, 1<<20, "cuda:0"), pool: newPool(1<<20, receiveRound), log: quiet()}
+	s := &stagingSink{inner: regions, dev: dev, slab: slab.DeviceMemory(addr, 1<<20, "cuda:0"), pool: newPool(1<<20, receiveRound), log: transporttest.Quiet()}
 	res, tok := regions.Reserve(10)
 	_, err := s.BeginFrame(res, ids.Token{9}, 0, 10)
 	require.ErrorIs(t, err, transport.ErrBadToken)

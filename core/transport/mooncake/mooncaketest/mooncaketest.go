@@ -10,11 +10,8 @@
 package mooncaketest
 
 /*
-#cgo LDFLAGS: -ldl
-#include <dlfcn.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 struct mcd_stats {
 	int64_t engines_live, batches_live, batches_allocated, batches_freed, busy_frees, bad_batch_ids;
@@ -22,12 +19,6 @@ struct mcd_stats {
 	int64_t tasks_submitted, tasks_failed, bytes_landed, writes_refused;
 };
 
-static void *t_open(const char *path, char **err) {
-	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-	if (!h) { const char *e = dlerror(); *err = strdup(e ? e : "dlopen failed"); }
-	return h;
-}
-static void *t_sym(void *h, const char *name) { return dlsym(h, name); }
 static void t_fail_next(void *f, int n) { ((void (*)(int))f)(n); }
 static int t_by_name(void *f, const char *s, int v) { return ((int (*)(const char *, int))f)(s, v); }
 static int t_kill(void *f, const char *s) { return ((int (*)(const char *))f)(s); }
@@ -44,7 +35,10 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"testing"
 	"unsafe"
+
+	"github.com/ecmooncake/ecmooncake/core/transport/mooncake/internal/dl"
 )
 
 // EnvLibrary names a real libtransfer_engine.so for the tests to run
@@ -97,6 +91,56 @@ func Build(dir, name string, omitFreeBatchID bool) (string, error) {
 	return out, nil
 }
 
+// Setup is what a test binary runs against: the library, the protocol
+// to install on it ("" for the transport's default) and, when the library
+// is the double, the double (nil against a real library) and the
+// directory it was built in, removed after the run.
+type Setup struct {
+	Library  string
+	Protocol string
+	Double   *Double
+	Dir      string
+}
+
+// Main runs m and exits: against the real library the environment names
+// (Real), else against the double, built for this run into a temporary
+// directory named after prefix. ready receives the setup before any test
+// runs; its error fails the run.
+func Main(m *testing.M, prefix string, ready func(Setup) error) {
+	os.Exit(run(m, prefix, ready))
+}
+
+func run(m *testing.M, prefix string, ready func(Setup) error) int {
+	s, cleanup, err := setup(prefix)
+	defer cleanup()
+	if err == nil {
+		err = ready(s)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	return m.Run()
+}
+
+// setup is the real library the environment names, else the double built
+// into a new directory that cleanup removes.
+func setup(prefix string) (s Setup, cleanup func(), err error) {
+	cleanup = func() {}
+	if lib, proto, ok := Real(); ok {
+		return Setup{Library: lib, Protocol: proto}, cleanup, nil
+	}
+	if s.Dir, err = os.MkdirTemp("", prefix); err != nil {
+		return s, cleanup, err
+	}
+	dir := s.Dir
+	cleanup = func() { _ = os.RemoveAll(dir) }
+	if s.Library, err = Build(dir, "libtransfer_engine.so", false); err == nil {
+		s.Double, err = Open(s.Library)
+	}
+	return s, cleanup, err
+}
+
 // Stats are the double's process-wide counters.
 type Stats struct {
 	EnginesLive, BatchesLive, BatchesAllocated, BatchesFreed, BusyFrees, BadBatchIDs         int64
@@ -111,20 +155,14 @@ type Double struct {
 
 // Open loads the double at path (the same copy the transport loads).
 func Open(path string) (*Double, error) {
-	cp := C.CString(path)
-	defer C.free(unsafe.Pointer(cp))
-	var cerr *C.char
-	h := C.t_open(cp, &cerr)
-	if h == nil {
-		defer C.free(unsafe.Pointer(cerr))
-		return nil, fmt.Errorf("mooncaketest: load %s: %s", path, C.GoString(cerr))
+	lib, err := dl.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("mooncaketest: load %s: %v", path, err)
 	}
 	d := &Double{fn: map[string]unsafe.Pointer{}}
 	for _, name := range []string{"mcd_fail_next", "mcd_set_delay_us", "mcd_kill", "mcd_stats", "mcd_raw_write"} {
-		cn := C.CString(name)
-		f := C.t_sym(h, cn)
-		C.free(unsafe.Pointer(cn))
-		if f == nil {
+		f, err := lib.Sym(name)
+		if err != nil {
 			return nil, fmt.Errorf("mooncaketest: %s lacks %s", path, name)
 		}
 		d.fn[name] = f

@@ -195,10 +195,10 @@ static int g_fail_next;
 
 /* ---- helpers -------------------------------------------------------- */
 
-static int write_all(int fd, const void *p, size_t n) {
-    const char *c = p;
+/* move_all sends (or, with sending 0, receives) all n bytes at p. */
+static int move_all(int fd, char *c, size_t n, int sending) {
     while (n > 0) {
-        ssize_t k = send(fd, c, n, MSG_NOSIGNAL);
+        ssize_t k = sending ? send(fd, c, n, MSG_NOSIGNAL) : recv(fd, c, n, MSG_WAITALL);
         if (k < 0 && errno == EINTR) continue;
         if (k <= 0) return -1;
         c += k;
@@ -207,16 +207,14 @@ static int write_all(int fd, const void *p, size_t n) {
     return 0;
 }
 
-static int read_all(int fd, void *p, size_t n) {
-    char *c = p;
-    while (n > 0) {
-        ssize_t k = recv(fd, c, n, MSG_WAITALL);
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) return -1;
-        c += k;
-        n -= (size_t)k;
-    }
-    return 0;
+static int write_all(int fd, const void *p, size_t n) { return move_all(fd, (char *)p, n, 1); }
+static int read_all(int fd, void *p, size_t n) { return move_all(fd, p, n, 0); }
+
+/* count adds n to one of g_stats' counters, under g_mu. */
+static void count(int64_t *counter, int64_t n) {
+    pthread_mutex_lock(&g_mu);
+    *counter += n;
+    pthread_mutex_unlock(&g_mu);
 }
 
 static uint64_t random64(void) {
@@ -463,9 +461,7 @@ static void finish_task(task_t *t, int status, uint64_t done) {
     t->done = done;
     pthread_mutex_unlock(&e->mu);
     if (status != STATUS_COMPLETED) {
-        pthread_mutex_lock(&g_mu);
-        g_stats.tasks_failed++;
-        pthread_mutex_unlock(&g_mu);
+        count(&g_stats.tasks_failed, 1);
     }
 }
 
@@ -703,9 +699,7 @@ static int overlaps(engine_t *e, uintptr_t a, size_t n) {
 int registerLocalMemoryBatch(void *engine, buffer_entry_t *list, size_t n, const char *location) {
     (void)location;
     engine_t *e = engine;
-    pthread_mutex_lock(&g_mu);
-    g_stats.register_calls++;
-    pthread_mutex_unlock(&g_mu);
+    count(&g_stats.register_calls, 1);
     pthread_mutex_lock(&e->mu);
     int rc = 0;
     if (e->nregs + (int)n > MAX_REGS) rc = E_INVALID;
@@ -724,11 +718,7 @@ int registerLocalMemoryBatch(void *engine, buffer_entry_t *list, size_t n, const
         for (size_t i = 0; i < n; i++) e->regs[e->nregs++] = (reg_t){(uintptr_t)list[i].addr, list[i].length};
     }
     pthread_mutex_unlock(&e->mu);
-    if (!rc) {
-        pthread_mutex_lock(&g_mu);
-        g_stats.regs_live += (int64_t)n;
-        pthread_mutex_unlock(&g_mu);
-    }
+    if (!rc) count(&g_stats.regs_live, (int64_t)n);
     return rc;
 }
 
@@ -837,12 +827,18 @@ uint64_t allocateBatchID(void *engine, size_t cap) {
     return (uint64_t)(uintptr_t)b;
 }
 
+/* engine_batch is batch id if it is live and e's, else NULL. */
+static batch_t *engine_batch(engine_t *e, uint64_t id) {
+    pthread_mutex_lock(&g_mu);
+    batch_t *b = live_batch(id);
+    pthread_mutex_unlock(&g_mu);
+    return b && b->e == e ? b : NULL;
+}
+
 int submitTransfer(void *engine, uint64_t batch_id, struct transfer_request *reqs, size_t n) {
     engine_t *e = engine;
-    pthread_mutex_lock(&g_mu);
-    batch_t *b = live_batch(batch_id);
-    pthread_mutex_unlock(&g_mu);
-    if (!b || b->e != e) return S_INVALID;
+    batch_t *b = engine_batch(e, batch_id);
+    if (!b) return S_INVALID;
     pthread_mutex_lock(&e->mu);
     int rc = 0;
     if (!e->proto[0])
@@ -869,20 +865,14 @@ int submitTransfer(void *engine, uint64_t batch_id, struct transfer_request *req
         pthread_cond_signal(&e->cv);
     }
     pthread_mutex_unlock(&e->mu);
-    if (!rc) {
-        pthread_mutex_lock(&g_mu);
-        g_stats.tasks_submitted += (int64_t)n;
-        pthread_mutex_unlock(&g_mu);
-    }
+    if (!rc) count(&g_stats.tasks_submitted, (int64_t)n);
     return rc;
 }
 
 int getTransferStatus(void *engine, uint64_t batch_id, size_t task_id, struct transfer_status *out) {
     engine_t *e = engine;
-    pthread_mutex_lock(&g_mu);
-    batch_t *b = live_batch(batch_id);
-    pthread_mutex_unlock(&g_mu);
-    if (!b || b->e != e) return S_INVALID;
+    batch_t *b = engine_batch(e, batch_id);
+    if (!b) return S_INVALID;
     pthread_mutex_lock(&e->mu);
     int rc = 0;
     if (task_id >= b->n) {
