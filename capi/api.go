@@ -3,7 +3,6 @@ package capi
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"log/slog"
 	"os"
 	"runtime"
@@ -15,7 +14,6 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/node"
 	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
-	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
 var (
@@ -86,6 +84,65 @@ func unmarshal(what string, raw []byte, into any) error {
 	return nil
 }
 
+// open decodes an object's settings, opens it with them and hands back its
+// handle; nothing is opened when the settings are refused.
+func open[C any, O closer](raw []byte, decode func([]byte) (C, error), start func(C) (O, error)) (uint64, error) {
+	setup()
+	cfg, err := decode(raw)
+	if err != nil {
+		return 0, err
+	}
+	o, err := start(cfg)
+	if err != nil {
+		return 0, err
+	}
+	return handles.add(o), nil
+}
+
+// invalidIfRefused makes a decoder's refusal an invalid-argument status, for
+// decoders whose errors carry none of their own.
+func invalidIfRefused[C any](decode func([]byte) (C, error)) func([]byte) (C, error) {
+	return func(raw []byte) (C, error) {
+		cfg, err := decode(raw)
+		if err != nil {
+			return cfg, statusErr(StatusInvalid, "%v", err)
+		}
+		return cfg, nil
+	}
+}
+
+// lookupWith returns the object behind h as a T, and the argument of the
+// call named what decoded from raw as an I.
+func lookupWith[T closer, I any](h uint64, kind, what string, raw []byte) (T, I, error) {
+	var in I
+	o, err := lookup[T](h, kind)
+	if err != nil {
+		return o, in, err
+	}
+	if err := unmarshal(what, raw, &in); err != nil {
+		return o, in, err
+	}
+	return o, in, nil
+}
+
+// itemsReply encodes {"items": [...]}, one item a request item, made by
+// item from its index and its error text ("" when it succeeded).
+func itemsReply[I any](errs []error, item func(i int, errText string) I) ([]byte, error) {
+	out := make([]I, len(errs))
+	for i, e := range errs {
+		var text string
+		if e != nil {
+			text = e.Error()
+		}
+		out[i] = item(i, text)
+	}
+	return marshal(map[string]any{"items": out})
+}
+
+type transferIDsIn struct {
+	TransferIDs []string `json:"transfer_ids"`
+}
+
 // consumer ------------------------------------------------------------------
 
 type consumerObj struct{ *node.Consumer }
@@ -94,16 +151,10 @@ func (o *consumerObj) stats() any { return o.Stats() }
 
 // ConsumerOpen opens a consumer shard over the caller's slab.
 func ConsumerOpen(raw []byte, mem []byte) (uint64, error) {
-	setup()
-	cfg, err := config.DecodeConsumer(raw)
-	if err != nil {
-		return 0, err
-	}
-	c, err := node.OpenConsumer(cfg, mem, node.Options{})
-	if err != nil {
-		return 0, err
-	}
-	return handles.add(&consumerObj{c}), nil
+	return open(raw, config.DecodeConsumer, func(cfg config.Consumer) (*consumerObj, error) {
+		c, err := node.OpenConsumer(cfg, mem, node.Options{})
+		return &consumerObj{c}, err
+	})
 }
 
 // ConsumerInfo returns the shard's endpoints.
@@ -121,12 +172,8 @@ type hashesIn struct {
 
 // ConsumerAcquire pins ready items.
 func ConsumerAcquire(h uint64, raw []byte) ([]byte, error) {
-	c, err := lookup[*consumerObj](h, "consumer")
+	c, in, err := lookupWith[*consumerObj, hashesIn](h, "consumer", "acquire", raw)
 	if err != nil {
-		return nil, err
-	}
-	var in hashesIn
-	if err := unmarshal("acquire", raw, &in); err != nil {
 		return nil, err
 	}
 	return marshal(map[string]any{"items": c.Acquire(in.MMHashes)})
@@ -134,27 +181,15 @@ func ConsumerAcquire(h uint64, raw []byte) ([]byte, error) {
 
 // ConsumerRelease unpins items.
 func ConsumerRelease(h uint64, raw []byte) ([]byte, error) {
-	c, err := lookup[*consumerObj](h, "consumer")
+	c, in, err := lookupWith[*consumerObj, hashesIn](h, "consumer", "release", raw)
 	if err != nil {
-		return nil, err
-	}
-	var in hashesIn
-	if err := unmarshal("release", raw, &in); err != nil {
 		return nil, err
 	}
 	type item struct {
 		MMHash string `json:"mm_hash"`
 		Error  string `json:"error,omitempty"`
 	}
-	errs := c.Release(in.MMHashes)
-	out := make([]item, len(errs))
-	for i, e := range errs {
-		out[i].MMHash = in.MMHashes[i]
-		if e != nil {
-			out[i].Error = e.Error()
-		}
-	}
-	return marshal(map[string]any{"items": out})
+	return itemsReply(c.Release(in.MMHashes), func(i int, errText string) item { return item{in.MMHashes[i], errText} })
 }
 
 // producer ------------------------------------------------------------------
@@ -165,55 +200,31 @@ func (o *producerObj) stats() any { return o.Stats() }
 
 // ProducerOpen opens a producer.
 func ProducerOpen(raw []byte) (uint64, error) {
-	setup()
-	cfg, err := config.DecodeProducer(raw)
-	if err != nil {
-		return 0, err
-	}
-	p, err := node.OpenProducer(cfg, node.Options{})
-	if err != nil {
-		return 0, err
-	}
-	return handles.add(&producerObj{p}), nil
+	return open(raw, config.DecodeProducer, func(cfg config.Producer) (*producerObj, error) {
+		p, err := node.OpenProducer(cfg, node.Options{})
+		return &producerObj{p}, err
+	})
 }
 
 // ProducerSubmit announces pushes.
 func ProducerSubmit(h uint64, raw []byte) ([]byte, error) {
-	p, err := lookup[*producerObj](h, "producer")
-	if err != nil {
-		return nil, err
-	}
-	var in struct {
+	p, in, err := lookupWith[*producerObj, struct {
 		Pushes []producer.Push `json:"pushes"`
-	}
-	if err := unmarshal("submit", raw, &in); err != nil {
+	}](h, "producer", "submit", raw)
+	if err != nil {
 		return nil, err
 	}
 	type item struct {
 		TransferID string `json:"transfer_id"`
 		Error      string `json:"error,omitempty"`
 	}
-	errs := p.Submit(in.Pushes)
-	out := make([]item, len(errs))
-	for i, e := range errs {
-		out[i].TransferID = in.Pushes[i].TransferID
-		if e != nil {
-			out[i].Error = e.Error()
-		}
-	}
-	return marshal(map[string]any{"items": out})
+	return itemsReply(p.Submit(in.Pushes), func(i int, errText string) item { return item{in.Pushes[i].TransferID, errText} })
 }
 
 // ProducerCancel cancels pushes.
 func ProducerCancel(h uint64, raw []byte) error {
-	p, err := lookup[*producerObj](h, "producer")
+	p, in, err := lookupWith[*producerObj, transferIDsIn](h, "producer", "cancel", raw)
 	if err != nil {
-		return err
-	}
-	var in struct {
-		TransferIDs []string `json:"transfer_ids"`
-	}
-	if err := unmarshal("cancel", raw, &in); err != nil {
 		return err
 	}
 	p.Cancel(in.TransferIDs)
@@ -237,26 +248,16 @@ func (o *schedulerObj) stats() any { return o.Stats() }
 
 // SchedulerOpen opens a consumer scheduler.
 func SchedulerOpen(raw []byte) (uint64, error) {
-	setup()
-	cfg, err := config.DecodeScheduler(raw)
-	if err != nil {
-		return 0, err
-	}
-	s, err := node.OpenScheduler(cfg, node.Options{})
-	if err != nil {
-		return 0, err
-	}
-	return handles.add(&schedulerObj{s}), nil
+	return open(raw, config.DecodeScheduler, func(cfg config.Scheduler) (*schedulerObj, error) {
+		s, err := node.OpenScheduler(cfg, node.Options{})
+		return &schedulerObj{s}, err
+	})
 }
 
 // SchedulerStep applies one scheduler step.
 func SchedulerStep(h uint64, raw []byte) ([]byte, error) {
-	s, err := lookup[*schedulerObj](h, "scheduler")
+	s, in, err := lookupWith[*schedulerObj, scheduler.StepIn](h, "scheduler", "step", raw)
 	if err != nil {
-		return nil, err
-	}
-	var in scheduler.StepIn
-	if err := unmarshal("step", raw, &in); err != nil {
 		return nil, err
 	}
 	return marshal(s.Step(in))
@@ -287,14 +288,8 @@ func SchedulerWatch(h uint64, counter *uint64) error {
 
 // SchedulerWait blocks until the transfers are decided or the timeout.
 func SchedulerWait(h uint64, raw []byte, timeoutMs int32) ([]byte, error) {
-	s, err := lookup[*schedulerObj](h, "scheduler")
+	s, in, err := lookupWith[*schedulerObj, transferIDsIn](h, "scheduler", "wait", raw)
 	if err != nil {
-		return nil, err
-	}
-	var in struct {
-		TransferIDs []string `json:"transfer_ids"`
-	}
-	if err := unmarshal("wait", raw, &in); err != nil {
 		return nil, err
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(max(timeoutMs, 0))*time.Millisecond)

@@ -14,16 +14,10 @@ func GPUInfo() ([]byte, error) {
 // ConsumerOpenDevice opens a consumer shard over a receive slab in GPU
 // memory: [addr, addr+n) on the device of ordinal.
 func ConsumerOpenDevice(raw []byte, addr uintptr, n uint64, ordinal int) (uint64, error) {
-	setup()
-	cfg, err := config.DecodeConsumer(raw)
-	if err != nil {
-		return 0, err
-	}
-	c, err := node.OpenConsumerDevice(cfg, addr, n, ordinal, node.Options{})
-	if err != nil {
-		return 0, err
-	}
-	return handles.add(&consumerObj{c}), nil
+	return open(raw, config.DecodeConsumer, func(cfg config.Consumer) (*consumerObj, error) {
+		c, err := node.OpenConsumerDevice(cfg, addr, n, ordinal, node.Options{})
+		return &consumerObj{c}, err
+	})
 }
 
 // DeviceSource is one encoder output handed over with its device

@@ -23,26 +23,22 @@ func (t *handleTable) add(o closer) uint64 {
 	return t.next
 }
 
-func (t *handleTable) get(h uint64) (closer, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	o, ok := t.objs[h]
-	if !ok {
-		return nil, statusErr(StatusHandle, "handle %d is not open (never opened, or already closed)", h)
-	}
-	return o, nil
-}
+func (t *handleTable) get(h uint64) (closer, error) { return t.find(h, false) }
 
 // remove takes the object out of the table first, so that a concurrent
 // call with the same handle fails cleanly instead of racing the close.
-func (t *handleTable) remove(h uint64) (closer, error) {
+func (t *handleTable) remove(h uint64) (closer, error) { return t.find(h, true) }
+
+func (t *handleTable) find(h uint64, remove bool) (closer, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	o, ok := t.objs[h]
 	if !ok {
 		return nil, statusErr(StatusHandle, "handle %d is not open (never opened, or already closed)", h)
 	}
-	delete(t.objs, h)
+	if remove {
+		delete(t.objs, h)
+	}
 	return o, nil
 }
 

@@ -16,16 +16,10 @@ func (o *proxyObj) stats() any { return o.Stats() }
 
 // ProxyOpen starts an EPD proxy.
 func ProxyOpen(raw []byte) (uint64, error) {
-	setup()
-	cfg, err := proxy.DecodeConfig(raw)
-	if err != nil {
-		return 0, statusErr(StatusInvalid, "%v", err)
-	}
-	p, err := proxy.Open(cfg, slog.Default())
-	if err != nil {
-		return 0, err
-	}
-	return handles.add(&proxyObj{p}), nil
+	return open(raw, invalidIfRefused(proxy.DecodeConfig), func(cfg proxy.Config) (*proxyObj, error) {
+		p, err := proxy.Open(cfg, slog.Default())
+		return &proxyObj{p}, err
+	})
 }
 
 // registrar -----------------------------------------------------------------
@@ -36,16 +30,10 @@ func (o *registrarObj) stats() any { return o.Stats() }
 
 // RegistrarOpen starts keeping a registration alive at the proxies.
 func RegistrarOpen(raw []byte) (uint64, error) {
-	setup()
-	cfg, err := discovery.DecodeRegistrarConfig(raw)
-	if err != nil {
-		return 0, statusErr(StatusInvalid, "%v", err)
-	}
-	r, err := discovery.Start(cfg, slog.Default())
-	if err != nil {
-		return 0, err
-	}
-	return handles.add(&registrarObj{r}), nil
+	return open(raw, invalidIfRefused(discovery.DecodeRegistrarConfig), func(cfg discovery.RegistrarConfig) (*registrarObj, error) {
+		r, err := discovery.Start(cfg, slog.Default())
+		return &registrarObj{r}, err
+	})
 }
 
 // metrics -------------------------------------------------------------------
