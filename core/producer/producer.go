@@ -140,19 +140,9 @@ func Open(cfg config.Producer, opt Options) (_ *Producer, err error) {
 	if opt.Log == nil {
 		opt.Log = slog.Default()
 	}
-	secret, err := cfg.LoadSecret()
+	links, _, err := control.OpenLinks("producer", cfg.LoadSecret, false, opt.Links)
 	if err != nil {
-		return nil, fmt.Errorf("producer: %w", err)
-	}
-	sec, err := control.NewSecurity(secret, false)
-	if err != nil {
-		return nil, fmt.Errorf("producer: auth_secret: %w", err)
-	}
-	links := opt.Links
-	if links == nil {
-		if links, err = control.NewZMQ(sec); err != nil {
-			return nil, fmt.Errorf("producer: %w", err)
-		}
+		return nil, err
 	}
 	wait := cfg.PushWait()
 	p := &Producer{

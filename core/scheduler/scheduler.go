@@ -12,6 +12,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
+	"github.com/ecmooncake/ecmooncake/core/internal/due"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
@@ -84,19 +85,9 @@ func Open(cfg config.Scheduler, opt Options) (_ *Scheduler, err error) {
 			shards = append(shards, control.Endpoint(cfg.IP, config.ShardPort(cfg.Port, cfg.DPRank, cfg.TPSize, r)))
 		}
 	}
-	secret, err := cfg.LoadSecret()
+	links, _, err := control.OpenLinks("scheduler", cfg.LoadSecret, false, opt.Links)
 	if err != nil {
-		return nil, fmt.Errorf("scheduler: %w", err)
-	}
-	sec, err := control.NewSecurity(secret, false)
-	if err != nil {
-		return nil, fmt.Errorf("scheduler: auth_secret: %w", err)
-	}
-	links := opt.Links
-	if links == nil {
-		if links, err = control.NewZMQ(sec); err != nil {
-			return nil, fmt.Errorf("scheduler: %w", err)
-		}
+		return nil, err
 	}
 	sub, err := links.Subscribe(log)
 	if err != nil {
@@ -218,34 +209,20 @@ func (s *Scheduler) apply(evs ...wire.Event) {
 // ticker applies deadlines when they fall due.
 func (s *Scheduler) ticker() {
 	defer s.wg.Done()
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-	for {
-		wait := time.Hour
-		func() {
-			defer s.recover("tick")
-			s.mu.Lock()
-			defer s.mu.Unlock()
-			if fails := s.table.Tick(time.Now()); len(fails) > 0 {
-				s.noteFailuresLocked(fails)
-				s.changedLocked()
-			} else {
-				// A deadline can end a record that no request waits for
-				// (a resident copy): no failure, yet Has changes.
-				s.publishLocked()
-			}
-			if next, ok := s.table.NextDeadline(); ok {
-				wait = max(time.Until(next), time.Millisecond)
-			}
-		}()
-		timer.Reset(wait)
-		select {
-		case <-s.stop:
-			return
-		case <-s.kick:
-		case <-timer.C:
+	due.Loop(s.stop, s.kick, func() (next time.Time, ok bool) {
+		defer s.recover("tick")
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if fails := s.table.Tick(time.Now()); len(fails) > 0 {
+			s.noteFailuresLocked(fails)
+			s.changedLocked()
+		} else {
+			// A deadline can end a record that no request waits for (a
+			// resident copy): no failure, yet Has changes.
+			s.publishLocked()
 		}
-	}
+		return s.table.NextDeadline()
+	})
 }
 
 // follow keeps one shard's events flowing: it learns the shard's event
