@@ -1,13 +1,10 @@
 package consumer
 
 import (
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
-	"os"
 	"strconv"
 	"sync"
 	"time"
@@ -130,14 +127,6 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 	return s, nil
 }
 
-// newEpoch is the start time and 32 random bits: unique across restarts
-// even when two incarnations start within the clock's resolution.
-func newEpoch() string {
-	var b [4]byte
-	_, _ = rand.Read(b[:])
-	return fmt.Sprintf("%x-%s", time.Now().UnixNano(), hex.EncodeToString(b[:]))
-}
-
 // logSecurity says once, at startup, who can use the control plane: the
 // operator of a shard that anybody can drive must hear it.
 func (s *Shard) logSecurity(sec control.Security, bind string) {
@@ -154,19 +143,6 @@ func (s *Shard) logSecurity(sec control.Security, bind string) {
 		s.log.Warn("no auth_secret: the control plane serves loopback peers only (protected mode), so producers on other hosts are refused; "+
 			"set the same auth_secret on every producer, consumer and scheduler, or allow_unauthenticated: true", "control", bind)
 	}
-}
-
-// HostIdentity is what a shard reports as its host, and what a producer
-// compares with it to choose a same-host data plane: the configured name,
-// else the host name.
-func HostIdentity(configured string) string {
-	if configured != "" {
-		return configured
-	}
-	if h, err := os.Hostname(); err == nil {
-		return h
-	}
-	return "unknown"
 }
 
 // Info describes where the shard listens.

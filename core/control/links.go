@@ -95,6 +95,15 @@ func OpenLinks(role string, load func() (string, error), allowUnauthenticated bo
 	return z, sec, nil
 }
 
+// CloseIfFailed closes l, if there is one, when *err is set: deferred by a
+// constructor that owns the links it is given, so that it closes them
+// however it fails.
+func CloseIfFailed(err *error, l Links) {
+	if *err != nil && l != nil {
+		_ = l.Close()
+	}
+}
+
 // NewZMQ opens the zmq context of one process object.
 func NewZMQ(sec Security) (*ZMQ, error) {
 	zctx, err := zmq.NewContext()

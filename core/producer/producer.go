@@ -126,11 +126,7 @@ type Producer struct {
 
 // Open starts a producer.
 func Open(cfg config.Producer, opt Options) (_ *Producer, err error) {
-	defer func() {
-		if err != nil && opt.Links != nil {
-			_ = opt.Links.Close()
-		}
-	}()
+	defer control.CloseIfFailed(&err, opt.Links)
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}

@@ -67,11 +67,7 @@ type Options struct {
 // Open starts the background goroutines; it does not wait for the shards,
 // which may start later than the scheduler.
 func Open(cfg config.Scheduler, opt Options) (_ *Scheduler, err error) {
-	defer func() {
-		if err != nil && opt.Links != nil {
-			_ = opt.Links.Close()
-		}
-	}()
+	defer control.CloseIfFailed(&err, opt.Links)
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
