@@ -57,7 +57,7 @@ func Stats(h uint64) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	return marshal(o.(interface{ stats() any }).stats())
+	return marshal(o.stats())
 }
 
 // Close closes any object.
@@ -86,17 +86,17 @@ func unmarshal(what string, raw []byte, into any) error {
 
 // open decodes an object's settings, opens it with them and hands back its
 // handle; nothing is opened when the settings are refused.
-func open[C any, O closer](raw []byte, decode func([]byte) (C, error), start func(C) (O, error)) (uint64, error) {
+func open[C any, T closer](k *kind[T], raw []byte, decode func([]byte) (C, error), start func(C) (T, error)) (uint64, error) {
 	setup()
 	cfg, err := decode(raw)
 	if err != nil {
 		return 0, err
 	}
-	o, err := start(cfg)
+	v, err := start(cfg)
 	if err != nil {
 		return 0, err
 	}
-	return handles.add(o), nil
+	return k.add(v), nil
 }
 
 // invalidIfRefused makes a decoder's refusal an invalid-argument status, for
@@ -111,11 +111,11 @@ func invalidIfRefused[C any](decode func([]byte) (C, error)) func([]byte) (C, er
 	}
 }
 
-// lookupWith returns the object behind h as a T, and the argument of the
-// call named what decoded from raw as an I.
-func lookupWith[T closer, I any](h uint64, kind, what string, raw []byte) (T, I, error) {
+// lookupWith returns the object of kind k behind h, and the argument of
+// the call named what decoded from raw as an I.
+func lookupWith[I any, T closer](k *kind[T], h uint64, what string, raw []byte) (T, I, error) {
 	var in I
-	o, err := lookup[T](h, kind)
+	o, err := k.get(h)
 	if err != nil {
 		return o, in, err
 	}
@@ -145,21 +145,18 @@ type transferIDsIn struct {
 
 // consumer ------------------------------------------------------------------
 
-type consumerObj struct{ *node.Consumer }
-
-func (o *consumerObj) stats() any { return o.Stats() }
+var consumers = &kind[*node.Consumer]{"consumer", func(c *node.Consumer) any { return c.Stats() }}
 
 // ConsumerOpen opens a consumer shard over the caller's slab.
 func ConsumerOpen(raw []byte, mem []byte) (uint64, error) {
-	return open(raw, config.DecodeConsumer, func(cfg config.Consumer) (*consumerObj, error) {
-		c, err := node.OpenConsumer(cfg, mem, node.Options{})
-		return &consumerObj{c}, err
+	return open(consumers, raw, config.DecodeConsumer, func(cfg config.Consumer) (*node.Consumer, error) {
+		return node.OpenConsumer(cfg, mem, node.Options{})
 	})
 }
 
 // ConsumerInfo returns the shard's endpoints.
 func ConsumerInfo(h uint64) ([]byte, error) {
-	c, err := lookup[*consumerObj](h, "consumer")
+	c, err := consumers.get(h)
 	if err != nil {
 		return nil, err
 	}
@@ -172,7 +169,7 @@ type hashesIn struct {
 
 // ConsumerAcquire pins ready items.
 func ConsumerAcquire(h uint64, raw []byte) ([]byte, error) {
-	c, in, err := lookupWith[*consumerObj, hashesIn](h, "consumer", "acquire", raw)
+	c, in, err := lookupWith[hashesIn](consumers, h, "acquire", raw)
 	if err != nil {
 		return nil, err
 	}
@@ -181,7 +178,7 @@ func ConsumerAcquire(h uint64, raw []byte) ([]byte, error) {
 
 // ConsumerRelease unpins items.
 func ConsumerRelease(h uint64, raw []byte) ([]byte, error) {
-	c, in, err := lookupWith[*consumerObj, hashesIn](h, "consumer", "release", raw)
+	c, in, err := lookupWith[hashesIn](consumers, h, "release", raw)
 	if err != nil {
 		return nil, err
 	}
@@ -194,23 +191,22 @@ func ConsumerRelease(h uint64, raw []byte) ([]byte, error) {
 
 // producer ------------------------------------------------------------------
 
-type producerObj struct{ *node.Producer }
-
-func (o *producerObj) stats() any { return o.Stats() }
+var producers = &kind[*node.Producer]{"producer", func(p *node.Producer) any { return p.Stats() }}
 
 // ProducerOpen opens a producer.
 func ProducerOpen(raw []byte) (uint64, error) {
-	return open(raw, config.DecodeProducer, func(cfg config.Producer) (*producerObj, error) {
-		p, err := node.OpenProducer(cfg, node.Options{})
-		return &producerObj{p}, err
+	return open(producers, raw, config.DecodeProducer, func(cfg config.Producer) (*node.Producer, error) {
+		return node.OpenProducer(cfg, node.Options{})
 	})
+}
+
+type pushesIn struct {
+	Pushes []producer.Push `json:"pushes"`
 }
 
 // ProducerSubmit announces pushes.
 func ProducerSubmit(h uint64, raw []byte) ([]byte, error) {
-	p, in, err := lookupWith[*producerObj, struct {
-		Pushes []producer.Push `json:"pushes"`
-	}](h, "producer", "submit", raw)
+	p, in, err := lookupWith[pushesIn](producers, h, "submit", raw)
 	if err != nil {
 		return nil, err
 	}
@@ -223,7 +219,7 @@ func ProducerSubmit(h uint64, raw []byte) ([]byte, error) {
 
 // ProducerCancel cancels pushes.
 func ProducerCancel(h uint64, raw []byte) error {
-	p, in, err := lookupWith[*producerObj, transferIDsIn](h, "producer", "cancel", raw)
+	p, in, err := lookupWith[transferIDsIn](producers, h, "cancel", raw)
 	if err != nil {
 		return err
 	}
@@ -233,7 +229,7 @@ func ProducerCancel(h uint64, raw []byte) error {
 
 // ProducerPoll returns outcomes since the last poll.
 func ProducerPoll(h uint64, timeoutMs int32) ([]byte, error) {
-	p, err := lookup[*producerObj](h, "producer")
+	p, err := producers.get(h)
 	if err != nil {
 		return nil, err
 	}
@@ -242,21 +238,18 @@ func ProducerPoll(h uint64, timeoutMs int32) ([]byte, error) {
 
 // scheduler -----------------------------------------------------------------
 
-type schedulerObj struct{ *scheduler.Scheduler }
-
-func (o *schedulerObj) stats() any { return o.Stats() }
+var schedulers = &kind[*scheduler.Scheduler]{"scheduler", func(s *scheduler.Scheduler) any { return s.Stats() }}
 
 // SchedulerOpen opens a consumer scheduler.
 func SchedulerOpen(raw []byte) (uint64, error) {
-	return open(raw, config.DecodeScheduler, func(cfg config.Scheduler) (*schedulerObj, error) {
-		s, err := node.OpenScheduler(cfg, node.Options{})
-		return &schedulerObj{s}, err
+	return open(schedulers, raw, config.DecodeScheduler, func(cfg config.Scheduler) (*scheduler.Scheduler, error) {
+		return node.OpenScheduler(cfg, node.Options{})
 	})
 }
 
 // SchedulerStep applies one scheduler step.
 func SchedulerStep(h uint64, raw []byte) ([]byte, error) {
-	s, in, err := lookupWith[*schedulerObj, scheduler.StepIn](h, "scheduler", "step", raw)
+	s, in, err := lookupWith[scheduler.StepIn](schedulers, h, "step", raw)
 	if err != nil {
 		return nil, err
 	}
@@ -265,7 +258,7 @@ func SchedulerStep(h uint64, raw []byte) ([]byte, error) {
 
 // SchedulerHas answers has_cache_item.
 func SchedulerHas(h uint64, mmHash string) (bool, error) {
-	s, err := lookup[*schedulerObj](h, "scheduler")
+	s, err := schedulers.get(h)
 	if err != nil {
 		return false, err
 	}
@@ -275,7 +268,7 @@ func SchedulerHas(h uint64, mmHash string) (bool, error) {
 // SchedulerWatch makes the scheduler store its generation into *counter
 // whenever its table changes, until it is closed.
 func SchedulerWatch(h uint64, counter *uint64) error {
-	s, err := lookup[*schedulerObj](h, "scheduler")
+	s, err := schedulers.get(h)
 	if err != nil {
 		return err
 	}
@@ -288,7 +281,7 @@ func SchedulerWatch(h uint64, counter *uint64) error {
 
 // SchedulerWait blocks until the transfers are decided or the timeout.
 func SchedulerWait(h uint64, raw []byte, timeoutMs int32) ([]byte, error) {
-	s, in, err := lookupWith[*schedulerObj, transferIDsIn](h, "scheduler", "wait", raw)
+	s, in, err := lookupWith[transferIDsIn](schedulers, h, "wait", raw)
 	if err != nil {
 		return nil, err
 	}

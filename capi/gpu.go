@@ -14,9 +14,8 @@ func GPUInfo() ([]byte, error) {
 // ConsumerOpenDevice opens a consumer shard over a receive slab in GPU
 // memory: [addr, addr+n) on the device of ordinal.
 func ConsumerOpenDevice(raw []byte, addr uintptr, n uint64, ordinal int) (uint64, error) {
-	return open(raw, config.DecodeConsumer, func(cfg config.Consumer) (*consumerObj, error) {
-		c, err := node.OpenConsumerDevice(cfg, addr, n, ordinal, node.Options{})
-		return &consumerObj{c}, err
+	return open(consumers, raw, config.DecodeConsumer, func(cfg config.Consumer) (*node.Consumer, error) {
+		return node.OpenConsumerDevice(cfg, addr, n, ordinal, node.Options{})
 	})
 }
 
@@ -29,7 +28,7 @@ type DeviceSource = node.DeviceSource
 // item.
 func ProducerSourcesDevice(h uint64, srcs []DeviceSource) ([]uint64, error) {
 	ids := make([]uint64, len(srcs))
-	p, err := lookup[*producerObj](h, "producer")
+	p, err := producers.get(h)
 	if err != nil {
 		return ids, err
 	}

@@ -10,29 +10,23 @@ import (
 
 // proxy ---------------------------------------------------------------------
 
-type proxyObj struct{ *proxy.Proxy }
-
-func (o *proxyObj) stats() any { return o.Stats() }
+var proxies = &kind[*proxy.Proxy]{"proxy", func(p *proxy.Proxy) any { return p.Stats() }}
 
 // ProxyOpen starts an EPD proxy.
 func ProxyOpen(raw []byte) (uint64, error) {
-	return open(raw, invalidIfRefused(proxy.DecodeConfig), func(cfg proxy.Config) (*proxyObj, error) {
-		p, err := proxy.Open(cfg, slog.Default())
-		return &proxyObj{p}, err
+	return open(proxies, raw, invalidIfRefused(proxy.DecodeConfig), func(cfg proxy.Config) (*proxy.Proxy, error) {
+		return proxy.Open(cfg, slog.Default())
 	})
 }
 
 // registrar -----------------------------------------------------------------
 
-type registrarObj struct{ *discovery.Registrar }
-
-func (o *registrarObj) stats() any { return o.Stats() }
+var registrars = &kind[*discovery.Registrar]{"registrar", func(r *discovery.Registrar) any { return r.Stats() }}
 
 // RegistrarOpen starts keeping a registration alive at the proxies.
 func RegistrarOpen(raw []byte) (uint64, error) {
-	return open(raw, invalidIfRefused(discovery.DecodeRegistrarConfig), func(cfg discovery.RegistrarConfig) (*registrarObj, error) {
-		r, err := discovery.Start(cfg, slog.Default())
-		return &registrarObj{r}, err
+	return open(registrars, raw, invalidIfRefused(discovery.DecodeRegistrarConfig), func(cfg discovery.RegistrarConfig) (*discovery.Registrar, error) {
+		return discovery.Start(cfg, slog.Default())
 	})
 }
 
