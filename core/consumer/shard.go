@@ -1,10 +1,13 @@
 package consumer
 
 import (
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
 	"strconv"
 	"sync"
 	"time"
@@ -125,6 +128,14 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 	s.log.Info("consumer shard listening", "control", s.server.Endpoint(), "data", s.recv.Addr(), "epoch", s.epoch,
 		"events", s.events.Endpoint(), "slab_bytes", mem.Len, "transport", opt.Transport.Name())
 	return s, nil
+}
+
+// newEpoch is the start time and 32 random bits: unique across restarts
+// even when two incarnations start within the clock's resolution.
+func newEpoch() string {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return fmt.Sprintf("%x-%s", time.Now().UnixNano(), hex.EncodeToString(b[:]))
 }
 
 // logSecurity says once, at startup, who can use the control plane: the
@@ -329,4 +340,17 @@ func (s *Shard) sendEventsLocked() {
 		}
 		s.events.Send(ev)
 	}
+}
+
+// HostIdentity is what a shard reports as its host, and what a producer
+// compares with it to choose a same-host data plane: the configured name,
+// else the host name.
+func HostIdentity(configured string) string {
+	if configured != "" {
+		return configured
+	}
+	if h, err := os.Hostname(); err == nil {
+		return h
+	}
+	return "unknown"
 }

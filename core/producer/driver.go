@@ -20,7 +20,7 @@ import (
 // driver.
 func (p *Producer) driver() {
 	defer p.wg.Done()
-	due.Loop(p.stop, p.wake, func() (next time.Time, ok bool) {
+	due.Loop(p.life.Done(), p.wake, func() (next time.Time, ok bool) {
 		defer p.recover("driver")
 		p.mu.Lock()
 		defer p.mu.Unlock()

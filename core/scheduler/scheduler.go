@@ -40,7 +40,6 @@ type Scheduler struct {
 	// changed without calling in; nil until Watch, never written once
 	// closed.
 	watch   *uint64
-	closed  bool
 	waits   waitClock
 	unwatch func() // detaches the metrics probe
 
@@ -48,12 +47,11 @@ type Scheduler struct {
 	sub     control.Subscriber
 	cancels []chan []string // per shard
 	kick    chan struct{}
-	stop    chan struct{}
-	// life ends at Close, so that a control call in flight returns at once
-	// instead of at its deadline.
-	life    context.Context
-	endLife context.CancelFunc
-	wg      sync.WaitGroup
+	// life ends at Close: it stops the goroutines, and a control call in
+	// flight returns at once instead of at its deadline. Ended and ended
+	// under mu.
+	life *due.Life
+	wg   sync.WaitGroup
 }
 
 // Options carries what the caller chooses beyond the settings.
@@ -98,9 +96,8 @@ func Open(cfg config.Scheduler, opt Options) (_ *Scheduler, err error) {
 		changed: make(chan struct{}),
 		links:   links, sub: sub,
 		kick: make(chan struct{}, 1),
-		stop: make(chan struct{}),
+		life: due.NewLife(),
 	}
-	s.life, s.endLife = context.WithCancel(context.Background())
 	s.waits = waitClock{}
 	s.unwatch = metrics.Watch(s.metricsName(), s.probe)
 	s.wg.Add(2)
@@ -140,7 +137,7 @@ func (s *Scheduler) Generation() uint64 {
 func (s *Scheduler) Watch(counter *uint64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.closed {
+	if s.life.Ended() {
 		return
 	}
 	s.watch = counter
@@ -148,7 +145,7 @@ func (s *Scheduler) Watch(counter *uint64) {
 }
 
 func (s *Scheduler) publishLocked() {
-	if s.watch != nil && !s.closed {
+	if s.watch != nil && !s.life.Ended() {
 		// A plain word in the caller's memory, read by Python: sync/atomic's
 		// store on the raw address, where the library's own counters use
 		// go.uber.org/atomic's types.
@@ -173,7 +170,7 @@ func (s *Scheduler) pump() {
 	defer s.wg.Done()
 	for {
 		select {
-		case <-s.stop:
+		case <-s.life.Done():
 			return
 		case ev, ok := <-s.sub.Events():
 			if !ok {
@@ -205,7 +202,7 @@ func (s *Scheduler) apply(evs ...wire.Event) {
 // ticker applies deadlines when they fall due.
 func (s *Scheduler) ticker() {
 	defer s.wg.Done()
-	due.Loop(s.stop, s.kick, func() (next time.Time, ok bool) {
+	due.Loop(s.life.Done(), s.kick, func() (next time.Time, ok bool) {
 		defer s.recover("tick")
 		s.mu.Lock()
 		defer s.mu.Unlock()
@@ -257,7 +254,7 @@ func (s *Scheduler) follow(rank int, endpoint string, cancels <-chan []string) {
 	defer resync.Stop()
 	for {
 		select {
-		case <-s.stop:
+		case <-s.life.Done():
 			return
 		case ids := <-cancels:
 			var rep wire.CancelReply
@@ -391,7 +388,7 @@ func (s *Scheduler) sleep(d time.Duration) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
-	case <-s.stop:
+	case <-s.life.Done():
 		return false
 	case <-t.C:
 		return true
@@ -407,15 +404,12 @@ func (s *Scheduler) recover(what string) {
 // Close stops every goroutine and closes the sockets.
 func (s *Scheduler) Close() error {
 	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
+	ended := s.life.End()
+	s.watch = nil
+	s.mu.Unlock()
+	if !ended {
 		return nil
 	}
-	s.closed = true
-	s.watch = nil
-	close(s.stop)
-	s.endLife()
-	s.mu.Unlock()
 	s.unwatch()
 	err := s.sub.Close()
 	s.wg.Wait()

@@ -1,6 +1,7 @@
 package due
 
 import (
+	"context"
 	"testing"
 	"time"
 
@@ -33,4 +34,15 @@ func TestLoopStepsOnWakeAndDeadlineAndStopsAtStop(t *testing.T) {
 		t.Fatalf("step %d ran after stop", got)
 	default:
 	}
+}
+
+func TestLifeEndsOnceAndEndsItsContext(t *testing.T) {
+	l := NewLife()
+	require.False(t, l.Ended())
+	require.NoError(t, l.Err())
+	require.True(t, l.End())
+	require.False(t, l.End(), "a second End is a no-op")
+	require.True(t, l.Ended())
+	<-l.Done()
+	require.ErrorIs(t, l.Err(), context.Canceled)
 }
