@@ -49,6 +49,16 @@ declare -a NAMES RESULTS DETAILS
 
 record() { NAMES+=("$1"); RESULTS+=("$2"); DETAILS+=("$3"); }
 
+# summary prints every recorded step's result.
+summary() {
+	echo
+	echo "== summary ($(date -u +%Y-%m-%dT%H:%MZ))"
+	printf '%-20s %-6s %s\n' step result detail
+	for i in "${!NAMES[@]}"; do
+		printf '%-20s %-6s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${DETAILS[$i]}"
+	done
+}
+
 run() {
 	local out=${1:-/tmp/ecm-gpu-run} rc=0 log
 	mkdir -p "$out"
@@ -109,12 +119,7 @@ PY
 		[ "$bench_rc" = 0 ] || rc=1
 	fi
 
-	echo
-	echo "== summary ($(date -u +%Y-%m-%dT%H:%MZ))"
-	printf '%-20s %-6s %s\n' step result detail
-	for i in "${!NAMES[@]}"; do
-		printf '%-20s %-6s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${DETAILS[$i]}"
-	done
+	summary
 	sed -n '/^ecmooncake GPU bench/,$p' "$out/bench.log"
 	[ -f "$out/bench2.log" ] && sed -n '/^ecmooncake GPU bench/,$p' "$out/bench2.log"
 	return $rc
@@ -147,12 +152,7 @@ tcp() {
 			record "$name" PASS "every ratio within its ceiling"
 		fi
 	done
-	echo
-	echo "== summary ($(date -u +%Y-%m-%dT%H:%MZ))"
-	printf '%-20s %-6s %s\n' step result detail
-	for i in "${!NAMES[@]}"; do
-		printf '%-20s %-6s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${DETAILS[$i]}"
-	done
+	summary
 	return $rc
 }
 

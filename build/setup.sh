@@ -6,6 +6,7 @@
 # end-to-end test. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. build/apt.sh
 
 missing=()
 pkg-config --exists libzmq 2>/dev/null || missing+=(libzmq3-dev pkg-config)
@@ -13,13 +14,7 @@ command -v gcc >/dev/null || missing+=(gcc)
 command -v nm >/dev/null || missing+=(binutils)
 # ip and ss: the end-to-end test joins two network namespaces with a veth pair
 command -v ip >/dev/null && command -v ss >/dev/null || missing+=(iproute2)
-if ((${#missing[@]})); then
-  sudo=""
-  [ "$(id -u)" = 0 ] || sudo="sudo"
-  echo "setup: installing ${missing[*]}" >&2
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+apt_install "${missing[@]}"
 if ! command -v go >/dev/null; then
   echo "setup: Go 1.26 or newer is required (https://go.dev/dl/)" >&2
   exit 1

@@ -12,6 +12,7 @@
 # the benchmark with VENV/bin/python. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. build/apt.sh
 
 venv=${1:-${ECMOONCAKE_BENCH_PEERS_VENV:-.venv-bench-peers}}
 python=${PYTHON:-python3}
@@ -21,13 +22,7 @@ missing=()
 for pkg in libibverbs1 libnl-3-200 libnl-route-3-200; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
-if ((${#missing[@]})); then
-  sudo=""
-  [ "$(id -u)" = 0 ] || sudo="sudo"
-  echo "setup: installing ${missing[*]}" >&2
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+apt_install "${missing[@]}"
 if [ ! -x "$venv/bin/python" ]; then
   echo "setup: creating $venv" >&2
   "$python" -m venv --system-site-packages "$venv"

@@ -57,7 +57,7 @@ func Stats(h uint64) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	return marshal(o.(interface{ stats() any }).stats())
+	return marshal(o.stats())
 }
 
 // Close closes any object.
@@ -84,29 +84,79 @@ func unmarshal(what string, raw []byte, into any) error {
 	return nil
 }
 
+// open decodes an object's settings, opens it with them and hands back its
+// handle; nothing is opened when the settings are refused.
+func open[C any, T closer](k *kind[T], raw []byte, decode func([]byte) (C, error), start func(C) (T, error)) (uint64, error) {
+	setup()
+	cfg, err := decode(raw)
+	if err != nil {
+		return 0, err
+	}
+	v, err := start(cfg)
+	if err != nil {
+		return 0, err
+	}
+	return k.add(v), nil
+}
+
+// invalidIfRefused makes a decoder's refusal an invalid-argument status, for
+// decoders whose errors carry none of their own.
+func invalidIfRefused[C any](decode func([]byte) (C, error)) func([]byte) (C, error) {
+	return func(raw []byte) (C, error) {
+		cfg, err := decode(raw)
+		if err != nil {
+			return cfg, statusErr(StatusInvalid, "%v", err)
+		}
+		return cfg, nil
+	}
+}
+
+// lookupWith returns the object of kind k behind h, and the argument of
+// the call named what decoded from raw as an I.
+func lookupWith[I any, T closer](k *kind[T], h uint64, what string, raw []byte) (T, I, error) {
+	var in I
+	o, err := k.get(h)
+	if err != nil {
+		return o, in, err
+	}
+	if err := unmarshal(what, raw, &in); err != nil {
+		return o, in, err
+	}
+	return o, in, nil
+}
+
+// itemsReply encodes {"items": [...]}, one item a request item, made by
+// item from its index and its error text ("" when it succeeded).
+func itemsReply[I any](errs []error, item func(i int, errText string) I) ([]byte, error) {
+	out := make([]I, len(errs))
+	for i, e := range errs {
+		var text string
+		if e != nil {
+			text = e.Error()
+		}
+		out[i] = item(i, text)
+	}
+	return marshal(map[string]any{"items": out})
+}
+
+type transferIDsIn struct {
+	TransferIDs []string `json:"transfer_ids"`
+}
+
 // consumer ------------------------------------------------------------------
 
-type consumerObj struct{ *node.Consumer }
-
-func (o *consumerObj) stats() any { return o.Stats() }
+var consumers = &kind[*node.Consumer]{"consumer", func(c *node.Consumer) any { return c.Stats() }}
 
 // ConsumerOpen opens a consumer shard over the caller's slab.
 func ConsumerOpen(raw []byte, mem []byte) (uint64, error) {
-	setup()
-	cfg, err := config.DecodeConsumer(raw)
-	if err != nil {
-		return 0, err
-	}
-	c, err := node.OpenConsumer(cfg, mem, node.Options{})
-	if err != nil {
-		return 0, err
-	}
-	return handles.add(&consumerObj{c}), nil
+	return open(consumers, raw, config.DecodeConsumer, func(cfg config.Consumer) (*node.Consumer, error) {
+		return node.OpenConsumer(cfg, mem, node.Options{})
+	})
 }
 
 // ConsumerInfo returns the shard's endpoints.
 func ConsumerInfo(h uint64) ([]byte, error) {
-	c, err := lookup[*consumerObj](h, "consumer")
+	c, err := consumers.get(h)
 	if err != nil {
 		return nil, err
 	}
@@ -119,12 +169,8 @@ type hashesIn struct {
 
 // ConsumerAcquire pins ready items.
 func ConsumerAcquire(h uint64, raw []byte) ([]byte, error) {
-	c, err := lookup[*consumerObj](h, "consumer")
+	c, in, err := lookupWith[hashesIn](consumers, h, "acquire", raw)
 	if err != nil {
-		return nil, err
-	}
-	var in hashesIn
-	if err := unmarshal("acquire", raw, &in); err != nil {
 		return nil, err
 	}
 	return marshal(map[string]any{"items": c.Acquire(in.MMHashes)})
@@ -132,86 +178,49 @@ func ConsumerAcquire(h uint64, raw []byte) ([]byte, error) {
 
 // ConsumerRelease unpins items.
 func ConsumerRelease(h uint64, raw []byte) ([]byte, error) {
-	c, err := lookup[*consumerObj](h, "consumer")
+	c, in, err := lookupWith[hashesIn](consumers, h, "release", raw)
 	if err != nil {
-		return nil, err
-	}
-	var in hashesIn
-	if err := unmarshal("release", raw, &in); err != nil {
 		return nil, err
 	}
 	type item struct {
 		MMHash string `json:"mm_hash"`
 		Error  string `json:"error,omitempty"`
 	}
-	errs := c.Release(in.MMHashes)
-	out := make([]item, len(errs))
-	for i, e := range errs {
-		out[i].MMHash = in.MMHashes[i]
-		if e != nil {
-			out[i].Error = e.Error()
-		}
-	}
-	return marshal(map[string]any{"items": out})
+	return itemsReply(c.Release(in.MMHashes), func(i int, errText string) item { return item{in.MMHashes[i], errText} })
 }
 
 // producer ------------------------------------------------------------------
 
-type producerObj struct{ *node.Producer }
-
-func (o *producerObj) stats() any { return o.Stats() }
+var producers = &kind[*node.Producer]{"producer", func(p *node.Producer) any { return p.Stats() }}
 
 // ProducerOpen opens a producer.
 func ProducerOpen(raw []byte) (uint64, error) {
-	setup()
-	cfg, err := config.DecodeProducer(raw)
-	if err != nil {
-		return 0, err
-	}
-	p, err := node.OpenProducer(cfg, node.Options{})
-	if err != nil {
-		return 0, err
-	}
-	return handles.add(&producerObj{p}), nil
+	return open(producers, raw, config.DecodeProducer, func(cfg config.Producer) (*node.Producer, error) {
+		return node.OpenProducer(cfg, node.Options{})
+	})
+}
+
+type pushesIn struct {
+	Pushes []producer.Push `json:"pushes"`
 }
 
 // ProducerSubmit announces pushes.
 func ProducerSubmit(h uint64, raw []byte) ([]byte, error) {
-	p, err := lookup[*producerObj](h, "producer")
+	p, in, err := lookupWith[pushesIn](producers, h, "submit", raw)
 	if err != nil {
-		return nil, err
-	}
-	var in struct {
-		Pushes []producer.Push `json:"pushes"`
-	}
-	if err := unmarshal("submit", raw, &in); err != nil {
 		return nil, err
 	}
 	type item struct {
 		TransferID string `json:"transfer_id"`
 		Error      string `json:"error,omitempty"`
 	}
-	errs := p.Submit(in.Pushes)
-	out := make([]item, len(errs))
-	for i, e := range errs {
-		out[i].TransferID = in.Pushes[i].TransferID
-		if e != nil {
-			out[i].Error = e.Error()
-		}
-	}
-	return marshal(map[string]any{"items": out})
+	return itemsReply(p.Submit(in.Pushes), func(i int, errText string) item { return item{in.Pushes[i].TransferID, errText} })
 }
 
 // ProducerCancel cancels pushes.
 func ProducerCancel(h uint64, raw []byte) error {
-	p, err := lookup[*producerObj](h, "producer")
+	p, in, err := lookupWith[transferIDsIn](producers, h, "cancel", raw)
 	if err != nil {
-		return err
-	}
-	var in struct {
-		TransferIDs []string `json:"transfer_ids"`
-	}
-	if err := unmarshal("cancel", raw, &in); err != nil {
 		return err
 	}
 	p.Cancel(in.TransferIDs)
@@ -220,7 +229,7 @@ func ProducerCancel(h uint64, raw []byte) error {
 
 // ProducerPoll returns outcomes since the last poll.
 func ProducerPoll(h uint64, timeoutMs int32) ([]byte, error) {
-	p, err := lookup[*producerObj](h, "producer")
+	p, err := producers.get(h)
 	if err != nil {
 		return nil, err
 	}
@@ -229,32 +238,19 @@ func ProducerPoll(h uint64, timeoutMs int32) ([]byte, error) {
 
 // scheduler -----------------------------------------------------------------
 
-type schedulerObj struct{ *scheduler.Scheduler }
-
-func (o *schedulerObj) stats() any { return o.Stats() }
+var schedulers = &kind[*scheduler.Scheduler]{"scheduler", func(s *scheduler.Scheduler) any { return s.Stats() }}
 
 // SchedulerOpen opens a consumer scheduler.
 func SchedulerOpen(raw []byte) (uint64, error) {
-	setup()
-	cfg, err := config.DecodeScheduler(raw)
-	if err != nil {
-		return 0, err
-	}
-	s, err := node.OpenScheduler(cfg, node.Options{})
-	if err != nil {
-		return 0, err
-	}
-	return handles.add(&schedulerObj{s}), nil
+	return open(schedulers, raw, config.DecodeScheduler, func(cfg config.Scheduler) (*scheduler.Scheduler, error) {
+		return node.OpenScheduler(cfg, node.Options{})
+	})
 }
 
 // SchedulerStep applies one scheduler step.
 func SchedulerStep(h uint64, raw []byte) ([]byte, error) {
-	s, err := lookup[*schedulerObj](h, "scheduler")
+	s, in, err := lookupWith[scheduler.StepIn](schedulers, h, "step", raw)
 	if err != nil {
-		return nil, err
-	}
-	var in scheduler.StepIn
-	if err := unmarshal("step", raw, &in); err != nil {
 		return nil, err
 	}
 	return marshal(s.Step(in))
@@ -262,7 +258,7 @@ func SchedulerStep(h uint64, raw []byte) ([]byte, error) {
 
 // SchedulerHas answers has_cache_item.
 func SchedulerHas(h uint64, mmHash string) (bool, error) {
-	s, err := lookup[*schedulerObj](h, "scheduler")
+	s, err := schedulers.get(h)
 	if err != nil {
 		return false, err
 	}
@@ -272,7 +268,7 @@ func SchedulerHas(h uint64, mmHash string) (bool, error) {
 // SchedulerWatch makes the scheduler store its generation into *counter
 // whenever its table changes, until it is closed.
 func SchedulerWatch(h uint64, counter *uint64) error {
-	s, err := lookup[*schedulerObj](h, "scheduler")
+	s, err := schedulers.get(h)
 	if err != nil {
 		return err
 	}
@@ -285,14 +281,8 @@ func SchedulerWatch(h uint64, counter *uint64) error {
 
 // SchedulerWait blocks until the transfers are decided or the timeout.
 func SchedulerWait(h uint64, raw []byte, timeoutMs int32) ([]byte, error) {
-	s, err := lookup[*schedulerObj](h, "scheduler")
+	s, in, err := lookupWith[transferIDsIn](schedulers, h, "wait", raw)
 	if err != nil {
-		return nil, err
-	}
-	var in struct {
-		TransferIDs []string `json:"transfer_ids"`
-	}
-	if err := unmarshal("wait", raw, &in); err != nil {
 		return nil, err
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(max(timeoutMs, 0))*time.Millisecond)

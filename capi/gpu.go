@@ -14,16 +14,9 @@ func GPUInfo() ([]byte, error) {
 // ConsumerOpenDevice opens a consumer shard over a receive slab in GPU
 // memory: [addr, addr+n) on the device of ordinal.
 func ConsumerOpenDevice(raw []byte, addr uintptr, n uint64, ordinal int) (uint64, error) {
-	setup()
-	cfg, err := config.DecodeConsumer(raw)
-	if err != nil {
-		return 0, err
-	}
-	c, err := node.OpenConsumerDevice(cfg, addr, n, ordinal, node.Options{})
-	if err != nil {
-		return 0, err
-	}
-	return handles.add(&consumerObj{c}), nil
+	return open(consumers, raw, config.DecodeConsumer, func(cfg config.Consumer) (*node.Consumer, error) {
+		return node.OpenConsumerDevice(cfg, addr, n, ordinal, node.Options{})
+	})
 }
 
 // DeviceSource is one encoder output handed over with its device
@@ -35,7 +28,7 @@ type DeviceSource = node.DeviceSource
 // item.
 func ProducerSourcesDevice(h uint64, srcs []DeviceSource) ([]uint64, error) {
 	ids := make([]uint64, len(srcs))
-	p, err := lookup[*producerObj](h, "producer")
+	p, err := producers.get(h)
 	if err != nil {
 		return ids, err
 	}

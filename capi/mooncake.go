@@ -29,9 +29,7 @@ func MooncakeInfo(raw []byte) ([]byte, error) {
 
 // metadata server --------------------------------------------------------------
 
-type metadataObj struct{ *metadata.Server }
-
-func (o *metadataObj) stats() any { return o.Stats() }
+var metadataServers = &kind[*metadata.Server]{"metadata server", func(s *metadata.Server) any { return s.Stats() }}
 
 type metadataIn struct {
 	Host          string `json:"host"`
@@ -73,5 +71,5 @@ func MetadataServerOpen(raw []byte) (uint64, error) {
 	if err != nil {
 		return 0, statusErr(StatusIO, "%v", err)
 	}
-	return handles.add(&metadataObj{s}), nil
+	return metadataServers.add(s), nil
 }

@@ -10,42 +10,24 @@ import (
 
 // proxy ---------------------------------------------------------------------
 
-type proxyObj struct{ *proxy.Proxy }
-
-func (o *proxyObj) stats() any { return o.Stats() }
+var proxies = &kind[*proxy.Proxy]{"proxy", func(p *proxy.Proxy) any { return p.Stats() }}
 
 // ProxyOpen starts an EPD proxy.
 func ProxyOpen(raw []byte) (uint64, error) {
-	setup()
-	cfg, err := proxy.DecodeConfig(raw)
-	if err != nil {
-		return 0, statusErr(StatusInvalid, "%v", err)
-	}
-	p, err := proxy.Open(cfg, slog.Default())
-	if err != nil {
-		return 0, err
-	}
-	return handles.add(&proxyObj{p}), nil
+	return open(proxies, raw, invalidIfRefused(proxy.DecodeConfig), func(cfg proxy.Config) (*proxy.Proxy, error) {
+		return proxy.Open(cfg, slog.Default())
+	})
 }
 
 // registrar -----------------------------------------------------------------
 
-type registrarObj struct{ *discovery.Registrar }
-
-func (o *registrarObj) stats() any { return o.Stats() }
+var registrars = &kind[*discovery.Registrar]{"registrar", func(r *discovery.Registrar) any { return r.Stats() }}
 
 // RegistrarOpen starts keeping a registration alive at the proxies.
 func RegistrarOpen(raw []byte) (uint64, error) {
-	setup()
-	cfg, err := discovery.DecodeRegistrarConfig(raw)
-	if err != nil {
-		return 0, statusErr(StatusInvalid, "%v", err)
-	}
-	r, err := discovery.Start(cfg, slog.Default())
-	if err != nil {
-		return 0, err
-	}
-	return handles.add(&registrarObj{r}), nil
+	return open(registrars, raw, invalidIfRefused(discovery.DecodeRegistrarConfig), func(cfg discovery.RegistrarConfig) (*discovery.Registrar, error) {
+		return discovery.Start(cfg, slog.Default())
+	})
 }
 
 // metrics -------------------------------------------------------------------

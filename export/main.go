@@ -74,50 +74,44 @@ func memory(fn, what string, p unsafe.Pointer, n C.uint64_t) ([]byte, error) {
 	return unsafe.Slice((*byte)(p), int(n)), nil
 }
 
-// finishJSON runs f, whose answer is JSON for *out (the caller frees it
-// with ecm_free), once out is known to be writable.
-func finishJSON(errOut **C.char, fn string, out **C.char, f func() ([]byte, error)) C.int {
+// finishOut runs f once out is known to be writable (param names it in
+// the refusal) and stores its answer, made C by conv, in *out; *out is
+// zero whenever f fails.
+func finishOut[T, R any](errOut **C.char, fn, param string, out *T, f func() (R, error), conv func(R) T) C.int {
 	return finish(errOut, fn, func() error {
-		if err := capi.NotNil(fn, "out_json", out != nil); err != nil {
+		if err := capi.NotNil(fn, param, out != nil); err != nil {
 			return err
 		}
-		*out = nil
-		b, err := f()
+		var zero T
+		*out = zero
+		r, err := f()
 		if err != nil {
 			return err
 		}
-		*out = C.CString(string(b))
+		*out = conv(r)
 		return nil
 	})
+}
+
+// cText is text for C, freed by the caller with ecm_free.
+func cText(b []byte) *C.char { return C.CString(string(b)) }
+
+// finishJSON runs f, whose answer is JSON for *out (the caller frees it
+// with ecm_free), once out is known to be writable.
+func finishJSON(errOut **C.char, fn string, out **C.char, f func() ([]byte, error)) C.int {
+	return finishOut(errOut, fn, "out_json", out, f, cText)
 }
 
 // finishHandle runs f, which opens an object, once out is known to be
 // writable.
 func finishHandle(errOut **C.char, fn string, out *C.uint64_t, f func() (uint64, error)) C.int {
-	return finish(errOut, fn, func() error {
-		if err := capi.NotNil(fn, "out", out != nil); err != nil {
-			return err
-		}
-		*out = 0
-		h, err := f()
-		if err != nil {
-			return err
-		}
-		*out = C.uint64_t(h)
-		return nil
-	})
+	return finishOut(errOut, fn, "out", out, f, func(h uint64) C.uint64_t { return C.uint64_t(h) })
 }
 
 //export ecm_abi_version
 func ecm_abi_version(out *C.int32_t, errOut **C.char) C.int {
-	const fn = "ecm_abi_version"
-	return finish(errOut, fn, func() error {
-		if err := capi.NotNil(fn, "out_version", out != nil); err != nil {
-			return err
-		}
-		*out = C.int32_t(capi.ABIVersion)
-		return nil
-	})
+	return finishOut(errOut, "ecm_abi_version", "out_version", out,
+		func() (int32, error) { return capi.ABIVersion, nil }, func(v int32) C.int32_t { return C.int32_t(v) })
 }
 
 // ecm_free takes no fork check: a forked child must still be able to free
@@ -272,18 +266,13 @@ func ecm_scheduler_step(h C.uint64_t, in *C.char, out **C.char, errOut **C.char)
 
 //export ecm_scheduler_has
 func ecm_scheduler_has(h C.uint64_t, mmHash *C.char, out *C.int32_t, errOut **C.char) C.int {
-	const fn = "ecm_scheduler_has"
-	return finish(errOut, fn, func() error {
-		if err := capi.NotNil(fn, "out", out != nil); err != nil {
-			return err
-		}
-		ok, err := capi.SchedulerHas(uint64(h), goString(mmHash))
-		*out = 0
-		if ok {
-			*out = 1
-		}
-		return err
-	})
+	return finishOut(errOut, "ecm_scheduler_has", "out", out, func() (bool, error) { return capi.SchedulerHas(uint64(h), goString(mmHash)) },
+		func(ok bool) C.int32_t {
+			if ok {
+				return 1
+			}
+			return 0
+		})
 }
 
 //export ecm_scheduler_watch
@@ -316,19 +305,7 @@ func ecm_registrar_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
 
 //export ecm_metrics_text
 func ecm_metrics_text(out **C.char, errOut **C.char) C.int {
-	const fn = "ecm_metrics_text"
-	return finish(errOut, fn, func() error {
-		if err := capi.NotNil(fn, "out_text", out != nil); err != nil {
-			return err
-		}
-		*out = nil
-		b, err := capi.MetricsText()
-		if err != nil {
-			return err
-		}
-		*out = C.CString(string(b))
-		return nil
-	})
+	return finishOut(errOut, "ecm_metrics_text", "out_text", out, capi.MetricsText, cText)
 }
 
 //export ecm_metadata_server_open

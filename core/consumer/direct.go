@@ -3,8 +3,8 @@ package consumer
 import (
 	"time"
 
-	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/fsm/reserve"
+	"github.com/ecmooncake/ecmooncake/core/ids"
 )
 
 // One-sided data planes (mooncake: RDMA writes straight into the slab;

@@ -7,8 +7,8 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
-	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/fsm/reserve"
+	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
@@ -27,36 +27,25 @@ func (h handler) Handle(req wire.Request) wire.Reply {
 	case wire.OpEventPort:
 		return wire.OKReply(req.ID, wire.EventPortReply{Endpoint: s.events.Endpoint(), Epoch: s.epoch})
 	case wire.OpReserveBatch:
-		body, err := wire.DecodeBody[wire.ReserveBatch](req.Body)
-		if err != nil {
-			return badRequest(req, err)
-		}
-		return wire.OKReply(req.ID, s.reserve(body))
+		return answer(req, s.reserve)
 	case wire.OpCompleteBatch:
-		body, err := wire.DecodeBody[wire.CompleteBatch](req.Body)
-		if err != nil {
-			return badRequest(req, err)
-		}
-		return wire.OKReply(req.ID, s.complete(body))
+		return answer(req, s.complete)
 	case wire.OpCancel:
-		body, err := wire.DecodeBody[wire.Cancel](req.Body)
-		if err != nil {
-			return badRequest(req, err)
-		}
-		return wire.OKReply(req.ID, s.cancel(body))
+		return answer(req, s.cancel)
 	case wire.OpStatus:
-		body, err := wire.DecodeBody[wire.Status](req.Body)
-		if err != nil {
-			return badRequest(req, err)
-		}
-		return wire.OKReply(req.ID, s.status(body))
+		return answer(req, s.status)
 	default:
 		return wire.ErrReply(req.ID, wire.CodeUnknownOp, fmt.Sprintf("consumer shard does not serve op %q", req.Op))
 	}
 }
 
-func badRequest(req wire.Request, err error) wire.Reply {
-	return wire.ErrReply(req.ID, wire.CodeBadRequest, fmt.Sprintf("%s: %v", req.Op, err))
+// answer decodes req's body as a B and replies with what op makes of it.
+func answer[B interface{ Validate() error }, R any](req wire.Request, op func(B) R) wire.Reply {
+	body, err := wire.DecodeBody[B](req.Body)
+	if err != nil {
+		return wire.ErrReply(req.ID, wire.CodeBadRequest, fmt.Sprintf("%s: %v", req.Op, err))
+	}
+	return wire.OKReply(req.ID, op(body))
 }
 
 // peers describes the whole consumer as this shard knows it: every shard's

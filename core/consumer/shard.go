@@ -17,6 +17,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/fsm/reserve"
 	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/internal/due"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
@@ -86,7 +87,7 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 	s = &Shard{
 		cfg:   cfg,
 		log:   opt.Log.With("shard", cfg.TPRank, "dp_rank", cfg.DPRank),
-		host:  hostIdentity(cfg.Host),
+		host:  HostIdentity(cfg.Host),
 		epoch: newEpoch(),
 		kick:  make(chan struct{}, 1),
 		stop:  make(chan struct{}),
@@ -103,15 +104,11 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 			opened.shutdown()
 		}
 	}()
-	sec, err := security(cfg)
+	links, sec, err := control.OpenLinks("consumer", cfg.LoadSecret, cfg.AllowUnauthenticated, opt.Links)
 	if err != nil {
 		return nil, err
 	}
-	if s.links == nil {
-		if s.links, err = control.NewZMQ(sec); err != nil {
-			return nil, fmt.Errorf("consumer: %w", err)
-		}
-	}
+	s.links = links
 	if s.events, err = s.links.Publish(cfg.IP, s.log); err != nil {
 		return nil, fmt.Errorf("consumer: event socket on %s: %w", cfg.IP, err)
 	}
@@ -141,19 +138,6 @@ func newEpoch() string {
 	return fmt.Sprintf("%x-%s", time.Now().UnixNano(), hex.EncodeToString(b[:]))
 }
 
-// security builds the control plane's security from the settings.
-func security(cfg config.Consumer) (control.Security, error) {
-	secret, err := cfg.LoadSecret()
-	if err != nil {
-		return control.Security{}, fmt.Errorf("consumer: %w", err)
-	}
-	sec, err := control.NewSecurity(secret, cfg.AllowUnauthenticated)
-	if err != nil {
-		return control.Security{}, fmt.Errorf("consumer: auth_secret: %w", err)
-	}
-	return sec, nil
-}
-
 // logSecurity says once, at startup, who can use the control plane: the
 // operator of a shard that anybody can drive must hear it.
 func (s *Shard) logSecurity(sec control.Security, bind string) {
@@ -170,16 +154,6 @@ func (s *Shard) logSecurity(sec control.Security, bind string) {
 		s.log.Warn("no auth_secret: the control plane serves loopback peers only (protected mode), so producers on other hosts are refused; "+
 			"set the same auth_secret on every producer, consumer and scheduler, or allow_unauthenticated: true", "control", bind)
 	}
-}
-
-func hostIdentity(configured string) string {
-	if configured != "" {
-		return configured
-	}
-	if h, err := os.Hostname(); err == nil {
-		return h
-	}
-	return "unknown"
 }
 
 // Info describes where the shard listens.
@@ -316,23 +290,7 @@ func (s *Shard) shutdown() error {
 // ticker applies lease expiries when they fall due.
 func (s *Shard) ticker() {
 	defer close(s.done)
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-	for {
-		s.mu.Lock()
-		next, ok := s.nextDeadlineLocked()
-		s.mu.Unlock()
-		wait := time.Hour
-		if ok {
-			wait = max(time.Until(next), time.Millisecond)
-		}
-		timer.Reset(wait)
-		select {
-		case <-s.stop:
-			return
-		case <-s.kick:
-		case <-timer.C:
-		}
+	due.Loop(s.stop, s.kick, func() (time.Time, bool) {
 		s.safely("tick", func() {
 			s.mu.Lock()
 			s.table.Tick(time.Now())
@@ -340,7 +298,10 @@ func (s *Shard) ticker() {
 			s.sendEventsLocked()
 			s.mu.Unlock()
 		})
-	}
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.nextDeadlineLocked()
+	})
 }
 
 // safely runs f and turns a panic into a log line: a broken invariant in
@@ -379,4 +340,17 @@ func (s *Shard) sendEventsLocked() {
 		}
 		s.events.Send(ev)
 	}
+}
+
+// HostIdentity is what a shard reports as its host, and what a producer
+// compares with it to choose a same-host data plane: the configured name,
+// else the host name.
+func HostIdentity(configured string) string {
+	if configured != "" {
+		return configured
+	}
+	if h, err := os.Hostname(); err == nil {
+		return h
+	}
+	return "unknown"
 }

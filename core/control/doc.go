@@ -37,6 +37,9 @@
 // production Links; InmemNetwork (inmem.go) is the fake beside it, which
 // keeps the codec, the one-request-at-a-time server and the event order,
 // and can partition, delay and heal the link between any two objects.
+// Each runtime takes its links from OpenLinks, which checks auth_secret
+// and opens ZMQ links with its security unless the caller gave links of
+// its own; CloseIfFailed closes given links when the runtime's Open fails.
 //
 // # Security
 //

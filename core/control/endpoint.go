@@ -2,6 +2,7 @@ package control
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"strconv"
@@ -10,6 +11,9 @@ import (
 )
 
 const tcpScheme = "tcp://"
+
+// ErrBadEndpoint: an endpoint that is not tcp://host:port.
+var ErrBadEndpoint = errors.New("bad endpoint")
 
 // resolveTimeout bounds a hostname lookup so that a dead resolver cannot
 // hang a constructor or a Connect.

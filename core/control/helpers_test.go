@@ -31,15 +31,22 @@ func harness(t *testing.T) *zmq.Context {
 	t.Cleanup(func() {
 		termed := make(chan error, 1)
 		go func() { termed <- zctx.Term() }()
-		select {
-		case err := <-termed:
-			require.NoError(t, err)
-		case <-time.After(settle):
-			t.Fatal("zmq context did not terminate: a socket was left open")
-		}
+		requireWithin(t, termed, "zmq context did not terminate: a socket was left open")
 		requireGoroutinesBack(t, before)
 	})
 	return zctx
+}
+
+// requireWithin waits, at most settle, for one error from done and
+// requires it nil; hung says what a wait that ran out means.
+func requireWithin(t *testing.T, done <-chan error, hung string) {
+	t.Helper()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(settle):
+		t.Fatal(hung)
+	}
 }
 
 func requireGoroutinesBack(t *testing.T, before int) {

@@ -113,15 +113,23 @@ func (n *InmemNetwork) port() int {
 	return n.nextPort
 }
 
+// unbind takes v out of the network's table of bound endpoints, unless
+// another took its endpoint since.
+func unbind[V comparable](n *InmemNetwork, bound map[string]V, endpoint string, v V) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if bound[endpoint] == v {
+		delete(bound, endpoint)
+	}
+}
+
 // inmemWait sleeps d, or until done closes (then false).
 func inmemWait(d time.Duration, done <-chan struct{}) bool {
 	if d <= 0 {
 		return true
 	}
-	t := time.NewTimer(d)
-	defer t.Stop()
 	select {
-	case <-t.C:
+	case <-time.After(d):
 		return true
 	case <-done:
 		return false
@@ -250,11 +258,7 @@ func (s *inmemServer) Stats() ServerStats {
 }
 
 func (s *inmemServer) Close() error {
-	s.n.mu.Lock()
-	if s.n.servers[s.endpoint] == s {
-		delete(s.n.servers, s.endpoint)
-	}
-	s.n.mu.Unlock()
+	unbind(s.n, s.n.servers, s.endpoint, s)
 	s.mu.Lock()
 	s.closed = true
 	s.mu.Unlock()
@@ -488,11 +492,7 @@ func (p *inmemPub) Stats() PubStats {
 // Close stops the pump and waits for it; queued events are lost.
 func (p *inmemPub) Close() error {
 	p.once.Do(func() {
-		p.n.mu.Lock()
-		if p.n.pubs[p.endpoint] == p {
-			delete(p.n.pubs, p.endpoint)
-		}
-		p.n.mu.Unlock()
+		unbind(p.n, p.n.pubs, p.endpoint, p)
 		close(p.quit)
 		<-p.done
 	})

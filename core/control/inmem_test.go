@@ -130,14 +130,22 @@ func event(i int) wire.Event {
 	return wire.Event{Shard: 0, TransferID: fmt.Sprintf("t%d", i), MMHash: fmt.Sprintf("h%d", i), Ready: true, NBytes: 1}
 }
 
-func TestInmemEventsKeepOrderAndDropOverACutLink(t *testing.T) {
-	before := runtime.NumGoroutine()
+// inmemEvents is a publisher on the links of "shard" and a subscriber on
+// those of "scheduler", not yet connected; the test closes the links.
+func inmemEvents(t *testing.T) (*InmemNetwork, *InmemLinks, *InmemLinks, Publisher, Subscriber) {
+	t.Helper()
 	n := NewInmemNetwork()
 	shard, sched := n.Links("shard"), n.Links("scheduler")
 	pub, err := shard.Publish("127.0.0.1", slog.Default())
 	require.NoError(t, err)
 	sub, err := sched.Subscribe(slog.Default())
 	require.NoError(t, err)
+	return n, shard, sched, pub, sub
+}
+
+func TestInmemEventsKeepOrderAndDropOverACutLink(t *testing.T) {
+	before := runtime.NumGoroutine()
+	n, shard, sched, pub, sub := inmemEvents(t)
 
 	// Sent before anybody subscribed: held for the first subscriber.
 	pub.Send(event(1))
@@ -178,12 +186,7 @@ func TestInmemEventsKeepOrderAndDropOverACutLink(t *testing.T) {
 // either end releases it.
 func TestInmemSlowReaderDoesNotWedgeClose(t *testing.T) {
 	before := runtime.NumGoroutine()
-	n := NewInmemNetwork()
-	shard, sched := n.Links("shard"), n.Links("scheduler")
-	pub, err := shard.Publish("127.0.0.1", slog.Default())
-	require.NoError(t, err)
-	sub, err := sched.Subscribe(slog.Default())
-	require.NoError(t, err)
+	_, shard, sched, pub, sub := inmemEvents(t)
 	require.NoError(t, sub.Connect(pub.Endpoint()))
 	for i := range EventQueue + 10 {
 		pub.Send(event(i + 1))
@@ -193,12 +196,7 @@ func TestInmemSlowReaderDoesNotWedgeClose(t *testing.T) {
 	go func() { done <- sched.Close() }()
 	go func() { done <- shard.Close() }()
 	for range 2 {
-		select {
-		case err := <-done:
-			require.NoError(t, err)
-		case <-time.After(settle):
-			t.Fatal("close hung behind a reader that does not read")
-		}
+		requireWithin(t, done, "close hung behind a reader that does not read")
 	}
 	requireGoroutinesBack(t, before)
 }

@@ -72,6 +72,38 @@ type ZMQ struct {
 	sec  Security
 }
 
+// OpenLinks derives the security of the secret that load reads and
+// returns given, or, when given is nil, ZeroMQ links secured with it; the
+// security comes back too, since it is checked even when links are
+// given. role begins every error. allowUnauthenticated is NewSecurity's.
+func OpenLinks(role string, load func() (string, error), allowUnauthenticated bool, given Links) (Links, Security, error) {
+	secret, err := load()
+	if err != nil {
+		return nil, Security{}, fmt.Errorf("%s: %w", role, err)
+	}
+	sec, err := NewSecurity(secret, allowUnauthenticated)
+	if err != nil {
+		return nil, Security{}, fmt.Errorf("%s: auth_secret: %w", role, err)
+	}
+	if given != nil {
+		return given, sec, nil
+	}
+	z, err := NewZMQ(sec)
+	if err != nil {
+		return nil, Security{}, fmt.Errorf("%s: %w", role, err)
+	}
+	return z, sec, nil
+}
+
+// CloseIfFailed closes l, if there is one, when *err is set: deferred by a
+// constructor that owns the links it is given, so that it closes them
+// however it fails.
+func CloseIfFailed(err *error, l Links) {
+	if *err != nil && l != nil {
+		_ = l.Close()
+	}
+}
+
 // NewZMQ opens the zmq context of one process object.
 func NewZMQ(sec Security) (*ZMQ, error) {
 	zctx, err := zmq.NewContext()

@@ -23,8 +23,6 @@ var (
 	// ErrStopped: the socket's goroutine stopped on its own (a panic, a
 	// terminated context); the object is unusable and should be closed.
 	ErrStopped = errors.New("control: socket goroutine stopped")
-	// ErrBadEndpoint: an endpoint that is not tcp://host:port.
-	ErrBadEndpoint = errors.New("bad endpoint")
 )
 
 // tickInterval is how often a parked owner wakes with nothing to do.

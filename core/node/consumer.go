@@ -90,7 +90,7 @@ func OpenConsumerDevice(cfg config.Consumer, addr uintptr, n uint64, ordinal int
 		tr = route.New(route.Config{
 			Network: staged.New(staged.Config{Inner: network, Slab: mem, SlabDevice: dev, StagingBytes: cfg.Staging(), Logger: log}),
 			Local:   cudaipc.New(cudaipc.Config{Slab: mem, SlabDevice: dev, Logger: log}),
-			Host:    hostIdentity(cfg.Host), Logger: log,
+			Host:    consumer.HostIdentity(cfg.Host), Logger: log,
 		})
 	}
 	meta, err := startMetadata(cfg, opt)
@@ -126,7 +126,7 @@ func consumerNetwork(cfg config.Consumer, opt Options) (transport.Transport, err
 	case mooncake.Name:
 		return newMooncake(mooncake.FromConsumer(cfg, log))
 	case shm.Name:
-		return shm.New(shm.Config{Host: hostIdentity(cfg.Host), SlabFD: cfg.SlabFD, MaxConns: cfg.MaxDataConns, Logger: log}), nil
+		return shm.New(shm.Config{Host: consumer.HostIdentity(cfg.Host), SlabFD: cfg.SlabFD, MaxConns: cfg.MaxDataConns, Logger: log}), nil
 	case "tcp":
 		return transport.NewTCP(transport.TCPConfig{
 			MaxConns: cfg.MaxDataConns, IdleTimeout: cfg.DataIdleTimeout(), FrameTimeout: cfg.DataFrameTimeout(), Logger: log,

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/cuda"
@@ -85,18 +84,6 @@ func (e *kindError) Is(target error) bool { return target == e.kind }
 
 func kindf(kind error, format string, args ...any) error {
 	return &kindError{kind: kind, err: fmt.Errorf(format, args...)}
-}
-
-// hostIdentity is what a producer compares with a shard's reported host;
-// it matches the consumer's default (the hostname).
-func hostIdentity(configured string) string {
-	if configured != "" {
-		return configured
-	}
-	if h, err := os.Hostname(); err == nil {
-		return h
-	}
-	return "unknown"
 }
 
 // unknownTransport is the error for a transport name this build lacks.

@@ -6,9 +6,10 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/ecmooncake/ecmooncake/core/ids"
-	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/fsm/push"
+	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/internal/due"
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
@@ -19,29 +20,15 @@ import (
 // driver.
 func (p *Producer) driver() {
 	defer p.wg.Done()
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-	for {
-		wait := time.Hour
-		func() {
-			defer p.recover("driver")
-			p.mu.Lock()
-			defer p.mu.Unlock()
-			now := time.Now()
-			p.mgr.Tick(now)
-			p.applyLocked(p.mgr.Ready(now))
-			if next, ok := p.mgr.NextDeadline(); ok {
-				wait = max(time.Until(next), time.Millisecond)
-			}
-		}()
-		timer.Reset(wait)
-		select {
-		case <-p.stop:
-			return
-		case <-p.wake:
-		case <-timer.C:
-		}
-	}
+	due.Loop(p.life.Done(), p.wake, func() (next time.Time, ok bool) {
+		defer p.recover("driver")
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		now := time.Now()
+		p.mgr.Tick(now)
+		p.applyLocked(p.mgr.Ready(now))
+		return p.mgr.NextDeadline()
+	})
 }
 
 // applyLocked records outcomes and launches one goroutine per batch.
@@ -267,12 +254,7 @@ func (p *Producer) notePlaneLocked(dest string, pl plane) {
 // data plane after granting.
 func (p *Producer) write(dest, addr string, cached bool, ws []push.Write, items []transport.WriteItem) {
 	start := time.Now()
-	p.mu.Lock()
-	if t, ok := p.granted[dest]; ok {
-		delete(p.granted, dest)
-		metrics.Phase(metrics.PhaseWriteHandoff, start.Sub(t))
-	}
-	p.mu.Unlock()
+	p.handedOff(p.granted, dest, metrics.PhaseWriteHandoff, start)
 	errs := p.writeTo(dest, addr, items)
 	if cached {
 		p.retryStale(dest, addr, items, errs)
@@ -380,18 +362,24 @@ func (p *Producer) forgetConsumerLocked(dest string) {
 	}
 }
 
+// handedOff times the hand-off to dest that began at since[dest], if one
+// is waiting, and ends it.
+func (p *Producer) handedOff(since map[string]time.Time, dest string, phase string, now time.Time) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if t, ok := since[dest]; ok {
+		delete(since, dest)
+		metrics.Phase(phase, now.Sub(t))
+	}
+}
+
 func (p *Producer) complete(dest string, cs []push.Complete) {
 	req := wire.CompleteBatch{Items: make([]wire.CompleteItem, len(cs))}
 	for i, c := range cs {
 		req.Items[i] = wire.CompleteItem{TransferID: c.TransferID, Res: uint64(c.Res), Token: c.Token}
 	}
 	start := time.Now()
-	p.mu.Lock()
-	if t, ok := p.wrote[dest]; ok {
-		delete(p.wrote, dest)
-		metrics.Phase(metrics.PhaseCompleteHandoff, start.Sub(t))
-	}
-	p.mu.Unlock()
+	p.handedOff(p.wrote, dest, metrics.PhaseCompleteHandoff, start)
 	var rep wire.CompleteBatchReply
 	err := p.call(dest, wire.OpCompleteBatch, req, &rep)
 	if err == nil {

@@ -11,6 +11,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/fsm/push"
+	"github.com/ecmooncake/ecmooncake/core/internal/due"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
@@ -111,26 +112,20 @@ type Producer struct {
 	outReady       chan struct{} // closed and replaced when out gains something
 	roundTrip      uint64
 	batches        uint64
-	closed         bool
 
 	wake chan struct{}
-	stop chan struct{}
-	// life ends at Close, so that control calls and writes in flight
-	// return at once instead of at their deadlines.
-	life    context.Context
-	endLife context.CancelFunc
-	wg      sync.WaitGroup
+	// life ends at Close: it stops the driver, and control calls and
+	// writes in flight return at once instead of at their deadlines.
+	// Ended and ended under mu.
+	life *due.Life
+	wg   sync.WaitGroup
 
 	unwatch func() // detaches the metrics probe
 }
 
 // Open starts a producer.
 func Open(cfg config.Producer, opt Options) (_ *Producer, err error) {
-	defer func() {
-		if err != nil && opt.Links != nil {
-			_ = opt.Links.Close()
-		}
-	}()
+	defer control.CloseIfFailed(&err, opt.Links)
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -140,19 +135,9 @@ func Open(cfg config.Producer, opt Options) (_ *Producer, err error) {
 	if opt.Log == nil {
 		opt.Log = slog.Default()
 	}
-	secret, err := cfg.LoadSecret()
+	links, _, err := control.OpenLinks("producer", cfg.LoadSecret, false, opt.Links)
 	if err != nil {
-		return nil, fmt.Errorf("producer: %w", err)
-	}
-	sec, err := control.NewSecurity(secret, false)
-	if err != nil {
-		return nil, fmt.Errorf("producer: auth_secret: %w", err)
-	}
-	links := opt.Links
-	if links == nil {
-		if links, err = control.NewZMQ(sec); err != nil {
-			return nil, fmt.Errorf("producer: %w", err)
-		}
+		return nil, err
 	}
 	wait := cfg.PushWait()
 	p := &Producer{
@@ -171,9 +156,8 @@ func Open(cfg config.Producer, opt Options) (_ *Producer, err error) {
 		wrote:     map[string]time.Time{},
 		outReady:  make(chan struct{}),
 		wake:      make(chan struct{}, 1),
-		stop:      make(chan struct{}),
+		life:      due.NewLife(),
 	}
-	p.life, p.endLife = context.WithCancel(context.Background())
 	p.wg.Add(1)
 	go p.driver()
 	p.unwatch = metrics.Watch("producer", p.probe)
@@ -192,7 +176,7 @@ func (p *Producer) Submit(pushes []Push) []error {
 	now := time.Now()
 	for i, ps := range pushes {
 		switch {
-		case p.closed:
+		case p.life.Ended():
 			errs[i] = ErrClosed
 		case ps.TransferID == "" || ps.MMHash == "":
 			errs[i] = fmt.Errorf("producer: push needs transfer_id and mm_hash (got %q, %q)", ps.TransferID, ps.MMHash)
@@ -234,7 +218,7 @@ func (p *Producer) admit(group []Push, ci *consumerInfo) {
 	defer p.recover("admit")
 	select {
 	case <-ci.ready:
-	case <-p.stop:
+	case <-p.life.Done():
 		return
 	}
 	p.mu.Lock()
@@ -391,7 +375,7 @@ func (p *Producer) Sources(srcs []Source) (ids []push.SourceID, errs []error) {
 	defer p.mu.Unlock()
 	now := time.Now()
 	for i, s := range srcs {
-		if p.closed {
+		if p.life.Ended() {
 			errs[i] = ErrClosed
 			continue
 		}
@@ -435,7 +419,7 @@ func (p *Producer) Poll(timeout time.Duration) Outcomes {
 	deadline := time.Now().Add(timeout)
 	for {
 		p.mu.Lock()
-		if !p.out.empty() || timeout <= 0 || p.closed || !time.Now().Before(deadline) {
+		if !p.out.empty() || timeout <= 0 || p.life.Ended() || !time.Now().Before(deadline) {
 			o := p.out
 			o.Pending = p.mgr.Pending()
 			p.out = Outcomes{}
@@ -485,14 +469,11 @@ func (p *Producer) Stats() Stats {
 // After Close returns no source is read again.
 func (p *Producer) Close() error {
 	p.mu.Lock()
-	if p.closed {
-		p.mu.Unlock()
+	ended := p.life.End()
+	p.mu.Unlock()
+	if !ended {
 		return nil
 	}
-	p.closed = true
-	close(p.stop)
-	p.endLife()
-	p.mu.Unlock()
 	p.unwatch()
 	// Writes in flight read sources: close the writer first so they fail
 	// now instead of at their deadline, then wait for every goroutine.
@@ -555,7 +536,7 @@ func (p *Producer) signalLocked() {
 // same shard wait for that one dial, or for ctx.
 func (p *Producer) client(ctx context.Context, endpoint string) (control.Caller, error) {
 	p.mu.Lock()
-	if p.closed {
+	if p.life.Ended() {
 		p.mu.Unlock()
 		return nil, ErrClosed
 	}
@@ -594,7 +575,7 @@ func (p *Producer) dialShard(endpoint string, d *dialing) {
 		switch {
 		case err != nil:
 			err = fmt.Errorf("dial %s: %w", endpoint, err)
-		case p.closed:
+		case p.life.Ended():
 			// Close has already closed the clients it knew of.
 			_ = c.Close()
 			c, err = nil, ErrClosed
@@ -625,7 +606,7 @@ func (p *Producer) call(endpoint string, op wire.Op, body, out any) error {
 	var refused *wire.Error
 	p.mu.Lock()
 	p.roundTrip++
-	if err != nil && !errors.As(err, &refused) && !p.closed {
+	if err != nil && !errors.As(err, &refused) && !p.life.Ended() {
 		p.forgetLocked(endpoint)
 	}
 	p.mu.Unlock()

@@ -5,8 +5,8 @@ import (
 	"go.uber.org/atomic"
 	"time"
 
-	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 )
 
 // maxWaiting bounds waitClock: an item that never becomes available is

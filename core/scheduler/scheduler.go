@@ -12,6 +12,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
+	"github.com/ecmooncake/ecmooncake/core/internal/due"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
@@ -39,7 +40,6 @@ type Scheduler struct {
 	// changed without calling in; nil until Watch, never written once
 	// closed.
 	watch   *uint64
-	closed  bool
 	waits   waitClock
 	unwatch func() // detaches the metrics probe
 
@@ -47,12 +47,11 @@ type Scheduler struct {
 	sub     control.Subscriber
 	cancels []chan []string // per shard
 	kick    chan struct{}
-	stop    chan struct{}
-	// life ends at Close, so that a control call in flight returns at once
-	// instead of at its deadline.
-	life    context.Context
-	endLife context.CancelFunc
-	wg      sync.WaitGroup
+	// life ends at Close: it stops the goroutines, and a control call in
+	// flight returns at once instead of at its deadline. Ended and ended
+	// under mu.
+	life *due.Life
+	wg   sync.WaitGroup
 }
 
 // Options carries what the caller chooses beyond the settings.
@@ -66,11 +65,7 @@ type Options struct {
 // Open starts the background goroutines; it does not wait for the shards,
 // which may start later than the scheduler.
 func Open(cfg config.Scheduler, opt Options) (_ *Scheduler, err error) {
-	defer func() {
-		if err != nil && opt.Links != nil {
-			_ = opt.Links.Close()
-		}
-	}()
+	defer control.CloseIfFailed(&err, opt.Links)
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -84,19 +79,9 @@ func Open(cfg config.Scheduler, opt Options) (_ *Scheduler, err error) {
 			shards = append(shards, control.Endpoint(cfg.IP, config.ShardPort(cfg.Port, cfg.DPRank, cfg.TPSize, r)))
 		}
 	}
-	secret, err := cfg.LoadSecret()
+	links, _, err := control.OpenLinks("scheduler", cfg.LoadSecret, false, opt.Links)
 	if err != nil {
-		return nil, fmt.Errorf("scheduler: %w", err)
-	}
-	sec, err := control.NewSecurity(secret, false)
-	if err != nil {
-		return nil, fmt.Errorf("scheduler: auth_secret: %w", err)
-	}
-	links := opt.Links
-	if links == nil {
-		if links, err = control.NewZMQ(sec); err != nil {
-			return nil, fmt.Errorf("scheduler: %w", err)
-		}
+		return nil, err
 	}
 	sub, err := links.Subscribe(log)
 	if err != nil {
@@ -111,9 +96,8 @@ func Open(cfg config.Scheduler, opt Options) (_ *Scheduler, err error) {
 		changed: make(chan struct{}),
 		links:   links, sub: sub,
 		kick: make(chan struct{}, 1),
-		stop: make(chan struct{}),
+		life: due.NewLife(),
 	}
-	s.life, s.endLife = context.WithCancel(context.Background())
 	s.waits = waitClock{}
 	s.unwatch = metrics.Watch(s.metricsName(), s.probe)
 	s.wg.Add(2)
@@ -153,7 +137,7 @@ func (s *Scheduler) Generation() uint64 {
 func (s *Scheduler) Watch(counter *uint64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.closed {
+	if s.life.Ended() {
 		return
 	}
 	s.watch = counter
@@ -161,7 +145,7 @@ func (s *Scheduler) Watch(counter *uint64) {
 }
 
 func (s *Scheduler) publishLocked() {
-	if s.watch != nil && !s.closed {
+	if s.watch != nil && !s.life.Ended() {
 		// A plain word in the caller's memory, read by Python: sync/atomic's
 		// store on the raw address, where the library's own counters use
 		// go.uber.org/atomic's types.
@@ -186,7 +170,7 @@ func (s *Scheduler) pump() {
 	defer s.wg.Done()
 	for {
 		select {
-		case <-s.stop:
+		case <-s.life.Done():
 			return
 		case ev, ok := <-s.sub.Events():
 			if !ok {
@@ -218,34 +202,20 @@ func (s *Scheduler) apply(evs ...wire.Event) {
 // ticker applies deadlines when they fall due.
 func (s *Scheduler) ticker() {
 	defer s.wg.Done()
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-	for {
-		wait := time.Hour
-		func() {
-			defer s.recover("tick")
-			s.mu.Lock()
-			defer s.mu.Unlock()
-			if fails := s.table.Tick(time.Now()); len(fails) > 0 {
-				s.noteFailuresLocked(fails)
-				s.changedLocked()
-			} else {
-				// A deadline can end a record that no request waits for
-				// (a resident copy): no failure, yet Has changes.
-				s.publishLocked()
-			}
-			if next, ok := s.table.NextDeadline(); ok {
-				wait = max(time.Until(next), time.Millisecond)
-			}
-		}()
-		timer.Reset(wait)
-		select {
-		case <-s.stop:
-			return
-		case <-s.kick:
-		case <-timer.C:
+	due.Loop(s.life.Done(), s.kick, func() (next time.Time, ok bool) {
+		defer s.recover("tick")
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if fails := s.table.Tick(time.Now()); len(fails) > 0 {
+			s.noteFailuresLocked(fails)
+			s.changedLocked()
+		} else {
+			// A deadline can end a record that no request waits for (a
+			// resident copy): no failure, yet Has changes.
+			s.publishLocked()
 		}
-	}
+		return s.table.NextDeadline()
+	})
 }
 
 // follow keeps one shard's events flowing: it learns the shard's event
@@ -284,7 +254,7 @@ func (s *Scheduler) follow(rank int, endpoint string, cancels <-chan []string) {
 	defer resync.Stop()
 	for {
 		select {
-		case <-s.stop:
+		case <-s.life.Done():
 			return
 		case ids := <-cancels:
 			var rep wire.CancelReply
@@ -418,7 +388,7 @@ func (s *Scheduler) sleep(d time.Duration) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
-	case <-s.stop:
+	case <-s.life.Done():
 		return false
 	case <-t.C:
 		return true
@@ -434,15 +404,12 @@ func (s *Scheduler) recover(what string) {
 // Close stops every goroutine and closes the sockets.
 func (s *Scheduler) Close() error {
 	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
+	ended := s.life.End()
+	s.watch = nil
+	s.mu.Unlock()
+	if !ended {
 		return nil
 	}
-	s.closed = true
-	s.watch = nil
-	close(s.stop)
-	s.endLife()
-	s.mu.Unlock()
 	s.unwatch()
 	err := s.sub.Close()
 	s.wg.Wait()

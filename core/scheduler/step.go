@@ -5,8 +5,8 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/control"
-	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 )
 
 // ExpectIn registers one request's items.

@@ -30,20 +30,17 @@ func BenchmarkStepRefresh300(b *testing.B) {
 		}
 	})
 	snap, _ := json.Marshal(StepIn{Snapshot: true})
-	b.Run("snapshot-json", func(b *testing.B) {
-		for i := 0; i < b.N; i++ {
-			var in StepIn
-			_ = json.Unmarshal(snap, &in)
-			out, _ := json.Marshal(s.Step(in))
-			_ = out
-		}
-	})
-	b.Run("json", func(b *testing.B) {
-		for i := 0; i < b.N; i++ {
-			var in StepIn
-			_ = json.Unmarshal(raw, &in)
-			out, _ := json.Marshal(s.Step(in))
-			_ = out
-		}
-	})
+	for _, bc := range []struct {
+		name string
+		raw  []byte
+	}{{"snapshot-json", snap}, {"json", raw}} {
+		b.Run(bc.name, func(b *testing.B) {
+			for i := 0; i < b.N; i++ {
+				var in StepIn
+				_ = json.Unmarshal(bc.raw, &in)
+				out, _ := json.Marshal(s.Step(in))
+				_ = out
+			}
+		})
+	}
 }

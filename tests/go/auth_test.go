@@ -19,10 +19,7 @@ const deploymentSecret = "tests-go-deployment-secret-0123"
 func TestAuthenticatedCluster(t *testing.T) {
 	c := newCluster(t, clusterOpts{tp: 2, secret: deploymentSecret})
 	items := makeItems(31, 6, 1, 1<<20, 3)
-	out := c.pushAll("req-auth", items)
-	require.Empty(t, out.Failed)
-	w := c.wait(tids(items), 10*time.Second)
-	require.ElementsMatch(t, tids(items), w.Available, "events reach the scheduler over CURVE")
+	c.deliver("req-auth", items, "events reach the scheduler over CURVE")
 	c.verify(items)
 	for _, s := range c.shards {
 		require.Empty(t, s.Stats().Server.Refused)

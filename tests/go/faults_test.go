@@ -6,8 +6,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
+	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
 )
 
@@ -101,9 +101,7 @@ func TestRefusedReservationFailsTheRequestAtOnce(t *testing.T) {
 func TestDeadShardItemsStopBeingAvailable(t *testing.T) {
 	c := newCluster(t, clusterOpts{tp: 2})
 	items := makeItems(11, 2, 4096, 4096, 0)
-	require.Empty(t, c.pushAll("req-dead", items).Failed)
-	w := c.wait(tids(items), 10*time.Second)
-	require.ElementsMatch(t, tids(items), w.Available)
+	c.deliver("req-dead", items)
 	require.True(t, c.sched.Has(items[0].hash))
 
 	require.NoError(t, c.shards[1].Close())
@@ -117,7 +115,7 @@ func TestDeadShardItemsStopBeingAvailable(t *testing.T) {
 	c.slabs[1], c.shards[1] = c.openShard(1)
 	after := makeItems(12, 1, 4096, 4096, 0)
 	require.Empty(t, c.pushAll("req-back", after).Failed)
-	w = c.wait(tids(after), 20*time.Second)
+	w := c.wait(tids(after), 20*time.Second)
 	require.ElementsMatch(t, tids(after), w.Available)
 }
 
@@ -126,9 +124,7 @@ func TestDeadShardItemsStopBeingAvailable(t *testing.T) {
 func TestRestartedShardItemsStopBeingAvailable(t *testing.T) {
 	c := newCluster(t, clusterOpts{tp: 2})
 	items := makeItems(13, 1, 4096, 4096, 0)
-	require.Empty(t, c.pushAll("req-rs", items).Failed)
-	w := c.wait(tids(items), 10*time.Second)
-	require.ElementsMatch(t, tids(items), w.Available)
+	c.deliver("req-rs", items)
 	c.restart(0)
 	require.Eventually(t, func() bool { return !c.sched.Has(items[0].hash) }, 20*time.Second, 20*time.Millisecond)
 }

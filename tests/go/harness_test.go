@@ -303,6 +303,18 @@ func (c *cluster) drain(n int, within time.Duration) producer.Outcomes {
 	return all
 }
 
+// deliver pushes items as request req and requires that none failed and
+// that the scheduler sees every one available within ten seconds
+// (msgAndArgs tell of a miss).
+func (c *cluster) deliver(req string, items []item, msgAndArgs ...any) producer.Outcomes {
+	c.t.Helper()
+	out := c.pushAll(req, items)
+	require.Empty(c.t, out.Failed)
+	w := c.wait(tids(items), 10*time.Second)
+	require.ElementsMatch(c.t, tids(items), w.Available, msgAndArgs...)
+	return out
+}
+
 func (c *cluster) wait(ids []string, within time.Duration) scheduler.WaitOut {
 	ctx, cancel := context.WithTimeout(context.Background(), within)
 	defer cancel()

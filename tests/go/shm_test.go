@@ -3,7 +3,6 @@ package gotests
 import (
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
@@ -44,10 +43,7 @@ func shmPlane(t *testing.T) (slab func(int) []byte, fd func(int) int) {
 func TestShmPushToShardedConsumer(t *testing.T) {
 	c := newCluster(t, clusterOpts{tp: 2, shm: true})
 	items := makeItems(21, 10, 1, 3<<20, 4)
-	out := c.pushAll("req-shm", items)
-	require.Empty(t, out.Failed)
-	w := c.wait(tids(items), 10*time.Second)
-	require.ElementsMatch(t, tids(items), w.Available)
+	c.deliver("req-shm", items)
 	c.verify(items)
 
 	again := []item{{tid: "tx-shm-again", hash: items[0].hash, data: items[0].data}}
