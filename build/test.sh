@@ -8,7 +8,13 @@ bash build/setup.sh
 python=${PYTHON:-python3}
 fuzztime=${FUZZTIME:-5s}
 
-echo "== go vet" >&2
+echo "== gofmt, go vet" >&2
+unformatted=$(gofmt -l core capi export tests/go)
+if [ -n "$unformatted" ]; then
+  echo "gofmt: these files are not formatted (run gofmt -w):" >&2
+  echo "$unformatted" >&2
+  exit 1
+fi
 go vet ./...
 echo "== go test -race" >&2
 go test -race -count=1 -timeout 20m ./...

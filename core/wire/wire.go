@@ -294,7 +294,7 @@ func EncodeReply(r Reply) ([]byte, error) { return encode("reply", r) }
 func DecodeReply(b []byte) (Reply, error) { return decodeFrame[Reply]("reply", b) }
 
 func (r *Request) head() (*uint64, *json.RawMessage) { return &r.ID, &r.Body }
-func (r *Reply) head() (*uint64, *json.RawMessage) { return &r.ID, &r.Body }
+func (r *Reply) head() (*uint64, *json.RawMessage)   { return &r.ID, &r.Body }
 
 // decodeFrame is DecodeRequest and DecodeReply: head gives it the id and
 // body every frame has.
