@@ -171,6 +171,17 @@ class _Throttle:
 _throttle = _Throttle()
 
 
+def _hook_failed(name: str, exc: Exception) -> None:
+    """Logs a hook's failure, throttled per hook; the hook then answers its default."""
+    _throttle.warn(
+        "hook:" + name,
+        "ecmooncake: %s failed, carrying on without it: %s: %s",
+        name,
+        type(exc).__name__,
+        exc,
+    )
+
+
 def _guarded(default: Callable[[], Any]) -> Callable:
     """Runs a hook so that no exception reaches vLLM's engine loop."""
 
@@ -180,13 +191,7 @@ def _guarded(default: Callable[[], Any]) -> Callable:
             try:
                 return fn(self, *args, **kwargs)
             except Exception as exc:
-                _throttle.warn(
-                    "hook:" + fn.__name__,
-                    "ecmooncake: %s failed, carrying on without it: %s: %s",
-                    fn.__name__,
-                    type(exc).__name__,
-                    exc,
-                )
+                _hook_failed(fn.__name__, exc)
                 return default()
 
         return hook

@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from .. import ec_config
-from .common import OPTIONAL_HOOKS, _StepMetadata, _WorkerReport, _guarded, logger, _throttle
+from .common import OPTIONAL_HOOKS, _StepMetadata, _WorkerReport, _guarded, _hook_failed, logger, _throttle
 from .consumer import _ConsumerWorker
 from .producer import _ProducerWorker
 from .scheduler import _ConsumerScheduler, _ProducerScheduler
@@ -129,11 +129,18 @@ class _Connector:
 
     # --- scheduler side ---
 
-    @_guarded(lambda: False)
     def has_cache_item(self, identifier: str) -> bool:
-        if self._consumer_sched is None:
+        # vLLM asks this for every media item of every waiting request on
+        # each schedule pass, so it is guarded inline (the same guard as
+        # _guarded's) instead of through a wrapper taking *args.
+        sched = self._consumer_sched
+        if sched is None:
             return False
-        return self._consumer_sched.has_cache_item(identifier)
+        try:
+            return sched.has_cache_item(identifier)
+        except Exception as exc:
+            _hook_failed("has_cache_item", exc)
+            return False
 
     @_guarded(lambda: False)
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:

@@ -106,6 +106,8 @@ class _ConsumerScheduler:
     def has_cache_item(self, identifier: str) -> bool:
         generation = self._counter.value
         found = self._has.get(identifier) if generation == self._at else None
+        if found is False:
+            return False
         if found is None:
             found = self._native.has(identifier)
             if generation != self._at:
