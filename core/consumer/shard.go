@@ -58,7 +58,10 @@ type Shard struct {
 	direct transport.Direct
 	remote map[ids.ResID]remoteWrite
 
-	kick      chan struct{}
+	kick chan struct{}
+	// armed is when the ticker next wakes by itself; a change to the
+	// table kicks it only for a deadline before that. Guarded by mu.
+	armed     time.Time
 	stop      chan struct{}
 	done      chan struct{}
 	closeOnce sync.Once
@@ -321,11 +324,12 @@ func (s *Shard) ticker() {
 	for {
 		s.mu.Lock()
 		next, ok := s.nextDeadlineLocked()
-		s.mu.Unlock()
 		wait := time.Hour
 		if ok {
 			wait = max(time.Until(next), time.Millisecond)
 		}
+		s.armed = time.Now().Add(wait)
+		s.mu.Unlock()
 		timer.Reset(wait)
 		select {
 		case <-s.stop:
@@ -354,11 +358,16 @@ func (s *Shard) safely(what string, f func()) {
 	f()
 }
 
-// flushLocked sends the table's pending events and wakes the ticker: a
-// call that changed the table may have moved the next deadline earlier.
-// The caller holds mu, which is fine because neither step blocks.
+// flushLocked sends the table's pending events and wakes the ticker when
+// a call that changed the table moved the next deadline before the one it
+// waits for (waking it on every call would cost every control op a
+// goroutine hand-off). The caller holds mu, which is fine because neither
+// step blocks.
 func (s *Shard) flushLocked() {
 	s.sendEventsLocked()
+	if next, ok := s.nextDeadlineLocked(); !ok || !next.Before(s.armed) {
+		return
+	}
 	select {
 	case s.kick <- struct{}{}:
 	default:
