@@ -114,7 +114,10 @@ type Producer struct {
 	closed         bool
 
 	wake chan struct{}
-	stop chan struct{}
+	// armed is when the driver next wakes by itself (see advance).
+	// Guarded by mu.
+	armed time.Time
+	stop  chan struct{}
 	// life ends at Close, so that control calls and writes in flight
 	// return at once instead of at their deadlines.
 	life    context.Context
@@ -215,7 +218,7 @@ func (p *Producer) Submit(pushes []Push) []error {
 		p.wg.Add(1)
 		go p.admit(group, ci)
 	}
-	p.kick()
+	p.advanceLocked()
 	return errs
 }
 
