@@ -59,7 +59,10 @@ type Shard struct {
 	direct transport.Direct
 	remote map[ids.ResID]remoteWrite
 
-	kick      chan struct{}
+	kick chan struct{}
+	// armed is when the ticker next wakes by itself; a change to the
+	// table kicks it only for a deadline before that. Guarded by mu.
+	armed     time.Time
 	stop      chan struct{}
 	done      chan struct{}
 	closeOnce sync.Once
@@ -300,7 +303,12 @@ func (s *Shard) ticker() {
 		})
 		s.mu.Lock()
 		defer s.mu.Unlock()
-		return s.nextDeadlineLocked()
+		next, ok := s.nextDeadlineLocked()
+		s.armed = next
+		if !ok {
+			s.armed = time.Now().Add(time.Hour)
+		}
+		return next, ok
 	})
 }
 
@@ -315,11 +323,16 @@ func (s *Shard) safely(what string, f func()) {
 	f()
 }
 
-// flushLocked sends the table's pending events and wakes the ticker: a
-// call that changed the table may have moved the next deadline earlier.
-// The caller holds mu, which is fine because neither step blocks.
+// flushLocked sends the table's pending events and wakes the ticker when
+// a call that changed the table moved the next deadline before the one it
+// waits for (waking it on every call would cost every control op a
+// goroutine hand-off). The caller holds mu, which is fine because neither
+// step blocks.
 func (s *Shard) flushLocked() {
 	s.sendEventsLocked()
+	if next, ok := s.nextDeadlineLocked(); !ok || !next.Before(s.armed) {
+		return
+	}
 	select {
 	case s.kick <- struct{}{}:
 	default:

@@ -2,11 +2,14 @@
 // instance's worker that owns encoder outputs and writes them into
 // reservations on every shard of the consumer that needs them.
 //
-// A Producer drives the deterministic push manager (package push) from one
-// goroutine, the driver. The driver ticks the manager, takes the effects it
-// asks for (reserve, write, complete and cancel batches, one of each per
-// destination shard at a time) and hands each to a goroutine that performs
-// the I/O and reports the outcome back through the manager. So per batch the
+// A Producer drives the deterministic push manager (package push) under its
+// lock. A step ticks the manager, takes the effects it asks for (reserve,
+// write, complete and cancel batches, one of each per destination shard at
+// a time) and hands each to a goroutine that performs the I/O and reports
+// the outcome back through the manager. Submit and each batch's goroutine
+// as it ends take the step themselves, so the next batch starts without a
+// hand-off; one goroutine, the driver, takes it when a deadline falls due
+// or when woken (by Sources). So per batch the
 // control plane costs two round trips (reserve_batch, complete_batch) plus
 // one peers lookup per consumer for its lifetime, whatever the item count.
 //

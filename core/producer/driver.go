@@ -14,21 +14,61 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
 
-// driver is the one goroutine that ticks the push manager and turns its
-// effects into batches. It never does I/O itself: each batch runs on its
-// own goroutine and reports back through the manager, then wakes the
-// driver.
+// driver is the goroutine that takes the manager's step when a deadline
+// falls due or when woken (by Sources, say); Submit and each ending batch
+// take it themselves (see advance). It never does I/O itself: each batch runs on
+// its own goroutine and reports back through the manager.
 func (p *Producer) driver() {
 	defer p.wg.Done()
 	due.Loop(p.life.Done(), p.wake, func() (next time.Time, ok bool) {
 		defer p.recover("driver")
 		p.mu.Lock()
 		defer p.mu.Unlock()
-		now := time.Now()
-		p.mgr.Tick(now)
-		p.applyLocked(p.mgr.Ready(now))
-		return p.mgr.NextDeadline()
+		p.stepLocked()
+		next, ok = p.mgr.NextDeadline()
+		p.armed = next
+		if !ok {
+			p.armed = time.Now().Add(time.Hour)
+		}
+		return next, ok
 	})
+}
+
+// stepLocked ticks the manager and applies what it has ready.
+func (p *Producer) stepLocked() {
+	now := time.Now()
+	p.mgr.Tick(now)
+	p.applyLocked(p.mgr.Ready(now))
+}
+
+// advance takes the driver's step on a batch's goroutine as the batch
+// ends, so that what its outcome made ready (the write after a reserve,
+// the complete after a write, the done after a complete) starts without a
+// hand-off to the driver goroutine, a thread wake-up each.
+func (p *Producer) advance() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.advanceLocked()
+}
+
+// advanceLocked is advance for a caller that holds mu (Submit, whose
+// pushes the step sends on at once). The driver is woken
+// only when the step left a deadline before the one it waits for, or when
+// the step failed, for the driver to take it again.
+func (p *Producer) advanceLocked() {
+	if p.life.Ended() {
+		return
+	}
+	defer func() {
+		if r := recover(); r != nil {
+			_ = p.panicked("driver step", r)
+			p.kick()
+		}
+	}()
+	p.stepLocked()
+	if next, ok := p.mgr.NextDeadline(); ok && next.Before(p.armed) {
+		p.kick()
+	}
 }
 
 // applyLocked records outcomes and launches one goroutine per batch.
@@ -157,7 +197,7 @@ func (p *Producer) launch(what string, f func(), failed func(err error)) {
 	p.wg.Add(1)
 	go func() {
 		defer p.wg.Done()
-		defer p.kick()
+		defer p.advance()
 		defer func() {
 			r := recover()
 			if r == nil {

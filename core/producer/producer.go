@@ -114,6 +114,9 @@ type Producer struct {
 	batches        uint64
 
 	wake chan struct{}
+	// armed is when the driver next wakes by itself (see advance).
+	// Guarded by mu.
+	armed time.Time
 	// life ends at Close: it stops the driver, and control calls and
 	// writes in flight return at once instead of at their deadlines.
 	// Ended and ended under mu.
@@ -199,7 +202,7 @@ func (p *Producer) Submit(pushes []Push) []error {
 		p.wg.Add(1)
 		go p.admit(group, ci)
 	}
-	p.kick()
+	p.advanceLocked()
 	return errs
 }
 

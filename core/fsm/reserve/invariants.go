@@ -14,6 +14,18 @@ func (t *Table) CheckInvariants() error {
 		bad("internal fault: %w", t.broken)
 	}
 
+	if len(t.byOff) != len(t.regions) {
+		bad("%d regions in address order, %d live", len(t.byOff), len(t.regions))
+	}
+	for i, r := range t.byOff {
+		if t.regions[r.res] != r {
+			bad("region %d in address order is not live", r.res)
+		}
+		if i > 0 && t.byOff[i-1].off >= r.off {
+			bad("regions %d and %d out of address order (%d, %d)", t.byOff[i-1].res, r.res, t.byOff[i-1].off, r.off)
+		}
+	}
+
 	var inUse, residentBytes uint64
 	residents := 0
 	for res, r := range t.regions {

@@ -135,6 +135,7 @@ type region struct {
 	mmHash string
 	meta   string // the writer's description of the bytes
 	off    uint64 // slab offset
+	age    int    // roomFor's scratch: the rank of a resident, 0 the least recently used
 	nbytes uint64 // the size asked; the allocation is rounded up
 	alloc  uint64 // the slab allocation's length
 	state  State
@@ -206,7 +207,10 @@ type Table struct {
 	resIDs  ids.Counter
 	lastRes ids.ResID
 
-	regions   map[ids.ResID]*region
+	regions map[ids.ResID]*region
+	// byOff is every live region in address order, filed and unfiled
+	// with regions, so that making room need not sort them each time.
+	byOff     []*region
 	deadlines deadlineHeap       // lease ends, with stale entries skipped lazily
 	byHash    map[string]*region // the joinable (Writing or Ready) region of each mm_hash
 	transfers map[string]*transfer
@@ -343,6 +347,7 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 	tr := &transfer{id: it.TransferID, mmHash: it.MMHash, kind: KindWrite, nbytes: it.NBytes, region: r}
 	r.writer = tr
 	t.regions[res] = r
+	t.fileByOff(r)
 	t.byHash[it.MMHash] = r
 	t.transfers[tr.id] = tr
 	return grantFor(tr)
@@ -415,15 +420,10 @@ func (t *Table) roomFor(n uint64) []*region {
 	if need > t.slab.Size()-t.slab.InUse()+t.residentBytes {
 		return nil
 	}
-	age := make(map[*region]int, t.residents.Len()) // 0 is the least recently used
 	for e, i := t.residents.Back(), 0; e != nil; e, i = e.Prev(), i+1 {
-		age[e.Value.(*region)] = i
+		e.Value.(*region).age = i // 0 is the least recently used
 	}
-	all := make([]*region, 0, len(t.regions))
-	for _, r := range t.regions {
-		all = append(all, r)
-	}
-	slices.SortFunc(all, func(a, b *region) int { return cmpUint(a.off, b.off) })
+	all := t.byOff
 
 	var best []*region
 	bestAge, bestBytes := -1, uint64(0)
@@ -454,7 +454,7 @@ func (t *Table) roomFor(n uint64) []*region {
 			}
 			newest, bytes := 0, uint64(0)
 			for _, r := range run[j : l+1] {
-				newest = max(newest, age[r])
+				newest = max(newest, r.age)
 				bytes += r.alloc
 			}
 			if best == nil || newest < bestAge || (newest == bestAge && bytes < bestBytes) {
@@ -474,6 +474,20 @@ func (t *Table) roomFor(n uint64) []*region {
 	}
 	consider(run, lo, t.slab.Size())
 	return slices.Clone(best)
+}
+
+// fileByOff adds r to byOff at its address.
+func (t *Table) fileByOff(r *region) {
+	i, _ := slices.BinarySearchFunc(t.byOff, r.off, func(x *region, off uint64) int { return cmpUint(x.off, off) })
+	t.byOff = slices.Insert(t.byOff, i, r)
+}
+
+// unfileByOff removes r from byOff.
+func (t *Table) unfileByOff(r *region) {
+	i, found := slices.BinarySearchFunc(t.byOff, r.off, func(x *region, off uint64) int { return cmpUint(x.off, off) })
+	if found && t.byOff[i] == r {
+		t.byOff = slices.Delete(t.byOff, i, i+1)
+	}
 }
 
 func cmpUint(a, b uint64) int {
@@ -867,6 +881,7 @@ func (t *Table) release(r *region) {
 		t.fault(fmt.Errorf("release region %d (%s): %w", r.res, r.mmHash, err))
 	}
 	delete(t.regions, r.res)
+	t.unfileByOff(r)
 	if r.state == Cancelled {
 		t.cancelled++
 	} else {
