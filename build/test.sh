@@ -6,7 +6,12 @@ cd "$(dirname "$0")/.."
 bash build/setup.sh
 
 python=${PYTHON:-python3}
-fuzztime=${FUZZTIME:-5s}
+# A budget of executions, not of seconds: with a duration, Go 1.26's fuzz
+# coordinator can report its own deadline as the target's failure
+# ("context deadline exceeded", no failing input) when a loaded machine
+# keeps a worker from stopping in time (golang/go#75804, fixed in 1.27).
+# 20,000 executions take 1-8 s per target on the 2-core build machine.
+fuzztime=${FUZZTIME:-20000x}
 
 echo "== gofmt, go vet" >&2
 unformatted=$(gofmt -l core capi export tests/go)
@@ -18,27 +23,21 @@ fi
 go vet ./...
 echo "== go test -race" >&2
 go test -race -count=1 -timeout 20m ./...
-# One fuzz target. A failure that wrote a failing input under testdata/fuzz
-# is a finding and fails the run; one that wrote none is the fuzzing engine
-# itself (on a loaded 2-core machine its coordinator can take a worker for
-# hung), which is shown and run once more.
+# One fuzz target: any failure fails the run; one that wrote a failing
+# input under testdata/fuzz says where it is.
 inputs_of() {
   if [ -d "$1/testdata/fuzz/$2" ]; then find "$1/testdata/fuzz/$2" -type f | wc -l; else echo 0; fi
 }
 fuzz_one() {
   local pkg=$1 target=$2 out before
-  for attempt in 1 2; do
-    before=$(inputs_of "$pkg" "$target")
-    if out=$(go test -run=NONE -fuzz="^${target}\$" -fuzztime="$fuzztime" "./$pkg" 2>&1); then
-      return 0
-    fi
-    echo "$out" | tail -30 >&2
-    if [ "$(inputs_of "$pkg" "$target")" != "$before" ]; then
-      echo "fuzz: $pkg $target found a failing input (see $pkg/testdata/fuzz/$target)" >&2
-      return 1
-    fi
-    [ "$attempt" = 1 ] && echo "fuzz: $pkg $target failed without a failing input; running it once more" >&2
-  done
+  before=$(inputs_of "$pkg" "$target")
+  if out=$(go test -run=NONE -fuzz="^${target}\$" -fuzztime="$fuzztime" "./$pkg" 2>&1); then
+    return 0
+  fi
+  echo "$out" | tail -30 >&2
+  if [ "$(inputs_of "$pkg" "$target")" != "$before" ]; then
+    echo "fuzz: $pkg $target found a failing input (see $pkg/testdata/fuzz/$target)" >&2
+  fi
   return 1
 }
 echo "== fuzz (${fuzztime} each)" >&2
