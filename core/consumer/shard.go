@@ -59,10 +59,7 @@ type Shard struct {
 	direct transport.Direct
 	remote map[ids.ResID]remoteWrite
 
-	kick chan struct{}
-	// armed is when the ticker next wakes by itself; a change to the
-	// table kicks it only for a deadline before that. Guarded by mu.
-	armed     time.Time
+	ticks     *due.Loop
 	stop      chan struct{}
 	done      chan struct{}
 	closeOnce sync.Once
@@ -92,7 +89,7 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 		log:   opt.Log.With("shard", cfg.TPRank, "dp_rank", cfg.DPRank),
 		host:  HostIdentity(cfg.Host),
 		epoch: newEpoch(),
-		kick:  make(chan struct{}, 1),
+		ticks: due.NewLoop(),
 		stop:  make(chan struct{}),
 		done:  make(chan struct{}),
 	}
@@ -293,7 +290,7 @@ func (s *Shard) shutdown() error {
 // ticker applies lease expiries when they fall due.
 func (s *Shard) ticker() {
 	defer close(s.done)
-	due.Loop(s.stop, s.kick, func() (time.Time, bool) {
+	s.ticks.Run(s.stop, func() (time.Time, bool) {
 		s.safely("tick", func() {
 			s.mu.Lock()
 			s.table.Tick(time.Now())
@@ -303,12 +300,7 @@ func (s *Shard) ticker() {
 		})
 		s.mu.Lock()
 		defer s.mu.Unlock()
-		next, ok := s.nextDeadlineLocked()
-		s.armed = next
-		if !ok {
-			s.armed = time.Now().Add(time.Hour)
-		}
-		return next, ok
+		return s.nextDeadlineLocked()
 	})
 }
 
@@ -330,12 +322,8 @@ func (s *Shard) safely(what string, f func()) {
 // step blocks.
 func (s *Shard) flushLocked() {
 	s.sendEventsLocked()
-	if next, ok := s.nextDeadlineLocked(); !ok || !next.Before(s.armed) {
-		return
-	}
-	select {
-	case s.kick <- struct{}{}:
-	default:
+	if next, ok := s.nextDeadlineLocked(); ok {
+		s.ticks.Due(next)
 	}
 }
 

@@ -8,7 +8,6 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/fsm/push"
 	"github.com/ecmooncake/ecmooncake/core/ids"
-	"github.com/ecmooncake/ecmooncake/core/internal/due"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
@@ -20,17 +19,12 @@ import (
 // its own goroutine and reports back through the manager.
 func (p *Producer) driver() {
 	defer p.wg.Done()
-	due.Loop(p.life.Done(), p.wake, func() (next time.Time, ok bool) {
+	p.steps.Run(p.life.Done(), func() (next time.Time, ok bool) {
 		defer p.recover("driver")
 		p.mu.Lock()
 		defer p.mu.Unlock()
 		p.stepLocked()
-		next, ok = p.mgr.NextDeadline()
-		p.armed = next
-		if !ok {
-			p.armed = time.Now().Add(time.Hour)
-		}
-		return next, ok
+		return p.mgr.NextDeadline()
 	})
 }
 
@@ -66,8 +60,8 @@ func (p *Producer) advanceLocked() {
 		}
 	}()
 	p.stepLocked()
-	if next, ok := p.mgr.NextDeadline(); ok && next.Before(p.armed) {
-		p.kick()
+	if next, ok := p.mgr.NextDeadline(); ok {
+		p.steps.Due(next)
 	}
 }
 

@@ -113,10 +113,7 @@ type Producer struct {
 	roundTrip      uint64
 	batches        uint64
 
-	wake chan struct{}
-	// armed is when the driver next wakes by itself (see advance).
-	// Guarded by mu.
-	armed time.Time
+	steps *due.Loop // the driver's (see advance)
 	// life ends at Close: it stops the driver, and control calls and
 	// writes in flight return at once instead of at their deadlines.
 	// Ended and ended under mu.
@@ -158,7 +155,7 @@ func Open(cfg config.Producer, opt Options) (_ *Producer, err error) {
 		granted:   map[string]time.Time{},
 		wrote:     map[string]time.Time{},
 		outReady:  make(chan struct{}),
-		wake:      make(chan struct{}, 1),
+		steps:     due.NewLoop(),
 		life:      due.NewLife(),
 	}
 	p.wg.Add(1)
@@ -500,12 +497,7 @@ func (p *Producer) Close() error {
 	return nil
 }
 
-func (p *Producer) kick() {
-	select {
-	case p.wake <- struct{}{}:
-	default:
-	}
-}
+func (p *Producer) kick() { p.steps.Wake() }
 
 func (p *Producer) recover(what string) {
 	if r := recover(); r != nil {

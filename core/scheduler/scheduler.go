@@ -46,7 +46,7 @@ type Scheduler struct {
 	links   control.Links
 	sub     control.Subscriber
 	cancels []chan []string // per shard
-	kick    chan struct{}
+	ticks   *due.Loop
 	// life ends at Close: it stops the goroutines, and a control call in
 	// flight returns at once instead of at its deadline. Ended and ended
 	// under mu.
@@ -95,8 +95,8 @@ func Open(cfg config.Scheduler, opt Options) (_ *Scheduler, err error) {
 		table:   sched.New(sched.Config{Shards: len(shards), EventWait: cfg.PushWait(), LoadWait: cfg.LoadTimeout()}),
 		changed: make(chan struct{}),
 		links:   links, sub: sub,
-		kick: make(chan struct{}, 1),
-		life: due.NewLife(),
+		ticks: due.NewLoop(),
+		life:  due.NewLife(),
 	}
 	s.waits = waitClock{}
 	s.unwatch = metrics.Watch(s.metricsName(), s.probe)
@@ -159,10 +159,7 @@ func (s *Scheduler) changedLocked() {
 	s.publishLocked()
 	close(s.changed)
 	s.changed = make(chan struct{})
-	select {
-	case s.kick <- struct{}{}:
-	default:
-	}
+	s.ticks.Wake()
 }
 
 // pump moves readiness events into the table.
@@ -202,7 +199,7 @@ func (s *Scheduler) apply(evs ...wire.Event) {
 // ticker applies deadlines when they fall due.
 func (s *Scheduler) ticker() {
 	defer s.wg.Done()
-	due.Loop(s.life.Done(), s.kick, func() (next time.Time, ok bool) {
+	s.ticks.Run(s.life.Done(), func() (next time.Time, ok bool) {
 		defer s.recover("tick")
 		s.mu.Lock()
 		defer s.mu.Unlock()
