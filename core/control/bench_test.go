@@ -27,7 +27,7 @@ import (
 // chunk is how many operations run back to back before the benchmark
 // switches between the floor and the code under test: interleaving them
 // lets both see the same load on a shared machine.
-const chunk = 50
+const chunk = 10
 
 // benchSecurity returns the plain (zero) or the CURVE security.
 func benchSecurity(b *testing.B, curve bool) Security {
@@ -62,8 +62,8 @@ func interleaved(b *testing.B, floor, op func(n int)) {
 
 // BenchmarkControlRoundTrip times one Call (status of one id, about the
 // size of a small reserve_batch) against a bare REQ/REP ping-pong of a
-// frame of the same size. parallel runs GOMAXPROCS callers at once and
-// reports the time per call.
+// frame of the same size. parallel runs GOMAXPROCS callers at once against
+// as many bare pairs at once, and reports the time per call.
 func BenchmarkControlRoundTrip(b *testing.B) {
 	zctx, err := zmq.NewContext()
 	require.NoError(b, err)
@@ -95,7 +95,12 @@ func BenchmarkControlRoundTrip(b *testing.B) {
 		})
 		b.Run(name+"-parallel", func(b *testing.B) {
 			callers := runtime.GOMAXPROCS(0)
-			interleaved(b, floor.run, func(n int) {
+			floors := make(bareFloors, callers)
+			for w := range floors {
+				floors[w] = newBareFloor(b, frame, sec, zmq.REP, zmq.REQ)
+			}
+			defer floors.close()
+			interleaved(b, floors.run, func(n int) {
 				var wg sync.WaitGroup
 				for w := range callers {
 					wg.Go(func() {
@@ -114,9 +119,8 @@ func BenchmarkControlRoundTrip(b *testing.B) {
 }
 
 // BenchmarkEventDelivery times one event from EventPub.Send to its reader
-// on EventSub.Events, lock-step, against a bare PUSH/PULL whose receiving
-// goroutine hands each message to the sender over a Go channel, as a
-// scheduler's reader is handed its events.
+// on EventSub.Events, lock-step, against a bare PUSH/PULL that the
+// benchmark goroutine sends on and reads itself.
 func BenchmarkEventDelivery(b *testing.B) {
 	zctx, err := zmq.NewContext()
 	require.NoError(b, err)
@@ -178,16 +182,17 @@ func barePair(b *testing.B, sec Security, bound, connected zmq.Type) (*zmq.Conte
 	return zctx, srv, cli
 }
 
-// bareFloor is a floor: a socket of the benchmark goroutine's (REQ, or
-// PUSH) and its peer on a goroutine of its own (a REP echo, or a PULL that
-// hands each message back over a Go channel, as a scheduler's reader is
-// handed its events), each blocking in libzmq.
+// bareFloor is a floor: a socket of the benchmark goroutine's and its
+// peer, each blocking in libzmq. For a round trip the peer is a REP echo on
+// a goroutine of its own (the server's part); for an event the benchmark
+// goroutine holds the PULL too and reads it itself, so that the floor has
+// no Go hand-off at all where the code under test has one.
 type bareFloor struct {
 	b     *testing.B
 	zctx  *zmq.Context
 	near  *zmq.Socket
+	pull  *zmq.Socket // the far PULL; nil for a REP echo
 	frame []byte
-	got   chan []byte // from a PULL; nil for a REP
 	done  chan struct{}
 }
 
@@ -196,49 +201,67 @@ func newBareFloor(b *testing.B, frame []byte, sec Security, far, near zmq.Type) 
 	zctx, farSock, nearSock := barePair(b, sec, far, near)
 	f := &bareFloor{b: b, zctx: zctx, near: nearSock, frame: frame, done: make(chan struct{})}
 	if far == zmq.PULL {
-		f.got = make(chan []byte, 1)
+		f.pull = farSock
+		close(f.done)
+	} else {
+		go func() {
+			defer close(f.done)
+			defer farSock.Close()
+			for {
+				m, err := farSock.RecvBytes(0)
+				if err != nil || len(m) == 0 {
+					return
+				}
+				if _, err := farSock.SendBytes(m, 0); err != nil {
+					return
+				}
+			}
+		}()
 	}
-	go func() {
-		defer close(f.done)
-		defer farSock.Close()
-		for {
-			m, err := farSock.RecvBytes(0)
-			if err != nil || len(m) == 0 {
-				return
-			}
-			if f.got != nil {
-				f.got <- m
-			} else if _, err := farSock.SendBytes(m, 0); err != nil {
-				return
-			}
-		}
-	}()
 	f.run(1) // connect
 	return f
 }
 
 // run sends frame n times, each once the last came back.
 func (f *bareFloor) run(n int) {
+	reply := f.near
+	if f.pull != nil {
+		reply = f.pull
+	}
 	for range n {
 		_, err := f.near.SendBytes(f.frame, 0)
 		require.NoError(f.b, err)
-		if f.got == nil {
-			_, err = f.near.RecvBytes(0)
-			require.NoError(f.b, err)
-			continue
-		}
-		select {
-		case <-f.got:
-		case <-f.done:
-			f.b.Fatal("bare PULL stopped")
-		}
+		_, err = reply.RecvBytes(0)
+		require.NoError(f.b, err)
 	}
 }
 
 // close stops the peer with an empty frame.
 func (f *bareFloor) close() {
-	_, _ = f.near.SendBytes(nil, 0)
+	if f.pull != nil {
+		f.pull.Close()
+	} else {
+		_, _ = f.near.SendBytes(nil, 0)
+	}
 	<-f.done
 	f.near.Close()
 	require.NoError(f.b, f.zctx.Term())
+}
+
+// bareFloors are k REQ/REP floors driven at once, the floor of k callers:
+// run shares n round trips among them as the callers share their calls.
+type bareFloors []*bareFloor
+
+func (fs bareFloors) run(n int) {
+	var wg sync.WaitGroup
+	for w, f := range fs {
+		wg.Go(func() { f.run((n - w + len(fs) - 1) / len(fs)) })
+	}
+	wg.Wait()
+}
+
+func (fs bareFloors) close() {
+	for _, f := range fs {
+		f.close()
+	}
 }
