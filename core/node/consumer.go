@@ -128,8 +128,15 @@ func consumerNetwork(cfg config.Consumer, opt Options) (transport.Transport, err
 	case shm.Name:
 		return shm.New(shm.Config{Host: consumer.HostIdentity(cfg.Host), SlabFD: cfg.SlabFD, MaxConns: cfg.MaxDataConns, Logger: log}), nil
 	case "tcp":
+		// The data plane admits writers holding the same secret as the
+		// control plane (or, without one, a live grant).
+		secret, err := cfg.LoadSecret()
+		if err != nil {
+			return nil, err
+		}
 		return transport.NewTCP(transport.TCPConfig{
-			MaxConns: cfg.MaxDataConns, IdleTimeout: cfg.DataIdleTimeout(), FrameTimeout: cfg.DataFrameTimeout(), Logger: log,
+			MaxConns: cfg.MaxDataConns, IdleTimeout: cfg.DataIdleTimeout(), FrameTimeout: cfg.DataFrameTimeout(),
+			Secret: transport.Secret(secret), Logger: log,
 		}), nil
 	}
 	return nil, unknownTransport(cfg.Transport)

@@ -71,7 +71,12 @@ func producerNetwork(cfg config.Producer, opt Options) (transport.Transport, err
 	log := opt.log()
 	switch cfg.Transport {
 	case "tcp":
-		return transport.NewTCP(transport.TCPConfig{Conns: cfg.TCPConns, ChunkSize: cfg.TCPChunkBytes, DialTimeout: cfg.ControlTimeout(), Logger: log}), nil
+		secret, err := cfg.LoadSecret()
+		if err != nil {
+			return nil, err
+		}
+		return transport.NewTCP(transport.TCPConfig{Conns: cfg.TCPConns, ChunkSize: cfg.TCPChunkBytes, DialTimeout: cfg.ControlTimeout(),
+			Secret: transport.Secret(secret), Logger: log}), nil
 	case mooncake.Name:
 		return newMooncake(mooncake.FromProducer(cfg, log))
 	case shm.Name:

@@ -134,3 +134,49 @@ func FuzzDecodeAck(f *testing.F) {
 		require.Equal(t, b[:len(enc)], enc, "a valid ack re-encodes to its input")
 	})
 }
+
+func TestHandshakeRoundTrip(t *testing.T) {
+	c := Challenge{Mode: ModeSecret, Nonce: [16]byte{1, 2, 3}}
+	b := AppendChallenge(nil, c)
+	require.Len(t, b, ChallengeLen)
+	got, err := DecodeChallenge(b)
+	require.NoError(t, err)
+	require.Equal(t, c, got)
+	p := Preamble{Mode: ModeSecret, MAC: prove(proofKey(testSecret), b)}
+	pb := AppendPreamble(nil, p)
+	require.Len(t, pb, PreambleLen)
+	gotP, err := DecodePreamble(pb)
+	require.NoError(t, err)
+	require.Equal(t, p, gotP)
+	b[8] ^= 1
+	require.NotEqual(t, p.MAC, prove(proofKey(testSecret), b), "the proof covers the nonce")
+	_, err = DecodePreamble(AppendHeader(nil, sampleHeader()))
+	require.ErrorContains(t, err, "without a handshake")
+}
+
+func FuzzDecodePreamble(f *testing.F) {
+	f.Add(AppendPreamble(nil, Preamble{Mode: ModeSecret, MAC: [32]byte{7}}))
+	f.Add(AppendPreamble(nil, Preamble{Mode: ModeGrant}))
+	f.Add(AppendHeader(nil, sampleHeader()))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		p, err := DecodePreamble(b)
+		if err != nil {
+			require.ErrorIs(t, err, ErrBadFrame)
+			return
+		}
+		require.Equal(t, b[:PreambleLen], AppendPreamble(nil, p), "a valid preamble re-encodes to its input")
+	})
+}
+
+func FuzzDecodeChallenge(f *testing.F) {
+	f.Add(AppendChallenge(nil, Challenge{Mode: ModeGrant, Nonce: [16]byte{9}}))
+	f.Add([]byte("ECMC\x02\x03\x00\x00"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		c, err := DecodeChallenge(b)
+		if err != nil {
+			require.ErrorIs(t, err, ErrBadFrame)
+			return
+		}
+		require.Equal(t, b[:ChallengeLen], AppendChallenge(nil, c), "a valid challenge re-encodes to its input")
+	})
+}

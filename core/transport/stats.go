@@ -21,6 +21,10 @@ const (
 	ClosedEvicted      = "evicted"       // idle, and a new connection needed its slot
 	ClosedIdle         = "idle"          // no frame for IdleTimeout
 	ClosedFrameTimeout = "frame_timeout" // a frame not done within FrameTimeout
+	// Connections that had not proven themselves (see Mode).
+	ClosedHandshakeTimeout = "handshake_timeout" // no proof within HandshakeTimeout
+	ClosedUnprovenEvicted  = "unproven_evicted"  // at MaxUnproven, a newcomer needed its place
+	ClosedNotAdmitted      = "not_admitted"      // a bad or missing proof, or another protocol
 )
 
 func (c *recvCounters) close(reason string) { c.closed.Add(reason) }

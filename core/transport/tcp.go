@@ -25,6 +25,14 @@ const (
 	// DefaultFrameTimeout is ample for a MaxFrame frame over a 1 Gb/s link
 	// and well inside the default lease.
 	DefaultFrameTimeout = 30 * time.Second
+	// DefaultHandshakeTimeout is many round trips of any network a
+	// deployment spans, and short enough that a peer that never proves
+	// itself holds a slot for little time.
+	DefaultHandshakeTimeout = time.Second
+	// DefaultMaxUnproven bounds connections still in their handshake, a
+	// budget apart from MaxConns so that they never take a proven
+	// connection's slot.
+	DefaultMaxUnproven = 256
 )
 
 // TCPConfig tunes the native TCP transport. Zero values take the defaults.
@@ -57,6 +65,20 @@ type TCPConfig struct {
 	// and its frame ends torn, so that the region can be reclaimed. Keep
 	// it within the consumer's lease. Zero means DefaultFrameTimeout.
 	FrameTimeout time.Duration
+	// Secret is the deployment secret (auth_secret). With one, a receiver
+	// admits only connections whose preamble carries a MAC of its fresh
+	// challenge keyed by it; without one, only connections whose first
+	// frame carries the write token of a live grant. Both ends of a
+	// deployment set the same.
+	Secret Secret
+	// HandshakeTimeout bounds a new connection's proof at the receiver
+	// (the challenge answered and, without a secret, the first header
+	// accepted); zero means DefaultHandshakeTimeout.
+	HandshakeTimeout time.Duration
+	// MaxUnproven caps the connections a receiver holds that have not
+	// proven themselves yet; at the cap a newcomer takes the place of the
+	// oldest of them. Zero means DefaultMaxUnproven.
+	MaxUnproven int
 	// Logger receives rate-limited warnings about refused frames and bad
 	// peers. Nil means slog.Default().
 	Logger *slog.Logger
@@ -77,6 +99,8 @@ func NewTCP(cfg TCPConfig) *TCP {
 	defaults.Positive(&cfg.MaxConns, DefaultMaxConns)
 	defaults.Positive(&cfg.IdleTimeout, DefaultIdleTimeout)
 	defaults.Positive(&cfg.FrameTimeout, DefaultFrameTimeout)
+	defaults.Positive(&cfg.HandshakeTimeout, DefaultHandshakeTimeout)
+	defaults.Positive(&cfg.MaxUnproven, DefaultMaxUnproven)
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}

@@ -13,7 +13,7 @@ import (
 // A connection with no frame for IdleTimeout gets a goodbye, then EOF.
 func TestTCPIdleConnectionGetsAGoodbye(t *testing.T) {
 	r := listenTCP(t, newTCP(TCPConfig{IdleTimeout: 20 * time.Millisecond}), newMemSink(1<<10))
-	c := dialRaw(t, r.Addr())
+	c := dialProven(t, r.Addr())
 	a := readAck(t, c)
 	require.Equal(t, Ack{Seq: 0, Status: StatusClosing, Msg: ClosedIdle}, a)
 	_, err := c.Read(make([]byte, 1))
@@ -47,7 +47,7 @@ func TestTCPStalledFrameEndsTorn(t *testing.T) {
 	sink := newMemSink(1 << 20)
 	r := listenTCP(t, newTCP(TCPConfig{FrameTimeout: 20 * time.Millisecond}), sink)
 	res, tok := sink.reserve(t, 64<<10)
-	c := dialRaw(t, r.Addr())
+	c := dialProven(t, r.Addr())
 	sendFrame(t, c, Header{Seq: 1, Res: res, Token: tok, Length: 64 << 10}, make([]byte, 1000))
 	_, err := c.Read(make([]byte, 1))
 	require.Error(t, err, "closed without an ack")
@@ -56,7 +56,7 @@ func TestTCPStalledFrameEndsTorn(t *testing.T) {
 	require.Equal(t, uint64(1), r.Stats().Closed[ClosedFrameTimeout])
 
 	// Half a header stalls the same way, and never reaches the sink.
-	c = dialRaw(t, r.Addr())
+	c = dialProven(t, r.Addr())
 	_, err = c.Write(AppendHeader(nil, Header{Seq: 1, Res: res, Token: tok, Length: 1})[:10])
 	require.NoError(t, err)
 	_, err = c.Read(make([]byte, 1))
@@ -74,9 +74,9 @@ func TestTCPConnectionCap(t *testing.T) {
 	res, tok := sink.reserve(t, 64<<10)
 	res2, tok2 := sink.reserve(t, 64<<10)
 
-	first := dialRaw(t, r.Addr())
-	second := dialRaw(t, r.Addr())
-	third := dialRaw(t, r.Addr())
+	first := dialProven(t, r.Addr())
+	second := dialProven(t, r.Addr())
+	third := dialProven(t, r.Addr())
 	a := readAck(t, first)
 	require.Equal(t, Ack{Seq: 0, Status: StatusClosing, Msg: ClosedEvicted}, a, "the idlest one makes room")
 	require.Equal(t, map[string]uint64{ClosedEvicted: 1}, r.Stats().Closed)
@@ -85,16 +85,15 @@ func TestTCPConnectionCap(t *testing.T) {
 	sendFrame(t, second, Header{Seq: 1, Res: res, Token: tok, Length: 64 << 10}, make([]byte, 10))
 	sendFrame(t, third, Header{Seq: 1, Res: res2, Token: tok2, Length: 64 << 10}, make([]byte, 10))
 	require.Eventually(t, func() bool { return len(sink.beginsOf(res)) == 1 && len(sink.beginsOf(res2)) == 1 }, eventually, time.Millisecond)
-	fourth := dialRaw(t, r.Addr())
-	_, err := fourth.Read(make([]byte, 1))
-	require.Error(t, err, "refused at once")
+	fourth := dialProven(t, r.Addr())
+	requireRefused(t, fourth, true, "max_data_conns")
 	require.Equal(t, uint64(1), r.Stats().Closed[ClosedLimit])
 
 	// A slot that frees up serves the next one.
-	_, err = second.Write(make([]byte, 64<<10-10))
+	_, err := second.Write(make([]byte, 64<<10-10))
 	require.NoError(t, err)
 	require.Equal(t, StatusOK, readAck(t, second).Status)
-	fifth := dialRaw(t, r.Addr())
+	fifth := dialProven(t, r.Addr())
 	sendFrame(t, fifth, Header{Seq: 7, Res: res, Token: tok, Offset: 8, Length: 8}, make([]byte, 8))
 	require.Equal(t, Ack{Seq: 7, Status: StatusOK}, readAck(t, fifth))
 }
@@ -116,7 +115,8 @@ func (l *goodbyeFirst) Accept() (net.Conn, error) {
 	case l.first <- c:
 		go func() {
 			defer c.Close()
-			if _, err := io.ReadFull(c, make([]byte, HeaderLen)); err != nil {
+			_, _ = c.Write(AppendChallenge(nil, Challenge{Mode: ModeSecret}))
+			if _, err := io.ReadFull(c, make([]byte, PreambleLen+HeaderLen)); err != nil {
 				return
 			}
 			_, _ = c.Write(AppendAck(nil, Ack{Seq: 0, Status: StatusClosing, Msg: ClosedEvicted}))

@@ -19,7 +19,7 @@ func TestTCPFramesOfAGroupAreCheckedAloneAndAckedTogether(t *testing.T) {
 	sink := newMemSink(1 << 20)
 	r := listenTCP(t, newTCP(TCPConfig{}), sink)
 	res, tok := sink.reserve(t, 1000)
-	c := dialRaw(t, r.Addr())
+	c := dialProven(t, r.Addr())
 
 	frames := []struct {
 		h    Header
@@ -64,7 +64,7 @@ func TestTCPBadHeaderInAGroupAcksWhatLandedFirst(t *testing.T) {
 	sink := newMemSink(1 << 20)
 	r := listenTCP(t, newTCP(TCPConfig{}), sink)
 	res, tok := sink.reserve(t, 100)
-	c := dialRaw(t, r.Addr())
+	c := dialProven(t, r.Addr())
 	group := append(AppendHeader(nil, Header{Seq: 1, Res: res, Token: tok, Length: 100}), randBytes(1, 100)...)
 	group = append(group, []byte("this is not a frame header, not at all, no........................")...)
 	_, err := c.Write(group)
@@ -195,6 +195,7 @@ func FuzzTCPFrameGroups(f *testing.F) {
 		require.NoError(t, err)
 		defer c.Close()
 		require.NoError(t, c.SetDeadline(time.Now().Add(eventually)))
+		proveRaw(t, c, testSecret)
 		_, err = c.Write(group)
 		require.NoError(t, err)
 		require.NoError(t, c.(*net.TCPConn).CloseWrite())

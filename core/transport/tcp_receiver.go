@@ -2,7 +2,10 @@ package transport
 
 import (
 	"bufio"
+	"crypto/hmac"
+	"crypto/rand"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -47,10 +50,17 @@ type tcpReceiver struct {
 	// how often it bit.
 	limitLogged, evictLogged atomic.Bool
 
-	mu       sync.Mutex
-	closed   bool
-	conns    map[net.Conn]*rconn
-	evicting int // conns told to go, not yet gone; they hold no slot
+	// key is the data plane's key derived from the secret; nil means
+	// connections prove themselves with a live grant (ModeGrant).
+	key  []byte
+	mode Mode
+
+	mu     sync.Mutex
+	closed bool
+	conns  map[net.Conn]*rconn
+	// proven and unproven count the connections holding a slot of each
+	// budget (MaxConns, MaxUnproven); one told to go holds none.
+	proven, unproven int
 }
 
 func newTCPReceiver(ln net.Listener, sink Sink, cfg TCPConfig) *tcpReceiver {
@@ -61,6 +71,8 @@ func newTCPReceiver(ln net.Listener, sink Sink, cfg TCPConfig) *tcpReceiver {
 		log:   cfg.Logger.With("transport", "tcp", "listen", ln.Addr().String()),
 		done:  make(chan struct{}),
 		conns: make(map[net.Conn]*rconn),
+		key:   proofKey(cfg.Secret),
+		mode:  modeOf(cfg.Secret),
 	}
 	r.wg.Add(1)
 	go r.acceptLoop()
@@ -106,9 +118,20 @@ func (r *tcpReceiver) acceptLoop() {
 	}.Run()
 }
 
-// admit serves c unless the receiver is closing; at MaxConns it makes room
-// by evicting an idle connection, or refuses c. Its own bookkeeping (idle
-// and evicted connections hold no slot) is why it does not use Conns.
+// modeOf is the proof a receiver with secret asks for.
+func modeOf(secret Secret) Mode {
+	if secret != "" {
+		return ModeSecret
+	}
+	return ModeGrant
+}
+
+// admit serves c unless the receiver is closing. A new connection holds
+// a slot of the unproven budget until it proves itself (see handshake); at
+// MaxUnproven it takes the place of the oldest unproven one, so that
+// connections that stall in their handshake can neither lock out a
+// newcomer for long nor touch a proven connection's slot. Its own
+// bookkeeping is why it does not use Conns.
 func (r *tcpReceiver) admit(c net.Conn) bool {
 	r.mu.Lock()
 	if r.closed {
@@ -116,12 +139,12 @@ func (r *tcpReceiver) admit(c net.Conn) bool {
 		_ = c.Close()
 		return false
 	}
-	if len(r.conns)-r.evicting >= r.cfg.MaxConns && !r.evictLocked() {
-		r.mu.Unlock()
-		r.refuseConn(c)
-		return true
+	if r.unproven >= r.cfg.MaxUnproven {
+		r.evictUnprovenLocked()
 	}
-	rc := &rconn{r: r, c: c, br: bufio.NewReaderSize(c, readBuf), peer: c.RemoteAddr().String(), acks: make([]byte, 0, AckHeaderLen+MaxAckMsg), idleSince: time.Now()}
+	now := time.Now()
+	rc := &rconn{r: r, c: c, br: bufio.NewReaderSize(c, readBuf), peer: c.RemoteAddr().String(), acks: make([]byte, 0, AckHeaderLen+MaxAckMsg), idleSince: now, since: now}
+	r.unproven++
 	r.conns[c] = rc
 	r.wg.Add(1)
 	r.mu.Unlock()
@@ -138,7 +161,7 @@ func (r *tcpReceiver) admit(c net.Conn) bool {
 func (r *tcpReceiver) evictLocked() bool {
 	var oldest *rconn
 	for _, rc := range r.conns {
-		if !rc.idleSince.IsZero() && !rc.evicted && (oldest == nil || rc.idleSince.Before(oldest.idleSince)) {
+		if rc.proven && !rc.idleSince.IsZero() && !rc.evicted && (oldest == nil || rc.idleSince.Before(oldest.idleSince)) {
 			oldest = rc
 		}
 	}
@@ -146,7 +169,7 @@ func (r *tcpReceiver) evictLocked() bool {
 		return false
 	}
 	oldest.evicted = true
-	r.evicting++
+	r.proven--
 	// Wakes its serve goroutine, which owns the connection's writes and
 	// sends the goodbye itself.
 	_ = oldest.c.SetReadDeadline(longAgo)
@@ -157,15 +180,45 @@ func (r *tcpReceiver) evictLocked() bool {
 	return true
 }
 
-// refuseConn closes a connection at once: every slot has a frame in
-// flight.
-func (r *tcpReceiver) refuseConn(c net.Conn) {
-	r.stats.close(ClosedLimit)
-	if !r.limitLogged.Swap(true) {
-		r.log.Warn("transport: at max_data_conns with a frame in flight on each; refusing new connections (logged once; see ecm_data_conns_closed_total)",
-			"max_conns", r.cfg.MaxConns, "peer", c.RemoteAddr().String())
+// evictUnprovenLocked tells the oldest connection still in its handshake
+// to go: the newest are the ones most likely to prove themselves next.
+func (r *tcpReceiver) evictUnprovenLocked() {
+	var oldest *rconn
+	for _, rc := range r.conns {
+		if !rc.proven && !rc.evicted && (oldest == nil || rc.since.Before(oldest.since)) {
+			oldest = rc
+		}
 	}
-	_ = c.Close()
+	if oldest == nil {
+		return
+	}
+	oldest.evicted = true
+	r.unproven--
+	_ = oldest.c.SetReadDeadline(longAgo)
+}
+
+// promote moves a connection that proved itself to the proven budget,
+// making room by evicting an idle proven one at MaxConns; it reports
+// false when every proven connection has a frame in flight.
+func (rc *rconn) promote() bool {
+	r := rc.r
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if rc.evicted {
+		return false
+	}
+	if r.proven >= r.cfg.MaxConns && !r.evictLocked() {
+		r.stats.close(ClosedLimit)
+		if !r.limitLogged.Swap(true) {
+			r.log.Warn("transport: at max_data_conns with a frame in flight on each; refusing new connections (logged once; see ecm_data_conns_closed_total)",
+				"max_conns", r.cfg.MaxConns, "peer", rc.peer)
+		}
+		return false
+	}
+	rc.proven = true
+	r.unproven--
+	r.proven++
+	return true
 }
 
 // rconn is one accepted connection; only its serve goroutine reads or
@@ -189,9 +242,12 @@ type rconn struct {
 
 	// Guarded by r.mu. idleSince is when the connection last had no
 	// frame in flight (zero while one is); evicted says the accept loop
-	// told it to go.
+	// told it to go; proven that it passed its handshake; since is when
+	// it was accepted.
 	idleSince time.Time
+	since     time.Time
 	evicted   bool
+	proven    bool
 }
 
 func (r *tcpReceiver) serve(rc *rconn) {
@@ -207,14 +263,135 @@ func (r *tcpReceiver) serve(rc *rconn) {
 		_ = c.Close()
 		r.mu.Lock()
 		delete(r.conns, c)
-		if rc.evicted {
-			r.evicting--
+		switch {
+		case rc.evicted:
+		case rc.proven:
+			r.proven--
+		default:
+			r.unproven--
 		}
 		r.mu.Unlock()
 		r.wg.Done()
 	}()
+	if !rc.handshake() {
+		return
+	}
 	for rc.frame() {
 	}
+}
+
+// handshake sends the connection its challenge and reads its proof, all
+// within HandshakeTimeout. In ModeSecret the preamble's MAC is the proof;
+// in ModeGrant it is the first frame, which handshake then serves. It
+// reports whether the connection is proven and in step.
+func (rc *rconn) handshake() bool {
+	r := rc.r
+	_ = rc.c.SetDeadline(time.Now().Add(r.cfg.HandshakeTimeout))
+	ch := Challenge{Mode: r.mode}
+	if _, err := rand.Read(ch.Nonce[:]); err != nil {
+		r.logs.warn(r.log, "transport: no randomness for a challenge", "err", err)
+		return false
+	}
+	challenge := AppendChallenge(make([]byte, 0, ChallengeLen), ch)
+	if _, err := rc.c.Write(challenge); err != nil {
+		return false
+	}
+	var pre [PreambleLen]byte
+	if _, err := io.ReadFull(rc.br, pre[:]); err != nil {
+		rc.unproven(err)
+		return false
+	}
+	p, err := DecodePreamble(pre[:])
+	switch {
+	case err != nil:
+		rc.notAdmitted(err.Error())
+		return false
+	case r.mode == ModeSecret && p.Mode != ModeSecret:
+		rc.notAdmitted("this receiver admits only connections proven with the deployment secret (auth_secret); the writer has none")
+		return false
+	case r.mode == ModeSecret && !hmac.Equal(p.MAC[:], proveSlice(r.key, challenge)):
+		rc.notAdmitted("the preamble's proof does not match this connection's challenge: a different auth_secret, or a replay")
+		return false
+	case r.mode == ModeGrant && p.Mode != ModeGrant:
+		rc.notAdmitted("this receiver has no auth_secret: the writer has one, the receiver none; set the same auth_secret on both")
+		return false
+	case r.mode == ModeSecret:
+		if !rc.promote() {
+			rc.notAdmitted(fmt.Sprintf("at max_data_conns (%d) with a frame in flight on each", r.cfg.MaxConns))
+			return false
+		}
+		return true
+	}
+	// ModeGrant: the first frame, whose header must arrive within the
+	// handshake deadline too, proves the connection once the sink takes it.
+	if _, err := io.ReadFull(rc.br, rc.hdr[:]); err != nil {
+		rc.unproven(err)
+		return false
+	}
+	h, err := DecodeHeader(rc.hdr[:])
+	if err != nil {
+		rc.notAdmitted(err.Error())
+		return false
+	}
+	dst, end, err := openFrame(r.sink, h.Res, h.Token, h.Offset, h.Length)
+	if err != nil {
+		st := statusOf(err)
+		r.stats.reject(st)
+		rc.sendAck(Ack{Seq: h.Seq, Status: st, Msg: err.Error()})
+		// The frames behind it were not begun: a goodbye lets the writer
+		// send them again on a connection that a live grant proves.
+		r.stats.close(ClosedNotAdmitted)
+		_ = rc.c.SetDeadline(time.Now().Add(goodbyeWait))
+		rc.sendAck(Ack{Seq: 0, Status: StatusClosing, Msg: ClosedNotAdmitted + ": the first frame names no live grant"})
+		rc.linger()
+		return false
+	}
+	rc.open, rc.openRes, rc.end = true, h.Res, end
+	if !rc.promote() {
+		rc.endOpen(false)
+		rc.notAdmitted(fmt.Sprintf("at max_data_conns (%d) with a frame in flight on each", r.cfg.MaxConns))
+		return false
+	}
+	if !rc.busy() {
+		rc.endOpen(false)
+		return false
+	}
+	defer rc.idle()
+	_ = rc.c.SetDeadline(time.Now().Add(r.cfg.FrameTimeout))
+	return rc.payload(h, dst)
+}
+
+func proveSlice(key, challenge []byte) []byte {
+	m := prove(key, challenge)
+	return m[:]
+}
+
+// unproven ends a connection whose proof did not arrive: it stalled, it
+// was evicted to make room, or the peer left.
+func (rc *rconn) unproven(err error) {
+	switch {
+	case rc.isEvicted():
+		rc.r.stats.close(ClosedUnprovenEvicted)
+		// Best effort, and no lingering: a slot given up must not hold
+		// a goroutine. A writer that did prove in the meantime resends.
+		_ = rc.c.SetWriteDeadline(time.Now().Add(goodbyeWait))
+		rc.sendAck(Ack{Seq: 0, Status: StatusClosing, Msg: ClosedUnprovenEvicted})
+		rc.flush()
+	case timedOut(err):
+		rc.r.stats.close(ClosedHandshakeTimeout)
+	}
+}
+
+// notAdmitted refuses a connection, telling the writer why; the frames it
+// sent after its preamble are read and dropped, so that the refusal
+// reaches it before the close.
+func (rc *rconn) notAdmitted(why string) {
+	r := rc.r
+	r.stats.close(ClosedNotAdmitted)
+	r.logs.warn(r.log, "transport: refusing a data connection that did not prove itself", "peer", rc.peer, "reason", why)
+	_ = rc.c.SetDeadline(time.Now().Add(goodbyeWait))
+	rc.sendAck(Ack{Seq: 0, Status: StatusNotAdmitted, Msg: why})
+	rc.linger()
 }
 
 // busy marks a frame in flight; it reports false when the connection was
@@ -364,6 +541,12 @@ func (rc *rconn) frame() bool {
 		return rc.refuse(h, err)
 	}
 	rc.open, rc.openRes, rc.end = true, h.Res, end
+	return rc.payload(h, dst)
+}
+
+// payload reads an open frame's payload into dst and acks it.
+func (rc *rconn) payload(h Header, dst []byte) bool {
+	r := rc.r
 	if !rc.flushBefore(len(dst)) {
 		rc.endOpen(false)
 		return false

@@ -19,8 +19,13 @@ import (
 // hang guard, never a speed assertion.
 const eventually = 20 * time.Second
 
+// newTCP is a quiet TCP transport, with testSecret unless cfg names
+// another (transports() covers the mode without one).
 func newTCP(cfg TCPConfig) *TCP {
 	cfg.Logger = quiet
+	if cfg.Secret == "" {
+		cfg.Secret = testSecret
+	}
 	return NewTCP(cfg)
 }
 
@@ -35,6 +40,14 @@ func dialRaw(t *testing.T, addr string) net.Conn {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
 	require.NoError(t, c.SetDeadline(time.Now().Add(eventually)))
+	return c
+}
+
+// dialProven is dialRaw past the handshake, proven with testSecret.
+func dialProven(t *testing.T, addr string) net.Conn {
+	t.Helper()
+	c := dialRaw(t, addr)
+	proveRaw(t, c, testSecret)
 	return c
 }
 
@@ -64,7 +77,7 @@ func TestTCPRefusalsKeepTheConnection(t *testing.T) {
 	res, tok := sink.reserve(t, 1000)
 	gone, goneTok := sink.reserve(t, 1000)
 	sink.markGone(gone)
-	c := dialRaw(t, r.Addr())
+	c := dialProven(t, r.Addr())
 
 	cases := []struct {
 		name      string
@@ -135,7 +148,7 @@ func TestTCPGarbageClosesOnlyThatConnection(t *testing.T) {
 	}
 	for i, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			c := dialRaw(t, r.Addr())
+			c := dialProven(t, r.Addr())
 			_, err := c.Write(tc.b)
 			require.NoError(t, err)
 			_, err = c.Read(make([]byte, 1))
@@ -146,7 +159,7 @@ func TestTCPGarbageClosesOnlyThatConnection(t *testing.T) {
 	}
 
 	t.Run("half a header then hang up", func(t *testing.T) {
-		c := dialRaw(t, r.Addr())
+		c := dialProven(t, r.Addr())
 		_, err := c.Write(good[:10])
 		require.NoError(t, err)
 		require.NoError(t, c.Close())
@@ -159,7 +172,7 @@ func TestTCPWriterDiesMidPayload(t *testing.T) {
 	sink := newMemSink(1 << 20)
 	r := listenTCP(t, newTCP(TCPConfig{}), sink)
 	res, tok := sink.reserve(t, 1000)
-	c := dialRaw(t, r.Addr())
+	c := dialProven(t, r.Addr())
 	sendFrame(t, c, Header{Seq: 1, Res: res, Token: tok, Length: 1000}, randBytes(1, 400))
 	require.NoError(t, c.Close())
 	require.Eventually(t, func() bool { return len(sink.endsOf(res)) == 1 }, eventually, time.Millisecond)
@@ -342,9 +355,11 @@ func TestNewTCPDefaults(t *testing.T) {
 		want TCPConfig
 	}{
 		{TCPConfig{}, TCPConfig{Conns: DefaultConns, ChunkSize: DefaultChunkSize, DialTimeout: DefaultDialTimeout,
-			MaxConns: DefaultMaxConns, IdleTimeout: DefaultIdleTimeout, FrameTimeout: DefaultFrameTimeout}},
+			MaxConns: DefaultMaxConns, IdleTimeout: DefaultIdleTimeout, FrameTimeout: DefaultFrameTimeout,
+			HandshakeTimeout: DefaultHandshakeTimeout, MaxUnproven: DefaultMaxUnproven}},
 		{TCPConfig{Conns: 2, ChunkSize: 2 * MaxFrame, DialTimeout: time.Second, SocketBuffer: 1 << 20, MaxConns: 3, IdleTimeout: time.Minute, FrameTimeout: time.Second},
-			TCPConfig{Conns: 2, ChunkSize: MaxFrame, DialTimeout: time.Second, SocketBuffer: 1 << 20, MaxConns: 3, IdleTimeout: time.Minute, FrameTimeout: time.Second}},
+			TCPConfig{Conns: 2, ChunkSize: MaxFrame, DialTimeout: time.Second, SocketBuffer: 1 << 20, MaxConns: 3, IdleTimeout: time.Minute, FrameTimeout: time.Second,
+				HandshakeTimeout: DefaultHandshakeTimeout, MaxUnproven: DefaultMaxUnproven}},
 	}
 	for _, tc := range cases {
 		got := NewTCP(tc.in).cfg
@@ -382,7 +397,7 @@ func TestTCPNoGoroutineLeftAfterClose(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	w.Write(ctx, r.Addr(), []WriteItem{it})
-	raw := dialRaw(t, r.Addr())
+	raw := dialProven(t, r.Addr())
 	_, err = raw.Write([]byte("garbage"))
 	require.NoError(t, err)
 
@@ -409,6 +424,12 @@ func fakeReceiver(t *testing.T, reply func(h Header) []byte) string {
 			return
 		}
 		defer c.Close()
+		if _, err := c.Write(AppendChallenge(nil, Challenge{Mode: ModeSecret})); err != nil {
+			return
+		}
+		if _, err := io.ReadFull(c, make([]byte, PreambleLen)); err != nil {
+			return
+		}
 		hb := make([]byte, HeaderLen)
 		if _, err := io.ReadFull(c, hb); err != nil {
 			return

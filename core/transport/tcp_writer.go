@@ -37,6 +37,7 @@ const (
 // goroutine that settles chunks by seq.
 type tcpWriter struct {
 	cfg    TCPConfig
+	key    []byte // see proofKey; nil without a secret
 	log    *slog.Logger
 	dialer net.Dialer
 	seq    atomic.Uint64
@@ -61,6 +62,7 @@ func newTCPWriter(cfg TCPConfig) *tcpWriter {
 	ctx, cancel := context.WithCancel(context.Background())
 	return &tcpWriter{
 		cfg:    cfg,
+		key:    proofKey(cfg.Secret),
 		log:    cfg.Logger.With("transport", "tcp"),
 		dialer: net.Dialer{Timeout: cfg.DialTimeout},
 		ctx:    ctx,
@@ -554,6 +556,10 @@ func (s *slot) conn(ctx context.Context) (*wconn, error) {
 		return nil, fmt.Errorf("%w: %w", ErrUnreachable, err)
 	}
 	tuneConn(c, w.cfg)
+	if err := w.handshake(ctx, c); err != nil {
+		_ = c.Close()
+		return nil, err
+	}
 	wc := &wconn{w: w, slot: s, c: c, pending: make(map[uint64]*chunk)}
 	if !w.track(wc) {
 		_ = c.Close()
@@ -561,6 +567,43 @@ func (s *slot) conn(ctx context.Context) (*wconn, error) {
 	}
 	s.wc = wc
 	return wc, nil
+}
+
+// handshake reads a new connection's challenge and answers it, within
+// DialTimeout (or ctx's deadline, if sooner). Frames may follow the
+// preamble at once: a refusal comes back as an ack.
+func (w *tcpWriter) handshake(ctx context.Context, c net.Conn) error {
+	deadline := time.Now().Add(w.cfg.DialTimeout)
+	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
+		deadline = dl
+	}
+	_ = c.SetDeadline(deadline)
+	defer c.SetDeadline(time.Time{})
+	b := make([]byte, ChallengeLen, ChallengeLen+PreambleLen)
+	if _, err := io.ReadFull(c, b); err != nil {
+		if ctxErr := ctxEnded(ctx, err); ctxErr != nil {
+			return fmt.Errorf("handshake: %w", ctxErr)
+		}
+		if timedOut(err) {
+			return fmt.Errorf("%w: no challenge from the receiver within %v: it does not speak data protocol v%d (an older build?)", ErrNotAdmitted, w.cfg.DialTimeout, HandshakeVersion)
+		}
+		return fmt.Errorf("%w: handshake: %w", ErrConnLost, err)
+	}
+	ch, err := DecodeChallenge(b)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrNotAdmitted, err)
+	}
+	p := Preamble{Mode: ModeGrant}
+	if ch.Mode == ModeSecret {
+		if w.key == nil {
+			return fmt.Errorf("%w: the receiver admits only writers holding the deployment secret, and this one has no auth_secret", ErrNotAdmitted)
+		}
+		p = Preamble{Mode: ModeSecret, MAC: prove(w.key, b)}
+	}
+	if _, err := c.Write(AppendPreamble(b[ChallengeLen:], p)); err != nil {
+		return fmt.Errorf("%w: handshake: %w", ErrConnLost, err)
+	}
+	return nil
 }
 
 func (s *slot) retire(wc *wconn) {
@@ -680,7 +723,11 @@ func (wc *wconn) readAcks() {
 		wc.resendPending()
 	}
 	_ = wc.c.Close()
-	wc.failAll(wc.w.lost(err))
+	if errors.Is(err, ErrNotAdmitted) {
+		wc.failAll(err)
+	} else {
+		wc.failAll(wc.w.lost(err))
+	}
 	wc.w.forget(wc)
 }
 
@@ -733,6 +780,9 @@ func (wc *wconn) ackLoop() (err error) {
 		}
 		if a.Seq == 0 && a.Status == StatusClosing {
 			return errGoodbye
+		}
+		if a.Seq == 0 && a.Status == StatusNotAdmitted {
+			return fmt.Errorf("%w (receiver: %q)", ErrNotAdmitted, a.Msg)
 		}
 		ch := wc.take(a.Seq)
 		if ch == nil {

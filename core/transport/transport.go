@@ -125,6 +125,11 @@ var (
 	ErrUnreachable = errors.New("destination unreachable")
 	// ErrClosed: the Writer or Receiver was closed.
 	ErrClosed = errors.New("transport closed")
+	// ErrNotAdmitted: the receiver refused the connection before any of
+	// its frames: no valid proof (a missing or different auth_secret, a
+	// token of no live grant), a receiver of another protocol version, or
+	// no room. Nothing of the refused connection reached the sink.
+	ErrNotAdmitted = errors.New("data connection not admitted")
 	// ErrBadFrame: bytes that do not decode as a frame header or an ack.
 	ErrBadFrame = errors.New("bad frame")
 
@@ -157,6 +162,10 @@ const (
 	// closes the connection without having begun any frame sent after its
 	// last ack: the writer may resend those frames on a new connection.
 	StatusClosing
+	// StatusNotAdmitted, in an ack with Seq 0, refuses the connection: it
+	// did not prove itself (see Mode), or the receiver has no room for
+	// it. The message says which; the receiver then closes it.
+	StatusNotAdmitted
 )
 
 // statusNames are the reason names used as the keys of RecvStats.Rejected.
@@ -168,6 +177,7 @@ var statusNames = [...]string{
 	StatusOutOfBounds: "out_of_bounds",
 	StatusGone:        "gone",
 	StatusClosing:     "closing",
+	StatusNotAdmitted: "not_admitted",
 }
 
 // String returns the reason name used as the key of RecvStats.Rejected.
