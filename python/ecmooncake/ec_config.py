@@ -270,6 +270,12 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         "a file holding the secret (read by the library when each object opens; trailing line break ignored)",
         only_if_set=True,
     ),
+    "mooncake_metadata_open": ExtraKey(
+        None, flag, ("consumer",),
+        "serve the shard's metadata store (`mooncake_metadata_server`) without a token; without one and "
+        "without this the shard does not start (logged loudly)",
+        only_if_set=True,
+    ),
     "allow_unauthenticated": ExtraKey(
         None, flag, ("consumer",),
         "without a secret, a consumer bound beyond loopback serves loopback peers only; `true` serves anybody (logged loudly)",
