@@ -35,6 +35,7 @@ type metadataIn struct {
 	Host          string `json:"host"`
 	Port          int    `json:"port"`
 	Token         string `json:"token"`
+	Open          bool   `json:"open"`
 	MaxKeys       int    `json:"max_keys"`
 	MaxValueBytes int    `json:"max_value_bytes"`
 	MaxTotalBytes int64  `json:"max_total_bytes"`
@@ -42,7 +43,8 @@ type metadataIn struct {
 
 // MetadataServerOpen serves a Mooncake-compatible metadata store until the
 // handle is closed. config: {"host": "127.0.0.1", "port": 8080, "token":
-// "", "max_keys", "max_value_bytes", "max_total_bytes"}; loopback unless
+// "", "open": false, "max_keys", "max_value_bytes", "max_total_bytes"}: a
+// token is required unless open is true; loopback unless
 // the caller names another address, since the store tells engines where
 // to write.
 func MetadataServerOpen(raw []byte) (uint64, error) {
@@ -52,7 +54,7 @@ func MetadataServerOpen(raw []byte) (uint64, error) {
 		dec := json.NewDecoder(bytes.NewReader(raw))
 		dec.DisallowUnknownFields()
 		if err := dec.Decode(&in); err != nil {
-			return 0, statusErr(StatusInvalid, "metadata server config: %v (keys: host, port, token, max_keys, max_value_bytes, max_total_bytes)", err)
+			return 0, statusErr(StatusInvalid, "metadata server config: %v (keys: host, port, token, open, max_keys, max_value_bytes, max_total_bytes)", err)
 		}
 	}
 	if in.Port < 0 || in.Port > 65535 {
@@ -62,7 +64,7 @@ func MetadataServerOpen(raw []byte) (uint64, error) {
 		return 0, statusErr(StatusInvalid, "metadata server: host = %q; want an IP address or a hostname", in.Host)
 	}
 	s, err := metadata.Listen(metadata.Config{
-		Addr: net.JoinHostPort(in.Host, strconv.Itoa(in.Port)), Token: in.Token, Logger: slog.Default(),
+		Addr: net.JoinHostPort(in.Host, strconv.Itoa(in.Port)), Token: in.Token, Open: in.Open, Logger: slog.Default(),
 		MaxKeys: in.MaxKeys, MaxValueBytes: in.MaxValueBytes, MaxTotalBytes: in.MaxTotalBytes,
 	})
 	if errors.Is(err, metadata.ErrInvalid) {

@@ -10,6 +10,15 @@ import (
 // derives keys from it and enforces the same bound).
 const MinSecretLen = 16
 
+// MinSecretDistinct is the fewest distinct bytes a secret may hold: one
+// repeated letter, or a short cycle of them, has the length of a secret and
+// almost none of its entropy. Ten admits the hex of 16 random bytes (14
+// distinct on average) and refuses the patterns people type.
+const MinSecretDistinct = 10
+
+// SecretFix is how to make a good secret file, named by every refusal.
+const SecretFix = "head -c 32 /dev/urandom | base64 > FILE && chmod 600 FILE"
+
 // maxSecretFile bounds what auth_secret_file may hold: a secret is a line,
 // and a path pointing at something large is a mistake.
 const maxSecretFile = 4096
@@ -47,7 +56,7 @@ func (a Auth) validate() error {
 	case a.Secret != "" && a.SecretFile != "":
 		return fmt.Errorf("%w: auth_secret and auth_secret_file are both set; set one", ErrInvalid)
 	case a.Secret != "":
-		return secretLen("auth_secret", len(a.Secret))
+		return secretStrength("auth_secret", string(a.Secret))
 	case a.SecretFile != "" && strings.TrimSpace(a.SecretFile) != a.SecretFile:
 		return fmt.Errorf("%w: auth_secret_file = %q has leading or trailing spaces", ErrInvalid, a.SecretFile)
 	}
@@ -69,6 +78,14 @@ func (a Auth) LoadSecret() (string, error) {
 		return "", fmt.Errorf("%w: auth_secret_file: %v", ErrInvalid, err)
 	}
 	defer f.Close()
+	// Whoever reads the file holds the deployment's keys, and whoever
+	// writes it chooses them: only its owner may do either.
+	if st, err := f.Stat(); err != nil {
+		return "", fmt.Errorf("%w: auth_secret_file %s: %v", ErrInvalid, a.SecretFile, err)
+	} else if perm := st.Mode().Perm(); perm&0o066 != 0 {
+		return "", fmt.Errorf("%w: auth_secret_file %s has mode %04o: other users of the host can read or change it; make it the owner's alone (chmod 600 %s)",
+			ErrInvalid, a.SecretFile, perm, a.SecretFile)
+	}
 	buf := make([]byte, maxSecretFile+1)
 	n, err := f.Read(buf)
 	if err != nil && n == 0 {
@@ -78,15 +95,29 @@ func (a Auth) LoadSecret() (string, error) {
 		return "", fmt.Errorf("%w: auth_secret_file %s holds more than %d bytes; want the secret alone", ErrInvalid, a.SecretFile, maxSecretFile)
 	}
 	secret := strings.TrimRight(string(buf[:n]), " \t\r\n")
-	if err := secretLen("auth_secret_file "+a.SecretFile, len(secret)); err != nil {
+	if err := secretStrength("auth_secret_file "+a.SecretFile, secret); err != nil {
 		return "", err
 	}
 	return secret, nil
 }
 
-func secretLen(key string, n int) error {
-	if n < MinSecretLen {
-		return fmt.Errorf("%w: %s holds %d bytes; want at least %d (e.g. `openssl rand -base64 32`)", ErrInvalid, key, n, MinSecretLen)
+// secretStrength refuses a secret too short or too repetitive to resist
+// offline guessing. The error names the key and the fix, never the value.
+func secretStrength(key, secret string) error {
+	if len(secret) < MinSecretLen {
+		return fmt.Errorf("%w: %s holds %d bytes; want at least %d (e.g. `%s`)", ErrInvalid, key, len(secret), MinSecretLen, SecretFix)
+	}
+	var seen [256]bool
+	distinct := 0
+	for i := 0; i < len(secret); i++ {
+		if !seen[secret[i]] {
+			seen[secret[i]] = true
+			distinct++
+		}
+	}
+	if distinct < MinSecretDistinct {
+		return fmt.Errorf("%w: %s is weak: %d distinct bytes in %d; want at least %d, from a random source (e.g. `%s`)",
+			ErrInvalid, key, distinct, len(secret), MinSecretDistinct, SecretFix)
 	}
 	return nil
 }

@@ -94,6 +94,9 @@ type Consumer struct {
 	// Python package fills it from MC_METADATA_HTTP_TOKEN, which Mooncake's
 	// engines read themselves and send with every metadata request.
 	MooncakeMetadataToken string `json:"mooncake_metadata_token"`
+	// MooncakeMetadataOpen serves that store without a token (logged
+	// loudly); without a token and without it, the shard does not start.
+	MooncakeMetadataOpen bool `json:"mooncake_metadata_open"`
 }
 
 // MooncakeMetadataURL is the metadata connection string the shard's engine

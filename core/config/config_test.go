@@ -171,3 +171,53 @@ func TestAuthSettings(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, got, "no secret by default")
 }
+
+// An attacker who can read the secret file (another user of the host) or
+// guess a weak secret holds the deployment's keys: both are refused when
+// the object opens, naming the fix and never the secret.
+func TestWeakOrExposedSecretsAreRefused(t *testing.T) {
+	const good = "tests-go-deployment-secret-0123"
+	dir := t.TempDir()
+	write := func(name, content string, mode os.FileMode) string {
+		path := filepath.Join(dir, name)
+		require.NoError(t, os.WriteFile(path, []byte(content), mode))
+		require.NoError(t, os.Chmod(path, mode), "the umask must not soften the mode under test")
+		return path
+	}
+	for _, c := range []struct {
+		name string
+		auth Auth
+		want []string
+	}{
+		{"world-readable file", Auth{SecretFile: write("world", good+"\n", 0o644)}, []string{"0644", "chmod 600"}},
+		{"group-readable file", Auth{SecretFile: write("group", good+"\n", 0o640)}, []string{"0640", "chmod 600"}},
+		{"group-writable file", Auth{SecretFile: write("gw", good+"\n", 0o620)}, []string{"0620", "chmod 600"}},
+		{"one repeated letter", Auth{Secret: Secret("aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa")}, []string{"distinct", "/dev/urandom"}},
+		{"two letters in turn", Auth{Secret: Secret("abababababababababababababababab")}, []string{"distinct", "/dev/urandom"}},
+		{"weak secret in a private file", Auth{SecretFile: write("weak", "zzzzzzzzzzzzzzzzzzzz\n", 0o600)}, []string{"distinct", "weak"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := c.auth.LoadSecret()
+			require.ErrorIs(t, err, ErrInvalid)
+			for _, w := range c.want {
+				require.ErrorContains(t, err, w)
+			}
+			require.NotContains(t, err.Error(), good)
+			require.NotContains(t, err.Error(), "aaaaaaaa")
+			require.NotContains(t, err.Error(), "zzzzzzzz")
+		})
+	}
+	for _, ok := range []struct {
+		auth Auth
+		want string
+	}{
+		{Auth{SecretFile: write("owner", good+"\n", 0o600)}, good},
+		{Auth{SecretFile: write("readonly", good+"\n", 0o400)}, good},
+		{Auth{Secret: Secret(good)}, good},
+		{Auth{Secret: Secret("0123456789abcdef")}, "0123456789abcdef"},
+	} {
+		got, err := ok.auth.LoadSecret()
+		require.NoError(t, err, "%+v", ok.auth)
+		require.Equal(t, ok.want, got)
+	}
+}

@@ -29,7 +29,7 @@ func FuzzRequests(f *testing.F) {
 		f.Add([]byte(seed), true)
 	}
 	f.Fuzz(func(t *testing.T, raw []byte, withToken bool) {
-		cfg := Config{MaxValueBytes: 64, MaxKeys: 4, MaxTotalBytes: 200, Logger: quiet()}
+		cfg := Config{MaxValueBytes: 64, MaxKeys: 4, MaxTotalBytes: 200, Open: !withToken, Logger: quiet()}
 		if withToken {
 			cfg.Token = "t"
 		}

@@ -18,7 +18,7 @@ import (
 func jsonOf(n int) []byte { return []byte(`"` + strings.Repeat("x", n-2) + `"`) }
 
 func TestDefaultsBoundTheStore(t *testing.T) {
-	c, err := Config{Addr: "127.0.0.1:0"}.withDefaults()
+	c, err := Config{Addr: "127.0.0.1:0", Open: true}.withDefaults()
 	require.NoError(t, err)
 	require.Equal(t, DefaultMaxValueBytes, c.MaxValueBytes)
 	require.Equal(t, DefaultMaxKeys, c.MaxKeys)

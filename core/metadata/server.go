@@ -49,8 +49,11 @@ type Config struct {
 	// Addr is "host:port" to listen on; port 0 picks a free one.
 	Addr string
 	// Token, when set, must arrive as "Authorization: Bearer <Token>" on
-	// every /metadata request.
+	// every /metadata request. It is required unless Open is set.
 	Token string
+	// Open serves without a token: whoever reaches the port can rewrite
+	// the segment descriptors engines connect to. Logged loudly.
+	Open bool
 	// MaxValueBytes bounds one value; a larger PUT is refused with 413
 	// before its body is read.
 	MaxValueBytes int
@@ -63,6 +66,14 @@ type Config struct {
 
 // withDefaults fills zero limits and checks them.
 func (c Config) withDefaults() (Config, error) {
+	switch {
+	case c.Token == "" && !c.Open:
+		return c, fmt.Errorf("%w: no token: whoever reaches the store could rewrite the segment descriptors engines connect to; "+
+			"set MC_METADATA_HTTP_TOKEN (Mooncake's engines send it too) or give the command --token-file FILE, "+
+			"or serve open (open: true, --open) on a host whose every user you trust", ErrInvalid)
+	case c.Token != "" && c.Open:
+		return c, fmt.Errorf("%w: a token and open at once; drop one", ErrInvalid)
+	}
 	if c.MaxValueBytes < 0 || c.MaxKeys < 0 || c.MaxTotalBytes < 0 {
 		return c, fmt.Errorf("%w: max_value_bytes = %d, max_keys = %d, max_total_bytes = %d; want positive values, or 0 for the defaults",
 			ErrInvalid, c.MaxValueBytes, c.MaxKeys, c.MaxTotalBytes)
@@ -170,8 +181,13 @@ func Listen(cfg Config) (*Server, error) {
 	go s.serve()
 	s.log.Info("mooncake metadata store listening", "url", s.URL(), "token", s.cfg.Token != "",
 		"max_keys", s.cfg.MaxKeys, "max_value_bytes", s.cfg.MaxValueBytes, "max_total_bytes", s.cfg.MaxTotalBytes)
-	if s.cfg.Token == "" && !loopback(s.ln.Addr()) {
-		s.log.Warn("mooncake metadata store serves beyond this host without a token: whoever reaches it can rewrite the segment descriptors engines connect to; set MC_METADATA_HTTP_TOKEN (engines send it too)",
+	if s.cfg.Open {
+		where := "every user of this host"
+		if !loopback(s.ln.Addr()) {
+			where = "anybody who reaches " + s.Addr()
+		}
+		s.log.Warn("SECURITY: mooncake metadata store serves open, without a token: "+where+
+			" can rewrite the segment descriptors engines connect to; set MC_METADATA_HTTP_TOKEN (engines send it too)",
 			"addr", s.Addr())
 	}
 	return s, nil

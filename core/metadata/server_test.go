@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"log/slog"
+
 	"github.com/stretchr/testify/require"
 )
 
@@ -86,6 +88,8 @@ func listen(t *testing.T, cfg Config) *Server {
 	if cfg.Addr == "" {
 		cfg.Addr = "127.0.0.1:0"
 	}
+	// Tests of anything but the token run the store open.
+	cfg.Open = cfg.Token == ""
 	s, err := Listen(cfg)
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, s.Close()) })
@@ -187,7 +191,7 @@ func TestTokenGuardsMetadataButNotHealth(t *testing.T) {
 
 func TestEnsureUsesTheStoreAlreadyServing(t *testing.T) {
 	s := listen(t, Config{})
-	again, err := Ensure(Config{Addr: s.Addr()})
+	again, err := Ensure(Config{Addr: s.Addr(), Open: true})
 	require.NoError(t, err)
 	require.Nil(t, again, "the second shard owns nothing")
 
@@ -204,7 +208,7 @@ func TestEnsureUsesTheStoreAlreadyServing(t *testing.T) {
 			conn.Close()
 		}
 	}()
-	_, err = Ensure(Config{Addr: ln.Addr().String()})
+	_, err = Ensure(Config{Addr: ln.Addr().String(), Open: true})
 	require.ErrorContains(t, err, "not a metadata store")
 }
 
@@ -233,12 +237,35 @@ func TestConcurrentClients(t *testing.T) {
 }
 
 func TestCloseIsIdempotentAndFreesThePort(t *testing.T) {
-	s, err := Listen(Config{Addr: "127.0.0.1:0"})
+	s, err := Listen(Config{Addr: "127.0.0.1:0", Open: true})
 	require.NoError(t, err)
 	addr := s.Addr()
 	require.NoError(t, s.Close())
 	require.NoError(t, s.Close())
-	again, err := Listen(Config{Addr: addr})
+	again, err := Listen(Config{Addr: addr, Open: true})
 	require.NoError(t, err)
 	require.NoError(t, again.Close())
+}
+
+// Whoever can PUT into the store rewrites the segment descriptors engines
+// connect to, so by default it does not start without a token; serving
+// open is a choice, and a loud one.
+func TestStoreRequiresATokenUnlessToldToServeOpen(t *testing.T) {
+	_, err := Listen(Config{Addr: "127.0.0.1:0", Logger: quiet()})
+	require.ErrorIs(t, err, ErrInvalid)
+	require.ErrorContains(t, err, "MC_METADATA_HTTP_TOKEN")
+	require.ErrorContains(t, err, "open")
+	_, err = Ensure(Config{Addr: "127.0.0.1:0", Logger: quiet()})
+	require.ErrorIs(t, err, ErrInvalid, "a shard's own store is held to the same default")
+
+	var logged bytes.Buffer
+	s, err := Listen(Config{Addr: "127.0.0.1:0", Open: true, Logger: slog.New(slog.NewTextHandler(&logged, nil))})
+	require.NoError(t, err)
+	defer s.Close()
+	require.Contains(t, logged.String(), "level=WARN")
+	require.Contains(t, logged.String(), "without a token")
+	require.Equal(t, http.StatusOK, newClient(s).put("k", 1), "open means open")
+
+	_, err = Listen(Config{Addr: "127.0.0.1:0", Token: "s3cret", Open: true, Logger: quiet()})
+	require.ErrorIs(t, err, ErrInvalid, "a token and open at once is a mistake")
 }

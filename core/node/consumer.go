@@ -163,7 +163,7 @@ func startMetadata(cfg config.Consumer, opt Options) (*metadata.Server, error) {
 	if cfg.MooncakeMetadataServer == "" {
 		return nil, nil
 	}
-	return metadata.Ensure(metadata.Config{Addr: cfg.MooncakeMetadataServer, Token: cfg.MooncakeMetadataToken, Logger: opt.log()})
+	return metadata.Ensure(metadata.Config{Addr: cfg.MooncakeMetadataServer, Token: cfg.MooncakeMetadataToken, Open: cfg.MooncakeMetadataOpen, Logger: opt.log()})
 }
 
 // device opens one GPU; "no GPU here" is ErrUnavailable.

@@ -25,8 +25,12 @@ BUFFER_DEVICES = ("cpu", "cuda")
 # The control plane's secret, for deployments that keep it off the command
 # line: read here, by Python, because the library reads no environment.
 SECRET_ENV = "ECMOONCAKE_SECRET"
-# The library refuses shorter secrets (they fall to offline guessing).
+# The library refuses shorter secrets (they fall to offline guessing), and
+# ones of fewer distinct bytes (a repeated letter is long and guessable);
+# both bounds mirror core/config's, so a bad secret fails at config time.
 MIN_SECRET_LEN = 16
+MIN_SECRET_DISTINCT = 10
+SECRET_FIX = "head -c 32 /dev/urandom | base64 > FILE && chmod 600 FILE"
 # The slab must hold at least one item; below this it is a typo (a size in
 # MB or GB given as bytes), not a choice.
 MIN_BUFFER_BYTES = 1 << 20
@@ -125,7 +129,13 @@ def secret(key: str, value: Any) -> Secret:
     if not isinstance(value, str) or len(value) < MIN_SECRET_LEN:
         raise ConfigError(
             f"ECMooncakeConnector: {key} is not allowed; want a string of at least {MIN_SECRET_LEN} "
-            f"characters (e.g. `openssl rand -base64 32`), the same on every producer and consumer"
+            f"characters (e.g. `{SECRET_FIX}`), the same on every producer and consumer"
+        )
+    distinct = len(set(value.encode()))
+    if distinct < MIN_SECRET_DISTINCT:
+        raise ConfigError(
+            f"ECMooncakeConnector: {key} is weak: {distinct} distinct bytes in {len(value.encode())}; want at least "
+            f"{MIN_SECRET_DISTINCT}, from a random source (e.g. `{SECRET_FIX}`)"
         )
     return Secret(value)
 
@@ -258,6 +268,12 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
     "auth_secret_file": ExtraKey(
         "", _path, ("producer", "consumer", "scheduler"),
         "a file holding the secret (read by the library when each object opens; trailing line break ignored)",
+        only_if_set=True,
+    ),
+    "mooncake_metadata_open": ExtraKey(
+        None, flag, ("consumer",),
+        "serve the shard's metadata store (`mooncake_metadata_server`) without a token; without one and "
+        "without this the shard does not start (logged loudly)",
         only_if_set=True,
     ),
     "allow_unauthenticated": ExtraKey(

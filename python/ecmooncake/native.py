@@ -581,9 +581,10 @@ class MetadataServer(_Handle):
     background until :meth:`close`.
 
     ``port=0`` picks a free port; :attr:`url` is the metadata connection
-    string an engine on this host uses. With ``token`` set, every /metadata
-    request must carry ``Authorization: Bearer <token>`` (what Mooncake sends
-    when MC_METADATA_HTTP_TOKEN is set). It listens on loopback unless
+    string an engine on this host uses. Every /metadata request must carry
+    ``Authorization: Bearer <token>`` (what Mooncake sends when
+    MC_METADATA_HTTP_TOKEN is set); without a token the store refuses to
+    start unless ``open=True`` (served to anybody, logged loudly). It listens on loopback unless
     ``host`` says otherwise. ``max_keys``, ``max_value_bytes`` and
     ``max_total_bytes`` bound it (0: 65536 keys, 16 MiB, 256 MiB); a value
     too large gets 413, a PUT into a full store 507.
@@ -597,6 +598,7 @@ class MetadataServer(_Handle):
         port: int = 8080,
         token: str | None = None,
         *,
+        open: bool = False,
         max_keys: int = 0,
         max_value_bytes: int = 0,
         max_total_bytes: int = 0,
@@ -611,6 +613,8 @@ class MetadataServer(_Handle):
         }
         if token:
             config["token"] = token
+        if open:
+            config["open"] = True
         self._open("ecm_metadata_server_open", _encode(config, "metadata server config"))
 
     @property

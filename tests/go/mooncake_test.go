@@ -123,7 +123,7 @@ func TestMooncakePushToShardedConsumer(t *testing.T) {
 }
 
 func TestMooncakeOverHTTPMetadata(t *testing.T) {
-	store, err := metadata.Listen(metadata.Config{Addr: "127.0.0.1:0", Logger: quietLog()})
+	store, err := metadata.Listen(metadata.Config{Addr: "127.0.0.1:0", Open: true, Logger: quietLog()})
 	require.NoError(t, err)
 	defer store.Close()
 	http := func(c *mooncake.Config) { c.Metadata = store.URL() }
@@ -138,7 +138,7 @@ func TestMooncakeOverHTTPMetadata(t *testing.T) {
 // succeeds (the refused unregister is logged), so a deployment that shuts
 // its store down first does not report a failure for every shard.
 func TestMooncakeCloseAfterTheMetadataStoreHasGone(t *testing.T) {
-	store, err := metadata.Listen(metadata.Config{Addr: "127.0.0.1:0", Logger: quietLog()})
+	store, err := metadata.Listen(metadata.Config{Addr: "127.0.0.1:0", Open: true, Logger: quietLog()})
 	require.NoError(t, err)
 	http := func(c *mooncake.Config) { c.Metadata = store.URL() }
 	c := mooncakeCluster(t, clusterOpts{tp: 1}, http, http)

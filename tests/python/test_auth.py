@@ -42,6 +42,34 @@ def test_secret_is_checked_and_never_echoed():
         parse_extra({"allow_unauthenticated": "yes"})
 
 
+def test_weak_secret_is_refused_naming_the_fix(monkeypatch):
+    # Long enough, and guessable: one repeated letter, or two in turn.
+    for weak in ("a" * 32, "ab" * 16):
+        with pytest.raises(ConfigError) as info:
+            parse_extra({"auth_secret": weak})
+        assert "distinct" in str(info.value) and "/dev/urandom" in str(info.value) and weak not in str(info.value)
+    monkeypatch.setenv(ec_config.SECRET_ENV, "z" * 40)
+    with pytest.raises(ConfigError, match=ec_config.SECRET_ENV):
+        config({}).producer_settings()
+    parse_extra({"auth_secret": "0123456789abcdef"})
+
+
+@pytest.mark.usefixtures("library")
+def test_library_refuses_a_secret_file_others_can_read(tmp_path):
+    # Python defers the file to the library, which reads it when each
+    # object opens: a file the rest of the host can read is refused there.
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    for mode in (0o644, 0o640):
+        path.chmod(mode)
+        with pytest.raises(EcmInvalid) as info:
+            Producer({"auth_secret_file": str(path)})
+        assert f"{mode:04o}" in str(info.value) and "chmod 600" in str(info.value) and SECRET not in str(info.value)
+    path.chmod(0o600)
+    with Producer({"auth_secret_file": str(path)}):
+        pass
+
+
 def test_secret_reaches_every_object_and_stays_out_of_reprs(monkeypatch):
     monkeypatch.delenv(ec_config.SECRET_ENV, raising=False)
     cfg = config({"auth_secret": SECRET, "allow_unauthenticated": True})
@@ -71,6 +99,7 @@ def test_secret_from_the_environment(monkeypatch):
 def test_library_takes_the_auth_settings(tmp_path):
     path = tmp_path / "secret"
     path.write_text(SECRET + "\n")
+    path.chmod(0o600)
     port = free_port_range(1, IP)
     slab = np.zeros(1 << 20, np.uint8)
     with Consumer({"ec_ip": IP, "ec_port": port, "auth_secret_file": str(path), "allow_unauthenticated": True}, slab) as consumer:

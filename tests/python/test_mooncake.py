@@ -104,13 +104,42 @@ def _metadata_server_cli(*args: str, **env: str):
 
 
 def test_metadata_server_cli(tmp_path):
-    with _metadata_server_cli("--host", IP, "--port", "0") as (_, url, died):
+    with _metadata_server_cli("--host", IP, "--port", "0", "--open", MC_METADATA_HTTP_TOKEN="") as (proc, url, died):
         assert url.startswith(f"http://{IP}:") and url.endswith("/metadata"), (url, died)
         _check_store(url)
 
 
+def test_metadata_server_refuses_to_serve_without_a_token():
+    # An attacker who can PUT rewrites the descriptors engines connect to:
+    # without a token the store does not start unless told to serve open.
+    with pytest.raises(native.EcmInvalid, match="MC_METADATA_HTTP_TOKEN"):
+        MetadataServer(IP, 0)
+    with pytest.raises(native.EcmInvalid, match="token and open"):
+        MetadataServer(IP, 0, token="s3cret", open=True)
+    env = subprocess_env(MC_METADATA_HTTP_TOKEN="")
+    cli = [sys.executable, "-m", "ecmooncake", "metadata-server", "--port", "0"]
+    done = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 1 and "MC_METADATA_HTTP_TOKEN" in done.stderr and "--open" in done.stderr, done
+    # A token on the command line is visible to every user of the host.
+    done = subprocess.run([*cli, "--token", "s3cret"], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 2 and "--token" in done.stderr, done
+
+
+def test_metadata_server_open_is_logged_loudly():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ecmooncake", "metadata-server", "--port", "0", "--open"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(MC_METADATA_HTTP_TOKEN=""),
+    )
+    try:
+        assert proc.stdout.readline().startswith("http://127.0.0.1:")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert "SECURITY" in err and "without a token" in err, err
+
+
 def test_metadata_server_object():
-    with MetadataServer(IP, 0) as server:
+    with MetadataServer(IP, 0, open=True) as server:
         assert server.url.startswith(f"http://{IP}:")
         _check_store(server.url)
         stats = server.stats()
@@ -125,7 +154,7 @@ def test_metadata_server_token():
 
 
 def test_metadata_server_is_bounded():
-    with MetadataServer(port=0, max_keys=2, max_value_bytes=1024, max_total_bytes=4096) as server:
+    with MetadataServer(port=0, open=True, max_keys=2, max_value_bytes=1024, max_total_bytes=4096) as server:
         assert server.url.startswith("http://127.0.0.1:"), "loopback by default"
         status, body = _http("PUT", _key_url(server.url, "big"), "x" * 2000)
         assert status == 413 and b"1024" in body
@@ -138,7 +167,7 @@ def test_metadata_server_is_bounded():
         assert stats["too_large"] == 1 and stats["store_full"] == 1 and stats["keys"] == 2
         assert (stats["max_keys"], stats["max_value_bytes"], stats["max_total_bytes"]) == (2, 1024, 4096)
     with pytest.raises(native.EcmInvalid, match="max_value_bytes"):
-        MetadataServer(port=0, max_value_bytes=1 << 20, max_total_bytes=1024)
+        MetadataServer(port=0, open=True, max_value_bytes=1 << 20, max_total_bytes=1024)
 
 
 def test_metadata_server_cli_token_file_and_loopback(tmp_path):
@@ -250,11 +279,12 @@ def test_consumer_serves_the_metadata_store(workers, double, monkeypatch):
     """mooncake_metadata_server starts the store with the consumer; both
     engines then publish and find each other through it (HTTP mode)."""
     monkeypatch.setenv(native.MOONCAKE_LIBRARY_ENV, str(double))
+    monkeypatch.delenv(native.METADATA_TOKEN_ENV, raising=False)
     port = free_port_range(1, IP)
     store = f"{IP}:{_free_port()}"
     url = f"http://{store}/metadata"
     producer = {"transport": "mooncake", "mooncake_host": IP, "mooncake_metadata": url, "control_timeout_s": 10, "push_wait_timeout_s": 30}
-    _round_trip(workers, port, 1, {"mooncake_metadata_server": store}, producer, "http")
+    _round_trip(workers, port, 1, {"mooncake_metadata_server": store, "mooncake_metadata_open": True}, producer, "http")
     assert _http("GET", f"http://{store}/health") == (200, b"ok")
 
 

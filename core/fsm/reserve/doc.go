@@ -74,6 +74,18 @@
 // scheduler fails the request waiting for it now rather than at its push
 // deadline, and a tombstone answers a repeated reserve with ErrGone.
 //
+// # Requesters
+//
+// An Item names its requester (Owner, an identity unguessable to other
+// peers). A repeated reserve of a live write grant is answered with the
+// grant only for the same owner; anyone else gets ErrInProgress and no
+// region or token. Each owner's regions being written, their bytes and
+// its followers are bounded (Config.MaxPending*PerOwner,
+// MaxFollowersPerOwner), and so are one write's followers
+// (Config.MaxFollowers): over a bound a reservation is refused with
+// ErrOverQuota and settled at once like a refusal for room, so a flood
+// costs only tombstones, which are bounded.
+//
 // # Safety of the data plane
 //
 // BeginWrite admits a write only into a Writing region, with that region's

@@ -26,6 +26,30 @@ func (t *Table) CheckInvariants() error {
 		}
 	}
 
+	// Each requester's quota use is what its live records add up to.
+	want := map[string]ownerUse{}
+	for _, r := range t.regions {
+		if r.state == Writing {
+			u := want[r.owner]
+			u.pending++
+			u.pendingBytes += r.nbytes
+			want[r.owner] = u
+		}
+		for _, f := range r.followers {
+			u := want[f.owner]
+			u.followers++
+			want[f.owner] = u
+		}
+	}
+	if len(want) != len(t.owners) {
+		bad("%d requesters hold records, %d are counted", len(want), len(t.owners))
+	}
+	for owner, u := range t.owners {
+		if want[owner] != *u {
+			bad("requester %q counted %+v, holds %+v", owner, *u, want[owner])
+		}
+	}
+
 	var inUse, residentBytes uint64
 	residents := 0
 	for res, r := range t.regions {

@@ -539,10 +539,14 @@ func TestResidentHashReservedManyTimes(t *testing.T) {
 }
 
 func TestConfigDefaults(t *testing.T) {
-	c := Config{}.withDefaults()
+	c := Config{}.withDefaults(1 << 20)
 	require.Equal(t, DefaultLease, c.Lease)
 	require.Equal(t, DefaultMaxTombstones, c.MaxTombstones)
 	require.Zero(t, c.MaxResidentBytes)
-	c = Config{Lease: time.Second, MaxTombstones: 3, MaxResidentBytes: 7}.withDefaults()
-	require.Equal(t, Config{Lease: time.Second, MaxTombstones: 3, MaxResidentBytes: 7}, c)
+	require.Equal(t, DefaultMaxFollowers, c.MaxFollowers)
+	require.Equal(t, DefaultMaxPendingPerOwner, c.MaxPendingPerOwner)
+	require.Equal(t, DefaultMaxFollowersPerOwner, c.MaxFollowersPerOwner)
+	require.Equal(t, uint64(3<<18), c.MaxPendingBytesPerOwner, "three quarters of the slab")
+	set := Config{Lease: time.Second, MaxTombstones: 3, MaxResidentBytes: 7, MaxFollowers: 2, MaxPendingPerOwner: 5, MaxPendingBytesPerOwner: 9, MaxFollowersPerOwner: 4}
+	require.Equal(t, set, set.withDefaults(1<<20))
 }

@@ -44,6 +44,12 @@ var (
 	ErrNotReady = errors.New("not ready")
 	// ErrNotPinned: Release of an mm_hash that is not acquired.
 	ErrNotPinned = errors.New("not pinned")
+	// ErrInProgress: a reserve repeating a write grant that another
+	// requester holds; it learns nothing else (no region, no token).
+	ErrInProgress = errors.New("in progress for another requester")
+	// ErrOverQuota: the requester holds its share of pending
+	// reservations, bytes or followers, or the transfer its followers.
+	ErrOverQuota = errors.New("over quota")
 )
 
 // Reasons carried by failure events and Status.
@@ -55,12 +61,22 @@ const (
 	// ReasonCopyGone: Status of a follower or cached transfer whose
 	// content this shard no longer holds ready.
 	ReasonCopyGone = "copy gone"
+	// ReasonOverQuota: a reservation refused for its requester's quota or
+	// its transfer's followers (ErrOverQuota).
+	ReasonOverQuota = "over quota"
 )
 
 // Defaults applied to zero Config fields.
 const (
 	DefaultLease         = 300 * time.Second
 	DefaultMaxTombstones = 65536
+	// DefaultMaxFollowers bounds the transfers waiting on one write: far
+	// more than the requests that share one image at once.
+	DefaultMaxFollowers = 1024
+	// DefaultMaxPendingPerOwner and DefaultMaxFollowersPerOwner bound the
+	// records one requester keeps live.
+	DefaultMaxPendingPerOwner   = 4096
+	DefaultMaxFollowersPerOwner = 4096
 )
 
 // Config tunes a Table; zero fields take the defaults.
@@ -73,11 +89,28 @@ type Config struct {
 	// MaxResidentBytes caps the slab bytes held by resident copies;
 	// 0 means no cap other than the slab itself.
 	MaxResidentBytes uint64
+	// MaxFollowers bounds the transfers following one write.
+	MaxFollowers int
+	// MaxPendingPerOwner, MaxPendingBytesPerOwner and
+	// MaxFollowersPerOwner bound what one requester (Item.Owner) holds
+	// at once: regions being written, their bytes, and transfers
+	// following others' writes. The bytes default to three quarters of
+	// the slab; a requester holding nothing is always allowed one region,
+	// so an item larger than its share still fits an idle slab.
+	MaxPendingPerOwner      int
+	MaxPendingBytesPerOwner uint64
+	MaxFollowersPerOwner    int
 }
 
-func (c Config) withDefaults() Config {
+func (c Config) withDefaults(slabSize uint64) Config {
 	defaults.Positive(&c.Lease, DefaultLease)
 	defaults.Positive(&c.MaxTombstones, DefaultMaxTombstones)
+	defaults.Positive(&c.MaxFollowers, DefaultMaxFollowers)
+	defaults.Positive(&c.MaxPendingPerOwner, DefaultMaxPendingPerOwner)
+	defaults.Positive(&c.MaxFollowersPerOwner, DefaultMaxFollowersPerOwner)
+	if c.MaxPendingBytesPerOwner == 0 {
+		c.MaxPendingBytesPerOwner = max(slabSize/4*3, 1)
+	}
 	return c
 }
 
@@ -87,6 +120,11 @@ type Item struct {
 	MMHash     string
 	NBytes     uint64
 	Meta       string // opaque; kept with the region and returned by Meta
+	// Owner names the requester (the producer that sent the reserve): a
+	// write grant is repeated only to its owner, and quotas are counted
+	// per owner. It must be unguessable to others, or they can claim
+	// the grant.
+	Owner string
 }
 
 // Grant answers one Item. Res, Token and Offset are set only for
@@ -130,6 +168,7 @@ type StatusInfo struct {
 }
 
 type region struct {
+	owner  string // the requester whose write grant it is
 	res    ids.ResID
 	token  ids.Token
 	mmHash string
@@ -160,6 +199,7 @@ type region struct {
 }
 
 type transfer struct {
+	owner  string
 	id     string
 	mmHash string
 	kind   Kind
@@ -229,6 +269,10 @@ type Table struct {
 	completed     uint64
 	completedB    uint64
 
+	// owners counts what each requester holds; an entry goes when it
+	// holds nothing, so the map is bounded by the live records.
+	owners map[string]*ownerUse
+
 	// broken records the first internal inconsistency (an illegal
 	// transition or a refused free); CheckInvariants reports it.
 	broken error
@@ -237,7 +281,7 @@ type Table struct {
 // New builds a table over s, which it then owns: nothing else may allocate
 // from s.
 func New(s *slab.Slab, cfg Config, tokens ids.TokenSource) *Table {
-	cfg = cfg.withDefaults()
+	cfg = cfg.withDefaults(s.Size())
 	return &Table{
 		cfg:       cfg,
 		slab:      s,
@@ -245,6 +289,7 @@ func New(s *slab.Slab, cfg Config, tokens ids.TokenSource) *Table {
 		regions:   make(map[ids.ResID]*region),
 		byHash:    make(map[string]*region),
 		transfers: make(map[string]*transfer),
+		owners:    make(map[string]*ownerUse),
 		residents: list.New(),
 		tomb:      newTombstones(cfg.MaxTombstones),
 	}
@@ -285,6 +330,12 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 		if err := sameItem(it, tr.mmHash, tr.nbytes); err != nil {
 			return fail(err)
 		}
+		// A write grant carries the token that lets its holder write,
+		// complete and abandon: only the requester that made it gets it
+		// again (a retry after a lost reply).
+		if tr.kind == KindWrite && tr.owner != it.Owner {
+			return fail(fmt.Errorf("reserve transfer %s (%s): %w", it.TransferID, it.MMHash, ErrInProgress))
+		}
 		return grantFor(tr)
 	}
 	if tb, ok := t.tomb.transfers[it.TransferID]; ok {
@@ -305,9 +356,16 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 			return fail(fmt.Errorf("reserve transfer %s: mm_hash %s holds %d bytes, asked %d: %w",
 				it.TransferID, it.MMHash, r.nbytes, it.NBytes, ErrSizeMismatch))
 		}
-		r.joined++
-		tr := &transfer{id: it.TransferID, mmHash: it.MMHash, nbytes: it.NBytes, region: r}
 		if r.state == Writing {
+			if err := t.followQuota(it, r); err != nil {
+				t.refuse(it, err)
+				return fail(err)
+			}
+		}
+		r.joined++
+		tr := &transfer{owner: it.Owner, id: it.TransferID, mmHash: it.MMHash, nbytes: it.NBytes, region: r}
+		if r.state == Writing {
+			t.use(it.Owner).followers++
 			tr.kind = KindFollow
 			r.followers = append(r.followers, tr)
 			t.transfers[tr.id] = tr
@@ -326,6 +384,10 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 		return grantFor(tr)
 	}
 
+	if err := t.pendingQuota(it); err != nil {
+		t.refuse(it, err)
+		return fail(err)
+	}
 	tok, err := t.tokens.NewToken()
 	if err != nil {
 		return fail(fmt.Errorf("reserve transfer %s (%s): %w", it.TransferID, it.MMHash, err))
@@ -339,13 +401,16 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 	res := t.resIDs.Next()
 	t.lastRes = res
 	r := &region{
-		res: res, token: tok, mmHash: it.MMHash, meta: it.Meta,
+		owner: it.Owner, res: res, token: tok, mmHash: it.MMHash, meta: it.Meta,
 		off: off, nbytes: it.NBytes, alloc: alloc,
 		state: Writing,
 	}
 	t.setDeadline(r, now.Add(t.cfg.Lease))
-	tr := &transfer{id: it.TransferID, mmHash: it.MMHash, kind: KindWrite, nbytes: it.NBytes, region: r}
+	tr := &transfer{owner: it.Owner, id: it.TransferID, mmHash: it.MMHash, kind: KindWrite, nbytes: it.NBytes, region: r}
 	r.writer = tr
+	u := t.use(it.Owner)
+	u.pending++
+	u.pendingBytes += r.nbytes
 	t.regions[res] = r
 	t.fileByOff(r)
 	t.byHash[it.MMHash] = r
@@ -506,6 +571,9 @@ func cmpUint(a, b uint64) int {
 // tombstone keeps the refusal for a repeated reserve and for Status.
 func (t *Table) refuse(it Item, err error) {
 	reason := "refused: " + err.Error()
+	if errors.Is(err, ErrOverQuota) {
+		reason = ReasonOverQuota + ": " + err.Error()
+	}
 	t.events = append(t.events, Event{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Reason: reason})
 	t.tomb.addTransfer(it.TransferID, transferTomb{mmHash: it.MMHash, nbytes: it.NBytes, state: Cancelled, reason: reason})
 }
@@ -612,6 +680,7 @@ func (t *Table) Complete(res ids.ResID, tok ids.Token, now time.Time) error {
 	if err := r.transition(Ready); err != nil {
 		return t.fault(err)
 	}
+	t.unpend(r)
 	t.setDeadline(r, now.Add(t.cfg.Lease))
 	t.completed++
 	t.completedB += r.nbytes
@@ -841,6 +910,7 @@ func (t *Table) Stats() Stats {
 // when the last write in flight ends.
 func (t *Table) doom(r *region, to State, reason string) {
 	announced := r.state == Ready
+	writing := r.state == Writing
 	target := to
 	if r.inflight > 0 {
 		target = ExpirePending
@@ -853,6 +923,9 @@ func (t *Table) doom(r *region, to State, reason string) {
 	}
 	r.reason = reason
 	r.deadline = time.Time{}
+	if writing {
+		t.unpend(r)
+	}
 	if r.writer != nil {
 		t.settle(r.writer, to, reason)
 	}
@@ -902,6 +975,7 @@ func (t *Table) settle(tr *transfer, outcome State, reason string) {
 			r.writer = nil
 		} else if i := slices.Index(r.followers, tr); i >= 0 {
 			r.followers = slices.Delete(r.followers, i, i+1)
+			t.drop(tr.owner, func(u *ownerUse) { u.followers-- })
 		}
 	}
 	delete(t.transfers, tr.id)
@@ -934,4 +1008,74 @@ func because(reason string) string {
 		return ""
 	}
 	return " (" + reason + ")"
+}
+
+// ownerUse is what one requester holds: regions it is writing and their
+// bytes, and transfers following others' writes.
+type ownerUse struct {
+	pending      int
+	pendingBytes uint64
+	followers    int
+}
+
+func (t *Table) use(owner string) *ownerUse {
+	u := t.owners[owner]
+	if u == nil {
+		u = &ownerUse{}
+		t.owners[owner] = u
+	}
+	return u
+}
+
+// drop applies f to owner's use and forgets an owner that holds nothing.
+func (t *Table) drop(owner string, f func(*ownerUse)) {
+	u := t.owners[owner]
+	if u == nil {
+		t.fault(fmt.Errorf("requester %q releases what it never held", owner))
+		return
+	}
+	f(u)
+	if *u == (ownerUse{}) {
+		delete(t.owners, owner)
+	}
+}
+
+// unpend returns a region's share of its owner's quota when it stops
+// being written (ready, or doomed: a pending region's memory waits for
+// the writes in flight, but its owner can no longer add to them).
+func (t *Table) unpend(r *region) {
+	t.drop(r.owner, func(u *ownerUse) {
+		u.pending--
+		u.pendingBytes -= r.nbytes
+	})
+}
+
+// pendingQuota refuses a new region past its requester's share.
+func (t *Table) pendingQuota(it Item) error {
+	u := t.owners[it.Owner]
+	if u == nil {
+		return nil
+	}
+	switch {
+	case u.pending >= t.cfg.MaxPendingPerOwner:
+		return fmt.Errorf("reserve transfer %s (%s): %w: requester %q is writing %d regions (max_pending_per_producer %d)",
+			it.TransferID, it.MMHash, ErrOverQuota, it.Owner, u.pending, t.cfg.MaxPendingPerOwner)
+	case u.pending > 0 && u.pendingBytes+it.NBytes > t.cfg.MaxPendingBytesPerOwner:
+		return fmt.Errorf("reserve transfer %s (%s): %w: requester %q is writing %d bytes, %d more would pass %d (max_pending_bytes_per_producer)",
+			it.TransferID, it.MMHash, ErrOverQuota, it.Owner, u.pendingBytes, it.NBytes, t.cfg.MaxPendingBytesPerOwner)
+	}
+	return nil
+}
+
+// followQuota refuses a follower past its write's or its requester's bound.
+func (t *Table) followQuota(it Item, r *region) error {
+	if len(r.followers) >= t.cfg.MaxFollowers {
+		return fmt.Errorf("reserve transfer %s (%s): %w: %d transfers already follow its write (max_followers %d)",
+			it.TransferID, it.MMHash, ErrOverQuota, len(r.followers), t.cfg.MaxFollowers)
+	}
+	if u := t.owners[it.Owner]; u != nil && u.followers >= t.cfg.MaxFollowersPerOwner {
+		return fmt.Errorf("reserve transfer %s (%s): %w: requester %q follows %d writes (max_followers_per_producer %d)",
+			it.TransferID, it.MMHash, ErrOverQuota, it.Owner, u.followers, t.cfg.MaxFollowersPerOwner)
+	}
+	return nil
 }

@@ -276,7 +276,7 @@ func TestTasksThatNeverFinishKeepTheirBatch(t *testing.T) {
 // A consumer that restarts under the same segment name (HTTP metadata
 // mode) is a new incarnation: its old descriptor must not be used.
 func TestRestartedPeerIsReopenedWithoutCache(t *testing.T) {
-	store, err := metadata.Listen(metadata.Config{Addr: "127.0.0.1:0"})
+	store, err := metadata.Listen(metadata.Config{Addr: "127.0.0.1:0", Open: true})
 	require.NoError(t, err)
 	defer store.Close()
 	http := func(c *Config) { c.Metadata = store.URL(); c.LocalServerName = "shard-restarts" }

@@ -25,9 +25,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "an address they reach, and then a token)",
     )
     parser.add_argument("--port", type=int, default=8080, help="port; 0 picks a free one (default %(default)s)")
-    add_token_arguments(parser, name="token", env=TOKEN_ENV, what="the token", file_help=(
+    # No --token: a flag's value is visible to every user of the host.
+    add_token_arguments(parser, name="token", env=TOKEN_ENV, what="the token", flag=False, file_help=(
         f"require 'Authorization: Bearer TOKEN' on /metadata, TOKEN read from FILE (default: ${TOKEN_ENV}, "
-        "which Mooncake's engines send too; unset means no token)"))
+        "which Mooncake's engines send too); the store does not start without a token unless --open"))
+    # Taken only to refuse it by name: argparse would otherwise read
+    # --token as an abbreviation of --token-file.
+    parser.add_argument("--token", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--open",
+        action="store_true",
+        help="serve without a token: whoever reaches the port can rewrite the segment descriptors engines "
+        "connect to (logged loudly)",
+    )
     parser.add_argument("--max-keys", type=int, default=0, help="most keys the store keeps (default 65536)")
     parser.add_argument(
         "--max-value-bytes", type=int, default=0, help="largest value; a larger PUT gets 413 (default 16 MiB)"
@@ -44,10 +54,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from ..native import EcmError, MetadataServer
 
+    if args.token is not None:
+        print(
+            f"metadata-server: --token is refused: a command line is visible to every user of the host; "
+            f"use --token-file FILE (chmod 600) or ${TOKEN_ENV}",
+            file=sys.stderr,
+        )
+        return 2
     token = token_from(args, name="token", env=TOKEN_ENV, what="metadata token")
     limits = {"max_keys": args.max_keys, "max_value_bytes": args.max_value_bytes, "max_total_bytes": args.max_total_bytes}
     try:
-        server = MetadataServer(args.host, args.port, token=token, **limits)
+        server = MetadataServer(args.host, args.port, token=token, open=args.open, **limits)
     except EcmError as exc:
         print(f"metadata-server: {exc}", file=sys.stderr)
         return 1

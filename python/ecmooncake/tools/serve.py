@@ -14,9 +14,14 @@ from typing import Any, Callable, TextIO
 from ..tokens import TokenError, resolve
 
 
-def add_token_arguments(parser: argparse.ArgumentParser, *, name: str, env: str, file_help: str, what: str) -> None:
-    """``--NAME-file FILE`` and ``--NAME TOKEN``; see :func:`token_from`."""
+def add_token_arguments(
+    parser: argparse.ArgumentParser, *, name: str, env: str, file_help: str, what: str, flag: bool = True
+) -> None:
+    """``--NAME-file FILE`` and, unless ``flag`` is false, ``--NAME TOKEN``;
+    see :func:`token_from`."""
     parser.add_argument(f"--{name}-file", default=None, metavar="FILE", help=file_help)
+    if not flag:
+        return
     parser.add_argument(
         f"--{name}",
         default=None,
@@ -30,7 +35,7 @@ def token_from(args: argparse.Namespace, *, name: str, env: str, what: str) -> s
     """The token of the options :func:`add_token_arguments` added, else ``$env``."""
     dest = name.replace("-", "_")
     return resolve(
-        flag=getattr(args, dest),
+        flag=getattr(args, dest, None),
         file=getattr(args, dest + "_file"),
         env=env,
         what=what,

@@ -1,0 +1,109 @@
+package reserve
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
+	"github.com/stretchr/testify/require"
+)
+
+func owned(owner, tid, hash string, n uint64) Item {
+	return Item{TransferID: tid, MMHash: hash, NBytes: n, Owner: owner}
+}
+
+func newGrantTable(slabBytes uint64, cfg Config) *Table {
+	return New(slab.NewSlab(slab.HostMemory(make([]byte, slabBytes))), cfg, testTokens(7))
+}
+
+// Another peer who learnt a victim's transfer id repeats its reserve: it
+// learns that the transfer is in progress and nothing more, while the
+// victim's own retry still gets its grant back.
+func TestARepeatedReserveFromAnotherRequesterGetsNoToken(t *testing.T) {
+	tab := newGrantTable(1<<20, Config{})
+	victim := tab.Reserve([]Item{owned("victim", "t1", "h1", 4096)}, epoch)[0]
+	require.NoError(t, victim.Err)
+	require.Equal(t, KindWrite, victim.Kind)
+
+	for _, thief := range []string{"attacker", ""} {
+		stolen := tab.Reserve([]Item{owned(thief, "t1", "h1", 4096)}, epoch)[0]
+		require.ErrorIs(t, stolen.Err, ErrInProgress, "requester %q", thief)
+		require.True(t, stolen.Token.IsZero(), "no token for %q", thief)
+		require.Zero(t, stolen.Res)
+		require.Zero(t, stolen.Offset)
+		require.NotContains(t, stolen.Err.Error(), victim.Token.String())
+	}
+
+	again := tab.Reserve([]Item{owned("victim", "t1", "h1", 4096)}, epoch)[0]
+	require.NoError(t, again.Err)
+	require.Equal(t, victim.Token, again.Token, "the victim's own retry gets its grant again")
+	require.Equal(t, victim.Res, again.Res)
+	require.NoError(t, tab.CheckInvariants())
+}
+
+// One requester reserving one hash after another cannot hold the slab nor
+// the table: past its quota of pending reservations or bytes it is
+// refused with a named reason, and other requesters still get room.
+func TestPendingQuotaPerRequester(t *testing.T) {
+	tab := newGrantTable(1<<20, Config{MaxPendingPerOwner: 4, MaxPendingBytesPerOwner: 64 << 10})
+	var refused []Grant
+	for i := range 100 {
+		g := tab.Reserve([]Item{owned("flood", fmt.Sprintf("f%d", i), fmt.Sprintf("fh%d", i), 4096)}, epoch)[0]
+		if g.Err != nil {
+			refused = append(refused, g)
+		}
+	}
+	require.Len(t, refused, 96)
+	for _, g := range refused {
+		require.ErrorIs(t, g.Err, ErrOverQuota)
+		require.ErrorContains(t, g.Err, "flood")
+	}
+	require.Equal(t, 4, tab.Stats().Regions[Writing])
+	ev := tab.DrainEvents()
+	require.Len(t, ev, 96, "every refused transfer gets its failure event now")
+	require.Contains(t, ev[0].Reason, ReasonOverQuota)
+
+	big := tab.Reserve([]Item{owned("bytes", "b1", "bh1", 48<<10), owned("bytes", "b2", "bh2", 32<<10)}, epoch)
+	require.NoError(t, big[0].Err)
+	require.ErrorIs(t, big[1].Err, ErrOverQuota, "48 KiB + 32 KiB pass the 64 KiB quota")
+
+	other := tab.Reserve([]Item{owned("honest", "h", "hh", 4096)}, epoch)[0]
+	require.NoError(t, other.Err, "another requester is unaffected")
+
+	// Completing gives the quota back.
+	g := tab.Reserve([]Item{owned("flood", "f0", "fh0", 4096)}, epoch)[0]
+	require.NoError(t, g.Err)
+	require.NoError(t, tab.Complete(g.Res, g.Token, epoch))
+	require.NoError(t, tab.Reserve([]Item{owned("flood", "f-next", "fh-next", 4096)}, epoch)[0].Err)
+	require.NoError(t, tab.CheckInvariants())
+}
+
+// Followers of one transfer are bounded: a flood of transfers joining one
+// hash is refused past the bound, and the live records stay bounded.
+func TestFollowersOfATransferAreBounded(t *testing.T) {
+	tab := newGrantTable(1<<20, Config{MaxFollowers: 8, MaxTombstones: 64})
+	w := tab.Reserve([]Item{owned("victim", "w", "popular", 4096)}, epoch)[0]
+	require.NoError(t, w.Err)
+	refusals := 0
+	for i := range 10000 {
+		g := tab.Reserve([]Item{owned(fmt.Sprintf("peer%d", i), fmt.Sprintf("x%d", i), "popular", 4096)}, epoch)[0]
+		if g.Err != nil {
+			require.ErrorIs(t, g.Err, ErrOverQuota)
+			refusals++
+		}
+	}
+	require.Equal(t, 10000-8, refusals)
+	s := tab.Stats()
+	require.Equal(t, 1+8, s.Transfers, "live transfer records are bounded")
+	require.LessOrEqual(t, s.Tombstones, 64)
+	tab.DrainEvents()
+	require.NoError(t, tab.Complete(w.Res, w.Token, epoch))
+	ready := 0
+	for _, e := range tab.DrainEvents() {
+		if e.Ready {
+			ready++
+		}
+	}
+	require.Equal(t, 1+8, ready, "the writer and its admitted followers are served")
+	require.NoError(t, tab.CheckInvariants())
+}
