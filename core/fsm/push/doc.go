@@ -61,9 +61,10 @@
 // of the content to that shard is added: a reservation that overtook the
 // cancel (each batch is a call of its own) would be made to follow the
 // region being given up and fail with it. So from the moment a record's
-// Cancel is queued until the runtime reports it answered (CancelDone, also
-// for a call that failed), reservations of that content to that shard stay
-// queued; they then get a region of their own. A held reservation keeps
+// Cancel is queued (or, for a write cancelled in flight, from the moment
+// it is CancelPending) until the runtime reports it answered (CancelDone,
+// also for a call that failed), reservations of that content to that shard
+// stay queued; they then get a region of their own. A held reservation keeps
 // its ReserveWait deadline, so a cancel never answered cannot hold it
 // forever; it does keep the manager Pending.
 //

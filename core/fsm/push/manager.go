@@ -460,6 +460,18 @@ func (m *Manager) awaitedAt(r *rec) bool {
 	return false
 }
 
+// givingUpAt reports whether another push of r's content was cancelled
+// mid-write to r's shard: its region is given up once the write ends, so a
+// reservation joined to it now would fail with it.
+func (m *Manager) givingUpAt(r *rec) bool {
+	for _, x := range m.peers(r) {
+		if x.state == CancelPending {
+			return true
+		}
+	}
+	return false
+}
+
 // SourceReady hands over the encoder output of mmHash. The manager keeps it
 // until no push needs it and then returns it in Ready.Releases; a second
 // source for content that already has one is not needed and is released
@@ -533,7 +545,7 @@ func (m *Manager) Ready(now time.Time) Ready {
 		p := r.tr.push
 		switch {
 		case r.state != Reserving:
-		case m.abandoning[destHash{r.dest, p.MMHash}] > 0:
+		case m.abandoning[destHash{r.dest, p.MMHash}] > 0 || m.givingUpAt(r):
 			held = append(held, r)
 		default:
 			r.asked = true

@@ -300,6 +300,19 @@ func TestScenarios(t *testing.T) {
 			source h1 11 100
 			ready -> write d1:t2@s11 d2:t2@s11
 		`},
+		{"a reserve waits while a cancelled write of its content to that shard is still in flight", Config{}, toWriting + `
+			# t1 is cancelled mid-write with nobody following: once the write
+			# ends, its region is given up, so t2 must not be made to follow it.
+			cancel t1
+			add t2 h1 100 d1
+			ready -> -
+			wrote t1 d1
+			ready -> cancel d1:t1
+			cancelled t1 d1
+			ready -> reserve d1:t2
+			grant t2 d1 write 2
+			ready -> write d1:t2@s11
+		`},
 		{"a reserve asked while the abandon is out waits for its answer", Config{}, `
 			add t1 h1 100 d1
 			ready -> reserve d1:t1
