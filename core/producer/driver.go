@@ -120,7 +120,15 @@ func (p *Producer) applyLocked(r push.Ready) {
 		})
 	}
 	for dest, cs := range r.Cancels {
-		p.launch("cancel to "+dest, func() { p.cancel(dest, cs) }, nil)
+		// Answered or not, each cancel is reported: the manager holds the
+		// reservations of its content to this shard back until then.
+		answered := func() {
+			now := time.Now()
+			for _, c := range cs {
+				p.mgr.CancelDone(c.TransferID, dest, now)
+			}
+		}
+		p.launch("cancel to "+dest, func() { p.cancel(dest, cs); p.mu.Lock(); defer p.mu.Unlock(); answered() }, func(error) { answered() })
 	}
 	for _, id := range r.Releases {
 		p.releaseSourceLocked(id)

@@ -57,6 +57,17 @@
 // soon as the grants show nobody follows it. A follow grant that comes back
 // before its writer's grant marks the records still waiting for theirs.
 //
+// The other crossing is a cancel on its way to the shard when another push
+// of the content to that shard is added: a reservation that overtook the
+// cancel (each batch is a call of its own) would be made to follow the
+// region being given up and fail with it. So from the moment a record's
+// Cancel is queued (or, for a write cancelled in flight, from the moment
+// it is CancelPending) until the runtime reports it answered (CancelDone,
+// also for a call that failed), reservations of that content to that shard
+// stay queued; they then get a region of their own. A held reservation keeps
+// its ReserveWait deadline, so a cancel never answered cannot hold it
+// forever; it does keep the manager Pending.
+//
 // # Deadlines
 //
 // Every waiting state has one: Reserving (ReserveWait), WaitingInputs
@@ -84,7 +95,7 @@
 //		for dest, items := range rd.Reserves { send one reserve_batch; m.Granted(id, dest, grant, now) per reply item }
 //		for dest, ws := range rd.Writes { start the writes; m.WriteDone(id, dest, err, now) as each ends }
 //		for dest, cs := range rd.Completes { send one complete_batch; m.CompleteDone(id, dest, err, now) }
-//		for dest, cs := range rd.Cancels { send cancels }
+//		for dest, cs := range rd.Cancels { send cancels; m.CancelDone(id, dest, now) per item, answered or not }
 //		free rd.Releases; report rd.Failures and rd.Done
 //		wait for an outcome or NextDeadline; m.Tick(now)
 //	}

@@ -127,6 +127,19 @@ func (m *Manager) CheckInvariants() error {
 		bad("%d sources counted, %d held", m.held, held)
 	}
 
+	perDestHash := make(map[destHash]int, len(m.abandoning))
+	for k, h := range m.cancelsOut {
+		perDestHash[destHash{k.dest, h}]++
+	}
+	if len(perDestHash) != len(m.abandoning) {
+		bad("%d shard and content pairs with cancels out, %d counted", len(perDestHash), len(m.abandoning))
+	}
+	for k, n := range m.abandoning {
+		if perDestHash[k] != n {
+			bad("content %s on %s: %d cancels out counted, %d found", k.mmHash, k.dest, n, perDestHash[k])
+		}
+	}
+
 	if len(m.tombs) != len(m.tombQ) || len(m.tombs) > m.cfg.MaxTombstones {
 		bad("%d tombstones, %d queued, limit %d", len(m.tombs), len(m.tombQ), m.cfg.MaxTombstones)
 	}

@@ -144,6 +144,7 @@ type Stats struct {
 	Sources    int              // sources held
 	InFlight   int              // writes handed out and not yet reported
 	Ignored    uint64           // grants and reports that matched no record in a state to take them
+	CancelsOut int              // cancels not yet answered: their content's reservations to that shard wait
 	Collisions uint64
 	Tombstones int
 }
@@ -166,11 +167,17 @@ type Manager struct {
 	writeQ    []*rec
 	completeQ []*rec
 	cancels   []destCancel
-	failures  []Failure
-	done      []string
-	releases  []SourceID
-	check     []string // mm_hashes whose source may have become unneeded
-	checkSet  map[string]struct{}
+	// cancelsOut are the Cancels queued or handed out and not yet
+	// answered (CancelDone), each naming its content; abandoning counts
+	// them by shard and content, and holds back the reservations of that
+	// content to that shard.
+	cancelsOut map[destTID]string
+	abandoning map[destHash]int
+	failures   []Failure
+	done       []string
+	releases   []SourceID
+	check      []string // mm_hashes whose source may have become unneeded
+	checkSet   map[string]struct{}
 
 	liveRecs     int // records not terminal, to size the deadline heap
 	held         int // contents holding a source
@@ -227,6 +234,10 @@ type destCancel struct {
 	c    Cancel
 }
 
+type destTID struct{ dest, tid string }
+
+type destHash struct{ dest, mmHash string }
+
 // New returns an empty manager.
 func New(cfg Config) *Manager {
 	return &Manager{
@@ -235,6 +246,9 @@ func New(cfg Config) *Manager {
 		contents:  make(map[string]*content),
 		tombs:     make(map[string]*transfer),
 		checkSet:  make(map[string]struct{}),
+
+		cancelsOut: make(map[destTID]string),
+		abandoning: make(map[destHash]int),
 	}
 }
 
@@ -345,7 +359,7 @@ func (m *Manager) Granted(transferID, dest string, g Grant, now time.Time) {
 	if r.state != Reserving {
 		if (r.state == Cancelled || r.state == Failed) && !r.hasGrant && g.Err == "" && g.Res != 0 {
 			r.grant, r.hasGrant = g, true
-			m.cancels = append(m.cancels, destCancel{dest, Cancel{transferID, g.Res, g.Token}})
+			m.queueCancel(r)
 			return
 		}
 		m.ignored++
@@ -446,6 +460,18 @@ func (m *Manager) awaitedAt(r *rec) bool {
 	return false
 }
 
+// givingUpAt reports whether another push of r's content was cancelled
+// mid-write to r's shard: its region is given up once the write ends, so a
+// reservation joined to it now would fail with it.
+func (m *Manager) givingUpAt(r *rec) bool {
+	for _, x := range m.peers(r) {
+		if x.state == CancelPending {
+			return true
+		}
+	}
+	return false
+}
+
 // SourceReady hands over the encoder output of mmHash. The manager keeps it
 // until no push needs it and then returns it in Ready.Releases; a second
 // source for content that already has one is not needed and is released
@@ -514,14 +540,23 @@ func (m *Manager) markCheck(mmHash string) {
 func (m *Manager) Ready(now time.Time) Ready {
 	m.advance(now)
 	var out Ready
+	held := m.reserveQ[:0]
 	for _, r := range m.reserveQ {
-		if r.state == Reserving {
+		p := r.tr.push
+		switch {
+		case r.state != Reserving:
+		case m.abandoning[destHash{r.dest, p.MMHash}] > 0 || m.givingUpAt(r):
+			held = append(held, r)
+		default:
 			r.asked = true
-			p := r.tr.push
 			out.Reserves = appendTo(out.Reserves, r.dest, ReserveItem{p.TransferID, p.MMHash, p.NBytes, p.Meta})
 		}
 	}
-	m.reserveQ = nil
+	clear(m.reserveQ[len(held):])
+	m.reserveQ = held
+	if len(m.reserveQ) == 0 {
+		m.reserveQ = nil
+	}
 	for _, r := range m.writeQ {
 		r.queued = false
 		c := m.contents[r.tr.push.MMHash]
@@ -614,6 +649,41 @@ func (m *Manager) CompleteDone(transferID, dest string, err error, now time.Time
 	m.move(r, Done, now, "")
 }
 
+// CancelDone reports that the Cancel of (transferID, dest) handed out by
+// Ready was answered by the shard, or that its call failed: either way the
+// reservations of its content to that shard, held back meanwhile, go out
+// at the next Ready. A report that matches no Cancel out is counted and
+// dropped.
+func (m *Manager) CancelDone(transferID, dest string, now time.Time) {
+	m.advance(now)
+	k := destTID{dest, transferID}
+	h, ok := m.cancelsOut[k]
+	if !ok {
+		m.ignored++
+		return
+	}
+	delete(m.cancelsOut, k)
+	dh := destHash{dest, h}
+	if m.abandoning[dh]--; m.abandoning[dh] <= 0 {
+		delete(m.abandoning, dh)
+	}
+}
+
+// queueCancel asks the shard to free the region r was granted. Until the
+// shard has answered, a reservation of r's content to that shard waits:
+// one that overtook the cancel would be joined to the region being given
+// up, as a follower, and fail with it.
+func (m *Manager) queueCancel(r *rec) {
+	p := r.tr.push
+	m.cancels = append(m.cancels, destCancel{r.dest, Cancel{p.TransferID, r.grant.Res, r.grant.Token}})
+	k := destTID{r.dest, p.TransferID}
+	if _, dup := m.cancelsOut[k]; dup {
+		return
+	}
+	m.cancelsOut[k] = p.MMHash
+	m.abandoning[destHash{r.dest, p.MMHash}]++
+}
+
 // Cancel stops a transfer on every destination where it can still be
 // stopped: before the write it ends at once (with a Cancel to a shard that
 // granted a region); during the write it waits in CancelPending for the
@@ -668,11 +738,12 @@ func (m *Manager) NextDeadline() (time.Time, bool) {
 }
 
 // Pending reports whether anything is left to do or to hand back: a live
-// transfer, a held source, or effects not yet taken by Ready. It answers
+// transfer, a held source, effects not yet taken by Ready, or a Cancel not
+// yet answered. It answers
 // vLLM's has_pending_push_work.
 func (m *Manager) Pending() bool {
 	if len(m.transfers) > 0 || len(m.reserveQ) > 0 || len(m.writeQ) > 0 || len(m.completeQ) > 0 ||
-		len(m.cancels) > 0 || len(m.failures) > 0 || len(m.done) > 0 || len(m.releases) > 0 {
+		len(m.cancels) > 0 || len(m.cancelsOut) > 0 || len(m.failures) > 0 || len(m.done) > 0 || len(m.releases) > 0 {
 		return true
 	}
 	return m.held > 0
@@ -705,6 +776,7 @@ func (m *Manager) Stats() Stats {
 		Collisions: m.collisions,
 		Tombstones: len(m.tombs),
 		Sources:    m.held,
+		CancelsOut: len(m.cancelsOut),
 	}
 	for _, tr := range m.transfers {
 		for _, r := range tr.recs {
@@ -819,7 +891,7 @@ func (m *Manager) end(r *rec, reason string) {
 		m.failures = append(m.failures, Failure{p.TransferID, p.MMHash, r.dest, reason})
 	}
 	if r.state != Done && r.hasGrant {
-		m.cancels = append(m.cancels, destCancel{r.dest, Cancel{p.TransferID, r.grant.Res, r.grant.Token}})
+		m.queueCancel(r)
 	}
 	tr := r.tr
 	tr.live--

@@ -160,6 +160,8 @@ func TestScenarios(t *testing.T) {
 			ready -> cancel d1:t1
 			source h1 11 100
 			ready -> release s11
+			pending -> yes
+			cancelled t1 d1
 			pending -> no
 		`},
 		{"cancel spares a write that another push of the content follows", Config{}, `
@@ -235,6 +237,8 @@ func TestScenarios(t *testing.T) {
 			grant t2 d1 cached
 			state t1 -> d1=Cancelled
 			ready -> cancel d1:t1 | done t2
+			pending -> yes
+			cancelled t1 d1
 			pending -> no
 		`},
 		{"a deferred cancel whose own grant is a follow ends cancelled", Config{}, cancelOneOfTwo + `
@@ -252,6 +256,9 @@ func TestScenarios(t *testing.T) {
 			grant t1 d1 write 1
 			grant t2 d1 follow 2
 			ready -> cancel d1:t1,t2
+			pending -> yes
+			cancelled t1 d1
+			cancelled t2 d1
 			pending -> no
 		`},
 		{"a deferred cancel still fails at the reservation deadline", Config{}, cancelOneOfTwo + `
@@ -269,6 +276,79 @@ func TestScenarios(t *testing.T) {
 			ready -> done t2
 			at 61s
 			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s
+			pending -> yes
+			cancelled t1 d1
+			pending -> no
+		`},
+		{"a reserve waits until the shard has heard the abandon of its content's region", Config{}, `
+			# Nobody else wants h1 on d1 when t1 is cancelled, so its region
+			# is given up. t2 shows the same image before the shard has heard
+			# that: a reserve overtaking the abandon would be made to follow
+			# the region being given up, and fail with it.
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			grant t1 d1 write 1
+			cancel t1
+			add t2 h1 100 d1,d2
+			ready -> reserve d2:t2 | cancel d1:t1
+			ready -> -
+			pending -> yes
+			cancelled t1 d1
+			ready -> reserve d1:t2
+			grant t2 d1 write 2
+			grant t2 d2 write 3
+			source h1 11 100
+			ready -> write d1:t2@s11 d2:t2@s11
+		`},
+		{"a reserve waits while a cancelled write of its content to that shard is still in flight", Config{}, toWriting + `
+			# t1 is cancelled mid-write with nobody following: once the write
+			# ends, its region is given up, so t2 must not be made to follow it.
+			cancel t1
+			add t2 h1 100 d1
+			ready -> -
+			wrote t1 d1
+			ready -> cancel d1:t1
+			cancelled t1 d1
+			ready -> reserve d1:t2
+			grant t2 d1 write 2
+			ready -> write d1:t2@s11
+		`},
+		{"a reserve asked while the abandon is out waits for its answer", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			grant t1 d1 write 1
+			cancel t1
+			ready -> cancel d1:t1
+			add t2 h1 100 d1
+			add t3 h2 100 d1
+			ready -> reserve d1:t3
+			cancelled t1 d1
+			cancelled t1 d1
+			stats -> ignored=1
+			ready -> reserve d1:t2
+		`},
+		{"a grant that comes after its push ended holds the content's reserves back too", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			at 30s
+			tick
+			add t2 h1 100 d1
+			grant t1 d1 write 7
+			ready -> cancel d1:t1 | fail t1/d1=Reserving: no reservation grant within 30s
+			cancelled t1 d1
+			ready -> reserve d1:t2
+		`},
+		{"a held reserve still fails at its deadline if the abandon is never answered", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			grant t1 d1 write 1
+			cancel t1
+			add t2 h1 100 d1
+			ready -> cancel d1:t1
+			at 30s
+			ready -> fail t2/d1=Reserving: no reservation grant within 30s
+			pending -> yes
+			cancelled t1 d1
 			pending -> no
 		`},
 		{"cancel during the write holds the source until the write ends", Config{}, toWriting + `
@@ -280,6 +360,8 @@ func TestScenarios(t *testing.T) {
 			wrote t1 d1
 			state t1 -> d1=Cancelled
 			ready -> cancel d1:t1 | release s11
+			pending -> yes
+			cancelled t1 d1
 			pending -> no
 		`},
 		{"cancel once the bytes landed lets the push complete", Config{}, toWriting + `
@@ -332,6 +414,8 @@ func TestScenarios(t *testing.T) {
 			next -> none
 			wrote t1 d1
 			ready -> release s11
+			pending -> yes
+			cancelled t1 d1
 			pending -> no
 			stats -> transfers=0 tombs=1
 		`},
@@ -371,6 +455,8 @@ func TestScenarios(t *testing.T) {
 			completed t1 d2
 			ready -> -
 			state t1 -> d1=Failed d2=Done
+			pending -> yes
+			cancelled t1 d1
 			pending -> no
 		`},
 		{"complete error", Config{}, toWriting + `
@@ -554,9 +640,10 @@ func TestCheckInvariantsCatchesCorruption(t *testing.T) {
 			m.contents["h2"].src, m.contents["h2"].srcBytes = 7, 100
 			m.held++
 		},
-		"tombstone not queued":  func(m *Manager) { m.tombs["t9"] = m.tombs["t3"] },
-		"both live and retired": func(m *Manager) { m.tombs["t2"] = m.transfers["t2"] },
-		"held count":            func(m *Manager) { m.held++ },
+		"tombstone not queued":   func(m *Manager) { m.tombs["t9"] = m.tombs["t3"] },
+		"both live and retired":  func(m *Manager) { m.tombs["t2"] = m.transfers["t2"] },
+		"held count":             func(m *Manager) { m.held++ },
+		"cancel out not counted": func(m *Manager) { m.cancelsOut[destTID{"d1", "t9"}] = "h1" },
 	}
 	fsmtest.Corruptions(t, build, (*Manager).CheckInvariants, ErrInvariant, corruptions)
 }

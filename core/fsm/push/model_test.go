@@ -50,6 +50,7 @@ type model struct {
 	granted  map[pairKey]Grant
 	writes   map[pairKey]SourceID // writes out
 	complete []pairKey            // completes out
+	cancels  []pairKey            // cancels out, not yet answered
 	sources  map[SourceID]string  // held by the manager: id → mm_hash
 	released map[SourceID]bool
 	done     map[string]bool
@@ -187,6 +188,15 @@ func (md *model) step(step int) string {
 		}
 		m.CompleteDone(k.tid, k.dest, err, md.now)
 		return fmt.Sprintf("step %d: complete done %v err=%v", step, k, err)
+	case op < 86:
+		if len(md.cancels) == 0 {
+			return "no cancel out"
+		}
+		i := rng.Intn(len(md.cancels))
+		k := md.cancels[i]
+		md.cancels = slices.Delete(md.cancels, i, i+1)
+		m.CancelDone(k.tid, k.dest, md.now)
+		return fmt.Sprintf("step %d: cancel done %v", step, k)
 	case op < 90:
 		tid, _ := pickTransfer()
 		m.Cancel(tid, md.now)
@@ -241,6 +251,7 @@ func (md *model) apply(where string, rd Ready) {
 			once("cancel", k, c.Res)
 			require.Equal(t, md.granted[k].Res, c.Res, "%s: cancel of %v names another reservation", where, k)
 			require.True(t, md.granted[k].Token.Equal(c.Token), where)
+			md.cancels = append(md.cancels, k)
 		}
 	}
 	for _, src := range rd.Releases {
@@ -276,10 +287,15 @@ func (md *model) drain() {
 			m.CompleteDone(k.tid, k.dest, nil, md.now)
 		}
 		md.complete = nil
+		for _, k := range md.cancels {
+			m.CancelDone(k.tid, k.dest, md.now)
+		}
+		md.cancels = nil
 		md.now = md.now.Add(time.Minute)
 		md.apply(fmt.Sprintf("drain %d", round), m.Ready(md.now))
 		require.NoError(t, m.CheckInvariants())
 	}
 	require.False(t, m.Pending(), "work left after draining")
+	require.Zero(t, m.Stats().CancelsOut, "cancels left unanswered after draining")
 	require.Empty(t, md.sources, "sources never released")
 }

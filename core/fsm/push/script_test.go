@@ -43,6 +43,7 @@ var scriptErrs = map[string]error{"collision": ErrCollision, "invalid": ErrInval
 //	wrote T D [ERR...]
 //	completed T D [ERR...]
 //	cancel T
+//	cancelled T D                     the shard answered the Cancel of (T, D), or the call failed
 //	tick
 //	ready -> SECTION | SECTION ...    or "-" when empty; see formatReady
 //	state T -> D=STATE ...|none
@@ -100,6 +101,8 @@ func runScript(t *testing.T, cfg Config, script string) *Manager {
 			m.CompleteDone(a[0], a[1], errOf(a[2:]), s.Now)
 		case "cancel":
 			m.Cancel(a[0], s.Now)
+		case "cancelled":
+			m.CancelDone(a[0], a[1], s.Now)
 		case "tick":
 			m.Tick(s.Now)
 		case "ready":
@@ -235,6 +238,7 @@ func statsMap(s Stats) map[string]string {
 		"sources":    strconv.Itoa(s.Sources),
 		"inflight":   strconv.Itoa(s.InFlight),
 		"ignored":    strconv.FormatUint(s.Ignored, 10),
+		"cancelsout": strconv.Itoa(s.CancelsOut),
 		"collisions": strconv.FormatUint(s.Collisions, 10),
 		"tombs":      strconv.Itoa(s.Tombstones),
 	}

@@ -7,14 +7,27 @@ import (
 )
 
 // ByteSource feeds math/rand from fuzz input, so that the fuzzer's bytes
-// choose every call of a random model; exhausted, it yields zeros.
+// choose every call of a random model. Exhausted, it goes on with a
+// splitmix64 sequence seeded by what it read, never a constant: math/rand
+// draws again until a value is unbiased (Shuffle, Perm, Intn), and a
+// constant it rejects would spin that loop forever, a fuzzing process
+// that hangs.
 type ByteSource struct {
-	B []byte
-	i int
+	B     []byte
+	i     int
+	state uint64
 }
 
-// Int63 takes the next eight bytes.
+// Int63 takes the next eight bytes, or the next value of the sequence
+// once the bytes have run out.
 func (s *ByteSource) Int63() int64 {
+	if s.i >= len(s.B) {
+		s.state += 0x9e3779b97f4a7c15
+		z := s.state
+		z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
+		z = (z ^ (z >> 27)) * 0x94d049bb133111eb
+		return int64((z ^ (z >> 31)) >> 1)
+	}
 	var v uint64
 	for k := 0; k < 8; k++ {
 		v <<= 8
@@ -23,6 +36,7 @@ func (s *ByteSource) Int63() int64 {
 			s.i++
 		}
 	}
+	s.state = s.state*31 + v
 	return int64(v >> 1)
 }
 
