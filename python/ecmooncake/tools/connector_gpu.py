@@ -357,13 +357,16 @@ class Deployment:
         first = self.encoder.result(120)
         self._enc_output(first)
         _, params = s.request_finished(req)
-        finished = [req.request_id]
+        # The request finished in its step, and vLLM's scheduler evicts its
+        # entries from the encoder cache in a later one.
+        finished, freed = [req.request_id], [it.identifier for it in items]
         deadline = time.monotonic() + wait_s
-        while s.has_pending_push_work():
+        while s.has_pending_push_work() or freed:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{tag}: pushes still pending after {wait_s:.0f}s")
-            out = self.encoder.call("step", meta=pickle.dumps(s.build_connector_meta(scheduler_output())), encode=[], finished=finished, free=[])
-            finished = []
+            meta = pickle.dumps(s.build_connector_meta(scheduler_output(freed)))
+            out = self.encoder.call("step", meta=meta, encode=[], finished=finished, free=freed)
+            finished, freed = [], []
             self._enc_output(out)
             time.sleep(0.001)
         failed = s.take_unavailable_requests()
