@@ -8,9 +8,11 @@
 #                                     Go test binary of core/cuda)
 #   bash build/gpu_run.sh run [DIR]   on a host with a GPU, from a copy of the
 #                                     working tree plus .artifacts/: the Go
-#                                     GPU tests, the Python GPU tests and the
+#                                     GPU tests, the Python GPU tests (the
+#                                     connector's with CUDA tensors too), the
 #                                     GPU benchmark (its cuda_ipc phases with
-#                                     their per-phase breakdown and targets);
+#                                     their per-phase breakdown and targets)
+#                                     and the connector benchmark;
 #                                     logs and JSON go to DIR; a summary
 #                                     table comes last.
 #   bash build/gpu_run.sh tcp [DIR]   on the same host, the TCP figures and
@@ -86,7 +88,7 @@ run() {
 	echo "== pytest: GPU transfers and the ABI"
 	log="$out/pytest.log"
 	python3 -m pytest -q -p no:cacheprovider -rs tests/python/test_gpu_transfer.py tests/python/test_two_gpu_transfer.py \
-		tests/python/test_gpu_api.py tests/python/test_abi.py 2>&1 | tee "$log"
+		tests/python/test_gpu_api.py tests/python/test_abi.py tests/python/test_connector_gpu.py 2>&1 | tee "$log"
 	local py_rc=${PIPESTATUS[0]}
 	record "pytest GPU" "$([ "$py_rc" = 0 ] && echo PASS || echo FAIL)" "$(grep -E '(passed|failed|error)' "$log" | tail -1)"
 	[ "$py_rc" = 0 ] || rc=1
@@ -119,7 +121,15 @@ PY
 		[ "$bench_rc" = 0 ] || rc=1
 	fi
 
+	echo "== connector bench: save_caches to the PD's encoder_cache, through the connector's hooks"
+	log="$out/connector_bench.log"
+	python3 -m ecmooncake.tools.connector_gpu --json "$out/connector_bench.json" 2>&1 | tee "$log"
+	bench_rc=${PIPESTATUS[0]}
+	record "connector bench" "$([ "$bench_rc" = 0 ] && echo PASS || echo FAIL)" "figures below; JSON in $out/connector_bench.json"
+	[ "$bench_rc" = 0 ] || rc=1
+
 	summary
+	sed -n '/^ecmooncake connector GPU bench/,$p' "$log"
 	sed -n '/^ecmooncake GPU bench/,$p' "$out/bench.log"
 	[ -f "$out/bench2.log" ] && sed -n '/^ecmooncake GPU bench/,$p' "$out/bench2.log"
 	return $rc

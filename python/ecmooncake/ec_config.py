@@ -166,11 +166,23 @@ def _mooncake_text(meaning: str, default: str = "", targets: tuple[str, ...] = (
     return ExtraKey(default, text, targets, meaning, only_if_set=True)
 
 
+# Where a consumer's slab lives when ec_buffer_device is cuda (see
+# buffer_memory below).
+BUFFER_MEMORY = ("auto", "device", "pinned_host")
+
+
 EXTRA_KEYS: dict[str, ExtraKey] = {
     "transport": ExtraKey(
         "tcp", _transport, ("producer", "consumer"),
         "data plane: `tcp` (any two hosts, host memory), `mooncake` (RDMA, needs libtransfer_engine.so) "
         "or `shm` (encoder and PD on one host; PD needs ec_buffer_device cpu)",
+    ),
+    "buffer_memory": ExtraKey(
+        "auto", lambda k, v: one_of(k, v, BUFFER_MEMORY), (),
+        "consumer with ec_buffer_device `cuda`: `device` receives into GPU memory of the shard's device "
+        "(same-host encoders write with cuda_ipc, others through staged TCP), `pinned_host` into pinned host "
+        "memory copied to the GPU at load; `auto` is `device`, except `pinned_host` with transport `mooncake` "
+        "(Mooncake writes GPU memory only in a CUDA build of its engine)",
     ),
     "push_wait_timeout_s": ExtraKey(
         60.0, seconds, ("producer", "scheduler"),
@@ -316,6 +328,18 @@ class ECMooncakeConfig:
 
     def value(self, key: str) -> Any:
         return self.extra.get(key, EXTRA_KEYS[key].default)
+
+    @property
+    def slab_memory(self) -> str:
+        """Where a consumer shard's slab lives: ``device`` (GPU memory of
+        the buffer device), ``pinned_host`` (host memory copied to the GPU
+        at load) or ``host`` (ec_buffer_device cpu)."""
+        if not self.buffer_device.startswith("cuda"):
+            return "host"
+        chosen = self.value("buffer_memory")
+        if chosen == "auto":
+            return "pinned_host" if self.value("transport") == "mooncake" else "device"
+        return chosen
 
     @property
     def consumer_endpoint(self) -> str:

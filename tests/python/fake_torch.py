@@ -18,9 +18,10 @@ class FakeDevice:
 class FakeTensor:
     """Quacks like the parts of torch.Tensor that the package reads."""
 
-    def __init__(self, device="cpu", index=0, contiguous=True, numel=10, element_size=2, ptr=4096):
+    def __init__(self, device="cpu", index=0, contiguous=True, numel=10, element_size=2, ptr=4096, shape=None, dtype="uint8"):
         self.device = FakeDevice(device, index)
-        self.shape = (numel,)
+        self.shape = tuple(shape) if shape is not None else (numel,)
+        self.dtype = dtype
         self._contiguous, self._numel, self._size, self._ptr = contiguous, numel, element_size, ptr
 
     def is_contiguous(self):

@@ -1,6 +1,13 @@
 """The consumer worker role: one TP rank of a prefill/decode instance, its
 slab, its native :class:`~ecmooncake.native.Consumer`, and the zero-copy
-views it puts into the engine's encoder cache."""
+views it puts into the engine's encoder cache.
+
+With ec_buffer_device ``cuda`` (vLLM's default) the slab is GPU memory of
+the shard's device: encoders on this host write into it with ``cuda_ipc``,
+others over TCP staged through page-locked buffers by the library, and the
+engine gets views of the slab, no copy. ``buffer_memory: pinned_host``
+keeps the slab in pinned host memory and copies each item to the GPU at
+load instead."""
 
 from __future__ import annotations
 
@@ -42,6 +49,13 @@ class _ConsumerWorker:
         self._slab: Any = None
         self._device: Any = None
         self._held: set[str] = set()
+        # Items vLLM dropped from its encoder cache, each with an event
+        # recorded on the device's stream when the drop was seen: the slab
+        # region goes back only once the work queued before it (the steps
+        # that read the view) has completed, so that no write can land under
+        # a kernel still reading it. Checked without waiting at each load.
+        self._releasing: list[tuple[Any, list[str]]] = []
+        self.slab_memory = cfg.slab_memory
         self._loaded: set[str] = set()
         self._failed: dict[str, str] = {}
         model_config = getattr(vllm_config, "model_config", None)
@@ -69,12 +83,21 @@ class _ConsumerWorker:
         device = self._cfg.buffer_device
         settings = self._cfg.consumer_settings()
         if device.startswith("cuda"):
-            # The data plane writes host memory; until GPU slabs land, items
-            # arrive in pinned host memory and are copied to the GPU at load.
             self._device = torch.device(device if ":" in device else f"cuda:{torch.cuda.current_device()}")
+        if self.slab_memory == "device":
+            slab = torch.empty(self._cfg.buffer_size, dtype=torch.uint8, device=self._device)
+            logger.info(
+                "ecmooncake: ec_buffer_device=%s: receiving into %d bytes of GPU memory on %s "
+                "(cuda_ipc from encoders on this host, staged tcp from others); loads are views, no copy",
+                device,
+                self._cfg.buffer_size,
+                self._device,
+            )
+        elif self.slab_memory == "pinned_host":
             slab = torch.empty(self._cfg.buffer_size, dtype=torch.uint8, pin_memory=True)
             logger.info(
-                "ecmooncake: ec_buffer_device=%s: receiving into %d bytes of pinned host memory, copied to %s at load",
+                "ecmooncake: ec_buffer_device=%s, buffer_memory=pinned_host: receiving into %d bytes of pinned "
+                "host memory, copied to %s at load",
                 device,
                 self._cfg.buffer_size,
                 self._device,
@@ -106,13 +129,14 @@ class _ConsumerWorker:
         gone = [h for h in self._held if h not in encoder_cache]
         if gone:
             self._held.difference_update(gone)
-            try:
-                released = self._native.release(gone)
-            except EcmError as exc:
-                released = [{"mm_hash": h, "error": str(exc)} for h in gone]
-            for item in released:
-                if item.get("error"):
-                    _throttle.warn("release", "ecmooncake: release of %s at shard %s: %s", item["mm_hash"], self.endpoint, item["error"])
+            if self._device is None:
+                self._release(gone)
+            else:
+                torch = _torch()
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self._device))
+                self._releasing.append((event, gone))
+        self._release_done()
         wanted: list[LoadSpec] = []
         for spec in meta.loads:
             if spec.mm_hash in encoder_cache:
@@ -165,6 +189,23 @@ class _ConsumerWorker:
                 continue
             self._loaded.add(spec.transfer_id)
 
+    def _release(self, hashes: list[str]) -> None:
+        try:
+            released = self._native.release(hashes)
+        except EcmError as exc:
+            released = [{"mm_hash": h, "error": str(exc)} for h in hashes]
+        for item in released:
+            if item.get("error"):
+                _throttle.warn("release", "ecmooncake: release of %s at shard %s: %s", item["mm_hash"], self.endpoint, item["error"])
+
+    def _release_done(self) -> None:
+        """Releases the dropped items whose readers have completed on the
+        GPU; asks each event without waiting, in the order recorded."""
+        while self._releasing and self._releasing[0][0].query():
+            # Pins are counted: an item loaded again since its drop holds a
+            # pin of its own, so this one goes back all the same.
+            self._release(self._releasing.pop(0)[1])
+
     def _release_quietly(self, mm_hash: str) -> None:
         try:
             self._native.release([mm_hash])
@@ -189,9 +230,9 @@ class _ConsumerWorker:
         offset = int(item["offset"])
         view = self._slab[offset : offset + nbytes].view(dtype).view(shape[0], shape[1])
         self._seen[spec.modality] = (name, shape[1])
-        if self._device is not None:
-            # The host region stays pinned until vLLM frees the entry, by
-            # which time the step that consumed this copy has completed.
+        if self.slab_memory == "pinned_host":
+            # The host region goes back only after the work queued behind
+            # this copy has completed (see _releasing).
             return view.to(self._device, non_blocking=True)
         return view
 

@@ -34,13 +34,19 @@ def _transport_line(cfg: ec_config.ECMooncakeConfig) -> str:
     # The producer picks per shard (see the README's GPU memory section).
     if transport == "shm":
         return "transport shm: other hosts refused, this host shm"
-    return f"transport {name}: other hosts {name}, this host {name} (cuda_ipc into a GPU slab)"
+    if transport == "mooncake":
+        return f"transport {name}: every shard {name}, CUDA outputs copied to pinned host memory first"
+    return f"transport {name}: this host cuda_ipc into a GPU slab, else {name} (CUDA outputs staged by the library)"
 
 
 def _slab_line(cfg: ec_config.ECMooncakeConfig) -> str:
     line = f"slab {_size(cfg.buffer_size)} on {cfg.buffer_device}"
-    if cfg.buffer_device.startswith("cuda"):
-        return line + " (pinned host memory, copied to the GPU at load)"
+    if cfg.slab_memory == "device":
+        if cfg.value("transport") == "mooncake":
+            return line + " (GPU memory, registered with Mooncake; needs a CUDA build of its engine)"
+        return line + " (GPU memory: cuda_ipc from encoders on this host, staged tcp from others; loads are views)"
+    if cfg.slab_memory == "pinned_host":
+        return line + " (buffer_memory pinned_host: pinned host memory, copied to the GPU at load)"
     if cfg.value("transport") == "shm":
         return line + " (a memfd shared with producers on this host)"
     return line

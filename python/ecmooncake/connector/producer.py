@@ -1,7 +1,14 @@
 """The producer worker role: an encoder instance's native
 :class:`~ecmooncake.native.Producer`, which reserves space on every consumer
-shard before the encoder runs and writes each output once it exists (CUDA
-outputs go through pinned host memory, copied off the engine thread)."""
+shard before the encoder runs and writes each output once it exists.
+
+A CUDA output goes to the library as device memory with the stream that
+produced it: the library orders its reads after that stream's work (the
+engine thread records nothing and waits for nothing), copies device to
+device with ``cuda_ipc`` into a GPU slab on this host and stages it through
+page-locked buffers over TCP to any other. Only transports that read host
+memory alone (``mooncake``, ``shm``) still get a pinned host copy, made off
+the engine thread by :class:`_HostCopier`."""
 
 from __future__ import annotations
 
@@ -29,6 +36,10 @@ class _Push:
     sourced_at: float = 0.0
 
 
+# Transports whose writers read host memory only: a CUDA output is copied
+# to pinned host memory before the library sees it.
+HOST_ONLY_TRANSPORTS = ("mooncake", "shm")
+
 # Transfer ids of pushes that ended, remembered so that announcing one again
 # (a proxy reusing an id) cannot create a push the library will never report
 # on: it treats a known id as a no-op.
@@ -36,7 +47,8 @@ MAX_ENDED_PUSHES = 1 << 16
 
 
 class _HostCopier:
-    """Copies CUDA encoder outputs into pinned host memory off the engine thread.
+    """Copies CUDA encoder outputs into pinned host memory off the engine
+    thread, for transports that read host memory only.
 
     The engine thread only records an event after the encoder's kernels;
     this thread waits for it on its own stream, copies, waits for the copy,
@@ -107,14 +119,20 @@ class _ProducerWorker:
         self._cfg = cfg
         self._native: Producer | None = None
         # Guards the native producer and everything below: the copy thread
-        # hands sources over too. Held only for non-blocking native calls.
+        # (host-only transports) hands sources over too. Held only for non-blocking native calls.
         self._lock = threading.Lock()
         self._pushes: dict[str, _Push] = {}
         self._by_hash: dict[str, set[str]] = {}
         self._ready: dict[str, Any] = {}
         self._done: set[str] = set()
         self._failed: dict[str, str] = {}
+        self._host_copy = cfg.value("transport") in HOST_ONLY_TRANSPORTS
         self._copier = _HostCopier(self._deliver_copy)
+        # The stream each CUDA output in _ready was produced on, captured in
+        # save_caches: later work queued on another stream is no concern of
+        # the library's.
+        self._streams: dict[str, Any] = {}
+        self._said_path = False
         push_wait = float(cfg.value("push_wait_timeout_s"))
         control = float(cfg.extra.get("control_timeout_s", 30.0))
         self._shutdown_s = push_wait
@@ -198,7 +216,35 @@ class _ProducerWorker:
             if device == "cpu":
                 self._ready[mm_hash] = tensor
                 return
+            if not self._host_copy:
+                self._say_path(tensor)
+                # Made contiguous here, on the engine thread, so that the
+                # copy is queued on the output's own stream behind its
+                # kernels; nothing waits for either.
+                self._ready[mm_hash] = tensor if tensor.is_contiguous() else tensor.contiguous()
+                self._streams[mm_hash] = _torch().cuda.current_stream(tensor.device)
+                return
+        self._say_path(tensor)
         self._copier.submit(mm_hash, tensor)
+
+    def _say_path(self, tensor: Any) -> None:
+        """Logs once how CUDA outputs leave this encoder."""
+        if self._said_path:
+            return
+        self._said_path = True
+        if self._host_copy:
+            logger.info(
+                "ecmooncake: encoder outputs on %s are copied to pinned host memory before sending "
+                "(transport %s reads host memory only)",
+                tensor.device,
+                self._cfg.value("transport"),
+            )
+        else:
+            logger.info(
+                "ecmooncake: encoder outputs on %s go to the library as device memory: cuda_ipc into GPU "
+                "slabs on this host, staged tcp to any other (ecm_transfer_bytes_total{transport} counts each)",
+                tensor.device,
+            )
 
     def _deliver_copy(self, mm_hash: str, host: Any, error: str) -> None:
         with self._lock:
@@ -220,6 +266,7 @@ class _ProducerWorker:
         sources = []
         late: list[_Push] = []
         for h, tensor in ready.items():
+            stream = self._streams.pop(h, None)
             pushes = [self._pushes[tid] for tid in self._by_hash.get(h, ())]
             if not pushes:
                 continue
@@ -233,16 +280,24 @@ class _ProducerWorker:
                     p.spec.dtype, p.spec.shape = dtype, shape
                     late.append(p)
             if any(p.submitted for p in pushes if p not in wrong) or late:
-                sources.append((h, tensor if tensor.is_contiguous() else tensor.contiguous()))
+                sources.append((h, tensor if tensor.is_contiguous() else tensor.contiguous(), stream))
         self._submit_locked(late)
-        if not sources:
-            return
-        try:
-            self._native.sources(sources)
-        except EcmError as exc:
-            # The library fails the pushes it could not source and reports
-            # them through poll; the ones it took are already on their way.
-            _throttle.warn("sources", "ecmooncake: encoder outputs refused by the producer: %s", exc)
+        # One call per producing stream (in practice one per step), so that
+        # each output's reads are ordered after its own stream's work. The
+        # library holds each tensor (Producer keeps it referenced) until poll
+        # reports it released, so the caching allocator cannot reuse it
+        # under a copy.
+        groups: dict[int, tuple[Any, list[tuple[str, Any]]]] = {}
+        for h, tensor, stream in sources:
+            key = None if stream is None else int(stream.cuda_stream)
+            groups.setdefault(key, (stream, []))[1].append((h, tensor))
+        for stream, items in groups.values():
+            try:
+                self._native.sources(items, stream=stream)
+            except EcmError as exc:
+                # The library fails the pushes it could not source and reports
+                # them through poll; the ones it took are already on their way.
+                _throttle.warn("sources", "ecmooncake: encoder outputs refused by the producer: %s", exc)
 
     def _fail_locked(self, tid: str, reason: str) -> None:
         push = self._pushes.pop(tid, None)
@@ -270,6 +325,7 @@ class _ProducerWorker:
             if not tids:
                 del self._by_hash[push.spec.mm_hash]
                 self._ready.pop(push.spec.mm_hash, None)
+                self._streams.pop(push.spec.mm_hash, None)
 
     def _abandon_locked(self, tids: list[str], reason: str) -> None:
         """Fails pushes for good, and frees what the library holds for them."""
