@@ -429,7 +429,13 @@ def planes(rank: Worker) -> dict[str, int]:
     producers attached for cuda_ipc (one-sided: its writes never pass
     through the receiver)."""
     stats = rank.call("stats").get("consumer") or {}
-    return {k: v.get("Frames", 0) or v.get("Attached", 0) for k, v in (stats.get("data_planes") or {}).items()}
+    split = stats.get("data_planes")
+    if not split:
+        # A shard that serves one plane reports it under "data" alone (the
+        # split is only there when it serves several). This harness runs
+        # every PD on the default transport, tcp.
+        return {"tcp": (stats.get("data") or {}).get("Frames", 0)}
+    return {k: v.get("Frames", 0) or v.get("Attached", 0) for k, v in split.items()}
 
 
 # A PD "on another host" for the staged TCP path: its shard reports this
