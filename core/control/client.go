@@ -25,8 +25,9 @@ const sendQueue = 1024
 type ClientOption func(*clientOptions)
 
 type clientOptions struct {
-	timeout time.Duration
-	sec     Security
+	timeout  time.Duration
+	sec      Security
+	refusals *Refusals
 }
 
 // WithCallTimeout sets the timeout of calls whose context has no deadline.
@@ -44,6 +45,12 @@ func WithClientSecurity(sec Security) ClientOption {
 	return func(o *clientOptions) { o.sec = sec }
 }
 
+// WithRefusals also counts the socket's refusals in r, which may be
+// shared by many sockets.
+func WithRefusals(r *Refusals) ClientOption {
+	return func(o *clientOptions) { o.refusals = r }
+}
+
 func clientOpts(opts []ClientOption) clientOptions {
 	o := clientOptions{timeout: DefaultCallTimeout}
 	for _, f := range opts {
@@ -57,6 +64,9 @@ type ClientStats struct {
 	RoundTrips  uint64 // replies matched to a waiting call
 	LateReplies uint64 // replies whose call had already given up; dropped
 	BadReplies  uint64 // replies that did not decode; dropped, or failing their call when the id was readable
+	// Refused counts the server's refusals of this client's handshakes,
+	// by reason (the labels of ecm_failures_total{component="control_client"}).
+	Refused map[string]uint64 `json:",omitempty"`
 }
 
 // Client is a DEALER socket to one server. Calls pipeline: any number of
@@ -66,6 +76,7 @@ type Client struct {
 	*owner
 	sock     *zmq.Socket // owner goroutine only, once Dial returns
 	hs       *handshakes // owner goroutine only
+	refusals *Refusals   // hs's own count; any goroutine
 	endpoint string
 	target   string // the address connected to
 	timeout  time.Duration
@@ -109,7 +120,7 @@ func Dial(zctx *zmq.Context, endpoint string, log *slog.Logger, opts ...ClientOp
 	if err != nil {
 		return nil, err
 	}
-	hs, err := newHandshakes(zctx, sock, o.sec, log)
+	hs, err := newHandshakes(zctx, sock, o, log)
 	if err != nil {
 		sock.Close()
 		return nil, fmt.Errorf("control: dial %s: %w", endpoint, err)
@@ -131,6 +142,7 @@ func Dial(zctx *zmq.Context, endpoint string, log *slog.Logger, opts ...ClientOp
 	c := &Client{
 		sock:     sock,
 		hs:       hs,
+		refusals: hs.seen,
 		endpoint: endpoint,
 		target:   target,
 		timeout:  o.timeout,
@@ -265,7 +277,7 @@ func (c *Client) RoundTrips() uint64 { return c.roundTrips.Load() }
 
 // Stats returns the counters.
 func (c *Client) Stats() ClientStats {
-	return ClientStats{RoundTrips: c.roundTrips.Load(), LateReplies: c.late.Load(), BadReplies: c.bad.Load()}
+	return ClientStats{RoundTrips: c.roundTrips.Load(), LateReplies: c.late.Load(), BadReplies: c.bad.Load(), Refused: c.refusals.Snapshot()}
 }
 
 // serve reads the replies, reconnects when due and sends what is queued.

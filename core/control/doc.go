@@ -62,7 +62,18 @@
 // Every refusal is counted (ServerStats.Refused and
 // ecm_failures_total{component="control"}) and logged once per cause. A
 // client refused by its server fails its calls at once with ErrAuth, and
-// an error saying which setting to change, instead of at its deadline.
+// an error saying which setting to change, instead of at its deadline;
+// it counts what it was refused too (ClientStats.Refused,
+// SubStats.Refused, ZMQ.Refused for all the sockets of one links, and
+// ecm_failures_total{component="control_client"}).
+//
+// The ends of a mechanism mismatch race: whichever reads the other's whole
+// greeting first hangs up, maybe before writing the rest of its own, and
+// the other end then sees only a connection closed mid-handshake. So a
+// server counts a peer that hung up mid-handshake (auth_aborted), and a
+// client takes two hang-ups in a row, with no success between, as a
+// refusal (a server that went away hangs up once; one that refuses this
+// end does so on every reconnect).
 //
 // # Limits
 //

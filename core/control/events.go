@@ -157,6 +157,9 @@ func (p *EventPub) flush() error {
 type SubStats struct {
 	Received uint64 // decoded and valid, handed to Events
 	Bad      uint64 // frames that did not decode or validate; dropped
+	// Refused counts the publishers' refusals of this subscriber's
+	// handshakes, by reason.
+	Refused map[string]uint64 `json:",omitempty"`
 }
 
 // EventSub is a PULL socket on which a scheduler gathers the events of
@@ -165,6 +168,8 @@ type EventSub struct {
 	*owner
 	sock *zmq.Socket // owner goroutine only, once NewEventSub returns
 	hs   *handshakes // owner goroutine only
+	// refusals is hs's own count; any goroutine.
+	refusals *Refusals
 
 	connq     chan connectReq
 	out       chan wire.Event
@@ -189,7 +194,7 @@ func NewEventSub(zctx *zmq.Context, log *slog.Logger, opts ...ClientOption) (*Ev
 	if err != nil {
 		return nil, err
 	}
-	hs, err := newHandshakes(zctx, sock, clientOpts(opts).sec, log)
+	hs, err := newHandshakes(zctx, sock, clientOpts(opts), log)
 	if err != nil {
 		sock.Close()
 		return nil, fmt.Errorf("control: new event sub: %w", err)
@@ -197,6 +202,7 @@ func NewEventSub(zctx *zmq.Context, log *slog.Logger, opts ...ClientOption) (*Ev
 	s := &EventSub{
 		sock:      sock,
 		hs:        hs,
+		refusals:  hs.seen,
 		connq:     make(chan connectReq, connectQueue),
 		out:       make(chan wire.Event, EventQueue),
 		connected: map[string]bool{},
@@ -247,7 +253,7 @@ func (s *EventSub) Events() <-chan wire.Event { return s.out }
 
 // Stats returns the counters.
 func (s *EventSub) Stats() SubStats {
-	return SubStats{Received: s.received.Load(), Bad: s.bad.Load()}
+	return SubStats{Received: s.received.Load(), Bad: s.bad.Load(), Refused: s.refusals.Snapshot()}
 }
 
 // Close stops receiving, closes the socket and then the Events channel.

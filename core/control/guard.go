@@ -94,7 +94,9 @@ func newGuard(zctx *zmq.Context, sock *zmq.Socket, sec Security, bindHost string
 	}
 	// Watched even without ZAP: a plain shard still counts the CURVE peers
 	// it cannot talk to, the sign of a secret missing on this side.
-	if g.mon, err = openMonitor(zctx, sock, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL); err != nil {
+	// A hang-up mid-handshake is the other half of the greeting race
+	// (see handshakes): the peer found the mechanisms differ first.
+	if g.mon, err = openMonitor(zctx, sock, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL|zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL); err != nil {
 		g.close()
 		return nil, err
 	}
@@ -118,10 +120,11 @@ func (g *guard) refuse(r refusal, peer string) {
 // watch reads the monitor; full as for readEvents. Owner only.
 func (g *guard) watch() (full bool) {
 	return readEvents(g.mon, func(ev zmq.Event, _ string, value int) {
-		if ev != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL {
-			return
-		}
 		switch {
+		case ev == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+			g.refuse(refusedAborted, "")
+		case ev != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+			// Not a refusal.
 		case value == protoErrCryptographic && g.policy.curve:
 			g.refuse(refusedWrongSecret, "")
 		case value == protoErrMechanismMismatch && g.policy.curve:
@@ -153,32 +156,75 @@ func (g *guard) close() {
 	}
 }
 
+// Refusals counts the security refusals that clients saw, by reason (the
+// labels of ecm_failures_total{component="control_client"}). Any
+// goroutine. The ZMQ links of a process object share one among every
+// client and subscriber they open, so that the count outlives a client
+// the runtime closed after its refusal.
+type Refusals struct {
+	mu sync.Mutex
+	m  map[string]uint64
+}
+
+func (r *Refusals) add(reason refusal) {
+	r.mu.Lock()
+	if r.m == nil {
+		r.m = map[string]uint64{}
+	}
+	r.m[string(reason)]++
+	r.mu.Unlock()
+}
+
+// Snapshot returns the counts by reason; nil when there were none.
+func (r *Refusals) Snapshot() map[string]uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.m) == 0 {
+		return nil
+	}
+	return maps.Clone(r.m)
+}
+
 // handshakes follows the security handshakes of a connecting socket (a
 // DEALER to one server, a PULL to many publishers) so that a refusal
 // becomes a clear error instead of silence until a deadline. libzmq does
 // not reconnect after a refused handshake, so the owner reconnects on a
 // backoff, which lets a fixed server be reached without restarting.
+//
+// A server of the other mechanism does not always say so: on a loaded
+// host it may read this end's whole greeting at once and hang up before
+// writing the rest of its own, and this end sees only a connection closed
+// mid-handshake (HANDSHAKE_FAILED_NO_DETAIL). A server that went away
+// does that once; one that refuses this end does it on every attempt
+// (libzmq reconnects at once after a hang-up). So hangUpsToRefuse
+// hang-ups in a row, with no success between, are a refusal.
 type handshakes struct {
 	log    *slog.Logger
 	curve  bool
 	mon    *zmq.Socket // owner goroutine only
 	states map[string]*handshakeState
 	logged map[string]bool // endpoint + cause already logged
+	// seen counts every refusal of this socket, shared every refusal of
+	// the process object; any goroutine.
+	seen, shared *Refusals
 }
 
 type handshakeState struct {
 	err     error     // the last refusal; nil once a handshake succeeds
 	redial  time.Time // when to reconnect after a refusal libzmq will not retry; zero if none
 	backoff time.Duration
+	hangUps int // hang-ups mid-handshake since the last success
 }
 
 const (
 	redialFirst = 500 * time.Millisecond
 	redialMax   = 30 * time.Second
+	// hangUpsToRefuse is how many hang-ups in a row mean a refusal.
+	hangUpsToRefuse = 2
 )
 
-func newHandshakes(zctx *zmq.Context, sock *zmq.Socket, sec Security, log *slog.Logger) (*handshakes, error) {
-	if err := applyClient(sock, sec); err != nil {
+func newHandshakes(zctx *zmq.Context, sock *zmq.Socket, o clientOptions, log *slog.Logger) (*handshakes, error) {
+	if err := applyClient(sock, o.sec); err != nil {
 		return nil, err
 	}
 	mon, err := openMonitor(zctx, sock, zmq.EVENT_HANDSHAKE_SUCCEEDED|zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL|
@@ -189,7 +235,8 @@ func newHandshakes(zctx *zmq.Context, sock *zmq.Socket, sec Security, log *slog.
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &handshakes{log: log, curve: sec.Curve(), mon: mon, states: map[string]*handshakeState{}, logged: map[string]bool{}}, nil
+	return &handshakes{log: log, curve: o.sec.Curve(), mon: mon, states: map[string]*handshakeState{}, logged: map[string]bool{},
+		seen: &Refusals{}, shared: o.refusals}, nil
 }
 
 // watch reads the monitor and calls changed for every endpoint whose
@@ -213,9 +260,15 @@ func (h *handshakes) watch(now time.Time, changed func(endpoint string, err erro
 			changed(ep, nil)
 			return
 		}
-		text, retried := h.explain(ev, value)
-		if text == "" {
+		r, text, retried := h.explain(ev, value)
+		if r == admitted {
 			return
+		}
+		h.count(r)
+		if r == refusedAborted {
+			if st.hangUps++; st.hangUps < hangUpsToRefuse {
+				return
+			}
 		}
 		st.err = fmt.Errorf("%w: %s: %s", ErrAuth, ep, text)
 		if !retried && st.redial.IsZero() {
@@ -224,38 +277,49 @@ func (h *handshakes) watch(now time.Time, changed func(endpoint string, err erro
 		}
 		if key := ep + "\x00" + text; !h.logged[key] {
 			h.logged[key] = true
-			h.log.Error("control: "+text, "peer", ep, "note", "logged once; calls to this peer fail until a handshake succeeds")
+			h.log.Error("control: "+text, "peer", ep, "reason", string(r), "note", "logged once; calls to this peer fail until a handshake succeeds")
 		}
 		changed(ep, st.err)
 	})
 }
 
-// explain turns a failure event into what the operator should do, and
-// whether libzmq retries on its own. Empty text: not a security failure.
-func (h *handshakes) explain(ev zmq.Event, value int) (text string, retried bool) {
+// count records one refusal seen. Owner only.
+func (h *handshakes) count(r refusal) {
+	metrics.Failed("control_client", string(r))
+	h.seen.add(r)
+	if h.shared != nil {
+		h.shared.add(r)
+	}
+}
+
+// explain turns a failure event into the refusal it shows (admitted: not
+// a security failure), what the operator should do, and whether libzmq
+// retries on its own.
+func (h *handshakes) explain(ev zmq.Event, value int) (r refusal, text string, retried bool) {
 	switch ev {
 	case zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-		if !h.curve {
-			return "", true // a peer that went away mid-handshake
+		if h.curve {
+			return refusedAborted, "the server hung up during two CURVE handshakes in a row: it holds a different auth_secret, or none", true
 		}
-		return "the server closed the connection during the CURVE handshake: it holds a different auth_secret", true
+		return refusedAborted, "the server hung up during two security handshakes in a row: it requires an auth_secret (CURVE) and this end has none; " +
+			"set the deployment's auth_secret (or auth_secret_file; ECMOONCAKE_SECRET for the vLLM connector) here", true
 	case zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
 		switch {
 		case value == protoErrMechanismMismatch && h.curve:
-			return "the server has no auth_secret (it speaks plain ZMTP) but this end has one; set the same auth_secret on the consumer", false
+			return refusedUnexpectedSecret, "the server has no auth_secret (it speaks plain ZMTP) but this end has one; set the same auth_secret on the consumer", false
 		case value == protoErrMechanismMismatch:
-			return "the server requires an auth_secret (CURVE); set the deployment's auth_secret (or auth_secret_file; ECMOONCAKE_SECRET for the vLLM connector) here", false
+			return refusedNoSecret, "the server requires an auth_secret (CURVE); set the deployment's auth_secret (or auth_secret_file; ECMOONCAKE_SECRET for the vLLM connector) here", false
 		default:
-			return fmt.Sprintf("the security handshake failed (protocol error %#x)", value), false
+			return refusedProtocol, fmt.Sprintf("the security handshake failed (protocol error %#x)", value), false
 		}
 	case zmq.EVENT_HANDSHAKE_FAILED_AUTH:
 		if h.curve {
-			return fmt.Sprintf("the server refused this end's CURVE key (ZAP status %d): it holds a different auth_secret", value), false
+			return refusedWrongKey, fmt.Sprintf("the server refused this end's CURVE key (ZAP status %d): it holds a different auth_secret", value), false
 		}
-		return fmt.Sprintf("the server refused this unauthenticated peer (ZAP status %d): a shard bound beyond loopback without auth_secret serves loopback peers only; "+
+		return refusedNotLoopback, fmt.Sprintf("the server refused this unauthenticated peer (ZAP status %d): a shard bound beyond loopback without auth_secret serves loopback peers only; "+
 			"set the same auth_secret on every end, or allow_unauthenticated: true on the consumer", value), false
 	}
-	return "", true
+	return admitted, "", true
 }
 
 // due returns the endpoints whose reconnect is due and clears their

@@ -70,7 +70,22 @@ var (
 type ZMQ struct {
 	zctx *zmq.Context
 	sec  Security
+	// refused counts the refusals every client and subscriber opened here
+	// saw, including those of sockets closed since.
+	refused Refusals
 }
+
+// RefusalCounter is a Links that counts the security refusals its clients
+// saw (ZMQ does; the in-memory fake has no handshake to refuse).
+type RefusalCounter interface {
+	Refused() map[string]uint64
+}
+
+var _ RefusalCounter = (*ZMQ)(nil)
+
+// Refused returns the refusals that the clients and subscribers of these
+// links saw, by reason; nil when none.
+func (z *ZMQ) Refused() map[string]uint64 { return z.refused.Snapshot() }
 
 // OpenLinks derives the security of the secret that load reads and
 // returns given, or, when given is nil, ZeroMQ links secured with it; the
@@ -133,7 +148,7 @@ func (z *ZMQ) Publish(host string, log *slog.Logger) (Publisher, error) {
 
 // Dial connects a DEALER client (Dial).
 func (z *ZMQ) Dial(endpoint string, log *slog.Logger) (Caller, error) {
-	c, err := Dial(z.zctx, endpoint, log, WithClientSecurity(z.sec))
+	c, err := Dial(z.zctx, endpoint, log, WithClientSecurity(z.sec), WithRefusals(&z.refused))
 	if err != nil {
 		return nil, err
 	}
@@ -142,7 +157,7 @@ func (z *ZMQ) Dial(endpoint string, log *slog.Logger) (Caller, error) {
 
 // Subscribe opens an event PULL socket (NewEventSub).
 func (z *ZMQ) Subscribe(log *slog.Logger) (Subscriber, error) {
-	s, err := NewEventSub(z.zctx, log, WithClientSecurity(z.sec))
+	s, err := NewEventSub(z.zctx, log, WithClientSecurity(z.sec), WithRefusals(&z.refused))
 	if err != nil {
 		return nil, err
 	}

@@ -160,6 +160,9 @@ const (
 	refusedNotLoopback refusal = "auth_not_loopback"
 	// Any other handshake failure libzmq reports.
 	refusedProtocol refusal = "auth_protocol"
+	// The peer hung up during the handshake, before its mechanism was
+	// known.
+	refusedAborted refusal = "auth_aborted"
 )
 
 // policy is what a server socket admits. It is built once per socket and
@@ -236,6 +239,13 @@ func (p policy) explain(r refusal, peer string) string {
 		return fmt.Sprintf("refused %s: it has no auth_secret (plain ZMTP) but this shard requires one; set the same auth_secret on every producer and scheduler", from)
 	case refusedUnexpectedSecret:
 		return fmt.Sprintf("refused %s: it uses CURVE (it has an auth_secret) but this shard has none; set the same auth_secret on the consumer", from)
+	case refusedAborted:
+		likely := "it has no auth_secret (plain ZMTP) and found that this shard requires one"
+		if !p.curve {
+			likely = "it has an auth_secret (CURVE) and found that this shard has none"
+		}
+		return fmt.Sprintf("refused %s: it hung up during the security handshake, before its mechanism was known: most likely %s, else it went away; "+
+			"set the same auth_secret on every producer, consumer and scheduler", from, likely)
 	default:
 		return fmt.Sprintf("refused %s: the security handshake failed (%s)", from, r)
 	}

@@ -447,6 +447,10 @@ type Stats struct {
 	Pending       bool       `json:"pending"`
 	SourceBytes   uint64     `json:"source_bytes_held"`
 	ClientsOpened int        `json:"control_clients"`
+	// ControlRefused counts the shards' refusals of this producer's
+	// security handshakes, by reason; a producer without the deployment's
+	// auth_secret sees them grow.
+	ControlRefused map[string]uint64 `json:"control_refused,omitempty"`
 	// Phases are this process's timings of the readiness path (package
 	// metrics): the copies and their event wait, write batches, and each
 	// complete's hand-off and round trip.
@@ -461,6 +465,9 @@ func (p *Producer) Stats() Stats {
 		Consumers: len(p.consumers), Pending: p.mgr.Pending(), ClientsOpened: len(p.clients), Phases: metrics.Phases()}
 	for _, m := range p.sources {
 		st.SourceBytes += m.size()
+	}
+	if rc, ok := p.links.(control.RefusalCounter); ok {
+		st.ControlRefused = rc.Refused()
 	}
 	return st
 }

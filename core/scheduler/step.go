@@ -210,6 +210,10 @@ type Stats struct {
 	Resynced uint64           `json:"resynced_events"`
 	Events   control.SubStats `json:"events"`
 	Shards   []string         `json:"shards"`
+	// ControlRefused counts the shards' refusals of the scheduler's
+	// security handshakes (control calls and event subscriptions), by
+	// reason.
+	ControlRefused map[string]uint64 `json:"control_refused,omitempty"`
 	// Phases are this process's timings of the readiness path (package
 	// metrics); event_delivery is the scheduler's part.
 	Phases map[string]metrics.PhaseStat `json:"phases,omitempty"`
@@ -219,5 +223,9 @@ type Stats struct {
 func (s *Scheduler) Stats() Stats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return Stats{Table: s.table.Stats(), Resynced: s.resynced, Events: s.sub.Stats(), Shards: s.Shards(), Phases: metrics.Phases()}
+	st := Stats{Table: s.table.Stats(), Resynced: s.resynced, Events: s.sub.Stats(), Shards: s.Shards(), Phases: metrics.Phases()}
+	if rc, ok := s.links.(control.RefusalCounter); ok {
+		st.ControlRefused = rc.Refused()
+	}
+	return st
 }

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from conftest import wait_until
 from ecmooncake import ec_config
 from ecmooncake.ec_config import ConfigError, Secret, parse_extra
 from ecmooncake.tools.harness import free_port_range
@@ -114,3 +115,35 @@ def test_library_takes_the_auth_settings(tmp_path):
         with pytest.raises(EcmInvalid) as info:
             open_object()
         assert "auth_secret" in str(info.value) and "hunter2" not in str(info.value)
+
+
+@pytest.mark.usefixtures("library")
+def test_a_producer_without_the_secret_is_told_so_and_counted(tmp_path):
+    """The refusal names the setting on every try, never a bare deadline,
+    and both ends count it where their other counters are."""
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    port = free_port_range(1, IP)
+    slab = np.zeros(1 << 20, np.uint8)
+    data = np.ones(4096, np.uint8)
+    with Consumer({"ec_ip": IP, "ec_port": port, "auth_secret_file": str(path)}, slab) as consumer, \
+            Producer({"transport": "tcp", "control_timeout_s": 10}) as producer:
+        for attempt in range(3):
+            tid, mm_hash = f"refused-{attempt}", f"{attempt}" * 64
+            submitted = producer.submit([{"transfer_id": tid, "mm_hash": mm_hash, "nbytes": data.nbytes, "consumer": f"tcp://{IP}:{port}"}])
+            assert not submitted[0].get("error"), submitted
+            producer.source(mm_hash, data)
+            failed: list = []
+
+            def refused():
+                out = producer.poll(200)
+                assert not out.get("done"), out
+                failed.extend(out.get("failed") or [])
+                return failed
+
+            wait_until(refused, 30, interval=0, what=f"push {tid} failed")
+            reason = json.dumps(failed)
+            assert "auth_secret" in reason and "deadline" not in reason, reason
+        assert producer.stats().get("control_refused"), "the producer counts the refusals it saw"
+        wait_until(lambda: consumer.stats()["control"].get("Refused"), 10, what="the shard counts the refusals")
+        assert set(consumer.stats()["control"]["Refused"]) <= {"auth_no_secret", "auth_aborted"}
