@@ -452,7 +452,11 @@ def bench(args: argparse.Namespace) -> dict:
     from .harness import free_port_range
 
     rows = []
-    paths = [p for p in (("cuda_ipc", {}), ("staged tcp", ELSEWHERE)) if args.paths in ("both", p[0])]
+    # "pinned host" is the path the connector took before GPU slabs: a
+    # pinned host slab on the PD, filled over TCP and copied to the GPU at
+    # load; measured here as the "before" beside the two GPU paths.
+    every = (("cuda_ipc", {}), ("staged tcp", ELSEWHERE), ("pinned host", {"buffer_memory": "pinned_host"}))
+    paths = [p for p in every if args.paths in ("all", p[0])]
     for path, pd_extra in paths:
         dep = Deployment.start(
             port=free_port_range(1),
@@ -505,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--slab-mib", type=int, default=3072)
-    p.add_argument("--paths", default="both", choices=["both", "cuda_ipc", "staged tcp"])
+    p.add_argument("--paths", default="all", choices=["all", "cuda_ipc", "staged tcp", "pinned host"])
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     print("ecmooncake connector GPU bench: save_caches -> tensor in the PD's encoder_cache, median of", args.reps, flush=True)
