@@ -70,9 +70,15 @@ func TestSoak(t *testing.T) {
 	cfg := soakConfig{
 		requests: n, minBytes: 4 << 10, maxBytes: max(*soakMax, 8<<10),
 		live: 32, repeat: 0.3, window: 24,
-		// Small leases so that what they legitimately hold (a copy pushed
-		// for a request the consumer never saw) is back within seconds.
-		lease: 3 * time.Second, pushWait: 5 * time.Second,
+		// Short waits so that what a lease legitimately holds (a copy
+		// pushed for a request the consumer never saw) is back within
+		// seconds. The lease must outlast the push wait, as lease_s (300 s)
+		// outlasts push_wait_timeout_s (60 s) by default: a region is
+		// reserved before the encoder runs and the producer waits up to the
+		// push wait for its output, and a ready copy waits for a request's
+		// other items for as long. A lease shorter than that fails requests
+		// that nothing went wrong for.
+		lease: 10 * time.Second, pushWait: 5 * time.Second,
 	}
 	// By default the slab holds every distinct byte the run pushes, so no
 	// resident copy is evicted; -soak.squeeze=4 gives it a quarter of that,
@@ -90,6 +96,9 @@ func TestSoak(t *testing.T) {
 	s.settle()
 	s.report(time.Since(start))
 	s.checkEnd()
+	if n := len(s.fig.details); n > 0 {
+		t.Errorf("soak: %d attempts failed that no injected fault touched (by reason %v); each is logged above as unexplained", n, s.fig.unexplained)
+	}
 }
 
 type soakConfig struct {
@@ -169,6 +178,11 @@ type soakReq struct {
 	abortAt    int // planAbortWaiting: step at which the client goes away
 	runUntil   int
 	have       map[string]bool // images in the encoder cache for it
+	startStep  int
+	outcome    string
+	// faults names the injected faults that touched this attempt: a
+	// failure of it is theirs, not ours.
+	faults []string
 }
 
 // cacheEntry is one mm_hash in the engine's encoder cache: pinned on the
@@ -193,6 +207,11 @@ type soakFigures struct {
 	lateLoadFailures []string
 	loadFailures     map[string]int
 	neverExpected    int // every image was in the encoder cache already
+	// Attempt failures split by cause: an injected fault that touched the
+	// attempt, or none (unexplained: our own bug, which fails the soak).
+	byFault     map[string]map[string]int
+	unexplained map[string]int
+	details     []string // one line per unexplained failure, for the log
 }
 
 type soak struct {
@@ -217,10 +236,15 @@ type soak struct {
 
 	fig soakFigures
 
-	prodMu   sync.Mutex
-	prodDone int
-	prodFail map[string]int
-	prodEg   map[string]string
+	prodMu    sync.Mutex
+	prodDone  int
+	prodFail  map[string]int
+	prodEg    map[string]string
+	prodByTID map[string][]string // producer failures of each transfer, "dest: reason"
+
+	byTID    map[string]*soakReq
+	hashTIDs map[string][]string // every transfer id pushed for an mm_hash, in order
+	t0       time.Time
 	stopPoll chan struct{}
 	polled   chan struct{}
 }
@@ -230,10 +254,12 @@ func newSoak(t *testing.T, c *cluster, cfg soakConfig, seed uint64) *soak {
 		t: t, c: c, cfg: cfg, rng: rand.New(rand.NewPCG(seed, seed^0x5ca1ab1e)),
 		byHash: map[string]*soakImage{}, live: map[string]*soakReq{}, cache: map[string]*cacheEntry{},
 		plans:    map[string]map[string]bool{},
-		prodFail: map[string]int{}, prodEg: map[string]string{},
+		prodFail: map[string]int{}, prodEg: map[string]string{}, prodByTID: map[string][]string{},
+		byTID: map[string]*soakReq{}, hashTIDs: map[string][]string{}, t0: time.Now(),
 		stopPoll: make(chan struct{}), polled: make(chan struct{}),
 	}
 	s.fig.failures, s.fig.failureSample, s.fig.loadFailures = map[string]int{}, map[string]string{}, map[string]int{}
+	s.fig.byFault, s.fig.unexplained = map[string]map[string]int{}, map[string]int{}
 	go s.pollProducer()
 	return s
 }
@@ -257,6 +283,7 @@ func (s *soak) pollProducer() {
 			if _, ok := s.prodEg[class]; !ok {
 				s.prodEg[class] = f.Reason
 			}
+			s.prodByTID[f.TransferID] = append(s.prodByTID[f.TransferID], fmt.Sprintf("%s@%s: %s", f.Dest, s.ms(), f.Reason))
 		}
 		s.prodMu.Unlock()
 	}
@@ -275,6 +302,9 @@ func (s *soak) run() {
 			s.c.restart(1)
 			s.fig.restarts++
 			s.fig.restartedAt = time.Now()
+			for _, r := range s.live {
+				r.faults = append(r.faults, "shard restart")
+			}
 		}
 		s.admit()
 		s.engineStep()
@@ -330,7 +360,15 @@ func (s *soak) start(base, attempt int, plan abortPlan, imgs []*soakImage) {
 	r := &soakReq{
 		id: fmt.Sprintf("req-%d", base), base: base, attempt: attempt, plan: plan, images: imgs,
 		admitted: time.Now(), expectAt: s.step + s.rng.IntN(4), sourceAt: s.step + s.rng.IntN(5),
-		have: map[string]bool{},
+		have: map[string]bool{}, startStep: s.step,
+	}
+	if plan == planOutputLost {
+		r.faults = append(r.faults, "output lost")
+	}
+	if !s.fig.restartedAt.IsZero() && time.Since(s.fig.restartedAt) < restartWindow {
+		// Its pushes may still meet connections to the incarnation that is
+		// gone.
+		r.faults = append(r.faults, "shard restart")
 	}
 	if attempt > 0 {
 		r.id += fmt.Sprintf("-retry%d", attempt)
@@ -348,6 +386,8 @@ func (s *soak) start(base, attempt int, plan abortPlan, imgs []*soakImage) {
 		img.uses++
 		tid := fmt.Sprintf("tx-%d-%d-%d", base, attempt, i)
 		r.tids = append(r.tids, tid)
+		s.byTID[tid] = r
+		s.hashTIDs[img.hash] = append(s.hashTIDs[img.hash], tid)
 		pushes[i] = producer.Push{TransferID: tid, MMHash: img.hash, NBytes: uint64(len(img.data)), Consumer: s.c.consumer,
 			Meta: fmt.Sprintf(`{"dtype":"uint8","shape":[%d]}`, len(img.data))}
 	}
@@ -436,12 +476,12 @@ func (s *soak) engineStep() {
 
 	for rid, reason := range out.ExpectErrors {
 		if r := s.live[rid]; r != nil {
-			s.fail(r, "refused: "+reason, true)
+			s.fail(r, sched.Failure{Reason: "refused: " + reason, Retryable: true})
 		}
 	}
 	for _, f := range out.Failures {
 		if r := s.live[f.RequestID]; r != nil && r.state != reqRunning {
-			s.fail(r, f.Reason, f.Retryable)
+			s.fail(r, f)
 		}
 	}
 	s.workerLoad(out.Load)
@@ -452,7 +492,7 @@ func (s *soak) engineStep() {
 		e := out.Ensure[r.id]
 		switch {
 		case len(e.Failed) > 0:
-			s.fail(r, e.Failed[0].Reason, e.Failed[0].Retryable)
+			s.fail(r, e.Failed[0])
 		case e.Ready && r.plan == planAbortBeforeLoad:
 			s.end(r, "aborted")
 		case e.Ready:
@@ -534,7 +574,7 @@ func (s *soak) workerLoad(loads []scheduler.LoadOut) {
 		sort.Slice(users, func(i, j int) bool { return users[i].id < users[j].id })
 		if lo.Error != "" || lo.TransferID == "" {
 			for _, r := range users {
-				s.fail(r, "load cannot start: "+lo.Error, true)
+				s.fail(r, sched.Failure{TransferID: lo.TransferID, MMHash: lo.MMHash, Reason: "load cannot start: " + lo.Error, Retryable: true})
 			}
 			continue
 		}
@@ -547,7 +587,7 @@ func (s *soak) workerLoad(loads []scheduler.LoadOut) {
 			}
 			s.reports = append(s.reports, scheduler.LoadedIn{TransferID: lo.TransferID, Reason: reason})
 			for _, r := range users {
-				s.fail(r, "load failed: "+reason, true)
+				s.fail(r, sched.Failure{TransferID: lo.TransferID, MMHash: lo.MMHash, Reason: "load failed: " + reason, Retryable: true})
 			}
 			continue
 		}
@@ -615,14 +655,23 @@ func (s *soak) free(h string) {
 	s.freed = append(s.freed, h)
 }
 
-func (s *soak) fail(r *soakReq, reason string, retryable bool) {
-	class := reasonClass(reason)
+func (s *soak) fail(r *soakReq, f sched.Failure) {
+	class := reasonClass(f.Reason)
 	s.fig.failures[class]++
 	if _, ok := s.fig.failureSample[class]; !ok {
-		s.fig.failureSample[class] = reason
+		s.fig.failureSample[class] = f.Reason
+	}
+	if fault := s.attribute(r, f, class); fault != "" {
+		if s.fig.byFault[fault] == nil {
+			s.fig.byFault[fault] = map[string]int{}
+		}
+		s.fig.byFault[fault][class]++
+	} else {
+		s.fig.unexplained[class]++
+		s.fig.details = append(s.fig.details, s.history(r, f))
 	}
 	s.end(r, "failed")
-	if retryable && r.attempt == 0 {
+	if f.Retryable && r.attempt == 0 {
 		s.start(r.base, 1, planComplete, r.images)
 	} else {
 		s.fig.failedFinal++
@@ -633,6 +682,7 @@ func (s *soak) fail(r *soakReq, reason string, retryable bool) {
 // and the images it alone used leave the encoder cache.
 func (s *soak) end(r *soakReq, outcome string) {
 	delete(s.live, r.id)
+	r.outcome = fmt.Sprintf("%s@%s", outcome, s.ms())
 	switch outcome {
 	case "completed":
 		s.fig.completed++
@@ -658,6 +708,65 @@ func (s *soak) end(r *soakReq, outcome string) {
 		}
 	}
 }
+
+// restartWindow is how long after a shard restart a new attempt counts as
+// touched by it: the producer may still hold connections to the
+// incarnation that is gone, and the scheduler learns of the new one from
+// its first event.
+const restartWindow = time.Second
+
+// attribute names the injected fault that caused r's failure f, or ""
+// when none did: one that touched r itself; the restarted shard named
+// as gone or silent; or, for a follower failed by its writer's abandon, a
+// fault that touched the push of its content that abandoned (an output
+// lost, say: that push waited for a source until its deadline).
+func (s *soak) attribute(r *soakReq, f sched.Failure, class string) string {
+	if len(r.faults) > 0 {
+		return r.faults[0]
+	}
+	if (class == "shard restarted" || class == "shard lost") && s.fig.restarts > 0 && strings.Contains(f.Reason, "shard 1 ") {
+		return "shard restart"
+	}
+	if class != "abandoned" || f.MMHash == "" {
+		return ""
+	}
+	s.prodMu.Lock()
+	defer s.prodMu.Unlock()
+	for _, tid := range s.hashTIDs[f.MMHash] {
+		if o := s.byTID[tid]; o != r && len(o.faults) > 0 && len(s.prodByTID[tid]) > 0 {
+			return o.faults[0] + ", its writer's"
+		}
+	}
+	return ""
+}
+
+// history is one unexplained failure with what the soak knows of every
+// push of its content: whose request it was, how that ended, and what the
+// producer reported for it.
+func (s *soak) history(r *soakReq, f sched.Failure) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%s (plan %s, step %d→%d) tid %s mm_hash %s: %s", r.id, r.plan, r.startStep, s.step, f.TransferID, f.MMHash, f.Reason)
+	hashes := []string{f.MMHash}
+	if f.MMHash == "" {
+		hashes = nil
+		for _, img := range r.images {
+			hashes = append(hashes, img.hash)
+		}
+	}
+	s.prodMu.Lock()
+	defer s.prodMu.Unlock()
+	for _, h := range hashes {
+		for _, tid := range s.hashTIDs[h] {
+			o := s.byTID[tid]
+			fmt.Fprintf(&b, "\n      %s %s: %s plan %s step %d sourced %v faults %v outcome %q producer %v",
+				h, tid, o.id, o.plan, o.startStep, o.sourced, o.faults, o.outcome, s.prodByTID[tid])
+		}
+	}
+	return b.String()
+}
+
+// ms is the time since the soak began, for histories.
+func (s *soak) ms() string { return time.Since(s.t0).Round(time.Millisecond).String() }
 
 func (s *soak) sortedLive() []*soakReq {
 	out := make([]*soakReq, 0, len(s.live))
@@ -724,6 +833,13 @@ func (s *soak) report(wall time.Duration) {
 	s.t.Logf("soak: %d loads, %d MiB loaded and checked; load failures %v, %d of them not right after the restart %v",
 		f.loads, f.loadedBytes>>20, f.loadFailures, len(f.lateLoadFailures), f.lateLoadFailures[:min(len(f.lateLoadFailures), 5)])
 	s.t.Logf("soak: shard restarts %d; attempt failures by reason %v", f.restarts, f.failures)
+	for _, k := range sortedKeys(f.byFault) {
+		s.t.Logf("soak:   caused by %s: %v", k, f.byFault[k])
+	}
+	s.t.Logf("soak:   caused by no injected fault: %v", f.unexplained)
+	for _, d := range f.details {
+		s.t.Logf("soak:   unexplained: %s", d)
+	}
 	for _, k := range sortedKeys(f.failureSample) {
 		s.t.Logf("soak:   %s, e.g. %q", k, f.failureSample[k])
 	}

@@ -64,7 +64,12 @@
 // Cancel is queued (or, for a write cancelled in flight, from the moment
 // it is CancelPending) until the runtime reports it answered (CancelDone,
 // also for a call that failed), reservations of that content to that shard
-// stay queued; they then get a region of their own. A held reservation keeps
+// stay queued; they then get a region of their own. The same holds from
+// the moment a record ends (cancelled, or failed at its deadline) while its
+// own reservation there is out and unanswered, until that answer comes: the
+// shard may have made it a region that its late grant's Cancel gives up. A
+// record forgotten from the tombstones no longer holds anything, since no
+// answer can find it. A held reservation keeps
 // its ReserveWait deadline, so a cancel never answered cannot hold it
 // forever; it does keep the manager Pending.
 //

@@ -140,6 +140,32 @@ func (m *Manager) CheckInvariants() error {
 		}
 	}
 
+	unanswered := make(map[destHash]int, len(m.unanswered))
+	count := func(tr *transfer) {
+		for _, r := range tr.recs {
+			switch {
+			case r.unanswered && (!r.state.Terminal() || !r.asked || r.answered || r.hasGrant):
+				bad("transfer %s to %s: held as unanswered while %s (asked %v, answered %v, grant %v)", tr.push.TransferID, r.dest, r.state, r.asked, r.answered, r.hasGrant)
+			case r.unanswered:
+				unanswered[destHash{r.dest, tr.push.MMHash}]++
+			}
+		}
+	}
+	for _, tr := range m.transfers {
+		count(tr)
+	}
+	for _, tr := range m.tombs {
+		count(tr)
+	}
+	if len(unanswered) != len(m.unanswered) {
+		bad("%d shard and content pairs with unanswered reservations, %d counted", len(unanswered), len(m.unanswered))
+	}
+	for k, n := range m.unanswered {
+		if unanswered[k] != n {
+			bad("content %s on %s: %d unanswered reservations counted, %d found", k.mmHash, k.dest, n, unanswered[k])
+		}
+	}
+
 	if len(m.tombs) != len(m.tombQ) || len(m.tombs) > m.cfg.MaxTombstones {
 		bad("%d tombstones, %d queued, limit %d", len(m.tombs), len(m.tombQ), m.cfg.MaxTombstones)
 	}

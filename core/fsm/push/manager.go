@@ -145,6 +145,7 @@ type Stats struct {
 	InFlight   int              // writes handed out and not yet reported
 	Ignored    uint64           // grants and reports that matched no record in a state to take them
 	CancelsOut int              // cancels not yet answered: their content's reservations to that shard wait
+	Unanswered int              // ended records whose reservation is still out: their content's reservations to that shard wait
 	Collisions uint64
 	Tombstones int
 }
@@ -173,6 +174,11 @@ type Manager struct {
 	// content to that shard.
 	cancelsOut map[destTID]string
 	abandoning map[destHash]int
+	// unanswered counts, by shard and content, the records that ended
+	// while their reservation was out and unanswered (rec.unanswered):
+	// the shard may have given them a region that their late grant's
+	// Cancel gives up, so those reservations wait for that answer too.
+	unanswered map[destHash]int
 	failures   []Failure
 	done       []string
 	releases   []SourceID
@@ -207,6 +213,13 @@ type rec struct {
 	// asked says Ready handed the reservation out: the shard may already
 	// have answered it, and made another push of the content follow it.
 	asked bool
+	// answered says Granted applied the shard's answer to that reservation.
+	answered bool
+	// unanswered says the record ended (cancelled, or failed at its
+	// deadline) while its reservation was out and unanswered; it is
+	// counted in Manager.unanswered until the answer comes or the record
+	// is forgotten.
+	unanswered bool
 	// cancelWanted says Cancel was asked while another push of the content
 	// follows this record's write, or may come to: the cancel waits until
 	// it can no longer cost that push its image (settle).
@@ -249,6 +262,7 @@ func New(cfg Config) *Manager {
 
 		cancelsOut: make(map[destTID]string),
 		abandoning: make(map[destHash]int),
+		unanswered: make(map[destHash]int),
 	}
 }
 
@@ -345,10 +359,12 @@ func (c *content) size() uint64 {
 }
 
 // Granted applies a shard's answer to the reservation of (transferID,
-// dest). A grant for a record that already ended without a region is
-// answered with a Cancel, so the shard does not keep a region nobody will
-// write; any other grant that matches no reserving record is counted and
-// dropped.
+// dest). The answer to a record that ended while its reservation was out
+// ends the hold that record kept on its content's reservations to that
+// shard; a region it grants is answered with a Cancel (which holds them
+// until it is answered in turn), so the shard does not keep a region
+// nobody will write. Any other grant that matches no reserving record is
+// counted and dropped.
 func (m *Manager) Granted(transferID, dest string, g Grant, now time.Time) {
 	m.advance(now)
 	r := m.find(transferID, dest)
@@ -357,14 +373,18 @@ func (m *Manager) Granted(transferID, dest string, g Grant, now time.Time) {
 		return
 	}
 	if r.state != Reserving {
-		if (r.state == Cancelled || r.state == Failed) && !r.hasGrant && g.Err == "" && g.Res != 0 {
-			r.grant, r.hasGrant = g, true
-			m.queueCancel(r)
+		if !r.unanswered {
+			m.ignored++
 			return
 		}
-		m.ignored++
+		m.answer(r)
+		if g.Err == "" && g.Res != 0 {
+			r.grant, r.hasGrant = g, true
+			m.queueCancel(r)
+		}
 		return
 	}
+	r.answered = true
 	if g.Err != "" {
 		m.move(r, Failed, now, "reserve refused: "+g.Err)
 		return
@@ -460,6 +480,14 @@ func (m *Manager) awaitedAt(r *rec) bool {
 	return false
 }
 
+// holdsBack reports whether a reservation of content to a shard must wait:
+// a Cancel of a region of that content there is not yet answered, or a
+// push of it ended while its reservation there was out (the shard may
+// have made a region for it that is about to be given up).
+func (m *Manager) holdsBack(dh destHash) bool {
+	return m.abandoning[dh] > 0 || m.unanswered[dh] > 0
+}
+
 // givingUpAt reports whether another push of r's content was cancelled
 // mid-write to r's shard: its region is given up once the write ends, so a
 // reservation joined to it now would fail with it.
@@ -545,7 +573,7 @@ func (m *Manager) Ready(now time.Time) Ready {
 		p := r.tr.push
 		switch {
 		case r.state != Reserving:
-		case m.abandoning[destHash{r.dest, p.MMHash}] > 0 || m.givingUpAt(r):
+		case m.holdsBack(destHash{r.dest, p.MMHash}) || m.givingUpAt(r):
 			held = append(held, r)
 		default:
 			r.asked = true
@@ -669,6 +697,16 @@ func (m *Manager) CancelDone(transferID, dest string, now time.Time) {
 	}
 }
 
+// answer ends the hold of an ended record whose reservation was out: its
+// answer came, or it was forgotten and no answer can find it any more.
+func (m *Manager) answer(r *rec) {
+	r.unanswered = false
+	dh := destHash{r.dest, r.tr.push.MMHash}
+	if m.unanswered[dh]--; m.unanswered[dh] <= 0 {
+		delete(m.unanswered, dh)
+	}
+}
+
 // queueCancel asks the shard to free the region r was granted. Until the
 // shard has answered, a reservation of r's content to that shard waits:
 // one that overtook the cancel would be joined to the region being given
@@ -777,6 +815,9 @@ func (m *Manager) Stats() Stats {
 		Tombstones: len(m.tombs),
 		Sources:    m.held,
 		CancelsOut: len(m.cancelsOut),
+	}
+	for _, n := range m.unanswered {
+		s.Unanswered += n
 	}
 	for _, tr := range m.transfers {
 		for _, r := range tr.recs {
@@ -893,6 +934,10 @@ func (m *Manager) end(r *rec, reason string) {
 	if r.state != Done && r.hasGrant {
 		m.queueCancel(r)
 	}
+	if r.asked && !r.answered && !r.hasGrant {
+		r.unanswered = true
+		m.unanswered[destHash{r.dest, p.MMHash}]++
+	}
 	tr := r.tr
 	tr.live--
 	if tr.live == 0 && !slices.ContainsFunc(tr.recs, func(x *rec) bool { return x.state != Done }) {
@@ -917,6 +962,11 @@ func (m *Manager) maybeRetire(tr *transfer) {
 	m.tombs[tr.push.TransferID] = tr
 	m.tombQ = append(m.tombQ, tr.push.TransferID)
 	for len(m.tombQ) > m.cfg.MaxTombstones {
+		for _, r := range m.tombs[m.tombQ[0]].recs {
+			if r.unanswered {
+				m.answer(r)
+			}
+		}
 		delete(m.tombs, m.tombQ[0])
 		m.tombQ = m.tombQ[1:]
 	}

@@ -338,6 +338,61 @@ func TestScenarios(t *testing.T) {
 			cancelled t1 d1
 			ready -> reserve d1:t2
 		`},
+		{"a reserve waits for the answer to a cancelled push's reservation still out", Config{}, `
+			# t1 is cancelled while its reserve is out: the shard may already
+			# have given it a region, which the Cancel sent with its late grant
+			# gives up. t2, sent before that grant came back, would be made to
+			# follow that region and fail with it.
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			cancel t1
+			state t1 -> d1=Cancelled
+			add t2 h1 100 d1
+			add t3 h2 100 d1
+			ready -> reserve d1:t3
+			grant t1 d1 write 1
+			ready -> cancel d1:t1
+			cancelled t1 d1
+			ready -> reserve d1:t2
+			grant t2 d1 write 2
+			state t2 -> d1=WaitingInputs
+		`},
+		{"an answer with no region to give up lets the held reserve go at once", Config{}, `
+			add t1 h1 100 d1,d2
+			ready -> reserve d1:t1 d2:t1
+			cancel t1
+			add t2 h1 100 d1,d2
+			ready -> -
+			stats -> unanswered=2
+			grant t1 d1 err pool full
+			ready -> reserve d1:t2
+			grant t1 d2 follow
+			ready -> reserve d2:t2
+			stats -> cancelsout=0 unanswered=0
+		`},
+		{"a reserve waits for the late grant of a push that failed at its deadline", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			at 30s
+			add t2 h1 100 d1
+			ready -> fail t1/d1=Reserving: no reservation grant within 30s
+			grant t1 d1 write 7
+			ready -> cancel d1:t1
+			cancelled t1 d1
+			ready -> reserve d1:t2
+		`},
+		{"a forgotten push no longer holds its content's reserves", Config{MaxTombstones: 1}, `
+			# Once t1's tombstone is gone no grant can find it, so the hold it
+			# kept ends with it.
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			cancel t1
+			add t2 h1 100 d1
+			add t3 h2 100 d1
+			ready -> reserve d1:t3
+			grant t3 d1 cached
+			ready -> reserve d1:t2 | done t3
+		`},
 		{"a held reserve still fails at its deadline if the abandon is never answered", Config{}, `
 			add t1 h1 100 d1
 			ready -> reserve d1:t1

@@ -239,6 +239,7 @@ func statsMap(s Stats) map[string]string {
 		"inflight":   strconv.Itoa(s.InFlight),
 		"ignored":    strconv.FormatUint(s.Ignored, 10),
 		"cancelsout": strconv.Itoa(s.CancelsOut),
+		"unanswered": strconv.Itoa(s.Unanswered),
 		"collisions": strconv.FormatUint(s.Collisions, 10),
 		"tombs":      strconv.Itoa(s.Tombstones),
 	}
