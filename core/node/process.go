@@ -68,8 +68,12 @@ func (m *Metrics) Close() error {
 }
 
 // processMetrics lives as long as the process: vLLM processes end by
-// exiting, so nothing closes it.
+// exiting, so nothing but a test closes it.
 var processMetrics Metrics
+
+// ProcessMetrics is the server ServeMetrics starts, for a test of the
+// process settings to close once it is done.
+func ProcessMetrics() *Metrics { return &processMetrics }
 
 // ServeMetrics serves /metrics once the process settings name a port. The
 // server lives as long as the process, and a process serves on one port:
