@@ -56,9 +56,19 @@ stop_hogs() {
   done
   hogs=()
 }
-trap stop_hogs EXIT
-trap 'stop_hogs; exit 130' INT
-trap 'stop_hogs; exit 143' TERM
+# The run in progress is in a session of its own too, waited for with
+# `wait`, which a signal interrupts: an interrupted stress run stops its
+# hog and its test run at once, not when the run ends.
+running=""
+stop_run() {
+  [ -n "$running" ] || return 0
+  kill -TERM -- "-$running" 2>/dev/null
+  wait "$running" 2>/dev/null
+  running=""
+}
+trap 'stop_run; stop_hogs' EXIT
+trap 'stop_run; stop_hogs; exit 130' INT
+trap 'stop_run; stop_hogs; exit 143' TERM
 
 if [ "$hog" = stress-ng ] && ! command -v stress-ng >/dev/null; then
   . "$here/apt.sh"
@@ -104,8 +114,11 @@ passed=0
 for ((i = 1; i <= n; i++)); do
   log=$logs/run-$i.log
   start=$SECONDS
-  bash -c "$cmd" >"$log" 2>&1 </dev/null
+  setsid bash -c "$cmd" >"$log" 2>&1 </dev/null &
+  running=$!
+  wait "$running"
   rc=$?
+  running=""
   took=$((SECONDS - start))
   if ((rc == 0)); then
     passed=$((passed + 1))

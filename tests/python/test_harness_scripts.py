@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, wait_until
 
 FUZZ = REPO / "build" / "fuzz.sh"
 STRESS = REPO / "build" / "stress_tests.sh"
@@ -214,3 +214,33 @@ def test_stress_refuses_a_count_that_is_not_one(tmp_path):
     proc = stress(tmp_path, "true", runs="x")
     assert proc.returncode == 2
     assert "N must be a positive count" in proc.stderr
+
+
+def test_an_interrupted_stress_run_stops_its_hog_and_its_test_run(tmp_path, hog):
+    pid_file = tmp_path / "cmd.pid"
+    proc = subprocess.Popen(
+        ["bash", str(STRESS), "1"],
+        cwd=tmp_path,
+        env=dict(os.environ, ECM_STRESS_CMD=f"echo $$ > {pid_file}; exec sleep 600", ECM_STRESS_LOGS=str(tmp_path / "logs"), **hog),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        pids = None
+        for line in proc.stdout:
+            if line.startswith("stress: hog pids "):
+                pids = [int(p) for p in line.split()[3:]]
+                break
+        assert pids, "the script said which hogs it started"
+        wait_until(lambda: pid_file.exists() and pid_file.read_text().strip(), 60, what="the test run started")
+        run_pid = int(pid_file.read_text())
+        proc.terminate()
+        assert proc.wait(timeout=60) == 143
+        assert not any(alive(p) for p in pids), "the hog is gone"
+        wait_until(lambda: not alive(run_pid), 30, what="the test run stopped")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
