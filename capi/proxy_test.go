@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/ecmooncake/ecmooncake/core/node"
 )
 
 func TestProxyAndRegistrarHandles(t *testing.T) {
@@ -31,7 +33,10 @@ func TestProxyAndRegistrarHandles(t *testing.T) {
 	require.Equal(t, StatusHandle, Classify(Close(h)))
 }
 
+// The process's metrics server is closed at the end, so that the next run
+// (go test -count=N) may serve on a port of its own.
 func TestConfigureServesMetricsOnOnePort(t *testing.T) {
+	t.Cleanup(func() { require.NoError(t, node.ProcessMetrics().Close()) })
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	port := ln.Addr().(*net.TCPAddr).Port

@@ -27,7 +27,7 @@ type FakeHost struct {
 
 	// counters read by tests
 	mappings, events, hostBufs int
-	copies                     int
+	copies, recorded           int
 }
 
 type fakeAlloc struct {
@@ -110,6 +110,10 @@ func (h *FakeHost) OpenMappings() int { return h.read(&h.mappings) }
 
 // OpenEvents counts events recorded and not closed yet.
 func (h *FakeHost) OpenEvents() int { return h.read(&h.events) }
+
+// RecordedEvents counts events ever recorded, closed or not: what a test
+// reads when the code under test may already have closed them.
+func (h *FakeHost) RecordedEvents() int { return h.read(&h.recorded) }
 
 // HostBuffers counts page-locked buffers allocated and not freed.
 func (h *FakeHost) HostBuffers() int { return h.read(&h.hostBufs) }
@@ -292,6 +296,7 @@ func (d *fakeDevice) RecordEvent(stream uintptr) (Event, error) {
 		return nil, fmt.Errorf("gpu: fake record event: unknown stream %#x", stream)
 	}
 	d.h.events++
+	d.h.recorded++
 	return e, nil
 }
 

@@ -78,6 +78,7 @@ func TestFakeEventsOrderCopies(t *testing.T) {
 	require.Equal(t, 1, h.OpenEvents())
 	require.NoError(t, ev.Close())
 	require.Zero(t, h.OpenEvents())
+	require.Equal(t, 1, h.RecordedEvents(), "a closed event was still recorded")
 	_, err = d.RecordEvent(12345)
 	require.ErrorContains(t, err, "unknown stream")
 }

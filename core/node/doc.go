@@ -17,7 +17,8 @@
 //     stream that GPU sources come from;
 //   - the Mooncake metadata store a consumer asks to serve, closed with
 //     the shard;
-//   - the process-wide /metrics server (ServeMetrics).
+//   - the process's one /metrics server (ServeMetrics; a Metrics of its
+//     own for a test).
 //
 // Usage:
 //

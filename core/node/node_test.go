@@ -5,8 +5,10 @@ import (
 	"log/slog"
 	"net"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
+	"github.com/valyala/fasthttp"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
@@ -104,9 +106,16 @@ func TestSourcesDeviceSaysWhyItRefuses(t *testing.T) {
 	require.NoError(t, err)
 	require.NotZero(t, ids[0])
 	require.NotZero(t, ids[1])
-	require.Equal(t, 1, host.OpenEvents(), "one event per stream, shared by its sources")
+	// Counted as recorded, not as open: no push waits for these sources,
+	// so the producer's driver may release them (and close the event)
+	// before SourcesDevice's caller looks.
+	require.Equal(t, 1, host.RecordedEvents(), "one event per stream, shared by its sources")
+	require.Eventually(t, func() bool { return host.OpenEvents() == 0 }, 30*time.Second, time.Millisecond,
+		"sources no push waits for are released, and their event closed with the last")
 }
 
+// The test serves through a Metrics of its own, not the process's, so
+// that go test -count=N meets no port an earlier run left open.
 func TestMetricsAreServedOnOnePort(t *testing.T) {
 	free := func() int {
 		l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -114,12 +123,29 @@ func TestMetricsAreServedOnOnePort(t *testing.T) {
 		defer l.Close()
 		return l.Addr().(*net.TCPAddr).Port
 	}
+	log := slog.New(slog.DiscardHandler)
 	r := config.DefaultRuntime()
-	require.NoError(t, ServeMetrics(r, slog.New(slog.DiscardHandler)), "no port, nothing served")
+	require.NoError(t, ServeMetrics(r, log), "no port, nothing served")
+
+	var m Metrics
+	defer m.Close()
+	require.NoError(t, m.Serve(r, log), "no port, nothing served")
+	require.Empty(t, m.Addr())
 	r.MetricsIP, r.MetricsPort = "127.0.0.1", free()
-	require.NoError(t, ServeMetrics(r, slog.New(slog.DiscardHandler)))
-	require.NoError(t, ServeMetrics(r, slog.New(slog.DiscardHandler)), "the same port again is fine")
+	require.NoError(t, m.Serve(r, log))
+	require.Equal(t, fmt.Sprintf("127.0.0.1:%d", r.MetricsPort), m.Addr())
+	require.NoError(t, m.Serve(r, log), "the same port again is fine")
+	status, _, err := fasthttp.Get(nil, "http://"+m.Addr()+"/health")
+	require.NoError(t, err)
+	require.Equal(t, fasthttp.StatusOK, status)
+
 	other := r
 	other.MetricsPort = free()
-	require.ErrorIs(t, ServeMetrics(other, slog.New(slog.DiscardHandler)), ErrState)
+	require.ErrorIs(t, m.Serve(other, log), ErrState)
+	require.Equal(t, fmt.Sprintf("127.0.0.1:%d", r.MetricsPort), m.Addr(), "the refused port changed nothing")
+
+	require.NoError(t, m.Close())
+	require.Empty(t, m.Addr())
+	require.NoError(t, m.Serve(other, log), "closed, any port again")
+	require.Equal(t, fmt.Sprintf("127.0.0.1:%d", other.MetricsPort), m.Addr())
 }

@@ -29,7 +29,7 @@ func TestPushToShardedConsumer(t *testing.T) {
 	c.verify(items)
 
 	// Every source is released once nothing reads it any more.
-	require.Eventually(t, func() bool { return c.prod.Stats().Sources == 0 }, 5*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return c.prod.Stats().Sources == 0 }, 30*time.Second, 10*time.Millisecond)
 }
 
 // A batch costs at most three control round trips per shard (peers once
@@ -67,7 +67,7 @@ func TestTransferIDCollisionFailsOnlyThatRequest(t *testing.T) {
 
 	out := c.sched.Step(schedulerStepExpect("req-2", items[0].tid, "another-image"))
 	require.Contains(t, out.ExpectErrors, "req-2")
-	w := c.wait([]string{items[0].tid}, 5*time.Second)
+	w := c.wait([]string{items[0].tid}, 30*time.Second)
 	require.Equal(t, []string{items[0].tid}, w.Available)
 }
 
@@ -77,7 +77,7 @@ func TestStaleAndForgedWritesRejected(t *testing.T) {
 	c := newCluster(t, clusterOpts{tp: 1})
 	w := transport.NewTCP(transport.TCPConfig{}).NewWriter()
 	defer w.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	errs := w.Write(ctx, c.shards[0].Info().Data, []transport.WriteItem{{Res: 12345, Token: ids.Token{1}, Src: []byte("forged")}})
 	require.Error(t, errs[0])
@@ -105,7 +105,7 @@ func TestMalformedControlMessages(t *testing.T) {
 	require.NoError(t, err)
 	defer sock.Close()
 	require.NoError(t, sock.SetLinger(0))
-	require.NoError(t, sock.SetRcvtimeo(5*time.Second))
+	require.NoError(t, sock.SetRcvtimeo(30*time.Second))
 	require.NoError(t, sock.Connect(c.consumer))
 	for _, msg := range []string{"not json", `{"v":1,"id":7,"op":"launch"}`, `{"v":99,"id":8,"op":"peers"}`, `{"v":1,"id":9,"op":"reserve_batch","body":{"items":[{"transfer_id":""}]}}`} {
 		_, err := sock.SendMessage("", msg)
@@ -120,7 +120,7 @@ func TestMalformedControlMessages(t *testing.T) {
 	require.NoError(t, err)
 	defer cl.Close()
 	var peers wire.PeersReply
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	require.NoError(t, cl.Call(ctx, wire.OpPeers, struct{}{}, &peers))
 	require.Equal(t, 1, peers.TPSize)
