@@ -1,5 +1,5 @@
 """Packaging hooks: build_py builds libecmooncake.so and the ecm-ceiling command
-(the benchmarks' TCP ceiling, started by ecmooncake.ceiling) into the package,
+(the benchmarks' TCP ceiling, started by ecmooncake.tools.ceiling) into the package,
 and the wheel is tagged for the platform because it carries native code.
 
 Metadata lives in pyproject.toml.

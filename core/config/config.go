@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"math"
 	"net"
 	"net/url"
 	"strconv"
@@ -253,17 +252,20 @@ func decodeOver[T interface{ Validate() error }](what string, def T, raw []byte)
 func (c Consumer) Validate() error {
 	return first(
 		host("ec_ip", c.IP),
-		port("ec_port", c.Port, false),
-		atLeast("tp_size", c.TPSize, 1),
+		inRange("ec_port", c.Port),
+		inRange("tp_size", c.TPSize),
+		inRange("tp_rank", c.TPRank),
 		rangeInt("tp_rank", c.TPRank, 0, c.TPSize-1),
-		atLeast("dp_rank", c.DPRank, 0),
+		inRange("dp_rank", c.DPRank),
 		port("ec_port + dp_rank*tp_size + tp_rank", c.ControlPort(), false),
 		oneOf("transport", c.Transport, Transports),
-		port("data_port", c.DataPort, true),
+		inRange("data_port", c.DataPort),
 		positive("lease_s", c.LeaseS),
-		rangeInt("max_data_conns", c.MaxDataConns, 1, 1<<16),
+		inRange("max_data_conns", c.MaxDataConns),
 		positive("data_idle_timeout_s", c.DataIdleTimeoutS),
 		positive("data_frame_timeout_s", c.DataFrameTimeoutS),
+		optionalHost("host", c.Host),
+		inRange("max_resident_bytes", c.MaxResidentBytes),
 		slabFD(c.Transport, c.SlabFD, c.SlabPath),
 		c.Mooncake.validate(),
 		hostPort("mooncake_metadata_server", c.MooncakeMetadataServer),
@@ -278,10 +280,11 @@ func (p Producer) Validate() error {
 		oneOf("transport", p.Transport, Transports),
 		positive("control_timeout_s", p.ControlTimeoutS),
 		positive("push_wait_timeout_s", p.PushWaitS),
-		rangeInt("tcp_conns", p.TCPConns, 1, 64),
-		rangeInt("tcp_chunk_bytes", p.TCPChunkBytes, 64<<10, 1<<30),
+		inRange("tcp_conns", p.TCPConns),
+		inRange("tcp_chunk_bytes", p.TCPChunkBytes),
+		optionalHost("host", p.Host),
 		p.Mooncake.validate(),
-		rangeInt64("mooncake_staging_bytes", p.MooncakeStagingBytes, 1<<20, 1<<40),
+		inRange("mooncake_staging_bytes", p.MooncakeStagingBytes),
 		p.GPU.validate(),
 		p.Routing.validate(),
 		p.Auth.validate(),
@@ -293,9 +296,7 @@ func (m Mooncake) validate() error {
 		oneOf("mooncake_protocol", m.Protocol, MooncakeProtocols),
 		MooncakeMetadata(m.Metadata),
 	}
-	if m.Host != "" {
-		errs = append(errs, host("mooncake_host", m.Host))
-	}
+	errs = append(errs, optionalHost("mooncake_host", m.Host))
 	if len(m.LocalServerName) > 200 || strings.ContainsAny(m.LocalServerName, " \t\n\r\x00") {
 		errs = append(errs, fmt.Errorf("%w: mooncake_local_server_name = %q; want at most 200 characters without spaces", ErrInvalid, m.LocalServerName))
 	}
@@ -337,12 +338,12 @@ func (s Scheduler) Validate() error {
 		positive("push_wait_timeout_s", s.PushWaitS),
 		positive("load_timeout_s", s.LoadTimeoutS),
 		positive("control_timeout_s", s.ControlTimeoutS),
-		atLeast("tp_size", s.TPSize, 1),
-		atLeast("dp_rank", s.DPRank, 0),
+		inRange("tp_size", s.TPSize),
+		inRange("dp_rank", s.DPRank),
 		s.Auth.validate(),
 	}
 	if len(s.Shards) == 0 {
-		errs = append(errs, host("ec_ip", s.IP), port("ec_port", s.Port, false),
+		errs = append(errs, host("ec_ip", s.IP), inRange("ec_port", s.Port),
 			port("ec_port + dp_rank*tp_size + tp_size-1", ShardPort(s.Port, s.DPRank, s.TPSize, s.TPSize-1), false))
 	} else if len(s.Shards) != s.TPSize {
 		errs = append(errs, fmt.Errorf("%w: shards lists %d endpoints but tp_size is %d; give one per TP rank", ErrInvalid, len(s.Shards), s.TPSize))
@@ -353,9 +354,9 @@ func (s Scheduler) Validate() error {
 // Validate checks every field.
 func (r Runtime) Validate() error {
 	return first(
-		rangeInt("gomaxprocs", r.GOMAXPROCS, 1, 1024),
-		oneOf("log_level", r.LogLevel, []string{"debug", "info", "warn", "error"}),
-		port("metrics_port", r.MetricsPort, true),
+		inRange("gomaxprocs", r.GOMAXPROCS),
+		oneOf("log_level", r.LogLevel, LogLevels),
+		inRange("metrics_port", r.MetricsPort),
 		host("metrics_ip", r.MetricsIP),
 	)
 }
@@ -416,6 +417,14 @@ func host(key, v string) error {
 	return nil
 }
 
+// optionalHost checks a host setting whose empty value means "derive it".
+func optionalHost(key, v string) error {
+	if v == "" {
+		return nil
+	}
+	return host(key, v)
+}
+
 // hostPort checks an optional "host:port" listen address.
 func hostPort(key, v string) error {
 	if v == "" {
@@ -463,30 +472,9 @@ func port(key string, v int, zeroOK bool) error {
 	return nil
 }
 
-func atLeast(key string, v, lo int) error {
-	if v < lo {
-		return fmt.Errorf("%w: %s = %d; want at least %d", ErrInvalid, key, v, lo)
-	}
-	return nil
-}
-
 func rangeInt(key string, v, lo, hi int) error {
 	if v < lo || v > hi {
 		return fmt.Errorf("%w: %s = %d; want a value in [%d, %d]", ErrInvalid, key, v, lo, hi)
-	}
-	return nil
-}
-
-func rangeInt64(key string, v, lo, hi int64) error {
-	if v < lo || v > hi {
-		return fmt.Errorf("%w: %s = %d; want a value in [%d, %d]", ErrInvalid, key, v, lo, hi)
-	}
-	return nil
-}
-
-func positive(key string, v float64) error {
-	if !(v > 0) || math.IsInf(v, 0) || v > 1e7 {
-		return fmt.Errorf("%w: %s = %v; want a positive number of seconds", ErrInvalid, key, v)
 	}
 	return nil
 }

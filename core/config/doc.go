@@ -15,4 +15,13 @@
 // misspelt timeout silently falling back to its default is the kind of
 // mistake an operator finds only under load. Every invalid value is an
 // error that names the key, the value and what is allowed.
+//
+// schema.go is the one source of truth for what each key means: its kind,
+// range, choices and help (specs), joined by Schema with the struct fields
+// and the Default* values. Validate draws its ranges from specs, and
+// schema_test.go proves each listed bound is the enforced one. The schema
+// is checked in as python/ecmooncake/settings.json (`go generate
+// ./core/config`), from which the Python package builds its own checks
+// and against which the README's settings tables are tested. Adding a
+// setting: the struct field, its specs entry, go generate, a README row.
 package config

@@ -36,7 +36,7 @@ func (g GPU) validate() error {
 	if g.StagingBytes == 0 {
 		return nil
 	}
-	return rangeInt("staging_bytes", g.StagingBytes, 1<<20, 1<<40)
+	return inRange("staging_bytes", g.StagingBytes)
 }
 
 // Routing chooses a producer's data plane per consumer shard.

@@ -37,7 +37,7 @@ COMMANDS: dict[str, Command] = {
         "throughput as a ratio to the TCP data plane alone over loopback, measured in the same run.",
     ),
     "ceiling": Command(
-        "ecmooncake.ceiling",
+        "ecmooncake.tools.ceiling",
         "measure the TCP ceiling the benchmarks divide by",
         "The TCP data plane alone (its own writer and receiver, no reservations; the ecm-ceiling command) from a "
         "sender process to receiver processes, each with its own GOMAXPROCS, over 1 to --conns connections, as "

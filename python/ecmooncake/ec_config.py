@@ -4,7 +4,9 @@ Everything is checked here, before any native object exists, so that a bad
 ``--ec-transfer-config`` stops ``vllm serve`` at startup with a message that
 names the key, the value given and what is allowed, instead of surfacing as
 a failure deep inside an engine process. The library checks its own inputs
-again; the two agree on names and defaults (see the README's table).
+again; the ranges, choices and defaults of its keys come from the
+library's schema (settings.json, generated from core/config), so the two
+agree by construction.
 
 This module imports neither vLLM nor torch: it reads the config object by
 attribute, so it works on any vLLM release that has these fields.
@@ -13,27 +15,35 @@ attribute, so it works on any vLLM release that has these fields.
 from __future__ import annotations
 
 import ipaddress
+import json
 import math
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-TRANSPORTS = ("tcp", "mooncake", "shm")
-LOG_LEVELS = ("debug", "info", "warn", "error")
+from . import schema
+
 BUFFER_DEVICES = ("cpu", "cuda")
 # The control plane's secret, for deployments that keep it off the command
 # line: read here, by Python, because the library reads no environment.
 SECRET_ENV = "ECMOONCAKE_SECRET"
-# The library refuses shorter secrets (they fall to offline guessing), and
-# ones of fewer distinct bytes (a repeated letter is long and guessable);
-# both bounds mirror core/config's, so a bad secret fails at config time.
-MIN_SECRET_LEN = 16
-MIN_SECRET_DISTINCT = 10
-SECRET_FIX = "head -c 32 /dev/urandom | base64 > FILE && chmod 600 FILE"
+# The ranges, choices and defaults of the library's own keys come from its
+# schema (core/config/schema.go, checked in as settings.json), so that a bad
+# value fails here, at config time, exactly where the library would refuse it.
+TRANSPORTS = tuple(schema.setting("producer", "transport")["choices"])
+LOG_LEVELS = tuple(schema.setting("runtime", "log_level")["choices"])
+# Shorter secrets fall to offline guessing; ones of fewer distinct bytes (a
+# repeated letter is long and guessable) too.
+MIN_SECRET_LEN = schema.secret_rules()["min_len"]
+MIN_SECRET_DISTINCT = schema.secret_rules()["min_distinct"]
+SECRET_FIX = schema.secret_rules()["fix"]
 # The slab must hold at least one item; below this it is a typo (a size in
 # MB or GB given as bytes), not a choice.
 MIN_BUFFER_BYTES = 1 << 20
+# Where the keys of ec_connector_extra_config go, as ExtraKey.targets names
+# them, and the schema object of each.
+TARGET_OBJECTS = {"producer": "producer", "consumer": "consumer", "scheduler": "scheduler", "process": "runtime"}
 
 
 class ConfigError(ValueError):
@@ -56,10 +66,13 @@ def _number(key: str, value: Any, allowed: str) -> float:
     return number
 
 
+MAX_SECONDS = schema.setting("consumer", "lease_s")["max"]
+
+
 def seconds(key: str, value: Any) -> float:
-    allowed = "a positive number of seconds, at most 1e7"
+    allowed = f"a positive number of seconds, at most {MAX_SECONDS:g}"
     number = _number(key, value, allowed)
-    if not 0 < number <= 1e7:
+    if not 0 < number <= MAX_SECONDS:
         raise _fail(key, value, allowed)
     return number
 
@@ -152,31 +165,56 @@ def _path(key: str, value: Any) -> str:
     return value
 
 
-def _transport(key: str, value: Any) -> str:
-    return one_of(key, value, TRANSPORTS)
+def _optional_host(key: str, value: Any) -> str:
+    return value if value == "" else host(key, value)
 
 
-def _log_level(key: str, value: Any) -> str:
-    return one_of(key, value, LOG_LEVELS)
+def _check_of(spec: dict[str, Any]) -> Callable[[str, Any], Any]:
+    """The check of one schema setting, by its kind."""
+    kind = spec["kind"]
+    if kind == "int":
+        return lambda k, v: integer(k, v, int(spec["min"]), int(spec["max"]))
+    if kind == "seconds":
+        return seconds
+    if kind == "enum":
+        choices = tuple(spec["choices"])
+        return lambda k, v: one_of(k, v, choices)
+    if kind == "host":
+        return _optional_host if spec["default"] == "" else host
+    checks = {"text": text, "path": _path, "secret": secret, "bool": flag}
+    if kind not in checks:
+        raise schema.SchemaError(f"setting {spec['key']!r} of kind {kind!r} cannot be set from vLLM")
+    return checks[kind]
 
 
-def _mooncake_text(meaning: str, default: str = "", targets: tuple[str, ...] = ("producer", "consumer")) -> ExtraKey:
-    """A Mooncake engine setting: text, sent only when set, so that the
-    engine's own default applies otherwise."""
-    return ExtraKey(default, text, targets, meaning, only_if_set=True)
+def _native(
+    key: str, targets: tuple[str, ...], meaning: str, only_if_set: bool = False
+) -> ExtraKey:
+    """A key the library takes: its check and default come from the schema
+    of the objects it goes to. Where those objects' defaults differ
+    (control_timeout_s), it is sent only when set, so that each applies its
+    own."""
+    specs = [schema.setting(TARGET_OBJECTS[t], key) for t in targets]
+    defaults = {json.dumps(s["default"]) for s in specs}
+    if len(defaults) != 1 and not only_if_set:
+        raise schema.SchemaError(f"{key} has different defaults on {', '.join(targets)}; send it only when set")
+    default = specs[0]["default"] if len(defaults) == 1 else None
+    return ExtraKey(default, _check_of(specs[0]), targets, meaning, only_if_set=only_if_set)
 
 
 # Where a consumer's slab lives when ec_buffer_device is cuda (see
 # buffer_memory below).
 BUFFER_MEMORY = ("auto", "device", "pinned_host")
 
+_BOTH = ("producer", "consumer")
 
 EXTRA_KEYS: dict[str, ExtraKey] = {
-    "transport": ExtraKey(
-        "tcp", _transport, ("producer", "consumer"),
+    "transport": _native(
+        "transport", _BOTH,
         "data plane: `tcp` (any two hosts, host memory), `mooncake` (RDMA, needs libtransfer_engine.so) "
         "or `shm` (encoder and PD on one host; PD needs ec_buffer_device cpu)",
     ),
+    # The one key of the connector alone: it picks how the slab is allocated.
     "buffer_memory": ExtraKey(
         "auto", lambda k, v: one_of(k, v, BUFFER_MEMORY), (),
         "consumer with ec_buffer_device `cuda`: `device` receives into GPU memory of the shard's device "
@@ -184,117 +222,126 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         "memory copied to the GPU at load; `auto` is `device`, except `pinned_host` with transport `mooncake` "
         "(Mooncake writes GPU memory only in a CUDA build of its engine)",
     ),
-    "push_wait_timeout_s": ExtraKey(
-        60.0, seconds, ("producer", "scheduler"),
+    "push_wait_timeout_s": _native(
+        "push_wait_timeout_s", ("producer", "scheduler"),
         "consumer: a request whose encoder output has not arrived by then fails (retryable); "
         "producer: how long a push waits for its encoder output and for its write",
     ),
-    "control_timeout_s": ExtraKey(
-        None, seconds, ("producer", "scheduler"),
+    "control_timeout_s": _native(
+        "control_timeout_s", ("producer", "scheduler"),
         "deadline of one control round trip: 30 on the producer, 5 for the consumer scheduler's background loop",
         only_if_set=True,
     ),
-    "load_timeout_s": ExtraKey(
-        30.0, seconds, ("scheduler",),
+    "load_timeout_s": _native(
+        "load_timeout_s", ("scheduler",),
         "a load handed to the workers that is not reported back by then fails the request (retryable)",
     ),
-    "lease_s": ExtraKey(
-        300.0, seconds, ("consumer",),
+    "lease_s": _native(
+        "lease_s", ("consumer",),
         "a reservation not completed, or an arrived item never loaded, is reclaimed after this",
     ),
-    "max_data_conns": ExtraKey(
-        256, lambda k, v: integer(k, v, 1, 1 << 16), ("consumer",),
+    "max_data_conns": _native(
+        "max_data_conns", ("consumer",),
         "data-plane connections each shard serves at once; at the cap an idle one makes room, else the new one is closed at once",
         only_if_set=True,
     ),
-    "data_idle_timeout_s": ExtraKey(
-        300.0, seconds, ("consumer",),
+    "data_idle_timeout_s": _native(
+        "data_idle_timeout_s", ("consumer",),
         "a data-plane connection with no frame in flight is closed after this",
         only_if_set=True,
     ),
-    "data_frame_timeout_s": ExtraKey(
-        30.0, seconds, ("consumer",),
+    "data_frame_timeout_s": _native(
+        "data_frame_timeout_s", ("consumer",),
         "one data-plane frame must arrive within this (at most lease_s); a stalled producer's region is reclaimed by its lease",
         only_if_set=True,
     ),
-    "tcp_conns": ExtraKey(
-        4, lambda k, v: integer(k, v, 1, 64), ("producer",),
+    "tcp_conns": _native(
+        "tcp_conns", ("producer",),
         "TCP connections from the producer to each consumer shard",
     ),
-    "tcp_chunk_bytes": ExtraKey(
-        8 << 20, lambda k, v: integer(k, v, 64 << 10, 1 << 30), ("producer",),
+    "tcp_chunk_bytes": _native(
+        "tcp_chunk_bytes", ("producer",),
         "large items are split into chunks of at most this many bytes, spread over the connections",
     ),
-    "data_port": ExtraKey(
-        0, lambda k, v: integer(k, v, 0, 65535), ("consumer",),
+    "data_port": _native(
+        "data_port", ("consumer",),
         "first TCP data-plane port; shard i listens at `data_port + dp_rank*tp_size + tp_rank` (0: any free port)",
     ),
-    "max_resident_bytes": ExtraKey(
-        0, lambda k, v: integer(k, v, 0, 1 << 50), ("consumer",),
+    "max_resident_bytes": _native(
+        "max_resident_bytes", ("consumer",),
         "bytes of each shard's slab kept as resident copies after the engine freed them (0: the slab is the cap)",
     ),
-    "host": ExtraKey(
-        "", lambda k, v: v if v == "" else host(k, v), ("producer", "consumer"),
+    "host": _native(
+        "host", _BOTH,
         "this machine's identity, used to pick a same-host transport (empty: the hostname)",
         only_if_set=True,
     ),
-    "gomaxprocs": ExtraKey(
-        2, lambda k, v: integer(k, v, 1, 1024), ("process",),
+    "gomaxprocs": _native(
+        "gomaxprocs", ("process",),
         "threads of the Go runtime in each vLLM process; small, so that it does not compete with PyTorch",
     ),
-    "log_level": ExtraKey(
-        "info", _log_level, ("process",),
+    "log_level": _native(
+        "log_level", ("process",),
         "the library's log level (to stderr)",
     ),
-    "metrics_port": ExtraKey(
-        0, lambda k, v: integer(k, v, 0, 65535), ("process",),
+    "metrics_port": _native(
+        "metrics_port", ("process",),
         "Prometheus `/metrics` of each vLLM process: the engine core at this port, "
         "TP shard i at `metrics_port + 1 + dp_rank*tp_size + tp_rank`, the encoder's worker at "
         "`metrics_port + 1` (0: off)",
         only_if_set=True,
     ),
-    "mooncake_library": _mooncake_text(
-        "path of `libtransfer_engine.so` (empty: the loader's search path)",
+    # Mooncake's settings are sent only when set, so that the engine's own
+    # default applies (and a build without Mooncake never sees them).
+    "mooncake_library": _native(
+        "mooncake_library", _BOTH,
+        "path of `libtransfer_engine.so` (empty: the loader's search path)", only_if_set=True,
     ),
-    "mooncake_protocol": _mooncake_text(
-        "Mooncake transport; both ends must name the same one", default="rdma",
+    "mooncake_protocol": _native(
+        "mooncake_protocol", _BOTH,
+        "Mooncake transport; both ends must name the same one", only_if_set=True,
     ),
-    "mooncake_metadata": _mooncake_text(
+    "mooncake_metadata": _native(
+        "mooncake_metadata", _BOTH,
         "`P2PHANDSHAKE` or `http://host:port/metadata` (empty: P2PHANDSHAKE, or the shard's own metadata server)",
+        only_if_set=True,
     ),
-    "mooncake_metadata_server": _mooncake_text(
-        "`host:port` at which a consumer shard serves a Mooncake metadata store", targets=("consumer",),
+    "mooncake_metadata_server": _native(
+        "mooncake_metadata_server", ("consumer",),
+        "`host:port` at which a consumer shard serves a Mooncake metadata store", only_if_set=True,
     ),
-    "mooncake_local_server_name": _mooncake_text(
-        "the engine's segment name in HTTP metadata mode (empty: host:port)",
+    "mooncake_local_server_name": _native(
+        "mooncake_local_server_name", _BOTH,
+        "the engine's segment name in HTTP metadata mode (empty: host:port)", only_if_set=True,
     ),
-    "mooncake_host": _mooncake_text(
-        "address peers reach the Mooncake engine at (empty: ec_ip on a consumer)",
+    "mooncake_host": _native(
+        "mooncake_host", _BOTH,
+        "address peers reach the Mooncake engine at (empty: ec_ip on a consumer)", only_if_set=True,
     ),
-    "auth_secret": ExtraKey(
-        "", secret, ("producer", "consumer", "scheduler"),
+    "auth_secret": _native(
+        "auth_secret", ("producer", "consumer", "scheduler"),
         "the deployment's secret: the control plane is authenticated and encrypted (CURVE) with keys derived "
         f"from it; prefer `{SECRET_ENV}` or `auth_secret_file` to keep it off the command line (empty: none)",
         only_if_set=True,
     ),
-    "auth_secret_file": ExtraKey(
-        "", _path, ("producer", "consumer", "scheduler"),
+    "auth_secret_file": _native(
+        "auth_secret_file", ("producer", "consumer", "scheduler"),
         "a file holding the secret (read by the library when each object opens; trailing line break ignored)",
         only_if_set=True,
     ),
-    "mooncake_metadata_open": ExtraKey(
-        None, flag, ("consumer",),
+    "mooncake_metadata_open": _native(
+        "mooncake_metadata_open", ("consumer",),
         "serve the shard's metadata store (`mooncake_metadata_server`) without a token; without one and "
         "without this the shard does not start (logged loudly)",
         only_if_set=True,
     ),
-    "allow_unauthenticated": ExtraKey(
-        None, flag, ("consumer",),
+    "allow_unauthenticated": _native(
+        "allow_unauthenticated", ("consumer",),
         "without a secret, a consumer bound beyond loopback serves loopback peers only; `true` serves anybody (logged loudly)",
         only_if_set=True,
     ),
-    "mooncake_staging_bytes": ExtraKey(
-        256 << 20, lambda k, v: integer(k, v, 1 << 20, 1 << 40), ("producer",),
+    "mooncake_staging_bytes": _native(
+        "mooncake_staging_bytes", ("producer",),
         "registered staging memory the producer copies encoder outputs into before an RDMA write",
         only_if_set=True,
     ),
@@ -490,7 +537,8 @@ def from_vllm_config(vllm_config: Any, topology: Topology | None = None) -> ECMo
                     f"got {size}; run more encoder instances instead of sharding one"
                 )
     ec_ip = host("ec_ip", getattr(ec, "ec_ip", "127.0.0.1"))
-    ec_port = integer("ec_port", getattr(ec, "ec_port", 14579), 1, 65535)
+    port = schema.setting("consumer", "ec_port")
+    ec_port = integer("ec_port", getattr(ec, "ec_port", port["default"]), int(port["min"]), int(port["max"]))
     highest = ec_port + topology.dp_rank * topology.tp_size + topology.tp_size - 1
     if is_consumer and highest > 65535:
         raise ConfigError(

@@ -1,5 +1,9 @@
 """Python objects that own the library's handles.
 
+Errors (errors.py), the memory handed over (buffers.py) and the settings
+read from the environment (environment.py) live in modules of their own and
+are re-exported here, where callers have always found them.
+
 Each class wraps one kind of native object: it opens the handle, turns every
 failed status into an :class:`EcmError` carrying the library's message, keeps
 alive the memory the library reads or writes, and closes the handle exactly
@@ -9,79 +13,34 @@ of what Go validates: a config dict goes through as it is.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import mmap
 import os
 import sys
-import weakref
 from ctypes import byref, c_char_p, c_int32, c_uint64, c_void_p
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from . import _ffi
-
-
-class EcmError(RuntimeError):
-    """A failed library call; ``code`` is the ECM_ERR_* status."""
-
-    code = _ffi.ECM_ERR_INTERNAL
-
-    def __init__(self, message: str, code: int | None = None):
-        super().__init__(message)
-        if code is not None:
-            self.code = code
-
-
-class EcmInvalid(EcmError, ValueError):
-    code = _ffi.ECM_ERR_INVALID
-
-
-class EcmHandleError(EcmError):
-    code = _ffi.ECM_ERR_HANDLE
-
-
-class EcmStateError(EcmError):
-    code = _ffi.ECM_ERR_STATE
-
-
-class EcmIOError(EcmError):
-    code = _ffi.ECM_ERR_IO
-
-
-class EcmTimeout(EcmError, TimeoutError):
-    code = _ffi.ECM_ERR_TIMEOUT
-
-
-class EcmInternal(EcmError):
-    code = _ffi.ECM_ERR_INTERNAL
-
-
-class EcmUnavailable(EcmError):
-    code = _ffi.ECM_ERR_UNAVAILABLE
-
-
-ERRORS: dict[int, type[EcmError]] = {
-    cls.code: cls
-    for cls in (
-        EcmInvalid,
-        EcmHandleError,
-        EcmStateError,
-        EcmIOError,
-        EcmTimeout,
-        EcmInternal,
-        EcmUnavailable,
-    )
-}
-
-
-def error_for(code: int, message: str) -> EcmError:
-    """The EcmError subclass for a status code (plain EcmError if unknown)."""
-    cls = ERRORS.get(code)
-    if cls is None:
-        return EcmError(message, code)
-    return cls(message)
+from .buffers import _is_tensor, buffer_of, memory_of, shared_slab  # noqa: F401  (re-exported)
+from .environment import (  # noqa: F401  (re-exported)
+    METADATA_TOKEN_ENV,
+    MOONCAKE_LIBRARY_ENV,
+    with_metadata_token,
+    with_mooncake_library,
+)
+from .errors import (  # noqa: F401  (re-exported)
+    ERRORS,
+    EcmError,
+    EcmHandleError,
+    EcmInternal,
+    EcmInvalid,
+    EcmIOError,
+    EcmStateError,
+    EcmTimeout,
+    EcmUnavailable,
+    error_for,
+)
 
 
 def _encode(value: Any, what: str) -> bytes:
@@ -128,155 +87,12 @@ def _call(name: str, *args: Any, out: bool = False) -> Any:
         raise EcmInternal(f"{name}: returned undecodable JSON: {exc}") from exc
 
 
-MOONCAKE_LIBRARY_ENV = "ECMOONCAKE_MOONCAKE_LIBRARY"
-
-
-def with_mooncake_library(config: Any) -> Any:
-    """Fills ``mooncake_library`` from $ECMOONCAKE_MOONCAKE_LIBRARY.
-
-    Only for an object whose ``transport`` is ``"mooncake"`` and whose
-    settings leave the key out. Go reads no environment variables (it sees
-    only the environment the process started with), so Python passes the
-    path down as a setting. Anything else is returned unchanged.
-    """
-    return _fill_from_env(
-        config, MOONCAKE_LIBRARY_ENV, "mooncake_library", lambda c: c.get("transport") == "mooncake"
-    )
-
-
-def _fill_from_env(config: Any, env: str, key: str, applies: Callable[[dict], Any]) -> Any:
-    """config with key set from $env, where applies(config) and the key is
-    not given; a config that does not parse is left for the library to
-    report."""
-    value = os.environ.get(env)
-    if not value:
-        return config
-    parsed = config
-    if isinstance(config, (str, bytes)):
-        try:
-            parsed = json.loads(config)
-        except ValueError:
-            return config
-    if not isinstance(parsed, dict) or not applies(parsed) or key in parsed:
-        return config
-    return {**parsed, key: value}
-
-
-METADATA_TOKEN_ENV = "MC_METADATA_HTTP_TOKEN"
-
-
-def with_metadata_token(config: Any) -> Any:
-    """Fills ``mooncake_metadata_token`` from $MC_METADATA_HTTP_TOKEN.
-
-    Only for a consumer that serves a metadata store
-    (``mooncake_metadata_server``) and leaves the key out: Mooncake's
-    engines read the same variable and send it with every metadata request,
-    so the store it serves then refuses everyone else. Go reads no
-    environment variables, so Python passes it down. Anything else is
-    returned unchanged.
-    """
-    return _fill_from_env(
-        config, METADATA_TOKEN_ENV, "mooncake_metadata_token", lambda c: c.get("mooncake_metadata_server")
-    )
-
-
 def configure(**settings: Any) -> None:
     """Process-wide settings, e.g. ``configure(gomaxprocs=2, log_level="warn")``.
 
     Call before opening objects; later calls change only the log level.
     """
     _call("ecm_configure", _encode(settings, "settings"))
-
-
-def buffer_of(obj: Any, writable: bool = False) -> tuple[int, int]:
-    """(data pointer, nbytes) of a C-contiguous numpy array or CPU torch tensor.
-
-    The caller keeps ``obj`` alive for as long as the library may touch it.
-    """
-    if isinstance(obj, np.ndarray):
-        if not obj.flags.c_contiguous:
-            raise EcmInvalid(
-                f"array of shape {obj.shape} is not C-contiguous; "
-                "pass np.ascontiguousarray(a)"
-            )
-        if writable and not obj.flags.writeable:
-            raise EcmInvalid("array is read-only; the library must write into it")
-        return int(obj.ctypes.data), int(obj.nbytes)
-    if _is_tensor(obj):
-        if obj.device.type != "cpu":
-            raise EcmInvalid(
-                f"tensor is on {obj.device}; only CPU memory can be passed here"
-            )
-        if not obj.is_contiguous():
-            raise EcmInvalid(
-                f"tensor of shape {tuple(obj.shape)} is not contiguous; "
-                "pass t.contiguous()"
-            )
-        return int(obj.data_ptr()), int(obj.numel() * obj.element_size())
-    raise EcmInvalid(
-        f"expected a numpy array or a CPU torch tensor, got {type(obj).__name__}"
-    )
-
-
-def memory_of(obj: Any, writable: bool = False) -> tuple[int, int, int]:
-    """(data pointer, nbytes, device) of a C-contiguous numpy array or a
-    contiguous torch tensor in host or CUDA memory.
-
-    device is -1 for host memory, else the CUDA device ordinal; the calls
-    that take memory with a device (a Consumer's slab, Producer.sources)
-    accept both. The caller keeps ``obj`` alive for as long as the library
-    may touch it.
-    """
-    if _is_tensor(obj) and obj.device.type == "cuda":
-        if not obj.is_contiguous():
-            raise EcmInvalid(
-                f"tensor of shape {tuple(obj.shape)} is not contiguous; "
-                "pass t.contiguous()"
-            )
-        index = getattr(obj.device, "index", None)
-        return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), int(index or 0)
-    if _is_tensor(obj) and obj.device.type != "cpu":
-        raise EcmInvalid(f"tensor is on {obj.device}; the library takes host or CUDA memory")
-    ptr, nbytes = buffer_of(obj, writable)
-    return ptr, nbytes, -1
-
-
-def shared_slab(nbytes: int) -> tuple[np.ndarray, int]:
-    """A receive slab in shared memory, for a Consumer on the ``shm`` transport.
-
-    Returns ``(array, fd)``: a writable uint8 array of ``nbytes`` bytes,
-    mapped shared from a new memfd, and that memfd's descriptor, to pass as
-    ``"slab_fd"`` in the consumer's config. The shard hands the descriptor
-    to producers on this host over a Unix socket (never a path), so there
-    is no file in /dev/shm and nothing is left behind when the process is
-    killed. Every page is allocated now, so that running out of memory
-    fails here, and the memfd is sealed against shrinking, so that no
-    producer's copy can meet a truncated slab. The descriptor is closed
-    once the array (and every view of it) is gone; the memory is freed
-    when the last mapping of it, in any process, goes.
-    """
-    nbytes = int(nbytes)
-    if nbytes <= 0:
-        raise EcmInvalid(f"shared_slab: nbytes = {nbytes}; want a positive size")
-    try:
-        fd = os.memfd_create("ecmooncake-slab", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    except OSError as exc:
-        raise EcmIOError(f"shared_slab: cannot create a memfd: {exc}") from exc
-    try:
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as exc:
-            raise EcmIOError(
-                f"shared_slab: cannot allocate {nbytes} bytes of shared memory: {exc}; "
-                "see `free -b` and the memory limit of this process's cgroup"
-            ) from exc
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        os.close(fd)
-        raise
-    weakref.finalize(mapped, os.close, fd)
-    return np.frombuffer(mapped, dtype=np.uint8), fd
 
 
 def gpu_info() -> dict:
@@ -307,13 +123,6 @@ def _stream_handle(stream: Any, tensor: Any) -> int:
     if isinstance(stream, int):
         return stream
     return int(stream.cuda_stream)
-
-
-def _is_tensor(obj: Any) -> bool:
-    # torch is optional and heavy: a tensor can exist only if torch is
-    # already imported, so look it up instead of importing it.
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 class _Region:

@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from conftest import REPO, subprocess_env
-from ecmooncake import ceiling
-from ecmooncake.ceiling import AFTER, BEFORE, Ceiling, TCPCeiling
+from ecmooncake.tools import ceiling
+from ecmooncake.tools.ceiling import AFTER, BEFORE, Ceiling, TCPCeiling
 
 
 def test_the_higher_of_before_and_after_is_kept():

@@ -155,6 +155,8 @@ def test_settings_reach_the_objects_that_take_them(model_dir):
 
 def shown(default) -> str:
     """A default as the README's table writes it."""
+    if isinstance(default, bool):
+        return f"`{str(default).lower()}`"
     if isinstance(default, float):
         return f"{default:g}"
     if isinstance(default, str):

@@ -21,7 +21,8 @@ from conftest import PYTHON_DIR, subprocess_env
 PACKAGE = "ecmooncake"
 # The library: what vLLM and users import. It must not reach the tools.
 LIBRARY = {"ecmooncake", "ecmooncake._ffi", "ecmooncake.native", "ecmooncake.ec_config", "ecmooncake.plugin",
-           "ecmooncake.tokens", "ecmooncake.proxy", "ecmooncake.ceiling"}
+           "ecmooncake.tokens", "ecmooncake.proxy", "ecmooncake.schema",
+           "ecmooncake.errors", "ecmooncake.buffers", "ecmooncake.environment"}
 
 
 def modules(root: Path) -> dict[str, Path]:

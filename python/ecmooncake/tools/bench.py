@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import ceiling as ceilings
+from . import ceiling as ceilings
 from ..native import configure
 from . import harness
 from .harness import Worker

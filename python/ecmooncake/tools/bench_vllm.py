@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import ceiling as ceilings
+from . import ceiling as ceilings
 from .harness import free_port_range, percentile
 from .report import GB, MiB, add_ceiling_arguments, add_output_arguments, ceiling_settings, plot_ready, report, summary_text
 from .worker import Worker

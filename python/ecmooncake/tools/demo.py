@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import ceiling as ceilings
+from . import ceiling as ceilings
 from ..native import Scheduler, configure
 from . import harness
 from .harness import Worker, await_available, percentile

@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any
 
-from .. import ceiling as ceilings
+from . import ceiling as ceilings
 from ..native import Consumer, Producer, Scheduler, configure
 from . import harness
 from .harness import ConsumerHost, ProducerHost, Worker, await_available

@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Callable
 
-from .. import ceiling as ceilings
+from . import ceiling as ceilings
 from ..native import EcmError
 from .worker import WorkerError
 

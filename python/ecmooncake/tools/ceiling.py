@@ -187,7 +187,7 @@ def ceiling_command() -> Path:
     """The ecm-ceiling executable: $ECMOONCAKE_CEILING, else the one beside
     the library that would be loaded ($ECMOONCAKE_LIBRARY, then the package
     directory)."""
-    from . import _ffi
+    from .. import _ffi
 
     paths = [Path(os.environ[CEILING_ENV])] if os.environ.get(CEILING_ENV) else []
     paths += [lib.parent / CEILING_COMMAND for lib in _ffi.candidates()]

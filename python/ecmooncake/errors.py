@@ -1,0 +1,66 @@
+"""The exceptions a failed library call raises, one per ECM_ERR_* status."""
+
+from __future__ import annotations
+
+from . import _ffi
+
+
+class EcmError(RuntimeError):
+    """A failed library call; ``code`` is the ECM_ERR_* status."""
+
+    code = _ffi.ECM_ERR_INTERNAL
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class EcmInvalid(EcmError, ValueError):
+    code = _ffi.ECM_ERR_INVALID
+
+
+class EcmHandleError(EcmError):
+    code = _ffi.ECM_ERR_HANDLE
+
+
+class EcmStateError(EcmError):
+    code = _ffi.ECM_ERR_STATE
+
+
+class EcmIOError(EcmError):
+    code = _ffi.ECM_ERR_IO
+
+
+class EcmTimeout(EcmError, TimeoutError):
+    code = _ffi.ECM_ERR_TIMEOUT
+
+
+class EcmInternal(EcmError):
+    code = _ffi.ECM_ERR_INTERNAL
+
+
+class EcmUnavailable(EcmError):
+    code = _ffi.ECM_ERR_UNAVAILABLE
+
+
+ERRORS: dict[int, type[EcmError]] = {
+    cls.code: cls
+    for cls in (
+        EcmInvalid,
+        EcmHandleError,
+        EcmStateError,
+        EcmIOError,
+        EcmTimeout,
+        EcmInternal,
+        EcmUnavailable,
+    )
+}
+
+
+def error_for(code: int, message: str) -> EcmError:
+    """The EcmError subclass for a status code (plain EcmError if unknown)."""
+    cls = ERRORS.get(code)
+    if cls is None:
+        return EcmError(message, code)
+    return cls(message)
