@@ -22,7 +22,7 @@
 //
 // # Consumer side
 //
-//	tr := transport.NewTCP(transport.TCPConfig{Logger: log})
+//	tr := tcp.NewTCP(tcp.TCPConfig{Logger: log})
 //	recv, err := tr.Listen("10.0.0.5:0", shardSink) // publish recv.Addr() on the control plane
 //	...
 //	defer recv.Close() // after Close returns the sink is never called again

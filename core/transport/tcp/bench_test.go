@@ -1,7 +1,8 @@
-package transport
+package tcp
 
 import (
 	"context"
+	"github.com/ecmooncake/ecmooncake/core/transport"
 	"math"
 	"syscall"
 	"testing"
@@ -23,7 +24,7 @@ func BenchmarkTCPWrite32MB(b *testing.B) {
 	r := listen(b, tr, "127.0.0.1:0", sink)
 	w := newWriter(b, tr)
 	res, tok := sink.reserve(b, size)
-	items := []WriteItem{{Res: res, Token: tok, Src: randBytes(1, size)}}
+	items := []transport.WriteItem{{Res: res, Token: tok, Src: randBytes(1, size)}}
 	ctx := context.Background()
 
 	streams := []int{tr.cfg.Conns, 1, 2}
@@ -83,10 +84,10 @@ func BenchmarkTCPWrite256x64KiB(b *testing.B) {
 	sink := newMemSink(n * size)
 	r := listen(b, tr, "127.0.0.1:0", sink)
 	w := newWriter(b, tr)
-	items := make([]WriteItem, n)
+	items := make([]transport.WriteItem, n)
 	for i := range items {
 		res, tok := sink.reserve(b, size)
-		items[i] = WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), size)}
+		items[i] = transport.WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), size)}
 	}
 	ctx := context.Background()
 	ceiling, cpuPerByte := 0.0, math.Inf(1)
