@@ -2,6 +2,7 @@ package tcp
 
 import (
 	"context"
+
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"math"
 	"syscall"
