@@ -68,6 +68,10 @@ type Consumer struct {
 	// mid-frame loses it and the region is reclaimed by its lease. Capped
 	// at lease_s (see DataFrameTimeout).
 	DataFrameTimeoutS float64 `json:"data_frame_timeout_s"`
+	// DataHandshakeTimeoutS is how long a new data-plane connection may
+	// take to prove itself; until then it holds a place among the unproven
+	// ones, so a peer that connects and stalls holds one no longer.
+	DataHandshakeTimeoutS float64 `json:"data_handshake_timeout_s"`
 	// Host identifies the machine; producers use it to choose a same-host
 	// transport. Empty means the hostname.
 	Host string `json:"host"`
@@ -130,6 +134,9 @@ func (c Consumer) DataIdleTimeout() time.Duration { return seconds(c.DataIdleTim
 func (c Consumer) DataFrameTimeout() time.Duration {
 	return min(seconds(c.DataFrameTimeoutS), c.Lease())
 }
+
+// DataHandshakeTimeout is data_handshake_timeout_s as a duration.
+func (c Consumer) DataHandshakeTimeout() time.Duration { return seconds(c.DataHandshakeTimeoutS) }
 
 // ShardPort is ec_port + dp_rank*tp_size + tp_rank.
 func ShardPort(base, dpRank, tpSize, tpRank int) int { return base + dpRank*tpSize + tpRank }
@@ -204,7 +211,8 @@ type Runtime struct {
 // DefaultConsumer returns the defaults a JSON document overrides.
 func DefaultConsumer() Consumer {
 	return Consumer{IP: "127.0.0.1", Port: 14579, TPSize: 1, Transport: "tcp", LeaseS: 300, SlabFD: -1,
-		MaxDataConns: 256, DataIdleTimeoutS: 300, DataFrameTimeoutS: 30, Mooncake: defaultMooncake()}
+		MaxDataConns: 256, DataIdleTimeoutS: 300, DataFrameTimeoutS: 30, DataHandshakeTimeoutS: 1,
+		Mooncake: defaultMooncake()}
 }
 
 // DefaultProducer returns the producer defaults.
@@ -264,6 +272,7 @@ func (c Consumer) Validate() error {
 		rangeInt("max_data_conns", c.MaxDataConns, 1, 1<<16),
 		positive("data_idle_timeout_s", c.DataIdleTimeoutS),
 		positive("data_frame_timeout_s", c.DataFrameTimeoutS),
+		secondsUpTo("data_handshake_timeout_s", c.DataHandshakeTimeoutS, maxHandshakeS),
 		slabFD(c.Transport, c.SlabFD, c.SlabPath),
 		c.Mooncake.validate(),
 		hostPort("mooncake_metadata_server", c.MooncakeMetadataServer),
@@ -480,6 +489,17 @@ func rangeInt(key string, v, lo, hi int) error {
 func rangeInt64(key string, v, lo, hi int64) error {
 	if v < lo || v > hi {
 		return fmt.Errorf("%w: %s = %d; want a value in [%d, %d]", ErrInvalid, key, v, lo, hi)
+	}
+	return nil
+}
+
+// maxHandshakeS caps data_handshake_timeout_s: a longer deadline gives a
+// peer that connects and stalls that much longer on a place.
+const maxHandshakeS = 60
+
+func secondsUpTo(key string, v, hi float64) error {
+	if !(v > 0 && v <= hi) {
+		return fmt.Errorf("%w: %s = %v; want seconds in (0, %v]", ErrInvalid, key, v, hi)
 	}
 	return nil
 }

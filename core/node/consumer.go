@@ -137,7 +137,7 @@ func consumerNetwork(cfg config.Consumer, opt Options) (transport.Transport, err
 		}
 		return tcp.NewTCP(tcp.TCPConfig{
 			MaxConns: cfg.MaxDataConns, IdleTimeout: cfg.DataIdleTimeout(), FrameTimeout: cfg.DataFrameTimeout(),
-			Secret: tcp.Secret(secret), Logger: log,
+			HandshakeTimeout: cfg.DataHandshakeTimeout(), Secret: tcp.Secret(secret), Logger: log,
 		}), nil
 	}
 	return nil, unknownTransport(cfg.Transport)

@@ -64,6 +64,14 @@ def seconds(key: str, value: Any) -> float:
     return number
 
 
+def seconds_up_to(key: str, value: Any, high: float) -> float:
+    allowed = f"seconds in (0, {high:g}]"
+    number = _number(key, value, allowed)
+    if not 0 < number <= high:
+        raise _fail(key, value, allowed)
+    return number
+
+
 def integer(key: str, value: Any, low: int, high: int) -> int:
     allowed = f"an integer in [{low}, {high}]"
     number = _number(key, value, allowed)
@@ -215,6 +223,11 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
     "data_frame_timeout_s": ExtraKey(
         30.0, seconds, ("consumer",),
         "one data-plane frame must arrive within this (at most lease_s); a stalled producer's region is reclaimed by its lease",
+        only_if_set=True,
+    ),
+    "data_handshake_timeout_s": ExtraKey(
+        1.0, lambda k, v: seconds_up_to(k, v, 60.0), ("consumer",),
+        "a new data-plane connection must prove itself within this (at most 60); until then it holds a place among the unproven ones",
         only_if_set=True,
     ),
     "tcp_conns": ExtraKey(

@@ -108,6 +108,9 @@ func NewTCP(cfg TCPConfig) *TCP {
 	return &TCP{cfg: cfg}
 }
 
+// Config is the settings t runs with, defaults applied.
+func (t *TCP) Config() TCPConfig { return t.cfg }
+
 // Name implements Transport.
 func (t *TCP) Name() string { return "tcp" }
 
