@@ -15,8 +15,10 @@
 //   - node assembles a shard, a producer or a scheduler from its settings
 //     (config): data planes per peer, staging, routes, metadata, metrics.
 //   - control (ZeroMQ sockets) and wire (messages and codec) are the
-//     control plane; transport and its subpackages (tcp, shm, cuda_ipc,
-//     mooncake, staged, route) the data planes; cuda and gpu the GPUs.
+//     control plane; transport holds what every data plane shares (the
+//     interfaces, errors, stats, the in-memory fake) and each plane has a
+//     folder of its own below it (tcp, shm, cudaipc, mooncake), with
+//     staged and route composing them; cuda and gpu are the GPUs.
 //   - metadata serves Mooncake's metadata store, metrics the counters;
 //     ids are the identities and tokens that every plane checks.
 //

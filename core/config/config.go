@@ -67,6 +67,10 @@ type Consumer struct {
 	// mid-frame loses it and the region is reclaimed by its lease. Capped
 	// at lease_s (see DataFrameTimeout).
 	DataFrameTimeoutS float64 `json:"data_frame_timeout_s"`
+	// DataHandshakeTimeoutS is how long a new data-plane connection may
+	// take to prove itself; until then it holds a place among the unproven
+	// ones, so a peer that connects and stalls holds one no longer.
+	DataHandshakeTimeoutS float64 `json:"data_handshake_timeout_s"`
 	// Host identifies the machine; producers use it to choose a same-host
 	// transport. Empty means the hostname.
 	Host string `json:"host"`
@@ -129,6 +133,9 @@ func (c Consumer) DataIdleTimeout() time.Duration { return seconds(c.DataIdleTim
 func (c Consumer) DataFrameTimeout() time.Duration {
 	return min(seconds(c.DataFrameTimeoutS), c.Lease())
 }
+
+// DataHandshakeTimeout is data_handshake_timeout_s as a duration.
+func (c Consumer) DataHandshakeTimeout() time.Duration { return seconds(c.DataHandshakeTimeoutS) }
 
 // ShardPort is ec_port + dp_rank*tp_size + tp_rank.
 func ShardPort(base, dpRank, tpSize, tpRank int) int { return base + dpRank*tpSize + tpRank }
@@ -203,7 +210,8 @@ type Runtime struct {
 // DefaultConsumer returns the defaults a JSON document overrides.
 func DefaultConsumer() Consumer {
 	return Consumer{IP: "127.0.0.1", Port: 14579, TPSize: 1, Transport: "tcp", LeaseS: 300, SlabFD: -1,
-		MaxDataConns: 256, DataIdleTimeoutS: 300, DataFrameTimeoutS: 30, Mooncake: defaultMooncake()}
+		MaxDataConns: 256, DataIdleTimeoutS: 300, DataFrameTimeoutS: 30, DataHandshakeTimeoutS: 1,
+		Mooncake: defaultMooncake()}
 }
 
 // DefaultProducer returns the producer defaults.
@@ -266,6 +274,7 @@ func (c Consumer) Validate() error {
 		positive("data_frame_timeout_s", c.DataFrameTimeoutS),
 		optionalHost("host", c.Host),
 		inRange("max_resident_bytes", c.MaxResidentBytes),
+		secondsIn("data_handshake_timeout_s", c.DataHandshakeTimeoutS),
 		slabFD(c.Transport, c.SlabFD, c.SlabPath),
 		c.Mooncake.validate(),
 		hostPort("mooncake_metadata_server", c.MooncakeMetadataServer),

@@ -59,6 +59,8 @@ func TestDecodeErrorsNameKeyValueAndAllowed(t *testing.T) {
 		{"max_data_conns zero", consumer, `{"max_data_conns": 0}`, []string{"max_data_conns = 0", "[1, 65536]"}},
 		{"data_idle_timeout_s negative", consumer, `{"data_idle_timeout_s": -1}`, []string{"data_idle_timeout_s", "positive"}},
 		{"data_frame_timeout_s zero", consumer, `{"data_frame_timeout_s": 0}`, []string{"data_frame_timeout_s", "positive"}},
+		{"data_handshake_timeout_s zero", consumer, `{"data_handshake_timeout_s": 0}`, []string{"data_handshake_timeout_s = 0", "(0, 60]"}},
+		{"data_handshake_timeout_s long", consumer, `{"data_handshake_timeout_s": 61}`, []string{"data_handshake_timeout_s = 61", "(0, 60]"}},
 		{"slab_fd without shm", consumer, `{"slab_fd": 3}`, []string{"slab_fd is set", `"tcp"`}},
 		{"short secret", consumer, `{"auth_secret": "hunter2"}`, []string{"auth_secret holds 7 bytes", "at least 16"}},
 		{"secret and file", producer, `{"auth_secret": "0123456789abcdef", "auth_secret_file": "/s"}`, []string{"both set"}},
@@ -84,6 +86,10 @@ func TestDataPlaneBounds(t *testing.T) {
 	require.Equal(t, 256, c.MaxDataConns)
 	require.Equal(t, 5*time.Minute, c.DataIdleTimeout())
 	require.Equal(t, 30*time.Second, c.DataFrameTimeout())
+	require.Equal(t, time.Second, c.DataHandshakeTimeout())
+	c, err = DecodeConsumer([]byte(`{"data_handshake_timeout_s": 0.25}`))
+	require.NoError(t, err)
+	require.Equal(t, 250*time.Millisecond, c.DataHandshakeTimeout())
 	c, err = DecodeConsumer([]byte(`{"lease_s": 2, "data_frame_timeout_s": 10}`))
 	require.NoError(t, err)
 	require.Equal(t, 2*time.Second, c.DataFrameTimeout(), "a stalled frame cannot outlast the lease")

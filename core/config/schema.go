@@ -106,17 +106,20 @@ var portRange = ints(0, 65535)
 // of every object has an entry. A new setting needs a struct field, an
 // entry here, `go generate ./core/config` and a README row.
 var specs = map[string]spec{
-	"ec_ip":                      {kind: KindHost, help: "address the consumer's shards bind and the scheduler reaches them at"},
-	"ec_port":                    ints(1, 65535).with("base port; shard i's control server listens at ec_port + dp_rank*tp_size + tp_rank"),
-	"tp_rank":                    {kind: KindInt, min: bound(0), help: "this shard's TP rank, below tp_size"},
-	"tp_size":                    {kind: KindInt, min: bound(1), help: "TP shards of the consumer instance"},
-	"dp_rank":                    {kind: KindInt, min: bound(0), help: "DP rank of the consumer instance"},
-	"transport":                  {kind: KindEnum, choices: Transports, help: "data plane: tcp, mooncake or shm"},
-	"data_port":                  portRange.with("first TCP data-plane port (0: any free port)"),
-	"lease_s":                    {kind: KindSeconds, help: "a reservation not completed, or a ready item never loaded, is reclaimed after this"},
-	"max_data_conns":             ints(1, 1<<16).with("data-plane connections a shard serves at once; at the cap an idle one makes room"),
-	"data_idle_timeout_s":        {kind: KindSeconds, help: "a data-plane connection with no frame in flight is closed after this"},
-	"data_frame_timeout_s":       {kind: KindSeconds, help: "one data-plane frame must arrive within this (at most lease_s)"},
+	"ec_ip":                {kind: KindHost, help: "address the consumer's shards bind and the scheduler reaches them at"},
+	"ec_port":              ints(1, 65535).with("base port; shard i's control server listens at ec_port + dp_rank*tp_size + tp_rank"),
+	"tp_rank":              {kind: KindInt, min: bound(0), help: "this shard's TP rank, below tp_size"},
+	"tp_size":              {kind: KindInt, min: bound(1), help: "TP shards of the consumer instance"},
+	"dp_rank":              {kind: KindInt, min: bound(0), help: "DP rank of the consumer instance"},
+	"transport":            {kind: KindEnum, choices: Transports, help: "data plane: tcp, mooncake or shm"},
+	"data_port":            portRange.with("first TCP data-plane port (0: any free port)"),
+	"lease_s":              {kind: KindSeconds, help: "a reservation not completed, or a ready item never loaded, is reclaimed after this"},
+	"max_data_conns":       ints(1, 1<<16).with("data-plane connections a shard serves at once; at the cap an idle one makes room"),
+	"data_idle_timeout_s":  {kind: KindSeconds, help: "a data-plane connection with no frame in flight is closed after this"},
+	"data_frame_timeout_s": {kind: KindSeconds, help: "one data-plane frame must arrive within this (at most lease_s)"},
+	// A longer deadline gives a peer that connects and stalls that much
+	// longer on a place among the unproven connections.
+	"data_handshake_timeout_s":   {kind: KindSeconds, max: bound(60), help: "a new data-plane connection must prove itself within this; until then it holds a place among the unproven ones"},
 	"host":                       {kind: KindHost, help: "this machine's identity, to pick a same-host transport (empty: the hostname)"},
 	"max_resident_bytes":         ints(0, 1<<50).with("bytes of a shard's slab kept as resident copies after the engine freed them (0: the slab is the cap)"),
 	"slab_fd":                    {kind: KindInt, help: "with shm: the descriptor of the sealed memfd the slab is mapped from (-1: none)"},
@@ -154,7 +157,10 @@ func init() {
 	specs["staging_bytes"] = s
 	for k, s := range specs {
 		if s.kind == KindSeconds {
-			s.min, s.max = bound(0), bound(MaxSeconds)
+			s.min = bound(0)
+			if s.max == nil {
+				s.max = bound(MaxSeconds)
+			}
 			specs[k] = s
 		}
 	}
@@ -250,6 +256,19 @@ func inRange[T int | int64 | uint64](key string, v T) error {
 		return fmt.Errorf("%w: %s = %d; want at least %.0f", ErrInvalid, key, v, *s.min)
 	case s.max != nil && f > *s.max:
 		return fmt.Errorf("%w: %s = %d; want at most %.0f", ErrInvalid, key, v, *s.max)
+	}
+	return nil
+}
+
+// secondsIn checks a duration against its spec: (0, max], where max is
+// MaxSeconds unless the spec names a lower one.
+func secondsIn(key string, v float64) error {
+	s, ok := specs[key]
+	if !ok || s.kind != KindSeconds {
+		return fmt.Errorf("%w: %s: no duration in the schema", ErrInvalid, key)
+	}
+	if !(v > 0) || v > *s.max {
+		return fmt.Errorf("%w: %s = %v; want seconds in (0, %g]", ErrInvalid, key, v, *s.max)
 	}
 	return nil
 }

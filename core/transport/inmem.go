@@ -117,10 +117,15 @@ type Inmem struct {
 	chunkSize int
 }
 
+// InmemChunkSize is the largest frame the fake cuts an item into: the TCP
+// plane's default, so that the fake splits items as the real plane does
+// (its conformance tests hold both to it).
+const InmemChunkSize = 8 << 20
+
 // NewInmem returns a transport on network that splits items into frames
-// of at most DefaultChunkSize bytes, like TCP.
+// of at most InmemChunkSize bytes, like TCP.
 func NewInmem(network *InmemNetwork) *Inmem {
-	return &Inmem{network: network, chunkSize: DefaultChunkSize}
+	return &Inmem{network: network, chunkSize: InmemChunkSize}
 }
 
 // Name implements Transport.
@@ -153,7 +158,7 @@ type inmemReceiver struct {
 	network *InmemNetwork
 	addr    string
 	sink    Sink
-	stats   recvCounters
+	stats   RecvCounters
 
 	// mu is held for reading while a frame is inside the sink, so that
 	// Close can wait for it.
@@ -162,7 +167,7 @@ type inmemReceiver struct {
 }
 
 func (r *inmemReceiver) Addr() string     { return r.addr }
-func (r *inmemReceiver) Stats() RecvStats { return r.stats.snapshot() }
+func (r *inmemReceiver) Stats() RecvStats { return r.stats.Snapshot() }
 
 func (r *inmemReceiver) Close() error {
 	r.network.mu.Lock()
@@ -178,18 +183,18 @@ func (r *inmemReceiver) Close() error {
 
 // deliver plays one frame into the sink; tear >= 0 breaks it after that
 // many bytes.
-func (r *inmemReceiver) deliver(it WriteItem, sp span, tear int) error {
+func (r *inmemReceiver) deliver(it WriteItem, sp Span, tear int) error {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
 	if r.closed {
 		return fmt.Errorf("%w: listener closed", ErrUnreachable)
 	}
-	dst, end, err := openFrame(r.sink, it.Res, it.Token, it.Off+uint64(sp.off), uint64(sp.end-sp.off))
+	dst, end, err := OpenFrame(r.sink, it.Res, it.Token, it.Off+uint64(sp.Off), uint64(sp.End-sp.Off))
 	if err != nil {
-		r.stats.reject(statusOf(err))
+		r.stats.Reject(statusOf(err))
 		return err
 	}
-	src := it.Src[sp.off:sp.end]
+	src := it.Src[sp.Off:sp.End]
 	if tear >= 0 && tear < len(src) {
 		copy(dst, src[:tear])
 		_ = end(false)
@@ -198,10 +203,10 @@ func (r *inmemReceiver) deliver(it WriteItem, sp span, tear int) error {
 	copy(dst, src)
 	if err := end(true); err != nil {
 		err = rejected(err)
-		r.stats.reject(statusOf(err))
+		r.stats.Reject(statusOf(err))
 		return err
 	}
-	r.stats.landed(uint64(len(src)))
+	r.stats.Landed(uint64(len(src)))
 	return nil
 }
 
@@ -215,21 +220,21 @@ type inmemWriter struct {
 // even after one fails, as with TCP, where they travel independently; the
 // item reports the first failure.
 func (w *inmemWriter) Write(ctx context.Context, dest string, items []WriteItem) []error {
-	if errs := refuseDevice("inmem", dest, items); errs != nil {
+	if errs := RefuseDevice("inmem", dest, items); errs != nil {
 		return errs
 	}
 	errs := make([]error, len(items))
 	for i, it := range items {
-		for _, sp := range split(len(it.Src), w.t.chunkSize) {
+		for _, sp := range Split(len(it.Src), w.t.chunkSize) {
 			if err := w.frame(ctx, dest, it, sp); err != nil && errs[i] == nil {
-				errs[i] = itemErr("inmem", dest, it.Res, sp.off, sp.end, err)
+				errs[i] = itemErr("inmem", dest, it.Res, sp.Off, sp.End, err)
 			}
 		}
 	}
 	return errs
 }
 
-func (w *inmemWriter) frame(ctx context.Context, dest string, it WriteItem, sp span) error {
+func (w *inmemWriter) frame(ctx context.Context, dest string, it WriteItem, sp Span) error {
 	if w.closed.Load() {
 		return ErrClosed
 	}

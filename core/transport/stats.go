@@ -1,17 +1,16 @@
 package transport
 
 import (
-	"log/slog"
-	"sync"
-	"time"
-
 	"go.uber.org/atomic"
+
+	"github.com/ecmooncake/ecmooncake/core/transport/internal/serve"
 )
 
-// recvCounters backs RecvStats for every receiver implementation.
-type recvCounters struct {
+// RecvCounters backs RecvStats for every receiver implementation. The
+// zero value is ready.
+type RecvCounters struct {
 	frames, bytes, badConns atomic.Uint64
-	rejected, closed        Counts
+	rejected, closed        serve.Counts
 }
 
 // Reasons a receiver closes a connection to protect itself, the keys of
@@ -27,16 +26,23 @@ const (
 	ClosedNotAdmitted      = "not_admitted"      // a bad or missing proof, or another protocol
 )
 
-func (c *recvCounters) close(reason string) { c.closed.Add(reason) }
+// Close counts a connection closed for reason, one of the Closed* keys.
+func (c *RecvCounters) Close(reason string) { c.closed.Add(reason) }
 
-func (c *recvCounters) landed(n uint64) {
+// Landed counts one frame of n bytes that reached the sink whole.
+func (c *RecvCounters) Landed(n uint64) {
 	c.frames.Add(1)
 	c.bytes.Add(n)
 }
 
-func (c *recvCounters) reject(s Status) { c.rejected.Add(s.String()) }
+// Reject counts one frame refused with s.
+func (c *RecvCounters) Reject(s Status) { c.rejected.Add(s.String()) }
 
-func (c *recvCounters) snapshot() RecvStats {
+// BadConn counts one connection closed for bytes that broke the protocol.
+func (c *RecvCounters) BadConn() { c.badConns.Add(1) }
+
+// Snapshot is the counts so far.
+func (c *RecvCounters) Snapshot() RecvStats {
 	return RecvStats{
 		Frames:   c.frames.Load(),
 		Bytes:    c.bytes.Load(),
@@ -44,32 +50,4 @@ func (c *recvCounters) snapshot() RecvStats {
 		BadConns: c.badConns.Load(),
 		Closed:   c.closed.Snapshot(),
 	}
-}
-
-// logEvery is the shortest gap between two log lines from one limiter.
-const logEvery = time.Second
-
-// logLimiter keeps a peer that sends garbage or stale frames in a loop from
-// flooding the log: one line per logEvery, carrying how many were dropped.
-type logLimiter struct {
-	mu      sync.Mutex
-	last    time.Time
-	dropped int
-}
-
-func (l *logLimiter) warn(log *slog.Logger, msg string, args ...any) {
-	l.mu.Lock()
-	now := time.Now()
-	if !l.last.IsZero() && now.Sub(l.last) < logEvery {
-		l.dropped++
-		l.mu.Unlock()
-		return
-	}
-	dropped := l.dropped
-	l.last, l.dropped = now, 0
-	l.mu.Unlock()
-	if dropped > 0 {
-		args = append(args, "suppressed", dropped)
-	}
-	log.Warn(msg, args...)
 }

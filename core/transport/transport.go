@@ -103,10 +103,7 @@ type Transport interface {
 	NewWriter() Writer
 }
 
-var (
-	_ Transport = (*TCP)(nil)
-	_ Transport = (*Inmem)(nil)
-)
+var _ Transport = (*Inmem)(nil)
 
 // Sentinel errors. Every refusal by a receiver wraps ErrRejected, and the
 // specific reasons wrap it too, so callers can test either.
@@ -231,10 +228,10 @@ func errOf(s Status) error {
 	return ErrRejected
 }
 
-// openFrame runs the checks every transport owes the sink and asks it for
+// OpenFrame runs the checks every transport owes the sink and asks it for
 // the destination bytes, and for the function that ends the frame (called
 // exactly once). The returned error always wraps ErrRejected.
-func openFrame(sink Sink, res ids.ResID, tok ids.Token, off, n uint64) ([]byte, func(ok bool) error, error) {
+func OpenFrame(sink Sink, res ids.ResID, tok ids.Token, off, n uint64) ([]byte, func(ok bool) error, error) {
 	if off+n < off {
 		return nil, nil, fmt.Errorf("offset %d + length %d overflows: %w", off, n, ErrOutOfBounds)
 	}
@@ -269,27 +266,27 @@ func rejected(err error) error {
 	return err
 }
 
-// span is one frame's share of an item.
-type span struct{ off, end int }
+// Span is one frame's share of an item.
+type Span struct{ Off, End int }
 
 // chunkAlign keeps chunk boundaries on large, page-friendly multiples.
 const chunkAlign = 64 << 10
 
-// split cuts an n-byte item into frames of at most chunk bytes, of nearly
+// Split cuts an n-byte item into frames of at most chunk bytes, of nearly
 // equal size so that the connections they are spread over finish together.
 // A zero-length item is one empty frame: the receiver still checks it.
-func split(n, chunk int) []span {
+func Split(n, chunk int) []Span {
 	if n <= chunk {
-		return []span{{0, n}}
+		return []Span{{0, n}}
 	}
 	k := (n + chunk - 1) / chunk
 	size := (n + k - 1) / k
 	if chunk%chunkAlign == 0 {
 		size = (size + chunkAlign - 1) / chunkAlign * chunkAlign
 	}
-	out := make([]span, 0, k)
+	out := make([]Span, 0, k)
 	for off := 0; off < n; off += size {
-		out = append(out, span{off, min(off+size, n)})
+		out = append(out, Span{off, min(off+size, n)})
 	}
 	return out
 }

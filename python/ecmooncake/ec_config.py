@@ -77,6 +77,14 @@ def seconds(key: str, value: Any) -> float:
     return number
 
 
+def seconds_up_to(key: str, value: Any, high: float) -> float:
+    allowed = f"seconds in (0, {high:g}]"
+    number = _number(key, value, allowed)
+    if not 0 < number <= high:
+        raise _fail(key, value, allowed)
+    return number
+
+
 def integer(key: str, value: Any, low: int, high: int) -> int:
     allowed = f"an integer in [{low}, {high}]"
     number = _number(key, value, allowed)
@@ -175,6 +183,8 @@ def _check_of(spec: dict[str, Any]) -> Callable[[str, Any], Any]:
     if kind == "int":
         return lambda k, v: integer(k, v, int(spec["min"]), int(spec["max"]))
     if kind == "seconds":
+        if float(spec["max"]) < MAX_SECONDS:
+            return lambda k, v: seconds_up_to(k, v, float(spec["max"]))
         return seconds
     if kind == "enum":
         choices = tuple(spec["choices"])
@@ -253,6 +263,11 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
     "data_frame_timeout_s": _native(
         "data_frame_timeout_s", ("consumer",),
         "one data-plane frame must arrive within this (at most lease_s); a stalled producer's region is reclaimed by its lease",
+        only_if_set=True,
+    ),
+    "data_handshake_timeout_s": _native(
+        "data_handshake_timeout_s", ("consumer",),
+        "a new data-plane connection must prove itself within this (at most 60); until then it holds a place among the unproven ones",
         only_if_set=True,
     ),
     "tcp_conns": _native(

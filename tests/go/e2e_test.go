@@ -13,6 +13,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
 	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/tcp"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
 
@@ -75,7 +76,7 @@ func TestTransferIDCollisionFailsOnlyThatRequest(t *testing.T) {
 // data plane keeps serving.
 func TestStaleAndForgedWritesRejected(t *testing.T) {
 	c := newCluster(t, clusterOpts{tp: 1})
-	w := transport.NewTCP(transport.TCPConfig{}).NewWriter()
+	w := tcp.NewTCP(tcp.TCPConfig{}).NewWriter()
 	defer w.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

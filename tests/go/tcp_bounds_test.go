@@ -16,6 +16,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/node"
 	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/tcp"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
 
@@ -58,7 +59,7 @@ func TestTCPStalledFrameIsReclaimed(t *testing.T) {
 	c, err := net.Dial("tcp", s.Info().Data)
 	require.NoError(t, err)
 	defer c.Close()
-	hdr := transport.AppendHeader(nil, transport.Header{Seq: 1, Res: ids.ResID(g.Res), Token: g.Token, Length: 64 << 10})
+	hdr := tcp.AppendHeader(nil, tcp.Header{Seq: 1, Res: ids.ResID(g.Res), Token: g.Token, Length: 64 << 10})
 	_, err = c.Write(append(hdr, make([]byte, 1000)...))
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return s.Stats().Table.WritesInFlight == 1 }, 10*time.Second, time.Millisecond,
@@ -92,7 +93,7 @@ func TestTCPIdleConnectionsDoNotLockOutAProducer(t *testing.T) {
 		idle = append(idle, c)
 	}
 	g := reserveOne(t, cl, "t-legit", 768<<10)
-	w := transport.NewTCP(transport.TCPConfig{Conns: 4, ChunkSize: 128 << 10, Logger: quietLog()}).NewWriter()
+	w := tcp.NewTCP(tcp.TCPConfig{Conns: 4, ChunkSize: 128 << 10, Logger: quietLog()}).NewWriter()
 	defer w.Close()
 	src := make([]byte, 768<<10)
 	for i := range src {

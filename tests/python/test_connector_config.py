@@ -48,6 +48,8 @@ def consumer(model_dir, **ec):
         ({"extra": {"push_wait_timeout_s": -1}}, ["push_wait_timeout_s", "-1", "positive number of seconds"]),
         ({"extra": {"load_timeout_s": "soon"}}, ["load_timeout_s", "'soon'", "positive number of seconds"]),
         ({"extra": {"tcp_conns": 0}}, ["tcp_conns", "0", "[1, 64]"]),
+        ({"extra": {"data_handshake_timeout_s": 0}}, ["data_handshake_timeout_s", "0", "(0, 60]"]),
+        ({"extra": {"data_handshake_timeout_s": 61}}, ["data_handshake_timeout_s", "61", "(0, 60]"]),
         ({"extra": {"tcp_conns": 2.5}}, ["tcp_conns", "2.5", "an integer"]),
         ({"extra": {"gomaxprocs": True}}, ["gomaxprocs", "True", "an integer"]),
         ({"extra": {"log_level": "loud"}}, ["log_level", "'loud'", "'debug', 'info', 'warn', 'error'"]),

@@ -14,6 +14,7 @@ import (
 	"go.uber.org/atomic"
 
 	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/internal/serve"
 )
 
 // receiver is a shard's exported slab and the socket that hands its
@@ -26,9 +27,9 @@ type receiver struct {
 	cfg   Config
 
 	requests, attached, badConns atomic.Uint64
-	rejected, closedBy           transport.Counts
+	rejected, closedBy           serve.Counts
 
-	conns     *transport.Conns[net.Conn]
+	conns     *serve.Conns[net.Conn]
 	closeOnce sync.Once
 }
 
@@ -47,10 +48,10 @@ func (t *Transport) listen(addr string) (*receiver, error) {
 		ln: ln, cfg: t.cfg,
 		hello: hello{Export: exp, Base: uint64(t.cfg.Slab.Addr), Size: t.cfg.Slab.Len, Ordinal: int32(t.cfg.SlabDevice.Ordinal())},
 		log:   t.cfg.Logger.With("transport", Name, "listen", ln.Addr().String()),
-		conns: transport.NewConns[net.Conn](t.cfg.MaxConns),
+		conns: serve.NewConns[net.Conn](t.cfg.MaxConns),
 	}
 	_, _ = rand.Read(r.hello.Nonce[:]) // crypto/rand never fails on Linux
-	r.conns.Go(transport.Acceptor[net.Conn]{
+	r.conns.Go(serve.Acceptor[net.Conn]{
 		Accept: r.ln.Accept,
 		Admit: func(c net.Conn) bool {
 			return r.conns.Admit(c, r.serve, func(c net.Conn) {
@@ -103,7 +104,7 @@ func (r *receiver) Close() error {
 func (r *receiver) serve(c net.Conn) {
 	defer func() {
 		if p := recover(); p != nil {
-			transport.LogPanic(r.log, p, "cudaipc: panic serving connection", "peer", c.RemoteAddr().String())
+			serve.LogPanic(r.log, p, "cudaipc: panic serving connection", "peer", c.RemoteAddr().String())
 		}
 	}()
 	_ = c.SetDeadline(time.Now().Add(r.cfg.DialTimeout))

@@ -7,7 +7,7 @@ import (
 	"io"
 
 	"github.com/ecmooncake/ecmooncake/core/gpu"
-	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/internal/serve"
 )
 
 // The shard's socket serves one exchange per producer connection, the
@@ -103,7 +103,7 @@ func checkHeader(h []byte, magic string) error {
 }
 
 func appendHelloReply(b []byte, rep helloReply) []byte {
-	msg := transport.ClipMsg(rep.msg, maxMsg)
+	msg := serve.ClipMsg(rep.msg, maxMsg)
 	b = append(b, replyMagic...)
 	b = append(b, wireVersion, opHello)
 	b = binary.LittleEndian.AppendUint16(b, rep.status)

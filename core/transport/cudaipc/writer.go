@@ -13,6 +13,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/internal/serve"
 )
 
 // writer is the producer side. Safe for concurrent use: writes to one
@@ -106,7 +107,7 @@ func (w *writer) Write(ctx context.Context, addr string, items []transport.Write
 	}
 	defer func() {
 		if r := recover(); r != nil {
-			transport.LogPanic(w.log, r, "cudaipc: panic in write", "dest", addr)
+			serve.LogPanic(w.log, r, "cudaipc: panic in write", "dest", addr)
 			errs = failAll(fmt.Errorf("%w: panic: %v", transport.ErrConnLost, r))
 		}
 	}()

@@ -17,6 +17,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/cudaipc"
 	"github.com/ecmooncake/ecmooncake/core/transport/staged"
+	"github.com/ecmooncake/ecmooncake/core/transport/tcp"
 	"github.com/ecmooncake/ecmooncake/core/transport/transporttest"
 )
 
@@ -108,7 +109,7 @@ func consumer(t *testing.T, host *gpu.FakeHost) (*transporttest.Regions, []byte,
 	mem := slab.DeviceMemory(addr, size, dev.Name())
 	regions := transporttest.NewDevice(size)
 	r := New(Config{
-		Network: staged.New(staged.Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: transporttest.Quiet()}), Slab: mem, SlabDevice: dev, Logger: transporttest.Quiet()}),
+		Network: staged.New(staged.Config{Inner: tcp.NewTCP(tcp.TCPConfig{Logger: transporttest.Quiet()}), Slab: mem, SlabDevice: dev, Logger: transporttest.Quiet()}),
 		Local:   cudaipc.New(cudaipc.Config{Slab: mem, SlabDevice: dev, Logger: transporttest.Quiet()}),
 		Host:    "h1", Logger: transporttest.Quiet(),
 	})
@@ -120,7 +121,7 @@ func consumer(t *testing.T, host *gpu.FakeHost) (*transporttest.Regions, []byte,
 
 func producer(host *gpu.FakeHost, name string) *Transport {
 	return New(Config{
-		Network: staged.New(staged.Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: transporttest.Quiet()}), Devices: host, Logger: transporttest.Quiet()}),
+		Network: staged.New(staged.Config{Inner: tcp.NewTCP(tcp.TCPConfig{Logger: transporttest.Quiet()}), Devices: host, Logger: transporttest.Quiet()}),
 		Local:   cudaipc.New(cudaipc.Config{Devices: host, Logger: transporttest.Quiet()}),
 		Host:    name, Logger: transporttest.Quiet(),
 	})
@@ -215,7 +216,7 @@ func TestTheOneSidedPlaneNamesRegionsBySlabAddress(t *testing.T) {
 	require.NotZero(t, direct.RemoteAddr(0))
 	require.Equal(t, direct.RemoteAddr(0)+4096, direct.RemoteAddr(4096), "a region's address is the slab's plus its offset")
 
-	tcpOnly, err := New(Config{Network: transport.NewTCP(transport.TCPConfig{Logger: transporttest.Quiet()}), Host: "h1", Logger: transporttest.Quiet()}).Listen("127.0.0.1:0", transporttest.NewHost(10))
+	tcpOnly, err := New(Config{Network: tcp.NewTCP(tcp.TCPConfig{Logger: transporttest.Quiet()}), Host: "h1", Logger: transporttest.Quiet()}).Listen("127.0.0.1:0", transporttest.NewHost(10))
 	require.NoError(t, err)
 	defer tcpOnly.Close()
 	_, ok = transport.DirectOf(tcpOnly)
@@ -226,7 +227,7 @@ type failingListen struct{ named }
 
 func TestLocalThatCannotListenIsLeftOut(t *testing.T) {
 	log := &lines{}
-	r := New(Config{Network: transport.NewTCP(transport.TCPConfig{Logger: transporttest.Quiet()}), Local: failingListen{"cuda_ipc"}, Host: "h1", Logger: slog.New(log)})
+	r := New(Config{Network: tcp.NewTCP(tcp.TCPConfig{Logger: transporttest.Quiet()}), Local: failingListen{"cuda_ipc"}, Host: "h1", Logger: slog.New(log)})
 	recv, err := r.Listen("127.0.0.1:0", transporttest.NewHost(10))
 	require.NoError(t, err)
 	defer recv.Close()
@@ -235,7 +236,7 @@ func TestLocalThatCannotListenIsLeftOut(t *testing.T) {
 }
 
 func TestUnknownSchemeFails(t *testing.T) {
-	r := New(Config{Network: transport.NewTCP(transport.TCPConfig{Logger: transporttest.Quiet()}), Host: "h1", Logger: transporttest.Quiet()})
+	r := New(Config{Network: tcp.NewTCP(tcp.TCPConfig{Logger: transporttest.Quiet()}), Host: "h1", Logger: transporttest.Quiet()})
 	w := r.NewWriter()
 	defer w.Close()
 	errs := w.Write(context.Background(), "cuda_ipc://127.0.0.1:1", []transport.WriteItem{{Res: 1, Src: []byte("x")}})

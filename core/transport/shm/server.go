@@ -13,6 +13,7 @@ import (
 	"go.uber.org/atomic"
 
 	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/internal/serve"
 )
 
 // handshakeTimeout bounds how long a connection may take to say hello and
@@ -41,16 +42,16 @@ type receiver struct {
 	once warnOnce
 
 	handed atomic.Uint64
-	closed transport.Counts
+	closed serve.Counts
 
-	conns *transport.Conns[*net.UnixConn]
+	conns *serve.Conns[*net.UnixConn]
 	stop  sync.Once
 }
 
 func newReceiver(p peer, fd int, ln *net.UnixListener, max int, log *slog.Logger) *receiver {
 	r := &receiver{p: p, fd: fd, ln: ln, log: log.With("socket", "@"+p.Socket),
-		conns: transport.NewConns[*net.UnixConn](max)}
-	r.conns.Go(transport.Acceptor[*net.UnixConn]{
+		conns: serve.NewConns[*net.UnixConn](max)}
+	r.conns.Go(serve.Acceptor[*net.UnixConn]{
 		Accept: r.ln.AcceptUnix,
 		Admit: func(c *net.UnixConn) bool {
 			return r.conns.Admit(c, r.serve, func(c *net.UnixConn) {
@@ -101,7 +102,7 @@ func (r *receiver) Close() error {
 func (r *receiver) serve(c *net.UnixConn) {
 	defer func() {
 		if p := recover(); p != nil {
-			transport.LogPanic(r.log, p, "shm: panic serving a producer")
+			serve.LogPanic(r.log, p, "shm: panic serving a producer")
 		}
 	}()
 	if !r.handOver(c) {

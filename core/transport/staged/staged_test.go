@@ -13,6 +13,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/tcp"
 	"github.com/ecmooncake/ecmooncake/core/transport/transporttest"
 )
 
@@ -37,7 +38,7 @@ func (c *consumerSide) slabBytes(res ids.ResID, n int) []byte {
 func listen(t *testing.T, host *gpu.FakeHost, device bool, staging int) *consumerSide {
 	t.Helper()
 	const size = 8 << 20
-	cfg := Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: transporttest.Quiet()}), StagingBytes: staging, Logger: transporttest.Quiet()}
+	cfg := Config{Inner: tcp.NewTCP(tcp.TCPConfig{Logger: transporttest.Quiet()}), StagingBytes: staging, Logger: transporttest.Quiet()}
 	c := &consumerSide{}
 	if device {
 		dev, err := host.Device(0)
@@ -58,7 +59,7 @@ func listen(t *testing.T, host *gpu.FakeHost, device bool, staging int) *consume
 func newWriter(t *testing.T, host *gpu.FakeHost, staging int) transport.Writer {
 	t.Helper()
 	tr := New(Config{
-		Inner:   transport.NewTCP(transport.TCPConfig{Conns: 3, ChunkSize: chunk, Logger: transporttest.Quiet()}),
+		Inner:   tcp.NewTCP(tcp.TCPConfig{Conns: 3, ChunkSize: chunk, Logger: transporttest.Quiet()}),
 		Devices: host, ChunkBytes: chunk, StagingBytes: staging, Logger: transporttest.Quiet(),
 	})
 	w := tr.NewWriter()
@@ -196,7 +197,7 @@ func TestListenOverDeviceSlabNeedsRegionSink(t *testing.T) {
 	host := gpu.NewFakeHost(1)
 	dev, _ := host.Device(0)
 	addr, _ := host.Alloc(0, 1<<20)
-	tr := New(Config{Inner: transport.NewTCP(transport.TCPConfig{Logger: transporttest.Quiet()}), Slab: slab.DeviceMemory(addr, 1<<20, "cuda:0"), SlabDevice: dev})
+	tr := New(Config{Inner: tcp.NewTCP(tcp.TCPConfig{Logger: transporttest.Quiet()}), Slab: slab.DeviceMemory(addr, 1<<20, "cuda:0"), SlabDevice: dev})
 	_, err := tr.Listen("127.0.0.1:0", plainSink{})
 	require.ErrorContains(t, err, "no RegionSink")
 }

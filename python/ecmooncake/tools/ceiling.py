@@ -219,7 +219,7 @@ class TCPCeiling:
     connections in all (and the fewer ones of :func:`stream_counts`).
 
     It is the data plane's own writer and receiver (ecm-ceiling, see
-    core/transport/ceiling.go) with the transfer's frame size
+    core/transport/tcp/ceiling.go) with the transfer's frame size
     (``chunk_bytes``, its ``tcp_chunk_bytes``) and socket options, and no
     reservations, no control plane and no Python around them: the work of
     the transfer's sockets and nothing else, so an upper bound on it. Its

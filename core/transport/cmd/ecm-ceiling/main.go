@@ -1,6 +1,6 @@
 // Command ecm-ceiling measures the ceiling of the TCP data plane: the data
 // plane's own writer and receiver with no reservations around them (see
-// transport.CeilingSend). It is one end per process, so that each end has
+// tcp.CeilingSend). It is one end per process, so that each end has
 // the GOMAXPROCS of the process it stands for:
 //
 //	ecm-ceiling recv [-listen 127.0.0.1:0] [-gomaxprocs N] [-chunk-bytes N] [-regions N] [-socket-buffer N]
@@ -33,7 +33,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/tcp"
 )
 
 func main() {
@@ -49,7 +49,7 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("ecm-ceiling "+role, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	procs := fs.Int("gomaxprocs", 0, "GOMAXPROCS of this process (0: the Go default)")
-	chunk := fs.Int("chunk-bytes", transport.DefaultChunkSize, "largest frame payload, the transfer's tcp_chunk_bytes")
+	chunk := fs.Int("chunk-bytes", tcp.DefaultChunkSize, "largest frame payload, the transfer's tcp_chunk_bytes")
 	sockBuf := fs.Int("socket-buffer", 0, "SO_SNDBUF and SO_RCVBUF of every connection (0: the kernel's autotuning, as the transfer)")
 	listen := fs.String("listen", "127.0.0.1:0", "recv: address to listen on")
 	regions := fs.Int("regions", 4, "recv: receive regions touched before the first frame (one per connection served at once)")
@@ -61,7 +61,7 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	if err := fs.Parse(args[1:]); err != nil {
 		return 2
 	}
-	if *procs < 0 || *chunk < 64<<10 || *chunk > transport.MaxFrame || *sockBuf < 0 || *regions < 0 || *rounds < 1 || *timeout <= 0 {
+	if *procs < 0 || *chunk < 64<<10 || *chunk > tcp.MaxFrame || *sockBuf < 0 || *regions < 0 || *rounds < 1 || *timeout <= 0 {
 		fmt.Fprintln(stderr, "ecm-ceiling: want -gomaxprocs >= 0, -chunk-bytes in [64 KiB, 1 GiB], -socket-buffer >= 0, -regions >= 0, -rounds >= 1, -timeout > 0")
 		return 2
 	}
@@ -76,7 +76,7 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	}
 	enc := json.NewEncoder(stdout)
 	if role == "recv" {
-		return recv(*listen, transport.TCPConfig{Conns: max(*regions, 1), ChunkSize: *chunk, SocketBuffer: *sockBuf}, params, stdin, enc, stderr)
+		return recv(*listen, tcp.TCPConfig{Conns: max(*regions, 1), ChunkSize: *chunk, SocketBuffer: *sockBuf}, params, stdin, enc, stderr)
 	}
 	addrs := strings.Split(*to, ",")
 	if *to == "" {
@@ -101,8 +101,8 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	var sent int64
 	for _, k := range entries {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(*timeout*float64(*rounds)*float64(time.Second)))
-		cfg := transport.TCPConfig{Conns: k, ChunkSize: *chunk, SocketBuffer: *sockBuf}
-		bps, n, err := transport.CeilingSend(ctx, addrs, cfg, *nbytes, *rounds)
+		cfg := tcp.TCPConfig{Conns: k, ChunkSize: *chunk, SocketBuffer: *sockBuf}
+		bps, n, err := tcp.CeilingSend(ctx, addrs, cfg, *nbytes, *rounds)
 		cancel()
 		if err != nil {
 			fmt.Fprintf(stderr, "ecm-ceiling send: %d connections per receiver: %v\n", k, err)
@@ -123,8 +123,8 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	return 0
 }
 
-func recv(addr string, cfg transport.TCPConfig, params map[string]any, stdin io.Reader, enc *json.Encoder, stderr io.Writer) int {
-	r, err := transport.ListenCeiling(addr, cfg)
+func recv(addr string, cfg tcp.TCPConfig, params map[string]any, stdin io.Reader, enc *json.Encoder, stderr io.Writer) int {
+	r, err := tcp.ListenCeiling(addr, cfg)
 	if err != nil {
 		fmt.Fprintf(stderr, "ecm-ceiling recv: %v\n", err)
 		return 1

@@ -1,10 +1,12 @@
-package transport
+package tcp
 
 import (
 	"encoding/binary"
 	"fmt"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/internal/serve"
 )
 
 // Wire layout (little-endian). A data frame is a fixed HeaderLen-byte
@@ -61,16 +63,16 @@ func AppendHeader(b []byte, h Header) []byte {
 // in step.
 func DecodeHeader(b []byte) (Header, error) {
 	if len(b) < HeaderLen {
-		return Header{}, fmt.Errorf("transport: frame header: %d of %d bytes: %w", len(b), HeaderLen, ErrBadFrame)
+		return Header{}, fmt.Errorf("transport: frame header: %d of %d bytes: %w", len(b), HeaderLen, transport.ErrBadFrame)
 	}
 	if string(b[:4]) != frameMagic {
-		return Header{}, fmt.Errorf("transport: frame header: magic %q: %w", b[:4], ErrBadFrame)
+		return Header{}, fmt.Errorf("transport: frame header: magic %q: %w", b[:4], transport.ErrBadFrame)
 	}
 	if b[4] != Version {
-		return Header{}, fmt.Errorf("transport: frame header: version %d, want %d: %w", b[4], Version, ErrBadFrame)
+		return Header{}, fmt.Errorf("transport: frame header: version %d, want %d: %w", b[4], Version, transport.ErrBadFrame)
 	}
 	if b[5] != 0 || b[6] != 0 || b[7] != 0 {
-		return Header{}, fmt.Errorf("transport: frame header: flags %#x reserved %#x%02x not zero: %w", b[5], b[7], b[6], ErrBadFrame)
+		return Header{}, fmt.Errorf("transport: frame header: flags %#x reserved %#x%02x not zero: %w", b[5], b[7], b[6], transport.ErrBadFrame)
 	}
 	h := Header{
 		Seq:    binary.LittleEndian.Uint64(b[8:]),
@@ -80,7 +82,7 @@ func DecodeHeader(b []byte) (Header, error) {
 	}
 	copy(h.Token[:], b[24:40])
 	if h.Length > MaxFrame {
-		return Header{}, fmt.Errorf("transport: frame header: length %d over %d: %w", h.Length, MaxFrame, ErrBadFrame)
+		return Header{}, fmt.Errorf("transport: frame header: length %d over %d: %w", h.Length, MaxFrame, transport.ErrBadFrame)
 	}
 	return h, nil
 }
@@ -88,27 +90,18 @@ func DecodeHeader(b []byte) (Header, error) {
 // Ack is a receiver's answer to one frame, matched to it by Seq.
 type Ack struct {
 	Seq    uint64
-	Status Status
+	Status transport.Status
 	Msg    string
 }
 
 // AppendAck appends a's wire form to b, truncating Msg to MaxAckMsg bytes.
 func AppendAck(b []byte, a Ack) []byte {
-	msg := ClipMsg(a.Msg, MaxAckMsg)
+	msg := serve.ClipMsg(a.Msg, MaxAckMsg)
 	b = append(b, ackMagic...)
 	b = binary.LittleEndian.AppendUint64(b, a.Seq)
 	b = binary.LittleEndian.AppendUint16(b, uint16(a.Status))
 	b = binary.LittleEndian.AppendUint16(b, uint16(len(msg)))
 	return append(b, msg...)
-}
-
-// ClipMsg is msg cut to at most max bytes, the room a wire message gives
-// an error's text.
-func ClipMsg(msg string, max int) string {
-	if len(msg) > max {
-		return msg[:max]
-	}
-	return msg
 }
 
 // DecodeAck decodes the ack at the start of b; b must hold its message too.
@@ -119,7 +112,7 @@ func DecodeAck(b []byte) (Ack, error) {
 		return Ack{}, err
 	}
 	if len(b) < AckHeaderLen+n {
-		return Ack{}, fmt.Errorf("transport: ack: message %d of %d bytes: %w", len(b)-AckHeaderLen, n, ErrBadFrame)
+		return Ack{}, fmt.Errorf("transport: ack: message %d of %d bytes: %w", len(b)-AckHeaderLen, n, transport.ErrBadFrame)
 	}
 	a.Msg = string(b[AckHeaderLen : AckHeaderLen+n])
 	return a, nil
@@ -129,18 +122,18 @@ func DecodeAck(b []byte) (Ack, error) {
 // the message that follows, so a stream reader knows how much more to read.
 func decodeAckHead(b []byte) (Ack, int, error) {
 	if len(b) < AckHeaderLen {
-		return Ack{}, 0, fmt.Errorf("transport: ack: %d of %d bytes: %w", len(b), AckHeaderLen, ErrBadFrame)
+		return Ack{}, 0, fmt.Errorf("transport: ack: %d of %d bytes: %w", len(b), AckHeaderLen, transport.ErrBadFrame)
 	}
 	if string(b[:4]) != ackMagic {
-		return Ack{}, 0, fmt.Errorf("transport: ack: magic %q: %w", b[:4], ErrBadFrame)
+		return Ack{}, 0, fmt.Errorf("transport: ack: magic %q: %w", b[:4], transport.ErrBadFrame)
 	}
 	n := int(binary.LittleEndian.Uint16(b[14:]))
 	if n > MaxAckMsg {
-		return Ack{}, 0, fmt.Errorf("transport: ack: message length %d over %d: %w", n, MaxAckMsg, ErrBadFrame)
+		return Ack{}, 0, fmt.Errorf("transport: ack: message length %d over %d: %w", n, MaxAckMsg, transport.ErrBadFrame)
 	}
 	a := Ack{
 		Seq:    binary.LittleEndian.Uint64(b[4:]),
-		Status: Status(binary.LittleEndian.Uint16(b[12:])),
+		Status: transport.Status(binary.LittleEndian.Uint16(b[12:])),
 	}
 	return a, n, nil
 }

@@ -1,4 +1,4 @@
-package transport
+package tcp
 
 import (
 	"context"
@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/stretchr/testify/require"
 )
 
@@ -15,10 +16,10 @@ func TestTCPIdleConnectionGetsAGoodbye(t *testing.T) {
 	r := listenTCP(t, newTCP(TCPConfig{IdleTimeout: 20 * time.Millisecond}), newMemSink(1<<10))
 	c := dialProven(t, r.Addr())
 	a := readAck(t, c)
-	require.Equal(t, Ack{Seq: 0, Status: StatusClosing, Msg: ClosedIdle}, a)
+	require.Equal(t, Ack{Seq: 0, Status: transport.StatusClosing, Msg: transport.ClosedIdle}, a)
 	_, err := c.Read(make([]byte, 1))
 	require.ErrorIs(t, err, io.EOF)
-	require.Equal(t, map[string]uint64{ClosedIdle: 1}, r.Stats().Closed)
+	require.Equal(t, map[string]uint64{transport.ClosedIdle: 1}, r.Stats().Closed)
 }
 
 // A writer whose pooled connections the receiver closed as idle writes on
@@ -32,10 +33,10 @@ func TestTCPWriterOutlivesIdleCloses(t *testing.T) {
 		res, tok := sink.reserve(t, 256<<10)
 		src := randBytes(uint64(round), 256<<10)
 		ctx, cancel := context.WithTimeout(context.Background(), eventually)
-		require.NoError(t, w.Write(ctx, r.Addr(), []WriteItem{{Res: res, Token: tok, Src: src}})[0], "round %d", round)
+		require.NoError(t, w.Write(ctx, r.Addr(), []transport.WriteItem{{Res: res, Token: tok, Src: src}})[0], "round %d", round)
 		cancel()
 		require.Equal(t, src, sink.region(res))
-		require.Eventually(t, func() bool { return r.Stats().Closed[ClosedIdle] >= uint64(2*(round+1)) }, eventually, time.Millisecond,
+		require.Eventually(t, func() bool { return r.Stats().Closed[transport.ClosedIdle] >= uint64(2*(round+1)) }, eventually, time.Millisecond,
 			"both pooled connections idled out")
 	}
 	sink.requireBalanced(t)
@@ -53,7 +54,7 @@ func TestTCPStalledFrameEndsTorn(t *testing.T) {
 	require.Error(t, err, "closed without an ack")
 	require.Eventually(t, func() bool { return len(sink.endsOf(res)) == 1 }, eventually, time.Millisecond)
 	require.Equal(t, []bool{false}, sink.endsOf(res))
-	require.Equal(t, uint64(1), r.Stats().Closed[ClosedFrameTimeout])
+	require.Equal(t, uint64(1), r.Stats().Closed[transport.ClosedFrameTimeout])
 
 	// Half a header stalls the same way, and never reaches the sink.
 	c = dialProven(t, r.Addr())
@@ -61,7 +62,7 @@ func TestTCPStalledFrameEndsTorn(t *testing.T) {
 	require.NoError(t, err)
 	_, err = c.Read(make([]byte, 1))
 	require.Error(t, err)
-	require.Equal(t, uint64(2), r.Stats().Closed[ClosedFrameTimeout])
+	require.Equal(t, uint64(2), r.Stats().Closed[transport.ClosedFrameTimeout])
 	require.Len(t, sink.beginsOf(res), 1)
 	sink.requireBalanced(t)
 }
@@ -78,8 +79,8 @@ func TestTCPConnectionCap(t *testing.T) {
 	second := dialProven(t, r.Addr())
 	third := dialProven(t, r.Addr())
 	a := readAck(t, first)
-	require.Equal(t, Ack{Seq: 0, Status: StatusClosing, Msg: ClosedEvicted}, a, "the idlest one makes room")
-	require.Equal(t, map[string]uint64{ClosedEvicted: 1}, r.Stats().Closed)
+	require.Equal(t, Ack{Seq: 0, Status: transport.StatusClosing, Msg: transport.ClosedEvicted}, a, "the idlest one makes room")
+	require.Equal(t, map[string]uint64{transport.ClosedEvicted: 1}, r.Stats().Closed)
 
 	// Both slots busy: half frames in flight.
 	sendFrame(t, second, Header{Seq: 1, Res: res, Token: tok, Length: 64 << 10}, make([]byte, 10))
@@ -87,15 +88,15 @@ func TestTCPConnectionCap(t *testing.T) {
 	require.Eventually(t, func() bool { return len(sink.beginsOf(res)) == 1 && len(sink.beginsOf(res2)) == 1 }, eventually, time.Millisecond)
 	fourth := dialProven(t, r.Addr())
 	requireRefused(t, fourth, true, "max_data_conns")
-	require.Equal(t, uint64(1), r.Stats().Closed[ClosedLimit])
+	require.Equal(t, uint64(1), r.Stats().Closed[transport.ClosedLimit])
 
 	// A slot that frees up serves the next one.
 	_, err := second.Write(make([]byte, 64<<10-10))
 	require.NoError(t, err)
-	require.Equal(t, StatusOK, readAck(t, second).Status)
+	require.Equal(t, transport.StatusOK, readAck(t, second).Status)
 	fifth := dialProven(t, r.Addr())
 	sendFrame(t, fifth, Header{Seq: 7, Res: res, Token: tok, Offset: 8, Length: 8}, make([]byte, 8))
-	require.Equal(t, Ack{Seq: 7, Status: StatusOK}, readAck(t, fifth))
+	require.Equal(t, Ack{Seq: 7, Status: transport.StatusOK}, readAck(t, fifth))
 }
 
 // goodbyeFirst passes every connection but the first to the receiver; the
@@ -119,7 +120,7 @@ func (l *goodbyeFirst) Accept() (net.Conn, error) {
 			if _, err := io.ReadFull(c, make([]byte, PreambleLen+HeaderLen)); err != nil {
 				return
 			}
-			_, _ = c.Write(AppendAck(nil, Ack{Seq: 0, Status: StatusClosing, Msg: ClosedEvicted}))
+			_, _ = c.Write(AppendAck(nil, Ack{Seq: 0, Status: transport.StatusClosing, Msg: transport.ClosedEvicted}))
 			_ = c.(*net.TCPConn).CloseWrite()
 			_, _ = io.Copy(io.Discard, c)
 		}()
@@ -143,7 +144,7 @@ func TestTCPWriterResendsAfterAGoodbye(t *testing.T) {
 	src := randBytes(9, 256<<10)
 	ctx, cancel := context.WithTimeout(context.Background(), eventually)
 	defer cancel()
-	require.NoError(t, w.Write(ctx, r.Addr(), []WriteItem{{Res: res, Token: tok, Src: src}})[0])
+	require.NoError(t, w.Write(ctx, r.Addr(), []transport.WriteItem{{Res: res, Token: tok, Src: src}})[0])
 	require.Equal(t, src, sink.region(res))
 	require.Len(t, sink.beginsOf(res), 4, "each chunk began once, on the second connection")
 	sink.requireBalanced(t)

@@ -1,4 +1,4 @@
-package transport
+package tcp
 
 import (
 	"errors"
@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
+	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
 // Defaults applied by NewTCP to zero fields of TCPConfig.
@@ -107,12 +108,15 @@ func NewTCP(cfg TCPConfig) *TCP {
 	return &TCP{cfg: cfg}
 }
 
+// Config is the settings t runs with, defaults applied.
+func (t *TCP) Config() TCPConfig { return t.cfg }
+
 // Name implements Transport.
 func (t *TCP) Name() string { return "tcp" }
 
 // Listen starts a receiver on addr ("host:port"; port 0 picks one; IPv4,
 // bracketed IPv6 and host names all work) that feeds sink.
-func (t *TCP) Listen(addr string, sink Sink) (Receiver, error) {
+func (t *TCP) Listen(addr string, sink transport.Sink) (transport.Receiver, error) {
 	if sink == nil {
 		return nil, errors.New("transport: tcp listen: nil sink")
 	}
@@ -125,7 +129,7 @@ func (t *TCP) Listen(addr string, sink Sink) (Receiver, error) {
 }
 
 // NewWriter returns a writer with its own connection pools.
-func (t *TCP) NewWriter() Writer { return newTCPWriter(t.cfg) }
+func (t *TCP) NewWriter() transport.Writer { return newTCPWriter(t.cfg) }
 
 // tuneConn applies the socket settings both ends share.
 func tuneConn(c net.Conn, cfg TCPConfig) {

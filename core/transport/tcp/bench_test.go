@@ -1,11 +1,14 @@
-package transport
+package tcp
 
 import (
+	"bytes"
 	"context"
 	"math"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
 // BenchmarkTCPWrite32MB writes one 32 MiB item per iteration with the
@@ -23,7 +26,7 @@ func BenchmarkTCPWrite32MB(b *testing.B) {
 	r := listen(b, tr, "127.0.0.1:0", sink)
 	w := newWriter(b, tr)
 	res, tok := sink.reserve(b, size)
-	items := []WriteItem{{Res: res, Token: tok, Src: randBytes(1, size)}}
+	items := []transport.WriteItem{{Res: res, Token: tok, Src: randBytes(1, size)}}
 	ctx := context.Background()
 
 	streams := []int{tr.cfg.Conns, 1, 2}
@@ -83,10 +86,10 @@ func BenchmarkTCPWrite256x64KiB(b *testing.B) {
 	sink := newMemSink(n * size)
 	r := listen(b, tr, "127.0.0.1:0", sink)
 	w := newWriter(b, tr)
-	items := make([]WriteItem, n)
+	items := make([]transport.WriteItem, n)
 	for i := range items {
 		res, tok := sink.reserve(b, size)
-		items[i] = WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), size)}
+		items[i] = transport.WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), size)}
 	}
 	ctx := context.Background()
 	ceiling, cpuPerByte := 0.0, math.Inf(1)
@@ -136,4 +139,80 @@ func cpuTime() time.Duration {
 		return 0
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// BenchmarkTCPWriteUnderLockout is the lockout attack of issue 23 under
+// load: a producer pushes batches while DefaultMaxConns+64 connections
+// send one header byte each and stall, reopened as soon as the receiver
+// closes them. Each iteration is one batch of 8 items of 1 MiB, written by
+// a writer that dials in the middle of the attack; every item is checked
+// bit-exact (batches alternate between two contents, so an item that did
+// not land shows). The same number of batches runs attack-free before and
+// after the attack, and the faster of the two is the baseline:
+//
+//	GB/s          the producer's throughput under attack
+//	clean_GB/s    the same pushes with no attacker
+//	ratio         GB/s / clean_GB/s (issue 23 asks at least 0.8)
+//	attack_conns  connections the attacker opened while the producer ran
+func BenchmarkTCPWriteUnderLockout(b *testing.B) {
+	for _, secret := range []Secret{testSecret, ""} {
+		b.Run("mode="+modeOf(secret).String(), func(b *testing.B) {
+			const n, size = 8, 1 << 20
+			sink := newMemSink(n * size)
+			r := listen(b, NewTCP(TCPConfig{Secret: secret, Logger: quiet}), "127.0.0.1:0", sink)
+			items := [2][]transport.WriteItem{make([]transport.WriteItem, n), make([]transport.WriteItem, n)}
+			for i := range n {
+				res, tok := sink.reserve(b, size)
+				for v := range items {
+					items[v][i] = transport.WriteItem{Res: res, Token: tok, Src: randBytes(uint64(v*n+i), size)}
+				}
+			}
+			push := func(rounds int) time.Duration {
+				w := NewTCP(TCPConfig{Secret: secret, Logger: quiet}).NewWriter()
+				defer w.Close()
+				start := time.Now()
+				for k := range rounds {
+					batch := items[k%2]
+					ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+					errs := w.Write(ctx, r.Addr(), batch)
+					cancel()
+					for i, it := range batch {
+						if errs[i] != nil {
+							b.Fatalf("round %d item %d: %v", k, i, errs[i])
+						}
+						if !bytes.Equal(it.Src, sink.region(it.Res)) {
+							b.Fatalf("round %d item %d: not bit-exact", k, i)
+						}
+					}
+				}
+				return time.Since(start)
+			}
+
+			clean := push(b.N)
+			attackers := DefaultMaxConns + 64
+			dialed, stop := stall(b, r.Addr(), attackers)
+			deadline := time.Now().Add(testTimeout)
+			for dialed.Load() < uint64(attackers) {
+				if time.Now().After(deadline) {
+					b.Fatalf("the attack opened %d of %d connections", dialed.Load(), attackers)
+				}
+				time.Sleep(time.Millisecond)
+			}
+			before := dialed.Load()
+			b.SetBytes(n * size)
+			b.ResetTimer()
+			attacked := push(b.N)
+			b.StopTimer()
+			during := dialed.Load() - before
+			stop()
+			clean = min(clean, push(b.N))
+
+			bytesMoved := float64(n*size) * float64(b.N)
+			b.ReportMetric(bytesMoved/attacked.Seconds()/1e9, "GB/s")
+			b.ReportMetric(bytesMoved/clean.Seconds()/1e9, "clean_GB/s")
+			b.ReportMetric(clean.Seconds()/attacked.Seconds(), "ratio")
+			b.ReportMetric(float64(during), "attack_conns")
+			sink.requireBalanced(b)
+		})
+	}
 }

@@ -1,4 +1,4 @@
-package transport
+package tcp
 
 import (
 	"bufio"
@@ -15,6 +15,8 @@ import (
 	"go.uber.org/atomic"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/internal/serve"
 )
 
 // drainBuf is the scratch size used to discard the payload of a refused
@@ -33,12 +35,12 @@ const maxOwedAcks = 16 << 10
 
 type tcpReceiver struct {
 	ln   net.Listener
-	sink Sink
+	sink transport.Sink
 	cfg  TCPConfig
 	log  *slog.Logger
 	logs logLimiter
 
-	stats     recvCounters
+	stats     transport.RecvCounters
 	accepted  atomic.Uint64
 	ackWrites atomic.Uint64 // writes that carried acks, for tests
 
@@ -63,7 +65,7 @@ type tcpReceiver struct {
 	proven, unproven int
 }
 
-func newTCPReceiver(ln net.Listener, sink Sink, cfg TCPConfig) *tcpReceiver {
+func newTCPReceiver(ln net.Listener, sink transport.Sink, cfg TCPConfig) *tcpReceiver {
 	r := &tcpReceiver{
 		ln:    ln,
 		sink:  sink,
@@ -81,7 +83,7 @@ func newTCPReceiver(ln net.Listener, sink Sink, cfg TCPConfig) *tcpReceiver {
 
 func (r *tcpReceiver) Addr() string { return r.ln.Addr().String() }
 
-func (r *tcpReceiver) Stats() RecvStats { return r.stats.snapshot() }
+func (r *tcpReceiver) Stats() transport.RecvStats { return r.stats.Snapshot() }
 
 // Close stops accepting, cuts every connection (torn frames end with
 // EndWrite(false)) and waits until no goroutine can call the sink again.
@@ -106,7 +108,7 @@ func (r *tcpReceiver) Close() error {
 
 func (r *tcpReceiver) acceptLoop() {
 	defer r.wg.Done()
-	Acceptor[net.Conn]{
+	serve.Acceptor[net.Conn]{
 		Accept: r.ln.Accept,
 		Tune:   func(c net.Conn) { tuneConn(c, r.cfg) },
 		Admit:  r.admit,
@@ -208,7 +210,7 @@ func (rc *rconn) promote() bool {
 		return false
 	}
 	if r.proven >= r.cfg.MaxConns && !r.evictLocked() {
-		r.stats.close(ClosedLimit)
+		r.stats.Close(transport.ClosedLimit)
 		if !r.limitLogged.Swap(true) {
 			r.log.Warn("transport: at max_data_conns with a frame in flight on each; refusing new connections (logged once; see ecm_data_conns_closed_total)",
 				"max_conns", r.cfg.MaxConns, "peer", rc.peer)
@@ -254,7 +256,7 @@ func (r *tcpReceiver) serve(rc *rconn) {
 	c := rc.c
 	defer func() {
 		if p := recover(); p != nil {
-			LogPanic(r.log, p, "transport: panic serving connection", "peer", rc.peer)
+			serve.LogPanic(r.log, p, "transport: panic serving connection", "peer", rc.peer)
 		}
 		rc.endOpen(false)
 		// Frames that landed before whatever ends the connection are
@@ -333,16 +335,16 @@ func (rc *rconn) handshake() bool {
 		rc.notAdmitted(err.Error())
 		return false
 	}
-	dst, end, err := openFrame(r.sink, h.Res, h.Token, h.Offset, h.Length)
+	dst, end, err := transport.OpenFrame(r.sink, h.Res, h.Token, h.Offset, h.Length)
 	if err != nil {
-		st := statusOf(err)
-		r.stats.reject(st)
+		st := transport.StatusOf(err)
+		r.stats.Reject(st)
 		rc.sendAck(Ack{Seq: h.Seq, Status: st, Msg: err.Error()})
 		// The frames behind it were not begun: a goodbye lets the writer
 		// send them again on a connection that a live grant proves.
-		r.stats.close(ClosedNotAdmitted)
+		r.stats.Close(transport.ClosedNotAdmitted)
 		_ = rc.c.SetDeadline(time.Now().Add(goodbyeWait))
-		rc.sendAck(Ack{Seq: 0, Status: StatusClosing, Msg: ClosedNotAdmitted + ": the first frame names no live grant"})
+		rc.sendAck(Ack{Seq: 0, Status: transport.StatusClosing, Msg: transport.ClosedNotAdmitted + ": the first frame names no live grant"})
 		rc.linger()
 		return false
 	}
@@ -371,14 +373,14 @@ func proveSlice(key, challenge []byte) []byte {
 func (rc *rconn) unproven(err error) {
 	switch {
 	case rc.isEvicted():
-		rc.r.stats.close(ClosedUnprovenEvicted)
+		rc.r.stats.Close(transport.ClosedUnprovenEvicted)
 		// Best effort, and no lingering: a slot given up must not hold
 		// a goroutine. A writer that did prove in the meantime resends.
 		_ = rc.c.SetWriteDeadline(time.Now().Add(goodbyeWait))
-		rc.sendAck(Ack{Seq: 0, Status: StatusClosing, Msg: ClosedUnprovenEvicted})
+		rc.sendAck(Ack{Seq: 0, Status: transport.StatusClosing, Msg: transport.ClosedUnprovenEvicted})
 		rc.flush()
 	case timedOut(err):
-		rc.r.stats.close(ClosedHandshakeTimeout)
+		rc.r.stats.Close(transport.ClosedHandshakeTimeout)
 	}
 }
 
@@ -387,10 +389,10 @@ func (rc *rconn) unproven(err error) {
 // reaches it before the close.
 func (rc *rconn) notAdmitted(why string) {
 	r := rc.r
-	r.stats.close(ClosedNotAdmitted)
+	r.stats.Close(transport.ClosedNotAdmitted)
 	r.logs.warn(r.log, "transport: refusing a data connection that did not prove itself", "peer", rc.peer, "reason", why)
 	_ = rc.c.SetDeadline(time.Now().Add(goodbyeWait))
-	rc.sendAck(Ack{Seq: 0, Status: StatusNotAdmitted, Msg: why})
+	rc.sendAck(Ack{Seq: 0, Status: transport.StatusNotAdmitted, Msg: why})
 	rc.linger()
 }
 
@@ -428,9 +430,9 @@ const goodbyeWait = time.Second
 // what the writer sent is read and dropped, so that closing does not reset
 // the connection before the goodbye reaches the writer.
 func (rc *rconn) goodbye(reason string) {
-	rc.r.stats.close(reason)
+	rc.r.stats.Close(reason)
 	_ = rc.c.SetDeadline(time.Now().Add(goodbyeWait))
-	if !rc.sendAck(Ack{Seq: 0, Status: StatusClosing, Msg: reason}) {
+	if !rc.sendAck(Ack{Seq: 0, Status: transport.StatusClosing, Msg: reason}) {
 		return
 	}
 	rc.linger()
@@ -459,7 +461,7 @@ func timedOut(err error) bool {
 // stalled ends a frame that did not finish within FrameTimeout.
 func (rc *rconn) stalled(h *Header, got int, err error) {
 	r := rc.r
-	r.stats.close(ClosedFrameTimeout)
+	r.stats.Close(transport.ClosedFrameTimeout)
 	args := []any{"peer", rc.peer, "frame_timeout", r.cfg.FrameTimeout, "err", err}
 	if h != nil {
 		args = append(args, "res", h.Res, "offset", h.Offset, "length", h.Length, "received", got)
@@ -477,7 +479,7 @@ func (rc *rconn) endOpen(ok bool) (settled bool, failed error) {
 	rc.open = false
 	defer func() {
 		if p := recover(); p != nil {
-			LogPanic(rc.r.log, p, "transport: panic in sink EndWrite", "res", rc.openRes)
+			serve.LogPanic(rc.r.log, p, "transport: panic in sink EndWrite", "res", rc.openRes)
 			settled = false
 		}
 	}()
@@ -495,7 +497,7 @@ func (rc *rconn) frame() bool {
 	// An eviction between the last frame and the deadline just set would
 	// have had its wake-up overwritten.
 	if rc.isEvicted() {
-		rc.goodbye(ClosedEvicted)
+		rc.goodbye(transport.ClosedEvicted)
 		return false
 	}
 	if !rc.flushBefore(HeaderLen) {
@@ -505,16 +507,16 @@ func (rc *rconn) frame() bool {
 		// EOF between frames is a writer closing its pool.
 		switch {
 		case rc.isEvicted():
-			rc.goodbye(ClosedEvicted)
+			rc.goodbye(transport.ClosedEvicted)
 		case timedOut(err):
-			rc.goodbye(ClosedIdle)
+			rc.goodbye(transport.ClosedIdle)
 		}
 		return false
 	}
 	if !rc.busy() {
 		// Evicted as the frame began: nothing of it reached the sink, so
 		// the writer may resend it elsewhere.
-		rc.goodbye(ClosedEvicted)
+		rc.goodbye(transport.ClosedEvicted)
 		return false
 	}
 	defer rc.idle()
@@ -529,14 +531,14 @@ func (rc *rconn) frame() bool {
 	}
 	h, err := DecodeHeader(rc.hdr[:])
 	if err != nil {
-		r.stats.badConns.Add(1)
+		r.stats.BadConn()
 		r.logs.warn(r.log, "transport: closing connection that sent a bad frame", "peer", rc.peer, "err", err)
 		// The frames before it are answered, and must reach the writer.
 		_ = rc.c.SetDeadline(time.Now().Add(goodbyeWait))
 		rc.linger()
 		return false
 	}
-	dst, end, err := openFrame(r.sink, h.Res, h.Token, h.Offset, h.Length)
+	dst, end, err := transport.OpenFrame(r.sink, h.Res, h.Token, h.Offset, h.Length)
 	if err != nil {
 		return rc.refuse(h, err)
 	}
@@ -563,20 +565,20 @@ func (rc *rconn) payload(h Header, dst []byte) bool {
 		return false
 	}
 	if failed != nil {
-		st := statusOf(failed)
-		r.stats.reject(st)
+		st := transport.StatusOf(failed)
+		r.stats.Reject(st)
 		return rc.sendAck(Ack{Seq: h.Seq, Status: st, Msg: failed.Error()})
 	}
-	r.stats.landed(h.Length)
-	return rc.sendAck(Ack{Seq: h.Seq, Status: StatusOK})
+	r.stats.Landed(h.Length)
+	return rc.sendAck(Ack{Seq: h.Seq, Status: transport.StatusOK})
 }
 
 // refuse discards the payload so the connection stays in step, then tells
 // the writer why.
 func (rc *rconn) refuse(h Header, cause error) bool {
 	r := rc.r
-	st := statusOf(cause)
-	r.stats.reject(st)
+	st := transport.StatusOf(cause)
+	r.stats.Reject(st)
 	r.logs.warn(r.log, "transport: refused frame", "peer", rc.peer, "res", h.Res,
 		"offset", h.Offset, "length", h.Length, "reason", st, "err", cause)
 	if rc.scratch == nil {

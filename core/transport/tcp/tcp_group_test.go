@@ -1,4 +1,4 @@
-package transport
+package tcp
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/stretchr/testify/require"
 )
 
@@ -23,20 +24,20 @@ func TestTCPFramesOfAGroupAreCheckedAloneAndAckedTogether(t *testing.T) {
 
 	frames := []struct {
 		h    Header
-		want Status
+		want transport.Status
 	}{
-		{Header{Seq: 1, Res: res, Token: tok, Offset: 0, Length: 100}, StatusOK},
-		{Header{Seq: 2, Res: res, Token: ids.Token{7}, Offset: 100, Length: 50}, StatusBadToken},
-		{Header{Seq: 3, Res: res, Token: tok, Offset: 100, Length: 200}, StatusOK},
-		{Header{Seq: 4, Res: 999, Token: tok, Offset: 0, Length: 10}, StatusUnknownRes},
-		{Header{Seq: 5, Res: res, Token: tok, Offset: 900, Length: 200}, StatusOutOfBounds},
-		{Header{Seq: 6, Res: res, Token: tok, Offset: 300, Length: 700}, StatusOK},
+		{Header{Seq: 1, Res: res, Token: tok, Offset: 0, Length: 100}, transport.StatusOK},
+		{Header{Seq: 2, Res: res, Token: ids.Token{7}, Offset: 100, Length: 50}, transport.StatusBadToken},
+		{Header{Seq: 3, Res: res, Token: tok, Offset: 100, Length: 200}, transport.StatusOK},
+		{Header{Seq: 4, Res: 999, Token: tok, Offset: 0, Length: 10}, transport.StatusUnknownRes},
+		{Header{Seq: 5, Res: res, Token: tok, Offset: 900, Length: 200}, transport.StatusOutOfBounds},
+		{Header{Seq: 6, Res: res, Token: tok, Offset: 300, Length: 700}, transport.StatusOK},
 	}
 	want := make([]byte, 1000)
 	var group []byte
 	for i, f := range frames {
 		payload := randBytes(uint64(i+1), int(f.h.Length))
-		if f.want == StatusOK {
+		if f.want == transport.StatusOK {
 			copy(want[f.h.Offset:], payload)
 		}
 		group = append(AppendHeader(group, f.h), payload...)
@@ -53,7 +54,7 @@ func TestTCPFramesOfAGroupAreCheckedAloneAndAckedTogether(t *testing.T) {
 
 	// The connection is still in step: a lone frame after the group lands.
 	sendFrame(t, c, Header{Seq: 7, Res: res, Token: tok, Offset: 0, Length: 10}, want[:10])
-	require.Equal(t, StatusOK, readAck(t, c).Status)
+	require.Equal(t, transport.StatusOK, readAck(t, c).Status)
 	require.Equal(t, uint64(1), r.accepted.Load())
 	sink.requireBalanced(t)
 }
@@ -71,7 +72,7 @@ func TestTCPBadHeaderInAGroupAcksWhatLandedFirst(t *testing.T) {
 	require.NoError(t, err)
 	a := readAck(t, c)
 	require.Equal(t, uint64(1), a.Seq)
-	require.Equal(t, StatusOK, a.Status)
+	require.Equal(t, transport.StatusOK, a.Status)
 	one := make([]byte, 1)
 	_, err = c.Read(one)
 	require.Error(t, err, "the connection closes after the bad header")
@@ -87,22 +88,22 @@ func TestTCPWriterSendsQueuedFramesTogether(t *testing.T) {
 	w := newWriter(t, tr)
 	tw := w.(*tcpWriter)
 
-	var small []WriteItem
+	var small []transport.WriteItem
 	for i := range maxGroupFrames {
 		res, tok := sink.reserve(t, 1+i*37)
-		small = append(small, WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), 1+i*37)})
+		small = append(small, transport.WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), 1+i*37)})
 	}
 	requireLanded(t, sink, small, write(t, w, r.Addr(), small...))
 	require.Equal(t, uint64(1), tw.frameWrites.Load(), "one write carried all %d frames", len(small))
 
-	var mixed []WriteItem
+	var mixed []transport.WriteItem
 	for i, n := range []int{64 << 10, 1, 3 << 20, 64 << 10, 100, maxGroupBytes, 64<<10 + 5, DefaultChunkSize + 3, 7} {
 		res, tok := sink.reserve(t, n)
-		mixed = append(mixed, WriteItem{Res: res, Token: tok, Src: randBytes(uint64(100+i), n)})
+		mixed = append(mixed, transport.WriteItem{Res: res, Token: tok, Src: randBytes(uint64(100+i), n)})
 	}
 	for i := range 200 {
 		res, tok := sink.reserve(t, 64<<10)
-		mixed = append(mixed, WriteItem{Res: res, Token: tok, Src: randBytes(uint64(1000+i), 64<<10)})
+		mixed = append(mixed, transport.WriteItem{Res: res, Token: tok, Src: randBytes(uint64(1000+i), 64<<10)})
 	}
 	requireLanded(t, sink, mixed, write(t, w, r.Addr(), mixed...))
 	require.Less(t, tw.frameWrites.Load(), uint64(1+len(mixed)+1), "frames were grouped")
@@ -116,20 +117,20 @@ func TestTCPWriterGroupWithARefusedItem(t *testing.T) {
 	sink := newMemSink(4 << 20)
 	r := listenTCP(t, tr, sink)
 	w := newWriter(t, tr)
-	var items []WriteItem
+	var items []transport.WriteItem
 	for i := range 16 {
 		res, tok := sink.reserve(t, 4096)
 		if i == 5 {
 			tok = ids.Token{1}
 		}
-		items = append(items, WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), 4096)})
+		items = append(items, transport.WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), 4096)})
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	errs := w.Write(ctx, r.Addr(), items)
 	for i, err := range errs {
 		if i == 5 {
-			require.ErrorIs(t, err, ErrBadToken)
+			require.ErrorIs(t, err, transport.ErrBadToken)
 			continue
 		}
 		require.NoError(t, err, "item %d", i)
@@ -158,28 +159,28 @@ func FuzzTCPFrameGroups(f *testing.F) {
 		res, tok := sink.reserve(t, region)
 		want := make([]byte, region)
 		var group []byte
-		var wantAcks []Status
+		var wantAcks []transport.Status
 		for i := 0; i+1 < len(spec); i += 2 {
 			kind, n := spec[i]%4, uint64(spec[i+1])*16
 			h := Header{Seq: uint64(len(wantAcks) + 1), Res: res, Token: tok, Offset: uint64(i) * 32 % region, Length: n}
-			st := StatusOK
+			st := transport.StatusOK
 			switch kind {
 			case 1:
 				h.Token[0] ^= 0xff
-				st = StatusBadToken
+				st = transport.StatusBadToken
 			case 2:
 				h.Res = res + 1<<40
-				st = StatusUnknownRes
+				st = transport.StatusUnknownRes
 			case 3:
 				h.Offset = region - 1
 				h.Length = n + 2
-				st = StatusOutOfBounds
+				st = transport.StatusOutOfBounds
 			}
-			if st == StatusOK && h.Offset+h.Length > region {
-				st = StatusOutOfBounds
+			if st == transport.StatusOK && h.Offset+h.Length > region {
+				st = transport.StatusOutOfBounds
 			}
 			payload := randBytes(uint64(i), int(h.Length))
-			if st == StatusOK {
+			if st == transport.StatusOK {
 				copy(want[h.Offset:], payload)
 			}
 			group = append(AppendHeader(group, h), payload...)

@@ -1,10 +1,11 @@
-package transport
+package tcp
 
 import (
 	"context"
 	"errors"
 	"testing"
 
+	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/stretchr/testify/require"
 )
 
@@ -31,7 +32,7 @@ func TestCeilingSendReceive(t *testing.T) {
 	const chunk = 1 << 20
 	const total = 16<<20 + 3 // not a multiple of the receivers or the chunk
 	cfg := TCPConfig{Conns: 2, ChunkSize: chunk}
-	rs := make([]Receiver, 2)
+	rs := make([]transport.Receiver, 2)
 	addrs := make([]string, len(rs))
 	for i := range rs {
 		r, err := ListenCeiling("127.0.0.1:0", cfg)
@@ -72,7 +73,7 @@ func TestCeilingSendNoReceiver(t *testing.T) {
 	addr := r.Addr()
 	require.NoError(t, r.Close())
 	_, _, err = CeilingSend(context.Background(), []string{addr}, TCPConfig{Conns: 1, ChunkSize: 64 << 10}, 1<<20, 1)
-	require.ErrorIs(t, err, ErrUnreachable)
+	require.ErrorIs(t, err, transport.ErrUnreachable)
 }
 
 // A region serves one frame at a time and is reused once that frame ends;

@@ -1,4 +1,4 @@
-package transport
+package tcp
 
 import (
 	"bytes"
@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/stretchr/testify/require"
 )
 
@@ -62,7 +63,7 @@ func requireRefuses[T any](t *testing.T, decode func([]byte) (T, error), cases [
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			_, err := decode(c.b)
-			require.ErrorIs(t, err, ErrBadFrame)
+			require.ErrorIs(t, err, transport.ErrBadFrame)
 			require.Contains(t, err.Error(), c.want)
 		})
 	}
@@ -74,9 +75,9 @@ func TestAckRoundTrip(t *testing.T) {
 		a    Ack
 		want Ack
 	}{
-		{"ok", Ack{Seq: 1, Status: StatusOK}, Ack{Seq: 1, Status: StatusOK}},
-		{"refusal with message", Ack{Seq: 1 << 60, Status: StatusGone, Msg: "res 3 gone"}, Ack{Seq: 1 << 60, Status: StatusGone, Msg: "res 3 gone"}},
-		{"long message truncated", Ack{Seq: 2, Status: StatusOther, Msg: strings.Repeat("x", MaxAckMsg+10)}, Ack{Seq: 2, Status: StatusOther, Msg: strings.Repeat("x", MaxAckMsg)}},
+		{"ok", Ack{Seq: 1, Status: transport.StatusOK}, Ack{Seq: 1, Status: transport.StatusOK}},
+		{"refusal with message", Ack{Seq: 1 << 60, Status: transport.StatusGone, Msg: "res 3 gone"}, Ack{Seq: 1 << 60, Status: transport.StatusGone, Msg: "res 3 gone"}},
+		{"long message truncated", Ack{Seq: 2, Status: transport.StatusOther, Msg: strings.Repeat("x", MaxAckMsg+10)}, Ack{Seq: 2, Status: transport.StatusOther, Msg: strings.Repeat("x", MaxAckMsg)}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -90,7 +91,7 @@ func TestAckRoundTrip(t *testing.T) {
 }
 
 func TestDecodeAckRefuses(t *testing.T) {
-	good := AppendAck(nil, Ack{Seq: 9, Status: StatusBadToken, Msg: "nope"})
+	good := AppendAck(nil, Ack{Seq: 9, Status: transport.StatusBadToken, Msg: "nope"})
 	long := AppendAck(nil, Ack{Seq: 9})
 	binary.LittleEndian.PutUint16(long[14:], MaxAckMsg+1)
 	long = append(long, make([]byte, MaxAckMsg+1)...)
@@ -111,7 +112,7 @@ func FuzzDecodeHeader(f *testing.F) {
 	f.Fuzz(func(t *testing.T, b []byte) {
 		h, err := DecodeHeader(b)
 		if err != nil {
-			require.ErrorIs(t, err, ErrBadFrame)
+			require.ErrorIs(t, err, transport.ErrBadFrame)
 			return
 		}
 		require.LessOrEqual(t, h.Length, uint64(MaxFrame))
@@ -120,13 +121,13 @@ func FuzzDecodeHeader(f *testing.F) {
 }
 
 func FuzzDecodeAck(f *testing.F) {
-	f.Add(AppendAck(nil, Ack{Seq: 1, Status: StatusOK}))
-	f.Add(AppendAck(nil, Ack{Seq: 3, Status: StatusBadToken, Msg: "bad token"}))
+	f.Add(AppendAck(nil, Ack{Seq: 1, Status: transport.StatusOK}))
+	f.Add(AppendAck(nil, Ack{Seq: 3, Status: transport.StatusBadToken, Msg: "bad token"}))
 	f.Add([]byte("ECMA\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\xff\xff"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		a, err := DecodeAck(b)
 		if err != nil {
-			require.ErrorIs(t, err, ErrBadFrame)
+			require.ErrorIs(t, err, transport.ErrBadFrame)
 			return
 		}
 		require.LessOrEqual(t, len(a.Msg), MaxAckMsg)
@@ -161,7 +162,7 @@ func FuzzDecodePreamble(f *testing.F) {
 	f.Fuzz(func(t *testing.T, b []byte) {
 		p, err := DecodePreamble(b)
 		if err != nil {
-			require.ErrorIs(t, err, ErrBadFrame)
+			require.ErrorIs(t, err, transport.ErrBadFrame)
 			return
 		}
 		require.Equal(t, b[:PreambleLen], AppendPreamble(nil, p), "a valid preamble re-encodes to its input")
@@ -174,7 +175,7 @@ func FuzzDecodeChallenge(f *testing.F) {
 	f.Fuzz(func(t *testing.T, b []byte) {
 		c, err := DecodeChallenge(b)
 		if err != nil {
-			require.ErrorIs(t, err, ErrBadFrame)
+			require.ErrorIs(t, err, transport.ErrBadFrame)
 			return
 		}
 		require.Equal(t, b[:ChallengeLen], AppendChallenge(nil, c), "a valid challenge re-encodes to its input")

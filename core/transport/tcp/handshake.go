@@ -1,10 +1,12 @@
-package transport
+package tcp
 
 import (
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
+
+	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
 // Data protocol v2 opens every connection with a handshake, so that a
@@ -111,31 +113,31 @@ func DecodePreamble(b []byte) (Preamble, error) {
 	p := Preamble{Mode: m}
 	copy(p.MAC[:], b[8:PreambleLen])
 	if m == ModeGrant && p.MAC != ([macLen]byte{}) {
-		return Preamble{}, fmt.Errorf("transport: preamble: grant mode with a mac: %w", ErrBadFrame)
+		return Preamble{}, fmt.Errorf("transport: preamble: grant mode with a mac: %w", transport.ErrBadFrame)
 	}
 	return p, nil
 }
 
 func decodeOpening(what, magic string, b []byte, n int) (Mode, error) {
 	if len(b) < n {
-		return 0, fmt.Errorf("transport: %s: %d of %d bytes: %w", what, len(b), n, ErrBadFrame)
+		return 0, fmt.Errorf("transport: %s: %d of %d bytes: %w", what, len(b), n, transport.ErrBadFrame)
 	}
 	if string(b[:4]) != magic {
 		if string(b[:4]) == frameMagic {
 			return 0, fmt.Errorf("transport: %s: the peer sent a data frame without a handshake: it speaks data protocol v%d, this side v%d (upgrade it): %w",
-				what, b[4], HandshakeVersion, ErrBadFrame)
+				what, b[4], HandshakeVersion, transport.ErrBadFrame)
 		}
-		return 0, fmt.Errorf("transport: %s: magic %q: %w", what, b[:4], ErrBadFrame)
+		return 0, fmt.Errorf("transport: %s: magic %q: %w", what, b[:4], transport.ErrBadFrame)
 	}
 	if b[4] != HandshakeVersion {
-		return 0, fmt.Errorf("transport: %s: version %d, want %d: %w", what, b[4], HandshakeVersion, ErrBadFrame)
+		return 0, fmt.Errorf("transport: %s: version %d, want %d: %w", what, b[4], HandshakeVersion, transport.ErrBadFrame)
 	}
 	if b[6] != 0 || b[7] != 0 {
-		return 0, fmt.Errorf("transport: %s: reserved %#x%02x not zero: %w", what, b[7], b[6], ErrBadFrame)
+		return 0, fmt.Errorf("transport: %s: reserved %#x%02x not zero: %w", what, b[7], b[6], transport.ErrBadFrame)
 	}
 	m := Mode(b[5])
 	if m != ModeGrant && m != ModeSecret {
-		return 0, fmt.Errorf("transport: %s: unknown mode %d: %w", what, b[5], ErrBadFrame)
+		return 0, fmt.Errorf("transport: %s: unknown mode %d: %w", what, b[5], transport.ErrBadFrame)
 	}
 	return m, nil
 }

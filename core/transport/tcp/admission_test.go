@@ -1,4 +1,4 @@
-package transport
+package tcp
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/atomic"
 )
@@ -101,10 +102,10 @@ func TestTCPLockoutAttackLeavesProducersUnaffected(t *testing.T) {
 			w := NewTCP(TCPConfig{Secret: secret, Conns: 4, ChunkSize: 256 << 10, Logger: quiet}).NewWriter()
 			defer w.Close()
 			for round := range 4 {
-				items := make([]WriteItem, 8)
+				items := make([]transport.WriteItem, 8)
 				for i := range items {
 					res, tok := sink.reserve(t, 512<<10)
-					items[i] = WriteItem{Res: res, Token: tok, Src: randBytes(uint64(round*100+i), 512<<10)}
+					items[i] = transport.WriteItem{Res: res, Token: tok, Src: randBytes(uint64(round*100+i), 512<<10)}
 				}
 				ctx, cancel := context.WithTimeout(context.Background(), eventually)
 				errs := w.Write(ctx, r.Addr(), items)
@@ -155,16 +156,16 @@ func TestTCPUnprovenConnectionNeverReachesTheSink(t *testing.T) {
 	for _, secret := range []Secret{"another secret, also 32 bytes ok", ""} {
 		w := NewTCP(TCPConfig{Secret: secret, Logger: quiet}).NewWriter()
 		ctx, cancel := context.WithTimeout(context.Background(), eventually)
-		err := w.Write(ctx, r.Addr(), []WriteItem{{Res: res, Token: tok, Src: payload}})[0]
+		err := w.Write(ctx, r.Addr(), []transport.WriteItem{{Res: res, Token: tok, Src: payload}})[0]
 		cancel()
 		_ = w.Close()
-		require.ErrorIs(t, err, ErrNotAdmitted, "secret %q", secret)
+		require.ErrorIs(t, err, transport.ErrNotAdmitted, "secret %q", secret)
 		require.Contains(t, err.Error(), "auth_secret")
 	}
 
 	require.Zero(t, sink.beginCount(), "no frame of an unproven connection reached the sink")
 	require.Equal(t, make([]byte, 64<<10), sink.region(res), "not a byte landed")
-	require.Equal(t, uint64(4), r.Stats().Closed[ClosedNotAdmitted], "refusals counted (three raw, one writer with another secret; the writer with none refused itself): %v", r.Stats().Closed)
+	require.Equal(t, uint64(4), r.Stats().Closed[transport.ClosedNotAdmitted], "refusals counted (three raw, one writer with another secret; the writer with none refused itself): %v", r.Stats().Closed)
 }
 
 // requireRefused reads a connection's refusal and then its end.
@@ -181,7 +182,7 @@ func requireRefused(t *testing.T, c net.Conn, challenged bool, why string) {
 	}
 	a := readAck(t, c)
 	require.Equal(t, uint64(0), a.Seq)
-	require.Equal(t, StatusNotAdmitted, a.Status, "refusal %q", a.Msg)
+	require.Equal(t, transport.StatusNotAdmitted, a.Status, "refusal %q", a.Msg)
 	require.Contains(t, a.Msg, why)
 	_, err := io.Copy(io.Discard, c)
 	require.NoError(t, err, "then closed")
@@ -245,7 +246,7 @@ func TestTCPReplayedPreambleIsRefused(t *testing.T) {
 	src := randBytes(3, 64<<10)
 	w := newTCP(TCPConfig{Secret: testSecret, Conns: 1}).NewWriter()
 	ctx, cancel := context.WithTimeout(context.Background(), eventually)
-	require.NoError(t, w.Write(ctx, rec.ln.Addr().String(), []WriteItem{{Res: res, Token: tok, Src: src}})[0])
+	require.NoError(t, w.Write(ctx, rec.ln.Addr().String(), []transport.WriteItem{{Res: res, Token: tok, Src: src}})[0])
 	cancel()
 	require.NoError(t, w.Close())
 	require.Equal(t, src, sink.region(res))
@@ -260,5 +261,5 @@ func TestTCPReplayedPreambleIsRefused(t *testing.T) {
 	requireRefused(t, c, false, "proof")
 	require.Equal(t, begins, sink.beginCount(), "the replay reached the sink")
 	require.Equal(t, make([]byte, 64<<10), sink.region(res), "the replay wrote into the slab")
-	require.Equal(t, uint64(1), r.Stats().Closed[ClosedNotAdmitted])
+	require.Equal(t, uint64(1), r.Stats().Closed[transport.ClosedNotAdmitted])
 }

@@ -1,4 +1,4 @@
-package transport
+package tcp
 
 import (
 	"bytes"
@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/stretchr/testify/require"
 )
 
@@ -29,7 +30,7 @@ func newTCP(cfg TCPConfig) *TCP {
 	return NewTCP(cfg)
 }
 
-func listenTCP(t *testing.T, tr *TCP, sink Sink) *tcpReceiver {
+func listenTCP(t *testing.T, tr *TCP, sink transport.Sink) *tcpReceiver {
 	t.Helper()
 	return listen(t, tr, "127.0.0.1:0", sink).(*tcpReceiver)
 }
@@ -82,17 +83,17 @@ func TestTCPRefusalsKeepTheConnection(t *testing.T) {
 	cases := []struct {
 		name      string
 		h         Header
-		want      Status
+		want      transport.Status
 		sinkCalls int
 	}{
-		{"offset+length overflows", Header{Res: res, Token: tok, Offset: ^uint64(0) - 10, Length: 100}, StatusOutOfBounds, 0},
-		{"offset past the end", Header{Res: res, Token: tok, Offset: 1000, Length: 1}, StatusOutOfBounds, 1},
-		{"length past the end", Header{Res: res, Token: tok, Offset: 1, Length: 1000}, StatusOutOfBounds, 1},
-		{"bad token", Header{Res: res, Token: ids.Token{9}, Length: 10}, StatusBadToken, 1},
-		{"zero token", Header{Res: res, Length: 10}, StatusBadToken, 1},
-		{"unknown res", Header{Res: 777, Token: tok, Length: 10}, StatusUnknownRes, 1},
-		{"gone", Header{Res: gone, Token: goneTok, Length: 10}, StatusGone, 1},
-		{"valid", Header{Res: res, Token: tok, Offset: 100, Length: 900}, StatusOK, 1},
+		{"offset+length overflows", Header{Res: res, Token: tok, Offset: ^uint64(0) - 10, Length: 100}, transport.StatusOutOfBounds, 0},
+		{"offset past the end", Header{Res: res, Token: tok, Offset: 1000, Length: 1}, transport.StatusOutOfBounds, 1},
+		{"length past the end", Header{Res: res, Token: tok, Offset: 1, Length: 1000}, transport.StatusOutOfBounds, 1},
+		{"bad token", Header{Res: res, Token: ids.Token{9}, Length: 10}, transport.StatusBadToken, 1},
+		{"zero token", Header{Res: res, Length: 10}, transport.StatusBadToken, 1},
+		{"unknown res", Header{Res: 777, Token: tok, Length: 10}, transport.StatusUnknownRes, 1},
+		{"gone", Header{Res: gone, Token: goneTok, Length: 10}, transport.StatusGone, 1},
+		{"valid", Header{Res: res, Token: tok, Offset: 100, Length: 900}, transport.StatusOK, 1},
 	}
 	for i, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -104,7 +105,7 @@ func TestTCPRefusalsKeepTheConnection(t *testing.T) {
 			require.Equal(t, tc.h.Seq, a.Seq, "the ack names the frame")
 			require.Equal(t, tc.want, a.Status, a.Msg)
 			require.Equal(t, tc.sinkCalls, sink.beginCount()-before)
-			if tc.want == StatusOK {
+			if tc.want == transport.StatusOK {
 				require.Empty(t, a.Msg)
 				require.Equal(t, payload, sink.region(res)[100:])
 			} else {
@@ -127,8 +128,8 @@ func TestTCPGarbageClosesOnlyThatConnection(t *testing.T) {
 	w := newWriter(t, tr)
 	res, tok := sink.reserve(t, 4096)
 	check := func(seed uint64) {
-		it := WriteItem{Res: res, Token: tok, Src: randBytes(seed, 4096)}
-		requireLanded(t, sink, []WriteItem{it}, write(t, w, r.Addr(), it))
+		it := transport.WriteItem{Res: res, Token: tok, Src: randBytes(seed, 4096)}
+		requireLanded(t, sink, []transport.WriteItem{it}, write(t, w, r.Addr(), it))
 	}
 	check(1)
 
@@ -193,13 +194,15 @@ func TestTCPReceiverClosedMidWrite(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	done := make(chan []error)
-	go func() { done <- w.Write(ctx, r.Addr(), []WriteItem{{Res: res, Token: tok, Src: randBytes(1, 32<<20)}}) }()
+	go func() {
+		done <- w.Write(ctx, r.Addr(), []transport.WriteItem{{Res: res, Token: tok, Src: randBytes(1, 32<<20)}})
+	}()
 	<-sink.began
 	closed := make(chan struct{})
 	go func() { _ = r.Close(); close(closed) }()
 
 	errs := <-done
-	require.ErrorIs(t, errs[0], ErrConnLost)
+	require.ErrorIs(t, errs[0], transport.ErrConnLost)
 	require.NoError(t, ctx.Err(), "Write returned because the connection broke, not because time ran out")
 	require.Contains(t, errs[0].Error(), r.Addr())
 
@@ -220,7 +223,7 @@ func TestTCPWriteReturnsByDeadline(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancel()
-	errs := w.Write(ctx, r.Addr(), []WriteItem{{Res: res, Token: tok, Src: src}})
+	errs := w.Write(ctx, r.Addr(), []transport.WriteItem{{Res: res, Token: tok, Src: src}})
 	require.ErrorIs(t, errs[0], context.DeadlineExceeded)
 	require.Contains(t, errs[0].Error(), r.Addr())
 
@@ -228,8 +231,8 @@ func TestTCPWriteReturnsByDeadline(t *testing.T) {
 	// may still be draining into the old one.
 	sink.open()
 	res2, tok2 := sink.reserve(t, 32<<20)
-	it := WriteItem{Res: res2, Token: tok2, Src: src}
-	requireLanded(t, sink.memSink, []WriteItem{it}, write(t, w, r.Addr(), it))
+	it := transport.WriteItem{Res: res2, Token: tok2, Src: src}
+	requireLanded(t, sink.memSink, []transport.WriteItem{it}, write(t, w, r.Addr(), it))
 }
 
 func TestTCPCloseWithWritesInFlight(t *testing.T) {
@@ -244,12 +247,12 @@ func TestTCPCloseWithWritesInFlight(t *testing.T) {
 	defer cancel()
 	done := make(chan []error)
 	go func() {
-		done <- w.Write(ctx, r.Addr(), []WriteItem{{Res: res, Token: tok, Src: randBytes(1, 32<<20)}, {Res: res, Token: tok, Src: []byte{1}}})
+		done <- w.Write(ctx, r.Addr(), []transport.WriteItem{{Res: res, Token: tok, Src: randBytes(1, 32<<20)}, {Res: res, Token: tok, Src: []byte{1}}})
 	}()
 	<-sink.began
 	require.NoError(t, w.Close())
 	for _, err := range <-done {
-		require.ErrorIs(t, err, ErrClosed)
+		require.ErrorIs(t, err, transport.ErrClosed)
 	}
 	require.NoError(t, ctx.Err())
 	require.NoError(t, w.Close())
@@ -267,8 +270,8 @@ func TestTCPChunksSpreadOverThePool(t *testing.T) {
 	w := newWriter(t, tr)
 
 	big, bigTok := sink.reserve(t, 4*chunk)
-	it := WriteItem{Res: big, Token: bigTok, Src: randBytes(1, 4*chunk)}
-	requireLanded(t, sink, []WriteItem{it}, write(t, w, r.Addr(), it))
+	it := transport.WriteItem{Res: big, Token: bigTok, Src: randBytes(1, 4*chunk)}
+	requireLanded(t, sink, []transport.WriteItem{it}, write(t, w, r.Addr(), it))
 	var offs []uint64
 	for _, b := range sink.beginsOf(big) {
 		require.Equal(t, uint64(chunk), b.n)
@@ -277,10 +280,10 @@ func TestTCPChunksSpreadOverThePool(t *testing.T) {
 	require.ElementsMatch(t, []uint64{0, chunk, 2 * chunk, 3 * chunk}, offs)
 	require.Equal(t, uint64(4), r.accepted.Load(), "the four chunks took the four connections")
 
-	var items []WriteItem
+	var items []transport.WriteItem
 	for i := range 20 {
 		res, tok := sink.reserve(t, chunk/2)
-		items = append(items, WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), chunk/2)})
+		items = append(items, transport.WriteItem{Res: res, Token: tok, Src: randBytes(uint64(i), chunk/2)})
 	}
 	requireLanded(t, sink, items, write(t, w, r.Addr(), items...))
 	require.Equal(t, uint64(4), r.accepted.Load(), "connections persist between writes")
@@ -292,8 +295,8 @@ func TestTCPRedialsAfterThePeerDrops(t *testing.T) {
 	r := listenTCP(t, tr, sink)
 	w := newWriter(t, tr).(*tcpWriter)
 	res, tok := sink.reserve(t, 1000)
-	it := WriteItem{Res: res, Token: tok, Src: randBytes(1, 1000)}
-	requireLanded(t, sink, []WriteItem{it}, write(t, w, r.Addr(), it))
+	it := transport.WriteItem{Res: res, Token: tok, Src: randBytes(1, 1000)}
+	requireLanded(t, sink, []transport.WriteItem{it}, write(t, w, r.Addr(), it))
 
 	r.mu.Lock()
 	for c := range r.conns {
@@ -307,7 +310,7 @@ func TestTCPRedialsAfterThePeerDrops(t *testing.T) {
 	}, eventually, time.Millisecond, "the writer notices the dropped connection")
 
 	it.Src = randBytes(2, 1000)
-	requireLanded(t, sink, []WriteItem{it}, write(t, w, r.Addr(), it))
+	requireLanded(t, sink, []transport.WriteItem{it}, write(t, w, r.Addr(), it))
 	require.Equal(t, uint64(2), r.accepted.Load(), "the one slot dialed again")
 }
 
@@ -335,8 +338,8 @@ func TestTCPListenAddresses(t *testing.T) {
 			t.Cleanup(func() { _ = r.Close() })
 			w := newWriter(t, tr)
 			res, tok := sink.reserve(t, 5000)
-			it := WriteItem{Res: res, Token: tok, Src: randBytes(1, 5000)}
-			requireLanded(t, sink, []WriteItem{it}, write(t, w, tc.dest(r.Addr()), it))
+			it := transport.WriteItem{Res: res, Token: tok, Src: randBytes(1, 5000)}
+			requireLanded(t, sink, []transport.WriteItem{it}, write(t, w, tc.dest(r.Addr()), it))
 		})
 	}
 }
@@ -370,13 +373,14 @@ func TestNewTCPDefaults(t *testing.T) {
 }
 
 // transportGoroutines lists live goroutines running this package's
-// methods (test goroutines run plain functions and do not match).
+// methods or the shared accept loop's (test goroutines run plain
+// functions and do not match).
 func transportGoroutines() []string {
 	buf := make([]byte, 1<<20)
 	buf = buf[:runtime.Stack(buf, true)]
 	var out []string
 	for _, g := range strings.Split(string(buf), "\n\n") {
-		if strings.Contains(g, "core/transport.(*") {
+		if strings.Contains(g, "core/transport/tcp.(*") || strings.Contains(g, "core/transport/internal/serve.(*") {
 			out = append(out, g)
 		}
 	}
@@ -390,13 +394,13 @@ func TestTCPNoGoroutineLeftAfterClose(t *testing.T) {
 	require.NoError(t, err)
 	w := tr.NewWriter()
 	res, tok := sink.reserve(t, 16<<20)
-	it := WriteItem{Res: res, Token: tok, Src: randBytes(1, 16<<20)}
-	requireLanded(t, sink, []WriteItem{it}, write(t, w, r.Addr(), it))
-	errs := write(t, w, r.Addr(), WriteItem{Res: res, Token: ids.Token{1}, Src: []byte{1}})
-	require.ErrorIs(t, errs[0], ErrBadToken)
+	it := transport.WriteItem{Res: res, Token: tok, Src: randBytes(1, 16<<20)}
+	requireLanded(t, sink, []transport.WriteItem{it}, write(t, w, r.Addr(), it))
+	errs := write(t, w, r.Addr(), transport.WriteItem{Res: res, Token: ids.Token{1}, Src: []byte{1}})
+	require.ErrorIs(t, errs[0], transport.ErrBadToken)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	w.Write(ctx, r.Addr(), []WriteItem{it})
+	w.Write(ctx, r.Addr(), []transport.WriteItem{it})
 	raw := dialProven(t, r.Addr())
 	_, err = raw.Write([]byte("garbage"))
 	require.NoError(t, err)
@@ -457,16 +461,16 @@ func TestTCPWriterRefusesBadAcks(t *testing.T) {
 		reply func(h Header) []byte
 		want  error
 	}{
-		{"not an ack", func(Header) []byte { return []byte("HTTP/1.1 400 Bad Request\r\n\r\n") }, ErrBadFrame},
-		{"ack for another frame", func(h Header) []byte { return AppendAck(nil, Ack{Seq: h.Seq + 1}) }, ErrBadFrame},
-		{"hang up without an ack", func(Header) []byte { return nil }, ErrConnLost},
-		{"unknown status", func(h Header) []byte { return AppendAck(nil, Ack{Seq: h.Seq, Status: 4242, Msg: "new"}) }, ErrRejected},
+		{"not an ack", func(Header) []byte { return []byte("HTTP/1.1 400 Bad Request\r\n\r\n") }, transport.ErrBadFrame},
+		{"ack for another frame", func(h Header) []byte { return AppendAck(nil, Ack{Seq: h.Seq + 1}) }, transport.ErrBadFrame},
+		{"hang up without an ack", func(Header) []byte { return nil }, transport.ErrConnLost},
+		{"unknown status", func(h Header) []byte { return AppendAck(nil, Ack{Seq: h.Seq, Status: 4242, Msg: "new"}) }, transport.ErrRejected},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			addr := fakeReceiver(t, tc.reply)
 			w := newWriter(t, newTCP(TCPConfig{Conns: 1}))
-			errs := write(t, w, addr, WriteItem{Res: 1, Token: ids.Token{1}, Src: []byte("payload")})
+			errs := write(t, w, addr, transport.WriteItem{Res: 1, Token: ids.Token{1}, Src: []byte("payload")})
 			require.ErrorIs(t, errs[0], tc.want)
 			require.Contains(t, errs[0].Error(), addr)
 		})
@@ -491,11 +495,11 @@ func TestTCPSinkPanicCostsOnlyTheConnection(t *testing.T) {
 	sink := panicSink{memSink: newMemSink(1 << 20), bad: 999}
 	r := listenTCP(t, tr, sink)
 	w := newWriter(t, tr)
-	errs := write(t, w, r.Addr(), WriteItem{Res: 999, Token: ids.Token{1}, Src: []byte("boom")})
-	require.ErrorIs(t, errs[0], ErrConnLost)
+	errs := write(t, w, r.Addr(), transport.WriteItem{Res: 999, Token: ids.Token{1}, Src: []byte("boom")})
+	require.ErrorIs(t, errs[0], transport.ErrConnLost)
 
 	res, tok := sink.reserve(t, 100)
-	it := WriteItem{Res: res, Token: tok, Src: randBytes(1, 100)}
+	it := transport.WriteItem{Res: res, Token: tok, Src: randBytes(1, 100)}
 	require.Eventually(t, func() bool {
 		return write(t, w, r.Addr(), it)[0] == nil
 	}, eventually, time.Millisecond, "the receiver keeps serving")

@@ -1,4 +1,4 @@
-package transport
+package tcp
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
 // The TCP ceiling is the data plane itself with nothing around it: the
@@ -38,7 +39,7 @@ import (
 // cfg.Conns regions of cfg.ChunkSize touched up front (one per connection
 // served at once; more are made as needed). Its Stats count the frames
 // and bytes that landed.
-func ListenCeiling(addr string, cfg TCPConfig) (Receiver, error) {
+func ListenCeiling(addr string, cfg TCPConfig) (transport.Receiver, error) {
 	t := NewTCP(cfg)
 	return t.Listen(addr, newCeilingSink(t.cfg.ChunkSize, t.cfg.Conns))
 }
@@ -112,14 +113,14 @@ func CeilingSend(ctx context.Context, addrs []string, cfg TCPConfig, total int64
 // ceilingRound writes shares[i] bytes to addrs[i], all destinations at
 // once, each as one Write of chunk-sized items (as a producer's batch is
 // one Write), and returns how long the slowest took.
-func ceilingRound(ctx context.Context, w Writer, addrs []string, shares []int64, src []byte) (time.Duration, error) {
-	calls := make([][]WriteItem, len(addrs))
+func ceilingRound(ctx context.Context, w transport.Writer, addrs []string, shares []int64, src []byte) (time.Duration, error) {
+	calls := make([][]transport.WriteItem, len(addrs))
 	for i, n := range shares {
 		chunk := int64(len(src))
-		items := make([]WriteItem, 0, (n+chunk-1)/chunk)
+		items := make([]transport.WriteItem, 0, (n+chunk-1)/chunk)
 		for left := n; left > 0; left -= chunk {
 			k := min(left, chunk)
-			items = append(items, WriteItem{Res: ids.ResID(len(items) + 1), Src: src[:k]})
+			items = append(items, transport.WriteItem{Res: ids.ResID(len(items) + 1), Src: src[:k]})
 		}
 		calls[i] = items
 	}
@@ -210,7 +211,7 @@ func (s *ceilingSink) put(b []byte) {
 }
 
 // BeginFrame implements FrameSink, the path the TCP receiver takes.
-func (s *ceilingSink) BeginFrame(_ ids.ResID, _ ids.Token, _, n uint64) (Frame, error) {
+func (s *ceilingSink) BeginFrame(_ ids.ResID, _ ids.Token, _, n uint64) (transport.Frame, error) {
 	return &ceilingFrame{s: s, buf: s.region(n), n: n}, nil
 }
 

@@ -1,4 +1,4 @@
-package transport
+package tcp
 
 import (
 	"bufio"
@@ -12,6 +12,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/internal/serve"
 	"go.uber.org/atomic"
 )
 
@@ -81,7 +83,7 @@ func (w *tcpWriter) pool(dest string) (*pool, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.closed {
-		return nil, ErrClosed
+		return nil, transport.ErrClosed
 	}
 	p := w.pools[dest]
 	if p == nil {
@@ -100,8 +102,8 @@ func (w *tcpWriter) pool(dest string) (*pool, error) {
 // Write implements Writer. Chunks are dealt round-robin over the pool,
 // continuing where the previous call stopped, so that both one large item
 // and many small ones keep every connection busy.
-func (w *tcpWriter) Write(ctx context.Context, dest string, items []WriteItem) []error {
-	if errs := refuseDevice("tcp", dest, items); errs != nil {
+func (w *tcpWriter) Write(ctx context.Context, dest string, items []transport.WriteItem) []error {
+	if errs := transport.RefuseDevice("tcp", dest, items); errs != nil {
 		return errs
 	}
 	c := newCall(ctx, dest, items)
@@ -128,7 +130,7 @@ func (w *tcpWriter) Write(ctx context.Context, dest string, items []WriteItem) [
 	for k, share := range shares {
 		if len(share) > 0 && !p.slots[k].q.push(share...) {
 			for _, ch := range share {
-				ch.settle(ErrClosed)
+				ch.settle(transport.ErrClosed)
 			}
 		}
 	}
@@ -155,12 +157,12 @@ func (w *tcpWriter) Close() error {
 		for _, p := range pools {
 			for _, s := range p.slots {
 				for _, ch := range s.q.close() {
-					ch.settle(ErrClosed)
+					ch.settle(transport.ErrClosed)
 				}
 			}
 		}
 		for _, wc := range conns {
-			wc.failAll(ErrClosed)
+			wc.failAll(transport.ErrClosed)
 			_ = wc.c.Close()
 		}
 	})
@@ -172,12 +174,12 @@ func (w *tcpWriter) Close() error {
 // Close, or the connection.
 func (w *tcpWriter) lost(cause error) error {
 	if w.shut.Load() {
-		return ErrClosed
+		return transport.ErrClosed
 	}
 	if errors.Is(cause, io.EOF) {
 		cause = errors.New("receiver closed the connection")
 	}
-	return fmt.Errorf("%w: %w", ErrConnLost, cause)
+	return fmt.Errorf("%w: %w", transport.ErrConnLost, cause)
 }
 
 func (w *tcpWriter) track(wc *wconn) bool {
@@ -204,7 +206,7 @@ func (w *tcpWriter) forget(wc *wconn) {
 type call struct {
 	ctx   context.Context
 	dest  string
-	items []WriteItem
+	items []transport.WriteItem
 	done  chan struct{}
 
 	mu        sync.Mutex
@@ -216,7 +218,7 @@ type call struct {
 	idle      chan struct{}
 }
 
-func newCall(ctx context.Context, dest string, items []WriteItem) *call {
+func newCall(ctx context.Context, dest string, items []transport.WriteItem) *call {
 	return &call{
 		ctx:   ctx,
 		dest:  dest,
@@ -229,7 +231,7 @@ func newCall(ctx context.Context, dest string, items []WriteItem) *call {
 
 func (c *call) failAll(err error) []error {
 	for i, it := range c.items {
-		c.errs[i] = itemErr("tcp", c.dest, it.Res, 0, len(it.Src), err)
+		c.errs[i] = transport.ItemErr("tcp", c.dest, it.Res, 0, uint64(len(it.Src)), err)
 	}
 	return c.errs
 }
@@ -237,10 +239,10 @@ func (c *call) failAll(err error) []error {
 // chunks cuts every item into frames, in one allocation sized up front so
 // that no chunk is moved once made.
 func (c *call) chunks(size int) []chunk {
-	spans := make([][]span, len(c.items))
+	spans := make([][]transport.Span, len(c.items))
 	total := 0
 	for i, it := range c.items {
-		spans[i] = split(len(it.Src), size)
+		spans[i] = transport.Split(len(it.Src), size)
 		c.left[i] = len(spans[i])
 		total += len(spans[i])
 	}
@@ -248,7 +250,7 @@ func (c *call) chunks(size int) []chunk {
 	k := 0
 	for i := range c.items {
 		for _, sp := range spans[i] {
-			out[k].call, out[k].item, out[k].off, out[k].end = c, i, sp.off, sp.end
+			out[k].call, out[k].item, out[k].off, out[k].end = c, i, sp.Off, sp.End
 			k++
 		}
 	}
@@ -303,7 +305,7 @@ func (c *call) finish() []error {
 	c.finished = true
 	for i, it := range c.items {
 		if c.left[i] > 0 && c.errs[i] == nil {
-			c.errs[i] = itemErr("tcp", c.dest, it.Res, 0, len(it.Src), c.ctx.Err())
+			c.errs[i] = transport.ItemErr("tcp", c.dest, it.Res, 0, uint64(len(it.Src)), c.ctx.Err())
 		}
 	}
 	var idle chan struct{}
@@ -341,7 +343,7 @@ func (ch *chunk) settle(cause error) {
 	var err error
 	if cause != nil {
 		c := ch.call
-		err = itemErr("tcp", c.dest, c.items[ch.item].Res, ch.off, ch.end, cause)
+		err = transport.ItemErr("tcp", c.dest, c.items[ch.item].Res, uint64(ch.off), uint64(ch.end), cause)
 	}
 	ch.call.settle(ch.item, err)
 }
@@ -462,11 +464,11 @@ func (s *slot) send(g []*chunk) {
 	defer c.end()
 	defer func() {
 		if p := recover(); p != nil {
-			LogPanic(s.w.log, p, "transport: panic sending frame", "dest", s.dest)
+			serve.LogPanic(s.w.log, p, "transport: panic sending frame", "dest", s.dest)
 			if s.wc != nil {
 				s.retire(s.wc)
 			}
-			settleAll(g, fmt.Errorf("%w: panic: %v", ErrConnLost, p))
+			settleAll(g, fmt.Errorf("%w: panic: %v", transport.ErrConnLost, p))
 		}
 	}()
 	wc, err := s.conn(c.ctx)
@@ -548,12 +550,12 @@ func (s *slot) conn(ctx context.Context) (*wconn, error) {
 	c, err := w.dialer.DialContext(dctx, "tcp", s.dest)
 	if err != nil {
 		if w.shut.Load() {
-			return nil, ErrClosed
+			return nil, transport.ErrClosed
 		}
 		if ctxErr := ctx.Err(); ctxErr != nil {
 			return nil, fmt.Errorf("dial: %w", ctxErr)
 		}
-		return nil, fmt.Errorf("%w: %w", ErrUnreachable, err)
+		return nil, fmt.Errorf("%w: %w", transport.ErrUnreachable, err)
 	}
 	tuneConn(c, w.cfg)
 	if err := w.handshake(ctx, c); err != nil {
@@ -563,7 +565,7 @@ func (s *slot) conn(ctx context.Context) (*wconn, error) {
 	wc := &wconn{w: w, slot: s, c: c, pending: make(map[uint64]*chunk)}
 	if !w.track(wc) {
 		_ = c.Close()
-		return nil, ErrClosed
+		return nil, transport.ErrClosed
 	}
 	s.wc = wc
 	return wc, nil
@@ -585,23 +587,23 @@ func (w *tcpWriter) handshake(ctx context.Context, c net.Conn) error {
 			return fmt.Errorf("handshake: %w", ctxErr)
 		}
 		if timedOut(err) {
-			return fmt.Errorf("%w: no challenge from the receiver within %v: it does not speak data protocol v%d (an older build?)", ErrNotAdmitted, w.cfg.DialTimeout, HandshakeVersion)
+			return fmt.Errorf("%w: no challenge from the receiver within %v: it does not speak data protocol v%d (an older build?)", transport.ErrNotAdmitted, w.cfg.DialTimeout, HandshakeVersion)
 		}
-		return fmt.Errorf("%w: handshake: %w", ErrConnLost, err)
+		return fmt.Errorf("%w: handshake: %w", transport.ErrConnLost, err)
 	}
 	ch, err := DecodeChallenge(b)
 	if err != nil {
-		return fmt.Errorf("%w: %w", ErrNotAdmitted, err)
+		return fmt.Errorf("%w: %w", transport.ErrNotAdmitted, err)
 	}
 	p := Preamble{Mode: ModeGrant}
 	if ch.Mode == ModeSecret {
 		if w.key == nil {
-			return fmt.Errorf("%w: the receiver admits only writers holding the deployment secret, and this one has no auth_secret", ErrNotAdmitted)
+			return fmt.Errorf("%w: the receiver admits only writers holding the deployment secret, and this one has no auth_secret", transport.ErrNotAdmitted)
 		}
 		p = Preamble{Mode: ModeSecret, MAC: prove(w.key, b)}
 	}
 	if _, err := c.Write(AppendPreamble(b[ChallengeLen:], p)); err != nil {
-		return fmt.Errorf("%w: handshake: %w", ErrConnLost, err)
+		return fmt.Errorf("%w: handshake: %w", transport.ErrConnLost, err)
 	}
 	return nil
 }
@@ -723,7 +725,7 @@ func (wc *wconn) readAcks() {
 		wc.resendPending()
 	}
 	_ = wc.c.Close()
-	if errors.Is(err, ErrNotAdmitted) {
+	if errors.Is(err, transport.ErrNotAdmitted) {
 		wc.failAll(err)
 	} else {
 		wc.failAll(wc.w.lost(err))
@@ -744,7 +746,7 @@ func (wc *wconn) resendPending() {
 			continue
 		}
 		if !wc.slot.q.push(ch) {
-			ch.settle(ErrClosed)
+			ch.settle(transport.ErrClosed)
 		}
 	}
 }
@@ -752,7 +754,7 @@ func (wc *wconn) resendPending() {
 func (wc *wconn) ackLoop() (err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			LogPanic(wc.w.log, p, "transport: panic reading acks")
+			serve.LogPanic(wc.w.log, p, "transport: panic reading acks")
 			err = fmt.Errorf("panic reading acks: %v", p)
 		}
 	}()
@@ -778,17 +780,17 @@ func (wc *wconn) ackLoop() (err error) {
 			}
 			a.Msg = string(msg[:n])
 		}
-		if a.Seq == 0 && a.Status == StatusClosing {
+		if a.Seq == 0 && a.Status == transport.StatusClosing {
 			return errGoodbye
 		}
-		if a.Seq == 0 && a.Status == StatusNotAdmitted {
-			return fmt.Errorf("%w (receiver: %q)", ErrNotAdmitted, a.Msg)
+		if a.Seq == 0 && a.Status == transport.StatusNotAdmitted {
+			return fmt.Errorf("%w (receiver: %q)", transport.ErrNotAdmitted, a.Msg)
 		}
 		ch := wc.take(a.Seq)
 		if ch == nil {
-			return fmt.Errorf("ack for unknown seq %d: %w", a.Seq, ErrBadFrame)
+			return fmt.Errorf("ack for unknown seq %d: %w", a.Seq, transport.ErrBadFrame)
 		}
-		if e := errOf(a.Status); e != nil {
+		if e := a.Status.Err(); e != nil {
 			ch.settle(fmt.Errorf("%w (receiver: %q)", e, a.Msg))
 		} else {
 			ch.settle(nil)

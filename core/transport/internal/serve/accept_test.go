@@ -1,4 +1,4 @@
-package transport
+package serve
 
 import (
 	"errors"

@@ -1,4 +1,4 @@
-package transport
+package serve
 
 import (
 	"errors"
@@ -205,4 +205,13 @@ func (c *Counts) Snapshot() map[string]uint64 {
 		out[k] = v
 	}
 	return out
+}
+
+// ClipMsg is msg cut to at most max bytes, the room a wire message gives
+// an error's text.
+func ClipMsg(msg string, max int) string {
+	if len(msg) > max {
+		return msg[:max]
+	}
+	return msg
 }
