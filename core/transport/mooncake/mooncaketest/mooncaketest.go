@@ -35,6 +35,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"testing"
 	"unsafe"
 
@@ -47,7 +48,34 @@ import (
 const (
 	EnvLibrary  = "ECMOONCAKE_MOONCAKE_LIBRARY"
 	EnvProtocol = "ECMOONCAKE_MOONCAKE_PROTOCOL"
+	// EnvEngine names a Mooncake wheel's engine.so, which EnvLibrary (then
+	// ecmooncake's shim) carries.
+	EnvEngine = "ECMOONCAKE_MOONCAKE_ENGINE"
 )
+
+// RealEngine is the wheel's engine.so the environment names, or "".
+func RealEngine() string { return os.Getenv(EnvEngine) }
+
+// PreloadPython makes libpython's symbols global in a process that is not
+// Python (a Go test binary), which a wheel's engine.so, a Python module,
+// needs before it loads; inside Python they are there already. It asks
+// python3 (or $PYTHON) where its shared library is.
+func PreloadPython() error {
+	py := os.Getenv("PYTHON")
+	if py == "" {
+		py = "python3"
+	}
+	out, err := exec.Command(py, "-c",
+		"import os, sysconfig as s; print(os.path.join(s.get_config_var('LIBDIR'), s.get_config_var('INSTSONAME')))").Output()
+	if err != nil {
+		return fmt.Errorf("mooncaketest: ask %s for its libpython: %w", py, err)
+	}
+	path := strings.TrimSpace(string(out))
+	if err := dl.OpenGlobal(path); err != nil {
+		return fmt.Errorf("mooncaketest: preload %s for the wheel's engine.so (a Python built without --enable-shared has none): %w", path, err)
+	}
+	return nil
+}
 
 // Real returns the library and protocol the environment names, and
 // whether it names one. Tests that only move bytes run against it; those
@@ -97,6 +125,7 @@ func Build(dir, name string, omitFreeBatchID bool) (string, error) {
 // directory it was built in, removed after the run.
 type Setup struct {
 	Library  string
+	Engine   string // the wheel's engine.so behind Library (the shim), or ""
 	Protocol string
 	Double   *Double
 	Dir      string
@@ -128,7 +157,11 @@ func run(m *testing.M, prefix string, ready func(Setup) error) int {
 func setup(prefix string) (s Setup, cleanup func(), err error) {
 	cleanup = func() {}
 	if lib, proto, ok := Real(); ok {
-		return Setup{Library: lib, Protocol: proto}, cleanup, nil
+		s = Setup{Library: lib, Engine: RealEngine(), Protocol: proto}
+		if s.Engine != "" {
+			err = PreloadPython()
+		}
+		return s, cleanup, err
 	}
 	if s.Dir, err = os.MkdirTemp("", prefix); err != nil {
 		return s, cleanup, err
