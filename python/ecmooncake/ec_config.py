@@ -232,7 +232,12 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         only_if_set=True,
     ),
     "mooncake_library": _mooncake_text(
-        "path of `libtransfer_engine.so` (empty: the loader's search path)",
+        "path of `libtransfer_engine.so` (empty: the installed Mooncake pip wheel through ecmooncake's shim, "
+        "else the loader's search path)",
+    ),
+    "mooncake_engine": _mooncake_text(
+        "path of a Mooncake pip wheel's `mooncake/engine.so`, carried by the shim `mooncake_library` then names "
+        "(empty: filled in when the wheel is installed and `mooncake_library` is not set)",
     ),
     "mooncake_protocol": _mooncake_text(
         "Mooncake transport; both ends must name the same one", default="rdma",

@@ -119,6 +119,38 @@ func Build(dir, name string, omitFreeBatchID bool) (string, error) {
 	return out, nil
 }
 
+// ShimSource is the path of ecmooncake's shim over a Mooncake wheel.
+func ShimSource() string {
+	_, file, _, _ := runtime.Caller(0)
+	return filepath.Join(filepath.Dir(file), "..", "shim", "ecm_mooncake_shim.cpp")
+}
+
+// BuildShim compiles the shim into dir/name with the system C++ compiler
+// (g++, or $CXX), with the flags build/build_lib.py uses, and returns its
+// path.
+func BuildShim(dir, name string) (string, error) {
+	cxx := os.Getenv("CXX")
+	if cxx == "" {
+		cxx = "g++"
+	}
+	if _, err := exec.LookPath(cxx); err != nil {
+		return "", fmt.Errorf("mooncaketest: no C++ compiler (%s) to build the shim: %w", cxx, err)
+	}
+	out := filepath.Join(dir, name)
+	args := append(ShimFlags(), "-o", out, ShimSource(), "-ldl")
+	cmd := exec.Command(cxx, args...)
+	cmd.Stderr = os.Stderr
+	if err := cmd.Run(); err != nil {
+		return "", fmt.Errorf("mooncaketest: %s %v: %w", cxx, args, err)
+	}
+	return out, nil
+}
+
+// ShimFlags are the compiler flags of the shim, the same in build/build_lib.py.
+func ShimFlags() []string {
+	return []string{"-std=c++17", "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-fvisibility-inlines-hidden"}
+}
+
 // Setup is what a test binary runs against: the library, the protocol
 // to install on it ("" for the transport's default) and, when the library
 // is the double, the double (nil against a real library) and the
