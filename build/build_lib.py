@@ -7,7 +7,11 @@ Runs ``go build -buildmode=c-shared`` on ./export from the repository root and
 writes DIR/libecmooncake.so (default: python/ecmooncake/, where the Python
 package looks for it), then builds ./core/transport/cmd/ecm-ceiling, the
 benchmarks' TCP ceiling, into DIR/ecm-ceiling beside it (a static binary: it
-needs neither cgo nor libzmq). setup.py imports this file for ``pip install``,
+needs neither cgo nor libzmq), and compiles the shim that carries the
+``mooncake`` transport over a Mooncake pip wheel
+(core/transport/mooncake/shim) into DIR/libecmooncake_mooncake.so with g++
+($CXX); without a C++ compiler the shim is left out, said on stderr, and
+``python -m ecmooncake doctor`` says so too. setup.py imports this file for ``pip install``,
 so it uses the standard library only.
 """
 
@@ -25,6 +29,10 @@ PACKAGE_DIR = ROOT / "python" / "ecmooncake"
 LIBRARY_NAME = "libecmooncake.so"
 CEILING_NAME = "ecm-ceiling"
 CEILING_PACKAGE = "./core/transport/cmd/ecm-ceiling"
+SHIM_NAME = "libecmooncake_mooncake.so"
+SHIM_SOURCE = ROOT / "core" / "transport" / "mooncake" / "shim" / "ecm_mooncake_shim.cpp"
+# The same in core/transport/mooncake/mooncaketest.ShimFlags.
+SHIM_FLAGS = ["-std=c++17", "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
 ZMQ_HINT = "install libzmq and its headers (Debian/Ubuntu: apt-get install libzmq3-dev)"
 INCLUDE_DIRS = [Path("/usr/include"), Path("/usr/local/include")]
 
@@ -98,6 +106,29 @@ def build(out_dir: Path | str = PACKAGE_DIR, verbose: bool = True) -> Path:
     if result.returncode != 0:
         raise BuildError(f"go build failed with exit status {result.returncode}")
     build_ceiling(out_dir, go, verbose)
+    build_shim(out_dir, verbose)
+    return target
+
+
+def build_shim(out_dir: Path, verbose: bool = True) -> Path | None:
+    """Compiles the Mooncake wheel shim into out_dir; None, said on stderr,
+    when there is no C++ compiler (only the wheel path needs it)."""
+    cxx = (os.environ.get("CXX") or "g++").split()
+    target = out_dir / SHIM_NAME
+    if shutil.which(cxx[0]) is None:
+        target.unlink(missing_ok=True)
+        print(
+            f"build_lib: no C++ compiler ('{cxx[0]}'): {SHIM_NAME} not built, so the mooncake transport "
+            "cannot use a Mooncake pip wheel (Debian/Ubuntu: apt-get install g++)",
+            file=sys.stderr,
+        )
+        return None
+    cmd = [*cxx, *SHIM_FLAGS, "-o", str(target), str(SHIM_SOURCE), "-ldl"]
+    if verbose:
+        print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    result = subprocess.run(cmd, cwd=ROOT)
+    if result.returncode != 0:
+        raise BuildError(f"{' '.join(cmd)} failed with exit status {result.returncode}")
     return target
 
 

@@ -14,17 +14,20 @@ import (
 )
 
 // MooncakeInfo says whether the TransferEngine library in {"library": path}
-// (empty: the loader's search path) loads and has every function the
-// transport calls; a library that does not is an answer, not an error.
+// (empty: the loader's search path), with {"engine": path} a Mooncake
+// wheel's engine.so carried by the shim that library then is, loads and
+// has every function the transport calls; a library that does not is an
+// answer, not an error.
 func MooncakeInfo(raw []byte) ([]byte, error) {
 	setup()
 	var in struct {
 		Library string `json:"library"`
+		Engine  string `json:"engine"`
 	}
 	if err := unmarshal("mooncake_info", raw, &in); err != nil {
 		return nil, err
 	}
-	return marshal(mooncake.Probe(in.Library))
+	return marshal(mooncake.Probe(in.Library, in.Engine))
 }
 
 // metadata server --------------------------------------------------------------

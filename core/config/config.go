@@ -29,6 +29,10 @@ type Mooncake struct {
 	// Library is the path of libtransfer_engine.so; empty means the
 	// loader's default search path.
 	Library string `json:"mooncake_library"`
+	// Engine is the path of a Mooncake pip wheel's mooncake/engine.so,
+	// reached through ecmooncake's shim, which Library then names; empty
+	// means Library is a TransferEngine C API library of its own.
+	Engine string `json:"mooncake_engine"`
 	// Metadata is P2PHANDSHAKE or http(s)://host:port/path; empty means
 	// P2PHANDSHAKE, or this shard's own metadata server when it starts one.
 	Metadata string `json:"mooncake_metadata"`

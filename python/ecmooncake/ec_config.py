@@ -310,7 +310,13 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
     # default applies (and a build without Mooncake never sees them).
     "mooncake_library": _native(
         "mooncake_library", _BOTH,
-        "path of `libtransfer_engine.so` (empty: the loader's search path)", only_if_set=True,
+        "path of `libtransfer_engine.so` (empty: the installed Mooncake pip wheel through ecmooncake's shim, "
+        "else the loader's search path)", only_if_set=True,
+    ),
+    "mooncake_engine": _native(
+        "mooncake_engine", _BOTH,
+        "path of a Mooncake pip wheel's `mooncake/engine.so`, carried by the shim `mooncake_library` then names "
+        "(empty: filled in when the wheel is installed and `mooncake_library` is not set)", only_if_set=True,
     ),
     "mooncake_protocol": _native(
         "mooncake_protocol", _BOTH,

@@ -12,17 +12,74 @@ from typing import Any, Callable
 MOONCAKE_LIBRARY_ENV = "ECMOONCAKE_MOONCAKE_LIBRARY"
 
 
+SHIM_NAME = "libecmooncake_mooncake.so"
+MOONCAKE_WHEELS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")
+
+
+def mooncake_wheel() -> dict | None:
+    """The installed Mooncake pip wheel, found through the import machinery
+    without importing it: {"engine": path of mooncake/engine.so, "version":
+    the wheel's version or "", "shim": path of this package's shim (exists
+    or not)}; None when no ``mooncake`` package with an engine.so is
+    installed."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("mooncake")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        engine = os.path.join(folder, "engine.so")
+        if os.path.isfile(engine):
+            break
+    else:
+        return None
+    version = ""
+    for dist in MOONCAKE_WHEELS:
+        try:
+            version = importlib.metadata.version(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    shim = os.path.join(os.path.dirname(os.path.abspath(__file__)), SHIM_NAME)
+    return {"engine": engine, "version": version, "shim": shim}
+
+
 def with_mooncake_library(config: Any) -> Any:
-    """Fills ``mooncake_library`` from $ECMOONCAKE_MOONCAKE_LIBRARY.
+    """Fills ``mooncake_library`` from $ECMOONCAKE_MOONCAKE_LIBRARY, else,
+    when a Mooncake pip wheel is installed, ``mooncake_library`` with this
+    package's shim and ``mooncake_engine`` with the wheel's engine.so.
 
     Only for an object whose ``transport`` is ``"mooncake"`` and whose
-    settings leave the key out. Go reads no environment variables (it sees
-    only the environment the process started with), so Python passes the
-    path down as a setting. Anything else is returned unchanged.
+    settings leave both keys out: a library the user names (a source build's
+    libtransfer_engine.so) always wins. Go reads no environment variables
+    (it sees only the environment the process started with) and cannot ask
+    Python's import machinery, so Python passes the paths down as settings.
+    Anything else is returned unchanged.
     """
-    return _fill_from_env(
+    config = _fill_from_env(
         config, MOONCAKE_LIBRARY_ENV, "mooncake_library", lambda c: c.get("transport") == "mooncake"
     )
+    parsed = config
+    if isinstance(config, (str, bytes)):
+        try:
+            parsed = json.loads(config)
+        except ValueError:
+            return config
+    if (
+        not isinstance(parsed, dict)
+        or parsed.get("transport") != "mooncake"
+        or "mooncake_library" in parsed
+        or "mooncake_engine" in parsed
+    ):
+        return config
+    wheel = mooncake_wheel()
+    if wheel is None:
+        return config
+    return {**parsed, "mooncake_library": wheel["shim"], "mooncake_engine": wheel["engine"]}
 
 
 def _fill_from_env(config: Any, env: str, key: str, applies: Callable[[dict], Any]) -> Any:

@@ -26,6 +26,8 @@ from .buffers import _is_tensor, buffer_of, memory_of, shared_slab  # noqa: F401
 from .environment import (  # noqa: F401  (re-exported)
     METADATA_TOKEN_ENV,
     MOONCAKE_LIBRARY_ENV,
+    SHIM_NAME,
+    mooncake_wheel,
     with_metadata_token,
     with_mooncake_library,
 )
@@ -101,16 +103,21 @@ def gpu_info() -> dict:
     return _call("ecm_gpu_info", out=True)
 
 
-def mooncake_info(library: str | None = None) -> dict:
+def mooncake_info(library: str | None = None, engine: str | None = None) -> dict:
     """Whether Mooncake's TransferEngine serves the mooncake transport here:
-    library, available, reason, symbols (the functions it needs).
+    library, engine and version (with a wheel), available, reason, symbols
+    (the functions it needs).
 
-    ``library`` defaults to $ECMOONCAKE_MOONCAKE_LIBRARY, then
-    libtransfer_engine.so on the loader's search path, as for a consumer
-    or producer. Loads the library; creates no engine."""
-    if library is None:
-        library = os.environ.get(MOONCAKE_LIBRARY_ENV, "")
-    return _call("ecm_mooncake_info", _encode({"library": library}, "mooncake_info"), out=True)
+    With neither given, the engine a consumer or producer would load:
+    $ECMOONCAKE_MOONCAKE_LIBRARY, else the installed Mooncake wheel through
+    this package's shim, else libtransfer_engine.so on the loader's search
+    path. Loads the library; creates no engine."""
+    if library is None and engine is None:
+        filled = with_mooncake_library({"transport": "mooncake"})
+        library, engine = filled.get("mooncake_library", ""), filled.get("mooncake_engine", "")
+    return _call(
+        "ecm_mooncake_info", _encode({"library": library or "", "engine": engine or ""}, "mooncake_info"), out=True
+    )
 
 
 def _stream_handle(stream: Any, tensor: Any) -> int:
@@ -459,4 +466,5 @@ __all__ = [
     "mooncake_info",
     "with_metadata_token",
     "with_mooncake_library",
+    "mooncake_wheel",
 ]

@@ -29,6 +29,7 @@ var (
 	mcLibrary  string
 	mcProtocol string
 	mcDouble   *mooncaketest.Double
+	mcEngine   string // a Mooncake wheel's engine.so behind mcLibrary (the shim); "" for none
 )
 
 // needDouble skips a test that injects faults or reads counters only the
@@ -47,7 +48,13 @@ func TestMain(m *testing.M) { os.Exit(withMooncake(m.Run)) }
 // removed after it.
 func withMooncake(run func() int) int {
 	if lib, proto, ok := mooncaketest.Real(); ok {
-		mcLibrary, mcProtocol = lib, proto
+		mcLibrary, mcProtocol, mcEngine = lib, proto, mooncaketest.RealEngine()
+		if mcEngine != "" {
+			if err := mooncaketest.PreloadPython(); err != nil {
+				fmt.Fprintln(os.Stderr, err)
+				return 1
+			}
+		}
 		return run()
 	}
 	dir, err := os.MkdirTemp("", "ecm-gotests-mooncake-")
@@ -78,7 +85,7 @@ func offHeap(t *testing.T) func(n int) []byte {
 }
 
 func mooncakeTr(t *testing.T, mod func(*mooncake.Config)) transport.Transport {
-	c := mooncake.Config{Library: mcLibrary, Protocol: mcProtocol, Host: "127.0.0.1", StagingBytes: 16 << 20, ChunkBytes: 1 << 20, Logger: quietLog()}
+	c := mooncake.Config{Library: mcLibrary, Engine: mcEngine, Protocol: mcProtocol, Host: "127.0.0.1", StagingBytes: 16 << 20, ChunkBytes: 1 << 20, Logger: quietLog()}
 	if mod != nil {
 		mod(&c)
 	}

@@ -5,6 +5,7 @@ for them."""
 
 from __future__ import annotations
 
+import os
 import importlib.util
 import json
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, subprocess_env
+from ecmooncake import environment
 from ecmooncake.tools import doctor
 from ecmooncake.tools.harness import free_port_range
 
@@ -39,7 +41,12 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_this_vm_passes_with_warnings_for_gpu_and_mooncake():
+def test_this_vm_passes_with_warnings_for_gpu_and_mooncake(monkeypatch):
+    # A host with a Mooncake wheel has the engine: test_the_wheel_is_named covers it.
+    from ecmooncake import native
+
+    monkeypatch.setattr(environment, "mooncake_wheel", lambda: None)
+    monkeypatch.delenv(native.MOONCAKE_LIBRARY_ENV, raising=False)
     port = free_port_range(2)
     checks = by_name(doctor.run(config(ec_port=port), tensor_parallel_size=2))
     assert checks["library"].status == "ok" and checks["libzmq"].status == "ok", checks
@@ -157,3 +164,22 @@ def test_the_readme_documents_the_doctor():
     readme = (REPO / "README.md").read_text()
     assert "python -m ecmooncake doctor" in readme
     assert Path(doctor.__file__).name == "doctor.py"
+
+
+def test_the_wheel_is_named_with_its_version_and_protocols():
+    from ecmooncake import native
+
+    wheel = native.mooncake_wheel()
+    if wheel is None or not os.path.exists(wheel["shim"]):
+        pytest.skip("no Mooncake pip wheel installed (pip install mooncake-transfer-engine-non-cuda==0.3.12.post1), or no shim built")
+    check = doctor.check_mooncake(doctor._parse(None, 1, 1, None))
+    assert check.status == "ok", check
+    assert wheel["version"] in check.message and wheel["engine"] in check.message, check.message
+    assert "protocols: tcp" in check.message
+
+
+def test_rdma_devices_are_listed(tmp_path):
+    assert doctor.rdma_devices(str(tmp_path / "none")) == []
+    (tmp_path / "mlx5_1").mkdir()
+    (tmp_path / "mlx5_0").mkdir()
+    assert doctor.rdma_devices(str(tmp_path)) == ["mlx5_0", "mlx5_1"]

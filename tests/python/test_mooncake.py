@@ -20,6 +20,7 @@ import pytest
 
 from conftest import REPO, subprocess_env
 from ecmooncake import native
+from ecmooncake import environment
 from ecmooncake.tools.harness import free_port_range
 from ecmooncake.native import EcmUnavailable, MetadataServer, Producer, Scheduler
 
@@ -211,11 +212,58 @@ FROM_ENVIRONMENT = {
 )
 def test_a_setting_comes_from_the_environment(monkeypatch, setting, config, env, want):
     variable, fill_in = FROM_ENVIRONMENT[setting]
+    # Whether this host has a Mooncake wheel is test_an_installed_wheel_fills_the_library's case.
+    monkeypatch.setattr(environment, "mooncake_wheel", lambda: None)
     if env is None:
         monkeypatch.delenv(variable, raising=False)
     else:
         monkeypatch.setenv(variable, env)
     assert fill_in(config) == want
+
+
+WHEEL = {"engine": "/site/mooncake/engine.so", "version": "0.3.12.post1", "shim": "/pkg/libecmooncake_mooncake.so"}
+
+
+@pytest.mark.parametrize(
+    "config, env, want",
+    [
+        ({"transport": "mooncake"}, None,
+         {"transport": "mooncake", "mooncake_library": WHEEL["shim"], "mooncake_engine": WHEEL["engine"]}),
+        ('{"transport": "mooncake"}', None,
+         {"transport": "mooncake", "mooncake_library": WHEEL["shim"], "mooncake_engine": WHEEL["engine"]}),
+        ({"transport": "mooncake"}, "/x/libte.so", {"transport": "mooncake", "mooncake_library": "/x/libte.so"}),
+        ({"transport": "mooncake", "mooncake_library": "/mine.so"}, None, {"transport": "mooncake", "mooncake_library": "/mine.so"}),
+        ({"transport": "mooncake", "mooncake_engine": "/e.so"}, None, {"transport": "mooncake", "mooncake_engine": "/e.so"}),
+        ({"transport": "tcp"}, None, {"transport": "tcp"}),
+    ],
+)
+def test_an_installed_wheel_fills_the_library(monkeypatch, config, env, want):
+    """A library the user names wins over the wheel; the wheel fills both
+    keys only when neither is set."""
+    monkeypatch.setattr(environment, "mooncake_wheel", lambda: dict(WHEEL))
+    if env is None:
+        monkeypatch.delenv(native.MOONCAKE_LIBRARY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(native.MOONCAKE_LIBRARY_ENV, env)
+    assert native.with_mooncake_library(config) == want
+
+
+def test_the_wheel_is_found_without_importing_it(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    (site / "mooncake").mkdir(parents=True)
+    (site / "mooncake" / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    (site / "mooncake" / "engine.so").write_bytes(b"")
+    dist = site / "mooncake_transfer_engine_non_cuda-0.3.12.post1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mooncake-transfer-engine-non-cuda\nVersion: 0.3.12.post1\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delitem(sys.modules, "mooncake", raising=False)
+    got = native.mooncake_wheel()
+    assert got is not None
+    assert got["engine"] == str(site / "mooncake" / "engine.so")
+    assert got["version"] == "0.3.12.post1"
+    assert got["shim"].endswith(native.SHIM_NAME)
+    assert "mooncake" not in sys.modules
 
 
 def test_missing_library_is_unavailable(monkeypatch):

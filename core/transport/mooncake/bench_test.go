@@ -31,7 +31,7 @@ func BenchmarkWriteVsEngine(b *testing.B) {
 	for _, tc := range cases {
 		b.Run(tc.name, func(b *testing.B) {
 			total := tc.size * tc.n
-			cfg := Config{Library: doublePath, Host: "127.0.0.1", StagingBytes: tc.stageMiB << 20, Logger: quiet}
+			cfg := Config{Library: doublePath, Engine: enginePath, Host: "127.0.0.1", StagingBytes: tc.stageMiB << 20, Logger: quiet}
 			p := newPair(b, total+(1<<20), cfg, cfg)
 			src := pattern(tc.size, 1)
 			items := make([]transport.WriteItem, tc.n)

@@ -43,6 +43,12 @@ static uint64_t mc_alloc(void *f, void *e, size_t n) { return ((alloc_fn)f)(e, n
 static int mc_submit(void *f, void *e, uint64_t b, struct mc_request *r, size_t n) { return ((submit_fn)f)(e, b, r, n); }
 static int mc_free(void *f, void *e, uint64_t b) { return ((free_fn)f)(e, b); }
 
+// ecm_mooncake_shim_open of core/transport/mooncake/shim.
+typedef int (*shim_open_fn)(const char *, const char *, char *, size_t);
+static int mc_shim_open(void *f, const char *engine, const char *version, char *err, size_t n) {
+	return ((shim_open_fn)f)(engine, version, err, n);
+}
+
 // mc_poll asks for the status of n tasks in one crossing of the cgo
 // boundary: rcs[i] is getTransferStatus's return code, sts[i] the status.
 static void mc_poll(void *f, void *e, uint64_t b, const uint64_t *ids, size_t n, int *rcs, int *sts) {
@@ -74,10 +80,17 @@ var symbols = []string{
 	"allocateBatchID", "submitTransfer", "getTransferStatus", "freeBatchID",
 }
 
-// library is a loaded libtransfer_engine.so with every function resolved.
+// shimOpen is the function that marks ecmooncake's shim
+// (core/transport/mooncake/shim): the C API over the C++ API of a
+// Mooncake pip wheel's engine.so, which it loads when asked.
+const shimOpen = "ecm_mooncake_shim_open"
+
+// library is a loaded libtransfer_engine.so (or the shim, with the
+// wheel's engine.so behind it) with every function resolved.
 type library struct {
-	path string
-	fn   map[string]unsafe.Pointer
+	path   string
+	engine string // the wheel's engine.so behind the shim; "" for none
+	fn     map[string]unsafe.Pointer
 }
 
 var (
@@ -85,25 +98,46 @@ var (
 	libs  = map[string]*library{}
 )
 
-// load opens the library at path once per process. It is never closed: an
-// engine library runs threads of its own, and unloading code under them is
-// not worth the memory it would return. A failed load is not remembered, so
-// fixing the path or installing the library works without a restart.
-func load(path string) (*library, error) {
+// load opens the library at path once per process. With engine set, path
+// is the shim and engine the wheel's engine.so it loads; a shim without an
+// engine, or an engine without the shim, is refused with the fix.
+//
+// Nothing is ever closed: an engine library runs threads of its own, and
+// unloading code under them is not worth the memory it would return. A
+// failed load is not remembered, so fixing the path or installing the
+// library works without a restart.
+func load(path, engine string) (*library, error) {
 	if path == "" {
 		path = DefaultLibrary
 	}
 	libMu.Lock()
 	defer libMu.Unlock()
-	if l, ok := libs[path]; ok {
+	key := path + "\x00" + engine
+	if l, ok := libs[key]; ok {
 		return l, nil
 	}
 	h, err := dl.Open(path)
 	if err != nil {
-		return nil, fmt.Errorf("%w: cannot load %s: %v (build Mooncake with -DBUILD_SHARED_LIBS=ON and set mooncake_library, or ECMOONCAKE_MOONCAKE_LIBRARY, to the library's path)",
-			ErrUnavailable, path, err)
+		fix := "build Mooncake with -DBUILD_SHARED_LIBS=ON and set mooncake_library, or ECMOONCAKE_MOONCAKE_LIBRARY, to the library's path"
+		if engine != "" {
+			fix = "mooncake_library must name ecmooncake's libecmooncake_mooncake.so, which python3 build/build_lib.py builds with g++"
+		}
+		return nil, fmt.Errorf("%w: cannot load %s: %v (%s)", ErrUnavailable, path, err, fix)
 	}
-	l := &library{path: path, fn: make(map[string]unsafe.Pointer, len(symbols))}
+	open, shimErr := h.Sym(shimOpen)
+	switch {
+	case engine != "" && shimErr != nil:
+		return nil, fmt.Errorf("%w: mooncake_engine is set (%s) but mooncake_library %s is not ecmooncake's shim (it lacks %s): name libecmooncake_mooncake.so there, or leave mooncake_engine empty for a libtransfer_engine.so",
+			ErrUnavailable, engine, path, shimOpen)
+	case engine == "" && shimErr == nil:
+		return nil, fmt.Errorf("%w: %s is ecmooncake's shim over a Mooncake wheel and needs mooncake_engine, the path of the wheel's mooncake/engine.so (pip install mooncake-transfer-engine-non-cuda==%s)",
+			ErrUnavailable, path, SupportedWheels[0])
+	case engine != "":
+		if err := openEngine(open, engine); err != nil {
+			return nil, err
+		}
+	}
+	l := &library{path: path, engine: engine, fn: make(map[string]unsafe.Pointer, len(symbols))}
 	for _, name := range symbols {
 		f, err := h.Sym(name)
 		if err != nil {
@@ -114,8 +148,26 @@ func load(path string) (*library, error) {
 		}
 		l.fn[name] = f
 	}
-	libs[path] = l
+	libs[key] = l
 	return l, nil
+}
+
+// openEngine has the shim check the wheel's version and load its engine.so.
+func openEngine(open unsafe.Pointer, engine string) error {
+	version, err := WheelVersion(engine)
+	if err != nil {
+		return fmt.Errorf("%w: %v", ErrUnavailable, err)
+	}
+	ce, cv := C.CString(engine), C.CString(version)
+	defer C.free(unsafe.Pointer(ce))
+	defer C.free(unsafe.Pointer(cv))
+	const n = 2048
+	buf := (*C.char)(C.calloc(1, n))
+	defer C.free(unsafe.Pointer(buf))
+	if C.mc_shim_open(open, ce, cv, buf, n) != 0 {
+		return fmt.Errorf("%w: Mooncake wheel engine %s: %s", ErrUnavailable, engine, C.GoString(buf))
+	}
+	return nil
 }
 
 // The methods below are the C API, one to one, with C types converted.

@@ -16,6 +16,7 @@ import (
 
 var (
 	doublePath string // the C test double of the TransferEngine C API, or a real library
+	enginePath string // a Mooncake wheel's engine.so behind doublePath (the shim); "" for none
 	noFreePath string // the double, lacking freeBatchID
 	double     *mooncaketest.Double
 	protocol   string // installed by testConfig; "" for the default
@@ -35,7 +36,7 @@ func needDouble(t testing.TB) {
 // real library.
 func TestMain(m *testing.M) {
 	mooncaketest.Main(m, "ecm-mooncake-double-", func(s mooncaketest.Setup) (err error) {
-		doublePath, protocol, double = s.Library, s.Protocol, s.Double
+		doublePath, enginePath, protocol, double = s.Library, s.Engine, s.Protocol, s.Double
 		if s.Double != nil {
 			noFreePath, err = mooncaketest.Build(s.Dir, "libtransfer_engine_nofree.so", true)
 		}
@@ -70,7 +71,7 @@ var quiet = slog.New(slog.DiscardHandler)
 // testConfig is the double with small staging and chunks, so that a few
 // MiB already exercise chunking and staging reuse.
 func testConfig(mod ...func(*Config)) Config {
-	c := Config{Library: doublePath, Protocol: protocol, Host: "127.0.0.1", StagingBytes: 8 << 20, ChunkBytes: 1 << 20, Logger: quiet}
+	c := Config{Library: doublePath, Engine: enginePath, Protocol: protocol, Host: "127.0.0.1", StagingBytes: 8 << 20, ChunkBytes: 1 << 20, Logger: quiet}
 	for _, f := range mod {
 		f(&c)
 	}

@@ -31,6 +31,9 @@ type Config struct {
 	// Library is the path of libtransfer_engine.so; "" searches the
 	// loader's default path for DefaultLibrary.
 	Library string
+	// Engine is a Mooncake wheel's engine.so, which Library (then
+	// ecmooncake's shim) carries; see load.
+	Engine string
 	// Metadata is P2PHANDSHAKE (also "") or http(s)://host:port/path.
 	Metadata string
 	// Protocol is installed on the engine; both ends must use the same.
@@ -58,7 +61,7 @@ type Config struct {
 // FromProducer and FromConsumer translate the settings.
 func FromProducer(p config.Producer, log *slog.Logger) Config {
 	return Config{
-		Library: p.Library, Metadata: p.MooncakeMetadataURL(), Protocol: p.Protocol,
+		Library: p.Library, Engine: p.Engine, Metadata: p.MooncakeMetadataURL(), Protocol: p.Protocol,
 		LocalServerName: p.LocalServerName, Host: p.Mooncake.Host, StagingBytes: p.MooncakeStagingBytes, Logger: log,
 	}
 }
@@ -66,7 +69,7 @@ func FromProducer(p config.Producer, log *slog.Logger) Config {
 // FromConsumer translates a consumer shard's settings.
 func FromConsumer(c config.Consumer, log *slog.Logger) Config {
 	return Config{
-		Library: c.Library, Metadata: c.MooncakeMetadataURL(), Protocol: c.Protocol,
+		Library: c.Library, Engine: c.Engine, Metadata: c.MooncakeMetadataURL(), Protocol: c.Protocol,
 		LocalServerName: c.LocalServerName, Host: c.Mooncake.Host, Logger: log,
 	}
 }
@@ -111,7 +114,7 @@ func New(cfg Config) (*Transport, error) {
 	if err := config.MooncakeMetadata(cfg.Metadata); err != nil {
 		return nil, err
 	}
-	lib, err := load(cfg.Library)
+	lib, err := load(cfg.Library, cfg.Engine)
 	if err != nil {
 		return nil, err
 	}

@@ -44,7 +44,7 @@ func TestMetadataCheckedBeforeMooncake(t *testing.T) {
 			_, err := New(testConfig(func(c *Config) { c.Metadata = md }))
 			require.ErrorIs(t, err, config.ErrInvalid)
 			require.Contains(t, err.Error(), "mooncake_metadata")
-			lib, err := load(doublePath)
+			lib, err := load(doublePath, enginePath)
 			require.NoError(t, err)
 			_, err = newEngine(lib, engineConfig{Metadata: md, Host: "127.0.0.1", Protocol: "rdma"})
 			require.ErrorIs(t, err, config.ErrInvalid)
@@ -305,7 +305,7 @@ func TestRestartedPeerIsReopenedWithoutCache(t *testing.T) {
 
 func TestRegistrationOverlapAndUnregisterOnce(t *testing.T) {
 	needDouble(t)
-	lib, err := load(doublePath)
+	lib, err := load(doublePath, enginePath)
 	require.NoError(t, err)
 	e, err := newEngine(lib, engineConfig{Host: "127.0.0.1", Protocol: "rdma"})
 	require.NoError(t, err)
@@ -443,12 +443,12 @@ func TestProbeSaysWhatIsMissing(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			got := Probe(tc.path)
+			got := Probe(tc.path, "")
 			require.Equal(t, tc.path, got.Library)
 			require.Equal(t, tc.available, got.Available, got.Reason)
 			require.Contains(t, got.Reason, tc.want)
 			require.Contains(t, got.Symbols, "submitTransfer")
 		})
 	}
-	require.Equal(t, DefaultLibrary, Probe("").Library)
+	require.Equal(t, DefaultLibrary, Probe("", "").Library)
 }

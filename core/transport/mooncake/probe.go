@@ -4,20 +4,26 @@ package mooncake
 // transport, for tools that check a host before anything is configured.
 type Availability struct {
 	Library   string   `json:"library"`
+	Engine    string   `json:"engine,omitempty"`
+	Version   string   `json:"version,omitempty"`
 	Available bool     `json:"available"`
 	Reason    string   `json:"reason,omitempty"`
 	Symbols   []string `json:"symbols"`
 }
 
 // Probe loads the library at path (empty: DefaultLibrary on the loader's
-// search path) the way New does, once per process and path, and reports
-// whether it has every function the transport calls. It creates no engine.
-func Probe(path string) Availability {
+// search path), and the wheel's engine.so through it when engine is set,
+// the way New does, once per process and path, and reports whether it has
+// every function the transport calls. It creates no engine.
+func Probe(path, engine string) Availability {
 	if path == "" {
 		path = DefaultLibrary
 	}
-	out := Availability{Library: path, Symbols: append([]string(nil), symbols...)}
-	if _, err := load(path); err != nil {
+	out := Availability{Library: path, Engine: engine, Symbols: append([]string(nil), symbols...)}
+	if engine != "" {
+		out.Version, _ = WheelVersion(engine)
+	}
+	if _, err := load(path, engine); err != nil {
 		out.Reason = err.Error()
 	} else {
 		out.Available = true

@@ -182,13 +182,36 @@ def check_mooncake(s: Setup) -> Check:
     library = s.mooncake_library
     if library is None and s.cfg is not None and s.cfg.extra.get("mooncake_library"):
         library = s.cfg.extra["mooncake_library"]
-    info = mooncake_info(library)
+    info = mooncake_info(library, "" if library is not None else None)
     if info.get("available"):
-        return Check("mooncake", OK, f"{info['library']} has every function the transport calls ({len(info.get('symbols') or ())})")
+        if info.get("engine"):
+            what = f"Mooncake wheel {info.get('version') or '(version unknown)'} ({info['engine']}) through {info['library']}"
+        else:
+            what = f"{info['library']}"
+        return Check(
+            "mooncake", OK,
+            f"would load {what}: every function the transport calls ({len(info.get('symbols') or ())}); "
+            f"protocols: {_mooncake_protocols()}",
+        )
     reason = info.get("reason") or f"cannot load {info.get('library')}"
     if wanted:
         return Check("mooncake", FAIL, f"transport mooncake, but {reason}", MOONCAKE_FIX)
     return Check("mooncake", WARN, f"not available: {reason}", "only transport mooncake needs it; see the README's 'Mooncake (RDMA)'")
+
+
+def rdma_devices(root: str = "/sys/class/infiniband") -> list[str]:
+    """The RDMA devices the kernel lists (what Mooncake's rdma protocol needs)."""
+    try:
+        return sorted(os.listdir(root))
+    except OSError:
+        return []
+
+
+def _mooncake_protocols() -> str:
+    devices = rdma_devices()
+    if devices:
+        return f"tcp, rdma (devices: {', '.join(devices)})"
+    return "tcp only: no RDMA device in /sys/class/infiniband, so mooncake_protocol rdma cannot install here"
 
 
 def shm_free_bytes(path: str = "/dev/shm") -> int:

@@ -35,6 +35,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"testing"
 	"unsafe"
 
@@ -47,7 +48,34 @@ import (
 const (
 	EnvLibrary  = "ECMOONCAKE_MOONCAKE_LIBRARY"
 	EnvProtocol = "ECMOONCAKE_MOONCAKE_PROTOCOL"
+	// EnvEngine names a Mooncake wheel's engine.so, which EnvLibrary (then
+	// ecmooncake's shim) carries.
+	EnvEngine = "ECMOONCAKE_MOONCAKE_ENGINE"
 )
+
+// RealEngine is the wheel's engine.so the environment names, or "".
+func RealEngine() string { return os.Getenv(EnvEngine) }
+
+// PreloadPython makes libpython's symbols global in a process that is not
+// Python (a Go test binary), which a wheel's engine.so, a Python module,
+// needs before it loads; inside Python they are there already. It asks
+// python3 (or $PYTHON) where its shared library is.
+func PreloadPython() error {
+	py := os.Getenv("PYTHON")
+	if py == "" {
+		py = "python3"
+	}
+	out, err := exec.Command(py, "-c",
+		"import os, sysconfig as s; print(os.path.join(s.get_config_var('LIBDIR'), s.get_config_var('INSTSONAME')))").Output()
+	if err != nil {
+		return fmt.Errorf("mooncaketest: ask %s for its libpython: %w", py, err)
+	}
+	path := strings.TrimSpace(string(out))
+	if err := dl.OpenGlobal(path); err != nil {
+		return fmt.Errorf("mooncaketest: preload %s for the wheel's engine.so (a Python built without --enable-shared has none): %w", path, err)
+	}
+	return nil
+}
 
 // Real returns the library and protocol the environment names, and
 // whether it names one. Tests that only move bytes run against it; those
@@ -91,12 +119,45 @@ func Build(dir, name string, omitFreeBatchID bool) (string, error) {
 	return out, nil
 }
 
+// ShimSource is the path of ecmooncake's shim over a Mooncake wheel.
+func ShimSource() string {
+	_, file, _, _ := runtime.Caller(0)
+	return filepath.Join(filepath.Dir(file), "..", "shim", "ecm_mooncake_shim.cpp")
+}
+
+// BuildShim compiles the shim into dir/name with the system C++ compiler
+// (g++, or $CXX), with the flags build/build_lib.py uses, and returns its
+// path.
+func BuildShim(dir, name string) (string, error) {
+	cxx := os.Getenv("CXX")
+	if cxx == "" {
+		cxx = "g++"
+	}
+	if _, err := exec.LookPath(cxx); err != nil {
+		return "", fmt.Errorf("mooncaketest: no C++ compiler (%s) to build the shim: %w", cxx, err)
+	}
+	out := filepath.Join(dir, name)
+	args := append(ShimFlags(), "-o", out, ShimSource(), "-ldl")
+	cmd := exec.Command(cxx, args...)
+	cmd.Stderr = os.Stderr
+	if err := cmd.Run(); err != nil {
+		return "", fmt.Errorf("mooncaketest: %s %v: %w", cxx, args, err)
+	}
+	return out, nil
+}
+
+// ShimFlags are the compiler flags of the shim, the same in build/build_lib.py.
+func ShimFlags() []string {
+	return []string{"-std=c++17", "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-fvisibility-inlines-hidden"}
+}
+
 // Setup is what a test binary runs against: the library, the protocol
 // to install on it ("" for the transport's default) and, when the library
 // is the double, the double (nil against a real library) and the
 // directory it was built in, removed after the run.
 type Setup struct {
 	Library  string
+	Engine   string // the wheel's engine.so behind Library (the shim), or ""
 	Protocol string
 	Double   *Double
 	Dir      string
@@ -128,7 +189,11 @@ func run(m *testing.M, prefix string, ready func(Setup) error) int {
 func setup(prefix string) (s Setup, cleanup func(), err error) {
 	cleanup = func() {}
 	if lib, proto, ok := Real(); ok {
-		return Setup{Library: lib, Protocol: proto}, cleanup, nil
+		s = Setup{Library: lib, Engine: RealEngine(), Protocol: proto}
+		if s.Engine != "" {
+			err = PreloadPython()
+		}
+		return s, cleanup, err
 	}
 	if s.Dir, err = os.MkdirTemp("", prefix); err != nil {
 		return s, cleanup, err

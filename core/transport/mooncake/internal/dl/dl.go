@@ -16,6 +16,11 @@ static void *dl_open(const char *path, char **err) {
 	if (!h) { const char *e = dlerror(); *err = strdup(e ? e : "dlopen failed"); }
 	return h;
 }
+static int dl_open_global(const char *path, char **err) {
+	if (dlopen(path, RTLD_NOW | RTLD_GLOBAL)) return 0;
+	const char *e = dlerror(); *err = strdup(e ? e : "dlopen failed");
+	return -1;
+}
 static void *dl_sym(void *h, const char *name, char **err) {
 	dlerror();
 	void *f = dlsym(h, name);
@@ -46,6 +51,19 @@ func Open(path string) (Lib, error) {
 		return Lib{}, takeErr(cerr)
 	}
 	return Lib{h: h}, nil
+}
+
+// OpenGlobal loads the library at path with RTLD_NOW | RTLD_GLOBAL, so
+// that libraries loaded after it resolve their symbols against it; it is
+// never closed.
+func OpenGlobal(path string) error {
+	cpath := C.CString(path)
+	defer C.free(unsafe.Pointer(cpath))
+	var cerr *C.char
+	if C.dl_open_global(cpath, &cerr) != 0 {
+		return takeErr(cerr)
+	}
+	return nil
 }
 
 // Sym is the address of the function name; the error is dlerror's text.
