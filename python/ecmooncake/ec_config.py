@@ -226,9 +226,9 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
     ),
     "metrics_port": ExtraKey(
         0, lambda k, v: integer(k, v, 0, 65535), ("process",),
-        "Prometheus `/metrics` of each vLLM process: the engine core at this port, "
-        "TP shard i at `metrics_port + 1 + dp_rank*tp_size + tp_rank`, the encoder's worker at "
-        "`metrics_port + 1` (0: off)",
+        "Prometheus `/metrics` of each vLLM process, on an encoder as on a PD instance: the engine core "
+        "at this port, the worker of rank r = dp_rank*tp_size + tp_rank at `metrics_port + 1 + r` "
+        "(an encoder's engine core holds no transfer state: its pushes are counted on its worker) (0: off)",
         only_if_set=True,
     ),
     "mooncake_library": _mooncake_text(
