@@ -77,6 +77,7 @@
 //
 // /metrics on the main port (and on MetricsPort when set) serves the
 // proxy's own series — requests by route and outcome, latency, the
-// encode / transfer_wait / pd phases, media items by fate, retries,
+// encode / transfer_wait / pd phases, media items by fate, consumer
+// retries, stale-connection redials, health checks by role and outcome,
 // backend health — together with the process registry of package metrics.
 package proxy

@@ -144,3 +144,20 @@ func TestIdlePauseNeverReachesADeadConnection(t *testing.T) {
 		})
 	}
 }
+
+// Health checks are counted by role and outcome, so an operator sees a
+// backend failing its checks before it is dropped.
+func TestHealthChecksAreCounted(t *testing.T) {
+	r := newRig(t, rigOpts{encoders: 1, pds: 1})
+	r.pd[0].SetHealthy(false)
+	eventually(t, "a failed check of the pd and a passed one of the encoder counted", func() bool {
+		m := proxySeries(t, r.url)
+		return strings.Contains(m, `ecm_proxy_health_checks_total{outcome="failed",role="pd"}`) &&
+			strings.Contains(m, `ecm_proxy_health_checks_total{outcome="ok",role="encode"}`)
+	})
+	eventually(t, "the pd dropped after its failed checks", func() bool { return !r.p.Stats().Backends["pd"][0].Healthy })
+	r.pd[0].SetHealthy(true)
+	eventually(t, "a passed check of the pd counted", func() bool {
+		return strings.Contains(proxySeries(t, r.url), `ecm_proxy_health_checks_total{outcome="ok",role="pd"}`)
+	})
+}
