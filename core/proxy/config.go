@@ -40,9 +40,13 @@ type Config struct {
 	HealthIntervalS float64 `json:"health_interval_s"`
 	// FailThreshold consecutive failures (health checks or calls) drop a
 	// backend until a health check passes again.
-	FailThreshold int     `json:"fail_threshold"`
-	DefaultTTLS   float64 `json:"registration_ttl_s"`
-	MaxBodyBytes  int     `json:"max_body_bytes"`
+	FailThreshold int `json:"fail_threshold"`
+	// UpstreamIdleTimeoutS closes a backend connection idle this long. It
+	// must stay below the backends' own keep-alive (vLLM's is 5 s), so that
+	// the proxy never picks a connection the backend is closing.
+	UpstreamIdleTimeoutS float64 `json:"upstream_idle_timeout_s"`
+	DefaultTTLS          float64 `json:"registration_ttl_s"`
+	MaxBodyBytes         int     `json:"max_body_bytes"`
 	// AllowRegister enables POST /v1/ecm/register and /v1/ecm/deregister
 	// once RegisterToken is set; false keeps them off even with a token.
 	AllowRegister bool `json:"allow_register"`
@@ -61,7 +65,7 @@ type Config struct {
 func DefaultConfig() Config {
 	return Config{
 		Host: "0.0.0.0", Port: 8000, Retries: 2, ECPort: 14579,
-		EncodeTimeoutS: 60, RequestTimeoutS: 600, HealthIntervalS: 2, FailThreshold: 3,
+		EncodeTimeoutS: 60, RequestTimeoutS: 600, HealthIntervalS: 2, FailThreshold: 3, UpstreamIdleTimeoutS: 4,
 		DefaultTTLS: discovery.DefaultTTL.Seconds(), MaxBodyBytes: 256 << 20, AllowRegister: true,
 	}
 }
@@ -84,6 +88,9 @@ func (c Config) encodeTimeout() time.Duration  { return secs(c.EncodeTimeoutS) }
 func (c Config) requestTimeout() time.Duration { return secs(c.RequestTimeoutS) }
 func (c Config) healthInterval() time.Duration { return secs(c.HealthIntervalS) }
 func (c Config) defaultTTL() time.Duration     { return secs(c.DefaultTTLS) }
+func (c Config) upstreamIdleTimeout() time.Duration {
+	return secs(c.UpstreamIdleTimeoutS)
+}
 
 // Discovery reports whether registration is on: allowed and a token set.
 func (c Config) Discovery() bool { return c.AllowRegister && c.RegisterToken != "" }
@@ -112,8 +119,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: retries = %d; want [0, 10]", ErrInvalid, c.Retries)
 	case c.ECPort < 1 || c.ECPort > 65535:
 		return fmt.Errorf("%w: ec_port = %d; want [1, 65535]", ErrInvalid, c.ECPort)
-	case c.EncodeTimeoutS <= 0 || c.RequestTimeoutS <= 0 || c.HealthIntervalS <= 0 || c.DefaultTTLS <= 0:
-		return fmt.Errorf("%w: encode_timeout_s, request_timeout_s, health_interval_s and registration_ttl_s must be positive", ErrInvalid)
+	case c.EncodeTimeoutS <= 0 || c.RequestTimeoutS <= 0 || c.HealthIntervalS <= 0 || c.DefaultTTLS <= 0 || c.UpstreamIdleTimeoutS <= 0:
+		return fmt.Errorf("%w: encode_timeout_s, request_timeout_s, health_interval_s, registration_ttl_s and upstream_idle_timeout_s must be positive", ErrInvalid)
 	case c.FailThreshold < 1:
 		return fmt.Errorf("%w: fail_threshold = %d; want at least 1", ErrInvalid, c.FailThreshold)
 	case c.MaxBodyBytes < 1<<10:

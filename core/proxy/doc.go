@@ -38,8 +38,20 @@
 // closes its connection cancels it — a peek at the socket notices while
 // the proxy waits, a failed write while it streams — and a cancelled
 // context closes the backend connections at once, so vLLM aborts the
-// request. The backend connection pool (upstream.go) exists for this:
-// fasthttp's own client cannot abandon a call in flight.
+// request. The backend client (upstream.go) is net/http's Transport for
+// this: fasthttp's own client cannot abandon a call in flight. The server
+// side stays fasthttp.
+//
+// # Backend connections
+//
+// A backend closes a connection idle for its keep-alive (vLLM: 5 s). The
+// proxy closes its idle connections first (UpstreamIdleTimeoutS, 4 s by
+// default), and a request that fails on a reused connection before any
+// response byte is sent again on a freshly dialed one, never on another
+// pooled one of the same age (ecm_proxy_upstream_redials_total). Such a
+// stale connection never counts against the backend's health: only a
+// fresh connection's failure, or one after response bytes, reaches the
+// caller.
 //
 // # Backends
 //
@@ -65,6 +77,7 @@
 //
 // /metrics on the main port (and on MetricsPort when set) serves the
 // proxy's own series — requests by route and outcome, latency, the
-// encode / transfer_wait / pd phases, media items by fate, retries,
+// encode / transfer_wait / pd phases, media items by fate, consumer
+// retries, stale-connection redials, health checks by role and outcome,
 // backend health — together with the process registry of package metrics.
 package proxy

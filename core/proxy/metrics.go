@@ -17,6 +17,8 @@ type proxyMetrics struct {
 	items     *prometheus.CounterVec
 	derived   *prometheus.CounterVec
 	retries   *prometheus.CounterVec
+	redials   *prometheus.CounterVec
+	checks    *prometheus.CounterVec
 	encodes   *prometheus.CounterVec
 	gone      prometheus.Counter
 	registers *prometheus.CounterVec
@@ -36,6 +38,9 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 		items:   metrics.Counters("ecm_proxy_media_items_total", "Media items, by what became of them: encoded (sent as embeds), fallback (sent as media), duplicate (repeated in one request, encoded once).", "outcome"),
 		derived: metrics.Counters("ecm_proxy_derived_fields_total", "Fields an encoder's answer lacked and the proxy filled in from the request it sent, by field (modality: vLLM before 0.33 reports none).", "field"),
 		retries: metrics.Counters("ecm_proxy_retries_total", "Consumer attempts retried, by reason.", "reason"),
+		redials: metrics.Counters("ecm_proxy_upstream_redials_total",
+			"Backend calls that failed on a reused connection before any response byte (the backend had closed it) and were sent again on a fresh one, by role; these never count against the backend's health.", "role"),
+		checks:  metrics.Counters("ecm_proxy_health_checks_total", "Backend /health checks, by role and outcome (ok, failed).", "role", "outcome"),
 		encodes: metrics.Counters("ecm_proxy_encoder_calls_total", "Encoder calls, by outcome.", "outcome"),
 		gone: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "ecm_proxy_client_disconnects_total", Help: "Requests whose client went away before the answer ended; their backend calls were cancelled.",
@@ -45,7 +50,7 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 			"Register and deregister calls refused, by op and reason: off (no register token, or allow_register false), unauthenticated (no bearer token), bad_token, static (would replace or remove a static backend), invalid (a malformed registration), too_large (a body above 64 KiB).",
 			"op", "reason"),
 	}
-	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.derived, m.retries, m.encodes, m.gone, m.registers, m.refusals, backendCollector{p})
+	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.derived, m.retries, m.redials, m.checks, m.encodes, m.gone, m.registers, m.refusals, backendCollector{p})
 	m.gatherer = prometheus.Gatherers{m.reg, metrics.Registry()}
 	return m
 }

@@ -31,12 +31,12 @@ type backend struct {
 	expires time.Time // zero for static backends
 }
 
-func newBackend(reg discovery.Registration, static bool) (*backend, error) {
+func (p *pool) newBackend(reg discovery.Registration, static bool) (*backend, error) {
 	addr, err := discovery.HostPort(reg.URL)
 	if err != nil {
 		return nil, err
 	}
-	return &backend{reg: reg, addr: addr, up: newUpstream(addr), static: static, healthy: true, ranks: make([]atomic.Int64, reg.DPSize)}, nil
+	return &backend{reg: reg, addr: addr, up: newUpstream(addr, p.role, p.up), static: static, healthy: true, ranks: make([]atomic.Int64, reg.DPSize)}, nil
 }
 
 func (b *backend) isHealthy() bool {
@@ -70,6 +70,7 @@ func (b *backend) info(now time.Time) BackendInfo {
 type pool struct {
 	role      string
 	threshold int
+	up        upstreamConfig
 
 	mu   sync.Mutex
 	list []*backend
@@ -146,7 +147,7 @@ func (p *pool) add(reg discovery.Registration, static bool, ttl time.Duration, n
 		b.mu.Unlock()
 		// The instance restarted with another layout: replace the entry
 		// (requests in flight keep the old one until they finish).
-		nb, err := newBackend(reg, b.static)
+		nb, err := p.newBackend(reg, b.static)
 		if err != nil {
 			return nil, false, err
 		}
@@ -157,7 +158,7 @@ func (p *pool) add(reg discovery.Registration, static bool, ttl time.Duration, n
 		b.up.close()
 		return nb, true, nil
 	}
-	nb, err := newBackend(reg, static)
+	nb, err := p.newBackend(reg, static)
 	if err != nil {
 		return nil, false, err
 	}

@@ -76,14 +76,15 @@ func Open(cfg Config, log *slog.Logger) (p *Proxy, err error) {
 	}
 	p = &Proxy{
 		cfg: cfg, log: log.With("role", "proxy"), idBase: hex.EncodeToString(idb[:]),
-		enc:     &pool{role: discovery.RoleEncode, threshold: cfg.FailThreshold},
-		pd:      &pool{role: discovery.RolePD, threshold: cfg.FailThreshold},
-		prefill: &pool{role: discovery.RolePrefill, threshold: cfg.FailThreshold},
-		dec:     &pool{role: discovery.RoleDecode, threshold: cfg.FailThreshold},
-		stop:    make(chan struct{}),
-		auth:    newAdminAuth(cfg.RegisterToken),
+		stop: make(chan struct{}),
+		auth: newAdminAuth(cfg.RegisterToken),
 	}
 	p.m = newProxyMetrics(p)
+	up := upstreamConfig{idleTimeout: cfg.upstreamIdleTimeout(), redialed: func(role string) { p.m.redials.WithLabelValues(role).Inc() }}
+	p.enc = &pool{role: discovery.RoleEncode, threshold: cfg.FailThreshold, up: up}
+	p.pd = &pool{role: discovery.RolePD, threshold: cfg.FailThreshold, up: up}
+	p.prefill = &pool{role: discovery.RolePrefill, threshold: cfg.FailThreshold, up: up}
+	p.dec = &pool{role: discovery.RoleDecode, threshold: cfg.FailThreshold, up: up}
 	now := time.Now()
 	for role, urls := range map[string][]string{discovery.RoleEncode: cfg.Encode, discovery.RolePD: cfg.PD, discovery.RolePrefill: cfg.Prefill, discovery.RoleDecode: cfg.Decode} {
 		for _, u := range urls {
@@ -281,6 +282,11 @@ func (p *Proxy) checkAll() {
 				defer wg.Done()
 				defer p.recover("health check")
 				err := checkHealth(ctx, b, min(p.cfg.healthInterval(), 5*time.Second))
+				outcome := "ok"
+				if err != nil {
+					outcome = "failed"
+				}
+				p.m.checks.WithLabelValues(pl.role, outcome).Inc()
 				p.noteHealth(pl, b, err)
 			}()
 		}

@@ -66,6 +66,7 @@ func TestConfigValidation(t *testing.T) {
 		"negative retries":          {`{"pd": ["http://a:1"], "retries": -1}`, "retries"},
 		"no consumer, no discovery": {`{"allow_register": false}`, "nothing could serve"},
 		"bad ec in fragment":        {`{"pd": ["http://h:1#ec=udp://h:2"]}`, "tcp://host:port"},
+		"zero idle timeout":         {`{"pd": ["http://a:1"], "upstream_idle_timeout_s": 0}`, "upstream_idle_timeout_s"},
 	}.check(t)
 	c, err := DecodeConfig([]byte(`{"pd": ["http://[::1]:8100"]}`))
 	require.NoError(t, err)

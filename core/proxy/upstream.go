@@ -1,106 +1,103 @@
 package proxy
 
 import (
-	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"net"
-	"sync"
+	"net/http"
+	"net/http/httptrace"
 	"time"
 
 	"github.com/valyala/fasthttp"
+	"go.uber.org/atomic"
 )
 
-// upstream is a keep-alive connection pool to one backend. It exists
-// because fasthttp's client cannot abandon a call in flight: a client that
-// disconnects must close the backend connection at once, so that vLLM
-// aborts the request instead of generating for nobody. Each call closes
-// its connection when its context ends.
+// upstream is the HTTP client of one backend: net/http's Transport, which
+// ends a call (and closes its connection) when the call's context ends, so
+// that vLLM aborts a request whose client went away, and which expires
+// idle connections.
+//
+// A backend closes a connection idle for its keep-alive (vLLM: 5 s), and a
+// request sent as that close is under way meets a dead connection. Two
+// rules keep such a request from failing: idle connections expire before
+// the backend's keep-alive (Config.UpstreamIdleTimeoutS), and a request
+// that fails on a reused connection before any response byte is sent once
+// more on a freshly dialed one, never on another pooled connection of the
+// same age. Only that fresh connection's failure reaches the caller, so a
+// stale connection never counts against the backend's health.
+//
+// Requests and responses are fasthttp's types, as on the server side;
+// they are copied to and from net/http's at this edge.
 type upstream struct {
 	addr string
-	dial func(ctx context.Context, addr string) (net.Conn, error)
-
-	mu     sync.Mutex
-	idle   []*upConn
-	closed bool
+	// pooled keeps connections alive between calls; fresh dials one per
+	// call and closes it after, for the retry of a stale connection.
+	pooled, fresh *http.Transport
+	// redialed counts a call sent again on a fresh connection.
+	redialed func()
 }
 
 // maxIdle bounds idle connections kept per backend.
 const maxIdle = 128
 
-type upConn struct {
-	net.Conn
-	br *bufio.Reader
-	bw *bufio.Writer
+// upstreamConfig is what every backend's client of one proxy shares.
+type upstreamConfig struct {
+	idleTimeout time.Duration
+	redialed    func(role string)
 }
 
-func newUpstream(addr string) *upstream {
+func newUpstream(addr, role string, cfg upstreamConfig) *upstream {
 	d := &net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}
-	return &upstream{addr: addr, dial: func(ctx context.Context, a string) (net.Conn, error) { return d.DialContext(ctx, "tcp", a) }}
-}
-
-func (u *upstream) get(ctx context.Context) (c *upConn, reused bool, err error) {
-	u.mu.Lock()
-	if n := len(u.idle); n > 0 {
-		c = u.idle[n-1]
-		u.idle = u.idle[:n-1]
-		u.mu.Unlock()
-		return c, true, nil
+	transport := func(keepAlive bool) *http.Transport {
+		return &http.Transport{
+			// Never the environment's HTTP proxy: backends are reached
+			// directly.
+			Proxy:                  nil,
+			DialContext:            d.DialContext,
+			DisableKeepAlives:      !keepAlive,
+			DisableCompression:     true,
+			MaxIdleConns:           maxIdle,
+			MaxIdleConnsPerHost:    maxIdle,
+			IdleConnTimeout:        cfg.idleTimeout,
+			MaxResponseHeaderBytes: 1 << 20,
+			WriteBufferSize:        16 << 10,
+			ReadBufferSize:         16 << 10,
+		}
 	}
-	u.mu.Unlock()
-	nc, err := u.dial(ctx, u.addr)
-	if err != nil {
-		return nil, false, fmt.Errorf("dial %s: %w", u.addr, err)
+	u := &upstream{addr: addr, pooled: transport(true), fresh: transport(false), redialed: func() {}}
+	if cfg.redialed != nil {
+		u.redialed = func() { cfg.redialed(role) }
 	}
-	return &upConn{Conn: nc, br: bufio.NewReaderSize(nc, 16<<10), bw: bufio.NewWriterSize(nc, 16<<10)}, false, nil
-}
-
-func (u *upstream) put(c *upConn) {
-	u.mu.Lock()
-	if !u.closed && len(u.idle) < maxIdle {
-		u.idle = append(u.idle, c)
-		u.mu.Unlock()
-		return
-	}
-	u.mu.Unlock()
-	_ = c.Close()
+	return u
 }
 
 // close drops every idle connection; calls in flight finish on their own.
 func (u *upstream) close() {
-	u.mu.Lock()
-	idle := u.idle
-	u.idle, u.closed = nil, true
-	u.mu.Unlock()
-	for _, c := range idle {
-		_ = c.Close()
-	}
+	u.pooled.CloseIdleConnections()
+	u.fresh.CloseIdleConnections()
 }
 
 // exchange is a response whose body is still being read from the backend.
 type exchange struct {
 	resp *fasthttp.Response
-	body io.Reader
-	c    *upConn
-	stop func() bool
+	body io.ReadCloser
 	// release returns the response object once nothing reads it.
 	release func()
-	once    sync.Once
+	closed  atomic.Bool
 }
 
-// Close releases the connection; a streamed body is never reused, since
-// its end cannot be told from the outside without reading it all.
+// Close releases the connection; a body not read to its end closes it.
 func (x *exchange) Close() {
-	x.once.Do(func() {
-		x.stop()
-		_ = x.c.Close()
-		_ = x.resp.CloseBodyStream()
-		if x.release != nil {
-			x.release()
-		}
-	})
+	if x.closed.Swap(true) {
+		return
+	}
+	_ = x.body.Close()
+	if x.release != nil {
+		x.release()
+	}
 }
 
 // newCall starts one call to a backend: ctx bounded by timeout, and a
@@ -122,64 +119,84 @@ func newCall(ctx context.Context, timeout time.Duration, method, uri string) (co
 // never saw or never answered the request, so it is safe to send again.
 var errNoResponse = errors.New("no response")
 
-// do sends req and reads the response head. With stream false the body is
-// read too and the connection goes back to the pool; with stream true the
-// caller reads exchange.body and must Close the exchange. The connection
-// is closed as soon as ctx ends, whatever the call is doing.
+// errBodyTooLarge marks an answer above max_body_bytes.
+var errBodyTooLarge = errors.New("response body too large")
+
+// do sends req and reads the response head into resp. With stream false
+// the body is read too (at most maxBody bytes) and the connection goes
+// back to the pool; with stream true the caller reads exchange.body and
+// must Close the exchange. The connection is closed as soon as ctx ends,
+// whatever the call is doing.
 func (u *upstream) do(ctx context.Context, req *fasthttp.Request, resp *fasthttp.Response, stream bool, maxBody int) (*exchange, error) {
-	req.Header.SetHost(u.addr)
-	for attempt := 0; ; attempt++ {
-		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("%s: %w", u.addr, context.Cause(ctx))
+	hr, err := u.request(ctx, req)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", u.addr, err)
+	}
+	var reused, answered atomic.Bool
+	trace := &httptrace.ClientTrace{
+		GotConn:              func(i httptrace.GotConnInfo) { reused.Store(i.Reused) },
+		GotFirstResponseByte: func() { answered.Store(true) },
+	}
+	hresp, err := u.pooled.RoundTrip(hr.WithContext(httptrace.WithClientTrace(ctx, trace)))
+	if err != nil && reused.Load() && !answered.Load() && ctx.Err() == nil {
+		// The backend closed this connection while it sat idle, or as the
+		// request went out; a connection of its age in the pool may be
+		// just as dead, so the retry dials.
+		u.redialed()
+		if hr, err = u.request(ctx, req); err != nil {
+			return nil, fmt.Errorf("%s: %w", u.addr, err)
 		}
-		c, reused, err := u.get(ctx)
-		if err != nil {
-			return nil, fmt.Errorf("%w: %w", errNoResponse, err)
-		}
-		stop := context.AfterFunc(ctx, func() { _ = c.Close() })
-		x, err := u.roundTrip(c, req, resp, stream, maxBody)
-		if err == nil {
-			if stream {
-				x.stop = stop
-				return x, nil
-			}
-			if stop() && !resp.ConnectionClose() {
-				u.put(c)
-			} else {
-				_ = c.Close()
-			}
-			return nil, nil
-		}
-		stop()
-		_ = c.Close()
+		hresp, err = u.fresh.RoundTrip(hr)
+	}
+	if err != nil {
 		if ctx.Err() != nil {
 			return nil, fmt.Errorf("%s: %w", u.addr, context.Cause(ctx))
 		}
-		// A pooled connection the backend closed while idle fails before
-		// any response byte; one fresh connection settles it.
-		if reused && errors.Is(err, errNoResponse) && attempt == 0 {
-			continue
+		if !answered.Load() {
+			return nil, fmt.Errorf("%s: %w: %w", u.addr, errNoResponse, err)
 		}
-		return nil, fmt.Errorf("%s: %w", u.addr, err)
+		return nil, fmt.Errorf("%s: read response: %w", u.addr, err)
 	}
+	resp.SetStatusCode(hresp.StatusCode)
+	if ct := hresp.Header.Get("Content-Type"); ct != "" {
+		resp.Header.SetContentType(ct)
+	}
+	if stream {
+		return &exchange{resp: resp, body: hresp.Body}, nil
+	}
+	defer hresp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(hresp.Body, int64(maxBody)+1))
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("%s: %w", u.addr, context.Cause(ctx))
+		}
+		return nil, fmt.Errorf("%s: read response: %w", u.addr, err)
+	}
+	if len(body) > maxBody {
+		return nil, fmt.Errorf("%s: %w: more than %d bytes (max_body_bytes)", u.addr, errBodyTooLarge, maxBody)
+	}
+	resp.SetBody(body)
+	return nil, nil
 }
 
-func (u *upstream) roundTrip(c *upConn, req *fasthttp.Request, resp *fasthttp.Response, stream bool, maxBody int) (*exchange, error) {
-	if err := req.Write(c.bw); err != nil {
-		return nil, fmt.Errorf("%w: write request: %w", errNoResponse, err)
+// request copies req into a net/http request to this backend; the body is
+// shared, not copied, and req must outlive the call.
+func (u *upstream) request(ctx context.Context, req *fasthttp.Request) (*http.Request, error) {
+	body := req.Body()
+	hr, err := http.NewRequestWithContext(ctx, string(req.Header.Method()), "http://"+u.addr+string(req.RequestURI()), bytes.NewReader(body))
+	if err != nil {
+		return nil, fmt.Errorf("build request: %w", err)
 	}
-	if err := c.bw.Flush(); err != nil {
-		return nil, fmt.Errorf("%w: write request: %w", errNoResponse, err)
+	hr.ContentLength = int64(len(body))
+	if len(body) == 0 {
+		hr.Body = http.NoBody
 	}
-	resp.StreamBody = stream
-	if _, err := c.br.Peek(1); err != nil {
-		return nil, fmt.Errorf("%w: read response: %w", errNoResponse, err)
+	for k, v := range req.Header.All() {
+		switch string(k) {
+		case fasthttp.HeaderHost, fasthttp.HeaderContentLength, fasthttp.HeaderConnection, fasthttp.HeaderTransferEncoding:
+			continue
+		}
+		hr.Header.Add(string(k), string(v))
 	}
-	if err := resp.ReadLimitBody(c.br, maxBody); err != nil {
-		return nil, fmt.Errorf("read response: %w", err)
-	}
-	if !stream {
-		return nil, nil
-	}
-	return &exchange{resp: resp, body: resp.BodyStream(), c: c}, nil
+	return hr, nil
 }

@@ -301,9 +301,9 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
     ),
     "metrics_port": _native(
         "metrics_port", ("process",),
-        "Prometheus `/metrics` of each vLLM process: the engine core at this port, "
-        "TP shard i at `metrics_port + 1 + dp_rank*tp_size + tp_rank`, the encoder's worker at "
-        "`metrics_port + 1` (0: off)",
+        "Prometheus `/metrics` of each vLLM process, on an encoder as on a PD instance: the engine core "
+        "at this port, the worker of rank r = dp_rank*tp_size + tp_rank at `metrics_port + 1 + r` "
+        "(an encoder's engine core holds no transfer state: its pushes are counted on its worker) (0: off)",
         only_if_set=True,
     ),
     # Mooncake's settings are sent only when set, so that the engine's own

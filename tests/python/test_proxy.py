@@ -130,6 +130,21 @@ def test_bad_settings_are_refused(library):
         Proxy({"pdd": []})
     with pytest.raises(EcmInvalid, match="proxies"):
         Registrar({"role": "pd", "url": "http://h:1", "consumer": "tcp://h:2"})
+    with pytest.raises(EcmInvalid, match="upstream_idle_timeout_s"):
+        Proxy({"pd": ["http://h:1"], "upstream_idle_timeout_s": 0})
+
+
+def test_upstream_idle_timeout_reaches_the_config(library):
+    import argparse
+
+    from ecmooncake.tools.proxy import add_proxy_arguments, proxy_config
+
+    p = argparse.ArgumentParser()
+    add_proxy_arguments(p)
+    assert proxy_config(p.parse_args([]))["upstream_idle_timeout_s"] == 4
+    cfg = proxy_config(p.parse_args(["--pd", "http://127.0.0.1:1", "--host", "127.0.0.1", "--port", "0", "--upstream-idle-timeout", "2.5"]))
+    assert cfg["upstream_idle_timeout_s"] == 2.5
+    Proxy(cfg).close()
 
 
 def test_metrics_text(library):

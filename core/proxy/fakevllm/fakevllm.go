@@ -66,6 +66,13 @@ type Config struct {
 	// OmitModality (encode) leaves modality out of each item's entry, as
 	// vLLM 0.32's encoder does.
 	OmitModality bool
+	// KeepAlive closes a connection idle this long, as vLLM's HTTP server
+	// does after 5 s; zero keeps idle connections open.
+	KeepAlive time.Duration
+	// DropReused answers only the first request of each connection and
+	// closes the connection unanswered on the next: what a client sees
+	// when it sends on a connection the server is closing for idleness.
+	DropReused bool
 }
 
 // Encode describes one encoder call.
@@ -106,6 +113,8 @@ type Server struct {
 	healthy   atomic.Bool
 	cancelled atomic.Int64
 	served    atomic.Int64
+	opened    atomic.Int64
+	closed    atomic.Int64
 }
 
 // Start listens and serves in the background.
@@ -140,7 +149,10 @@ func (s *Server) listen(addr string) error {
 	mux.HandleFunc("/v1/models", s.models)
 	mux.HandleFunc("/v1/chat/completions", s.generate)
 	mux.HandleFunc("/v1/completions", s.generate)
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: s.dropReused(mux), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: s.cfg.KeepAlive, ConnState: s.connState,
+		ConnContext: func(ctx context.Context, _ net.Conn) context.Context {
+			return context.WithValue(ctx, connRequests{}, new(atomic.Int64))
+		}}
 	done := make(chan struct{})
 	s.mu.Lock()
 	s.addr, s.srv, s.ln, s.done = ln.Addr().String(), srv, ln, done
@@ -217,6 +229,41 @@ func (s *Server) Reset() {
 // Cancelled counts calls whose client went away before the answer ended.
 func (s *Server) Cancelled() int64 { return s.cancelled.Load() }
 
+// Conns reports how many connections were accepted and how many of them
+// are closed since Start.
+func (s *Server) Conns() (opened, closed int64) { return s.opened.Load(), s.closed.Load() }
+
+func (s *Server) connState(_ net.Conn, st http.ConnState) {
+	switch st {
+	case http.StateNew:
+		s.opened.Inc()
+	case http.StateClosed, http.StateHijacked:
+		s.closed.Inc()
+	}
+}
+
+// connRequests keys the count of requests a connection has carried.
+type connRequests struct{}
+
+func (s *Server) dropReused(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n, _ := r.Context().Value(connRequests{}).(*atomic.Int64)
+		if s.cfg.DropReused && n != nil && n.Inc() > 1 {
+			hijackClose(w)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+}
+
+func hijackClose(w http.ResponseWriter) {
+	if hj, ok := w.(http.Hijacker); ok {
+		if c, _, err := hj.Hijack(); err == nil {
+			_ = c.Close()
+		}
+	}
+}
+
 // Served counts calls answered in full.
 func (s *Server) Served() int64 { return s.served.Load() }
 
@@ -280,11 +327,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request) {
 		s.cancelled.Add(1)
 		return
 	case Drop:
-		if hj, ok := w.(http.Hijacker); ok {
-			if c, _, err := hj.Hijack(); err == nil {
-				_ = c.Close()
-			}
-		}
+		hijackClose(w)
 		return
 	}
 	if s.cfg.Role == RoleEncode {

@@ -344,6 +344,9 @@ class _ProducerScheduler:
     """Encoder instance, engine core: announces pushes, answers the proxy."""
 
     def __init__(self, cfg: ec_config.ECMooncakeConfig, vllm_config: Any):
+        # It holds no native object, but metrics_port promises every
+        # process of an instance a port: the engine core's is metrics_port.
+        _configure_process(cfg, worker=False)
         self._vllm_config = vllm_config
         model_config = getattr(vllm_config, "model_config", None)
         dtype = getattr(model_config, "dtype", None)

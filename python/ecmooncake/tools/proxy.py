@@ -40,6 +40,13 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600, help="seconds allowed per request, end to end (default %(default)s)")
     p.add_argument("--health-interval", type=float, default=2, help="seconds between /health checks of each backend (default %(default)s)")
     p.add_argument("--fail-threshold", type=int, default=3, help="consecutive failures that drop a backend (default %(default)s)")
+    p.add_argument(
+        "--upstream-idle-timeout",
+        type=float,
+        default=4,
+        help="seconds a backend connection may sit idle before the proxy closes it; keep it below the backends' own "
+        "keep-alive (vLLM: 5 s) (default %(default)s)",
+    )
     p.add_argument("--no-register", action="store_true", help="refuse POST /v1/ecm/register even with a register token (static lists only)")
     add_token_arguments(p, name="register-token", env=REGISTER_TOKEN_ENV, what="the register token", file_help=(
         f"file holding the bearer token that register and deregister calls must carry (default: ${REGISTER_TOKEN_ENV}; "
@@ -75,6 +82,7 @@ def proxy_config(args: argparse.Namespace, token: str | None = None) -> dict[str
         "request_timeout_s": args.request_timeout,
         "health_interval_s": args.health_interval,
         "fail_threshold": args.fail_threshold,
+        "upstream_idle_timeout_s": args.upstream_idle_timeout,
         "allow_register": not args.no_register,
         "register_token": token or "",
         "admin_port": args.admin_port,
