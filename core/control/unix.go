@@ -210,6 +210,8 @@ func (s *UnixServer) accept() {
 			return
 		case len(s.conns) >= s.opt.maxConns:
 			s.mu.Unlock()
+			_ = c.SetWriteDeadline(time.Now().Add(unixWriteTimeout))
+			_, _ = c.Write(unixEarlyRefusal(unixRefusedBusy))
 			_ = c.Close()
 			s.refuse(refusedUnixConnCap, fmt.Errorf("%d connections open, the cap", s.opt.maxConns))
 			continue

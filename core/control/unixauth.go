@@ -53,7 +53,16 @@ const (
 	unixRefusedNoSecret
 	unixRefusedUnexpectedSecret
 	unixRefusedWrongSecret
+	unixRefusedUID
+	unixRefusedBusy
 )
+
+// unixEarlyRefusal is what a server sends in place of its hello to a
+// connection it will not admit at all (another uid, over the cap): the
+// first unixHelloLen bytes of a verdict, so that the client can say why.
+func unixEarlyRefusal(status byte) []byte {
+	return unixOpening("ECUV", status, make([]byte, unixHelloLen-8))
+}
 
 // Refusals of the Unix path (ServerStats.Refused, ecm_failures_total)
 // beside those security.go names for CURVE.
@@ -159,6 +168,7 @@ func admitUID(c *net.UnixConn, allowed func(uint32) bool) error {
 // not (a refusal label and an error). The caller sets the deadline.
 func serverHandshake(c *net.UnixConn, key []byte, allowed func(uint32) bool) (refusal, error) {
 	if err := admitUID(c, allowed); err != nil {
+		_, _ = c.Write(unixEarlyRefusal(unixRefusedUID))
 		return refusedUnixUID, err
 	}
 	var nonce [unixNonceLen]byte
@@ -211,6 +221,13 @@ func clientHandshake(c *net.UnixConn, key []byte, allowed func(uint32) bool) err
 	if _, err := io.ReadFull(c, hello); err != nil {
 		return fmt.Errorf("control: unix hello: %w", err)
 	}
+	if string(hello[:4]) == "ECUV" {
+		status, err := checkOpening("refusal", "ECUV", hello)
+		if err != nil {
+			return err
+		}
+		return unixVerdictErr(status)
+	}
 	if _, err := checkOpening("hello", "ECUH", hello); err != nil {
 		return err
 	}
@@ -228,16 +245,8 @@ func clientHandshake(c *net.UnixConn, key []byte, allowed func(uint32) bool) err
 	if err != nil {
 		return err
 	}
-	switch status {
-	case unixAdmitted:
-	case unixRefusedNoSecret:
-		return fmt.Errorf("control: unix server requires auth_secret and this end has none: %w", ErrAuth)
-	case unixRefusedUnexpectedSecret:
-		return fmt.Errorf("control: unix server has no auth_secret and this end has one: %w", ErrAuth)
-	case unixRefusedWrongSecret:
-		return fmt.Errorf("control: unix server holds another auth_secret: %w", ErrAuth)
-	default:
-		return fmt.Errorf("control: unix verdict: unknown status %d: %w", status, errUnixHandshake)
+	if status != unixAdmitted {
+		return unixVerdictErr(status)
 	}
 	if !hmac.Equal(v[8:40], unixMAC(key, "server", hello, nonce[:])) {
 		// Admitted by a server that cannot prove the secret: not ours.
@@ -245,3 +254,23 @@ func clientHandshake(c *net.UnixConn, key []byte, allowed func(uint32) bool) err
 	}
 	return nil
 }
+
+// unixVerdictErr says why a server refused this end.
+func unixVerdictErr(status byte) error {
+	switch status {
+	case unixRefusedNoSecret:
+		return fmt.Errorf("control: unix server requires auth_secret and this end has none: %w", ErrAuth)
+	case unixRefusedUnexpectedSecret:
+		return fmt.Errorf("control: unix server has no auth_secret and this end has one: %w", ErrAuth)
+	case unixRefusedWrongSecret:
+		return fmt.Errorf("control: unix server holds another auth_secret: %w", ErrAuth)
+	case unixRefusedUID:
+		return fmt.Errorf("control: unix server serves another user (SO_PEERCRED): %w", ErrAuth)
+	case unixRefusedBusy:
+		return fmt.Errorf("control: unix server holds its cap of connections: %w", errUnixBusy)
+	}
+	return fmt.Errorf("control: unix verdict: unknown status %d: %w", status, errUnixHandshake)
+}
+
+// errUnixBusy: the server is at its cap of connections.
+var errUnixBusy = errors.New("unix server busy")

@@ -224,6 +224,8 @@ func unixCause(err error) string {
 	switch {
 	case errors.Is(err, ErrAuth):
 		return "auth"
+	case errors.Is(err, errUnixBusy):
+		return "busy"
 	case errors.Is(err, errUnixHandshake):
 		return "handshake"
 	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, context.Canceled), errors.Is(err, os.ErrDeadlineExceeded):
