@@ -137,6 +137,7 @@ func (d *dualServer) Stats() ServerStats {
 	}
 	us := d.unix.Stats()
 	out.Served += us.Served
+	out.ServedUnix += us.Served
 	out.SendFailures += us.SendFailures
 	out.Oversized += us.Oversized
 	out.HeldPeak = max(out.HeldPeak, us.HeldPeak)
