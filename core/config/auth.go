@@ -49,6 +49,11 @@ func (s Secret) GoString() string { return `"` + s.String() + `"` }
 type Auth struct {
 	Secret     Secret `json:"auth_secret"`
 	SecretFile string `json:"auth_secret_file"`
+	// ControlUnix calls same-host peers' control servers over an abstract
+	// Unix socket (uid-checked, the secret still required) instead of
+	// ZeroMQ, and serves it beside ZeroMQ. Off by default: readiness
+	// events still travel over ZeroMQ.
+	ControlUnix bool `json:"control_unix"`
 }
 
 func (a Auth) validate() error {

@@ -104,7 +104,7 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 			opened.shutdown()
 		}
 	}()
-	links, sec, err := control.OpenLinks("consumer", cfg.LoadSecret, cfg.AllowUnauthenticated, opt.Links)
+	links, sec, err := control.OpenLinks("consumer", cfg.LoadSecret, cfg.AllowUnauthenticated, opt.Links, control.WithUnixPath(cfg.ControlUnix))
 	if err != nil {
 		return nil, err
 	}

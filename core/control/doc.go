@@ -41,6 +41,37 @@
 // and opens ZMQ links with its security unless the caller gave links of
 // its own; CloseIfFailed closes given links when the runtime's Open fails.
 //
+// # The Unix path
+//
+// Peers on one host skip libzmq's I/O threads: Unix (unixlinks.go) is the
+// Links of a process with control_unix set (OpenLinks, WithUnixPath). Its
+// servers also listen on the abstract Unix name of their endpoint
+// (UnixName: "@ecmooncake/control/host:port"; abstract, so that no name a
+// peer gives opens a file), read by Go's network poller, one goroutine per
+// connection, the handler still called one request at a time across both
+// paths. Its callers to an address of this network namespace call over
+// that name, the same wire frames behind a u32 length (unixframe.go),
+// pipelined on one connection and matched by id; peers elsewhere get a
+// ZeroMQ client as before.
+//
+// Admission (unixauth.go): both ends check the other's uid with
+// SO_PEERCRED (ours or root; the client too, so that a name squatted by
+// another user is not trusted), then, with a secret, a challenge–response
+// HMAC over fresh nonces of both ends proves each holds it; the secret
+// never travels. Refusals are named to the refused end and counted by the
+// server (ServerStats.Refused: unix_uid, unix_conn_cap, unix_handshake and
+// the auth_* reasons of CURVE). Bounds: UnixMaxConns connections, frames
+// of at most wire.MaxMessage checked before they are read, a deadline on
+// every handshake, read and write.
+//
+// A call that could not be sent over Unix (nothing listens on the name,
+// refused, at the cap) goes over ZeroMQ, counted by cause
+// (Unix.Fallbacks, ecm_failures_total{component="control_client",
+// reason="unix_fallback_<cause>"}) and logged when the cause changes; the
+// Unix path is tried again after a second. A call that may have reached
+// the server over Unix is never resent over ZeroMQ: it fails, as a lost
+// ZeroMQ reply would. Readiness events still travel over ZeroMQ.
+//
 // # Security
 //
 // A deployment-wide secret turns on libzmq's CURVE on every socket: every

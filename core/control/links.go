@@ -91,7 +91,13 @@ func (z *ZMQ) Refused() map[string]uint64 { return z.refused.Snapshot() }
 // returns given, or, when given is nil, ZeroMQ links secured with it; the
 // security comes back too, since it is checked even when links are
 // given. role begins every error. allowUnauthenticated is NewSecurity's.
-func OpenLinks(role string, load func() (string, error), allowUnauthenticated bool, given Links) (Links, Security, error) {
+//
+// WithUnixPath(true) opens Unix links (NewUnix) instead of plain ZeroMQ.
+func OpenLinks(role string, load func() (string, error), allowUnauthenticated bool, given Links, opts ...LinksOption) (Links, Security, error) {
+	var o linksOptions
+	for _, f := range opts {
+		f(&o)
+	}
 	secret, err := load()
 	if err != nil {
 		return nil, Security{}, fmt.Errorf("%s: %w", role, err)
@@ -103,12 +109,27 @@ func OpenLinks(role string, load func() (string, error), allowUnauthenticated bo
 	if given != nil {
 		return given, sec, nil
 	}
+	if o.unix {
+		u, err := NewUnix(sec)
+		if err != nil {
+			return nil, Security{}, fmt.Errorf("%s: %w", role, err)
+		}
+		return u, sec, nil
+	}
 	z, err := NewZMQ(sec)
 	if err != nil {
 		return nil, Security{}, fmt.Errorf("%s: %w", role, err)
 	}
 	return z, sec, nil
 }
+
+// LinksOption configures OpenLinks.
+type LinksOption func(*linksOptions)
+
+type linksOptions struct{ unix bool }
+
+// WithUnixPath selects the Unix links for same-host peers (control_unix).
+func WithUnixPath(on bool) LinksOption { return func(o *linksOptions) { o.unix = on } }
 
 // CloseIfFailed closes l, if there is one, when *err is set: deferred by a
 // constructor that owns the links it is given, so that it closes them

@@ -32,6 +32,7 @@ func (f HandlerFunc) Handle(req wire.Request) wire.Reply { return f(req) }
 // ServerStats counts what a server answered.
 type ServerStats struct {
 	Served       uint64            // requests answered, successfully or not
+	ServedUnix   uint64            `json:",omitempty"` // of Served, those over the Unix path (control_unix)
 	Errors       map[string]uint64 // error replies by code
 	SendFailures uint64            // replies libzmq refused (the caller is gone or not reading)
 	// Refused counts peers turned away by the security handshake, by

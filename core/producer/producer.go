@@ -135,7 +135,7 @@ func Open(cfg config.Producer, opt Options) (_ *Producer, err error) {
 	if opt.Log == nil {
 		opt.Log = slog.Default()
 	}
-	links, _, err := control.OpenLinks("producer", cfg.LoadSecret, false, opt.Links)
+	links, _, err := control.OpenLinks("producer", cfg.LoadSecret, false, opt.Links, control.WithUnixPath(cfg.ControlUnix))
 	if err != nil {
 		return nil, err
 	}

@@ -79,7 +79,7 @@ func Open(cfg config.Scheduler, opt Options) (_ *Scheduler, err error) {
 			shards = append(shards, control.Endpoint(cfg.IP, config.ShardPort(cfg.Port, cfg.DPRank, cfg.TPSize, r)))
 		}
 	}
-	links, _, err := control.OpenLinks("scheduler", cfg.LoadSecret, false, opt.Links)
+	links, _, err := control.OpenLinks("scheduler", cfg.LoadSecret, false, opt.Links, control.WithUnixPath(cfg.ControlUnix))
 	if err != nil {
 		return nil, err
 	}

@@ -59,6 +59,8 @@ type clusterOpts struct {
 	// overrides the producer's.
 	secret         string
 	producerSecret *string
+	// unix sets control_unix on every end.
+	unix bool
 	// quiet logs errors only: a run that fails requests on purpose would
 	// bury a real error under thousands of expected warnings.
 	quiet bool
@@ -133,6 +135,7 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 	scfg := config.DefaultScheduler()
 	scfg.Port, scfg.TPSize, scfg.PushWaitS = c.base, o.tp, o.pushWait.Seconds()
 	scfg.Secret = config.Secret(o.secret)
+	scfg.ControlUnix = o.unix
 	var err error
 	c.sched, err = node.OpenScheduler(scfg, c.nodeOpts(nil))
 	require.NoError(t, err)
@@ -140,6 +143,7 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 	pcfg.PushWaitS = o.pushWait.Seconds()
 	pcfg.ControlTimeoutS = 5
 	pcfg.Secret = config.Secret(o.secret)
+	pcfg.ControlUnix = o.unix
 	if o.producerSecret != nil {
 		pcfg.Secret = config.Secret(*o.producerSecret)
 	}
@@ -173,6 +177,7 @@ func (c *cluster) openShard(r int) ([]byte, *node.Consumer) {
 	cfg := config.DefaultConsumer()
 	cfg.Port, cfg.TPSize, cfg.TPRank, cfg.LeaseS = c.base, c.o.tp, r, c.o.lease.Seconds()
 	cfg.Secret = config.Secret(c.o.secret)
+	cfg.ControlUnix = c.o.unix
 	var tr transport.Transport
 	if c.o.consumerTr != nil {
 		tr = c.o.consumerTr(idx)

@@ -1,0 +1,568 @@
+package control
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/atomic"
+
+	"github.com/ecmooncake/ecmooncake/core/metrics"
+	"github.com/ecmooncake/ecmooncake/core/wire"
+)
+
+// Bounds of the Unix control path.
+const (
+	// UnixMaxConns caps the connections one Unix server holds at once.
+	UnixMaxConns = 64
+	// unixHandshakeTimeout bounds the admission of one connection.
+	unixHandshakeTimeout = 2 * time.Second
+	// unixClientIdle: a client closes a connection idle this long, before
+	// the server would (unixServerIdle), so that a server never closes a
+	// connection under a request on its way.
+	unixClientIdle = 60 * time.Second
+	unixServerIdle = 2 * unixClientIdle
+	// unixWriteTimeout bounds a reply's write: a client that does not read
+	// loses its connection, not the server's time.
+	unixWriteTimeout = 5 * time.Second
+	// unixRetry is how long a client that could not reach the Unix path
+	// uses ZeroMQ before it tries again.
+	unixRetry = time.Second
+)
+
+// UnixName is the abstract Unix socket name of the control server that
+// listens on the ZeroMQ endpoint ep: "@ecmooncake/control/host:port".
+// Abstract names live in the network namespace and open no file, so a
+// name that a peer gives cannot point this process at anything else.
+func UnixName(ep string) (string, error) {
+	host, port, err := SplitEndpoint(ep)
+	if err != nil {
+		return "", err
+	}
+	if host == "*" || port == 0 {
+		return "", fmt.Errorf("control: unix name of %q: %w: needs a concrete host and port", ep, ErrBadEndpoint)
+	}
+	return "@ecmooncake/control/" + strings.TrimPrefix(Endpoint(resolve(host)[0], port), tcpScheme), nil
+}
+
+// isLocalHost reports whether host is an address of this network
+// namespace: a TCP connection to it stays here, so a Unix name derived
+// from it names the same listener.
+func isLocalHost(host string) bool {
+	if IsLoopbackHost(host) {
+		return true
+	}
+	ip := net.ParseIP(strings.Split(host, "%")[0])
+	if ip == nil {
+		return false
+	}
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return false
+	}
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok && n.IP.Equal(ip) {
+			return true
+		}
+	}
+	return false
+}
+
+// unixOptions are the test seams of the Unix path.
+type unixOptions struct {
+	allowed  func(uid uint32) bool // the uid rule; sameUser unless a test says
+	maxConns int
+}
+
+func defaultUnixOptions() unixOptions {
+	return unixOptions{allowed: sameUser, maxConns: UnixMaxConns}
+}
+
+// serialHandler calls h one request at a time for every server sharing
+// it, keeping Handler's contract when ZeroMQ and Unix serve one shard.
+type serialHandler struct {
+	mu sync.Mutex
+	h  Handler
+}
+
+func (s *serialHandler) Handle(req wire.Request) wire.Reply {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.h.Handle(req)
+}
+
+// UnixServer answers the control requests of same-host peers on an
+// abstract Unix socket, read by Go's network poller: one goroutine per
+// connection, requests answered in their order, the handler called one
+// request at a time.
+type UnixServer struct {
+	name string
+	ln   *net.UnixListener
+	h    Handler
+	key  []byte
+	opt  unixOptions
+	log  *slog.Logger
+
+	mu     sync.Mutex
+	conns  map[*net.UnixConn]struct{}
+	closed bool
+	stats  ServerStats
+	wg     sync.WaitGroup
+}
+
+// ListenUnix serves h on the abstract socket name (UnixName), admitting
+// peers of this uid (or root) that hold sec's secret.
+func ListenUnix(name string, h Handler, sec Security, log *slog.Logger) (*UnixServer, error) {
+	return listenUnix(name, h, sec, log, defaultUnixOptions())
+}
+
+func listenUnix(name string, h Handler, sec Security, log *slog.Logger, opt unixOptions) (*UnixServer, error) {
+	if !strings.HasPrefix(name, "@") {
+		return nil, fmt.Errorf("control: unix listen %q: want an abstract name (@...): %w", name, ErrBadEndpoint)
+	}
+	if h == nil {
+		return nil, errors.New("control: unix listen: nil handler")
+	}
+	if log == nil {
+		log = slog.Default()
+	}
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: name, Net: "unix"})
+	if err != nil {
+		return nil, fmt.Errorf("control: unix listen %s: %w", name, err)
+	}
+	s := &UnixServer{
+		name: name, ln: ln, h: h, key: unixKey(sec), opt: opt, log: log,
+		conns: map[*net.UnixConn]struct{}{},
+		stats: ServerStats{Errors: map[string]uint64{}, Refused: map[string]uint64{}},
+	}
+	s.wg.Add(1)
+	go s.accept()
+	return s, nil
+}
+
+// Endpoint is the abstract name served.
+func (s *UnixServer) Endpoint() string { return s.name }
+
+// Stats returns a snapshot of the counters.
+func (s *UnixServer) Stats() ServerStats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := s.stats
+	out.Errors = maps.Clone(s.stats.Errors)
+	out.Refused = nil
+	if len(s.stats.Refused) > 0 {
+		out.Refused = maps.Clone(s.stats.Refused)
+	}
+	return out
+}
+
+// Close stops accepting, closes every connection and waits for their
+// goroutines. Idempotent.
+func (s *UnixServer) Close() error {
+	s.mu.Lock()
+	if !s.closed {
+		s.closed = true
+		_ = s.ln.Close()
+		for c := range s.conns {
+			_ = c.Close()
+		}
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+	return nil
+}
+
+func (s *UnixServer) refuse(r refusal, err error) {
+	s.mu.Lock()
+	s.stats.Refused[string(r)]++
+	s.mu.Unlock()
+	metrics.Failed("control", string(r))
+	s.log.Warn("control: unix peer refused", "name", s.name, "reason", string(r), "err", err)
+}
+
+func (s *UnixServer) accept() {
+	defer s.wg.Done()
+	for {
+		c, err := s.ln.AcceptUnix()
+		if err != nil {
+			s.mu.Lock()
+			closed := s.closed
+			s.mu.Unlock()
+			if closed {
+				return
+			}
+			s.log.Warn("control: unix accept", "name", s.name, "err", err)
+			// A full fd table passes; do not spin on it.
+			time.Sleep(10 * time.Millisecond)
+			continue
+		}
+		s.mu.Lock()
+		switch {
+		case s.closed:
+			s.mu.Unlock()
+			_ = c.Close()
+			return
+		case len(s.conns) >= s.opt.maxConns:
+			s.mu.Unlock()
+			_ = c.SetWriteDeadline(time.Now().Add(unixWriteTimeout))
+			_, _ = c.Write(unixEarlyRefusal(unixRefusedBusy))
+			_ = c.Close()
+			s.refuse(refusedUnixConnCap, fmt.Errorf("%d connections open, the cap", s.opt.maxConns))
+			continue
+		}
+		s.conns[c] = struct{}{}
+		s.wg.Add(1)
+		s.mu.Unlock()
+		go s.serveConn(c)
+	}
+}
+
+func (s *UnixServer) serveConn(c *net.UnixConn) {
+	defer s.wg.Done()
+	defer func() {
+		if r := recover(); r != nil {
+			s.log.Error("control: unix connection failed", "name", s.name, "panic", r)
+		}
+		s.mu.Lock()
+		delete(s.conns, c)
+		s.mu.Unlock()
+		_ = c.Close()
+	}()
+	_ = c.SetDeadline(time.Now().Add(unixHandshakeTimeout))
+	if r, err := serverHandshake(c, s.key, s.opt.allowed); err != nil {
+		s.refuse(r, err)
+		return
+	}
+	srv := &Server{h: s.h} // for answer and handle: decoding and panic recovery
+	srv.owner = &owner{log: s.log}
+	var out []byte
+	for {
+		_ = c.SetReadDeadline(time.Now().Add(unixServerIdle))
+		frame, err := readUnixFrame(c)
+		if err != nil {
+			if errors.Is(err, errUnixFrame) {
+				s.mu.Lock()
+				s.stats.Oversized++
+				s.mu.Unlock()
+				metrics.Failed("control", "message_too_large")
+				s.log.Warn("control: unix peer sent a frame over the cap; closing", "name", s.name, "err", err)
+			}
+			return
+		}
+		s.mu.Lock()
+		s.stats.HeldPeak = max(s.stats.HeldPeak, uint64(len(frame)))
+		s.mu.Unlock()
+		rep := srv.answer(frame)
+		enc, err := wire.EncodeReply(rep)
+		if err != nil {
+			code := wire.CodeInternal
+			if errors.Is(err, wire.ErrTooLarge) {
+				code = wire.CodeTooLarge
+			}
+			rep = wire.ErrReply(rep.ID, code, err.Error())
+			if enc, err = wire.EncodeReply(rep); err != nil {
+				s.log.Error("control: cannot encode error reply", "id", rep.ID, "err", err)
+				return
+			}
+		}
+		s.mu.Lock()
+		s.stats.Served++
+		if rep.Err != nil {
+			s.stats.Errors[rep.Err.Code]++
+		}
+		s.mu.Unlock()
+		out, _ = appendUnixFrame(out[:0], enc)
+		_ = c.SetWriteDeadline(time.Now().Add(unixWriteTimeout))
+		if _, err := c.Write(out); err != nil {
+			s.mu.Lock()
+			s.stats.SendFailures++
+			s.mu.Unlock()
+			s.log.Debug("control: unix reply not sent", "id", rep.ID, "err", err)
+			return
+		}
+	}
+}
+
+// UnixClient is a caller over one abstract Unix socket. Calls pipeline on
+// one connection, matched to replies by id; a lost connection fails the
+// calls on it and the next call dials again.
+type UnixClient struct {
+	name string
+	key  []byte
+	opt  unixOptions
+	log  *slog.Logger
+
+	nextID     atomic.Uint64
+	roundTrips atomic.Uint64
+	late       atomic.Uint64
+	bad        atomic.Uint64
+
+	dialMu sync.Mutex // one dial at a time
+	mu     sync.Mutex
+	conn   *unixConn
+	closed bool
+}
+
+type unixConn struct {
+	c       *net.UnixConn
+	wmu     sync.Mutex // one frame written at a time
+	mu      sync.Mutex
+	pending map[uint64]chan result
+	err     error // set once the connection is lost
+	last    atomic.Int64
+	done    chan struct{}
+}
+
+// errNotSent marks a call that never reached the server: the caller may
+// send it another way.
+var errNotSent = errors.New("not sent")
+
+// errUnixUnreachable: nothing listens on the name, or it cannot be dialled.
+var errUnixUnreachable = errors.New("unix name unreachable")
+
+// DialUnix returns a client of the abstract socket name. Like Dial it does
+// not wait for the server: the first call connects.
+func DialUnix(name string, sec Security, log *slog.Logger) (*UnixClient, error) {
+	return dialUnix(name, sec, log, defaultUnixOptions())
+}
+
+func dialUnix(name string, sec Security, log *slog.Logger, opt unixOptions) (*UnixClient, error) {
+	if !strings.HasPrefix(name, "@") {
+		return nil, fmt.Errorf("control: unix dial %q: want an abstract name (@...): %w", name, ErrBadEndpoint)
+	}
+	if log == nil {
+		log = slog.Default()
+	}
+	return &UnixClient{name: name, key: unixKey(sec), opt: opt, log: log}, nil
+}
+
+// Endpoint is the abstract name dialled.
+func (u *UnixClient) Endpoint() string { return u.name }
+
+// Stats returns the counters.
+func (u *UnixClient) Stats() ClientStats {
+	return ClientStats{RoundTrips: u.roundTrips.Load(), LateReplies: u.late.Load(), BadReplies: u.bad.Load()}
+}
+
+// Close fails calls in flight with ErrClosed. Idempotent.
+func (u *UnixClient) Close() error {
+	u.mu.Lock()
+	u.closed = true
+	cn := u.conn
+	u.conn = nil
+	u.mu.Unlock()
+	if cn != nil {
+		cn.lose(ErrClosed)
+		<-cn.done
+	}
+	return nil
+}
+
+// Call has Caller's contract.
+func (u *UnixClient) Call(ctx context.Context, op wire.Op, body, out any) error {
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, DefaultCallTimeout)
+		defer cancel()
+	}
+	return u.call(ctx, op, body, out)
+}
+
+func (u *UnixClient) fail(op wire.Op, id uint64, err error) error {
+	return fmt.Errorf("control: %s #%d to %s: %w", op, id, u.name, err)
+}
+
+// call sends one request; an error wrapping errNotSent never reached the
+// server. ctx has a deadline.
+func (u *UnixClient) call(ctx context.Context, op wire.Op, body, out any) error {
+	id := u.nextID.Add(1)
+	req, err := wire.NewRequest(id, op, body)
+	if err != nil {
+		return u.fail(op, id, err)
+	}
+	enc, err := wire.EncodeRequest(req)
+	if err != nil {
+		return u.fail(op, id, err)
+	}
+	frame, err := appendUnixFrame(nil, enc)
+	if err != nil {
+		return u.fail(op, id, err)
+	}
+	cn, err := u.connected(ctx)
+	if err != nil {
+		return u.fail(op, id, fmt.Errorf("%w: %w", errNotSent, err))
+	}
+	ch := make(chan result, 1)
+	cn.mu.Lock()
+	if cn.err != nil {
+		err := cn.err
+		cn.mu.Unlock()
+		return u.fail(op, id, fmt.Errorf("%w: %w", errNotSent, err))
+	}
+	cn.pending[id] = ch
+	cn.mu.Unlock()
+	defer cn.forget(id)
+
+	dl, _ := ctx.Deadline()
+	cn.wmu.Lock()
+	_ = cn.c.SetWriteDeadline(dl)
+	_, err = cn.c.Write(frame)
+	cn.wmu.Unlock()
+	cn.last.Store(time.Now().UnixNano())
+	if err != nil {
+		// Maybe part of it went: never resend it elsewhere.
+		cn.lose(fmt.Errorf("write: %w", err))
+		return u.fail(op, id, fmt.Errorf("unix connection lost: %w", err))
+	}
+	var res result
+	select {
+	case res = <-ch:
+	case <-ctx.Done():
+		return u.fail(op, id, ctx.Err())
+	}
+	if res.err != nil {
+		return u.fail(op, id, res.err)
+	}
+	if res.rep.Err != nil {
+		return u.fail(op, id, res.rep.Err)
+	}
+	if out != nil {
+		if err := wire.UnmarshalBody(res.rep.Body, out); err != nil {
+			return u.fail(op, id, err)
+		}
+	}
+	return nil
+}
+
+// connected returns the live connection, dialling and admitting one when
+// there is none or the one there has idled past unixClientIdle.
+func (u *UnixClient) connected(ctx context.Context) (*unixConn, error) {
+	u.mu.Lock()
+	if u.closed {
+		u.mu.Unlock()
+		return nil, ErrClosed
+	}
+	cn := u.conn
+	u.mu.Unlock()
+	if cn != nil && cn.alive() {
+		return cn, nil
+	}
+	u.dialMu.Lock()
+	defer u.dialMu.Unlock()
+	u.mu.Lock()
+	cn = u.conn
+	u.mu.Unlock()
+	if cn != nil && cn.alive() {
+		return cn, nil
+	}
+	if cn != nil {
+		cn.lose(errors.New("idle"))
+	}
+	dl, _ := ctx.Deadline()
+	hs := time.Now().Add(unixHandshakeTimeout)
+	if dl.After(hs) {
+		dl = hs
+	}
+	d := net.Dialer{Deadline: dl}
+	raw, err := d.DialContext(ctx, "unix", u.name)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", errUnixUnreachable, err)
+	}
+	c := raw.(*net.UnixConn)
+	_ = c.SetDeadline(dl)
+	if err := clientHandshake(c, u.key, u.opt.allowed); err != nil {
+		_ = c.Close()
+		return nil, err
+	}
+	_ = c.SetDeadline(time.Time{})
+	cn = &unixConn{c: c, pending: map[uint64]chan result{}, done: make(chan struct{})}
+	cn.last.Store(time.Now().UnixNano())
+	u.mu.Lock()
+	if u.closed {
+		u.mu.Unlock()
+		_ = c.Close()
+		return nil, ErrClosed
+	}
+	u.conn = cn
+	u.mu.Unlock()
+	go u.read(cn)
+	return cn, nil
+}
+
+// alive: not lost, and not idle long enough for the server to drop it.
+func (cn *unixConn) alive() bool {
+	cn.mu.Lock()
+	lost := cn.err != nil
+	cn.mu.Unlock()
+	return !lost && time.Since(time.Unix(0, cn.last.Load())) < unixClientIdle
+}
+
+func (cn *unixConn) forget(id uint64) {
+	cn.mu.Lock()
+	delete(cn.pending, id)
+	cn.mu.Unlock()
+}
+
+// lose closes the connection once and fails every call waiting on it.
+func (cn *unixConn) lose(err error) {
+	cn.mu.Lock()
+	if cn.err != nil {
+		cn.mu.Unlock()
+		return
+	}
+	cn.err = err
+	waiting := cn.pending
+	cn.pending = map[uint64]chan result{}
+	cn.mu.Unlock()
+	_ = cn.c.Close()
+	for _, ch := range waiting {
+		ch <- result{err: fmt.Errorf("unix connection lost: %w", err)}
+	}
+}
+
+// read matches replies to calls until the connection is lost.
+func (u *UnixClient) read(cn *unixConn) {
+	defer close(cn.done)
+	for {
+		// The idle bound of a connection nobody uses; calls bound their own waits.
+		_ = cn.c.SetReadDeadline(time.Now().Add(unixServerIdle))
+		frame, err := readUnixFrame(cn.c)
+		if err != nil {
+			cn.lose(err)
+			return
+		}
+		rep, err := wire.DecodeReply(frame)
+		if err != nil {
+			u.bad.Add(1)
+			u.log.Warn("control: undecodable unix reply", "name", u.name, "id", rep.ID, "err", err)
+			if rep.ID != 0 {
+				cn.deliver(rep.ID, result{err: fmt.Errorf("undecodable reply: %w", err)}, nil)
+			}
+			continue
+		}
+		if !cn.deliver(rep.ID, result{rep: rep}, &u.roundTrips) {
+			u.late.Add(1)
+		}
+	}
+}
+
+func (cn *unixConn) deliver(id uint64, r result, trips *atomic.Uint64) bool {
+	cn.mu.Lock()
+	ch, ok := cn.pending[id]
+	delete(cn.pending, id)
+	cn.mu.Unlock()
+	if !ok {
+		return false
+	}
+	if trips != nil {
+		trips.Add(1)
+	}
+	ch <- r
+	return true
+}
