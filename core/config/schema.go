@@ -133,6 +133,7 @@ var specs = map[string]spec{
 	"staging_bytes":              ints(1<<20, 1<<40).with("page-locked host memory that stages GPU memory over TCP (0: the default)"),
 	"auth_secret":                {kind: KindSecret, help: "the deployment's secret: the control plane is authenticated and encrypted with keys derived from it"},
 	"auth_secret_file":           {kind: KindPath, help: "a file holding the secret, read when the object opens"},
+	"control_unix":               {kind: KindBool, help: "same-host control calls over a Unix-domain socket (uid checked by the kernel, the secret still required); off until readiness events take it too"},
 	"allow_unauthenticated":      {kind: KindBool, help: "without a secret, a consumer bound beyond loopback serves anybody instead of loopback peers only"},
 	"mooncake_metadata_server":   {kind: KindText, help: "host:port at which a consumer shard serves a Mooncake metadata store"},
 	"mooncake_metadata_token":    {kind: KindSecret, help: "bearer token that metadata store requires (the Python package fills it from MC_METADATA_HTTP_TOKEN)"},
