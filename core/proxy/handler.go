@@ -554,11 +554,12 @@ func (c *call) encodeAll(consumer string, attempt int) []*encoded {
 		go func() {
 			defer wg.Done()
 			defer p.recover("encode")
-			tid := fmt.Sprintf("%s-%d-%d", c.id, attempt, i)
+			tid := newTransferID()
+			p.log.Debug("transfer id minted", "request_id", c.id, "attempt", attempt, "item", i, "transfer_id", tid)
 			e, err := c.encodeOne(i, consumer, tid)
 			if err != nil {
 				p.m.items.WithLabelValues("fallback").Inc()
-				p.log.Warn("media item falls back to the consumer's own encoder", "request_id", c.id, "item", i, "cause", err)
+				p.log.Warn("media item falls back to the consumer's own encoder", "request_id", c.id, "item", i, "transfer_id", tid, "cause", err)
 				return
 			}
 			p.m.items.WithLabelValues("encoded").Inc()

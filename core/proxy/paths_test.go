@@ -2,10 +2,13 @@ package proxy
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -372,4 +375,39 @@ func TestMetricsAndBackendsEndpoints(t *testing.T) {
 	resp, err = http.Get(r.url + "/v1/models")
 	require.NoError(t, err)
 	require.Contains(t, readAll(t, resp), `"fake-model"`)
+}
+
+// A transfer id is a grant's name at every shard, so a client must not be
+// able to derive one: the request id it gets back (X-Request-Id) and the
+// order of its requests tell it nothing about the ids the proxy minted.
+func TestTransferIDsCannotBeGuessedFromWhatAClientSees(t *testing.T) {
+	r := newRig(t, rigOpts{encoders: 1, pds: 1})
+	b, err := json.Marshal(chat(false, image("http://img/1.png"), image("http://img/2.png")))
+	require.NoError(t, err)
+	var visible []string
+	for i := 0; i < 2; i++ {
+		resp, err := r.httpc.Post(r.url+"/v1/chat/completions", "application/json", bytes.NewReader(b))
+		require.NoError(t, err)
+		_, _ = io.ReadAll(resp.Body)
+		resp.Body.Close()
+		require.Equal(t, 200, resp.StatusCode)
+		visible = append(visible, resp.Header.Get(headerRequestID))
+	}
+	var tids []string
+	for _, c := range r.pd[0].Calls() {
+		for _, it := range decodePD(t, c).Params.Items {
+			tids = append(tids, it.TransferID)
+		}
+	}
+	require.Len(t, tids, 4)
+	for _, tid := range tids {
+		for _, v := range visible {
+			require.NotEmpty(t, v)
+			require.NotContains(t, tid, v, "transfer id %s contains the request id %s the client was told", tid, v)
+		}
+	}
+	// Whatever the format, at least 128 bits of it come from crypto/rand:
+	// two ids of one request share no 32-hex-digit run.
+	require.Regexp(t, `[0-9a-f]{32}`, tids[0])
+	require.NotEqual(t, regexp.MustCompile(`[0-9a-f]{32}`).FindString(tids[0]), regexp.MustCompile(`[0-9a-f]{32}`).FindString(tids[1]))
 }

@@ -383,6 +383,19 @@ func (p *Proxy) Close() error {
 	return p.closeErr
 }
 
+// newTransferID mints a transfer id: 128 bits from crypto/rand. It names a
+// grant at every shard, so unlike the request id (which every client sees
+// as X-Request-Id) it must not be derivable from anything a client sees.
+func newTransferID() string {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		// crypto/rand does not fail on Linux (getrandom); if it ever did,
+		// a guessable id would be worse than no request.
+		panic(fmt.Sprintf("proxy: crypto/rand: %v", err))
+	}
+	return "ecm-t-" + hex.EncodeToString(b[:])
+}
+
 func (p *Proxy) newID() string {
 	return fmt.Sprintf("ecm-%s-%d", p.idBase, p.seq.Add(1))
 }
