@@ -3,14 +3,15 @@ package proxy
 import (
 	"encoding/json"
 	"fmt"
+	"reflect"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 )
 
 // The exact requests the encoder and the consumer receive, for the prompt
-// shapes that matter. Expected bodies are built by hand from the recorded
-// request id, so any change in the rewrite shows up here.
+// shapes that matter. Expected bodies are built by hand from the transfer
+// ids the encoder calls carried, so any change in the rewrite shows up here.
 func TestRewrittenRequests(t *testing.T) {
 	img1, img2 := image("http://img/1.png"), image("data:image/png;base64,AAAA")
 	audio := map[string]any{"type": "input_audio", "input_audio": map[string]any{"data": "UklGRg==", "format": "wav"}}
@@ -46,15 +47,19 @@ func TestRewrittenRequests(t *testing.T) {
 					require.Empty(t, r.enc[1].Calls())
 					return
 				}
-				rid := got.RequestID
-				require.NotEmpty(t, rid)
-				tid := func(i int) string { return fmt.Sprintf("%s-0-%d", rid, i) }
+				require.NotEmpty(t, got.RequestID)
 
-				// One encoder call per distinct item, spread over both encoders.
+				// One encoder call per distinct item, spread over both
+				// encoders. Transfer ids are random, so each is learned
+				// from the encoder call that carries its item's part.
 				encBodies := map[string]string{}
+				tids := map[int]string{}
 				for _, e := range r.enc {
 					for _, c := range e.Calls() {
 						var b struct {
+							Messages []struct {
+								Content []json.RawMessage `json:"content"`
+							} `json:"messages"`
 							P struct {
 								Items []struct {
 									TransferID string `json:"transfer_id"`
@@ -62,8 +67,18 @@ func TestRewrittenRequests(t *testing.T) {
 							} `json:"ec_transfer_params"`
 						}
 						require.NoError(t, json.Unmarshal(c.Body, &b))
-						encBodies[b.P.Items[0].TransferID] = string(c.Body)
+						tid := b.P.Items[0].TransferID
+						encBodies[tid] = string(c.Body)
+						for i, part := range tc.distinct {
+							if len(b.Messages) == 1 && len(b.Messages[0].Content) == 1 && jsonEqual(t, mustJSON(t, part), string(b.Messages[0].Content[0])) {
+								tids[i] = tid
+							}
+						}
 					}
+				}
+				tid := func(i int) string {
+					require.Contains(t, tids, i, "no encoder call carried item %d", i)
+					return tids[i]
 				}
 				require.Len(t, encBodies, len(tc.distinct))
 				for i, part := range tc.distinct {
@@ -135,4 +150,13 @@ func TestBadRequestsAreRefusedByTheProxy(t *testing.T) {
 		})
 	}
 	require.Empty(t, r.pd[0].Calls())
+}
+
+// jsonEqual reports whether two JSON texts hold the same value.
+func jsonEqual(t *testing.T, a, b string) bool {
+	t.Helper()
+	var x, y any
+	require.NoError(t, json.Unmarshal([]byte(a), &x))
+	require.NoError(t, json.Unmarshal([]byte(b), &y))
+	return reflect.DeepEqual(x, y)
 }
