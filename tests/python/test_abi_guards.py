@@ -53,7 +53,8 @@ def test_consumer_open_with_null_out_opens_nothing():
 
 def test_metadata_server_open_with_null_out_opens_nothing():
     port = _free_port()
-    cfg = json.dumps({"port": port}).encode()
+    # A token, because the store refuses to serve without one (or open).
+    cfg = json.dumps({"port": port, "token": "abi-guards"}).encode()
     rc, msg = _raw("ecm_metadata_server_open", cfg, None)
     assert rc == _ffi.ECM_ERR_INVALID and "out is NULL" in msg
     out = c_uint64()
