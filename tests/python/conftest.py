@@ -6,6 +6,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -77,6 +78,29 @@ def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "c
         if time.monotonic() >= deadline:
             pytest.fail(f"{what} not reached within {timeout:.0f}s")
         time.sleep(interval)
+
+
+def without_hanging(fn, bound_s: float = 120.0, what: str = "call"):
+    """Runs fn in a thread and returns its result (or raises what it raised);
+    fails when it has not returned within bound_s. The bound is a hang
+    detector, not a speed claim: set it far above what a loaded machine
+    takes, and make what would hang take far longer still."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the test's thread below
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"without-hanging: {what}", daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    if thread.is_alive():
+        pytest.fail(f"{what} hung: still running after {bound_s:.0f}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -13,12 +13,11 @@ import logging
 import pickle
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 import pytest
 
-from conftest import subprocess_env, wait_until
+from conftest import subprocess_env, wait_until, without_hanging
 from vllm_engine import HIDDEN, Item, make_config, make_request, require_vllm, tiny_model
 
 require_vllm()
@@ -465,24 +464,26 @@ def test_metadata_is_small_and_loads_in_a_fresh_process():
 
 def test_scheduler_hooks_do_not_block_on_unreachable_peers(model_dir):
     # Nobody listens at this port: the scheduler's background loop keeps
-    # retrying, and no hook may wait for it.
-    control_timeout_s = 30.0
+    # retrying, and no hook may wait for it. The control timeout is an hour,
+    # so a hook that waited on the network even once would run far past the
+    # hang bound; the bound says nothing about how fast the hooks are.
     port = free_port_range(1)
-    config = make_config("ec_consumer", model_dir=model_dir, port=port, extra={"control_timeout_s": control_timeout_s, "log_level": "error"})
+    config = make_config("ec_consumer", model_dir=model_dir, port=port, extra={"control_timeout_s": 3600.0, "log_level": "error"})
     s = create(config, ECConnectorRole.SCHEDULER)
     try:
         items = [Item(f"unreachable/{i}", 64, WIDTH) for i in range(4)]
         requests = [make_request(f"pd-u{i}", items, {"ec_items": [{"transfer_id": f"u{i}-{j}"} for j in range(4)]}) for i in range(50)]
-        started = time.monotonic()
-        answers = set()
-        for n in range(1000):
-            answers.add(s.has_cache_item(items[n % 4].identifier))
-            answers.add(s.ensure_cache_available(requests[n % 50], 0))
-            if n % 10 == 0:
-                s.build_connector_meta(SchedulerOutput.make_empty())
-        elapsed = time.monotonic() - started
-        assert answers == {False}
-        assert elapsed < control_timeout_s, f"1000 rounds of hooks took {elapsed:.1f}s: something waited on the network"
+
+        def rounds():
+            answers = set()
+            for n in range(1000):
+                answers.add(s.has_cache_item(items[n % 4].identifier))
+                answers.add(s.ensure_cache_available(requests[n % 50], 0))
+                if n % 10 == 0:
+                    s.build_connector_meta(SchedulerOutput.make_empty())
+            return answers
+
+        assert without_hanging(rounds, what="1000 rounds of scheduler hooks") == {False}
     finally:
         s.shutdown()
 

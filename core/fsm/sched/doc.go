@@ -75,7 +75,18 @@
 // siblings still waiting or available lose their last request: they are
 // cancelled at once and Cancels hands their ids to the caller, which
 // cancels them on the shards as it does those Finish returns. No record
-// outlives its requests except the loaded one (and resident copies).
+// outlives the requests for its content except the loaded one (and
+// resident copies).
+//
+// Because Ensure answers by content, a request can be told its item is
+// there through another request's transfer while its own push still
+// waits, and vLLM loads it in the same step. So Finish cancels an
+// available transfer only when no live request waits for its content any
+// more, not merely when its own requests are gone: the owner of the other
+// request may have ended it (an abort) in between. Finish of the last
+// request that waits for the content cancels it, as do a load of the
+// content and the lease; a transfer still waiting for its push is
+// cancelled with its own last request, since nobody was answered from it.
 //
 // A request waits for each of its items until the content is loaded into
 // vLLM's encoder cache (a transfer of that mm_hash reaches Ready); from then
@@ -141,6 +152,8 @@
 // exactly when its state has one; its attached requests exist and expect
 // it. Every item of a request is exactly one of: attached to a live record
 // of the same mm_hash, failed, or served; a Ready record has no request
-// attached. Tombstones and early
+// attached; a WaitingEvent record has one, and an Available record without
+// one has its content wanted by an unserved item of a live request (the
+// count of those per mm_hash matches the requests). Tombstones and early
 // events stay within their bounds. No method ever attempted an illegal move.
 package sched

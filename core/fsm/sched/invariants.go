@@ -80,6 +80,9 @@ func (t *Table) CheckInvariants() error {
 		if r.state == Ready && len(r.requests) > 0 {
 			bad("transfer %s: %s with requests still attached", id, r.state)
 		}
+		if t.idle(r) {
+			bad("transfer %s: %s outlived every request for %s", id, r.state, r.hash)
+		}
 	}
 
 	for h, list := range t.byHash {
@@ -90,6 +93,25 @@ func (t *Table) CheckInvariants() error {
 			if t.records[r.id] != r || r.hash != h {
 				bad("mm_hash %s: index names dead or foreign transfer %s", h, r.id)
 			}
+		}
+	}
+
+	wants := make(map[string]int, len(t.wants))
+	for _, req := range t.requests {
+		for _, it := range req.items {
+			if _, ok := req.served[it.TransferID]; !ok {
+				wants[it.MMHash]++
+			}
+		}
+	}
+	for h, n := range t.wants {
+		if n != wants[h] {
+			bad("mm_hash %s: counted %d unserved items, requests hold %d", h, n, wants[h])
+		}
+	}
+	for h, n := range wants {
+		if _, ok := t.wants[h]; !ok {
+			bad("mm_hash %s: requests hold %d unserved items, none counted", h, n)
 		}
 	}
 

@@ -193,9 +193,24 @@ func runModel(t *testing.T, rng *rand.Rand, steps int) (map[State]bool, Stats) {
 		case op < 93:
 			rid := pick("r", 6)
 			where = fmt.Sprintf("step %d: finish %s", step, rid)
+			// Ensure answers by content, so content another live request
+			// can be told is there must stay there when this one ends: it
+			// is loaded in the same step (the soak's "load cannot start").
+			tb.Snapshot(now) // deadlines due by now fire before the question
+			var others []string
+			for id, req := range tb.requests {
+				for _, it := range req.items {
+					if id != rid && tb.Has(it.MMHash) {
+						others = append(others, it.MMHash)
+					}
+				}
+			}
 			for _, tid := range tb.Finish(rid, now) {
 				st, _ := tb.Status(tid)
 				require.Equal(t, Cancelled, st, where)
+			}
+			for _, h := range others {
+				require.True(t, tb.Has(h), "%s: took %s from a request still waiting for it", where, h)
 			}
 		default:
 			where = fmt.Sprintf("step %d: tick", step)

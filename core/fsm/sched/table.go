@@ -104,6 +104,12 @@ type Table struct {
 	records  map[string]*record   // live transfers by transfer_id
 	byHash   map[string][]*record // live transfers by mm_hash, oldest first
 	requests map[string]*request
+	// wants counts, by mm_hash, the items of live requests that are not
+	// served yet: whether some request still waits for the content through
+	// any transfer. Ensure answers by content, so an available transfer
+	// whose own requests finished may be what a waiting request was told
+	// is there; it stays while the content is wanted.
+	wants map[string]int
 
 	early  map[string]*early
 	earlyQ []queued // arrival order of early; may hold stale entries
@@ -188,6 +194,7 @@ func New(cfg Config) *Table {
 		records:  make(map[string]*record),
 		byHash:   make(map[string][]*record),
 		requests: make(map[string]*request),
+		wants:    make(map[string]int),
 		early:    make(map[string]*early),
 		tombs:    make(map[string]tombstone),
 	}
@@ -235,12 +242,13 @@ func (t *Table) Expect(requestID string, items []Expected, now time.Time) error 
 		t.gen++
 		req.items = append(req.items, it)
 		req.index[it.TransferID] = struct{}{}
+		if r := t.records[it.TransferID]; r != nil && r.state == Ready {
+			req.served[r.id] = struct{}{}
+			continue
+		}
+		t.wants[it.MMHash]++
 		if r := t.records[it.TransferID]; r != nil {
-			if r.state == Ready {
-				req.served[r.id] = struct{}{}
-			} else {
-				r.requests = append(r.requests, requestID)
-			}
+			r.requests = append(r.requests, requestID)
 			continue
 		}
 		if ts, ok := t.tombs[it.TransferID]; ok {
@@ -664,7 +672,11 @@ func (t *Table) Freed(mmHash string, now time.Time) {
 // Finish detaches a finished or aborted request. Transfers it alone was
 // waiting for are cancelled and returned, so the caller can cancel them on
 // the shards. Loading and loaded transfers stay: a worker may already hold
-// a view of their bytes.
+// a view of their bytes. An available transfer also stays while another
+// live request waits for its content: Ensure may have answered that
+// request ready from it, and vLLM then loads it in this very step. It is
+// cancelled (and returned) by the Finish of the last request that waits
+// for the content, unless a load or its lease ends it first.
 func (t *Table) Finish(requestID string, now time.Time) (cancel []string) {
 	t.advance(now)
 	req := t.requests[requestID]
@@ -673,17 +685,52 @@ func (t *Table) Finish(requestID string, now time.Time) (cancel []string) {
 	}
 	delete(t.requests, requestID)
 	t.gen++
+	var hashes []string
 	for _, it := range req.items {
-		r := t.records[it.TransferID]
-		if r == nil || !r.detach(requestID) {
-			continue
+		if _, ok := req.served[it.TransferID]; !ok {
+			t.unwant(it.MMHash)
 		}
-		if len(r.requests) == 0 && (r.state == WaitingEvent || r.state == Available) {
-			t.move(r, Cancelled, now, "request "+requestID+" finished")
-			cancel = append(cancel, r.id)
+		if !slices.Contains(hashes, it.MMHash) {
+			hashes = append(hashes, it.MMHash)
+		}
+		if r := t.records[it.TransferID]; r != nil {
+			r.detach(requestID)
+		}
+	}
+	// Oldest first, over a copy: cancelling edits byHash.
+	for _, h := range hashes {
+		for _, r := range slices.Clone(t.byHash[h]) {
+			if t.idle(r) {
+				t.move(r, Cancelled, now, "request "+requestID+" finished")
+				cancel = append(cancel, r.id)
+			}
 		}
 	}
 	return cancel
+}
+
+// idle reports whether a record is left for nobody: no request is attached
+// and, for an available one, no live request waits for its content either.
+// Loading and later records are never idle (see Finish).
+func (t *Table) idle(r *record) bool {
+	if len(r.requests) > 0 {
+		return false
+	}
+	switch r.state {
+	case WaitingEvent:
+		return true
+	case Available:
+		return t.wants[r.hash] == 0
+	}
+	return false
+}
+
+func (t *Table) unwant(mmHash string) {
+	if t.wants[mmHash] <= 1 {
+		delete(t.wants, mmHash)
+		return
+	}
+	t.wants[mmHash]--
 }
 
 // Cancels returns, once, the transfers the table cancelled by itself since
@@ -879,6 +926,7 @@ func (t *Table) serve(loaded *record, now time.Time) {
 	for _, r := range t.byHash[loaded.hash] {
 		for _, rid := range r.requests {
 			t.requests[rid].served[r.id] = struct{}{}
+			t.unwant(r.hash)
 		}
 		r.requests = nil
 		if r != loaded && (r.state == WaitingEvent || r.state == Available) {

@@ -221,6 +221,71 @@ func TestScenarios(t *testing.T) {
 			tick -> -
 			ensure r2 -> ready
 		`},
+		{"an aborted request leaves the transfer another request was told is there", two, `
+			# the soak's "load cannot start": rB is answered ready through
+			# rA's transfer of the same image while its own push still waits
+			expect rA tA=h1
+			expect rB tB=h1
+			ready 0 tA h1
+			ready 1 tA h1
+			ensure rB -> ready
+			# rA aborts before its load; the next step schedules rB
+			finish rA -> -
+			state tA -> Available
+			has h1 -> yes
+			ensure rB -> ready
+			load h1 -> tA
+			loaded tA ok
+			cancels -> tB
+			ensure rB -> ready
+			finish rB -> -
+			stats -> live=Ready:1 requests=0 ended=Cancelled:1
+		`},
+		{"a transfer kept for another request ends with the last request for its image", two, `
+			expect rA tA=h1
+			expect rB tB=h1
+			expect rC tC=h2
+			ready 0 tA h1
+			ready 1 tA h1
+			finish rA -> -
+			finish rC -> tC
+			state tA -> Available
+			state tB -> WaitingEvent
+			finish rB -> tA,tB
+			state tA -> Cancelled
+			state tB -> Cancelled
+			stats -> live=- requests=0 ended=Cancelled:3
+		`},
+		{"a kept transfer still serves a request whose own push failed", two, `
+			expect rA tA=h1
+			expect rB tB=h1
+			ready 0 tA h1
+			ready 1 tA h1
+			finish rA -> -
+			fail 0 tB h1 no room
+			tick -> -
+			ensure rB -> ready
+			load h1 -> tA
+			loaded tA ok
+			ensure rB -> ready
+			finish rB -> -
+		`},
+		{"a kept transfer that expires fails nobody it was kept for", Config{Shards: 2, AvailableTTL: 30 * time.Second}, `
+			expect rA tA=h1
+			expect rB tB=h1
+			ready 0 tA h1
+			ready 1 tA h1
+			finish rA -> -
+			ensure rB -> ready
+			at 30s
+			tick -> -
+			state tA -> Expired
+			ensure rB -> wait
+			ready 0 tB h1
+			ready 1 tB h1
+			ensure rB -> ready
+			load h1 -> tB
+		`},
 		{"request aborted mid-transfer", two, `
 			expect r1 t1=h1 t2=h2 t3=h3
 			ready 0 t1 h1
@@ -651,6 +716,15 @@ func TestCheckInvariantsCatchesCorruption(t *testing.T) {
 		"tombstone not queued":     func(tb *Table) { tb.tombs["t8"] = tombstone{state: Cancelled} },
 		"early for a live record":  func(tb *Table) { tb.early["t1"] = tb.early["t9"] },
 		"early not queued":         func(tb *Table) { tb.earlyQ = nil },
+		"wanted content uncounted": func(tb *Table) { delete(tb.wants, "h1") },
+		"wanted content miscount":  func(tb *Table) { tb.wants["h2"] = 5 },
+		"unwanted content counted": func(tb *Table) { tb.wants["h9"] = 1 },
+		"available for nobody": func(tb *Table) {
+			// served without being loaded, and nobody else wants h1
+			tb.records["t1"].requests = nil
+			tb.requests["r1"].served["t1"] = struct{}{}
+			tb.unwant("h1")
+		},
 		"loaded with a request": func(tb *Table) {
 			r := tb.records["t1"]
 			r.state = Ready
