@@ -139,7 +139,11 @@ func (p *Proxy) serveDiscovery(ctx *fasthttp.RequestCtx) bool {
 	case ctx.IsPost() && path == discovery.DeregisterPath:
 		p.serveDeregister(ctx)
 	case path == discovery.BackendsPath:
-		writeJSON(ctx, fasthttp.StatusOK, p.backends())
+		// The list names every consumer's control endpoint, so it is the
+		// register token's to read, like registration itself.
+		if p.authorizeToken(ctx, "list") {
+			writeJSON(ctx, fasthttp.StatusOK, p.backends())
+		}
 	default:
 		return false
 	}
@@ -153,11 +157,21 @@ func (p *Proxy) authorize(ctx *fasthttp.RequestCtx, op string) bool {
 		p.refuse(ctx, op, "off", fasthttp.StatusForbidden, "registration is off on this proxy (allow_register is false): it routes to its static backends only")
 		return false
 	}
+	return p.authorizeToken(ctx, op)
+}
+
+// authorizeToken checks the bearer token alone; a refusal is answered,
+// counted and logged here.
+func (p *Proxy) authorizeToken(ctx *fasthttp.RequestCtx, op string) bool {
 	switch res := p.auth.check(ctx.Request.Header.Peek(fasthttp.HeaderAuthorization)); res {
 	case authOK:
 		return true
 	case authOff:
-		p.refuse(ctx, op, res.String(), fasthttp.StatusForbidden, "registration is off on this proxy: it has no register token. Start it with --register-token-file FILE or $"+TokenEnv+", and give the registering instances the same token")
+		what := "registration"
+		if op == "list" {
+			what = "the backend list"
+		}
+		p.refuse(ctx, op, res.String(), fasthttp.StatusForbidden, what+" is off on this proxy: it has no register token. Start it with --register-token-file FILE or $"+TokenEnv+", and give the registering instances the same token")
 	case authMissing:
 		ctx.Response.Header.Set(fasthttp.HeaderWWWAuthenticate, "Bearer")
 		p.refuse(ctx, op, res.String(), fasthttp.StatusUnauthorized, op+" needs the proxy's register token as a bearer token (Authorization: Bearer <token>)")

@@ -201,10 +201,9 @@ func TestAdminPortTakesDiscoveryOffTheUserPort(t *testing.T) {
 	require.Equal(t, http.StatusUnauthorized, code, "the admin port checks the token too")
 	code, body := adminCall(t, admin, discovery.RegisterPath, testToken, reg)
 	require.Equal(t, http.StatusOK, code, body)
-	resp, err = http.Get(admin + discovery.BackendsPath)
-	require.NoError(t, err)
-	require.Contains(t, readAll(t, resp), pd.URL())
-	require.Equal(t, http.StatusOK, resp.StatusCode)
+	code, body = adminGet(t, admin+discovery.BackendsPath, testToken)
+	require.Contains(t, body, pd.URL())
+	require.Equal(t, http.StatusOK, code)
 
 	code, answer := r.post("/v1/chat/completions", chat(false, text("hi")))
 	require.Equal(t, 200, code, string(answer))
@@ -282,4 +281,38 @@ func TestDiscoveryBodiesAreBounded(t *testing.T) {
 	code, body := r.post("/v1/chat/completions", chat(false, text(strings.Repeat("x", 2*maxDiscoveryBody))))
 	require.Equal(t, 200, code, string(body))
 	requireRefusals(t, r.url, refusal{"register", "too_large", 1})
+}
+
+// adminGet is a GET on the proxy with an optional bearer token.
+func adminGet(t *testing.T, url, token string) (int, string) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	require.NoError(t, err)
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	return resp.StatusCode, readAll(t, resp)
+}
+
+// The backend list names every consumer's control endpoint: a map of what
+// to attack. It is answered only to a holder of the register token, and to
+// nobody on a proxy that has none.
+func TestBackendListNeedsTheRegisterToken(t *testing.T) {
+	r := newRig(t, rigOpts{encoders: 1, pds: 1, mut: func(c *Config) { c.RegisterToken = testToken }})
+	code, body := adminGet(t, r.url+discovery.BackendsPath, "")
+	require.Equal(t, http.StatusUnauthorized, code, body)
+	require.NotContains(t, body, r.pd[0].URL())
+	code, body = adminGet(t, r.url+discovery.BackendsPath, "not-the-token-at-all-0123456789")
+	require.Equal(t, http.StatusUnauthorized, code, body)
+	code, body = adminGet(t, r.url+discovery.BackendsPath, testToken)
+	require.Equal(t, http.StatusOK, code, body)
+	require.Contains(t, body, r.pd[0].URL())
+
+	open := newRig(t, rigOpts{encoders: 1, pds: 1})
+	code, body = adminGet(t, open.url+discovery.BackendsPath, "")
+	require.Equal(t, http.StatusForbidden, code, body)
+	require.NotContains(t, body, open.pd[0].URL())
+	require.Contains(t, body, "register token")
 }

@@ -344,7 +344,7 @@ func TestEncoderWithoutModality(t *testing.T) {
 }
 
 func TestMetricsAndBackendsEndpoints(t *testing.T) {
-	r := newRig(t, rigOpts{encoders: 1, pds: 1, mut: func(c *Config) { c.MetricsPort = freePort(t) }})
+	r := newRig(t, rigOpts{encoders: 1, pds: 1, mut: func(c *Config) { c.MetricsPort = freePort(t); c.RegisterToken = testToken }})
 	r.pd[0].Inject(fakevllm.Status503)
 	code, _ := r.post("/v1/chat/completions", chat(false, image("http://img/1.png"), image("http://img/1.png")))
 	require.Equal(t, 200, code)
@@ -366,13 +366,13 @@ func TestMetricsAndBackendsEndpoints(t *testing.T) {
 			require.Contains(t, b, want, base)
 		}
 	}
-	resp, err := http.Get(r.url + discovery.BackendsPath)
-	require.NoError(t, err)
+	code, list := adminGet(t, r.url+discovery.BackendsPath, testToken)
+	require.Equal(t, http.StatusOK, code, list)
 	var backends map[string][]BackendInfo
-	require.NoError(t, json.Unmarshal([]byte(readAll(t, resp)), &backends))
+	require.NoError(t, json.Unmarshal([]byte(list), &backends))
 	require.Len(t, backends[discovery.RolePD], 1)
 	require.True(t, backends[discovery.RolePD][0].Static)
-	resp, err = http.Get(r.url + "/v1/models")
+	resp, err := http.Get(r.url + "/v1/models")
 	require.NoError(t, err)
 	require.Contains(t, readAll(t, resp), `"fake-model"`)
 }

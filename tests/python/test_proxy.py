@@ -118,8 +118,9 @@ def test_registration_needs_the_token(library, pd_server):
         assert 'ecm_proxy_registration_refusals_total{op="register",reason="bad_token"} 1' in _get(f"http://{proxy.address}/metrics")
 
 
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as resp:
+def _get(url: str, token: str | None = None) -> str:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=10) as resp:
         return resp.read().decode()
 
 
@@ -198,7 +199,7 @@ def test_command_lines_take_the_token_from_env_and_file(library, pd_server, tmp_
              "--url", pd_server, "--consumer", "tcp://127.0.0.1:15000", "--ttl", "3", "--token-file", str(token_file)],
             env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
-        _wait(lambda: pd_server in _get(f"http://127.0.0.1:{admin}/v1/ecm/backends"), "the sidecar registers with the token from its file")
+        _wait(lambda: pd_server in _get(f"http://127.0.0.1:{admin}/v1/ecm/backends", TOKEN), "the sidecar registers with the token from its file")
         with open(f"/proc/{sidecar.pid}/cmdline", "rb") as f:
             assert TOKEN.encode() not in f.read()
         code, _ = _post(f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]})
@@ -207,7 +208,7 @@ def test_command_lines_take_the_token_from_env_and_file(library, pd_server, tmp_
         assert code == 404, "the user port serves no discovery when an admin port is set"
         sidecar.send_signal(signal.SIGTERM)
         assert sidecar.wait(timeout=20) == 0
-        assert pd_server not in _get(f"http://127.0.0.1:{admin}/v1/ecm/backends"), "deregistered with the token"
+        assert pd_server not in _get(f"http://127.0.0.1:{admin}/v1/ecm/backends", TOKEN), "deregistered with the token"
         proxy.send_signal(signal.SIGTERM)
         assert proxy.wait(timeout=20) == 0
     finally:
