@@ -1,5 +1,6 @@
 // Package core is the whole connector in plain Go; this file maps its
-// packages onto one request's journey (DESIGN.md, section 1).
+// packages onto one request's journey (docs/design.md follows one request
+// and one byte of it, from save_caches to encoder_cache).
 //
 //   - proxy mints a transfer_id per image and sends it to an encoder;
 //     discovery keeps instances registered at the proxies.

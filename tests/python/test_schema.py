@@ -1,7 +1,7 @@
 """The Python package's settings against the library's schema
 (settings.json, generated from core/config/schema.go): every key the
 connector sends exists there with the same default and the same bounds, and
-the README's library table documents every key with its default."""
+docs/settings.md's table documents every key with its default."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_secret_rules_are_the_librarys():
 
 
 def shown(value) -> str:
-    """A default as the README's library table writes it in code."""
+    """A default as docs/settings.md's table writes it in code."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float) and value.is_integer():
@@ -100,10 +100,9 @@ def shown(value) -> str:
 
 
 def library_table() -> dict[tuple[str, str], str]:
-    """(object, key) -> the default cell, from the README's Settings table."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Settings") :]
-    section = section[: section.index("\n## ", 1)]
+    """(object, key) -> the default cell, from docs/settings.md's table."""
+    text = (ROOT / "docs" / "settings.md").read_text()
+    section = text
     objects = {"all three": ("consumer", "producer", "scheduler"), "process": ("runtime",)}
     rows: dict[tuple[str, str], str] = {}
     for obj_cell, key_cell, default_cell in re.findall(r"^\| ([a-z ,]+) \| (`[^|]+) \| ((?:[^|\\]|\\.)*) \|", section, flags=re.M):
@@ -122,9 +121,9 @@ def test_readme_documents_every_library_setting_with_its_default():
     rows = library_table()
     settings = [s for s in schema.document()["settings"] if s["kind"] != "removed"]
     missing = sorted(f"{s['object']} {s['key']}" for s in settings if (s["object"], s["key"]) not in rows)
-    assert not missing, f"README.md's Settings table lacks {missing}"
+    assert not missing, f"docs/settings.md lacks {missing}"
     known = {(s["object"], s["key"]) for s in schema.document()["settings"]}
-    assert not set(rows) - known, f"README.md documents settings the library does not have: {sorted(set(rows) - known)}"
+    assert not set(rows) - known, f"docs/settings.md documents settings the library does not have: {sorted(set(rows) - known)}"
     for s in settings:
         cell = rows[(s["object"], s["key"])]
         if cell == "as consumer":
@@ -133,7 +132,7 @@ def test_readme_documents_every_library_setting_with_its_default():
             continue
         code = re.match(r"`([^`]*)`", cell)
         if code:
-            assert code.group(1) == shown(s["default"]), f"{s['object']} {s['key']}: README says {cell!r}, the library {s['default']!r}"
+            assert code.group(1) == shown(s["default"]), f"{s['object']} {s['key']}: docs/settings.md says {cell!r}, the library {s['default']!r}"
         else:
             # Words (hostname, derived, (empty)) stand for a default the library derives.
-            assert s["default"] in ("", [], {}), f"{s['object']} {s['key']}: README says {cell!r}, the library {s['default']!r}"
+            assert s["default"] in ("", [], {}), f"{s['object']} {s['key']}: docs/settings.md says {cell!r}, the library {s['default']!r}"
