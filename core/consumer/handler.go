@@ -124,9 +124,15 @@ func (s *Shard) cancel(b wire.Cancel) wire.CancelReply {
 	n := 0
 	s.mu.Lock()
 	for _, id := range b.TransferIDs {
-		if err := s.table.Cancel(id, now); err == nil {
+		// A cancel by id carries no token: it detaches waiters and
+		// followers, and leaves a write to the holder of its token.
+		switch err := s.table.Detach(id, now); {
+		case err == nil:
 			n++
-		} else if !errors.Is(err, reserve.ErrUnknown) {
+		case errors.Is(err, reserve.ErrNeedsToken):
+			s.cancelsLeft++
+			s.log.Debug("cancel left a write to its writer", "transfer_id", id, "cause", err)
+		case !errors.Is(err, reserve.ErrUnknown):
 			s.log.Warn("cancel refused", "transfer_id", id, "cause", err)
 		}
 	}

@@ -40,6 +40,9 @@ type Shard struct {
 	cfg  config.Consumer
 	log  *slog.Logger
 	host string
+	// cancelsLeft counts cancels by id that named a write grant and so
+	// left it to its writer (reserve.ErrNeedsToken); under mu.
+	cancelsLeft uint64
 	// epoch names this incarnation of the shard: a restart on the same
 	// control port gets a new one, and every reserve reply carries it, so
 	// a producer never writes a grant to a process that did not issue it.
@@ -251,12 +254,16 @@ type Stats struct {
 
 	// Planes splits Data by data plane when the shard serves several.
 	Planes map[string]transport.RecvStats `json:"data_planes,omitempty"`
+	// CancelsLeftToWriter counts cancels by transfer id (no token) that
+	// named a write in progress: the write goes on, and only its writer
+	// may abandon it.
+	CancelsLeftToWriter uint64 `json:"cancels_left_to_writer"`
 }
 
 // Stats returns a snapshot of the shard's counters.
 func (s *Shard) Stats() Stats {
 	s.mu.Lock()
-	st := Stats{Table: s.table.Stats(), InUse: s.slab.InUse(), Size: s.slab.Size()}
+	st := Stats{Table: s.table.Stats(), InUse: s.slab.InUse(), Size: s.slab.Size(), CancelsLeftToWriter: s.cancelsLeft}
 	s.mu.Unlock()
 	st.Server = s.server.Stats()
 	st.Data = s.recv.Stats()
