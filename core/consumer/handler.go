@@ -69,7 +69,7 @@ func (s *Shard) peers() wire.PeersReply {
 func (s *Shard) reserve(b wire.ReserveBatch) wire.ReserveBatchReply {
 	items := make([]reserve.Item, len(b.Items))
 	for i, it := range b.Items {
-		items[i] = reserve.Item{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Meta: it.Meta}
+		items[i] = reserve.Item{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Meta: it.Meta, Owner: b.Requester}
 	}
 	s.mu.Lock()
 	now := time.Now()
@@ -82,6 +82,12 @@ func (s *Shard) reserve(b wire.ReserveBatch) wire.ReserveBatchReply {
 		w := wire.Grant{TransferID: g.TransferID, Kind: g.Kind.String(), NBytes: g.NBytes}
 		if g.Err != nil {
 			w.Err = g.Err.Error()
+			switch {
+			case errors.Is(g.Err, reserve.ErrInProgress):
+				w.Code = wire.GrantInProgress
+			case errors.Is(g.Err, reserve.ErrOverQuota):
+				w.Code = wire.GrantOverQuota
+			}
 			s.log.Warn("reserve refused", "transfer_id", g.TransferID, "mm_hash", items[i].MMHash, "nbytes", items[i].NBytes, "cause", g.Err)
 		} else if g.Kind == reserve.KindWrite {
 			w.Res, w.Token, w.Addr = uint64(g.Res), g.Token, s.remoteAddr(g)

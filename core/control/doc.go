@@ -18,7 +18,7 @@
 //	cli, err := control.Dial(zctx, srv.Endpoint(), log, control.WithCallTimeout(5*time.Second))
 //	defer cli.Close()
 //	var grants wire.ReserveBatchReply
-//	err = cli.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Items: items}, &grants)
+//	err = cli.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Requester: requester, Items: items}, &grants)
 //	var werr *wire.Error
 //	if errors.As(err, &werr) { /* the server refused: werr.Code */ }
 //

@@ -181,3 +181,12 @@ def test_secret_of_wrong_mode_or_beyond_loopback_is_refused(home):
     slab = np.zeros(1 << 20, np.uint8)
     with pytest.raises(EcmInvalid, match="allow_unauthenticated"):
         Consumer({"ec_ip": "0.0.0.0", "ec_port": free_port_range(1, IP)}, slab)
+
+
+def test_refusals_by_name():
+    from ecmooncake.native import REFUSED_IN_PROGRESS, REFUSED_OVER_QUOTA, refusal_of
+
+    assert refusal_of("reserve refused: over_quota: reserve transfer t (h): over quota") == REFUSED_OVER_QUOTA
+    assert refusal_of("reserve refused: in_progress: reserve transfer t (h): in progress") == REFUSED_IN_PROGRESS
+    assert refusal_of("reserve refused: slab full") is None
+    assert refusal_of("over_quota: not a reserve refusal") is None
