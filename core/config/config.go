@@ -90,10 +90,6 @@ type Consumer struct {
 	Mooncake
 	GPU
 	Auth
-	// AllowUnauthenticated lets a shard bound beyond loopback without an
-	// auth secret serve peers beyond loopback: anybody who reaches its
-	// ports can then reserve, complete and read events.
-	AllowUnauthenticated bool `json:"allow_unauthenticated"`
 	// MooncakeMetadataServer, "host:port", makes the shard serve a
 	// Mooncake metadata store there (or use the one already serving there).
 	MooncakeMetadataServer string `json:"mooncake_metadata_server"`
@@ -392,10 +388,24 @@ func decode(what string, raw []byte, into any) error {
 
 // cleanJSONError rewrites encoding/json's messages so that they name the
 // key the way the user wrote it.
+// jsonKey drops the Go names of embedded structs (Auth, GPU) from a
+// decoder's field path: settings keys are snake_case, so a capital starts
+// a Go name.
+func jsonKey(field string) string {
+	parts := strings.Split(field, ".")
+	kept := parts[:0]
+	for _, p := range parts {
+		if p != "" && (p[0] < 'A' || p[0] > 'Z') {
+			kept = append(kept, p)
+		}
+	}
+	return strings.Join(kept, ".")
+}
+
 func cleanJSONError(err error) string {
 	var te *json.UnmarshalTypeError
 	if errors.As(err, &te) {
-		return fmt.Sprintf("key %q: got a JSON %s, want %s", te.Field, te.Value, te.Type)
+		return fmt.Sprintf("key %q: got a JSON %s, want %s", jsonKey(te.Field), te.Value, te.Type)
 	}
 	msg := err.Error()
 	if strings.HasPrefix(msg, "json: unknown field ") {

@@ -6,10 +6,13 @@
 // variables read by Go: a Go runtime inside a Python process sees only the
 // environment the process started with, not what Python set later.
 //
-// The auth settings (auth_secret, auth_secret_file, allow_unauthenticated)
-// are the one exception to "decode, then validate": a secret file is read
+// The auth settings (auth_secret, auth_secret_file, auth_secret_dir,
+// allow_unauthenticated) are the one exception to "decode, then validate": a
+// secret file is read, and the per-user secret of auth_secret_dir created,
 // when the object opens (Auth.LoadSecret), and a secret never appears in an
-// error or a printed struct (type Secret).
+// error or a printed struct (type Secret). Which directory is the per-user
+// one depends on HOME and XDG_RUNTIME_DIR, so the Python package resolves it
+// and passes it down.
 //
 // Decoding is strict. An unknown key is an error that names it, because a
 // misspelt timeout silently falling back to its default is the kind of

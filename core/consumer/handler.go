@@ -69,7 +69,7 @@ func (s *Shard) peers() wire.PeersReply {
 func (s *Shard) reserve(b wire.ReserveBatch) wire.ReserveBatchReply {
 	items := make([]reserve.Item, len(b.Items))
 	for i, it := range b.Items {
-		items[i] = reserve.Item{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Meta: it.Meta}
+		items[i] = reserve.Item{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Meta: it.Meta, Owner: b.Requester}
 	}
 	s.mu.Lock()
 	now := time.Now()
@@ -82,6 +82,12 @@ func (s *Shard) reserve(b wire.ReserveBatch) wire.ReserveBatchReply {
 		w := wire.Grant{TransferID: g.TransferID, Kind: g.Kind.String(), NBytes: g.NBytes}
 		if g.Err != nil {
 			w.Err = g.Err.Error()
+			switch {
+			case errors.Is(g.Err, reserve.ErrInProgress):
+				w.Code = wire.GrantInProgress
+			case errors.Is(g.Err, reserve.ErrOverQuota):
+				w.Code = wire.GrantOverQuota
+			}
 			s.log.Warn("reserve refused", "transfer_id", g.TransferID, "mm_hash", items[i].MMHash, "nbytes", items[i].NBytes, "cause", g.Err)
 		} else if g.Kind == reserve.KindWrite {
 			w.Res, w.Token, w.Addr = uint64(g.Res), g.Token, s.remoteAddr(g)
@@ -124,9 +130,15 @@ func (s *Shard) cancel(b wire.Cancel) wire.CancelReply {
 	n := 0
 	s.mu.Lock()
 	for _, id := range b.TransferIDs {
-		if err := s.table.Cancel(id, now); err == nil {
+		// A cancel by id carries no token: it detaches waiters and
+		// followers, and leaves a write to the holder of its token.
+		switch err := s.table.Detach(id, now); {
+		case err == nil:
 			n++
-		} else if !errors.Is(err, reserve.ErrUnknown) {
+		case errors.Is(err, reserve.ErrNeedsToken):
+			s.cancelsLeft++
+			s.log.Debug("cancel left a write to its writer", "transfer_id", id, "cause", err)
+		case !errors.Is(err, reserve.ErrUnknown):
 			s.log.Warn("cancel refused", "transfer_id", id, "cause", err)
 		}
 	}

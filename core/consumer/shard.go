@@ -40,6 +40,9 @@ type Shard struct {
 	cfg  config.Consumer
 	log  *slog.Logger
 	host string
+	// cancelsLeft counts cancels by id that named a write grant and so
+	// left it to its writer (reserve.ErrNeedsToken); under mu.
+	cancelsLeft uint64
 	// epoch names this incarnation of the shard: a restart on the same
 	// control port gets a new one, and every reserve reply carries it, so
 	// a producer never writes a grant to a process that did not issue it.
@@ -104,6 +107,9 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 			opened.shutdown()
 		}
 	}()
+	if err := beyondLoopback(cfg); err != nil {
+		return nil, err
+	}
 	links, sec, err := control.OpenLinks("consumer", cfg.LoadSecret, cfg.AllowUnauthenticated, opt.Links, control.WithUnixPath(cfg.ControlUnix))
 	if err != nil {
 		return nil, err
@@ -138,21 +144,38 @@ func newEpoch() string {
 	return fmt.Sprintf("%x-%s", time.Now().UnixNano(), hex.EncodeToString(b[:]))
 }
 
+// beyondLoopback refuses a shard that other hosts can reach but that
+// has no deployment secret: a per-user secret never leaves this host, and
+// serving loopback peers of any uid without one is the poisoning the
+// per-user secret exists to stop. allow_unauthenticated is the explicit
+// way out.
+func beyondLoopback(cfg config.Consumer) error {
+	if cfg.Mode() == config.AuthConfigured || cfg.AllowUnauthenticated || control.IsLoopbackHost(cfg.IP) {
+		return nil
+	}
+	return fmt.Errorf("consumer: %w: ec_ip %s is beyond loopback and there is no auth_secret: producers on other hosts could not "+
+		"authenticate, and without a secret anybody could drive the shard; set the same auth_secret (or auth_secret_file; "+
+		"ECMOONCAKE_SECRET for the vLLM connector) on every producer, consumer and scheduler, or allow_unauthenticated: true "+
+		"to serve anybody who reaches it", config.ErrInvalid, cfg.IP)
+}
+
 // logSecurity says once, at startup, who can use the control plane: the
 // operator of a shard that anybody can drive must hear it.
 func (s *Shard) logSecurity(sec control.Security, bind string) {
+	mode := s.cfg.Describe()
 	switch {
+	case s.cfg.Mode() == config.AuthPerUser:
+		s.log.Info("control plane authenticated and encrypted (CURVE keys from the "+mode+"): this host's processes of this uid only",
+			"control", bind, "auth", mode)
 	case sec.Curve():
-		s.log.Info("control plane authenticated and encrypted (CURVE keys from auth_secret)", "control", bind)
+		s.log.Info("control plane authenticated and encrypted (CURVE keys from auth_secret)", "control", bind, "auth", mode)
 	case control.IsLoopbackHost(s.cfg.IP):
-		// Reachable from this host only: served as always.
-	case sec.AllowUnauthenticated():
+		s.log.Warn("SECURITY: no secret (unauthenticated): every user of this host can reserve, complete and cancel transfers "+
+			"on "+bind+"; set auth_secret, or leave every auth setting out to share a per-user secret", "control", bind, "auth", mode)
+	default:
 		s.log.Warn("SECURITY: allow_unauthenticated is set and there is no auth_secret: anybody who reaches "+bind+
 			" can reserve, complete and cancel transfers, read events and learn data-plane tokens; set auth_secret",
-			"control", bind)
-	default:
-		s.log.Warn("no auth_secret: the control plane serves loopback peers only (protected mode), so producers on other hosts are refused; "+
-			"set the same auth_secret on every producer, consumer and scheduler, or allow_unauthenticated: true", "control", bind)
+			"control", bind, "auth", mode)
 	}
 }
 
@@ -231,12 +254,16 @@ type Stats struct {
 
 	// Planes splits Data by data plane when the shard serves several.
 	Planes map[string]transport.RecvStats `json:"data_planes,omitempty"`
+	// CancelsLeftToWriter counts cancels by transfer id (no token) that
+	// named a write in progress: the write goes on, and only its writer
+	// may abandon it.
+	CancelsLeftToWriter uint64 `json:"cancels_left_to_writer"`
 }
 
 // Stats returns a snapshot of the shard's counters.
 func (s *Shard) Stats() Stats {
 	s.mu.Lock()
-	st := Stats{Table: s.table.Stats(), InUse: s.slab.InUse(), Size: s.slab.Size()}
+	st := Stats{Table: s.table.Stats(), InUse: s.slab.InUse(), Size: s.slab.Size(), CancelsLeftToWriter: s.cancelsLeft}
 	s.mu.Unlock()
 	st.Server = s.server.Stats()
 	st.Data = s.recv.Stats()

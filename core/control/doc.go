@@ -18,7 +18,7 @@
 //	cli, err := control.Dial(zctx, srv.Endpoint(), log, control.WithCallTimeout(5*time.Second))
 //	defer cli.Close()
 //	var grants wire.ReserveBatchReply
-//	err = cli.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Items: items}, &grants)
+//	err = cli.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Requester: requester, Items: items}, &grants)
 //	var werr *wire.Error
 //	if errors.As(err, &werr) { /* the server refused: werr.Code */ }
 //
@@ -112,8 +112,26 @@
 // the whole message (MaxMessageBytes, and a few parts), reading the parts
 // of a message over the cap into nothing. libzmq itself assembles a whole
 // multipart message before handing over its first part, so a message is
-// bounded inside libzmq only part by part: authentication, not the cap,
-// is what keeps strangers from sending one at all.
+// bounded inside libzmq only part by part: libzmq has no option that
+// caps the parts of one message (pipe high-water marks count whole
+// messages), so authentication, not the cap, is what keeps strangers from
+// sending one at all. With a secret, configured or per-user (the default
+// of the Python package), a peer must hold it before it can send a frame;
+// under allow_unauthenticated, anybody who reaches the port can make a
+// shard hold a message of many parts until it has all arrived.
+//
+// ZMQ_HANDSHAKE_IVL (handshakeTimeout, 5 s) closes a connection that has
+// not completed its handshake, and every server socket keeps at most
+// DefaultMaxConns connections (WithMaxConns). libzmq has no connection cap
+// of its own, so the cap is kept from the socket monitor's ACCEPTED and
+// DISCONNECTED events (connCap): at the cap the connection that has
+// waited longest in its handshake is shut down (shutdown(2) on libzmq's
+// descriptor, which libzmq then reports closed), never one old enough to
+// have completed it, so a flood of silent connections holds at most the
+// cap and a peer holding the secret still gets in. Each close is counted
+// as ecm_failures_total{component="control",reason="conn_cap"} and in
+// ServerStats.ConnsEvicted. The cap is per socket, not per peer address:
+// a bound socket's monitor names no peer.
 //
 // Endpoints are "tcp://host:port" with IPv4, bracketed IPv6 ("tcp://[::1]:5")
 // or a hostname; Endpoint and SplitEndpoint build and parse them. Hostnames

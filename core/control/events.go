@@ -53,11 +53,14 @@ func NewEventPub(zctx *zmq.Context, host string, log *slog.Logger, opts ...Serve
 	if host == "" {
 		return nil, fmt.Errorf("control: new event pub: %w: empty host", ErrBadEndpoint)
 	}
-	sock, g, err := newGuardedSocket(zctx, zmq.PUSH, serverOpts(opts).sec, host, log)
+	sock, g, err := newGuardedSocket(zctx, zmq.PUSH, serverOpts(opts), host, log)
 	if err != nil {
 		return nil, err
 	}
 	endpoint, err := bindAll(sock, host, 0, log)
+	if err == nil {
+		err = g.bound(endpoint)
+	}
 	if err != nil {
 		closeGuarded(sock, g)
 		return nil, err

@@ -69,6 +69,8 @@ type guard struct {
 	policy  policy
 	mon     *zmq.Socket // owner goroutine only
 	release func()      // leaves the ZAP handler; nil without one
+	conns   *connCap
+	port    int // the bound TCP port; set by bound before the owner starts
 
 	mu      sync.Mutex
 	refused map[string]uint64
@@ -76,11 +78,12 @@ type guard struct {
 }
 
 // newGuard configures sock (before bind) for sec and bindHost.
-func newGuard(zctx *zmq.Context, sock *zmq.Socket, sec Security, bindHost string, log *slog.Logger) (*guard, error) {
+func newGuard(zctx *zmq.Context, sock *zmq.Socket, sec Security, bindHost string, maxConns int, log *slog.Logger) (*guard, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	g := &guard{log: log, policy: newPolicy(sec, bindHost), refused: map[string]uint64{}, logged: map[refusal]bool{}}
+	g := &guard{log: log, policy: newPolicy(sec, bindHost), refused: map[string]uint64{}, logged: map[refusal]bool{},
+		conns: newConnCap(maxConns)}
 	var err error
 	if g.policy.zap() {
 		var domain string
@@ -96,7 +99,9 @@ func newGuard(zctx *zmq.Context, sock *zmq.Socket, sec Security, bindHost string
 	// it cannot talk to, the sign of a secret missing on this side.
 	// A hang-up mid-handshake is the other half of the greeting race
 	// (see handshakes): the peer found the mechanisms differ first.
-	if g.mon, err = openMonitor(zctx, sock, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL|zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL); err != nil {
+	// ACCEPTED and DISCONNECTED keep the connection cap (connCap).
+	if g.mon, err = openMonitor(zctx, sock, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL|zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL|
+		zmq.EVENT_ACCEPTED|zmq.EVENT_DISCONNECTED); err != nil {
 		g.close()
 		return nil, err
 	}
@@ -121,6 +126,15 @@ func (g *guard) refuse(r refusal, peer string) {
 func (g *guard) watch() (full bool) {
 	return readEvents(g.mon, func(ev zmq.Event, _ string, value int) {
 		switch {
+		case ev == zmq.EVENT_ACCEPTED:
+			if victim, evict := g.conns.accepted(value); evict {
+				if err := shutdownConn(victim, g.port); err != nil {
+					g.log.Debug("control: connection cap: left a descriptor alone", "err", err)
+				}
+				g.logCapOnce()
+			}
+		case ev == zmq.EVENT_DISCONNECTED:
+			g.conns.gone(value)
 		case ev == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
 			g.refuse(refusedAborted, "")
 		case ev != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
@@ -147,6 +161,31 @@ func (g *guard) stats() map[string]uint64 {
 	defer g.mu.Unlock()
 	return maps.Clone(g.refused)
 }
+
+// bound records the port the socket listens on, for the connection cap.
+// Before the owner starts.
+func (g *guard) bound(endpoint string) error {
+	_, port, err := SplitEndpoint(endpoint)
+	if err != nil {
+		return err
+	}
+	g.port = port
+	return nil
+}
+
+// logCapOnce says, the first time, that the cap closed a connection.
+func (g *guard) logCapOnce() {
+	g.mu.Lock()
+	first := !g.logged[refusedConnCap]
+	g.logged[refusedConnCap] = true
+	g.mu.Unlock()
+	if first {
+		g.log.Warn("control: connection cap reached: closing the connections that have waited longest in their handshake",
+			"cap", g.conns.max, "port", g.port, "note", "later closes are only counted (ecm_failures_total{component=\"control\",reason=\"conn_cap\"})")
+	}
+}
+
+func (g *guard) connStats() (live int, evicted uint64) { return g.conns.stats() }
 
 // close leaves the ZAP handler. Call once the socket is closed;
 // idempotent.

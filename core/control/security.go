@@ -163,6 +163,9 @@ const (
 	// The peer hung up during the handshake, before its mechanism was
 	// known.
 	refusedAborted refusal = "auth_aborted"
+	// The socket's connection cap closed a connection (connCap); logged
+	// once, counted apart from the refusals.
+	refusedConnCap refusal = "conn_cap"
 )
 
 // policy is what a server socket admits. It is built once per socket and

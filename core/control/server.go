@@ -44,6 +44,11 @@ type ServerStats struct {
 	// HeldPeak is the most bytes the server kept of any one message; the
 	// cap keeps it at most MaxMessageBytes.
 	HeldPeak uint64
+	// ConnsLive is the connections the socket holds, as its monitor last
+	// told; ConnsEvicted the ones closed to keep them within the cap
+	// (WithMaxConns).
+	ConnsLive    int
+	ConnsEvicted uint64
 }
 
 // MaxMessageBytes caps the bytes a server keeps of one multipart message.
@@ -53,7 +58,19 @@ const MaxMessageBytes = maxMessage
 type ServerOption func(*serverOptions)
 
 type serverOptions struct {
-	sec Security
+	sec      Security
+	maxConns int
+}
+
+// DefaultMaxConns caps the connections of one server socket: producers
+// and a scheduler keep one each, so a thousand is far beyond a real
+// deployment and far below a process's descriptors.
+const DefaultMaxConns = 1024
+
+// WithMaxConns caps the socket's connections (DefaultMaxConns when not
+// given or not positive).
+func WithMaxConns(n int) ServerOption {
+	return func(o *serverOptions) { o.maxConns = n }
 }
 
 // WithServerSecurity sets how the socket authenticates its peers; the
@@ -66,6 +83,9 @@ func serverOpts(opts []ServerOption) serverOptions {
 	var o serverOptions
 	for _, f := range opts {
 		f(&o)
+	}
+	if o.maxConns <= 0 {
+		o.maxConns = DefaultMaxConns
 	}
 	return o
 }
@@ -95,7 +115,7 @@ func NewServer(zctx *zmq.Context, bind string, h Handler, log *slog.Logger, opts
 	if h == nil {
 		return nil, errors.New("control: new server: nil handler")
 	}
-	sock, g, err := newGuardedSocket(zctx, zmq.ROUTER, serverOpts(opts).sec, host, log)
+	sock, g, err := newGuardedSocket(zctx, zmq.ROUTER, serverOpts(opts), host, log)
 	if err != nil {
 		return nil, err
 	}
@@ -105,6 +125,9 @@ func NewServer(zctx *zmq.Context, bind string, h Handler, log *slog.Logger, opts
 	}
 	endpoint, err := bindAll(sock, host, port, log)
 	if err != nil {
+		return fail(err)
+	}
+	if err := g.bound(endpoint); err != nil {
 		return fail(err)
 	}
 	s := &Server{
@@ -123,12 +146,12 @@ func NewServer(zctx *zmq.Context, bind string, h Handler, log *slog.Logger, opts
 }
 
 // newGuardedSocket opens a server socket with its guard, ready to bind.
-func newGuardedSocket(zctx *zmq.Context, t zmq.Type, sec Security, bindHost string, log *slog.Logger) (*zmq.Socket, *guard, error) {
+func newGuardedSocket(zctx *zmq.Context, t zmq.Type, o serverOptions, bindHost string, log *slog.Logger) (*zmq.Socket, *guard, error) {
 	sock, err := newSocket(zctx, t)
 	if err != nil {
 		return nil, nil, err
 	}
-	g, err := newGuard(zctx, sock, sec, bindHost, log)
+	g, err := newGuard(zctx, sock, o.sec, bindHost, o.maxConns, log)
 	if err != nil {
 		sock.Close()
 		return nil, nil, err
@@ -187,6 +210,7 @@ func (s *Server) Stats() ServerStats {
 	if r := s.guard.stats(); len(r) > 0 {
 		out.Refused = r
 	}
+	out.ConnsLive, out.ConnsEvicted = s.guard.connStats()
 	return out
 }
 

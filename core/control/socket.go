@@ -50,6 +50,12 @@ const (
 	// part by part and dropped, never kept.
 	maxParts   = 4
 	maxMessage = maxFrame + 1024
+	// handshakeTimeout is ZMQ_HANDSHAKE_IVL: a connection that has not
+	// completed its security handshake by then is closed. libzmq's default
+	// of 30 s let a silent peer hold a descriptor that long; a CURVE
+	// handshake on loopback or a LAN takes milliseconds, so 5 s leaves a
+	// loaded host plenty.
+	handshakeTimeout = 5 * time.Second
 )
 
 // newSocket opens a socket with the settings every control socket shares.
@@ -65,6 +71,7 @@ func newSocket(zctx *zmq.Context, t zmq.Type) (*zmq.Socket, error) {
 		func() error { return s.SetRcvtimeo(ioTimeout) },
 		func() error { return s.SetSndtimeo(ioTimeout) },
 		func() error { return s.SetMaxmsgsize(maxFrame) },
+		func() error { return s.SetHandshakeIvl(handshakeTimeout) },
 	} {
 		if err := set(); err != nil {
 			s.Close()

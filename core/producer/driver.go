@@ -219,7 +219,7 @@ func (p *Producer) launch(what string, f func(), failed func(err error)) {
 }
 
 func (p *Producer) reserve(dest string, items []push.ReserveItem) {
-	req := wire.ReserveBatch{Items: make([]wire.ReserveItem, len(items))}
+	req := wire.ReserveBatch{Requester: p.requester, Items: make([]wire.ReserveItem, len(items))}
 	for i, it := range items {
 		req.Items[i] = wire.ReserveItem{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Meta: it.Meta}
 	}
@@ -250,6 +250,10 @@ func (p *Producer) reserve(dest string, items []push.ReserveItem) {
 		if err == nil {
 			w := rep.Grants[i]
 			g = push.Grant{Kind: w.Kind, Res: ids.ResID(w.Res), Token: w.Token, NBytes: w.NBytes, Addr: w.Addr, Plane: pl.addr, Err: w.Err}
+			if w.Code != "" && w.Err != "" {
+				// By name first, so that whoever reads the reason can match it.
+				g.Err = w.Code + ": " + w.Err
+			}
 			if w.TransferID != it.TransferID {
 				g.Err = fmt.Sprintf("reserve_batch to %s: grant %d names %q, want %q", dest, i, w.TransferID, it.TransferID)
 			}

@@ -2,6 +2,8 @@ package producer
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -85,11 +87,15 @@ type consumerInfo struct {
 
 // Producer is safe for concurrent use.
 type Producer struct {
-	cfg    config.Producer
-	log    *slog.Logger
-	tr     transport.Transport
-	writer transport.Writer
-	links  control.Links
+	cfg config.Producer
+	log *slog.Logger
+	// requester is this producer's identity on the wire (128 random bits,
+	// hex): shards hand a write grant's token only to the requester that
+	// made it, and count quotas per requester.
+	requester string
+	tr        transport.Transport
+	writer    transport.Writer
+	links     control.Links
 
 	mu        sync.Mutex // guards everything below; never held across I/O
 	mgr       *push.Manager
@@ -139,9 +145,14 @@ func Open(cfg config.Producer, opt Options) (_ *Producer, err error) {
 	if err != nil {
 		return nil, err
 	}
+	requester, err := newRequester()
+	if err != nil {
+		return nil, err
+	}
 	wait := cfg.PushWait()
 	p := &Producer{
 		cfg: cfg, log: opt.Log.With("role", "producer"), tr: opt.Transport, writer: opt.Transport.NewWriter(), links: links,
+		requester: requester,
 		mgr: push.New(push.Config{
 			ReserveWait: cfg.ControlTimeout() + wait, SourceWait: wait, WriteWait: wait, NotifyWait: cfg.ControlTimeout(),
 		}),
@@ -613,4 +624,14 @@ func (p *Producer) call(endpoint string, op wire.Op, body, out any) error {
 	}
 	p.mu.Unlock()
 	return err
+}
+
+// newRequester draws a producer's identity. Unguessable, so that nobody
+// can ask for another producer's grant in its name.
+func newRequester() (string, error) {
+	var b [wire.RequesterLen / 2]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", fmt.Errorf("producer: requester identity: %w", err)
+	}
+	return hex.EncodeToString(b[:]), nil
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"reflect"
+	"strings"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
 )
@@ -119,11 +120,27 @@ const MaxMetaLen = 4096
 // ReserveBatch is the body of OpReserveBatch: one producer step's items for
 // one shard.
 type ReserveBatch struct {
-	Items []ReserveItem `json:"items"`
+	// Requester is the producer's identity: 128 random bits in hex, drawn
+	// once per producer. A write grant's token goes only to the requester
+	// that made it, and quotas count per requester. Required: a producer
+	// that predates it is refused with a reply that says so.
+	Requester string        `json:"requester"`
+	Items     []ReserveItem `json:"items"`
 }
 
-// Validate requires 1..MaxItems items, each with both ids and a size.
+// RequesterLen is the length of ReserveBatch.Requester: 16 bytes in hex.
+const RequesterLen = 32
+
+// Validate requires a requester and 1..MaxItems items, each with both
+// ids and a size.
 func (b ReserveBatch) Validate() error {
+	if err := b.checkItems(); err != nil {
+		return err
+	}
+	return checkRequester(b.Requester)
+}
+
+func (b ReserveBatch) checkItems() error {
 	return checkItems(b.Items, func(i int, it ReserveItem) error {
 		if err := checkID(fmt.Sprintf("items[%d].transfer_id", i), it.TransferID); err != nil {
 			return err
@@ -154,7 +171,20 @@ type Grant struct {
 	// producer may write. Other data planes leave it out.
 	Addr uint64 `json:"addr,omitempty"`
 	Err  string `json:"err,omitempty"`
+	// Code names a refusal a producer reports by name (GrantInProgress,
+	// GrantOverQuota); empty for the others.
+	Code string `json:"code,omitempty"`
 }
+
+// Grant refusal codes.
+const (
+	// GrantInProgress: another requester holds the write grant of this
+	// transfer; its token goes to nobody else.
+	GrantInProgress = "in_progress"
+	// GrantOverQuota: the requester holds its share of the shard's pending
+	// reservations, bytes or followers.
+	GrantOverQuota = "over_quota"
+)
 
 // ReserveBatchReply answers ReserveBatch, one grant per item, in order.
 type ReserveBatchReply struct {
@@ -472,6 +502,16 @@ func checkList(field string, ss []string) error {
 		if err := checkID(fmt.Sprintf("%s[%d]", field, i), s); err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+func checkRequester(r string) error {
+	if r == "" {
+		return fmt.Errorf("%w: requester: missing: the producer predates grants bound to their requester; upgrade it to this shard's release", ErrInvalid)
+	}
+	if len(r) != RequesterLen || strings.Trim(r, "0123456789abcdef") != "" {
+		return fmt.Errorf("%w: requester: want %d lowercase hex digits (128 random bits), got %d bytes", ErrInvalid, RequesterLen, len(r))
 	}
 	return nil
 }

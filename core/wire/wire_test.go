@@ -46,7 +46,7 @@ func bodies() []struct {
 		{"event_port", OpEventPort, nil, EventPortReply{Endpoint: "tcp://node-a:40001", Epoch: "18c2f-9a0b1c2d"}},
 		{"event_port_without_epoch", OpEventPort, nil, EventPortReply{Endpoint: "tcp://node-a:40001"}},
 		{"reserve_batch", OpReserveBatch,
-			ReserveBatch{Items: []ReserveItem{{TransferID: "t1", MMHash: "h1", NBytes: 19 << 20}, {TransferID: "t2", MMHash: "h1", NBytes: 19 << 20}}},
+			ReserveBatch{Requester: testRequester, Items: []ReserveItem{{TransferID: "t1", MMHash: "h1", NBytes: 19 << 20}, {TransferID: "t2", MMHash: "h1", NBytes: 19 << 20}}},
 			ReserveBatchReply{Grants: []Grant{
 				{TransferID: "t1", Kind: KindWrite, Res: 7, Token: testToken, NBytes: 19 << 20},
 				{TransferID: "t2", Kind: KindFollow, Res: 7, NBytes: 19 << 20},
@@ -54,7 +54,7 @@ func bodies() []struct {
 				{TransferID: "t4", Err: "slab full"},
 			}, Epoch: "18c2f-9a0b1c2d", Host: "node-a", Data: map[string]string{"tcp": "10.0.0.1:7000"}}},
 		{"reserve_batch_from_an_older_shard", OpReserveBatch,
-			ReserveBatch{Items: []ReserveItem{{TransferID: "t1", MMHash: "h1", NBytes: 1}}},
+			ReserveBatch{Requester: testRequester, Items: []ReserveItem{{TransferID: "t1", MMHash: "h1", NBytes: 1}}},
 			ReserveBatchReply{Grants: []Grant{{TransferID: "t1", Kind: KindCached, NBytes: 1}}}},
 		{"complete_batch", OpCompleteBatch,
 			CompleteBatch{Items: []CompleteItem{{TransferID: "t1", Res: 7, Token: testToken}, {TransferID: "t2", Res: 8, Token: testToken, Abandon: true, Reason: "encoder failed"}}},
@@ -65,6 +65,8 @@ func bodies() []struct {
 		{"status_all", OpStatus, Status{}, StatusReply{Items: []ItemStatus{}, Epoch: "18c2f-9a0b1c2d"}},
 	}
 }
+
+const testRequester = "00112233445566778899aabbccddeeff"
 
 // decodeAs decodes raw into a fresh value of proto's type.
 func decodeAs(t *testing.T, proto any, raw json.RawMessage) any {
@@ -299,12 +301,15 @@ func TestBodyRejects(t *testing.T) {
 		{"grants long host", ReserveBatchReply{Host: long}, "host"},
 		{"grants empty data address", ReserveBatchReply{Data: map[string]string{"tcp": ""}}, `data["tcp"]`},
 		{"grants empty data name", ReserveBatchReply{Data: map[string]string{"": "a:1"}}, "data key"},
-		{"reserve empty", ReserveBatch{}, "items"},
-		{"reserve too many", ReserveBatch{Items: make([]ReserveItem, MaxItems+1)}, "items"},
-		{"reserve no transfer id", ReserveBatch{Items: []ReserveItem{{MMHash: "h", NBytes: 1}}}, "items[0].transfer_id"},
-		{"reserve long transfer id", ReserveBatch{Items: []ReserveItem{{TransferID: long, MMHash: "h", NBytes: 1}}}, "items[0].transfer_id"},
-		{"reserve no mm hash", ReserveBatch{Items: []ReserveItem{{TransferID: "t", MMHash: "h", NBytes: 1}, {TransferID: "t"}}}, "items[1].mm_hash"},
-		{"reserve zero nbytes", ReserveBatch{Items: []ReserveItem{{TransferID: "t", MMHash: "h"}}}, "items[0].nbytes"},
+		{"reserve empty", ReserveBatch{Requester: testRequester}, "items"},
+		{"reserve too many", ReserveBatch{Requester: testRequester, Items: make([]ReserveItem, MaxItems+1)}, "items"},
+		{"reserve no transfer id", ReserveBatch{Requester: testRequester, Items: []ReserveItem{{MMHash: "h", NBytes: 1}}}, "items[0].transfer_id"},
+		{"reserve long transfer id", ReserveBatch{Requester: testRequester, Items: []ReserveItem{{TransferID: long, MMHash: "h", NBytes: 1}}}, "items[0].transfer_id"},
+		{"reserve no mm hash", ReserveBatch{Requester: testRequester, Items: []ReserveItem{{TransferID: "t", MMHash: "h", NBytes: 1}, {TransferID: "t"}}}, "items[1].mm_hash"},
+		{"reserve zero nbytes", ReserveBatch{Requester: testRequester, Items: []ReserveItem{{TransferID: "t", MMHash: "h"}}}, "items[0].nbytes"},
+		{"reserve from an older producer", ReserveBatch{Items: []ReserveItem{{TransferID: "t", MMHash: "h", NBytes: 1}}}, "requester: missing"},
+		{"reserve with a short requester", ReserveBatch{Requester: "abc", Items: []ReserveItem{{TransferID: "t", MMHash: "h", NBytes: 1}}}, "requester"},
+		{"reserve with an upper-case requester", ReserveBatch{Requester: "0123456789ABCDEF0123456789ABCDEF", Items: []ReserveItem{{TransferID: "t", MMHash: "h", NBytes: 1}}}, "requester"},
 		{"grant no transfer id", ReserveBatchReply{Grants: []Grant{{Kind: KindCached, NBytes: 1}}}, "grants[0].transfer_id"},
 		{"grant unknown kind", ReserveBatchReply{Grants: []Grant{{TransferID: "t", Kind: "steal", NBytes: 1}}}, "grants[0].kind"},
 		{"grant write without res", ReserveBatchReply{Grants: []Grant{{TransferID: "t", Kind: KindWrite, Token: testToken, NBytes: 1}}}, "grants[0].res"},
@@ -348,9 +353,9 @@ func newOf(v any) any { return reflect.New(reflect.TypeOf(v)).Interface() }
 
 func TestDecodeBody(t *testing.T) {
 	t.Run("unknown fields ignored", func(t *testing.T) {
-		got, err := DecodeBody[ReserveBatch](json.RawMessage(`{"items":[{"transfer_id":"t","mm_hash":"h","nbytes":3,"priority":9}],"hint":{"x":[1]}}`))
+		got, err := DecodeBody[ReserveBatch](json.RawMessage(`{"requester":"` + testRequester + `","items":[{"transfer_id":"t","mm_hash":"h","nbytes":3,"priority":9}],"hint":{"x":[1]}}`))
 		require.NoError(t, err)
-		require.Equal(t, ReserveBatch{Items: []ReserveItem{{TransferID: "t", MMHash: "h", NBytes: 3}}}, got)
+		require.Equal(t, ReserveBatch{Requester: testRequester, Items: []ReserveItem{{TransferID: "t", MMHash: "h", NBytes: 3}}}, got)
 	})
 	for _, tc := range []struct {
 		name  string

@@ -357,8 +357,10 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         only_if_set=True,
     ),
     "allow_unauthenticated": _native(
-        "allow_unauthenticated", ("consumer",),
-        "without a secret, a consumer bound beyond loopback serves loopback peers only; `true` serves anybody (logged loudly)",
+        "allow_unauthenticated", ("producer", "consumer", "scheduler"),
+        "run without any secret: no per-user secret, and a consumer bound beyond loopback serves anybody who reaches "
+        "it (logged loudly); without it and without a secret, every process of this uid shares a per-user secret "
+        "and a consumer beyond loopback does not start",
         only_if_set=True,
     ),
     "mooncake_staging_bytes": _native(

@@ -58,6 +58,21 @@ ERRORS: dict[int, type[EcmError]] = {
 }
 
 
+# Refusals of a reservation that a producer reports by name, at the start
+# of a failed push's reason ("reserve refused: over_quota: ..."), as the
+# shard names them (core/wire GrantInProgress, GrantOverQuota).
+REFUSED_IN_PROGRESS = "in_progress"  # another producer holds this transfer's write grant
+REFUSED_OVER_QUOTA = "over_quota"  # this producer holds its share of the shard's reservations
+REFUSALS = (REFUSED_IN_PROGRESS, REFUSED_OVER_QUOTA)
+
+
+def refusal_of(reason: str) -> str | None:
+    """The named refusal of a failed push's reason, or None."""
+    head = reason.removeprefix("reserve refused: ")
+    name, sep, _ = head.partition(":")
+    return name if sep and head is not reason and name in REFUSALS else None
+
+
 def error_for(code: int, message: str) -> EcmError:
     """The EcmError subclass for a status code (plain EcmError if unknown)."""
     cls = ERRORS.get(code)

@@ -41,8 +41,13 @@ from .errors import (  # noqa: F401  (re-exported)
     EcmStateError,
     EcmTimeout,
     EcmUnavailable,
+    REFUSALS,
+    REFUSED_IN_PROGRESS,
+    REFUSED_OVER_QUOTA,
     error_for,
+    refusal_of,
 )
+from .auth import with_auth_default
 
 
 def _encode(value: Any, what: str) -> bytes:
@@ -218,7 +223,7 @@ class Consumer(_Handle):
         ptr, nbytes, device = memory_of(slab, writable=True)
         self._slab = slab
         self.device = "cpu" if device < 0 else f"cuda:{device}"
-        encoded = _encode(with_metadata_token(with_mooncake_library(config)), "consumer config")
+        encoded = _encode(with_auth_default(with_metadata_token(with_mooncake_library(config))), "consumer config")
         if device < 0:
             self._bytes = np.asarray(_Region(slab, ptr, nbytes))
             self._open("ecm_consumer_open", encoded, c_void_p(ptr), c_uint64(nbytes))
@@ -271,7 +276,7 @@ class Producer(_Handle):
     def __init__(self, config: dict | str):
         super().__init__()
         self._sources: dict[int, Any] = {}
-        self._open("ecm_producer_open", _encode(with_mooncake_library(config), "producer config"))
+        self._open("ecm_producer_open", _encode(with_auth_default(with_mooncake_library(config)), "producer config"))
 
     def submit(self, pushes: list[dict]) -> list[dict]:
         """Announces pushes; per-item dicts carry transfer_id and error."""
@@ -361,7 +366,7 @@ class Scheduler(_Handle):
         # that can alter an answer (ecm_scheduler_watch), until close:
         # reading it is a memory load, not a call.
         self.generation_counter = c_uint64(0)
-        self._open("ecm_scheduler_open", _encode(config, "scheduler config"))
+        self._open("ecm_scheduler_open", _encode(with_auth_default(config), "scheduler config"))
         try:
             _call("ecm_scheduler_watch", self._h, byref(self.generation_counter))
         except BaseException:

@@ -85,7 +85,7 @@ func TestPoisoningNeedsTheSecret(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	var grants wire.ReserveBatchReply
-	err = attacker.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Items: []wire.ReserveItem{
+	err = attacker.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Requester: attackerID, Items: []wire.ReserveItem{
 		{TransferID: "evil-1", MMHash: items[0].hash, NBytes: uint64(len(items[0].data))},
 	}}, &grants)
 	require.ErrorIs(t, err, control.ErrAuth)

@@ -213,7 +213,7 @@ func TestMooncakeVanishedWriterReleasedAfterTwoLeases(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	var rep wire.ReserveBatchReply
-	require.NoError(t, cl.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Items: []wire.ReserveItem{{TransferID: "t-gone", MMHash: "h-gone", NBytes: 4096}}}, &rep))
+	require.NoError(t, cl.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Requester: victimID, Items: []wire.ReserveItem{{TransferID: "t-gone", MMHash: "h-gone", NBytes: 4096}}}, &rep))
 	require.Equal(t, wire.KindWrite, rep.Grants[0].Kind)
 	require.NotZero(t, rep.Grants[0].Addr, "a one-sided grant says where to write")
 	require.True(t, strings.HasPrefix(s.Info().Data, "mooncake://"))

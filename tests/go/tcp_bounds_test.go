@@ -44,7 +44,7 @@ func reserveOne(t *testing.T, cl *control.Client, tid string, n uint64) wire.Gra
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	var rep wire.ReserveBatchReply
-	require.NoError(t, cl.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Items: []wire.ReserveItem{{TransferID: tid, MMHash: "h-" + tid, NBytes: n}}}, &rep))
+	require.NoError(t, cl.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Requester: victimID, Items: []wire.ReserveItem{{TransferID: tid, MMHash: "h-" + tid, NBytes: n}}}, &rep))
 	require.Equal(t, wire.KindWrite, rep.Grants[0].Kind, rep.Grants[0].Err)
 	return rep.Grants[0]
 }

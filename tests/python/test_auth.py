@@ -78,8 +78,8 @@ def test_secret_reaches_every_object_and_stays_out_of_reprs(monkeypatch):
         assert settings["auth_secret"] == SECRET
         assert json.loads(json.dumps(settings))["auth_secret"] == SECRET, "the library gets the plain value"
         assert SECRET not in repr(settings)
-    assert cfg.consumer_settings()["allow_unauthenticated"] is True
-    assert "allow_unauthenticated" not in cfg.producer_settings()
+    for settings in (cfg.consumer_settings(), cfg.producer_settings(), cfg.scheduler_settings()):
+        assert settings["allow_unauthenticated"] is True, "every end runs without the per-user secret alike"
     assert SECRET not in repr(cfg)
     assert "auth_secret" not in config({}).consumer_settings(), "no secret unless one is given"
 
@@ -123,11 +123,13 @@ def test_a_producer_without_the_secret_is_told_so_and_counted(tmp_path):
     and both ends count it where their other counters are."""
     path = tmp_path / "secret"
     path.write_text(SECRET + "\n")
+    path.chmod(0o600)
     port = free_port_range(1, IP)
     slab = np.zeros(1 << 20, np.uint8)
     data = np.ones(4096, np.uint8)
+    # allow_unauthenticated: no secret at all, not even the per-user one.
     with Consumer({"ec_ip": IP, "ec_port": port, "auth_secret_file": str(path)}, slab) as consumer, \
-            Producer({"transport": "tcp", "control_timeout_s": 10}) as producer:
+            Producer({"transport": "tcp", "control_timeout_s": 10, "allow_unauthenticated": True}) as producer:
         for attempt in range(3):
             tid, mm_hash = f"refused-{attempt}", f"{attempt}" * 64
             submitted = producer.submit([{"transfer_id": tid, "mm_hash": mm_hash, "nbytes": data.nbytes, "consumer": f"tcp://{IP}:{port}"}])

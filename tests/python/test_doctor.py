@@ -183,3 +183,20 @@ def test_rdma_devices_are_listed(tmp_path):
     (tmp_path / "mlx5_1").mkdir()
     (tmp_path / "mlx5_0").mkdir()
     assert doctor.rdma_devices(str(tmp_path)) == ["mlx5_0", "mlx5_1"]
+
+
+def test_the_auth_mode_is_named(tmp_path, monkeypatch):
+    monkeypatch.delenv("ECMOONCAKE_SECRET", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    port = free_port_range(1)
+    per_user = by_name(doctor.run(config(ec_port=port)))["auth"]
+    assert per_user.status == "ok" and f"per-user secret at {tmp_path}/.cache/ecmooncake/secret" in per_user.message
+    secret = tmp_path / "secret"
+    secret.write_text("0123456789abcdefghijklmnop\n")
+    configured = by_name(doctor.run(config(ec_port=port, ec_connector_extra_config={"auth_secret_file": str(secret)})))["auth"]
+    assert configured.status == "ok" and "configured secret" in configured.message
+    open_ = by_name(doctor.run(config(ec_port=port, ec_connector_extra_config={"allow_unauthenticated": True})))["auth"]
+    assert open_.status == "warn" and "unauthenticated" in open_.message
+    beyond = by_name(doctor.run(config(ec_port=port, ec_ip="0.0.0.0")))["auth"]
+    assert beyond.status == "fail" and "allow_unauthenticated" in beyond.fix

@@ -107,3 +107,33 @@ func TestFollowersOfATransferAreBounded(t *testing.T) {
 	require.Equal(t, 1+8, ready, "the writer and its admitted followers are served")
 	require.NoError(t, tab.CheckInvariants())
 }
+
+// A cancel by transfer id carries no token (the scheduler's cancels, and
+// anybody's who learnt the id): it may detach that transfer's follower,
+// never end another requester's write. The writer abandons with its token.
+func TestACancelWithoutTheTokenNeverEndsAWrite(t *testing.T) {
+	tab := newGrantTable(1<<20, Config{})
+	victim := tab.Reserve([]Item{owned("victim", "t1", "h1", 4096)}, epoch)[0]
+	require.NoError(t, victim.Err)
+	follower := tab.Reserve([]Item{owned("other", "t2", "h1", 4096)}, epoch)[0]
+	require.NoError(t, follower.Err)
+	require.Equal(t, KindFollow, follower.Kind)
+
+	err := tab.Detach("t1", epoch)
+	require.ErrorIs(t, err, ErrNeedsToken)
+	st, ok := tab.Status("t1")
+	require.True(t, ok, "the write goes on")
+	require.Equal(t, Writing, st.State)
+
+	require.NoError(t, tab.Detach("t2", epoch), "a follower detaches by id")
+	st2, ok := tab.Status("t2")
+	require.True(t, ok && st2.Done, "the follower's transfer ended")
+	require.Equal(t, Cancelled, st2.State)
+
+	forged, err := testTokens(99).NewToken()
+	require.NoError(t, err)
+	require.ErrorIs(t, tab.Complete(victim.Res, forged, epoch), ErrBadToken, "complete without the token is refused")
+	require.ErrorIs(t, tab.Abandon(victim.Res, forged, "x", epoch), ErrBadToken, "abandon without the token is refused")
+	require.NoError(t, tab.Complete(victim.Res, victim.Token, epoch))
+	require.NoError(t, tab.CheckInvariants())
+}

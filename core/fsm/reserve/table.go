@@ -50,6 +50,9 @@ var (
 	// ErrOverQuota: the requester holds its share of pending
 	// reservations, bytes or followers, or the transfer its followers.
 	ErrOverQuota = errors.New("over quota")
+	// ErrNeedsToken: a cancel by transfer id named a write grant, which
+	// only its token's holder may end (Abandon).
+	ErrNeedsToken = errors.New("a write grant is ended only with its token")
 )
 
 // Reasons carried by failure events and Status.
@@ -750,6 +753,20 @@ func (t *Table) Cancel(transferID string, now time.Time) error {
 		return t.fault(fmt.Errorf("cancel transfer %s: live on a %s region", transferID, r.state))
 	}
 	return nil
+}
+
+// Detach is Cancel for a caller that holds no token: a cancel by transfer
+// id from the control plane, the scheduler's when its request went away
+// or anybody's who learnt the id (it is no secret: it travels with the
+// request, to the scheduler and to the proxy's clients). A follower or a
+// transfer of a Ready region detaches as with Cancel; a write grant is
+// refused with ErrNeedsToken and goes on, since only its token's holder
+// may end it (Abandon).
+func (t *Table) Detach(transferID string, now time.Time) error {
+	if tr, ok := t.transfers[transferID]; ok && tr.region != nil && tr.region.writer == tr {
+		return fmt.Errorf("cancel transfer %s (%s): %w; its writer abandons it with the token", transferID, tr.mmHash, ErrNeedsToken)
+	}
+	return t.Cancel(transferID, now)
 }
 
 // Tick ends the leases that have run out by now.

@@ -13,6 +13,7 @@ Each check is a function of the settings it is given and of what it probes
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import socket
@@ -21,7 +22,7 @@ from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from .. import _ffi, ec_config
+from .. import _ffi, auth, ec_config
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 ZMQ_FIX = (
@@ -108,6 +109,42 @@ def check_config(s: Setup) -> Check:
     cfg = s.cfg
     role = "+".join(r for r, on in (("producer", cfg.is_producer), ("consumer", cfg.is_consumer)) if on)
     return Check("config", OK, f"{role}, transport {cfg.value('transport')}, ec_ip {cfg.ec_ip}, ec_port {cfg.ec_port}")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def check_auth(s: Setup) -> Check:
+    """Which mode the control plane runs in, as the shard's startup line says."""
+    if s.cfg is None:
+        return Check("auth", WARN, "no valid config to read the auth settings of", "correct --ec-transfer-config")
+    cfg = s.cfg
+    settings = cfg.consumer_settings() if cfg.is_consumer else cfg.producer_settings()
+    mode = auth.describe(settings)
+    if cfg.is_consumer and mode != "configured secret" and not settings.get("allow_unauthenticated") and not _loopback(cfg.ec_ip):
+        return Check(
+            "auth", FAIL, f"ec_ip {cfg.ec_ip} is beyond loopback and there is no auth_secret: the shard refuses to start",
+            f"set the same auth_secret_file (or {ec_config.SECRET_ENV}) on every instance, or allow_unauthenticated: true to serve anybody",
+        )
+    if mode == "unauthenticated":
+        who = "anybody who reaches ec_ip" if not _loopback(cfg.ec_ip) else "every user of this host"
+        return Check("auth", WARN, f"unauthenticated (allow_unauthenticated): {who} can reserve and complete transfers",
+                     "set auth_secret_file, or drop allow_unauthenticated to share a per-user secret")
+    if mode.startswith("per-user"):
+        path = os.path.join(auth.with_auth_default(settings)[auth.DIR_KEY], "secret")
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return Check("auth", OK, f"{mode} (created on first use): processes of this uid on this host only")
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return Check("auth", FAIL, f"{mode}: it has mode {st.st_mode & 0o777:04o} and uid {st.st_uid}; the library refuses it",
+                         f"chmod 600 {path}, or remove it to have a fresh one made")
+        return Check("auth", OK, f"{mode}: processes of this uid on this host only")
+    return Check("auth", OK, f"{mode}: CURVE with keys derived from it")
 
 
 def check_library(s: Setup) -> Check:
@@ -343,6 +380,7 @@ def check_plugin(s: Setup) -> Check:
 # In the order they print; later checks read what the library check found.
 CHECKS: list[Callable[[Setup], Check]] = [
     check_config,
+    check_auth,
     check_library,
     check_libzmq,
     check_gpu,
