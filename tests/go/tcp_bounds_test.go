@@ -2,6 +2,7 @@ package gotests
 
 import (
 	"context"
+	"io"
 	"net"
 	"testing"
 	"time"
@@ -59,6 +60,7 @@ func TestTCPStalledFrameIsReclaimed(t *testing.T) {
 	c, err := net.Dial("tcp", s.Info().Data)
 	require.NoError(t, err)
 	defer c.Close()
+	proveByGrant(t, c)
 	hdr := tcp.AppendHeader(nil, tcp.Header{Seq: 1, Res: ids.ResID(g.Res), Token: g.Token, Length: 64 << 10})
 	_, err = c.Write(append(hdr, make([]byte, 1000)...))
 	require.NoError(t, err)
@@ -81,8 +83,25 @@ func TestTCPStalledFrameIsReclaimed(t *testing.T) {
 	require.Regexp(t, `(?m)^ecm_data_conns_closed_total\{object="consumer:[0-9]+",reason="frame_timeout"\} 1$`, string(text))
 }
 
-// Connections that hold a slot and send nothing cannot lock a producer
-// out: at the cap, a new connection takes the place of the idlest one.
+// proveByGrant answers a shard's challenge as a writer without a secret
+// does: the first frame, sent next, is the proof.
+func proveByGrant(t *testing.T, c net.Conn) {
+	t.Helper()
+	require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Second)))
+	b := make([]byte, tcp.ChallengeLen)
+	_, err := io.ReadFull(c, b)
+	require.NoError(t, err, "the shard opens with a challenge")
+	ch, err := tcp.DecodeChallenge(b)
+	require.NoError(t, err)
+	require.Equal(t, tcp.ModeGrant, ch.Mode, "a shard without a secret asks for a live grant")
+	_, err = c.Write(tcp.AppendPreamble(nil, tcp.Preamble{Mode: tcp.ModeGrant}))
+	require.NoError(t, err)
+	require.NoError(t, c.SetReadDeadline(time.Time{}))
+}
+
+// Connections that send nothing cannot lock a producer out: until they
+// prove themselves they hold places of their own, never a proven
+// connection's, and lose them at the handshake deadline.
 func TestTCPIdleConnectionsDoNotLockOutAProducer(t *testing.T) {
 	s, cl := tcpShard(t, 30, func(c *config.Consumer) { c.MaxDataConns = 4 })
 	var idle []net.Conn
@@ -104,5 +123,6 @@ func TestTCPIdleConnectionsDoNotLockOutAProducer(t *testing.T) {
 	errs := w.Write(ctx, s.Info().Data, []transport.WriteItem{{Res: ids.ResID(g.Res), Token: g.Token, Src: src}})
 	require.NoError(t, errs[0])
 	require.Equal(t, uint64(768<<10), s.Stats().Data.Bytes)
-	require.NotZero(t, s.Stats().Data.Closed["evicted"], "idle connections made room")
+	require.Eventually(t, func() bool { return s.Stats().Data.Closed["handshake_timeout"] == uint64(len(idle)) }, 30*time.Second, 10*time.Millisecond,
+		"every silent connection loses its place at the handshake deadline")
 }
