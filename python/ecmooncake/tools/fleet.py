@@ -207,13 +207,15 @@ def vllm_argv(python: Path | str, model: Path | str, port: int, host: str = "127
 
 
 def proxy_argv(python: Path | str, port: int, metrics_port: int, encode: list[str], pd: list[tuple[str, str]],
-               host: str = "127.0.0.1") -> list[str]:
-    """Our proxy; pd holds (URL, consumer control endpoint) pairs."""
+               host: str = "127.0.0.1", extra: tuple[str, ...] = ()) -> list[str]:
+    """Our proxy; pd holds (URL, consumer control endpoint) pairs; extra
+    are more of its flags."""
     return [
         str(python), "-m", "ecmooncake", "proxy",
         "--host", host, "--port", str(port), "--metrics-port", str(metrics_port),
         "--encode", *encode,
         "--pd", *[f"{url}#ec={consumer}" for url, consumer in pd],
+        *extra,
     ]
 
 
