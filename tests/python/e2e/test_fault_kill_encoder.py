@@ -1,8 +1,8 @@
 """One of two encoders killed while a client sends, end to end on a CPU.
 
 Two encoders and one PD instance (ECMooncakeConnector over tcp) behind the
-proxy; a client sends distinct-image requests four at a time. Encoder A's
-process group is stopped (SIGSTOP) under load and held until every item has
+proxy; a client sends distinct-image requests all at once. Encoder A's
+process group is stopped (SIGSTOP) as soon as it holds an item and held until every item has
 been either encoded or handed to A and B has nothing in flight: the items
 then at A are the ones the fault touches, read off the proxy's own in-flight
 gauge, and nothing can change that count while A is stopped. A is then
@@ -53,7 +53,9 @@ from ecmooncake.tools.harness import free_port_range  # noqa: E402
 
 MAX_TOKENS = 4
 REQUESTS = 8
-CONCURRENCY = 4
+# All at once: a request whose item the stopped encoder holds holds its
+# client slot too, and every item must reach an encoder for the count.
+CONCURRENCY = REQUESTS
 # Every wait is bounded, and generously: vLLM on a shared 2-core machine.
 WAIT_S = 300
 
@@ -143,8 +145,8 @@ def test_one_of_two_encoders_killed_under_load(model, requests_, tmp_path):
         client.stdin.write(json.dumps(plan).encode())
         client.stdin.close()
 
-        # Under load: A stops once the first item was encoded (by either).
-        _eventually("a first item encoded", lambda: metric(proxy_m(), "ecm_proxy_media_items_total", outcome="encoded") >= 1)
+        # Under load: A stops as soon as the proxy has an item at it.
+        _eventually("an item at encoder A", lambda: in_flight(proxy_m(), url_a) >= 1, every_s=0.05)
         a.signal_group(signal.SIGSTOP)
 
         def settled():
