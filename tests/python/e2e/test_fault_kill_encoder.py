@@ -2,8 +2,9 @@
 
 Two encoders and one PD instance (ECMooncakeConnector over tcp) behind the
 proxy; a client sends distinct-image requests all at once. Encoder A's
-process group is stopped (SIGSTOP) as soon as it holds an item and held until every item has
-been either encoded or handed to A and B has nothing in flight: the items
+process group is stopped (SIGSTOP) as soon as it holds an item, and held
+so until every item has been either encoded or handed to A and B has
+nothing in flight: the items
 then at A are the ones the fault touches, read off the proxy's own in-flight
 gauge, and nothing can change that count while A is stopped. A is then
 SIGKILLed, which ends its connections.
