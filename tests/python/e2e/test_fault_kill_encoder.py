@@ -22,8 +22,10 @@ shard holds no reservation or slab byte once the run is over.
 from __future__ import annotations
 
 import base64
+import faulthandler
 import io
 import json
+import os
 import re
 import signal
 import subprocess
@@ -59,6 +61,15 @@ REQUESTS = 8
 CONCURRENCY = REQUESTS
 # Every wait is bounded, and generously: vLLM on a shared 2-core machine.
 WAIT_S = 300
+
+
+@pytest.fixture(autouse=True)
+def _deadline():
+    """conftest's per-test deadline, longer: this test starts four vLLM
+    instances one after another's phase on a shared machine."""
+    faulthandler.dump_traceback_later(float(os.environ.get("ECMOONCAKE_E2E_DEADLINE_S", "1800")), exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 def _png(seed: int) -> str:
