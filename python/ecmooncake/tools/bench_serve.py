@@ -382,6 +382,8 @@ def main(args: argparse.Namespace) -> int:
 
         if not plot_ready("bench-serve"):
             return 2
+    # SIGTERM unwinds like ^C, so that a setup's servers are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ecm-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
     model = args.model
