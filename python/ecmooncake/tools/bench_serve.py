@@ -240,7 +240,7 @@ class Fleet:
 def bench_argv(args: argparse.Namespace, model: str, url: str, rate: str, result_dir: Path, name: str) -> list[str]:
     side = args.image_size
     return [
-        args.python, "-c", fleet.VLLM_CLI, "bench", "serve",
+        args.python, *fleet.VLLM_CLI, "bench", "serve",
         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url,
         "--model", model, "--tokenizer", model,
         "--dataset-name", "random-mm", "--num-prompts", str(args.num_prompts),

