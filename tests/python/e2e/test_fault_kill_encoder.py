@@ -153,9 +153,11 @@ def test_one_of_two_encoders_killed_under_load(model, requests_, tmp_path):
             return metric(text, "ecm_proxy_backend_in_flight", role="encode", url=url)
 
         plan = _plan(f"http://127.0.0.1:{proxy_port}", model, requests_, concurrency=CONCURRENCY, keep_going=True)
-        client = subprocess.Popen([str(PYTHON), str(CLIENT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env())
-        client.stdin.write(json.dumps(plan).encode())
-        client.stdin.close()
+        # The plan and the answers go through files: the test polls metrics
+        # while the client runs, and reads its output once it ended.
+        (tmp_path / "plan.json").write_text(json.dumps(plan))
+        with open(tmp_path / "plan.json", "rb") as stdin, open(tmp_path / "answers.json", "wb") as stdout, open(tmp_path / "client.err", "wb") as stderr:
+            client = subprocess.Popen([str(PYTHON), str(CLIENT)], stdin=stdin, stdout=stdout, stderr=stderr, env=child_env())
 
         # Under load: A stops as soon as the proxy has an item at it.
         _eventually("an item at encoder A", lambda: in_flight(proxy_m(), url_a) >= 1, every_s=0.05)
@@ -177,9 +179,9 @@ def test_one_of_two_encoders_killed_under_load(model, requests_, tmp_path):
         b_before = metric(fleet.scrape(url_b + "/metrics"), "vllm:request_success_total")
         a.signal_group(signal.SIGKILL)
 
-        out, err = client.communicate(timeout=WAIT_S)
-        assert client.returncode == 0, err.decode(errors="replace")[-4000:]
-        answers = json.loads(out)["answers"]
+        client.wait(timeout=WAIT_S)
+        assert client.returncode == 0, (tmp_path / "client.err").read_text(errors="replace")[-4000:]
+        answers = json.loads((tmp_path / "answers.json").read_text())["answers"]
 
         # Every request answers with the single instance's tokens, or fails
         # with an error that says what happened.
