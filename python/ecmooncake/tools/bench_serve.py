@@ -237,7 +237,10 @@ class Fleet:
         return proxy, "\n".join(fleet.scrape(u) for u in self.pd_metrics)
 
 
-def bench_argv(args: argparse.Namespace, model: str, url: str, rate: str, result_dir: Path, name: str) -> list[str]:
+def bench_argv(args: argparse.Namespace, model: str, url: str, rate: str, result_dir: Path, name: str, seed: int = 0) -> list[str]:
+    """The client's command; each run of a setup gets a seed of its own, so that
+    its images are new to the PD shards (a shard keeps the last run's, and an
+    image it holds is not moved again)."""
     side = args.image_size
     return [
         args.python, *fleet.VLLM_CLI, "bench", "serve",
@@ -247,7 +250,7 @@ def bench_argv(args: argparse.Namespace, model: str, url: str, rate: str, result
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
         "--random-mm-base-items-per-request", "1", "--random-mm-num-mm-items-range-ratio", "0",
         "--random-mm-limit-mm-per-prompt", IMAGE_LIMIT, "--random-mm-bucket-config", f"{{({side}, {side}, 1): 1.0}}",
-        "--request-rate", rate, "--ignore-eos", "--temperature", "0", "--seed", "0",
+        "--request-rate", rate, "--ignore-eos", "--temperature", "0", "--seed", str(seed),
         "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,99",
         "--ready-check-timeout-sec", "0", "--disable-tqdm",
         "--save-result", "--result-dir", str(result_dir), "--result-filename", name,
@@ -271,11 +274,11 @@ def _kill_encoder_under_load(f: Fleet, client: subprocess.Popen, before: str, th
     return touched
 
 
-def run_one(f: Fleet, args: argparse.Namespace, model: str, rate: str, result_dir: Path, log_dir: Path) -> Row:
+def run_one(f: Fleet, args: argparse.Namespace, model: str, rate: str, result_dir: Path, log_dir: Path, seed: int = 0) -> Row:
     name = f"{f.setup.name.replace(' ', '_')}_{rate}.json"
     proxy0, pd0 = f.scrape()
     log = open(log_dir / f"client_{name}.log", "wb")
-    client = subprocess.Popen(bench_argv(args, model, f.url, rate, result_dir, name), stdout=log, stderr=subprocess.STDOUT,
+    client = subprocess.Popen(bench_argv(args, model, f.url, rate, result_dir, name, seed), stdout=log, stderr=subprocess.STDOUT,
                               stdin=subprocess.DEVNULL, env=fleet.vllm_env(), start_new_session=True)
     deadline = time.monotonic() + args.run_timeout
     touched = None
@@ -406,8 +409,8 @@ def main(args: argparse.Namespace) -> int:
             f.start()
             _warm_up(f.url, model, args.image_size, max(1, s.pds), args.run_timeout)
             # A fault happens once: the second rate would find A dead already.
-            for rate in rate_list[:1] if s.fault else rate_list:
-                rows.append(run_one(f, args, model, rate, log_dir, log_dir))
+            for k, rate in enumerate(rate_list[:1] if s.fault else rate_list):
+                rows.append(run_one(f, args, model, rate, log_dir, log_dir, seed=k))
             left = leftovers(f)
             if left:
                 extra = ", ".join(f"{k} left {v:.0f}" for k, v in left.items())
