@@ -64,6 +64,15 @@ COMMANDS: dict[str, Command] = {
         "GPU memory end to end: one consumer shard with its slab on a GPU, a producer choosing cuda_ipc and one "
         "told to use TCP, each figure beside the ceilings measured in the same run. Needs a GPU and torch.",
     ),
+    "bench-serve": Command(
+        "ecmooncake.tools.bench_serve",
+        "an EPD fleet on this host under vllm bench serve, beside one instance and vLLM's ECExampleConnector",
+        "Starts N encoders, M PD instances and the proxy for each topology (a tiny random Qwen2-VL on the CPU unless "
+        "--model names one), drives each with vllm bench serve --dataset-name random-mm at the given rates, and prints "
+        "one table per setup: vLLM's client figures beside items encoded and fallen back (the proxy), bytes moved and "
+        "the PD scheduler's wait (the PD instances). One instance alone and EPD with vLLM's ECExampleConnector run in "
+        "the same run; --fault kill-encoder kills one of two encoders under load.",
+    ),
     "proxy": Command(
         "ecmooncake.tools.proxy",
         "run the EPD proxy in front of encoder and prefill/decode instances",

@@ -11,6 +11,10 @@ Plan: {"url": "http://host:port", "model": "...", "requests": [{"image":
 Result: {"answers": [{"tokens": [id, ...], "logprobs": [float, ...],
 "text": "..."}], "metrics": {url: text}}; a request that fails prints its
 status and body and exits 1.
+
+With "concurrency": N the requests are sent N at a time, and with
+"keep_going": true a request that fails is answered {"error": "..."} in its
+place (its status and the body's first 2000 characters) instead.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 import urllib.error
 import urllib.request
 
@@ -109,15 +114,21 @@ def main() -> int:
     except TimeoutError as exc:
         print(str(exc), file=sys.stderr)
         return 1
-    for i, req in enumerate(plan["requests"]):
+    def one(i: int, req: dict) -> dict:
         try:
-            out["answers"].append(_answer(plan, req))
+            return _answer(plan, req)
         except urllib.error.HTTPError as exc:
-            print(f"request {i} answered {exc.code}: {exc.read().decode(errors='replace')[:2000]}", file=sys.stderr)
-            return 1
+            return {"error": f"request {i} answered {exc.code}: {exc.read().decode(errors='replace')[:2000]}"}
         except Exception as exc:  # the test prints it with the servers' logs
-            print(f"request {i} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return {"error": f"request {i} failed: {type(exc).__name__}: {exc}"}
+
+    with ThreadPoolExecutor(max_workers=max(1, plan.get("concurrency", 1))) as pool:
+        answers = list(pool.map(one, range(len(plan["requests"])), plan["requests"]))
+    for a in answers:
+        if "error" in a and not plan.get("keep_going"):
+            print(a["error"], file=sys.stderr)
             return 1
+    out["answers"] = answers
     for url in plan.get("metrics", []):
         # A vLLM process that runs its engine core and its worker in one
         # process serves the library's series on one of its two ports only.

