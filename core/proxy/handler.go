@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -208,15 +209,17 @@ var errClientWrite = errors.New("write to client")
 // stream writes the held events, then copies the rest as it comes,
 // flushing after each event so tokens reach the client one by one.
 func (c *call) stream(w *bufio.Writer, ans *answer) error {
+	done := false
 	for _, ev := range ans.held {
 		if _, err := w.Write(ev); err != nil {
 			return fmt.Errorf("%w: %w", errClientWrite, err)
 		}
+		done = done || isDoneEvent(ev)
 	}
 	if err := w.Flush(); err != nil {
 		return fmt.Errorf("%w: %w", errClientWrite, err)
 	}
-	for {
+	for !done {
 		ev, err := ans.events.next()
 		if err != nil {
 			if errors.Is(err, io.EOF) {
@@ -230,7 +233,17 @@ func (c *call) stream(w *bufio.Writer, ans *answer) error {
 		if err := w.Flush(); err != nil {
 			return fmt.Errorf("%w: %w", errClientWrite, err)
 		}
+		done = isDoneEvent(ev)
 	}
+	// The client has the whole answer once [DONE] is through: what the
+	// consumer does after it (end the chunked body, or not yet) is not the
+	// client's, and a client that leaves now has been answered.
+	return nil
+}
+
+// isDoneEvent reports whether an SSE event is OpenAI's end of stream.
+func isDoneEvent(ev []byte) bool {
+	return bytes.Equal(bytes.TrimSpace(ev), []byte("data: [DONE]"))
 }
 
 func errorType(status int) string {

@@ -411,3 +411,33 @@ func TestTransferIDsCannotBeGuessedFromWhatAClientSees(t *testing.T) {
 	require.Regexp(t, `[0-9a-f]{32}`, tids[0])
 	require.NotEqual(t, regexp.MustCompile(`[0-9a-f]{32}`).FindString(tids[0]), regexp.MustCompile(`[0-9a-f]{32}`).FindString(tids[1]))
 }
+
+// A client that has read a streamed answer through its [DONE] event has
+// its whole answer: if it then closes the connection while the PD
+// instance has not yet ended the response, the request was answered, not
+// cancelled, and the proxy's counts must say so (they are what an
+// operator compares with the client's).
+func TestAStreamReadToItsEndIsAnsweredNotCancelled(t *testing.T) {
+	r := newRig(t, rigOpts{encoders: 1, pds: 1, mut: func(c *Config) { c.MetricsPort = freePort(t) }, fake: fakevllm.Config{AfterDone: 3 * time.Second}})
+	b, err := json.Marshal(chat(true, image("http://img/1.png")))
+	require.NoError(t, err)
+	resp, err := r.httpc.Post(r.url+"/v1/chat/completions", "application/json", bytes.NewReader(b))
+	require.NoError(t, err)
+	rd := bufio.NewReader(resp.Body)
+	for {
+		line, err := rd.ReadString('\n')
+		require.NoError(t, err, "the stream ended before its [DONE]")
+		if strings.TrimSpace(line) == "data: [DONE]" {
+			break
+		}
+	}
+	resp.Body.Close()
+	r.httpc.CloseIdleConnections()
+	metricsURL := "http://" + r.p.MetricsAddr()
+	require.Eventually(t, func() bool {
+		return strings.Contains(metricsText(t, metricsURL), `ecm_proxy_requests_total{outcome=`)
+	}, 30*time.Second, 10*time.Millisecond, "the request is counted")
+	m := metricsText(t, metricsURL)
+	require.Contains(t, m, `ecm_proxy_requests_total{outcome="ok",route="chat"} 1`)
+	require.NotContains(t, m, `outcome="cancelled"`)
+}

@@ -73,6 +73,10 @@ type Config struct {
 	// closes the connection unanswered on the next: what a client sees
 	// when it sends on a connection the server is closing for idleness.
 	DropReused bool
+	// AfterDone keeps a streamed answer open this long after its [DONE]
+	// event before ending it, as a server may before the last chunk of
+	// the chunked encoding.
+	AfterDone time.Duration
 }
 
 // Encode describes one encoder call.
@@ -559,6 +563,15 @@ func (s *Server) streamAnswer(w http.ResponseWriter, r *http.Request, chat bool,
 		fl.Flush()
 	}
 	s.served.Add(1)
+	if s.cfg.AfterDone > 0 {
+		// The answer is whole: a client leaving now cancels nothing.
+		t := time.NewTimer(s.cfg.AfterDone)
+		defer t.Stop()
+		select {
+		case <-t.C:
+		case <-r.Context().Done():
+		}
+	}
 }
 
 // splitTokens cuts text into n pieces that join back to it.
