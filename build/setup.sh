@@ -3,7 +3,9 @@
 # its headers, a C compiler, binutils), fetches the Go modules, installs the
 # Python package in editable mode with its test extras, the pinned vLLM the
 # connector is tested against, and the CPU vLLM environment of the
-# end-to-end test. Safe to run again.
+# end-to-end test, and Mooncake's pip wheel at the version the shim
+# supports (with the Debian libraries its engine.so loads even for TCP).
+# Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . build/apt.sh
@@ -14,6 +16,21 @@ command -v gcc >/dev/null || missing+=(gcc)
 command -v nm >/dev/null || missing+=(binutils)
 # ip and ss: the end-to-end test joins two network namespaces with a veth pair
 command -v ip >/dev/null && command -v ss >/dev/null || missing+=(iproute2)
+# The real Mooncake engine: the shim over its wheel is C++ (g++), and the
+# wheel's engine.so links libibverbs and libnl even when it only speaks TCP.
+# ECMOONCAKE_SKIP_MOONCAKE=1 leaves the engine out (its tests then skip,
+# saying so), except in CI, which must test it.
+skip_mooncake=${ECMOONCAKE_SKIP_MOONCAKE:-0}
+if [ "$skip_mooncake" = 1 ] && [ "${CI:-}" = true ]; then
+  echo "setup: ECMOONCAKE_SKIP_MOONCAKE=1 is refused in CI (CI=true): CI tests the real Mooncake engine" >&2
+  exit 1
+fi
+if [ "$skip_mooncake" != 1 ]; then
+  command -v g++ >/dev/null || missing+=(g++)
+  for pkg in libibverbs1 libnl-3-200 libnl-route-3-200; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+fi
 apt_install "${missing[@]}"
 if ! command -v go >/dev/null; then
   echo "setup: Go 1.26 or newer is required (https://go.dev/dl/)" >&2
@@ -23,6 +40,15 @@ go mod download
 
 python=${PYTHON:-python3}
 "$python" -m pip install -q -e ".[test,plot]"
+if [ "$skip_mooncake" != 1 ]; then
+  # The version the shim was checked against (SupportedWheels' first).
+  mc_version=$(sed -n 's/^var SupportedWheels = \[\]string{"\([^"]*\)".*/\1/p' core/transport/mooncake/wheel.go)
+  if [ -z "$mc_version" ]; then
+    echo "setup: no Mooncake wheel version in core/transport/mooncake/wheel.go (SupportedWheels)" >&2
+    exit 1
+  fi
+  "$python" -m pip install -q "mooncake-transfer-engine-non-cuda==$mc_version"
+fi
 # The connector's tests run against a real vLLM from PyPI, pinned here.
 # ECMOONCAKE_SKIP_VLLM=1 leaves it out (those tests then skip).
 if [ -f tests/python/requirements-vllm.txt ] && [ "${ECMOONCAKE_SKIP_VLLM:-0}" != 1 ]; then

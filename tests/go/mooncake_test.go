@@ -29,7 +29,8 @@ var (
 	mcLibrary  string
 	mcProtocol string
 	mcDouble   *mooncaketest.Double
-	mcEngine   string // a Mooncake wheel's engine.so behind mcLibrary (the shim); "" for none
+	mcEngine   string             // a Mooncake wheel's engine.so behind mcLibrary (the shim); "" for none
+	mcShim     *mooncaketest.Shim // the shim's counters when mcEngine is set
 )
 
 // needDouble skips a test that injects faults or reads counters only the
@@ -50,7 +51,11 @@ func withMooncake(run func() int) int {
 	if lib, proto, ok := mooncaketest.Real(); ok {
 		mcLibrary, mcProtocol, mcEngine = lib, proto, mooncaketest.RealEngine()
 		if mcEngine != "" {
-			if err := mooncaketest.PreloadPython(); err != nil {
+			err := mooncaketest.PreloadPython()
+			if err == nil {
+				mcShim, err = mooncaketest.OpenShim(mcLibrary)
+			}
+			if err != nil {
 				fmt.Fprintln(os.Stderr, err)
 				return 1
 			}

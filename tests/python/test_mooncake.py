@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -349,3 +351,68 @@ def test_the_store_a_consumer_serves_takes_the_engines_token(workers, double, mo
     _round_trip(workers, port, 1, {"mooncake_metadata_server": store}, producer, "http-token")
     assert _http("PUT", _key_url(url, "mooncake/ram/rogue"), {"buffers": []})[0] == 401
     assert _http("GET", _key_url(url, "mooncake/ram/rogue"), token="deployment-metadata-token")[0] == 404
+
+
+# The real engine of Mooncake's pip wheel, carried by this package's shim:
+# the outer test starts this file's inner tests again inside a network
+# namespace of its own (loopback plus a veth pair on 10.231.0.1/24, for
+# Mooncake advertises the first interface that is not loopback), so that
+# the engines' traffic cannot leave it. ECMOONCAKE_REQUIRE_MOONCAKE=1
+# (build/test.sh) makes a missing wheel or namespace a failure.
+NETNS_ENV = "ECMOONCAKE_TEST_IN_NETNS"
+REQUIRE_MOONCAKE = os.environ.get("ECMOONCAKE_REQUIRE_MOONCAKE") == "1"
+NETNS_SETUP = (
+    "set -e; ip link set lo up; ip link add ecm0 type veth peer name ecm1; "
+    "ip addr add 10.231.0.1/24 dev ecm0; ip link set ecm0 up; ip link set ecm1 up; exec \"$@\""
+)
+
+
+def _skip_or_fail(why: str) -> None:
+    if REQUIRE_MOONCAKE:
+        pytest.fail(f"{why} (ECMOONCAKE_REQUIRE_MOONCAKE=1; bash build/setup.sh installs the wheel)")
+    pytest.skip(f"the real Mooncake engine is NOT tested: {why}")
+
+
+def test_two_processes_over_the_real_engine_in_a_namespace():
+    wheel = environment.mooncake_wheel()
+    if wheel is None:
+        _skip_or_fail("no Mooncake wheel installed")
+    if not Path(wheel["shim"]).is_file():
+        _skip_or_fail(f"the shim {wheel['shim']} was not built (no g++)")
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        _skip_or_fail("a network namespace needs root, unshare and ip")
+    env = dict(subprocess_env(), **{NETNS_ENV: "1"})
+    env.pop(native.MOONCAKE_LIBRARY_ENV, None)
+    cmd = ["unshare", "--net", "sh", "-c", NETNS_SETUP, "sh",
+           sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)), "-k", "inside_the_namespace"]
+    done = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-6000:]
+    assert "2 passed" in done.stdout, done.stdout[-3000:]
+
+
+inside = pytest.mark.skipif(os.environ.get(NETNS_ENV) != "1", reason="runs inside the namespace the test above creates")
+
+
+def _real_producer(**extra) -> dict:
+    return {"transport": "mooncake", "mooncake_host": IP, "mooncake_protocol": "tcp", "mooncake_staging_bytes": 16 * MiB,
+            "control_timeout_s": 10, "push_wait_timeout_s": 30, **extra}
+
+
+@inside
+def test_real_engine_p2p_inside_the_namespace(workers, monkeypatch):
+    """Two TP shards and a producer, each a process of its own, over the
+    wheel's engine found by the import machinery (no library named)."""
+    monkeypatch.delenv(native.MOONCAKE_LIBRARY_ENV, raising=False)
+    port = free_port_range(2, IP)
+    _round_trip(workers, port, 2, {"mooncake_protocol": "tcp"}, _real_producer(), "real-p2p")
+
+
+@inside
+def test_real_engine_http_metadata_inside_the_namespace(workers, monkeypatch):
+    monkeypatch.delenv(native.MOONCAKE_LIBRARY_ENV, raising=False)
+    monkeypatch.delenv(native.METADATA_TOKEN_ENV, raising=False)
+    port = free_port_range(1, IP)
+    store = f"{IP}:{_free_port()}"
+    url = f"http://{store}/metadata"
+    consumer = {"mooncake_protocol": "tcp", "mooncake_metadata_server": store, "mooncake_metadata_open": True}
+    _round_trip(workers, port, 1, consumer, _real_producer(mooncake_metadata=url), "real-http")

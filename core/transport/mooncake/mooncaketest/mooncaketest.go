@@ -23,6 +23,7 @@ static void t_fail_next(void *f, int n) { ((void (*)(int))f)(n); }
 static int t_by_name(void *f, const char *s, int v) { return ((int (*)(const char *, int))f)(s, v); }
 static int t_kill(void *f, const char *s) { return ((int (*)(const char *))f)(s); }
 static void t_stats(void *f, struct mcd_stats *out) { ((void (*)(struct mcd_stats *))f)(out); }
+static size_t t_shim_stats(void *f, int64_t *out, size_t n) { return ((size_t (*)(int64_t *, size_t))f)(out, n); }
 static int t_raw(void *f, void *e, uintptr_t src, int32_t seg, uint64_t remote, uint64_t item, size_t n) {
 	return ((int (*)(void *, void *, int32_t, uint64_t, uint64_t, size_t))f)(e, (void *)src, seg, remote, item, n);
 }
@@ -280,4 +281,45 @@ func (d *Double) Stats() Stats {
 // returns 0 or the double's error code.
 func (d *Double) RawWrite(engine unsafe.Pointer, src uintptr, seg int32, remote, item uint64, n int) int {
 	return int(C.t_raw(d.fn["mcd_raw_write"], engine, C.uintptr_t(src), C.int32_t(seg), C.uint64_t(remote), C.uint64_t(item), C.size_t(n)))
+}
+
+// ShimStats are the shim's process-wide counts of what it asked of a real
+// engine and the engine granted (ecm_mooncake_shim_stats, in its order).
+type ShimStats struct {
+	EnginesCreated, EnginesDestroyed       int64
+	BatchesAllocated, BatchesFreed         int64
+	FreeRefused                            int64
+	BuffersRegistered, BuffersUnregistered int64
+	Submits, SubmitRefused, Exceptions     int64
+}
+
+// Shim reads the counters of ecmooncake's shim over a Mooncake wheel.
+type Shim struct{ stats unsafe.Pointer }
+
+// OpenShim loads the shim at path (the same copy the transport loads).
+func OpenShim(path string) (*Shim, error) {
+	lib, err := dl.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("mooncaketest: load %s: %v", path, err)
+	}
+	f, err := lib.Sym("ecm_mooncake_shim_stats")
+	if err != nil {
+		return nil, fmt.Errorf("mooncaketest: %s lacks ecm_mooncake_shim_stats: not ecmooncake's shim, or an older one", path)
+	}
+	return &Shim{stats: f}, nil
+}
+
+// Stats reads the counters.
+func (s *Shim) Stats() ShimStats {
+	var v [10]C.int64_t
+	n := C.t_shim_stats(s.stats, &v[0], C.size_t(len(v)))
+	var out [10]int64
+	for i := 0; i < int(n); i++ {
+		out[i] = int64(v[i])
+	}
+	return ShimStats{
+		EnginesCreated: out[0], EnginesDestroyed: out[1], BatchesAllocated: out[2], BatchesFreed: out[3],
+		FreeRefused: out[4], BuffersRegistered: out[5], BuffersUnregistered: out[6], Submits: out[7],
+		SubmitRefused: out[8], Exceptions: out[9],
+	}
 }

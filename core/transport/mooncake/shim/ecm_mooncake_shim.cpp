@@ -122,6 +122,17 @@ std::atomic<bool> g_loaded{false};
 std::string g_engine_path;
 std::atomic<long> g_exceptions{0};
 
+// What the shim asked of the engine and the engine granted, process-wide:
+// a test that ends every engine reads them to prove that every batch id
+// was freed and every registration undone (ecm_mooncake_shim_stats).
+struct Counts {
+    std::atomic<int64_t> engines_created{0}, engines_destroyed{0};
+    std::atomic<int64_t> batches_allocated{0}, batches_freed{0}, free_refused{0};
+    std::atomic<int64_t> buffers_registered{0}, buffers_unregistered{0};
+    std::atomic<int64_t> submits{0}, submit_refused{0};
+};
+Counts g_counts;
+
 void put(char *err, size_t n, const std::string &msg) {
     if (err && n) std::snprintf(err, n, "%s", msg.c_str());
 }
@@ -152,6 +163,23 @@ extern "C" {
 ECM_EXPORT const char *ecm_mooncake_shim_versions() { return kSupportedList; }
 
 ECM_EXPORT long ecm_mooncake_shim_exceptions() { return g_exceptions.load(); }
+
+// ecm_mooncake_shim_stats writes up to n counters into out, in this order,
+// and returns how many it wrote: engines created, engines destroyed, batch
+// ids allocated, batch ids freed, frees the engine refused, buffers
+// registered, buffers unregistered, submits, submits the engine refused,
+// exceptions caught. New counters are only ever appended.
+ECM_EXPORT size_t ecm_mooncake_shim_stats(int64_t *out, size_t n) {
+    const int64_t v[] = {
+        g_counts.engines_created.load(),    g_counts.engines_destroyed.load(), g_counts.batches_allocated.load(),
+        g_counts.batches_freed.load(),      g_counts.free_refused.load(),      g_counts.buffers_registered.load(),
+        g_counts.buffers_unregistered.load(), g_counts.submits.load(),         g_counts.submit_refused.load(),
+        static_cast<int64_t>(g_exceptions.load()),
+    };
+    size_t k = 0;
+    for (; out && k < n && k < sizeof(v) / sizeof(v[0]); k++) out[k] = v[k];
+    return k;
+}
 
 // ecm_mooncake_shim_open loads engine_path (a wheel's mooncake/engine.so)
 // whose wheel has version, and resolves every C++ function the C API below
@@ -266,6 +294,7 @@ ECM_EXPORT void *createTransferEngine(const char *metadata, const char *name, co
             ::operator delete(mem, std::align_val_t(64));
             return nullptr;
         }
+        g_counts.engines_created.fetch_add(1);
         return mem;
     });
 }
@@ -276,6 +305,7 @@ ECM_EXPORT void destroyTransferEngine(void *engine) {
         g_api.dtor(engine);
         return 0;
     });
+    g_counts.engines_destroyed.fetch_add(1);
     ::operator delete(engine, std::align_val_t(64));
 }
 
@@ -298,7 +328,9 @@ ECM_EXPORT int registerLocalMemoryBatch(void *engine, shim_buffer *list, size_t 
     return guard<int>(-1, [&] {
         std::vector<BufferEntry> v(n);
         for (size_t i = 0; i < n; i++) v[i] = BufferEntry{list[i].addr, list[i].length};
-        return g_api.regbatch(engine, v, location ? location : "*");
+        int rc = g_api.regbatch(engine, v, location ? location : "*");
+        if (rc == 0) g_counts.buffers_registered.fetch_add(static_cast<int64_t>(n));
+        return rc;
     });
 }
 
@@ -306,7 +338,9 @@ ECM_EXPORT int unregisterLocalMemoryBatch(void *engine, void **addrs, size_t n) 
     if (!g_loaded.load()) return -1;
     return guard<int>(-1, [&] {
         std::vector<void *> v(addrs, addrs + n);
-        return g_api.unregbatch(engine, v);
+        int rc = g_api.unregbatch(engine, v);
+        if (rc == 0) g_counts.buffers_unregistered.fetch_add(static_cast<int64_t>(n));
+        return rc;
     });
 }
 
@@ -328,7 +362,11 @@ ECM_EXPORT int32_t openSegmentNoCache(void *engine, const char *name) {
 
 ECM_EXPORT uint64_t allocateBatchID(void *engine, size_t capacity) {
     if (!g_loaded.load()) return UINT64_MAX;
-    return guard<uint64_t>(UINT64_MAX, [&] { return g_api.alloc(engine, capacity); });
+    return guard<uint64_t>(UINT64_MAX, [&] {
+        uint64_t id = g_api.alloc(engine, capacity);
+        if (id != UINT64_MAX) g_counts.batches_allocated.fetch_add(1);
+        return id;
+    });
 }
 
 // Positive status codes, as Status::Code: 1 is kInvalidArgument.
@@ -341,6 +379,7 @@ ECM_EXPORT int submitTransfer(void *engine, uint64_t batch, shim_request *reqs, 
                                    reqs[i].target_offset, reqs[i].length, 0, 0};
         }
         Status s = g_api.submit(engine, batch, v);
+        (s.code() == 0 ? g_counts.submits : g_counts.submit_refused).fetch_add(1);
         return s.code();
     });
 }
@@ -362,6 +401,7 @@ ECM_EXPORT int freeBatchID(void *engine, uint64_t batch) {
     if (!g_loaded.load()) return 1;
     return guard<int>(1, [&] {
         Status s = g_api.free(engine, batch);
+        (s.code() == 0 ? g_counts.batches_freed : g_counts.free_refused).fetch_add(1);
         return s.code();
     });
 }

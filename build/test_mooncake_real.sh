@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Runs the Go mooncake tests a second time, against the real Mooncake
+# engine: the pip wheel's mooncake/engine.so carried by ecmooncake's shim,
+# with mooncake_protocol tcp, inside a network namespace this script
+# creates (loopback plus a veth pair on 10.231.0.1/24, since Mooncake
+# advertises the first interface that is not loopback). Nothing of it can
+# reach this machine's network; ss, sampled inside the namespace while the
+# tests run, must show every socket bound and connected to loopback or the
+# namespace's own address, and the engine listening there.
+#
+# ECMOONCAKE_REQUIRE_MOONCAKE=1 (test.sh sets it) makes a missing or
+# unsupported wheel a failure; otherwise the run is skipped, saying so.
+# Needs root (unshare --net) and iproute2.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+require=${ECMOONCAKE_REQUIRE_MOONCAKE:-0}
+
+skip() {
+  if [ "$require" = 1 ]; then
+    echo "test_mooncake_real: FAIL: $* (ECMOONCAKE_REQUIRE_MOONCAKE=1; bash build/setup.sh installs the wheel)" >&2
+    exit 1
+  fi
+  echo "test_mooncake_real: SKIPPED, the real Mooncake engine is NOT tested: $*" >&2
+  exit 0
+}
+
+wheel=$("$python" -c '
+import sys
+sys.path.insert(0, "python")
+from ecmooncake.environment import mooncake_wheel
+w = mooncake_wheel()
+print("" if w is None else w["engine"] + " " + w["version"])')
+[ -n "$wheel" ] || skip "no Mooncake wheel (mooncake/engine.so) installed for $python"
+engine=${wheel% *}
+version=${wheel##* }
+supported=$(sed -n 's/^var SupportedWheels = \[\]string{\(.*\)}/\1/p' core/transport/mooncake/wheel.go)
+case "$supported" in
+*"\"$version\""*) ;;
+*) skip "the installed Mooncake wheel is $version, the shim supports $supported" ;;
+esac
+[ "$(id -u)" = 0 ] || skip "unshare --net needs root"
+command -v ss >/dev/null && command -v ip >/dev/null || skip "no iproute2 (ip, ss)"
+
+work=$(mktemp -d /tmp/ecm-mooncake-real.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+"$python" - "$work" <<'EOF'
+import importlib.util, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("build_lib", "build/build_lib.py")
+bl = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bl)
+if bl.build_shim(Path(sys.argv[1])) is None:
+    sys.exit(1)
+EOF
+shim=$work/libecmooncake_mooncake.so
+[ -f "$shim" ] || skip "the shim was not built (no g++)"
+echo "== go test -race, mooncake against the real engine ($engine, wheel $version, tcp, in a network namespace)" >&2
+
+export ECMOONCAKE_MOONCAKE_LIBRARY=$shim ECMOONCAKE_MOONCAKE_ENGINE=$engine ECMOONCAKE_MOONCAKE_PROTOCOL=tcp
+export ECMOONCAKE_REQUIRE_MOONCAKE=$require PYTHON=$python
+# The namespace lives as long as the one command unshare runs; the veth
+# pair and every socket go with it.
+unshare --net bash -s "$work" <<'EOF'
+set -euo pipefail
+work=$1
+ip link set lo up
+ip link add ecm0 type veth peer name ecm1
+ip addr add 10.231.0.1/24 dev ecm0
+ip link set ecm0 up
+ip link set ecm1 up
+( while :; do ss -Htanp >>"$work/ss" 2>/dev/null; sleep 0.2; done ) &
+sampler=$!
+rc=0
+go test -race -count=1 -timeout 20m ./core/transport/mooncake/ || rc=$?
+go test -race -count=1 -timeout 20m -run 'Mooncake|IdleShardRestart/mooncake' ./tests/go/ || rc=$?
+kill "$sampler"
+wait "$sampler" 2>/dev/null || true
+exit $rc
+EOF
+
+# Every socket the namespace held: its local and peer addresses (columns
+# 4 and 5 of ss -Htan) are loopback, the namespace's 10.231.0.0/24 or
+# unbound/wildcard, which inside the namespace is reachable only there.
+bad=$(awk '{print $4; print $5}' "$work/ss" | sed 's/:[^:]*$//; s/^\[//; s/\]$//; s/%.*//' | sort -u |
+  grep -Ev '^(127\.[0-9.]+|::1|::ffff:127\.[0-9.]+|10\.231\.0\.[0-9]+|::ffff:10\.231\.0\.[0-9]+|0\.0\.0\.0|::|\*)$' || true)
+if [ -n "$bad" ]; then
+  echo "test_mooncake_real: FAIL: sockets in the namespace used addresses outside it:" >&2
+  echo "$bad" >&2
+  exit 1
+fi
+if ! grep -q 'LISTEN.*10\.231\.0\.1:\|LISTEN.*\(0\.0\.0\.0\|\*\|\[::\]\):' "$work/ss"; then
+  echo "test_mooncake_real: FAIL: ss never saw the engine listen in the namespace" >&2
+  exit 1
+fi
+echo "test_mooncake_real: every socket stayed inside the namespace ($(grep -c LISTEN "$work/ss") listening samples)" >&2
