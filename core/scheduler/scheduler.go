@@ -268,13 +268,24 @@ func (s *Scheduler) follow(rank int, endpoint string, cancels <-chan []string) {
 
 // shardLife is what one follow goroutine knows of its shard's liveness.
 type shardLife struct {
-	epoch string // the incarnation whose events are followed; "" when the shard names none
-	down  bool   // declared lost and not heard from since
+	epoch  string // the incarnation whose events are followed; "" when the shard names none
+	down   bool   // declared lost and not heard from since
+	misses int    // probes in a row that got no answer
 }
+
+// missesToLose is how many heartbeats in a row must go unanswered before a
+// shard is declared lost. One is not enough: a request a DEALER sent just
+// as its peer restarted on the same port goes down with the old connection
+// and is never answered, though the new incarnation answers the next probe
+// at once; declaring the shard lost then would fail every transfer
+// waiting for it. A shard that is really gone is declared lost after this
+// many control timeouts instead of one.
+const missesToLose = 2
 
 // heartbeat asks the shard for its event endpoint, which doubles as a
 // liveness probe and tells a restart (a new epoch, a new endpoint). A shard
-// that does not answer within the control timeout is declared lost, and a
+// that leaves missesToLose probes in a row unanswered, each within the
+// control timeout, is declared lost, and a
 // restarted one is followed anew: either way the items it held stop being
 // available (sched.Table.ShardLost, ShardRestarted). It reports whether the
 // shard answered.
@@ -286,6 +297,11 @@ func (s *Scheduler) heartbeat(rank int, client control.Caller, log *slog.Logger,
 	case err != nil && errors.As(err, &refused):
 		return true // it answered, so it lives
 	case err != nil:
+		life.misses++
+		if life.misses < missesToLose {
+			log.Info("shard did not answer a heartbeat; probing again before declaring it lost", "misses", life.misses, "cause", err)
+			return false
+		}
 		if !life.down {
 			life.down = true
 			log.Warn("shard lost: the items it held are no longer available", "cause", err)
@@ -293,6 +309,7 @@ func (s *Scheduler) heartbeat(rank int, client control.Caller, log *slog.Logger,
 		}
 		return false
 	}
+	life.misses = 0
 	s.noteEpoch(rank, log, life, rep.Epoch)
 	if err := s.sub.Connect(rep.Endpoint); err != nil {
 		log.Warn("cannot follow the shard's events", "events", rep.Endpoint, "cause", err)

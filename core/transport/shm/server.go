@@ -80,7 +80,17 @@ func (r *receiver) Stats() transport.RecvStats {
 func (r *receiver) Handed() uint64 { return r.handed.Load() }
 
 func (r *receiver) refuse(c *net.UnixConn, reason string, cause error) {
+	r.refuseWith(c, reason, cause, nil)
+}
+
+// refuseWith counts the refusal before it sends answer (if any) and closes:
+// a producer that reads the answer and then asks for the counters finds
+// its refusal there.
+func (r *receiver) refuseWith(c *net.UnixConn, reason string, cause error, answer []byte) {
 	r.closed.Add(reason)
+	if answer != nil {
+		_, _ = c.Write(answer)
+	}
 	r.once.log(r.log, reason, "shm: refused a producer connection", "cause", cause)
 	_ = c.Close()
 }
@@ -134,8 +144,7 @@ func (r *receiver) handOver(c *net.UnixConn) bool {
 		return false
 	}
 	if subtle.ConstantTimeCompare(h.Nonce[:], r.p.Nonce[:]) != 1 {
-		_, _ = c.Write(appendGrant(nil, grant{Status: grantBadNonce}))
-		r.refuse(c, closedBadNonce, errors.New("the hello's nonce is not this shard's"))
+		r.refuseWith(c, closedBadNonce, errors.New("the hello's nonce is not this shard's"), appendGrant(nil, grant{Status: grantBadNonce}))
 		return false
 	}
 	if _, _, err := c.WriteMsgUnix(appendGrant(nil, grant{Status: grantOK, Len: r.p.Len}), syscall.UnixRights(r.fd), nil); err != nil {
