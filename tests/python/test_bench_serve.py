@@ -203,3 +203,26 @@ def test_the_table_shows_the_fault_columns_and_failed_checks_only_where_they_app
     rows = [bench_serve.Row("k", "2", completed=24, touched=1, unrouted_s=2.5, problems=["the proxy still routed to the killed encoder"])]
     out = bench_serve.table("k", rows, "12 s")
     assert "unrouted after s" in out and "2.5" in out and "CHECK FAILED: the proxy still routed" in out
+
+
+def test_the_client_loop_runs_each_line_and_reports_every_end_in_its_done_file(tmp_path):
+    from ecmooncake.tools import vllm_cli
+
+    seen = []
+
+    def run(argv):
+        seen.append(argv)
+        if argv == ["boom"]:
+            raise ValueError("no such dataset")
+        if argv == ["exit"]:
+            raise SystemExit(2)  # argparse's way of refusing an argument
+
+    lines = [json.dumps({"argv": a, "done": str(tmp_path / f"{i}.done")}) for i, a in enumerate([["a", "1"], ["boom"], ["exit"]])]
+    lines.insert(1, "not json")
+    lines.append("")
+    assert vllm_cli.serve_loop(lines, run) == 3
+    assert seen == [["a", "1"], ["boom"], ["exit"]]
+    assert (tmp_path / "0.done").read_text() == "0\n"
+    assert (tmp_path / "1.done").read_text().startswith("1\nValueError: no such dataset")
+    assert (tmp_path / "2.done").read_text().startswith("1\nSystemExit: 2")
+    assert not list(tmp_path.glob("*.tmp"))

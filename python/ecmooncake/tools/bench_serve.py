@@ -330,6 +330,7 @@ class Fleet:
         self.single_url = ""
         self.example_encoder = ""
         self.example_pd: tuple[str, str] = ("", "")
+        self.client: Client | None = None
 
     def _vllm(self, port: int, ec: dict | None) -> list[str]:
         return fleet.vllm_argv(self.args.python, self.model, port, ec=ec) + self.args.vllm_arg
@@ -437,13 +438,12 @@ class Proxy:
         self.d.stop()
 
 
-def bench_argv(args: argparse.Namespace, model: str, url: str, rate: str, result_dir: Path, name: str, seed: int = 0) -> list[str]:
-    """The client's command; each run gets a seed of its own, so that its
-    images are new to the instances (a PD shard keeps earlier runs' items
-    resident, and an item it holds is not moved again)."""
+def bench_args(args: argparse.Namespace, model: str, url: str, rate: str, result_dir: Path, name: str, seed: int = 0) -> list[str]:
+    """``vllm bench serve``'s arguments; each run gets a seed of its own, so
+    that its images are new to the instances (a PD shard keeps earlier runs'
+    items resident, and an item it holds is not moved again)."""
     side = args.image_size
     return [
-        args.python, *fleet.VLLM_CLI, "bench", "serve",
         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url,
         "--model", model, "--tokenizer", model,
         "--dataset-name", "random-mm", "--num-prompts", str(args.num_prompts),
@@ -457,7 +457,82 @@ def bench_argv(args: argparse.Namespace, model: str, url: str, rate: str, result
     ]
 
 
-def _kill_encoder_under_load(px: Proxy, victim: fleet.Server, url: str, client: subprocess.Popen, before: str,
+def bench_argv(args: argparse.Namespace, model: str, url: str, rate: str, result_dir: Path, name: str, seed: int = 0) -> list[str]:
+    """The same run as a command of its own (what Client runs, for a user to
+    repeat by hand)."""
+    return [args.python, *fleet.VLLM_CLI, "bench", "serve", *bench_args(args, model, url, rate, result_dir, name, seed)]
+
+
+class Client:
+    """One ``vllm bench serve`` process for every run (see vllm_cli's
+    --bench-serve-loop): vLLM's import, minutes on a loaded CPU, is paid
+    once, while the fleet starts."""
+
+    def __init__(self, python: str, work: Path):
+        self.work = work
+        self.ready_file = work / "client.ready"
+        self.ready_file.unlink(missing_ok=True)
+        self.log_path = work / "client.log"
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([python, *fleet.VLLM_CLI, "--bench-serve-loop", str(self.ready_file)],
+                                     stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=fleet.vllm_env(), start_new_session=True)
+        self.runs = 0
+
+    def _alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise fleet.ServerError(f"the benchmark client exited with {self.proc.returncode} (log {self.log_path})")
+
+    def wait_ready(self, deadline: float) -> None:
+        while not self.ready_file.is_file():
+            self._alive()
+            if time.monotonic() > deadline:
+                raise fleet.ServerError(f"the benchmark client did not import vLLM in time (log {self.log_path})")
+            time.sleep(0.5)
+
+    def start(self, argv: list[str]) -> "Run":
+        self._alive()
+        self.runs += 1
+        done = self.work / f"client.run{self.runs}.done"
+        done.unlink(missing_ok=True)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"argv": argv, "done": str(done)}) + "\n").encode())
+        self.proc.stdin.flush()
+        return Run(self, done)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        self._log.close()
+
+
+@dataclass
+class Run:
+    client: Client
+    done: Path
+
+    def running(self) -> bool:
+        return not self.done.is_file() and self.client.proc.poll() is None
+
+    def wait(self, deadline: float) -> str:
+        """"" once the run ended well, else why not."""
+        while self.running():
+            if time.monotonic() > deadline:
+                # A run that outlives its deadline leaves the client in it.
+                self.client.stop()
+                return "did not finish in time"
+            time.sleep(0.2)
+        if not self.done.is_file():
+            return f"the client exited with {self.client.proc.returncode}"
+        status = self.done.read_text()
+        return "" if status.startswith("0") else status.partition("\n")[2].splitlines()[0]
+
+
+def _kill_encoder_under_load(px: Proxy, victim: fleet.Server, url: str, run: "Run", before: str,
                              threshold: int, deadline: float) -> tuple[int, float | None]:
     """Waits until threshold items went through the encoders, then stops the
     victim's group, reads what the proxy has in flight to it, and kills it.
@@ -465,7 +540,7 @@ def _kill_encoder_under_load(px: Proxy, victim: fleet.Server, url: str, client: 
     seconds from the kill until the proxy marked it unhealthy (None: not
     before the client ended or the deadline)."""
     base = fleet.metric(before, "ecm_proxy_media_items_total", outcome="encoded")
-    while time.monotonic() < deadline and client.poll() is None:
+    while time.monotonic() < deadline and run.running():
         if fleet.metric(px.scrape(), "ecm_proxy_media_items_total", outcome="encoded") - base >= threshold:
             break
         time.sleep(0.2)
@@ -512,25 +587,16 @@ def run_bench(f: Fleet, phase: Phase, px: Proxy | None, rate: str, log_dir: Path
     url = px.url if px is not None else f.single_url
     name = f"{phase.name.replace(' ', '_')}_{rate}.json"
     proxy0, pd0 = (px.scrape() if px else ""), f.pd_scrape()
-    log = open(log_dir / f"client_{name}.log", "wb")
-    client = subprocess.Popen(bench_argv(args, model, url, rate, log_dir, name, seed), stdout=log, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, env=fleet.vllm_env(), start_new_session=True)
+    run = f.client.start(bench_args(args, model, url, rate, log_dir, name, seed))
     deadline = time.monotonic() + args.run_timeout
     touched = unrouted = None
-    try:
-        if phase.fault == "kill-encoder" and px is not None:
-            victim = phase.encoders[-1]
-            touched, unrouted = _kill_encoder_under_load(px, f.encoders[victim], f.encoder_urls[victim], client, proxy0,
-                                                         max(1, args.num_prompts // 3), deadline)
-        client.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        os.killpg(client.pid, signal.SIGKILL)
-        client.wait()
-        raise fleet.ServerError(f"{phase.name} at rate {rate}: the client did not finish within {args.run_timeout:.0f} s") from None
-    finally:
-        log.close()
-    if client.returncode != 0:
-        raise fleet.ServerError(f"{phase.name} at rate {rate}: vllm bench serve exited {client.returncode} (log {log.name})")
+    if phase.fault == "kill-encoder" and px is not None:
+        victim = phase.encoders[-1]
+        touched, unrouted = _kill_encoder_under_load(px, f.encoders[victim], f.encoder_urls[victim], run, proxy0,
+                                                     max(1, args.num_prompts // 3), deadline)
+    why = run.wait(deadline)
+    if why:
+        raise fleet.ServerError(f"{phase.name} at rate {rate}: vllm bench serve: {why} (log {f.client.log_path})")
     row = _row_from_result(phase.name, rate, json.loads((log_dir / name).read_text()))
     row.touched, row.unrouted_s = touched, unrouted
     _fleet_figures(row, f, px, proxy0, pd0, phase.kind == "ecm")
@@ -734,7 +800,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         t = time.monotonic()
         try:
+            # The client imports vLLM while the fleet starts.
+            f.client = Client(args.python, work)
             f.start()
+            f.client.wait_ready(time.monotonic() + args.start_timeout)
             seed = f.warm_up(1000)
         except (fleet.ServerError, OSError) as exc:
             print(f"bench-serve: the fleet did not start: {exc}\n{f.d.logs()}", file=sys.stderr)
@@ -757,6 +826,8 @@ def main(args: argparse.Namespace) -> int:
             print(table(ph.name, rows, extra), flush=True)
             all_rows += rows
     finally:
+        if f.client is not None:
+            f.client.stop()
         f.d.stop()
     print(f"bench-serve: {time.monotonic() - t0:.0f} s in all; {_load()}; checks {'FAILED' if failed else 'passed'}", flush=True)
     if args.json:
