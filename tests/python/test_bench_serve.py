@@ -226,3 +226,12 @@ def test_the_client_loop_runs_each_line_and_reports_every_end_in_its_done_file(t
     assert (tmp_path / "1.done").read_text().startswith("1\nValueError: no such dataset")
     assert (tmp_path / "2.done").read_text().startswith("1\nSystemExit: 2")
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_self_driven_phase_shows_its_unmeasured_latencies_as_dashes():
+    row = bench_serve.Row("ecmooncake 1E1P idle-pause", "-")
+    bench_serve._count([bench_serve.Answer("answered", "a cat")] * 8 + [bench_serve.Answer("refused", "503: no PD instance")], row)
+    assert (row.completed, row.failed) == (8, 1)
+    assert row.errors == ["refused: 503: no PD instance"]
+    line = bench_serve.table("i", [row]).splitlines()[3].split()
+    assert line[:9] == ["-", "8", "1", "-", "-", "-", "-", "-", "-"]
