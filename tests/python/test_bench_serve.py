@@ -1,5 +1,7 @@
-"""bench-serve's pieces that need no server: setups from the command line,
-the metrics it reads, the image it warms up with, its table."""
+"""bench-serve's pieces that need no server: the fleet and phases planned
+from the command line, each phase's checks, the answers of its own client,
+the vllm bench serve loop, the metrics it reads, the image it warms up
+with, its table."""
 
 from __future__ import annotations
 
