@@ -67,11 +67,11 @@ COMMANDS: dict[str, Command] = {
     "bench-serve": Command(
         "ecmooncake.tools.bench_serve",
         "an EPD fleet on this host under vllm bench serve, beside one instance and vLLM's ECExampleConnector",
-        "Starts N encoders, M PD instances and the proxy for each topology (a tiny random Qwen2-VL on the CPU unless "
-        "--model names one), drives each with vllm bench serve --dataset-name random-mm at the given rates, and prints "
-        "one table per setup: vLLM's client figures beside items encoded and fallen back (the proxy), bytes moved and "
-        "the PD scheduler's wait (the PD instances). One instance alone and EPD with vLLM's ECExampleConnector run in "
-        "the same run; --fault kill-encoder kills one of two encoders under load.",
+        "Starts one fleet (the largest topology's encoders and PD instances, a tiny random Qwen2-VL on the CPU unless "
+        "--model names one, and the --baselines) and runs every topology on it with a proxy of its own, driven by vllm "
+        "bench serve --dataset-name random-mm at the given rates; prints one table per phase: vLLM's client figures "
+        "beside items encoded and fallen back (the proxy), bytes moved and the PD scheduler's wait (the PD instances). "
+        "--fault idle-pause, proxy-stop and kill-encoder add scenarios whose outcomes are checked.",
     ),
     "proxy": Command(
         "ecmooncake.tools.proxy",
