@@ -408,6 +408,76 @@ def torch_copy_ceiling(nbytes: int, threads: int, iters: int = 5) -> float:
         torch.set_num_threads(before)
 
 
+# The smallest share of an item that a thread of its own copies, as the shm
+# plane's parallelCopy (core/transport/shm/writer.go): below it one thread
+# copies the item, as the plane does.
+COPY_SHARE = 4 << 20
+COPY_SAMPLE_BYTES = 512 << 20
+
+
+class HostCopyCeiling:
+    """The shm plane's work without the plane: ``count`` items of ``nbytes``
+    copied from one untouched source (the zero page, as the benchmark's
+    producer hands over slices of one untouched buffer) into distinct,
+    reused destinations touched beforehand, each item split over up to
+    ``threads`` threads in shares of at least :data:`COPY_SHARE`, as the
+    plane splits it over GOMAXPROCS goroutines. numpy's copy releases the
+    GIL, so the threads copy in parallel. A sample is the fastest of
+    ``iters`` rounds of the whole batch (by default enough rounds to move
+    :data:`COPY_SAMPLE_BYTES`, within 5..20: on a loaded machine a few
+    rounds can all land on other work, and the sample would then read below
+    the plane it bounds)."""
+
+    def __init__(self, nbytes: int, count: int, threads: int, iters: int = 0):
+        iters = iters or max(5, min(20, COPY_SAMPLE_BYTES // max(1, nbytes * count)))
+        if nbytes < 1 or count < 1 or threads < 1 or iters < 1:
+            raise ValueError(f"a copy ceiling needs positive sizes: {nbytes} bytes x {count}, {threads} threads, {iters} rounds")
+        self.nbytes, self.count, self.threads, self.iters = nbytes, count, threads, iters
+        self.book = Ceiling(
+            "host copy",
+            {"item_bytes": nbytes, "items": count, "threads": threads, "share_bytes": COPY_SHARE, "rounds_per_sample": iters},
+            primary=threads,
+            phrases=[
+                f"{count} x {size_text(nbytes)} from untouched memory into touched memory",
+                f"{threads} threads (shares of at least {size_text(COPY_SHARE)})",
+                f"the fastest of {iters} rounds",
+            ],
+            variant_unit="threads",
+        )
+
+    def measure(self, when: str) -> None:
+        self.book.add(self.threads, when, host_copy_rate(self.nbytes, self.count, self.threads, self.iters))
+
+
+def host_copy_rate(nbytes: int, count: int, threads: int, iters: int = 3) -> float:
+    """Bytes/s of :class:`HostCopyCeiling`'s batch copy, the fastest of iters."""
+    import numpy as np
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = np.zeros(nbytes, dtype=np.uint8)  # never written: the zero page
+    dst = np.ones(nbytes * count, dtype=np.uint8)  # every page touched
+    k = max(1, min(threads, nbytes // COPY_SHARE))
+    share = -(-nbytes // k)
+    with ThreadPoolExecutor(max_workers=k) as pool:
+
+        def one_batch() -> None:
+            for i in range(count):
+                base = i * nbytes
+                if k == 1:
+                    np.copyto(dst[base : base + nbytes], src)
+                    continue
+                parts = [(lo, min(lo + share, nbytes)) for lo in range(0, nbytes, share)]
+                list(pool.map(lambda p: np.copyto(dst[base + p[0] : base + p[1]], src[p[0] : p[1]]), parts))
+
+        one_batch()  # warm: the destination's pages and the threads
+        fastest = float("inf")
+        for _ in range(iters):
+            started = time.perf_counter()
+            one_batch()
+            fastest = min(fastest, time.perf_counter() - started)
+    return nbytes * count / fastest
+
+
 # --- command line --------------------------------------------------------------
 
 
