@@ -96,20 +96,26 @@ def test_an_unknown_plane_is_refused_before_any_work():
         sweep.run(planes=["tcp", "udp"])
 
 
-def test_the_copy_ceiling_copies_the_batch_with_its_threads():
-    copy = ceiling.HostCopyCeiling(64 * KiB, 4, threads=2, iters=2)
+@pytest.mark.usefixtures("library")
+def test_the_copy_ceiling_is_the_planes_copy_with_the_workers_gomaxprocs():
+    copy = ceiling.HostCopyCeiling(64 * KiB, 4, gomaxprocs=2, rounds=2)
     copy.measure(ceiling.BEFORE)
     copy.measure(ceiling.AFTER)
     book = copy.book.as_dict()
     assert book["primary"] == 2 and book["samples"] == 2 and book["gb_per_s"] > 0
-    assert "4 x 64 KiB from untouched memory" in book["text"] and "2 threads" in book["text"]
+    assert "shm plane's own copy of 4 x 64 KiB" in book["text"] and "GOMAXPROCS 2" in book["text"]
+    assert ceiling.HostCopyCeiling(256 * MiB, 1, 2).rounds == 5 and ceiling.HostCopyCeiling(64 * KiB, 1, 2).rounds == 20
+
+
+@pytest.mark.usefixtures("library")
+def test_a_copy_the_command_refuses_is_a_ceiling_error():
+    with pytest.raises(ceiling.CeilingError, match="copy ceiling"):
+        ceiling.host_copy_rate(0, 1, 2, 1)
+
+
+def test_a_copy_ceiling_of_no_bytes_is_refused():
     with pytest.raises(ValueError, match="positive"):
         ceiling.HostCopyCeiling(0, 1, 1)
-
-
-def test_a_large_item_is_copied_in_shares_on_every_thread():
-    # 2 threads over 8 MiB: two 4 MiB shares, each landing where it belongs.
-    assert ceiling.host_copy_rate(8 * MiB, 2, threads=2, iters=1) > 0
 
 
 @pytest.mark.usefixtures("library")

@@ -408,74 +408,58 @@ def torch_copy_ceiling(nbytes: int, threads: int, iters: int = 5) -> float:
         torch.set_num_threads(before)
 
 
-# The smallest share of an item that a thread of its own copies, as the shm
-# plane's parallelCopy (core/transport/shm/writer.go): below it one thread
-# copies the item, as the plane does.
-COPY_SHARE = 4 << 20
 COPY_SAMPLE_BYTES = 512 << 20
 
 
 class HostCopyCeiling:
     """The shm plane's work without the plane: ``count`` items of ``nbytes``
-    copied from one untouched source (the zero page, as the benchmark's
-    producer hands over slices of one untouched buffer) into distinct,
-    reused destinations touched beforehand, each item split over up to
-    ``threads`` threads in shares of at least :data:`COPY_SHARE`, as the
-    plane splits it over GOMAXPROCS goroutines. numpy's copy releases the
-    GIL, so the threads copy in parallel. A sample is the fastest of
-    ``iters`` rounds of the whole batch (by default enough rounds to move
+    copied by the plane's own copy (``ecm-ceiling copy``, see
+    core/transport/shm/ceiling.go: each item split over up to GOMAXPROCS
+    goroutines, as the producer's) from one untouched source (the zero
+    page, as the benchmark's producer hands over slices of one untouched
+    buffer) into distinct destinations touched beforehand, in a process
+    with the workers' GOMAXPROCS. A sample is the fastest of ``rounds``
+    rounds of the whole batch (by default enough to move
     :data:`COPY_SAMPLE_BYTES`, within 5..20: on a loaded machine a few
     rounds can all land on other work, and the sample would then read below
     the plane it bounds)."""
 
-    def __init__(self, nbytes: int, count: int, threads: int, iters: int = 0):
-        iters = iters or max(5, min(20, COPY_SAMPLE_BYTES // max(1, nbytes * count)))
-        if nbytes < 1 or count < 1 or threads < 1 or iters < 1:
-            raise ValueError(f"a copy ceiling needs positive sizes: {nbytes} bytes x {count}, {threads} threads, {iters} rounds")
-        self.nbytes, self.count, self.threads, self.iters = nbytes, count, threads, iters
+    def __init__(self, nbytes: int, count: int, gomaxprocs: int, rounds: int = 0, timeout_s: float = 300):
+        if nbytes < 1 or count < 1 or gomaxprocs < 1 or rounds < 0:
+            raise ValueError(f"a copy ceiling needs positive sizes: {nbytes} bytes x {count}, GOMAXPROCS {gomaxprocs}, {rounds} rounds")
+        self.nbytes, self.count, self.gomaxprocs, self.timeout_s = nbytes, count, gomaxprocs, timeout_s
+        self.rounds = rounds or max(5, min(20, COPY_SAMPLE_BYTES // (nbytes * count)))
         self.book = Ceiling(
             "host copy",
-            {"item_bytes": nbytes, "items": count, "threads": threads, "share_bytes": COPY_SHARE, "rounds_per_sample": iters},
-            primary=threads,
+            {"item_bytes": nbytes, "items": count, "gomaxprocs": gomaxprocs, "rounds_per_sample": self.rounds,
+             "source": "untouched memory (zero page)", "destination": "distinct regions, touched beforehand"},
+            primary=gomaxprocs,
             phrases=[
-                f"{count} x {size_text(nbytes)} from untouched memory into touched memory",
-                f"{threads} threads (shares of at least {size_text(COPY_SHARE)})",
-                f"the fastest of {iters} rounds",
+                f"the shm plane's own copy of {count} x {size_text(nbytes)} from untouched into touched memory",
+                f"GOMAXPROCS {gomaxprocs}",
+                f"the fastest of {self.rounds} rounds",
             ],
-            variant_unit="threads",
+            variant_unit="GOMAXPROCS",
         )
 
     def measure(self, when: str) -> None:
-        self.book.add(self.threads, when, host_copy_rate(self.nbytes, self.count, self.threads, self.iters))
+        self.book.add(self.gomaxprocs, when, host_copy_rate(self.nbytes, self.count, self.gomaxprocs, self.rounds, self.timeout_s))
 
 
-def host_copy_rate(nbytes: int, count: int, threads: int, iters: int = 3) -> float:
-    """Bytes/s of :class:`HostCopyCeiling`'s batch copy, the fastest of iters."""
-    import numpy as np
-    from concurrent.futures import ThreadPoolExecutor
-
-    src = np.zeros(nbytes, dtype=np.uint8)  # never written: the zero page
-    dst = np.ones(nbytes * count, dtype=np.uint8)  # every page touched
-    k = max(1, min(threads, nbytes // COPY_SHARE))
-    share = -(-nbytes // k)
-    with ThreadPoolExecutor(max_workers=k) as pool:
-
-        def one_batch() -> None:
-            for i in range(count):
-                base = i * nbytes
-                if k == 1:
-                    np.copyto(dst[base : base + nbytes], src)
-                    continue
-                parts = [(lo, min(lo + share, nbytes)) for lo in range(0, nbytes, share)]
-                list(pool.map(lambda p: np.copyto(dst[base + p[0] : base + p[1]], src[p[0] : p[1]]), parts))
-
-        one_batch()  # warm: the destination's pages and the threads
-        fastest = float("inf")
-        for _ in range(iters):
-            started = time.perf_counter()
-            one_batch()
-            fastest = min(fastest, time.perf_counter() - started)
-    return nbytes * count / fastest
+def host_copy_rate(nbytes: int, count: int, gomaxprocs: int, rounds: int, timeout_s: float = 300) -> float:
+    """Bytes/s of :class:`HostCopyCeiling`'s batch copy, the fastest of rounds."""
+    args = [str(ceiling_command()), "copy", "-item-bytes", str(nbytes), "-count", str(count), "-rounds", str(rounds),
+            "-gomaxprocs", str(gomaxprocs)]
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        raise CeilingError(f"copy ceiling: no answer within {timeout_s:.0f}s") from exc
+    if done.returncode != 0:
+        raise CeilingError(f"copy ceiling (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    if report["params"]["gomaxprocs"] != gomaxprocs:
+        raise CeilingError(f"copy ceiling: ran with GOMAXPROCS {report['params']['gomaxprocs']}, not {gomaxprocs}")
+    return float(report["bytes_per_sec"])
 
 
 # --- command line --------------------------------------------------------------

@@ -15,8 +15,8 @@ Ceilings, each sampled before and after its plane's phases with the
 workers' parallelism: for ``tcp`` the TCP data plane alone
 (:class:`ceiling.TCPCeiling`, bulk transfers: one value for every size,
 an upper bound for small items too, since smaller frames only cost more);
-for ``shm`` a host copy of the same batch with GOMAXPROCS threads
-(:class:`ceiling.HostCopyCeiling`), one per size. A ratio above
+for ``shm`` the plane's own copy of the same batch in a process with the
+workers' GOMAXPROCS (:class:`ceiling.HostCopyCeiling`), one per size. A ratio above
 :data:`ceiling.RATIO_LIMIT` flags the summary (the ceiling was not one).
 
 ``mooncake`` is listed with the reason it was not measured: its data plane
