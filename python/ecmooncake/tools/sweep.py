@@ -11,7 +11,8 @@ as in :mod:`ecmooncake.tools.bench`, and for each size:
 - a latency phase: single-item pushes, each timed from its submit until the
   producer saw it done; p50 and p99 over the repetitions of :func:`plan`.
 
-Ceilings, each sampled before and after its plane's phases with the
+Ceilings, each sampled before and after what it bounds (the TCP ceiling
+around the plane's phases, a copy ceiling around its size's) with the
 workers' parallelism: for ``tcp`` the TCP data plane alone
 (:class:`ceiling.TCPCeiling`, bulk transfers: one value for every size,
 an upper bound for small items too, since smaller frames only cost more);
@@ -125,34 +126,42 @@ def _say(progress: bool, text: str) -> None:
 def _measure_plane(plane: str, steps: list[Step], gomaxprocs: int, tcp_conns: int, ceiling_bytes: int, progress: bool) -> dict:
     slab_bytes = 2 * max(s.batch_bytes for s in steps) + 64 * MiB
     settings = {"log_level": "warn", "gomaxprocs": gomaxprocs}
+    # The TCP ceiling (a GiB a sample) is sampled around the whole plane;
+    # the copy ceilings (cheap) around their own size, so that load that
+    # comes and goes between sizes cannot put a size above its ceiling.
+    around_plane, around_step = [], {}
     if plane == "tcp":
         tcp = ceilings.TCPCeiling(gomaxprocs, tcp_conns, receivers=1, nbytes=ceiling_bytes)
         books = {s.item_bytes: tcp.book for s in steps}
-        measures = [tcp.measure]
+        around_plane = [tcp.measure]
     else:
         copies = {s.item_bytes: ceilings.HostCopyCeiling(s.item_bytes, s.batch, gomaxprocs) for s in steps}
         books = {n: c.book for n, c in copies.items()}
-        measures = [c.measure for c in copies.values()]
+        around_step = {n: c.measure for n, c in copies.items()}
     consumer, producer, address = _workers(plane, slab_bytes, settings, tcp_conns)
     points = []
     try:
         for worker in (consumer, producer):
             worker.wait_ready(120)
-        for when in (ceilings.BEFORE, None, ceilings.AFTER):
-            if when:
-                _say(progress, f"{plane}: measuring the ceiling ({when})")
-                for measure in measures:
-                    measure(when)
-                continue
-            for s in steps:
-                label = ceilings.size_text(s.item_bytes)
-                _say(progress, f"{plane}: {s.batches} batches of {s.batch} x {label}, then {s.reps} single items")
-                phase = _phase(consumer, producer, address, f"{plane}-{s.item_bytes}", s.item_bytes, s.batch, s.batches)
-                single = _phase(consumer, producer, address, f"{plane}-{s.item_bytes}-1", s.item_bytes, 1, s.reps)
-                phase["latency_us"] = single["latency_us"]
-                phase["failures"] += single["failures"]
-                del phase["producer_stat_deltas"]
-                points.append(phase)
+        _say(progress, f"{plane}: measuring the ceiling")
+        for measure in around_plane:
+            measure(ceilings.BEFORE)
+        for s in steps:
+            label = ceilings.size_text(s.item_bytes)
+            _say(progress, f"{plane}: {s.batches} batches of {s.batch} x {label}, then {s.reps} single items")
+            if s.item_bytes in around_step:
+                around_step[s.item_bytes](ceilings.BEFORE)
+            phase = _phase(consumer, producer, address, f"{plane}-{s.item_bytes}", s.item_bytes, s.batch, s.batches)
+            single = _phase(consumer, producer, address, f"{plane}-{s.item_bytes}-1", s.item_bytes, 1, s.reps)
+            if s.item_bytes in around_step:
+                around_step[s.item_bytes](ceilings.AFTER)
+            phase["latency_us"] = single["latency_us"]
+            phase["failures"] += single["failures"]
+            del phase["producer_stat_deltas"]
+            points.append(phase)
+        _say(progress, f"{plane}: measuring the ceiling again")
+        for measure in around_plane:
+            measure(ceilings.AFTER)
     finally:
         harness.stop_all([consumer, producer])
     for p in points:
