@@ -135,6 +135,14 @@ def test_a_sweep_draws_p50_and_p99_per_plane_on_log_log_axes():
 
 
 @drawing
+def test_a_sweep_above_its_ceiling_says_so_in_the_title():
+    (axes,) = plot.figure(SWEEP | {"ceiling_warnings": ["shm 4 MiB items: 1.29 of its ceiling"]}).axes
+    assert "1 point above its ceiling: not to be trusted" in axes.get_title()
+    (axes,) = plot.figure(SWEEP).axes
+    assert "ceiling" not in axes.get_title()
+
+
+@drawing
 def test_a_latency_plot_needs_a_sweep():
     with pytest.raises(ValueError, match="bench --sweep"):
         plot.latency_figure(GPUBENCH)

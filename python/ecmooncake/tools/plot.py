@@ -73,6 +73,9 @@ def _sweep_title(s: dict, head: str) -> str:
         )
         if x
     )
+    warned = len(s.get("ceiling_warnings") or [])
+    if warned:
+        tail += f"; {warned} point{'s' if warned > 1 else ''} above {'their' if warned > 1 else 'its'} ceiling: not to be trusted"
     return head + (f"\n{tail}" if tail else "")
 
 
