@@ -21,6 +21,7 @@ import sys
 from . import ceiling as ceilings
 from ..native import configure
 from . import harness
+from .cli import add_options
 from .harness import Worker
 from .report import GB, KiB, MiB, add_ceiling_arguments, add_output_arguments, ceiling_settings, report, summary_text
 
@@ -184,12 +185,12 @@ def format_summary(s: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from . import sweep
 
-    parser.add_argument("--mb", type=float, default=32, help="large item size, MiB (default %(default)s)")
-    parser.add_argument("--batch", type=int, default=8, help="large items per batch (default %(default)s)")
-    parser.add_argument("--batches", type=int, default=16, help="timed large batches (default %(default)s)")
-    parser.add_argument("--small-kb", type=float, default=64, help="small item size, KiB (default %(default)s)")
-    parser.add_argument("--small-batch", type=int, default=256, help="small items per batch (default %(default)s)")
-    parser.add_argument("--small-batches", type=int, default=8, help="timed small batches (default %(default)s)")
+    add_options(
+        parser,
+        ("--mb", 32.0, "large item size, MiB"), ("--batch", 8, "large items per batch"), ("--batches", 16, "timed large batches"),
+        ("--small-kb", 64.0, "small item size, KiB"), ("--small-batch", 256, "small items per batch"),
+        ("--small-batches", 8, "timed small batches"),
+    )
     parser.add_argument(
         "--sweep",
         action="store_true",
