@@ -21,7 +21,7 @@ import sys
 from . import ceiling as ceilings
 from ..native import configure
 from . import harness
-from .cli import add_options
+from .cli import add_options, option_values
 from .harness import Worker
 from .report import GB, KiB, MiB, add_ceiling_arguments, add_output_arguments, ceiling_settings, report, summary_text
 
@@ -182,15 +182,18 @@ def format_summary(s: dict) -> str:
     return summary_text(s, lines, result_at=17)
 
 
+# The sizes of the large and small phases: options, and run()'s keywords.
+SIZE_OPTIONS = (
+    ("--mb", 32.0, "large item size, MiB"), ("--batch", 8, "large items per batch"), ("--batches", 16, "timed large batches"),
+    ("--small-kb", 64.0, "small item size, KiB"), ("--small-batch", 256, "small items per batch"),
+    ("--small-batches", 8, "timed small batches"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from . import sweep
 
-    add_options(
-        parser,
-        ("--mb", 32.0, "large item size, MiB"), ("--batch", 8, "large items per batch"), ("--batches", 16, "timed large batches"),
-        ("--small-kb", 64.0, "small item size, KiB"), ("--small-batch", 256, "small items per batch"),
-        ("--small-batches", 8, "timed small batches"),
-    )
+    add_options(parser, *SIZE_OPTIONS)
     parser.add_argument(
         "--sweep",
         action="store_true",
@@ -234,7 +237,7 @@ def main(args: argparse.Namespace) -> int:
             args.json,
             plot_path=args.plot,
         )
-    sizes = {k: getattr(args, k) for k in ("mb", "batch", "batches", "small_kb", "small_batch", "small_batches")}
+    sizes = option_values(args, SIZE_OPTIONS)
     return report(
         "bench",
         lambda: run(**sizes, progress=not args.quiet, **ceiling_settings(args)),

@@ -12,3 +12,10 @@ def add_options(parser: argparse.ArgumentParser, *options: tuple[str, Any, str])
     default."""
     for flag, default, text in options:
         parser.add_argument(flag, type=type(default), default=default, help=f"{text} (default %(default)s)")
+
+
+def option_values(args: argparse.Namespace, options: tuple[tuple[str, Any, str], ...]) -> dict[str, Any]:
+    """The parsed values of options (as given to :func:`add_options`), by
+    their names as keywords: --small-kb is small_kb."""
+    names = [flag.removeprefix("--").replace("-", "_") for flag, _, _ in options]
+    return {name: getattr(args, name) for name in names}

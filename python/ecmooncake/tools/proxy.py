@@ -68,27 +68,22 @@ def register_token(args: argparse.Namespace) -> str | None:
     return token_from(args, name="register-token", env=REGISTER_TOKEN_ENV, what="register token")
 
 
+def settings_of(args: argparse.Namespace, same: str, **renamed: str) -> dict[str, Any]:
+    """{name: args.name} for each name in same (space-separated), and
+    {key: args.attr} for each key=attr of renamed."""
+    return {**{name: getattr(args, name) for name in same.split()}, **{k: getattr(args, a) for k, a in renamed.items()}}
+
+
 def proxy_config(args: argparse.Namespace, token: str | None = None) -> dict[str, Any]:
-    return {
-        "host": args.host,
-        "port": args.port,
-        "metrics_port": args.metrics_port,
-        "encode": args.encode,
-        "pd": args.pd,
-        "prefill": args.prefill,
-        "decode": args.decode,
-        "retries": args.retries,
-        "ec_port": args.ec_port,
-        "encode_timeout_s": args.encode_timeout,
-        "request_timeout_s": args.request_timeout,
-        "health_interval_s": args.health_interval,
-        "fail_threshold": args.fail_threshold,
-        "upstream_idle_timeout_s": args.upstream_idle_timeout,
-        "allow_register": not args.no_register,
-        "register_token": token or "",
-        "admin_port": args.admin_port,
-        "admin_host": args.admin_host,
-    }
+    same = "host port metrics_port encode pd prefill decode retries ec_port fail_threshold admin_port admin_host"
+    return settings_of(
+        args,
+        same,
+        encode_timeout_s="encode_timeout",
+        request_timeout_s="request_timeout",
+        health_interval_s="health_interval",
+        upstream_idle_timeout_s="upstream_idle_timeout",
+    ) | {"allow_register": not args.no_register, "register_token": token or ""}
 
 
 def add_register_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,16 +101,8 @@ def add_register_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def register_config(args: argparse.Namespace, token: str | None = None) -> dict[str, Any]:
-    return {
-        "proxies": args.proxy,
-        "role": args.role,
-        "url": args.url,
-        "consumer": args.consumer,
-        "tp_size": args.tp_size,
-        "dp_size": args.dp_size,
-        "host": args.host_id,
-        "ttl_s": args.ttl,
-        "token": token or "",
+    return settings_of(args, "role url consumer tp_size dp_size", proxies="proxy", host="host_id", ttl_s="ttl") | {
+        "token": token or ""
     }
 
 
