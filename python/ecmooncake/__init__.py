@@ -8,27 +8,11 @@ that forks afterwards.
 
 from types import ModuleType as _ModuleType
 
-from .native import (
-    Consumer,
-    EcmError,
-    EcmHandleError,
-    EcmInternal,
-    EcmInvalid,
-    EcmIOError,
-    EcmStateError,
-    EcmTimeout,
-    EcmUnavailable,
-    MetadataServer,
-    Producer,
-    Scheduler,
-    buffer_of,
-    configure,
-    gpu_info,
-    memory_of,
-    shared_slab,
-)
+from .buffers import buffer_of, memory_of, shared_slab
+from .errors import EcmError, EcmHandleError, EcmInternal, EcmInvalid, EcmIOError, EcmStateError, EcmTimeout, EcmUnavailable
+from .native import Consumer, MetadataServer, Producer, Scheduler, configure, gpu_info
 
 __version__ = "0.1.0"
 
-# Everything imported from native above (not the submodules importing binds).
+# Everything imported above (not the submodules importing binds).
 __all__ = [n for n, v in list(globals().items()) if not n.startswith("_") and not isinstance(v, _ModuleType)] + ["__version__"]

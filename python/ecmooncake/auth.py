@@ -16,10 +16,11 @@ This module imports nothing of the library, numpy or torch.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
+
+from .environment import config_object
 
 DIR_KEY = "auth_secret_dir"
 # Any of these set means the caller chose: a deployment secret, or none.
@@ -43,13 +44,8 @@ def secret_dir() -> str:
 def with_auth_default(config: Any) -> Any:
     """config with ``auth_secret_dir`` added unless it sets any auth key;
     a config that does not parse is left for the library to report."""
-    parsed = config
-    if isinstance(config, (str, bytes)):
-        try:
-            parsed = json.loads(config)
-        except ValueError:
-            return config
-    if not isinstance(parsed, dict) or any(key in parsed for key in CHOSEN):
+    parsed = config_object(config)
+    if parsed is None or any(key in parsed for key in CHOSEN):
         return config
     return {**parsed, DIR_KEY: secret_dir()}
 

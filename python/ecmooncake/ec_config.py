@@ -212,6 +212,11 @@ def _native(
     return ExtraKey(default, _check_of(specs[0]), targets, meaning, only_if_set=only_if_set)
 
 
+def _natives(targets: tuple[str, ...], only_if_set: bool = False, **meanings: str) -> dict[str, ExtraKey]:
+    """Several keys of :func:`_native` that go to the same objects, in order."""
+    return {key: _native(key, targets, meaning, only_if_set) for key, meaning in meanings.items()}
+
+
 # Where a consumer's slab lives when ec_buffer_device is cuda (see
 # buffer_memory below).
 BUFFER_MEMORY = ("auto", "device", "pinned_host")
@@ -250,25 +255,13 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         "lease_s", ("consumer",),
         "a reservation not completed, or an arrived item never loaded, is reclaimed after this",
     ),
-    "max_data_conns": _native(
-        "max_data_conns", ("consumer",),
-        "data-plane connections each shard serves at once; at the cap an idle one makes room, else the new one is closed at once",
+    **_natives(
+        ("consumer",),
         only_if_set=True,
-    ),
-    "data_idle_timeout_s": _native(
-        "data_idle_timeout_s", ("consumer",),
-        "a data-plane connection with no frame in flight is closed after this",
-        only_if_set=True,
-    ),
-    "data_frame_timeout_s": _native(
-        "data_frame_timeout_s", ("consumer",),
-        "one data-plane frame must arrive within this (at most lease_s); a stalled producer's region is reclaimed by its lease",
-        only_if_set=True,
-    ),
-    "data_handshake_timeout_s": _native(
-        "data_handshake_timeout_s", ("consumer",),
-        "a new data-plane connection must prove itself within this (at most 60); until then it holds a place among the unproven ones",
-        only_if_set=True,
+        max_data_conns="data-plane connections each shard serves at once; at the cap an idle one makes room, else the new one is closed at once",
+        data_idle_timeout_s="a data-plane connection with no frame in flight is closed after this",
+        data_frame_timeout_s="one data-plane frame must arrive within this (at most lease_s); a stalled producer's region is reclaimed by its lease",
+        data_handshake_timeout_s="a new data-plane connection must prove itself within this (at most 60); until then it holds a place among the unproven ones",
     ),
     "tcp_conns": _native(
         "tcp_conns", ("producer",),
@@ -308,24 +301,15 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
     ),
     # Mooncake's settings are sent only when set, so that the engine's own
     # default applies (and a build without Mooncake never sees them).
-    "mooncake_library": _native(
-        "mooncake_library", _BOTH,
-        "path of `libtransfer_engine.so` (empty: the installed Mooncake pip wheel through ecmooncake's shim, "
-        "else the loader's search path)", only_if_set=True,
-    ),
-    "mooncake_engine": _native(
-        "mooncake_engine", _BOTH,
-        "path of a Mooncake pip wheel's `mooncake/engine.so`, carried by the shim `mooncake_library` then names "
-        "(empty: filled in when the wheel is installed and `mooncake_library` is not set)", only_if_set=True,
-    ),
-    "mooncake_protocol": _native(
-        "mooncake_protocol", _BOTH,
-        "Mooncake transport; both ends must name the same one", only_if_set=True,
-    ),
-    "mooncake_metadata": _native(
-        "mooncake_metadata", _BOTH,
-        "`P2PHANDSHAKE` or `http://host:port/metadata` (empty: P2PHANDSHAKE, or the shard's own metadata server)",
+    **_natives(
+        _BOTH,
         only_if_set=True,
+        mooncake_library="path of `libtransfer_engine.so` (empty: the installed Mooncake pip wheel through ecmooncake's shim, "
+        "else the loader's search path)",
+        mooncake_engine="path of a Mooncake pip wheel's `mooncake/engine.so`, carried by the shim `mooncake_library` then names "
+        "(empty: filled in when the wheel is installed and `mooncake_library` is not set)",
+        mooncake_protocol="Mooncake transport; both ends must name the same one",
+        mooncake_metadata="`P2PHANDSHAKE` or `http://host:port/metadata` (empty: P2PHANDSHAKE, or the shard's own metadata server)",
     ),
     "mooncake_metadata_server": _native(
         "mooncake_metadata_server", ("consumer",),

@@ -63,14 +63,9 @@ def with_mooncake_library(config: Any) -> Any:
     config = _fill_from_env(
         config, MOONCAKE_LIBRARY_ENV, "mooncake_library", lambda c: c.get("transport") == "mooncake"
     )
-    parsed = config
-    if isinstance(config, (str, bytes)):
-        try:
-            parsed = json.loads(config)
-        except ValueError:
-            return config
+    parsed = config_object(config)
     if (
-        not isinstance(parsed, dict)
+        parsed is None
         or parsed.get("transport") != "mooncake"
         or "mooncake_library" in parsed
         or "mooncake_engine" in parsed
@@ -89,15 +84,22 @@ def _fill_from_env(config: Any, env: str, key: str, applies: Callable[[dict], An
     value = os.environ.get(env)
     if not value:
         return config
+    parsed = config_object(config)
+    if parsed is None or not applies(parsed) or key in parsed:
+        return config
+    return {**parsed, key: value}
+
+
+def config_object(config: Any) -> dict | None:
+    """The settings object config holds (a dict, or its JSON text); None when
+    it holds none, which the caller leaves for the library to report."""
     parsed = config
     if isinstance(config, (str, bytes)):
         try:
             parsed = json.loads(config)
         except ValueError:
-            return config
-    if not isinstance(parsed, dict) or not applies(parsed) or key in parsed:
-        return config
-    return {**parsed, key: value}
+            return None
+    return parsed if isinstance(parsed, dict) else None
 
 
 METADATA_TOKEN_ENV = "MC_METADATA_HTTP_TOKEN"

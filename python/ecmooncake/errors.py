@@ -17,44 +17,49 @@ class EcmError(RuntimeError):
 
 
 class EcmInvalid(EcmError, ValueError):
+    """A bad argument, config or JSON (ECM_ERR_INVALID)."""
+
     code = _ffi.ECM_ERR_INVALID
 
 
 class EcmHandleError(EcmError):
+    """An unknown, closed or wrong-kind handle (ECM_ERR_HANDLE)."""
+
     code = _ffi.ECM_ERR_HANDLE
 
 
 class EcmStateError(EcmError):
+    """The object cannot do that now, as after a fork (ECM_ERR_STATE)."""
+
     code = _ffi.ECM_ERR_STATE
 
 
 class EcmIOError(EcmError):
+    """A network or transport failure (ECM_ERR_IO)."""
+
     code = _ffi.ECM_ERR_IO
 
 
 class EcmTimeout(EcmError, TimeoutError):
+    """A deadline passed (ECM_ERR_TIMEOUT)."""
+
     code = _ffi.ECM_ERR_TIMEOUT
 
 
 class EcmInternal(EcmError):
+    """A recovered panic or a broken invariant: a bug (ECM_ERR_INTERNAL)."""
+
     code = _ffi.ECM_ERR_INTERNAL
 
 
 class EcmUnavailable(EcmError):
+    """A feature this build or host lacks (ECM_ERR_UNAVAILABLE)."""
+
     code = _ffi.ECM_ERR_UNAVAILABLE
 
 
 ERRORS: dict[int, type[EcmError]] = {
-    cls.code: cls
-    for cls in (
-        EcmInvalid,
-        EcmHandleError,
-        EcmStateError,
-        EcmIOError,
-        EcmTimeout,
-        EcmInternal,
-        EcmUnavailable,
-    )
+    cls.code: cls for cls in (EcmInvalid, EcmHandleError, EcmStateError, EcmIOError, EcmTimeout, EcmInternal, EcmUnavailable)
 }
 
 

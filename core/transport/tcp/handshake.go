@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"fmt"
 
+	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
@@ -168,17 +169,7 @@ func prove(key, challenge []byte) [macLen]byte {
 	return out
 }
 
-// Secret is the deployment secret as the data plane holds it. It prints
-// as a placeholder, so that a config logged with %v never shows it.
-type Secret string
-
-// String hides the value.
-func (s Secret) String() string {
-	if s == "" {
-		return ""
-	}
-	return "[redacted]"
-}
-
-// GoString hides the value from %#v too.
-func (s Secret) GoString() string { return `"` + s.String() + `"` }
+// Secret is the deployment secret as the data plane holds it: the
+// settings' own type, which prints as a placeholder, so that a config
+// logged with %v or %#v never shows it.
+type Secret = config.Secret

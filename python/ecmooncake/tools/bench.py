@@ -21,6 +21,7 @@ import sys
 from . import ceiling as ceilings
 from ..native import configure
 from . import harness
+from .cli import add_options, option_values
 from .harness import Worker
 from .report import GB, KiB, MiB, add_ceiling_arguments, add_output_arguments, ceiling_settings, report, summary_text
 
@@ -49,6 +50,9 @@ def _phase(
     """Runs one warm-up batch, then `batches` timed ones."""
     seconds = 0.0
     failures: list[str] = []
+    # Each item's time from its batch's submit until the producer saw its
+    # push done: with batches of one, an item's latency.
+    latencies: list[float] = []
     stats_before = None
     for b in range(-1, batches):
         if b == 0:
@@ -61,6 +65,7 @@ def _phase(
         out = producer.call("push", timeout + 30, items=items, consumer=address, timeout_s=timeout, fill="zeros")
         if b >= 0:
             seconds += out["t_done"] - out["t_submit"]
+            latencies += [(t - out["t_submit"]) * 1e6 for t in out["done"].values()]
             failures += [f"{tid}: {why}" for tid, why in out["failed"].items()]
             failures += [f"{tid}: timed out" for tid in out["timed_out"]]
         consumer.call("drain", 60, mm_hashes=[it["mm_hash"] for it in items])
@@ -75,6 +80,11 @@ def _phase(
         "bytes_per_sec": count * nbytes / seconds if seconds > 0 else 0.0,
         "us_per_item": seconds / count * 1e6 if count else 0.0,
         "round_trips_per_batch": trips / batches if trips is not None and batches else None,
+        "latency_us": {
+            "samples": len(latencies),
+            "p50": harness.percentile(latencies, 50),
+            "p99": harness.percentile(latencies, 99),
+        },
         "producer_stat_deltas": deltas,
         "failures": failures,
     }
@@ -172,19 +182,62 @@ def format_summary(s: dict) -> str:
     return summary_text(s, lines, result_at=17)
 
 
+# The sizes of the large and small phases: options, and run()'s keywords.
+SIZE_OPTIONS = (
+    ("--mb", 32.0, "large item size, MiB"), ("--batch", 8, "large items per batch"), ("--batches", 16, "timed large batches"),
+    ("--small-kb", 64.0, "small item size, KiB"), ("--small-batch", 256, "small items per batch"),
+    ("--small-batches", 8, "timed small batches"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mb", type=float, default=32, help="large item size, MiB (default %(default)s)")
-    parser.add_argument("--batch", type=int, default=8, help="large items per batch (default %(default)s)")
-    parser.add_argument("--batches", type=int, default=16, help="timed large batches (default %(default)s)")
-    parser.add_argument("--small-kb", type=float, default=64, help="small item size, KiB (default %(default)s)")
-    parser.add_argument("--small-batch", type=int, default=256, help="small items per batch (default %(default)s)")
-    parser.add_argument("--small-batches", type=int, default=8, help="timed small batches (default %(default)s)")
+    from . import sweep
+
+    add_options(parser, *SIZE_OPTIONS)
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="instead, measure throughput and latency against item size for every data plane here, each beside "
+        "its ceiling (--plot implies it)",
+    )
+    parser.add_argument(
+        "--sizes",
+        default=",".join(ceilings.size_text(n).replace(" ", "").removesuffix("iB") for n in sweep.SIZES),
+        help="item sizes of the sweep, K/M/G (default %(default)s)",
+    )
+    parser.add_argument("--planes", default=",".join(sweep.PLANES), help="data planes of the sweep (default %(default)s)")
+    parser.add_argument(
+        "--sweep-mb", type=float, default=sweep.TOTAL_BYTES / MiB, help="MiB each size of the sweep moves (default %(default)s)"
+    )
     add_ceiling_arguments(parser, conns_help="producer connections to the shard, the ceiling's too")
-    add_output_arguments(parser, plot=True)
+    add_output_arguments(
+        parser,
+        plot=True,
+        plot_help="run the sweep (--sweep) and draw it: throughput and latency against item size, with the "
+        "ceilings; a directory gets bench-throughput.png and bench-latency.png, a FILE.png that name and "
+        "FILE-latency.png (needs matplotlib)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
-    sizes = {k: getattr(args, k) for k in ("mb", "batch", "batches", "small_kb", "small_batch", "small_batches")}
+    from . import sweep
+
+    if args.sweep or args.plot:
+        try:
+            sizes, planes = sweep.parse_sizes(args.sizes), [p.strip() for p in args.planes.split(",") if p.strip()]
+        except ValueError as exc:
+            print(f"ecmooncake bench: {exc}", file=sys.stderr)
+            return 2
+        return report(
+            "bench",
+            lambda: sweep.run(
+                sizes, planes, progress=not args.quiet, total_bytes=int(args.sweep_mb * MiB), **ceiling_settings(args)
+            ),
+            sweep.format_summary,
+            args.json,
+            plot_path=args.plot,
+        )
+    sizes = option_values(args, SIZE_OPTIONS)
     return report(
         "bench",
         lambda: run(**sizes, progress=not args.quiet, **ceiling_settings(args)),

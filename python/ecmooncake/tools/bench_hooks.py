@@ -34,16 +34,18 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from .cli import add_options
+
 KiB = 1 << 10
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=320, help="requests, one image each (default %(default)s)")
-    parser.add_argument("--item-kb", type=float, default=64, help="encoder output per image, KiB (default %(default)s)")
-    parser.add_argument("--arrive", type=int, default=2, help="items per push batch (default %(default)s)")
-    parser.add_argument("--gap-ms", type=float, default=5.0, help="pause between push batches, ms (default %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=2, help="tokens each request decodes (default %(default)s)")
-    parser.add_argument("--timeout", type=float, default=120, help="seconds allowed for the run (default %(default)s)")
+    add_options(
+        parser,
+        ("--requests", 320, "requests, one image each"), ("--item-kb", 64.0, "encoder output per image, KiB"),
+        ("--arrive", 2, "items per push batch"), ("--gap-ms", 5.0, "pause between push batches, ms"),
+        ("--max-tokens", 2, "tokens each request decodes"), ("--timeout", 120.0, "seconds allowed for the run"),
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 

@@ -408,6 +408,60 @@ def torch_copy_ceiling(nbytes: int, threads: int, iters: int = 5) -> float:
         torch.set_num_threads(before)
 
 
+COPY_SAMPLE_BYTES = 512 << 20
+
+
+class HostCopyCeiling:
+    """The shm plane's work without the plane: ``count`` items of ``nbytes``
+    copied by the plane's own copy (``ecm-ceiling copy``, see
+    core/transport/shm/ceiling.go: each item split over up to GOMAXPROCS
+    goroutines, as the producer's) from one untouched source (the zero
+    page, as the benchmark's producer hands over slices of one untouched
+    buffer) into distinct destinations touched beforehand, in a process
+    with the workers' GOMAXPROCS. A sample is the fastest of ``rounds``
+    rounds of the whole batch (by default enough to move
+    :data:`COPY_SAMPLE_BYTES`, within 5..20: on a loaded machine a few
+    rounds can all land on other work, and the sample would then read below
+    the plane it bounds)."""
+
+    def __init__(self, nbytes: int, count: int, gomaxprocs: int, rounds: int = 0, timeout_s: float = 300):
+        if nbytes < 1 or count < 1 or gomaxprocs < 1 or rounds < 0:
+            raise ValueError(f"a copy ceiling needs positive sizes: {nbytes} bytes x {count}, GOMAXPROCS {gomaxprocs}, {rounds} rounds")
+        self.nbytes, self.count, self.gomaxprocs, self.timeout_s = nbytes, count, gomaxprocs, timeout_s
+        self.rounds = rounds or max(5, min(20, COPY_SAMPLE_BYTES // (nbytes * count)))
+        self.book = Ceiling(
+            "host copy",
+            {"item_bytes": nbytes, "items": count, "gomaxprocs": gomaxprocs, "rounds_per_sample": self.rounds,
+             "source": "untouched memory (zero page)", "destination": "distinct regions, touched beforehand"},
+            primary=gomaxprocs,
+            phrases=[
+                f"the shm plane's own copy of {count} x {size_text(nbytes)} from untouched into touched memory",
+                f"GOMAXPROCS {gomaxprocs}",
+                f"the fastest of {self.rounds} rounds",
+            ],
+            variant_unit="GOMAXPROCS",
+        )
+
+    def measure(self, when: str) -> None:
+        self.book.add(self.gomaxprocs, when, host_copy_rate(self.nbytes, self.count, self.gomaxprocs, self.rounds, self.timeout_s))
+
+
+def host_copy_rate(nbytes: int, count: int, gomaxprocs: int, rounds: int, timeout_s: float = 300) -> float:
+    """Bytes/s of :class:`HostCopyCeiling`'s batch copy, the fastest of rounds."""
+    args = [str(ceiling_command()), "copy", "-item-bytes", str(nbytes), "-count", str(count), "-rounds", str(rounds),
+            "-gomaxprocs", str(gomaxprocs)]
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        raise CeilingError(f"copy ceiling: no answer within {timeout_s:.0f}s") from exc
+    if done.returncode != 0:
+        raise CeilingError(f"copy ceiling (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    if report["params"]["gomaxprocs"] != gomaxprocs:
+        raise CeilingError(f"copy ceiling: ran with GOMAXPROCS {report['params']['gomaxprocs']}, not {gomaxprocs}")
+    return float(report["bytes_per_sec"])
+
+
 # --- command line --------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from . import ceiling as ceilings
 from ..native import Scheduler, configure
 from . import harness
+from .cli import add_options, option_values
 from .harness import Worker, await_available, percentile
 from .report import GB, MiB, add_ceiling_arguments, add_output_arguments, ceiling_settings, report, summary_text
 
@@ -332,17 +333,15 @@ def format_summary(s: dict) -> str:
     return summary_text(s, lines, result_at=14)
 
 
+# The items of the run: options, and run()'s keywords (with --slab-mb).
+ITEM_OPTIONS = (
+    ("--items", 48, "number of items"), ("--min-mb", 1.0, "smallest item, MiB"), ("--max-mb", 64.0, "largest item, MiB"),
+    ("--dup-ratio", 0.15, "share of items that repeat an earlier item's mm_hash"), ("--seed", 1, "seed of sizes and contents"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--items", type=int, default=48, help="number of items (default %(default)s)")
-    parser.add_argument("--min-mb", type=float, default=1.0, help="smallest item, MiB (default %(default)s)")
-    parser.add_argument("--max-mb", type=float, default=64.0, help="largest item, MiB (default %(default)s)")
-    parser.add_argument(
-        "--dup-ratio",
-        type=float,
-        default=0.15,
-        help="share of items that repeat an earlier item's mm_hash (default %(default)s)",
-    )
-    parser.add_argument("--seed", type=int, default=1, help="seed of sizes and contents (default %(default)s)")
+    add_options(parser, *ITEM_OPTIONS)
     parser.add_argument("--slab-mb", type=float, default=None, help="receive slab per shard, MiB (default: sized from --max-mb)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds allowed per window of items (default: from its size)")
     add_ceiling_arguments(parser, conns_help="producer connections to each shard, the ceiling's too")
@@ -350,7 +349,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    sizes = {k: getattr(args, k) for k in ("items", "min_mb", "max_mb", "dup_ratio", "seed", "slab_mb")}
+    sizes = option_values(args, ITEM_OPTIONS) | {"slab_mb": args.slab_mb}
     return report(
         "demo",
         lambda: run(**sizes, timeout_s=args.timeout, progress=not args.quiet, **ceiling_settings(args)),

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from ..proxy import Proxy, Registrar
+from .cli import add_options
 from .serve import add_token_arguments, refuses_bad_tokens, run_until_signal, token_from
 
 # The register token: the proxy requires it on /v1/ecm/register and
@@ -31,21 +32,21 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill instances (the consumers) of a split P/D deployment")
     p.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode instances of a split P/D deployment")
-    p.add_argument("--retries", type=int, default=2, help="re-encode and resend a request whose consumer failed before the first byte, up to N times (default %(default)s)")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
+    add_options(
+        p,
+        ("--retries", 2, "re-encode and resend a request whose consumer failed before the first byte, up to N times"),
+        ("--host", "0.0.0.0", "address to listen on"), ("--port", 8000, "port to listen on"),
+    )
     p.add_argument("--metrics-port", type=int, default=0, help="also serve /metrics on this port (it is always on the main port)")
-    p.add_argument("--ec-port", type=int, default=14579, help="consumers' ec_port for --pd/--prefill URLs without ec= (default %(default)s)")
-    p.add_argument("--encode-timeout", type=float, default=60, help="seconds allowed per encoder call (default %(default)s)")
-    p.add_argument("--request-timeout", type=float, default=600, help="seconds allowed per request, end to end (default %(default)s)")
-    p.add_argument("--health-interval", type=float, default=2, help="seconds between /health checks of each backend (default %(default)s)")
-    p.add_argument("--fail-threshold", type=int, default=3, help="consecutive failures that drop a backend (default %(default)s)")
-    p.add_argument(
-        "--upstream-idle-timeout",
-        type=float,
-        default=4,
-        help="seconds a backend connection may sit idle before the proxy closes it; keep it below the backends' own "
-        "keep-alive (vLLM: 5 s) (default %(default)s)",
+    add_options(
+        p,
+        ("--ec-port", 14579, "consumers' ec_port for --pd/--prefill URLs without ec="),
+        ("--encode-timeout", 60.0, "seconds allowed per encoder call"),
+        ("--request-timeout", 600.0, "seconds allowed per request, end to end"),
+        ("--health-interval", 2.0, "seconds between /health checks of each backend"),
+        ("--fail-threshold", 3, "consecutive failures that drop a backend"),
+        ("--upstream-idle-timeout", 4.0, "seconds a backend connection may sit idle before the proxy closes it; keep it "
+         "below the backends' own keep-alive (vLLM: 5 s)"),
     )
     p.add_argument("--no-register", action="store_true", help="refuse POST /v1/ecm/register even with a register token (static lists only)")
     add_token_arguments(p, name="register-token", env=REGISTER_TOKEN_ENV, what="the register token", file_help=(
@@ -67,27 +68,22 @@ def register_token(args: argparse.Namespace) -> str | None:
     return token_from(args, name="register-token", env=REGISTER_TOKEN_ENV, what="register token")
 
 
+def settings_of(args: argparse.Namespace, same: str, **renamed: str) -> dict[str, Any]:
+    """{name: args.name} for each name in same (space-separated), and
+    {key: args.attr} for each key=attr of renamed."""
+    return {**{name: getattr(args, name) for name in same.split()}, **{k: getattr(args, a) for k, a in renamed.items()}}
+
+
 def proxy_config(args: argparse.Namespace, token: str | None = None) -> dict[str, Any]:
-    return {
-        "host": args.host,
-        "port": args.port,
-        "metrics_port": args.metrics_port,
-        "encode": args.encode,
-        "pd": args.pd,
-        "prefill": args.prefill,
-        "decode": args.decode,
-        "retries": args.retries,
-        "ec_port": args.ec_port,
-        "encode_timeout_s": args.encode_timeout,
-        "request_timeout_s": args.request_timeout,
-        "health_interval_s": args.health_interval,
-        "fail_threshold": args.fail_threshold,
-        "upstream_idle_timeout_s": args.upstream_idle_timeout,
-        "allow_register": not args.no_register,
-        "register_token": token or "",
-        "admin_port": args.admin_port,
-        "admin_host": args.admin_host,
-    }
+    same = "host port metrics_port encode pd prefill decode retries ec_port fail_threshold admin_port admin_host"
+    return settings_of(
+        args,
+        same,
+        encode_timeout_s="encode_timeout",
+        request_timeout_s="request_timeout",
+        health_interval_s="health_interval",
+        upstream_idle_timeout_s="upstream_idle_timeout",
+    ) | {"allow_register": not args.no_register, "register_token": token or ""}
 
 
 def add_register_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,16 +101,8 @@ def add_register_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def register_config(args: argparse.Namespace, token: str | None = None) -> dict[str, Any]:
-    return {
-        "proxies": args.proxy,
-        "role": args.role,
-        "url": args.url,
-        "consumer": args.consumer,
-        "tp_size": args.tp_size,
-        "dp_size": args.dp_size,
-        "host": args.host_id,
-        "ttl_s": args.ttl,
-        "token": token or "",
+    return settings_of(args, "role url consumer tp_size dp_size", proxies="proxy", host="host_id", ttl_s="ttl") | {
+        "token": token or ""
     }
 
 

@@ -36,20 +36,19 @@ def ceiling_settings(args: argparse.Namespace) -> dict[str, int]:
     return {"gomaxprocs": args.gomaxprocs, "tcp_conns": args.tcp_conns, "ceiling_bytes": int(args.ceiling_mb * MiB)}
 
 
-def add_output_arguments(parser: argparse.ArgumentParser, *, plot: bool) -> None:
+PLOT_HELP = "also draw throughput against item size, with the ceilings, into this PNG (needs matplotlib)"
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, *, plot: bool, plot_help: str = PLOT_HELP) -> None:
     """``--json``, ``--quiet`` and, where the summary can be drawn, ``--plot``."""
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     if plot:
-        add_plot_argument(parser)
+        add_plot_argument(parser, plot_help)
 
 
-def add_plot_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--plot",
-        metavar="FILE.png",
-        help="also draw throughput against item size, with the ceilings, into this PNG (needs matplotlib)",
-    )
+def add_plot_argument(parser: argparse.ArgumentParser, help: str = PLOT_HELP) -> None:
+    parser.add_argument("--plot", metavar="FILE.png" if help == PLOT_HELP else "DIR_OR_FILE", help=help)
 
 
 def summary_text(summary: dict, lines: list[str], result_at: int, failed: str = "FAILED") -> str:
@@ -101,5 +100,6 @@ def report(
     if plot_path:
         from . import plot
 
-        print(f"ecmooncake {name}: plot written to {plot.write(summary, plot_path)}", file=sys.stderr)
+        for path in plot.write_all(summary, plot_path):
+            print(f"ecmooncake {name}: plot written to {path}", file=sys.stderr)
     return 0 if summary["ok"] else 1

@@ -2,7 +2,9 @@
 
 Reads a plan as JSON on stdin and prints the results as JSON on stdout, so
 that the test can run it inside a network namespace (``ip netns exec``)
-exactly as it runs it beside the servers. Standard library only.
+exactly as it runs it beside the servers. Standard library only, and
+ecmooncake.tools.fleet (itself standard library only) from the vLLM
+environment's install, for the wait until the proxy is healthy.
 
 Plan: {"url": "http://host:port", "model": "...", "requests": [{"image":
 "data:...", "stream": bool, "text": "..."}], "max_tokens": N,
@@ -21,10 +23,11 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 import urllib.error
 import urllib.request
+
+from ecmooncake.tools import fleet
 
 
 def _body(plan: dict, req: dict) -> dict:
@@ -90,28 +93,12 @@ def _answer(plan: dict, req: dict) -> dict:
     return {"tokens": tokens, "logprobs": logprobs, "text": "".join(text)}
 
 
-def _wait_healthy(url: str, timeout_s: float) -> None:
-    """Waits until GET url/health answers 200 (the proxy: a PD instance is
-    healthy)."""
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError as exc:
-            last = str(exc)
-        time.sleep(0.2)
-    raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s} s ({last})")
-
-
 def main() -> int:
     plan = json.load(sys.stdin)
     out: dict = {"answers": [], "metrics": {}}
     try:
-        _wait_healthy(plan["url"], plan.get("healthy_within_s", 60))
-    except TimeoutError as exc:
+        fleet.wait_healthy(plan["url"], plan.get("healthy_within_s", 60))
+    except fleet.ServerError as exc:
         print(str(exc), file=sys.stderr)
         return 1
     def one(i: int, req: dict) -> dict:

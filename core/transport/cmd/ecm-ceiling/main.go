@@ -5,6 +5,7 @@
 //
 //	ecm-ceiling recv [-listen 127.0.0.1:0] [-gomaxprocs N] [-chunk-bytes N] [-regions N] [-socket-buffer N]
 //	ecm-ceiling send -to HOST:PORT[,HOST:PORT...] -schedule 1,2,4 -bytes N [-rounds N] [-gomaxprocs N] [-chunk-bytes N] [-socket-buffer N] [-timeout S]
+//	ecm-ceiling copy -item-bytes N -count N [-rounds N] [-gomaxprocs N]
 //
 // recv prints {"addr": ...} once it listens, serves until its standard
 // input closes, then prints {"frames": F, "bytes": B, ...}: what landed.
@@ -12,7 +13,9 @@
 // -rounds rounds of -bytes over the same connections, and prints
 // {"bytes_per_sec": [...], "rounds_bytes_per_sec": [[...], ...],
 // "bytes_sent": N, ...}, bytes_per_sec holding each entry's fastest round. Each prints its parameters as it ran with them
-// (GOMAXPROCS, chunk size, socket buffer) beside its figures. Exit status
+// (GOMAXPROCS, chunk size, socket buffer) beside its figures. copy is the
+// shm plane's copy alone (shm.CopyCeiling): it prints {"bytes_per_sec":
+// fastest, "rounds_bytes_per_sec": [...], "params": ...}. Exit status
 // 2 for bad arguments, 1 when the measurement failed.
 //
 // python/ecmooncake/ceiling.py starts these processes; build/build_lib.py
@@ -33,6 +36,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ecmooncake/ecmooncake/core/transport/shm"
 	"github.com/ecmooncake/ecmooncake/core/transport/tcp"
 )
 
@@ -41,8 +45,8 @@ func main() {
 }
 
 func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
-	if len(args) == 0 || (args[0] != "recv" && args[0] != "send") {
-		fmt.Fprintln(stderr, "usage: ecm-ceiling recv|send [flags] (-h for the flags)")
+	if len(args) == 0 || (args[0] != "recv" && args[0] != "send" && args[0] != "copy") {
+		fmt.Fprintln(stderr, "usage: ecm-ceiling recv|send|copy [flags] (-h for the flags)")
 		return 2
 	}
 	role := args[0]
@@ -58,6 +62,8 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	nbytes := fs.Int64("bytes", 1<<30, "send: bytes per round, over all receivers")
 	rounds := fs.Int("rounds", 1, "send: rounds per -schedule entry; the fastest is reported")
 	timeout := fs.Float64("timeout", 300, "send: seconds allowed per round")
+	itemBytes := fs.Int("item-bytes", 4<<20, "copy: bytes per item")
+	count := fs.Int("count", 1, "copy: items per round")
 	if err := fs.Parse(args[1:]); err != nil {
 		return 2
 	}
@@ -75,6 +81,9 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 		"socket_buffer": *sockBuf,
 	}
 	enc := json.NewEncoder(stdout)
+	if role == "copy" {
+		return copyCeiling(*itemBytes, *count, *rounds, params, enc, stderr)
+	}
 	if role == "recv" {
 		return recv(*listen, tcp.TCPConfig{Conns: max(*regions, 1), ChunkSize: *chunk, SocketBuffer: *sockBuf}, params, stdin, enc, stderr)
 	}
@@ -139,6 +148,19 @@ func recv(addr string, cfg tcp.TCPConfig, params map[string]any, stdin io.Reader
 	_ = r.Close()
 	st := r.Stats()
 	if err := enc.Encode(map[string]any{"frames": st.Frames, "bytes": st.Bytes, "rejected": st.Rejected, "params": params}); err != nil {
+		return 1
+	}
+	return 0
+}
+
+func copyCeiling(itemBytes, count, rounds int, params map[string]any, enc *json.Encoder, stderr io.Writer) int {
+	rates, err := shm.CopyCeiling(itemBytes, count, rounds)
+	if err != nil {
+		fmt.Fprintf(stderr, "ecm-ceiling copy: %v\n", err)
+		return 2
+	}
+	params["item_bytes"], params["count"], params["rounds"] = itemBytes, count, rounds
+	if err := enc.Encode(map[string]any{"bytes_per_sec": slices.Max(rates), "rounds_bytes_per_sec": rates, "params": params}); err != nil {
 		return 1
 	}
 	return 0
