@@ -25,6 +25,7 @@ once vLLM stopped as it does by default (SIGTERM; it SIGKILLs its engine).
 from __future__ import annotations
 
 import base64
+import faulthandler
 import io
 import json
 import os
@@ -37,6 +38,7 @@ import pytest
 from servers import (
     PROXY_READY,
     PYTHON,
+    VENV,
     VLLM_READY,
     Deployment,
     Namespaces,
@@ -56,6 +58,18 @@ from ecmooncake.tools.harness import free_port_range  # noqa: E402
 
 MAX_TOKENS = 8
 TIMINGS: dict[str, float] = {}
+
+
+@pytest.fixture(autouse=True)
+def _deadline():
+    """conftest's per-test deadline, longer: a phase starts two vLLM
+    instances (and, for the first test to need them, the single instance
+    and the model) on a shared machine, each start bounded by
+    START_TIMEOUT_S; conftest's 300 s ended a loaded run mid-start and left
+    its servers behind."""
+    faulthandler.dump_traceback_later(float(os.environ.get("ECMOONCAKE_E2E_DEADLINE_S", "1800")), exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 def _png(seed: int, size: tuple[int, int]) -> str:
@@ -334,7 +348,7 @@ def _addresses(netns: str) -> set[str]:
 
 
 @pytest.mark.parametrize("plane", sorted(TWO_HOST_PLANES))
-def test_mooncake_connector_between_two_hosts_matches_one_instance(plane, model, logs, requests_, baseline):
+def test_mooncake_connector_between_two_hosts_matches_one_instance(plane, request):
     """The encoder and the PD instance in two network namespaces joined by
     a veth pair: the transfer crosses the veth; nothing of it can use
     loopback, which each namespace has of its own. Over the native TCP
@@ -352,6 +366,9 @@ def test_mooncake_connector_between_two_hosts_matches_one_instance(plane, model,
         if required:
             pytest.fail(f"the two-host phase over {plane} cannot run: {why}")
         pytest.skip(why)
+    # Only now the model and the single instance's answers: a phase that
+    # cannot run starts no vLLM for them.
+    model, logs, requests_, baseline = (request.getfixturevalue(n) for n in ("model", "logs", "requests_", "baseline"))
     extra = TWO_HOST_PLANES[plane]
     ns = Namespaces(f"{os.getpid() % 100000}")
     ns.create()
