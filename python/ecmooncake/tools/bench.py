@@ -16,6 +16,8 @@ timed phases.
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import secrets
 import sys
 
 from . import ceiling as ceilings
@@ -90,6 +92,47 @@ def _phase(
     }
 
 
+# What each plane adds to the consumer's and the producer's config:
+# Mooncake's TransferEngine (the installed pip wheel, through the package's
+# shim) with its own TCP protocol, in its P2P handshake mode (no metadata
+# service), so that it moves the bytes over the same kind of sockets as the
+# native plane and the ceiling.
+PLANES = {
+    "tcp": {"transport": "tcp"},
+    "mooncake": {"transport": "mooncake", "mooncake_protocol": "tcp"},
+}
+
+
+def planes_error(planes: tuple[str, ...]) -> str | None:
+    """Why a list of planes cannot be measured, or None."""
+    unknown = [p for p in planes if p not in PLANES]
+    if unknown:
+        return f"unknown plane {', '.join(unknown)}: choose among {', '.join(PLANES)}"
+    if not planes:
+        return f"no plane named: choose among {', '.join(PLANES)}"
+    if len(set(planes)) != len(planes):
+        return "a plane is named twice"
+    return None
+
+
+def _plane_workers(plane: str, ip: str, port: int, slab_bytes: int, settings: dict, tcp_conns: int) -> list[Worker]:
+    extra = dict(PLANES[plane])
+    if not ipaddress.ip_address(ip).is_loopback:
+        # A shard beyond loopback needs a secret its producer shares (on
+        # loopback both take the user's own); one for this run alone.
+        extra["auth_secret"] = secrets.token_hex(32)
+    consumer = Worker(
+        "consumer",
+        f"consumer-{plane}",
+        config={"ec_ip": ip, "ec_port": port, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, **extra},
+        slab_bytes=slab_bytes,
+        settings=settings,
+    )
+    producer_config = {**extra, "tcp_conns": tcp_conns} if plane == "tcp" else {**extra, "mooncake_host": ip}
+    producer = Worker("producer", f"producer-{plane}", config=producer_config, settings=settings)
+    return [consumer, producer]
+
+
 def run(
     mb: float = 32,
     batch: int = 8,
@@ -101,63 +144,74 @@ def run(
     gomaxprocs: int = 2,
     tcp_conns: int = 4,
     ceiling_bytes: int = ceilings.GiB,
+    planes: tuple[str, ...] = ("tcp",),
+    host: str = "127.0.0.1",
 ) -> dict:
+    why = planes_error(planes)
+    if why:
+        raise ValueError(why)
     large_bytes = int(mb * MiB)
     small_bytes = int(small_kb * KiB)
     slab_bytes = 2 * max(large_bytes * batch, small_bytes * small_batch) + 64 * MiB
-    ip = "127.0.0.1"
-    port = harness.free_port_range(1, ip)
-    address = f"tcp://{ip}:{port}"
     settings = {"log_level": "warn", "gomaxprocs": gomaxprocs}
-    consumer = Worker(
-        "consumer",
-        "consumer-0",
-        config={"ec_ip": ip, "ec_port": port, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "transport": "tcp"},
-        slab_bytes=slab_bytes,
-        settings=settings,
-    )
-    producer = Worker("producer", "producer", config={"transport": "tcp", "tcp_conns": tcp_conns}, settings=settings)
-    tcp = ceilings.TCPCeiling(gomaxprocs, tcp_conns, receivers=1, nbytes=ceiling_bytes)
-    workers = [consumer, producer]
-    try:
-        for worker in workers:
-            worker.wait_ready(120)
-        configure(**settings)
-        if progress:
-            print("bench: measuring the TCP ceiling", file=sys.stderr, flush=True)
-        tcp.measure(ceilings.BEFORE)
-        phases = {}
-        for label, nbytes, n, count in (
-            ("large", large_bytes, batch, batches),
-            ("small", small_bytes, small_batch, small_batches),
-        ):
-            if progress:
-                print(f"bench: {count} batches of {n} x {nbytes} bytes", file=sys.stderr, flush=True)
-            phases[label] = _phase(consumer, producer, address, label, nbytes, n, count)
-        if progress:
-            print("bench: measuring the TCP ceiling again", file=sys.stderr, flush=True)
-        tcp.measure(ceilings.AFTER)
-    finally:
-        harness.stop_all(workers)
+    tcp = ceilings.TCPCeiling(gomaxprocs, tcp_conns, receivers=1, nbytes=ceiling_bytes, host=host)
+    configure(**settings)
+    if progress:
+        print("bench: measuring the TCP ceiling", file=sys.stderr, flush=True)
+    tcp.measure(ceilings.BEFORE)
+    by_plane: dict[str, dict] = {}
+    for plane in planes:
+        port = harness.free_port_range(1, host)
+        address = f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}"
+        # One plane's processes at a time: the planes never share the CPUs.
+        workers = _plane_workers(plane, host, port, slab_bytes, settings, tcp_conns)
+        try:
+            for worker in workers:
+                worker.wait_ready(120)
+            consumer, producer = workers
+            phases = {}
+            for label, nbytes, n, count in (
+                ("large", large_bytes, batch, batches),
+                ("small", small_bytes, small_batch, small_batches),
+            ):
+                if progress:
+                    print(f"bench: {plane}: {count} batches of {n} x {nbytes} bytes", file=sys.stderr, flush=True)
+                phases[label] = _phase(consumer, producer, address, f"{plane}-{label}", nbytes, n, count)
+        finally:
+            harness.stop_all(workers)
+        by_plane[plane] = phases
+    if progress:
+        print("bench: measuring the TCP ceiling again", file=sys.stderr, flush=True)
+    tcp.measure(ceilings.AFTER)
 
     book = tcp.book
     ceiling_bps = book.value()
-    large, small = phases["large"], phases["small"]
-    # What a small item costs beyond moving its bytes at the ceiling's rate.
-    small["overhead_us_per_item"] = small["us_per_item"] - (small_bytes / ceiling_bps * 1e6 if ceiling_bps else 0.0)
-    for phase in phases.values():
-        phase["ceiling_ratio"] = book.ratio(phase["bytes_per_sec"])
-        phase["best_ceiling_ratio"] = book.ratio(phase["bytes_per_sec"], book.best()[0])
+    for phases in by_plane.values():
+        small = phases["small"]
+        # What a small item costs beyond moving its bytes at the ceiling's rate.
+        small["overhead_us_per_item"] = small["us_per_item"] - (small_bytes / ceiling_bps * 1e6 if ceiling_bps else 0.0)
+        for phase in phases.values():
+            phase["ceiling_ratio"] = book.ratio(phase["bytes_per_sec"])
+            phase["best_ceiling_ratio"] = book.ratio(phase["bytes_per_sec"], book.best()[0])
+    first = by_plane[planes[0]]
     summary = {
-        "ok": not large["failures"] and not small["failures"],
-        "transport": "tcp",
+        "ok": all(not p["failures"] for phases in by_plane.values() for p in phases.values()),
+        "transport": planes[0],
+        "host": host,
         "gomaxprocs": gomaxprocs,
         "tcp_conns": tcp_conns,
         "ceiling": book.as_dict(),
-        "large": large,
-        "small": small,
+        # The first plane's phases, where a single-plane run always had them.
+        "large": first["large"],
+        "small": first["small"],
+        "planes": by_plane,
     }
-    return ceilings.mark(summary, {f"{label} items": p["ceiling_ratio"] for label, p in phases.items()})
+    marks = {
+        f"{plane} {label} items" if len(planes) > 1 else f"{label} items": p["ceiling_ratio"]
+        for plane, phases in by_plane.items()
+        for label, p in phases.items()
+    }
+    return ceilings.mark(summary, marks)
 
 
 def format_summary(s: dict) -> str:
@@ -165,20 +219,28 @@ def format_summary(s: dict) -> str:
         value = phase["round_trips_per_batch"]
         return "n/a" if value is None else f"{value:.1f}"
 
-    large, small, ceiling = s["large"], s["small"], s["ceiling"]
+    ceiling = s["ceiling"]
+    planes = s.get("planes") or {s["transport"]: {"large": s["large"], "small": s["small"]}}
+    host = s.get("host", "127.0.0.1")
+    where = "loopback" if host in ("127.0.0.1", "::1") else host
     lines = [
-        f"ecmooncake bench: host memory, one consumer shard, tcp over loopback "
+        f"ecmooncake bench: host memory, one consumer shard, {', '.join(planes)} over {where} "
         f"(GOMAXPROCS {s['gomaxprocs']} per process, {s['tcp_conns']} connections)",
         f"  ceiling        {ceiling['text']}",
-        f"  {large['item_bytes'] // MiB} MiB items   {large['batches']} batches of {large['batch']}: "
-        f"{large['bytes_per_sec'] / GB:.2f} GB/s = {large['ceiling_ratio']:.2f} of the ceiling "
-        f"({large['best_ceiling_ratio']:.2f} of its best); {trips(large)} control round trips per batch",
-        f"  {small['item_bytes'] // KiB} KiB items   {small['batches']} batches of {small['batch']}: "
-        f"{small['us_per_item']:.1f} us per item ({small['overhead_us_per_item']:.1f} us above the ceiling's "
-        f"data time), {small['bytes_per_sec'] / GB:.3f} GB/s; {trips(small)} control round trips per batch",
     ]
-    for phase in (large, small):
-        lines += [f"  failed: {f}" for f in phase["failures"]]
+    for plane, phases in planes.items():
+        large, small = phases["large"], phases["small"]
+        tag = f"{plane:<9}" if len(planes) > 1 else ""
+        lines += [
+            f"  {tag}{large['item_bytes'] // MiB} MiB items   {large['batches']} batches of {large['batch']}: "
+            f"{large['bytes_per_sec'] / GB:.2f} GB/s = {large['ceiling_ratio']:.2f} of the ceiling "
+            f"({large['best_ceiling_ratio']:.2f} of its best); {trips(large)} control round trips per batch",
+            f"  {tag}{small['item_bytes'] // KiB} KiB items   {small['batches']} batches of {small['batch']}: "
+            f"{small['us_per_item']:.1f} us per item ({small['overhead_us_per_item']:.1f} us above the ceiling's "
+            f"data time), {small['bytes_per_sec'] / GB:.3f} GB/s; {trips(small)} control round trips per batch",
+        ]
+        for phase in (large, small):
+            lines += [f"  failed: {plane}: {f}" for f in phase["failures"]]
     return summary_text(s, lines, result_at=17)
 
 
@@ -205,7 +267,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(ceilings.size_text(n).replace(" ", "").removesuffix("iB") for n in sweep.SIZES),
         help="item sizes of the sweep, K/M/G (default %(default)s)",
     )
-    parser.add_argument("--planes", default=",".join(sweep.PLANES), help="data planes of the sweep (default %(default)s)")
+    parser.add_argument(
+        "--planes",
+        default=None,
+        help="data planes to measure, comma-separated, one after the other against the same ceiling: "
+        "tcp (the native plane), mooncake (Mooncake's engine with its tcp protocol; needs the wheel, "
+        "and a network namespace, since the engine advertises the first interface that is not loopback); "
+        f"the sweep also takes shm (default tcp; for the sweep {','.join(sweep.PLANES)})",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address the shard, the engines and the ceiling use (default %(default)s)"
+    )
     parser.add_argument(
         "--sweep-mb", type=float, default=sweep.TOTAL_BYTES / MiB, help="MiB each size of the sweep moves (default %(default)s)"
     )
@@ -224,7 +296,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.sweep or args.plot:
         try:
-            sizes, planes = sweep.parse_sizes(args.sizes), [p.strip() for p in args.planes.split(",") if p.strip()]
+            sizes = sweep.parse_sizes(args.sizes)
+            planes = [p.strip() for p in (args.planes or ",".join(sweep.PLANES)).split(",") if p.strip()]
         except ValueError as exc:
             print(f"ecmooncake bench: {exc}", file=sys.stderr)
             return 2
@@ -238,9 +311,14 @@ def main(args: argparse.Namespace) -> int:
             plot_path=args.plot,
         )
     sizes = option_values(args, SIZE_OPTIONS)
+    planes = tuple(p.strip() for p in (args.planes or "tcp").split(",") if p.strip())
+    why = planes_error(planes)
+    if why:
+        print(f"ecmooncake bench: --planes {args.planes!r}: {why}", file=sys.stderr)
+        return 2
     return report(
         "bench",
-        lambda: run(**sizes, progress=not args.quiet, **ceiling_settings(args)),
+        lambda: run(**sizes, progress=not args.quiet, planes=planes, host=args.host, **ceiling_settings(args)),
         format_summary,
         args.json,
         plot_path=args.plot,

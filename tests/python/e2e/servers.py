@@ -73,9 +73,9 @@ def run_client(plan: dict, netns: str | None = None, timeout_s: float = 300) -> 
     return json.loads(done.stdout)
 
 
-def run_in(netns: str | None, argv: list[str], timeout_s: float = 30) -> str:
+def run_in(netns: str | None, argv: list[str], timeout_s: float = 30, env: dict | None = None) -> str:
     cmd = (["ip", "netns", "exec", netns] if netns else []) + argv
-    return subprocess.run(cmd, check=True, capture_output=True, timeout=timeout_s).stdout.decode()
+    return subprocess.run(cmd, check=True, capture_output=True, timeout=timeout_s, env=env).stdout.decode()
 
 
 class Namespaces:

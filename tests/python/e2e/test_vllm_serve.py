@@ -9,7 +9,11 @@ logprobs, streamed and not) go to:
    ecmooncake's proxy (a sanity check of the deployment itself);
 3. the same with ECMooncakeConnector over ``tcp``, 4. over ``shm``;
 5. over ``tcp`` with the encoder and the PD instance in two network
-   namespaces joined by a veth pair, authenticated by a shared secret.
+   namespaces joined by a veth pair, authenticated by a shared secret;
+6. the same over ``mooncake``: Mooncake's real engine (PyPI's wheel,
+   through the package's shim) with its ``tcp`` protocol. It skips without
+   the wheel in the CPU vLLM environment, and fails instead when
+   ECMOONCAKE_REQUIRE_MOONCAKE=1.
 
 Every answer must carry the baseline's token ids and logprobs bit for bit;
 every image must have gone through the transfer (the proxy encoded each
@@ -21,6 +25,7 @@ once vLLM stopped as it does by default (SIGTERM; it SIGKILLs its engine).
 from __future__ import annotations
 
 import base64
+import faulthandler
 import io
 import json
 import os
@@ -33,6 +38,7 @@ import pytest
 from servers import (
     PROXY_READY,
     PYTHON,
+    VENV,
     VLLM_READY,
     Deployment,
     Namespaces,
@@ -52,6 +58,18 @@ from ecmooncake.tools.harness import free_port_range  # noqa: E402
 
 MAX_TOKENS = 8
 TIMINGS: dict[str, float] = {}
+
+
+@pytest.fixture(autouse=True)
+def _deadline():
+    """conftest's per-test deadline, longer: a phase starts two vLLM
+    instances (and, for the first test to need them, the single instance
+    and the model) on a shared machine, each start bounded by
+    START_TIMEOUT_S; conftest's 300 s ended a loaded run mid-start and left
+    its servers behind."""
+    faulthandler.dump_traceback_later(float(os.environ.get("ECMOONCAKE_E2E_DEADLINE_S", "1800")), exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 def _png(seed: int, size: tuple[int, int]) -> str:
@@ -290,26 +308,83 @@ def test_mooncake_connector_over_shm_matches_one_instance(model, logs, requests_
     _mooncake_phase("shm", model, logs, requests_, baseline, "shm")
 
 
-def test_mooncake_connector_between_two_hosts_matches_one_instance(model, logs, requests_, baseline):
+def _mooncake_engine() -> str | None:
+    """None when the CPU vLLM environment would carry ``"transport":
+    "mooncake"`` over a Mooncake engine it can load (PyPI's wheel through
+    the package's shim), else why not; asked of that environment's own
+    interpreter, since it is what ``vllm serve`` runs."""
+    probe = "import json; from ecmooncake import native; print(json.dumps(native.mooncake_info()))"
+    try:
+        info = json.loads(run_in(None, [str(PYTHON), "-c", probe], timeout_s=120, env=child_env()))
+    except Exception as exc:  # noqa: BLE001 - any failure is the reason
+        return f"asking {PYTHON} for its Mooncake engine failed: {exc}"
+    if not info.get("available"):
+        return (
+            f"no Mooncake engine in {VENV}: {info.get('reason')} "
+            "(pip install mooncake-transfer-engine-non-cuda==0.3.12.post1 into it)"
+        )
+    return None
+
+
+# The data plane between the two hosts, with what it needs on top of
+# "transport": Mooncake's own TCP protocol (no RDMA NIC here) in its P2P
+# handshake mode, which needs no metadata service.
+TWO_HOST_PLANES = {
+    "tcp": {"transport": "tcp"},
+    "mooncake": {"transport": "mooncake", "mooncake_protocol": "tcp"},
+}
+
+
+def _addresses(netns: str) -> set[str]:
+    """Every address of a namespace's interfaces (loopback, the veth's
+    IPv4 and link-local IPv6), and the wildcards a listening socket or its
+    peer column shows."""
+    out = {"0.0.0.0", "::", "*"}
+    for line in run_in(None, ["ip", "-n", netns, "-o", "addr", "show"]).splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[2] in ("inet", "inet6"):
+            out.add(fields[3].split("/")[0])
+    return out
+
+
+@pytest.mark.parametrize("plane", sorted(TWO_HOST_PLANES))
+def test_mooncake_connector_between_two_hosts_matches_one_instance(plane, request):
     """The encoder and the PD instance in two network namespaces joined by
     a veth pair: the transfer crosses the veth; nothing of it can use
-    loopback, which each namespace has of its own."""
+    loopback, which each namespace has of its own. Over the native TCP
+    plane and over the real Mooncake engine (PyPI's wheel) with its TCP
+    protocol: Mooncake advertises the first interface that is not
+    loopback, here the veth, never an address of the machine."""
     why = namespaces_available()
+    required = os.environ.get("ECMOONCAKE_REQUIRE_VLLM") == "1" or (
+        plane == "mooncake" and os.environ.get("ECMOONCAKE_REQUIRE_MOONCAKE") == "1"
+    )
+    if why is None and plane == "mooncake":
+        why = _mooncake_engine()
+        required = os.environ.get("ECMOONCAKE_REQUIRE_MOONCAKE") == "1"
     if why is not None:
-        if os.environ.get("ECMOONCAKE_REQUIRE_VLLM") == "1":
-            pytest.fail(f"the two-host phase cannot run: {why}")
+        if required:
+            pytest.fail(f"the two-host phase over {plane} cannot run: {why}")
         pytest.skip(why)
+    # Only now the model and the single instance's answers: a phase that
+    # cannot run starts no vLLM for them.
+    model, logs, requests_, baseline = (request.getfixturevalue(n) for n in ("model", "logs", "requests_", "baseline"))
+    extra = TWO_HOST_PLANES[plane]
     ns = Namespaces(f"{os.getpid() % 100000}")
     ns.create()
     try:
-        pd_http, enc_http, proxy_port, proxy_metrics, ec_port, pd_metrics = 8100, 8101, 8000, 9100, 14579, 9200
+        pd_http, enc_http, proxy_port, proxy_metrics, ec_port, pd_metrics, enc_metrics = 8100, 8101, 8000, 9100, 14579, 9200, 9300
         consumer = f"tcp://{ns.pd_ip}:{ec_port}"
         env = child_env(ECMOONCAKE_SECRET="e2e-" + os.urandom(16).hex())
-        with Phase("two-hosts", logs) as ph:
-            pd_ec = _ecm("ec_consumer", ns.pd_ip, ec_port, {"transport": "tcp", "metrics_port": pd_metrics, "push_wait_timeout_s": 120})
-            enc_ec = _ecm("ec_producer", ns.pd_ip, ec_port, {"transport": "tcp"})
-            ph.d.start("pd", vllm_argv(model, pd_http, ec=pd_ec), ready=VLLM_READY, netns=ns.pd, env=env)
-            ph.d.start("encoder", vllm_argv(model, enc_http, host=ns.enc_ip, ec=enc_ec), ready=VLLM_READY, netns=ns.enc, env=env)
+        with Phase(f"two-hosts-{plane}", logs) as ph:
+            pd_ec = _ecm("ec_consumer", ns.pd_ip, ec_port, {**extra, "metrics_port": pd_metrics, "push_wait_timeout_s": 120})
+            # A producer takes its consumer from the proxy; its ec_ip only
+            # says where its metrics are served: its own host.
+            enc_ec = _ecm("ec_producer", ns.enc_ip, ec_port, {**extra, "metrics_port": enc_metrics})
+            pd_srv = ph.d.start("pd", vllm_argv(model, pd_http, ec=pd_ec), ready=VLLM_READY, netns=ns.pd, env=env)
+            enc_srv = ph.d.start(
+                "encoder", vllm_argv(model, enc_http, host=ns.enc_ip, ec=enc_ec), ready=VLLM_READY, netns=ns.enc, env=env
+            )
             ph.ready()
             ph.d.start(
                 "proxy",
@@ -318,15 +393,46 @@ def test_mooncake_connector_between_two_hosts_matches_one_instance(model, logs, 
                 netns=ns.pd,
             )
             ph.ready()
-            # The library serves a vLLM process's series on its ec_ip.
+            # The library serves a vLLM process's series on its ec_ip: the
+            # engine core at the port, its worker one above.
             pd_urls = [f"http://{ns.pd_ip}:{pd_metrics}/metrics", f"http://{ns.pd_ip}:{pd_metrics + 1}/metrics"]
+            enc_urls = [f"http://{ns.enc_ip}:{enc_metrics}/metrics", f"http://{ns.enc_ip}:{enc_metrics + 1}/metrics"]
             proxy_url = f"http://127.0.0.1:{proxy_metrics}/metrics"
-            out = run_client(_plan(f"http://127.0.0.1:{proxy_port}", model, requests_, [proxy_url] + pd_urls), netns=ns.pd)
+            out = run_client(_plan(f"http://127.0.0.1:{proxy_port}", model, requests_, [proxy_url] + pd_urls + enc_urls), netns=ns.pd)
+            # Every socket of both hosts, taken while the servers still run.
+            sockets = {n: run_in(n, ["ss", "-Htan"]) for n in (ns.enc, ns.pd)}
             assert _answers(out) == baseline, "tokens or logprobs differ from the single instance"
             _check_transfers(out, proxy_url, pd_urls, len(requests_), len({r['image'] for r in requests_}))
+            # The encoder's producer wrote the bytes over the plane named,
+            # and over no other.
+            enc = "\n".join(out["metrics"][u] for u in enc_urls)
+            assert metric(enc, "ecm_transfer_bytes_total", transport=plane) > 0, enc
+            assert metric(enc, "ecm_transfer_bytes_total") == metric(enc, "ecm_transfer_bytes_total", transport=plane), enc
+            pd = "\n".join(out["metrics"][u] for u in pd_urls)
+            assert metric(enc, "ecm_transfer_bytes_total") <= metric(pd, "ecm_completed_bytes_total"), (enc, pd)
+            # Every socket of either host (the engine's among them) is on
+            # the two hosts' own addresses: nothing reached for the machine's.
+            ours = _addresses(ns.enc) | _addresses(ns.pd)
+            for name, text in sockets.items():
+                for line in text.splitlines():
+                    local, peer = (_plain(a).rpartition(":")[0].split("%")[0] for a in line.split()[-2:])
+                    assert local in ours and peer in ours, (
+                        f"a socket in {name} is not on an address of the two hosts ({sorted(ours)}): {line}\n{text}"
+                    )
+            if plane == "mooncake":
+                # Each host's engine (the PD shard's, created as it opened;
+                # the encoder's, at its first push) says where it serves its
+                # handshake: its own veth address.
+                for srv, ip in ((pd_srv, ns.pd_ip), (enc_srv, ns.enc_ip)):
+                    said = [
+                        line.rpartition("listening on ")[2].strip()
+                        for line in srv.log_text().splitlines()
+                        if "P2P handshake, listening on " in line
+                    ]
+                    assert said and all(a.startswith(ip + ":") for a in said), f"{srv.name}: Mooncake serves at {said}"
             # The encoder's connections to the PD shard go over the veth.
             # (the proxy's own connections to the encoder's HTTP port aside).
-            conns = run_in(ns.enc, ["ss", "-Htn", "state", "established"])
+            conns = sockets[ns.enc]
             pairs = [tuple(_plain(a) for a in line.split()[-2:]) for line in conns.splitlines() if line.strip()]
             outbound = {peer for local, peer in pairs if local != f"{ns.enc_ip}:{enc_http}"}
             assert f"{ns.pd_ip}:{ec_port}" in outbound, "no control connection to the PD shard: " + conns
@@ -335,5 +441,3 @@ def test_mooncake_connector_between_two_hosts_matches_one_instance(model, logs, 
             )
     finally:
         ns.destroy()
-
-
