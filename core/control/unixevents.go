@@ -9,6 +9,7 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"go.uber.org/atomic"
@@ -22,8 +23,9 @@ import (
 // (UnixName), admits subscribers as the control path admits callers
 // (SO_PEERCRED uid, then the secret's challenge–response), and writes
 // each event, behind its length (unixframe.go), to every admitted
-// subscriber from a goroutine of that connection, parked in Go's network
-// poller. The contract of events is ZeroMQ's:
+// subscriber: from Send itself when the socket takes it without waiting,
+// else from a goroutine of that connection, parked in Go's network poller
+// with a deadline. The contract of events is ZeroMQ's:
 //
 //   - One seq per event across both paths, so that a subscriber sees seq
 //     rise by one per event unless some were dropped; events of one
@@ -74,8 +76,40 @@ type UnixEventPub struct {
 }
 
 type unixEventConn struct {
-	c *net.UnixConn
-	q chan []byte
+	c   *net.UnixConn
+	raw syscall.RawConn
+	q   chan unixPending
+	// busy, under the publisher's mu: the writer holds or writes bytes of
+	// this connection, so Send must queue behind them; false only while q
+	// is empty.
+	busy bool
+}
+
+// unixPending is bytes of framed events queued for a writer; events is
+// how many events end in them.
+type unixPending struct {
+	b      []byte
+	events int
+}
+
+// tryWrite writes as much of b as the socket takes without waiting; an
+// error means the connection is broken.
+func (sc *unixEventConn) tryWrite(b []byte) (int, error) {
+	var n int
+	var werr error
+	if err := sc.raw.Write(func(fd uintptr) bool {
+		n, werr = syscall.SendmsgN(int(fd), b, nil, nil, syscall.MSG_DONTWAIT|syscall.MSG_NOSIGNAL)
+		return true // one attempt: never wait for room here
+	}); err != nil {
+		return 0, err
+	}
+	if errors.Is(werr, syscall.EAGAIN) || errors.Is(werr, syscall.EINTR) {
+		return 0, nil
+	}
+	if werr != nil {
+		return 0, werr
+	}
+	return n, nil
 }
 
 var _ Publisher = (*UnixEventPub)(nil)
@@ -133,13 +167,10 @@ func (p *UnixEventPub) Send(ev wire.Event) {
 		p.log.Error("control: event refused", "transfer_id", ev.TransferID, "err", err)
 		return
 	}
+	framed := appendFrameTo(nil, frame)
 	if len(p.subs) > 0 {
 		for sc := range p.subs {
-			select {
-			case sc.q <- frame:
-			default:
-				p.dropped.Add(1)
-			}
+			p.offerLocked(sc, framed)
 		}
 		return
 	}
@@ -155,7 +186,40 @@ func (p *UnixEventPub) Send(ev wire.Event) {
 			p.dropped.Add(1)
 		}
 	}
-	p.backlog = append(p.backlog, frame)
+	p.backlog = append(p.backlog, framed)
+}
+
+// offerLocked hands one framed event to a subscriber: written at once
+// when its connection has nothing queued and the socket takes it whole
+// without waiting (no goroutine hand-off on the common path), else
+// queued for its writer, or dropped and counted when the queue is full.
+func (p *UnixEventPub) offerLocked(sc *unixEventConn, framed []byte) {
+	if !sc.busy {
+		n, err := sc.tryWrite(framed)
+		switch {
+		case err != nil:
+			// The connection is broken; its goroutines see it and clean up.
+			sc.busy = true
+			_ = sc.c.Close()
+			p.writeFailures.Add(1)
+			metrics.Failed("control", "unix_event_write")
+			p.log.Warn("control: unix event write failed; closing the subscriber's connection", "name", p.name, "err", err)
+			return
+		case n == len(framed):
+			p.sent.Add(1)
+			return
+		}
+		// The socket took part or none: the writer, with its deadline,
+		// sends the rest. The queue is empty while not busy.
+		sc.busy = true
+		sc.q <- unixPending{b: framed[n:], events: 1}
+		return
+	}
+	select {
+	case sc.q <- unixPending{b: framed, events: 1}:
+	default:
+		p.dropped.Add(1)
+	}
 }
 
 // Stats adds the ZeroMQ publisher's counters to this path's.
@@ -242,7 +306,7 @@ func (p *UnixEventPub) accept() {
 // queue until the connection fails or the publisher closes.
 func (p *UnixEventPub) serveConn(c *net.UnixConn) {
 	defer p.wg.Done()
-	sc := &unixEventConn{c: c, q: make(chan []byte, p.opt.eventQueue)}
+	sc := &unixEventConn{c: c, q: make(chan unixPending, p.opt.eventQueue)}
 	defer func() {
 		if r := recover(); r != nil {
 			p.log.Error("control: unix event connection failed", "name", p.name, "panic", r)
@@ -259,14 +323,21 @@ func (p *UnixEventPub) serveConn(c *net.UnixConn) {
 		return
 	}
 	_ = c.SetDeadline(time.Time{})
+	raw, err := c.SyscallConn()
+	if err != nil {
+		p.log.Warn("control: unix event connection", "name", p.name, "err", err)
+		return
+	}
+	sc.raw = raw
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
 		return
 	}
 	for _, f := range p.backlog {
-		sc.q <- f // the backlog is no longer than the queue
+		sc.q <- unixPending{b: f, events: 1} // the backlog is no longer than the queue
 	}
+	sc.busy = len(p.backlog) > 0
 	p.backlog = nil
 	p.subs[sc] = struct{}{}
 	p.mu.Unlock()
@@ -283,20 +354,20 @@ func (p *UnixEventPub) serveConn(c *net.UnixConn) {
 	defer func() { <-gone }()
 	var out []byte
 	for {
-		var f []byte
+		var it unixPending
 		select {
-		case f = <-sc.q:
+		case it = <-sc.q:
 		case <-gone:
 			return
 		}
-		out = appendFrameTo(out[:0], f)
-		n := 1
+		out = append(out[:0], it.b...)
+		n := it.events
 	more:
 		for len(out) < unixEventBatch {
 			select {
-			case f = <-sc.q:
-				out = appendFrameTo(out, f)
-				n++
+			case it = <-sc.q:
+				out = append(out, it.b...)
+				n += it.events
 			default:
 				break more
 			}
@@ -310,6 +381,11 @@ func (p *UnixEventPub) serveConn(c *net.UnixConn) {
 			return
 		}
 		p.sent.Add(uint64(n))
+		p.mu.Lock()
+		if len(sc.q) == 0 {
+			sc.busy = false
+		}
+		p.mu.Unlock()
 	}
 }
 
