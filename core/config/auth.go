@@ -62,10 +62,11 @@ func (s Secret) GoString() string { return `"` + s.String() + `"` }
 type Auth struct {
 	Secret     Secret `json:"auth_secret"`
 	SecretFile string `json:"auth_secret_file"`
-	// ControlUnix calls same-host peers' control servers over an abstract
-	// Unix socket (uid-checked, the secret still required) instead of
-	// ZeroMQ, and serves it beside ZeroMQ. Off by default: readiness
-	// events still travel over ZeroMQ.
+	// ControlUnix calls same-host peers' control servers, and follows
+	// same-host shards' readiness events, over abstract Unix sockets
+	// (uid-checked, the secret still required) instead of ZeroMQ, and
+	// serves both beside ZeroMQ, which cross-host peers keep using with
+	// CURVE. On by default.
 	ControlUnix bool   `json:"control_unix"`
 	SecretDir   string `json:"auth_secret_dir"`
 	// AllowUnauthenticated runs without a secret: no per-user secret, and

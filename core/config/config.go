@@ -209,22 +209,26 @@ type Runtime struct {
 
 // DefaultConsumer returns the defaults a JSON document overrides.
 func DefaultConsumer() Consumer {
-	return Consumer{IP: "127.0.0.1", Port: 14579, TPSize: 1, Transport: "tcp", LeaseS: 300, SlabFD: -1,
+	return Consumer{Auth: defaultAuth(), IP: "127.0.0.1", Port: 14579, TPSize: 1, Transport: "tcp", LeaseS: 300, SlabFD: -1,
 		MaxDataConns: 256, DataIdleTimeoutS: 300, DataFrameTimeoutS: 30, DataHandshakeTimeoutS: 1,
 		Mooncake: defaultMooncake()}
 }
 
 // DefaultProducer returns the producer defaults.
 func DefaultProducer() Producer {
-	return Producer{Transport: "tcp", ControlTimeoutS: 30, PushWaitS: 60, TCPConns: 4, TCPChunkBytes: 8 << 20,
+	return Producer{Auth: defaultAuth(), Transport: "tcp", ControlTimeoutS: 30, PushWaitS: 60, TCPConns: 4, TCPChunkBytes: 8 << 20,
 		Mooncake: defaultMooncake(), MooncakeStagingBytes: 256 << 20}
 }
+
+// defaultAuth takes the Unix path to same-host peers: calls and readiness
+// events both go over it, and cross-host peers still over ZeroMQ.
+func defaultAuth() Auth { return Auth{ControlUnix: true} }
 
 func defaultMooncake() Mooncake { return Mooncake{Protocol: "rdma"} }
 
 // DefaultScheduler returns the scheduler defaults.
 func DefaultScheduler() Scheduler {
-	return Scheduler{IP: "127.0.0.1", Port: 14579, TPSize: 1, PushWaitS: 60, LoadTimeoutS: 30, ControlTimeoutS: 5}
+	return Scheduler{Auth: defaultAuth(), IP: "127.0.0.1", Port: 14579, TPSize: 1, PushWaitS: 60, LoadTimeoutS: 30, ControlTimeoutS: 5}
 }
 
 // DefaultRuntime keeps the Go runtime small beside PyTorch.

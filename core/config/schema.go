@@ -133,7 +133,7 @@ var specs = map[string]spec{
 	"staging_bytes":              ints(1<<20, 1<<40).with("page-locked host memory that stages GPU memory over TCP (0: the default)"),
 	"auth_secret":                {kind: KindSecret, help: "the deployment's secret: the control plane is authenticated and encrypted with keys derived from it"},
 	"auth_secret_file":           {kind: KindPath, help: "a file holding the secret, read when the object opens"},
-	"control_unix":               {kind: KindBool, help: "same-host control calls over a Unix-domain socket (uid checked by the kernel, the secret still required); off until readiness events take it too"},
+	"control_unix":               {kind: KindBool, help: "same-host control calls and readiness events over Unix-domain sockets (uid checked by the kernel, the secret still required); cross-host peers keep ZeroMQ with CURVE; false puts same-host peers on ZeroMQ too"},
 	"allow_unauthenticated":      {kind: KindBool, help: "run with no secret at all, not even the per-user one; without it and without a secret, a consumer bound beyond loopback does not start"},
 	"auth_secret_dir":            {kind: KindPath, help: "the directory of the per-user secret used when no secret is configured (the Python package passes $XDG_RUNTIME_DIR/ecmooncake or ~/.cache/ecmooncake)"},
 	"mooncake_metadata_server":   {kind: KindText, help: "host:port at which a consumer shard serves a Mooncake metadata store"},

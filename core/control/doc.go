@@ -44,7 +44,8 @@
 // # The Unix path
 //
 // Peers on one host skip libzmq's I/O threads: Unix (unixlinks.go) is the
-// Links of a process with control_unix set (OpenLinks, WithUnixPath). Its
+// Links of a process with control_unix set, the default (OpenLinks,
+// WithUnixPath). Its
 // servers also listen on the abstract Unix name of their endpoint
 // (UnixName: "@ecmooncake/control/host:port"; abstract, so that no name a
 // peer gives opens a file), read by Go's network poller, one goroutine per
@@ -70,7 +71,22 @@
 // reason="unix_fallback_<cause>"}) and logged when the cause changes; the
 // Unix path is tried again after a second. A call that may have reached
 // the server over Unix is never resent over ZeroMQ: it fails, as a lost
-// ZeroMQ reply would. Readiness events still travel over ZeroMQ.
+// ZeroMQ reply would.
+//
+// Readiness events take the Unix path too (unixevents.go): a publisher
+// (UnixEventPub) also listens on its ZeroMQ endpoint's Unix name, admits
+// subscribers as the server admits callers, and writes each event to
+// every admitted subscriber from that connection's goroutine, one seq
+// across both paths; while none is admitted, events go over ZeroMQ and a
+// bounded backlog keeps them for a subscriber yet to come, as a PUSH
+// socket keeps them for its PULL. A subscriber (UnixEventSub) follows a
+// same-host publisher over Unix, redialling a lost connection, and any
+// other, or one that refused it, over ZeroMQ (counted as the fallback
+// cause "events_<cause>"). A subscriber's queue holds opts.eventQueue
+// events, the ones beyond are dropped and counted (PubStats.Dropped,
+// SubStats.Gaps), and a write that passes its deadline closes the
+// connection (PubStats.WriteFailures); the scheduler's status resync
+// covers what was dropped, as over ZeroMQ.
 //
 // # Security
 //

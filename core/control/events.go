@@ -21,6 +21,11 @@ type PubStats struct {
 	Sent    uint64 // handed to libzmq
 	Dropped uint64 // queue full (no subscriber, or one not keeping up)
 	Invalid uint64 // refused by wire validation (a bug in the caller)
+	// SentUnix counts, of Sent, the events written to same-host
+	// subscribers over the Unix path; WriteFailures the subscribers that
+	// lost their connection to a write that failed or passed its deadline.
+	SentUnix      uint64 `json:",omitempty"`
+	WriteFailures uint64 `json:",omitempty"`
 	// Refused counts subscribers turned away by the security handshake,
 	// by reason.
 	Refused map[string]uint64 `json:",omitempty"`
@@ -90,22 +95,33 @@ func (p *EventPub) Endpoint() string { return p.endpoint }
 func (p *EventPub) Send(ev wire.Event) {
 	p.mu.Lock()
 	p.seq++
-	ev.V = wire.Version
-	ev.Seq = p.seq
-	ev.SentNS = time.Now().UnixNano()
-	frame, err := wire.EncodeEvent(ev)
+	frame, err := stampEvent(ev, p.seq)
 	if err != nil {
 		p.mu.Unlock()
 		p.invalid.Add(1)
 		p.log.Error("control: event refused", "transfer_id", ev.TransferID, "err", err)
 		return
 	}
+	p.enqueueLocked(frame)
+	p.mu.Unlock()
+}
+
+// stampEvent stamps ev with the protocol version, seq and the time, and
+// encodes it.
+func stampEvent(ev wire.Event, seq uint64) ([]byte, error) {
+	ev.V = wire.Version
+	ev.Seq = seq
+	ev.SentNS = time.Now().UnixNano()
+	return wire.EncodeEvent(ev)
+}
+
+// enqueueLocked queues a stamped frame, or drops and counts it when the
+// queue is full. The caller holds the lock that orders its seq.
+func (p *EventPub) enqueueLocked(frame []byte) {
 	select {
 	case p.q <- frame:
-		p.mu.Unlock()
 		p.wakeup()
 	default:
-		p.mu.Unlock()
 		p.dropped.Add(1)
 	}
 }
@@ -160,6 +176,13 @@ func (p *EventPub) flush() error {
 type SubStats struct {
 	Received uint64 // decoded and valid, handed to Events
 	Bad      uint64 // frames that did not decode or validate; dropped
+	// Over the Unix path: ReceivedUnix counts, of Received, the events
+	// read there, Gaps the events a publisher's seq skipped (dropped on
+	// its side; the scheduler's status resync covers them), Redials the
+	// lost subscriptions dialled again.
+	ReceivedUnix uint64 `json:",omitempty"`
+	Gaps         uint64 `json:",omitempty"`
+	Redials      uint64 `json:",omitempty"`
 	// Refused counts the publishers' refusals of this subscriber's
 	// handshakes, by reason.
 	Refused map[string]uint64 `json:",omitempty"`

@@ -78,10 +78,14 @@ func isLocalHost(host string) bool {
 type unixOptions struct {
 	allowed  func(uid uint32) bool // the uid rule; sameUser unless a test says
 	maxConns int
+	// writeTimeout bounds one write of events to a subscriber.
+	writeTimeout time.Duration
+	// eventQueue bounds the events held for one subscriber connection.
+	eventQueue int
 }
 
 func defaultUnixOptions() unixOptions {
-	return unixOptions{allowed: sameUser, maxConns: UnixMaxConns}
+	return unixOptions{allowed: sameUser, maxConns: UnixMaxConns, writeTimeout: unixWriteTimeout, eventQueue: EventQueue}
 }
 
 // serialHandler calls h one request at a time for every server sharing

@@ -18,8 +18,10 @@ import (
 // server it opens also listens on the abstract Unix name of its endpoint
 // (UnixName), and every caller it dials to an address of this host calls
 // over that name, falling back to ZeroMQ, counted and logged, when the
-// name cannot be reached or refuses it. Peers on other hosts, and events,
-// go over the ZeroMQ links it wraps.
+// name cannot be reached or refuses it. Readiness events take the same
+// path (unixevents.go): a publisher also listens on its endpoint's Unix
+// name, and a subscriber follows a same-host publisher there. Peers on
+// other hosts go over the ZeroMQ links it wraps, CURVE as ever.
 type Unix struct {
 	*ZMQ
 	sec Security
@@ -37,6 +39,40 @@ var (
 	_ Caller         = (*unixCaller)(nil)
 	_ Serving        = (*dualServer)(nil)
 )
+
+// Publish binds the ZeroMQ event publisher and listens on its Unix name;
+// a name that cannot be had leaves events on ZeroMQ alone, logged and
+// counted.
+func (u *Unix) Publish(host string, log *slog.Logger) (Publisher, error) {
+	if log == nil {
+		log = slog.Default()
+	}
+	zp, err := NewEventPub(u.zctx, host, log, WithServerSecurity(u.sec))
+	if err != nil {
+		return nil, err
+	}
+	name, err := UnixName(zp.Endpoint())
+	var up *UnixEventPub
+	if err == nil {
+		up, err = listenUnixEvents(name, zp, u.sec, log, u.opt)
+	}
+	if err != nil {
+		metrics.Failed("control", "unix_listen")
+		log.Warn("control: no unix path for these events; same-host schedulers use ZeroMQ", "endpoint", zp.Endpoint(), "err", err)
+		return zp, nil
+	}
+	return up, nil
+}
+
+// Subscribe opens the ZeroMQ event subscriber, which Unix subscriptions of
+// same-host publishers join.
+func (u *Unix) Subscribe(log *slog.Logger) (Subscriber, error) {
+	zs, err := u.ZMQ.Subscribe(log)
+	if err != nil {
+		return nil, err
+	}
+	return newUnixEventSub(zs, u.sec, log, u.opt, func(cause string) { u.fellBack("events_" + cause) }), nil
+}
 
 // NewUnix opens ZeroMQ links secured by sec with the Unix path beside.
 func NewUnix(sec Security) (*Unix, error) {

@@ -1,0 +1,676 @@
+package control
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"go.uber.org/atomic"
+
+	"github.com/ecmooncake/ecmooncake/core/metrics"
+	"github.com/ecmooncake/ecmooncake/core/wire"
+)
+
+// Readiness events to a same-host scheduler skip libzmq too: the shard's
+// publisher also listens on the abstract Unix name of its ZeroMQ endpoint
+// (UnixName), admits subscribers as the control path admits callers
+// (SO_PEERCRED uid, then the secret's challenge–response), and writes
+// each event, behind its length (unixframe.go), to every admitted
+// subscriber: from Send itself when the socket takes it without waiting,
+// else from a goroutine of that connection, parked in Go's network poller
+// with a deadline. The contract of events is ZeroMQ's:
+//
+//   - One seq per event across both paths, so that a subscriber sees seq
+//     rise by one per event unless some were dropped; events of one
+//     publisher arrive in their order on either path. An event goes over
+//     Unix while a Unix subscriber is admitted, else over ZeroMQ; a
+//     scheduler follows one publisher over one path (a Unix subscription
+//     that fails goes over ZeroMQ for the life of that endpoint), so it
+//     never sees two paths race.
+//   - While no Unix subscriber is there the publisher holds the last
+//     opts.eventQueue events, as a PUSH socket holds them for a PULL yet
+//     to connect, and a subscriber admitted later reads them first.
+//   - A subscriber's queue is bounded: a full one drops the event,
+//     counted (PubStats.Dropped), and the gap in seq (SubStats.Gaps)
+//     is covered by the scheduler's status resync, as a gap over ZeroMQ.
+//   - A write has a deadline: a subscriber that stops reading loses its
+//     connection (PubStats.WriteFailures), not the publisher's time, and
+//     redials; a restarted shard is followed on its new endpoint, as over
+//     ZeroMQ, and an old name is redialled until the subscriber closes.
+
+// unixEventBatch bounds the bytes of queued frames written at once.
+const unixEventBatch = 256 << 10
+
+// unixRedialMax caps the back-off between redials of a lost subscription.
+const unixRedialMax = time.Second
+
+// UnixEventPub publishes a shard's events to same-host subscribers on an
+// abstract Unix socket and, while none is admitted, to the ZeroMQ
+// publisher beside it. Send never blocks.
+type UnixEventPub struct {
+	name string
+	ln   *net.UnixListener
+	zmq  *EventPub // nil: Unix alone (tests)
+	key  []byte
+	opt  unixOptions
+	log  *slog.Logger
+
+	// mu orders seq with every queue, and guards what follows.
+	mu      sync.Mutex
+	seq     uint64
+	subs    map[*unixEventConn]struct{} // admitted
+	conns   int                         // open, admitted or not: the cap
+	backlog [][]byte                    // while no subscriber; at most opt.eventQueue
+	closed  bool
+	refused map[string]uint64
+
+	sent, dropped, invalid, writeFailures atomic.Uint64
+	wg                                    sync.WaitGroup
+}
+
+type unixEventConn struct {
+	c   *net.UnixConn
+	raw syscall.RawConn
+	q   chan unixPending
+	// busy, under the publisher's mu: the writer holds or writes bytes of
+	// this connection, so Send must queue behind them; false only while q
+	// is empty.
+	busy bool
+}
+
+// unixPending is bytes of framed events queued for a writer; events is
+// how many events end in them.
+type unixPending struct {
+	b      []byte
+	events int
+}
+
+// tryWrite writes as much of b as the socket takes without waiting; an
+// error means the connection is broken.
+func (sc *unixEventConn) tryWrite(b []byte) (int, error) {
+	var n int
+	var werr error
+	if err := sc.raw.Write(func(fd uintptr) bool {
+		n, werr = syscall.SendmsgN(int(fd), b, nil, nil, syscall.MSG_DONTWAIT|syscall.MSG_NOSIGNAL)
+		return true // one attempt: never wait for room here
+	}); err != nil {
+		return 0, err
+	}
+	if errors.Is(werr, syscall.EAGAIN) || errors.Is(werr, syscall.EINTR) {
+		return 0, nil
+	}
+	if werr != nil {
+		return 0, werr
+	}
+	return n, nil
+}
+
+var _ Publisher = (*UnixEventPub)(nil)
+
+// listenUnixEvents publishes on the abstract name, beside zp when given.
+func listenUnixEvents(name string, zp *EventPub, sec Security, log *slog.Logger, opt unixOptions) (*UnixEventPub, error) {
+	if !strings.HasPrefix(name, "@") {
+		return nil, fmt.Errorf("control: unix events %q: want an abstract name (@...): %w", name, ErrBadEndpoint)
+	}
+	if log == nil {
+		log = slog.Default()
+	}
+	if opt.eventQueue <= 0 {
+		opt.eventQueue = EventQueue
+	}
+	if opt.writeTimeout <= 0 {
+		opt.writeTimeout = unixWriteTimeout
+	}
+	if opt.maxConns <= 0 {
+		opt.maxConns = UnixMaxConns
+	}
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: name, Net: "unix"})
+	if err != nil {
+		return nil, fmt.Errorf("control: unix events listen %s: %w", name, err)
+	}
+	p := &UnixEventPub{
+		name: name, ln: ln, zmq: zp, key: unixKey(sec), opt: opt, log: log,
+		subs: map[*unixEventConn]struct{}{}, refused: map[string]uint64{},
+	}
+	p.wg.Add(1)
+	go p.accept()
+	return p, nil
+}
+
+// Endpoint is the ZeroMQ endpoint that subscribers are given (a same-host
+// one derives this publisher's name from it), or the name without one.
+func (p *UnixEventPub) Endpoint() string {
+	if p.zmq != nil {
+		return p.zmq.Endpoint()
+	}
+	return p.name
+}
+
+// UnixEndpoint is the abstract name served.
+func (p *UnixEventPub) UnixEndpoint() string { return p.name }
+
+// Send has Publisher's contract.
+func (p *UnixEventPub) Send(ev wire.Event) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.seq++
+	frame, err := stampEvent(ev, p.seq)
+	if err != nil {
+		p.invalid.Add(1)
+		p.log.Error("control: event refused", "transfer_id", ev.TransferID, "err", err)
+		return
+	}
+	framed := appendFrameTo(nil, frame)
+	if len(p.subs) > 0 {
+		for sc := range p.subs {
+			p.offerLocked(sc, framed)
+		}
+		return
+	}
+	if p.zmq != nil {
+		p.zmq.enqueueLocked(frame)
+	}
+	if len(p.backlog) == p.opt.eventQueue {
+		// The oldest goes, as a full PUSH queue would drop the newest: the
+		// seq gap is the same to a subscriber, and the latest are the likeliest
+		// to be awaited.
+		p.backlog = p.backlog[1:]
+		if p.zmq == nil {
+			p.dropped.Add(1)
+		}
+	}
+	p.backlog = append(p.backlog, framed)
+}
+
+// offerLocked hands one framed event to a subscriber: written at once
+// when its connection has nothing queued and the socket takes it whole
+// without waiting (no goroutine hand-off on the common path), else
+// queued for its writer, or dropped and counted when the queue is full.
+func (p *UnixEventPub) offerLocked(sc *unixEventConn, framed []byte) {
+	if !sc.busy {
+		n, err := sc.tryWrite(framed)
+		switch {
+		case err != nil:
+			// The connection is broken; its goroutines see it and clean up.
+			sc.busy = true
+			_ = sc.c.Close()
+			p.writeFailures.Add(1)
+			metrics.Failed("control", "unix_event_write")
+			p.log.Warn("control: unix event write failed; closing the subscriber's connection", "name", p.name, "err", err)
+			return
+		case n == len(framed):
+			p.sent.Add(1)
+			return
+		}
+		// The socket took part or none: the writer, with its deadline,
+		// sends the rest. The queue is empty while not busy.
+		sc.busy = true
+		sc.q <- unixPending{b: framed[n:], events: 1}
+		return
+	}
+	select {
+	case sc.q <- unixPending{b: framed, events: 1}:
+	default:
+		p.dropped.Add(1)
+	}
+}
+
+// Stats adds the ZeroMQ publisher's counters to this path's.
+func (p *UnixEventPub) Stats() PubStats {
+	var st PubStats
+	if p.zmq != nil {
+		st = p.zmq.Stats()
+	}
+	st.Sent += p.sent.Load()
+	st.SentUnix = p.sent.Load()
+	st.Dropped += p.dropped.Load()
+	st.Invalid += p.invalid.Load()
+	st.WriteFailures = p.writeFailures.Load()
+	p.mu.Lock()
+	st.Refused = addCounts(st.Refused, p.refused)
+	p.mu.Unlock()
+	return st
+}
+
+// Close stops listening, closes every subscriber's connection, then the
+// ZeroMQ publisher. Idempotent.
+func (p *UnixEventPub) Close() error {
+	p.mu.Lock()
+	if !p.closed {
+		p.closed = true
+		_ = p.ln.Close()
+		for sc := range p.subs {
+			_ = sc.c.Close()
+		}
+	}
+	p.mu.Unlock()
+	p.wg.Wait()
+	if p.zmq != nil {
+		return p.zmq.Close()
+	}
+	return nil
+}
+
+func (p *UnixEventPub) refuse(r refusal, err error) {
+	p.mu.Lock()
+	p.refused[string(r)]++
+	p.mu.Unlock()
+	metrics.Failed("control", string(r))
+	p.log.Warn("control: unix event subscriber refused", "name", p.name, "reason", string(r), "err", err)
+}
+
+func (p *UnixEventPub) accept() {
+	defer p.wg.Done()
+	for {
+		c, err := p.ln.AcceptUnix()
+		if err != nil {
+			p.mu.Lock()
+			closed := p.closed
+			p.mu.Unlock()
+			if closed {
+				return
+			}
+			p.log.Warn("control: unix events accept", "name", p.name, "err", err)
+			time.Sleep(10 * time.Millisecond) // a full fd table passes; do not spin
+			continue
+		}
+		p.mu.Lock()
+		switch {
+		case p.closed:
+			p.mu.Unlock()
+			_ = c.Close()
+			return
+		case p.conns >= p.opt.maxConns:
+			p.mu.Unlock()
+			_ = c.SetWriteDeadline(time.Now().Add(p.opt.writeTimeout))
+			_, _ = c.Write(unixEarlyRefusal(unixRefusedBusy))
+			_ = c.Close()
+			p.refuse(refusedUnixConnCap, fmt.Errorf("%d connections open, the cap", p.opt.maxConns))
+			continue
+		}
+		p.conns++
+		p.wg.Add(1)
+		p.mu.Unlock()
+		go p.serveConn(c)
+	}
+}
+
+// serveConn admits one subscriber, hands it the backlog and writes its
+// queue until the connection fails or the publisher closes.
+func (p *UnixEventPub) serveConn(c *net.UnixConn) {
+	defer p.wg.Done()
+	sc := &unixEventConn{c: c, q: make(chan unixPending, p.opt.eventQueue)}
+	defer func() {
+		if r := recover(); r != nil {
+			p.log.Error("control: unix event connection failed", "name", p.name, "panic", r)
+		}
+		p.mu.Lock()
+		delete(p.subs, sc)
+		p.conns--
+		p.mu.Unlock()
+		_ = c.Close()
+	}()
+	_ = c.SetDeadline(time.Now().Add(unixHandshakeTimeout))
+	if r, err := serverHandshake(c, p.key, p.opt.allowed); err != nil {
+		p.refuse(r, err)
+		return
+	}
+	_ = c.SetDeadline(time.Time{})
+	raw, err := c.SyscallConn()
+	if err != nil {
+		p.log.Warn("control: unix event connection", "name", p.name, "err", err)
+		return
+	}
+	sc.raw = raw
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return
+	}
+	for _, f := range p.backlog {
+		sc.q <- unixPending{b: f, events: 1} // the backlog is no longer than the queue
+	}
+	sc.busy = len(p.backlog) > 0
+	p.backlog = nil
+	p.subs[sc] = struct{}{}
+	p.mu.Unlock()
+
+	// A subscriber sends nothing after its handshake: a byte or the end of
+	// the stream both end the connection, and the write loop with it.
+	gone := make(chan struct{})
+	go func() {
+		defer close(gone)
+		var b [1]byte
+		_, _ = c.Read(b[:])
+		_ = c.Close()
+	}()
+	defer func() { <-gone }()
+	var out []byte
+	for {
+		var it unixPending
+		select {
+		case it = <-sc.q:
+		case <-gone:
+			return
+		}
+		out = append(out[:0], it.b...)
+		n := it.events
+	more:
+		for len(out) < unixEventBatch {
+			select {
+			case it = <-sc.q:
+				out = append(out, it.b...)
+				n += it.events
+			default:
+				break more
+			}
+		}
+		_ = c.SetWriteDeadline(time.Now().Add(p.opt.writeTimeout))
+		if _, err := c.Write(out); err != nil {
+			p.writeFailures.Add(1)
+			metrics.Failed("control", "unix_event_write")
+			p.log.Warn("control: unix event subscriber not reading; closing its connection", "name", p.name, "err", err)
+			_ = c.Close()
+			return
+		}
+		p.sent.Add(uint64(n))
+		p.mu.Lock()
+		if len(sc.q) == 0 {
+			sc.busy = false
+		}
+		p.mu.Unlock()
+	}
+}
+
+// appendFrameTo appends a frame that stampEvent encoded, so within the
+// cap, behind its length.
+func appendFrameTo(b, f []byte) []byte {
+	out, err := appendUnixFrame(b, f)
+	if err != nil {
+		return b // cannot be: EncodeEvent bounds it
+	}
+	return out
+}
+
+// UnixEventSub follows same-host publishers over their Unix names and the
+// others, and those it could not reach so, over the ZeroMQ subscriber it
+// wraps; Events merges both.
+type UnixEventSub struct {
+	zmq  Subscriber // nil: Unix alone (tests)
+	key  []byte
+	opt  unixOptions
+	log  *slog.Logger
+	fell func(cause string) // counts a fallback to ZeroMQ; may be nil
+
+	out  chan wire.Event
+	quit chan struct{}
+
+	mu      sync.Mutex
+	follows map[string]*unixFollow // by connect endpoint
+	onZMQ   map[string]bool        // endpoints followed over ZeroMQ
+	closed  bool
+	wg      sync.WaitGroup
+
+	received, bad, gaps, redials atomic.Uint64
+}
+
+type unixFollow struct {
+	name string
+	mu   sync.Mutex
+	c    *net.UnixConn // the live connection; nil while redialling
+}
+
+var _ Subscriber = (*UnixEventSub)(nil)
+
+func newUnixEventSub(zs Subscriber, sec Security, log *slog.Logger, opt unixOptions, fell func(string)) *UnixEventSub {
+	if log == nil {
+		log = slog.Default()
+	}
+	s := &UnixEventSub{
+		zmq: zs, key: unixKey(sec), opt: opt, log: log, fell: fell,
+		out: make(chan wire.Event, EventQueue), quit: make(chan struct{}),
+		follows: map[string]*unixFollow{}, onZMQ: map[string]bool{},
+	}
+	if zs != nil {
+		s.wg.Add(1)
+		go s.forward()
+	}
+	return s
+}
+
+// forward hands the ZeroMQ subscriber's events on.
+func (s *UnixEventSub) forward() {
+	defer s.wg.Done()
+	for ev := range s.zmq.Events() {
+		select {
+		case s.out <- ev:
+		case <-s.quit:
+			return
+		}
+	}
+}
+
+// Connect follows the publisher of endpoint: over its Unix name when it
+// is of this host and admits this end, else over ZeroMQ. Unlike ZeroMQ's
+// Connect it waits for a same-host publisher's admission (at most
+// unixHandshakeTimeout), so that a refusal turns to ZeroMQ at once.
+func (s *UnixEventSub) Connect(endpoint string) error {
+	name, target := endpoint, endpoint // an abstract name, given as such
+	if !strings.HasPrefix(endpoint, "@") {
+		var err error
+		if target, err = connectEndpoint(endpoint); err != nil {
+			return err
+		}
+		name = ""
+		if host, _, _ := SplitEndpoint(target); isLocalHost(host) {
+			name, _ = UnixName(target)
+		}
+	}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return fmt.Errorf("control: connect events %s: %w", endpoint, ErrClosed)
+	}
+	_, following := s.follows[target]
+	viaZMQ := name == "" || s.onZMQ[target]
+	s.mu.Unlock()
+	if following {
+		return nil
+	}
+	if viaZMQ {
+		return s.connectZMQ(endpoint)
+	}
+	c, err := s.dial(name)
+	if err != nil {
+		cause := unixCause(err)
+		s.log.Warn("control: unix events of a same-host shard unreachable; following over ZeroMQ", "name", name, "cause", cause, "err", err)
+		if s.fell != nil {
+			s.fell(cause)
+		}
+		s.mu.Lock()
+		s.onZMQ[target] = true
+		s.mu.Unlock()
+		return s.connectZMQ(endpoint)
+	}
+	f := &unixFollow{name: name, c: c}
+	s.mu.Lock()
+	if _, dup := s.follows[target]; dup || s.closed {
+		closed := s.closed
+		s.mu.Unlock()
+		_ = c.Close()
+		if closed {
+			return fmt.Errorf("control: connect events %s: %w", endpoint, ErrClosed)
+		}
+		return nil
+	}
+	s.follows[target] = f
+	s.wg.Add(1)
+	s.mu.Unlock()
+	go s.read(f)
+	return nil
+}
+
+func (s *UnixEventSub) connectZMQ(endpoint string) error {
+	if s.zmq == nil {
+		return fmt.Errorf("control: connect events %s: no ZeroMQ subscriber: %w", endpoint, errUnixUnreachable)
+	}
+	return s.zmq.Connect(endpoint)
+}
+
+// dial connects to and is admitted by the publisher on name.
+func (s *UnixEventSub) dial(name string) (*net.UnixConn, error) {
+	dl := time.Now().Add(unixHandshakeTimeout)
+	ctx, cancel := context.WithDeadline(context.Background(), dl)
+	defer cancel()
+	d := net.Dialer{Deadline: dl}
+	raw, err := d.DialContext(ctx, "unix", name)
+	if err != nil {
+		return nil, fmt.Errorf("control: unix events %s: %w: %w", name, errUnixUnreachable, err)
+	}
+	c := raw.(*net.UnixConn)
+	_ = c.SetDeadline(dl)
+	if err := clientHandshake(c, s.key, s.opt.allowed); err != nil {
+		_ = c.Close()
+		return nil, err
+	}
+	_ = c.SetDeadline(time.Time{})
+	return c, nil
+}
+
+// read delivers one publisher's events, redialling its name when the
+// connection is lost, until the subscriber closes.
+func (s *UnixEventSub) read(f *unixFollow) {
+	defer s.wg.Done()
+	var last uint64
+	backoff := 50 * time.Millisecond
+	for {
+		f.mu.Lock()
+		c := f.c
+		f.mu.Unlock()
+		if c != nil {
+			err := s.readConn(c, &last)
+			_ = c.Close()
+			if s.quitting() {
+				return
+			}
+			s.log.Info("control: unix event subscription lost; redialling", "name", f.name, "err", err)
+			f.mu.Lock()
+			f.c = nil
+			f.mu.Unlock()
+			backoff = 50 * time.Millisecond
+		}
+		t := time.NewTimer(backoff)
+		select {
+		case <-s.quit:
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		backoff = min(2*backoff, unixRedialMax)
+		nc, err := s.dial(f.name)
+		if err != nil {
+			continue
+		}
+		s.redials.Add(1)
+		f.mu.Lock()
+		f.c = nc
+		f.mu.Unlock()
+		if s.quitting() { // Close may have missed it
+			_ = nc.Close()
+			return
+		}
+	}
+}
+
+// readConn reads frames until the connection fails; last is the seq of
+// the last event of this publisher, 0 before the first.
+func (s *UnixEventSub) readConn(c *net.UnixConn, last *uint64) error {
+	for {
+		frame, err := readUnixFrame(c)
+		if err != nil {
+			return err
+		}
+		ev, err := wire.DecodeEvent(frame)
+		if err != nil {
+			s.bad.Add(1)
+			s.log.Warn("control: undecodable unix event", "err", err)
+			continue
+		}
+		// A seq at or below the last starts again: a new incarnation on the
+		// same name, no gap.
+		if *last != 0 && ev.Seq > *last+1 {
+			s.gaps.Add(ev.Seq - *last - 1)
+		}
+		*last = ev.Seq
+		s.received.Add(1)
+		select {
+		case s.out <- ev:
+		case <-s.quit:
+			return ErrClosed
+		}
+	}
+}
+
+func (s *UnixEventSub) quitting() bool {
+	select {
+	case <-s.quit:
+		return true
+	default:
+		return false
+	}
+}
+
+// Events has Subscriber's contract.
+func (s *UnixEventSub) Events() <-chan wire.Event { return s.out }
+
+// Stats adds this path's counters to the ZeroMQ subscriber's.
+func (s *UnixEventSub) Stats() SubStats {
+	var st SubStats
+	if s.zmq != nil {
+		st = s.zmq.Stats()
+		st.Refused = maps.Clone(st.Refused)
+	}
+	st.Received += s.received.Load()
+	st.ReceivedUnix = s.received.Load()
+	st.Bad += s.bad.Load()
+	st.Gaps += s.gaps.Load()
+	st.Redials = s.redials.Load()
+	return st
+}
+
+// Close stops every follow, closes the ZeroMQ subscriber and then Events.
+// Idempotent.
+func (s *UnixEventSub) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	close(s.quit)
+	for _, f := range s.follows {
+		f.mu.Lock()
+		if f.c != nil {
+			_ = f.c.Close()
+		}
+		f.mu.Unlock()
+	}
+	s.mu.Unlock()
+	var err error
+	if s.zmq != nil {
+		err = s.zmq.Close()
+	}
+	s.wg.Wait()
+	close(s.out)
+	if err != nil && !errors.Is(err, ErrClosed) {
+		return err
+	}
+	return nil
+}
