@@ -142,3 +142,9 @@ def test_the_floor_does_nothing():
     err = c_void_p(1)
     assert _ffi.lib().ecm_noop(0, 0, None, 0, byref(out), byref(err)) == _ffi.ECM_OK
     assert err.value is None and out.value == 7
+
+
+def test_a_host_address_is_the_array_data():
+    base = np.arange(64, dtype=np.uint8)
+    for array in (base, base[8:40], base.reshape(8, 8)[2:5], np.frombuffer(bytes(16), dtype=np.uint8)):
+        assert native.buffer_of(array) == (array.ctypes.data, array.nbytes)
