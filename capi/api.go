@@ -12,7 +12,6 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/node"
-	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
 )
 
@@ -198,23 +197,6 @@ func ProducerOpen(raw []byte) (uint64, error) {
 	return open(producers, raw, config.DecodeProducer, func(cfg config.Producer) (*node.Producer, error) {
 		return node.OpenProducer(cfg, node.Options{})
 	})
-}
-
-type pushesIn struct {
-	Pushes []producer.Push `json:"pushes"`
-}
-
-// ProducerSubmit announces pushes.
-func ProducerSubmit(h uint64, raw []byte) ([]byte, error) {
-	p, in, err := lookupWith[pushesIn](producers, h, "submit", raw)
-	if err != nil {
-		return nil, err
-	}
-	type item struct {
-		TransferID string `json:"transfer_id"`
-		Error      string `json:"error,omitempty"`
-	}
-	return itemsReply(p.Submit(in.Pushes), func(i int, errText string) item { return item{in.Pushes[i].TransferID, errText} })
 }
 
 // ProducerCancel cancels pushes.

@@ -28,7 +28,7 @@ const (
 )
 
 // ABIVersion is ECM_ABI_VERSION.
-const ABIVersion = 2
+const ABIVersion = 3
 
 // Error carries a status code across the boundary.
 type Error struct {

@@ -11,7 +11,9 @@
  *     err may be NULL when the caller does not want the text;
  *   - objects cross as opaque ecm_handle_t values, never as pointers;
  *   - structured values cross as UTF-8 JSON; JSON the library returns is
- *     written to *out_json and freed by the caller with ecm_free;
+ *     written to *out_json and freed by the caller with ecm_free; the
+ *     encoder's per-batch calls take packed binary records instead (see
+ *     ecm_producer_submit_packed), so that no batch pays for JSON;
  *   - memory the caller owns (slabs, encoder outputs) is passed as
  *     (pointer, nbytes), with a device where it may be GPU memory; the
  *     library reads or writes it only while the object that received it
@@ -41,7 +43,7 @@
 extern "C" {
 #endif
 
-#define ECM_ABI_VERSION 2
+#define ECM_ABI_VERSION 3
 
 #define ECM_OK 0
 #define ECM_ERR_INVALID 1     /* bad argument, config or JSON */
@@ -52,7 +54,7 @@ extern "C" {
 #define ECM_ERR_INTERNAL 6    /* a recovered panic or a broken invariant */
 #define ECM_ERR_UNAVAILABLE 7 /* a feature this build or host lacks */
 
-/* Most items one ecm_producer_sources_device call takes. */
+/* Most items one packed producer call takes. */
 #define ECM_MAX_SOURCES 65536
 
 typedef uint64_t ecm_handle_t;
@@ -106,29 +108,44 @@ int ecm_consumer_release(ecm_handle_t h, const char *in_json, char **out_json,
 
 /* Producer (the encoder instance's worker). */
 int ecm_producer_open(const char *config_json, ecm_handle_t *out, char **err);
-/* Announces pushes before their sources exist; reservations start in the
- * background. in: {"pushes": [{"transfer_id", "mm_hash", "nbytes",
- * "consumer"}]}; out: {"items": [{"transfer_id", "error"}]}. */
-int ecm_producer_submit(ecm_handle_t h, const char *in_json, char **out_json,
-                        char **err);
+/* The packed batches of the two calls below are n records back to back,
+ * little-endian, in in[0, in_len): each a fixed head, then the bytes of
+ * its strings (UTF-8, no terminator) in head order. in_len is at most
+ * 64 MiB and must be exactly the records' length; every length is checked
+ * against the bytes that remain, and a batch that does not decode fails
+ * whole with ECM_ERR_INVALID, naming the item and byte offset.
+ *
+ * Announces pushes before their sources exist; reservations start in the
+ * background. Push record: u64 nbytes, u32 len(transfer_id), u32
+ * len(mm_hash), u32 len(consumer), u32 len(meta), then transfer_id,
+ * mm_hash, consumer (the control endpoint of any shard of the consumer)
+ * and meta (the bytes' description, read back by the consumer's engine;
+ * may be empty). *out_json is NULL when every push was accepted, else a
+ * JSON array of n strings: the reason each push was refused, "" for the
+ * accepted ones. */
+int ecm_producer_submit_packed(ecm_handle_t h, uint64_t n, const void *in,
+                               uint64_t in_len, char **out_json, char **err);
 /* Hands over encoder outputs in one call, so that they go out as one write
- * batch per consumer shard: item i is mm_hashes[i] at [ptrs[i],
- * ptrs[i]+nbytes[i]), in host memory when devices[i] is -1, else on the
- * GPU of that CUDA ordinal; streams[i] is the CUDA stream (cudaStream_t; 0
- * is the legacy default stream) whose queued work produces item i, ignored
- * for host memory. The call records an event on that stream and returns at
- * once: the library reads the item only after that work completed.
- * out_sources[i] receives the source id, or 0 when that item was refused
- * (the call then fails and *err names every refused item). The library
- * reads a source until ecm_producer_poll reports its id released; the
- * caller keeps the memory alive until then. n is at most ECM_MAX_SOURCES;
- * with n = 0 the arrays may be NULL. */
-int ecm_producer_sources_device(ecm_handle_t h, uint64_t n,
-                                const char *const *mm_hashes,
-                                void *const *ptrs, const uint64_t *nbytes,
-                                const int32_t *devices,
-                                const uint64_t *streams,
-                                uint64_t *out_sources, char **err);
+ * batch per consumer shard. Source record: u64 ptr, u64 nbytes, u64
+ * stream, i32 device, u32 len(mm_hash), then mm_hash: the item is
+ * [ptr, ptr+nbytes), in host memory when device is -1, else on the GPU of
+ * that CUDA ordinal; stream is the CUDA stream (cudaStream_t; 0 is the
+ * legacy default stream) whose queued work produces it, ignored for host
+ * memory. The call records an event on that stream and returns at once:
+ * the library reads the item only after that work completed.
+ * out_sources[i] receives the source id, or 0 when item i was refused (the
+ * call then fails and *err names every refused item). The library reads a
+ * source until ecm_producer_poll reports its id released; the caller keeps
+ * the memory alive until then. With n = 0, in and out_sources may be
+ * NULL. */
+int ecm_producer_sources_packed(ecm_handle_t h, uint64_t n, const void *in,
+                                uint64_t in_len, uint64_t *out_sources,
+                                char **err);
+/* Does nothing and returns ECM_OK: one crossing of the boundary with the
+ * argument count of the packed calls, the floor their cost is measured
+ * against (python -m ecmooncake.tools.hotpath). */
+int ecm_noop(ecm_handle_t h, uint64_t n, const void *in, uint64_t in_len,
+             uint64_t *out, char **err);
 /* Cancels pushes. in: {"transfer_ids": [...]}. */
 int ecm_producer_cancel(ecm_handle_t h, const char *in_json, char **err);
 /* Outcomes since the last poll: {"done": [...], "failed": [{"transfer_id",

@@ -60,6 +60,12 @@ COMMANDS: dict[str, Command] = {
         "requests' encoder outputs, and prints p50/p99 of has_cache_item and ensure_cache_available beside "
         "vLLM's own EncoderCacheManager.check_and_update_cache, timed in the same run. Needs vLLM and torch.",
     ),
+    "hotpath": Command(
+        "ecmooncake.tools.hotpath",
+        "time Python's per-batch producer calls (submit, hand_over) against one crossing into the library",
+        "A producer in this process pushes batches over loopback TCP to a consumer process; prints p50/p99 of "
+        "Producer.submit and Producer.sources per batch beside a no-op native call timed in the same loop.",
+    ),
     "gpubench": Command(
         "ecmooncake.tools.gpubench",
         "GPU memory end to end: cuda_ipc and TCP against ceilings measured in the same run",

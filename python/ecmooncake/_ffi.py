@@ -18,7 +18,7 @@ import threading
 from ctypes import POINTER, c_char_p, c_int, c_int32, c_uint64, c_void_p
 from pathlib import Path
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 ECM_OK = 0
 ECM_ERR_INVALID = 1
@@ -58,12 +58,15 @@ PROTOTYPES: dict[str, tuple[object, tuple[object, ...]]] = {
     "ecm_consumer_acquire": (c_int, (ecm_handle_t, c_char_p, c_str_out, c_str_out)),
     "ecm_consumer_release": (c_int, (ecm_handle_t, c_char_p, c_str_out, c_str_out)),
     "ecm_producer_open": (c_int, (c_char_p, POINTER(ecm_handle_t), c_str_out)),
-    "ecm_producer_submit": (c_int, (ecm_handle_t, c_char_p, c_str_out, c_str_out)),
-    "ecm_producer_sources_device": (
+    "ecm_producer_submit_packed": (
         c_int,
-        (ecm_handle_t, c_uint64, POINTER(c_char_p), POINTER(c_void_p), POINTER(c_uint64), POINTER(c_int32),
-         POINTER(c_uint64), POINTER(c_uint64), c_str_out),
+        (ecm_handle_t, c_uint64, c_void_p, c_uint64, c_str_out, c_str_out),
     ),
+    "ecm_producer_sources_packed": (
+        c_int,
+        (ecm_handle_t, c_uint64, c_void_p, c_uint64, POINTER(c_uint64), c_str_out),
+    ),
+    "ecm_noop": (c_int, (ecm_handle_t, c_uint64, c_void_p, c_uint64, POINTER(c_uint64), c_str_out)),
     "ecm_producer_cancel": (c_int, (ecm_handle_t, c_char_p, c_str_out)),
     "ecm_producer_poll": (c_int, (ecm_handle_t, c_int32, c_str_out, c_str_out)),
     "ecm_scheduler_open": (c_int, (c_char_p, POINTER(ecm_handle_t), c_str_out)),

@@ -3,6 +3,7 @@ torch tensors, and the shared slab of the shm transport."""
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -13,6 +14,9 @@ from typing import Any
 import numpy as np
 
 from .errors import EcmInvalid, EcmIOError
+
+
+_EMPTY = ctypes.c_char * 0
 
 
 def buffer_of(obj: Any, writable: bool = False) -> tuple[int, int]:
@@ -26,9 +30,14 @@ def buffer_of(obj: Any, writable: bool = False) -> tuple[int, int]:
                 f"array of shape {obj.shape} is not C-contiguous; "
                 "pass np.ascontiguousarray(a)"
             )
-        if writable and not obj.flags.writeable:
-            raise EcmInvalid("array is read-only; the library must write into it")
-        return int(obj.ctypes.data), int(obj.nbytes)
+        if not obj.flags.writeable:
+            if writable:
+                raise EcmInvalid("array is read-only; the library must write into it")
+            return int(obj.ctypes.data), int(obj.nbytes)
+        # The address through the buffer protocol: several times cheaper
+        # than obj.ctypes or __array_interface__, which build objects that
+        # cost microseconds an item on the encoder's per-batch call.
+        return ctypes.addressof(_EMPTY.from_buffer(obj)), int(obj.nbytes)
     if _is_tensor(obj):
         if obj.device.type != "cpu":
             raise EcmInvalid(

@@ -8,15 +8,20 @@ Each class wraps one kind of native object: it opens the handle, turns every
 failed status into an :class:`EcmError` carrying the library's message, keeps
 alive the memory the library reads or writes, and closes the handle exactly
 once. Structured values cross the boundary as JSON, and Python validates none
-of what Go validates: a config dict goes through as it is.
+of what Go validates: a config dict goes through as it is. The encoder's
+per-batch calls (:meth:`Producer.submit`, :meth:`Producer.sources`) are the
+exception: each packs its batch into one buffer of binary records
+(include/ecmooncake.h) and crosses once, with no JSON unless an item is
+refused.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 import sys
-from ctypes import byref, c_char_p, c_int32, c_uint64, c_void_p
+from ctypes import byref, c_int32, c_uint64, c_void_p
 from typing import Any
 
 import numpy as np
@@ -63,8 +68,9 @@ def _encode(value: Any, what: str) -> bytes:
         raise EcmInvalid(f"{what}: not JSON-serializable: {exc}") from exc
 
 
-def _call(name: str, *args: Any, out: bool = False) -> Any:
-    """Calls ``name(*args[, &out_json], &err)``; returns the decoded out_json.
+def _call(name: str, *args: Any, out: bool = False, optional: bool = False) -> Any:
+    """Calls ``name(*args[, &out_json], &err)``; returns the decoded out_json
+    (None when ``optional`` and the library wrote none).
 
     Raises the EcmError for the status, with the library's message prefixed
     by the function name.
@@ -84,7 +90,7 @@ def _call(name: str, *args: Any, out: bool = False) -> Any:
         if not message.startswith(f"{name}: "):
             message = f"{name}: {message}"
         raise error_for(rc, message)
-    if not out:
+    if not out or (optional and text is None):
         return None
     if text is None:
         raise EcmInternal(f"{name}: returned no JSON")
@@ -268,6 +274,54 @@ class Consumer(_Handle):
         return self._bytes[offset : offset + nbytes]
 
 
+# The records of ecm_producer_submit_packed and ecm_producer_sources_packed:
+# a fixed head, then the head's strings. The Go decoder is capi/packed.go.
+_PUSH_HEAD = struct.Struct("<QIIII")  # nbytes, len transfer_id, mm_hash, consumer, meta
+_SOURCE_HEAD = struct.Struct("<QQQiI")  # ptr, nbytes, stream, device, len mm_hash
+
+
+def _text(value: Any, what: str) -> bytes:
+    if not isinstance(value, str):
+        raise EcmInvalid(f"{what} is {type(value).__name__}, not a string")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise EcmInvalid(f"{what} {value!r:.100} is not encodable as UTF-8: {exc}") from exc
+
+
+def _pack_pushes(pushes: list[dict]) -> bytes:
+    """The submit batch: a missing field packs as empty (the library refuses
+    that push with its reason, as it refuses any other), a wrong type is
+    refused here."""
+    parts: list[bytes] = []
+    for i, push in enumerate(pushes):
+        try:
+            tid = push.get("transfer_id", "").encode("utf-8")
+            mm_hash = push.get("mm_hash", "").encode("utf-8")
+            consumer = push.get("consumer", "").encode("utf-8")
+            meta = push.get("meta") or ""
+            meta = meta.encode("utf-8")
+            head = _PUSH_HEAD.pack(push.get("nbytes", 0), len(tid), len(mm_hash), len(consumer), len(meta))
+        except UnicodeEncodeError as exc:
+            raise EcmInvalid(f"submit: push {i} ({push!r:.200}): a string is not encodable as UTF-8: {exc}") from exc
+        except (AttributeError, TypeError, struct.error) as exc:
+            raise EcmInvalid(f"submit: push {i} ({push!r:.200}): {_why(push)}") from exc
+        parts += (head, tid, mm_hash, consumer, meta)
+    return b"".join(parts)
+
+
+def _why(push: Any) -> str:
+    if not isinstance(push, dict):
+        return f"a push is a dict, not {type(push).__name__}"
+    for key in ("transfer_id", "mm_hash", "consumer", "meta"):
+        if key in push and push[key] is not None and not isinstance(push[key], str):
+            return f"{key} is {type(push[key]).__name__}, not a string"
+    nbytes = push.get("nbytes", 0)
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+        return f"nbytes is {type(nbytes).__name__}, not an int"
+    return f"nbytes = {nbytes} is not in [0, 2**64)"
+
+
 class Producer(_Handle):
     """The encoder side: announces pushes, hands over sources, reports outcomes."""
 
@@ -279,9 +333,20 @@ class Producer(_Handle):
         self._open("ecm_producer_open", _encode(with_auth_default(with_mooncake_library(config)), "producer config"))
 
     def submit(self, pushes: list[dict]) -> list[dict]:
-        """Announces pushes; per-item dicts carry transfer_id and error."""
-        body = _encode({"pushes": list(pushes)}, "submit")
-        return _call("ecm_producer_submit", self.handle, body, out=True)["items"]
+        """Announces pushes (dicts of transfer_id, mm_hash, nbytes, consumer
+        and optionally meta) in one call; per-item dicts carry transfer_id,
+        and error when that push was refused."""
+        pushes = list(pushes)
+        body = _pack_pushes(pushes)
+        reasons = _call("ecm_producer_submit_packed", self.handle, len(pushes), body, len(body), out=True, optional=True)
+        if reasons is None:
+            return [{"transfer_id": p.get("transfer_id")} for p in pushes]
+        if not isinstance(reasons, list) or len(reasons) != len(pushes):
+            raise EcmInternal(f"ecm_producer_submit_packed: {len(pushes)} pushes but reasons {reasons!r:.200}")
+        return [
+            {"transfer_id": p.get("transfer_id"), "error": why} if why else {"transfer_id": p.get("transfer_id")}
+            for p, why in zip(pushes, reasons)
+        ]
 
     def source(self, mm_hash: str, array: Any) -> int:
         """Hands over the encoder output of ``mm_hash``; returns its source id.
@@ -306,29 +371,21 @@ class Producer(_Handle):
         n = len(items)
         if n == 0:
             return []
-        buffers = [memory_of(array) for _, array in items]
-        hashes = (c_char_p * n)(*[h.encode("utf-8") for h, _ in items])
-        ptrs = (c_void_p * n)(*[ptr for ptr, _, _ in buffers])
-        sizes = (c_uint64 * n)(*[nbytes for _, nbytes, _ in buffers])
+        parts: list[bytes] = []
+        streams: dict[int, int] = {}
+        for mm_hash, array in items:
+            ptr, nbytes, device = memory_of(array)
+            stream_handle = 0
+            if device >= 0:
+                stream_handle = streams.get(device, -1)
+                if stream_handle < 0:
+                    stream_handle = streams[device] = _stream_handle(stream, array)
+            encoded = _text(mm_hash, "sources: mm_hash")
+            parts += (_SOURCE_HEAD.pack(ptr, nbytes, stream_handle, device, len(encoded)), encoded)
+        body = b"".join(parts)
         ids = (c_uint64 * n)()
-        devices = (c_int32 * n)(*[device for _, _, device in buffers])
-        handles: dict[int, int] = {}
-        for (_, array), (_, _, device) in zip(items, buffers):
-            if device >= 0 and device not in handles:
-                handles[device] = _stream_handle(stream, array)
-        streams = (c_uint64 * n)(*[handles.get(device, 0) for _, _, device in buffers])
         try:
-            _call(
-                "ecm_producer_sources_device",
-                self.handle,
-                c_uint64(n),
-                hashes,
-                ptrs,
-                sizes,
-                devices,
-                streams,
-                ids,
-            )
+            _call("ecm_producer_sources_packed", self.handle, n, body, len(body), ids)
         finally:
             for source_id, (_, array) in zip(ids, items):
                 if source_id:

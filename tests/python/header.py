@@ -26,6 +26,7 @@ C_TO_CTYPES = {
     "const int32_t*": POINTER(c_int32),
     "char*": c_void_p,
     "void*": c_void_p,
+    "const void*": c_void_p,
     "char**": POINTER(c_void_p),
     "int32_t*": POINTER(c_int32),
     "uint64_t*": POINTER(c_uint64),

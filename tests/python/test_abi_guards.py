@@ -11,7 +11,7 @@ import signal
 import socket
 import threading
 import time
-from ctypes import byref, c_char_p, c_int32, c_uint64, c_void_p
+from ctypes import byref, c_int32, c_uint64, c_void_p
 
 import pytest
 
@@ -76,7 +76,7 @@ def test_metadata_server_open_with_null_out_opens_nothing():
         ("ecm_consumer_acquire", (1, b"{}", None)),
         ("ecm_consumer_release", (1, b"{}", None)),
         ("ecm_producer_open", (b"{}", None)),
-        ("ecm_producer_submit", (1, b"{}", None)),
+        ("ecm_producer_submit_packed", (1, 0, None, 0, None)),
         ("ecm_producer_poll", (1, 0, None)),
         ("ecm_scheduler_open", (b"{}", None)),
         ("ecm_scheduler_step", (1, b"{}", None)),
@@ -110,31 +110,38 @@ def test_the_hang_bound_reports_a_hang_and_passes_errors_through():
     assert without_hanging(lambda: "value") == "value"
 
 
+def _source(ptr: int, nbytes: int, mm_hash: bytes = b"h", device: int = -1, stream: int = 0) -> bytes:
+    return native._SOURCE_HEAD.pack(ptr, nbytes, stream, device, len(mm_hash)) + mm_hash
+
+
+@pytest.mark.parametrize("name", ["ecm_producer_submit_packed", "ecm_producer_sources_packed"])
 @pytest.mark.parametrize("count", [_ffi.ECM_MAX_SOURCES + 1, 1 << 62, (1 << 64) - 1])
-def test_lying_count_is_refused(count):
+def test_lying_count_is_refused(name, count):
     with native.Producer({}) as p:
-        rc, msg = _raw("ecm_producer_sources_device", p.handle, count, None, None, None, None, None, None)
+        rc, msg = _raw(name, p.handle, count, None, 0, byref(c_void_p() if "submit" in name else c_uint64()))
         assert rc == _ffi.ECM_ERR_INVALID
         assert f"n = {count}" in msg and str(_ffi.ECM_MAX_SOURCES) in msg
 
 
 def test_null_arrays_and_lying_lengths_are_refused():
     with native.Producer({}) as p:
-        rc, msg = _raw("ecm_producer_sources_device", p.handle, 2, None, None, None, None, None, None)
-        assert rc == _ffi.ECM_ERR_INVALID and "mm_hashes is NULL" in msg
-        hashes = (c_char_p * 1)(b"h")
-        ptrs = (c_void_p * 1)(None)
-        nbytes = (c_uint64 * 1)(16)
-        host = (c_int32 * 1)(-1)
-        streams = (c_uint64 * 1)(0)
-        out = (c_uint64 * 1)()
-        rc, msg = _raw("ecm_producer_sources_device", p.handle, 1, hashes, ptrs, nbytes, host, streams, out)
-        assert rc == _ffi.ECM_ERR_INVALID and "NULL" in msg and "16 bytes" in msg
+        out = (c_uint64 * 2)()
+        rc, msg = _raw("ecm_producer_sources_packed", p.handle, 2, None, 64, out)
+        assert rc == _ffi.ECM_ERR_INVALID and "in is NULL but its length is 64 bytes" in msg
+        rc, msg = _raw("ecm_producer_sources_packed", p.handle, 2, None, 0, out)
+        assert rc == _ffi.ECM_ERR_INVALID and "2 items need at least" in msg
+        body = _source(0, 16)
+        rc, msg = _raw("ecm_producer_sources_packed", p.handle, 1, body, len(body), None)
+        assert rc == _ffi.ECM_ERR_INVALID and "out_sources is NULL" in msg
+        rc, msg = _raw("ecm_producer_sources_packed", p.handle, 1, body, len(body), out)
+        assert rc == _ffi.ECM_ERR_INVALID and "item 0 (h) is NULL" in msg and "16 bytes" in msg
         buf = (ctypes.c_uint8 * 16)()
-        ptrs[0] = ctypes.addressof(buf)
-        nbytes[0] = (1 << 64) - 1
-        rc, msg = _raw("ecm_producer_sources_device", p.handle, 1, hashes, ptrs, nbytes, host, streams, out)
+        body = _source(ctypes.addressof(buf), (1 << 64) - 1)
+        rc, msg = _raw("ecm_producer_sources_packed", p.handle, 1, body, len(body), out)
         assert rc == _ffi.ECM_ERR_INVALID and "address space" in msg
+        rc, msg = _raw("ecm_producer_sources_packed", p.handle, 1, body[:-1], len(body) - 1, out)
+        assert rc == _ffi.ECM_ERR_INVALID and "mm_hash is 1 bytes, 0 remain" in msg
+        assert list(out) == [0, 0], "nothing was sourced"
         assert p.stats() is not None, "the producer still answers"
     slab = (ctypes.c_uint8 * 256)()
     out = c_uint64()

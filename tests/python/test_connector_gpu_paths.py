@@ -11,7 +11,6 @@ native.Producer's bookkeeping of held sources is what the tests see.
 from __future__ import annotations
 
 import gc
-import json
 import threading
 import types
 import weakref
@@ -126,20 +125,24 @@ class FakeABI:
         self.released: list[int] = []
         self.next_id = 1
 
-    def __call__(self, name, *args, out=False):
+    def __call__(self, name, *args, out=False, optional=False):
         if name == "ecm_producer_open":
             args[-1]._obj.value = 1
             return None
-        if name == "ecm_producer_submit":
-            body = json.loads(args[1])
-            return {"items": [{"transfer_id": p["transfer_id"]} for p in body["pushes"]]}
-        if name == "ecm_producer_sources_device":
-            n = args[1].value
-            hashes, ptrs, sizes, devices, streams, ids = args[2:8]
+        if name == "ecm_producer_submit_packed":
+            return None  # every push accepted
+        if name == "ecm_producer_sources_packed":
+            n, body, ids = args[1], args[2], args[4]
+            offset = 0
             for i in range(n):
+                ptr, _, stream, device, hash_len = native._SOURCE_HEAD.unpack_from(body, offset)
+                offset += native._SOURCE_HEAD.size
+                mm_hash = body[offset : offset + hash_len].decode()
+                offset += hash_len
                 ids[i] = self.next_id
-                self.sources.append({"mm_hash": hashes[i].decode(), "ptr": ptrs[i], "device": devices[i], "stream": streams[i], "id": self.next_id})
+                self.sources.append({"mm_hash": mm_hash, "ptr": ptr, "device": device, "stream": stream, "id": self.next_id})
                 self.next_id += 1
+            assert offset == len(body) == args[3]
             return None
         if name == "ecm_producer_poll":
             released, self.released = self.released, []

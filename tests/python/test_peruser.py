@@ -26,8 +26,8 @@ NOBODY = 65534
 # Run as another uid: pushes EVILEVIL for the hash given and prints how
 # the push ended.
 ATTACKER = r"""
-import ctypes, json, sys, time
-from ctypes import byref, c_char_p, c_int32, c_uint64, c_void_p
+import ctypes, json, struct, sys, time
+from ctypes import byref, c_int32, c_uint64, c_void_p
 try:
     import numpy
 except ImportError:  # another uid may not reach this interpreter's packages; ctypes is enough here
@@ -44,19 +44,21 @@ def call(name, *args, out=False):
     message, text = _ffi.take_string(dll, err), _ffi.take_string(dll, text)
     if rc:
         print(json.dumps({"failed": [message]})); sys.exit(0)
-    return json.loads(text) if out else None
+    return json.loads(text) if out and text is not None else None
 
 config = with_auth_default({"transport": "tcp", "control_timeout_s": 5})
 h = c_uint64(0)
 call("ecm_producer_open", json.dumps(config).encode(), byref(h))
-push = {"pushes": [{"transfer_id": "evil", "mm_hash": mm_hash, "nbytes": 4096, "consumer": endpoint}]}
-out = call("ecm_producer_submit", h, json.dumps(push).encode(), out=True)["items"]
-if out[0].get("error"):
-    print(json.dumps({"failed": out})); sys.exit(0)
+# The packed records of include/ecmooncake.h, written out by hand.
+fields = [b"evil", mm_hash.encode(), endpoint.encode(), b""]
+body = struct.pack("<QIIII", 4096, *map(len, fields)) + b"".join(fields)
+reasons = call("ecm_producer_submit_packed", h, 1, body, len(body), out=True)
+if reasons:
+    print(json.dumps({"failed": reasons})); sys.exit(0)
 data = ctypes.create_string_buffer(b"EVILEVIL" * 512, 4096)
 ids = (c_uint64 * 1)()
-call("ecm_producer_sources_device", h, c_uint64(1), (c_char_p * 1)(mm_hash.encode()),
-     (c_void_p * 1)(ctypes.addressof(data)), (c_uint64 * 1)(4096), (c_int32 * 1)(-1), (c_uint64 * 1)(0), ids)
+source = struct.pack("<QQQiI", ctypes.addressof(data), 4096, 0, -1, len(mm_hash)) + mm_hash.encode()
+call("ecm_producer_sources_packed", h, 1, source, len(source), ids)
 end = time.monotonic() + 60
 while time.monotonic() < end:
     got = call("ecm_producer_poll", h, c_int32(200), out=True)

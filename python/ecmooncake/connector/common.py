@@ -93,7 +93,15 @@ class PushSpec:
         return math.prod(self.shape) * _itemsize(self.dtype)
 
     def describe(self) -> str:
-        return json.dumps({"dtype": self.dtype, "shape": list(self.shape or ())}, separators=(",", ":"))
+        return _description(self.dtype, tuple(self.shape or ()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _description(dtype: str | None, shape: tuple[int, ...]) -> str:
+    # Every push of a step is described on the encoder's per-batch path,
+    # and a model's outputs come in few shapes: JSON once a shape, not once
+    # an item.
+    return json.dumps({"dtype": dtype, "shape": list(shape)}, separators=(",", ":"))
 
 
 @dataclass
