@@ -21,7 +21,8 @@
 //     folder of its own below it (tcp, shm, cudaipc, mooncake), with
 //     staged and route composing them; cuda and gpu are the GPUs.
 //   - metadata serves Mooncake's metadata store, metrics the counters;
-//     ids are the identities and tokens that every plane checks.
+//     ids are the identities and tokens that every plane checks, and the
+//     host identity both roles compare to pick a same-host plane.
 //
 // The C ABI (capi, export) and the Python package sit on top of node.
 package core
