@@ -357,7 +357,7 @@ func (s *Shard) flushLocked() {
 // event must follow the ready events it ends and precede those of a later
 // copy of the same content, because the scheduler reads it that way.
 func (s *Shard) sendEventsLocked() {
-	for _, e := range s.table.DrainEvents() {
+	for _, e := range s.table.Ready().Events {
 		ev := wire.Event{
 			V: wire.Version, Shard: s.cfg.TPRank, TransferID: e.TransferID,
 			MMHash: e.MMHash, Ready: e.Ready, NBytes: e.NBytes, Reason: e.Reason,
