@@ -12,8 +12,7 @@
 // # One effect protocol
 //
 // reserve, sched and push (slab has no effects: reserve is its one user)
-// hand their effects out one way, after etcd
-// raft's Ready. A call answers its caller directly (a grant, an offset, a
+// hand their effects out one way, after etcd raft's Ready. A call answers its caller directly (a grant, an offset, a
 // load's transfer_id, an error); what the runtime must do for others (send
 // reservations, writes and cancels, publish events, fail requests, free
 // sources) is collected inside the machine until its Ready, which returns
