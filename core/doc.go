@@ -12,7 +12,8 @@
 //     every shard holds an item, and answers vLLM's hooks without I/O.
 //   - fsm/{slab,reserve,sched,push} are the I/O-free state machines those
 //     three runtimes drive: the receive slab, a shard's reservations, the
-//     scheduler's transfers, the producer's pushes.
+//     scheduler's transfers, the producer's pushes. Each hands its effects
+//     out as one value from Ready (fsm's doc states the protocol).
 //   - node assembles a shard, a producer or a scheduler from its settings
 //     (config): data planes per peer, staging, routes, metadata, metrics.
 //   - control (ZeroMQ sockets) and wire (messages and codec) are the
