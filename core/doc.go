@@ -12,7 +12,8 @@
 //     every shard holds an item, and answers vLLM's hooks without I/O.
 //   - fsm/{slab,reserve,sched,push} are the I/O-free state machines those
 //     three runtimes drive: the receive slab, a shard's reservations, the
-//     scheduler's transfers, the producer's pushes.
+//     scheduler's transfers, the producer's pushes. Each hands its effects
+//     out as one value from Ready (fsm's doc states the protocol).
 //   - node assembles a shard, a producer or a scheduler from its settings
 //     (config): data planes per peer, staging, routes, metadata, metrics.
 //   - control (ZeroMQ sockets) and wire (messages and codec) are the
@@ -21,7 +22,8 @@
 //     folder of its own below it (tcp, shm, cudaipc, mooncake), with
 //     staged and route composing them; cuda and gpu are the GPUs.
 //   - metadata serves Mooncake's metadata store, metrics the counters;
-//     ids are the identities and tokens that every plane checks.
+//     ids are the identities and tokens that every plane checks, and the
+//     host identity both roles compare to pick a same-host plane.
 //
 // The C ABI (capi, export) and the Python package sit on top of node.
 package core

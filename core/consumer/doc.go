@@ -28,7 +28,8 @@
 //     and nothing else, and ends the write at the writer's complete or
 //     abandon, or after two leases if the writer vanished (direct.go);
 //   - every event the table produces is sent exactly once, in order, right
-//     after the call that produced it;
+//     after the call that produced it: the shard takes the table's Ready
+//     after each call and each tick (the effect protocol of core/fsm);
 //   - after Close returns, no goroutine of the shard touches the slab, so
 //     the caller may free it.
 //

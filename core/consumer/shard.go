@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"os"
 	"strconv"
 	"sync"
 	"time"
@@ -90,7 +89,7 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 	s = &Shard{
 		cfg:   cfg,
 		log:   opt.Log.With("shard", cfg.TPRank, "dp_rank", cfg.DPRank),
-		host:  HostIdentity(cfg.Host),
+		host:  ids.HostIdentity(cfg.Host),
 		epoch: newEpoch(),
 		ticks: due.NewLoop(),
 		stop:  make(chan struct{}),
@@ -358,7 +357,7 @@ func (s *Shard) flushLocked() {
 // event must follow the ready events it ends and precede those of a later
 // copy of the same content, because the scheduler reads it that way.
 func (s *Shard) sendEventsLocked() {
-	for _, e := range s.table.DrainEvents() {
+	for _, e := range s.table.Ready().Events {
 		ev := wire.Event{
 			V: wire.Version, Shard: s.cfg.TPRank, TransferID: e.TransferID,
 			MMHash: e.MMHash, Ready: e.Ready, NBytes: e.NBytes, Reason: e.Reason,
@@ -368,17 +367,4 @@ func (s *Shard) sendEventsLocked() {
 		}
 		s.events.Send(ev)
 	}
-}
-
-// HostIdentity is what a shard reports as its host, and what a producer
-// compares with it to choose a same-host data plane: the configured name,
-// else the host name.
-func HostIdentity(configured string) string {
-	if configured != "" {
-		return configured
-	}
-	if h, err := os.Hostname(); err == nil {
-		return h
-	}
-	return "unknown"
 }

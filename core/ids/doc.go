@@ -1,6 +1,7 @@
 // Package ids holds the small identity types every other package shares:
-// reservation ids and the unguessable tokens that authorise a data-plane
-// write into a reservation.
+// reservation ids, the unguessable tokens that authorise a data-plane
+// write into a reservation, and HostIdentity, the name both roles compare
+// to choose a same-host data plane.
 //
 // A write is accepted only when it names a live reservation id together
 // with that reservation's token, so tokens come from crypto/rand and are

@@ -3,6 +3,7 @@ package ids
 import (
 	"bytes"
 	"encoding/json"
+	"os"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -38,4 +39,14 @@ func TestCounterMonotonic(t *testing.T) {
 	var c Counter
 	require.Equal(t, ResID(1), c.Next())
 	require.Equal(t, ResID(2), c.Next())
+}
+
+func TestHostIdentity(t *testing.T) {
+	require.Equal(t, "gpu-host-7", HostIdentity("gpu-host-7"), "a configured name wins")
+	want, err := os.Hostname()
+	if err != nil {
+		want = "unknown"
+	}
+	require.Equal(t, want, HostIdentity(""))
+	require.NotEmpty(t, HostIdentity(""))
 }

@@ -7,6 +7,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/consumer"
 	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/gpu"
+	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/metadata"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/cudaipc"
@@ -91,7 +92,7 @@ func OpenConsumerDevice(cfg config.Consumer, addr uintptr, n uint64, ordinal int
 		tr = route.New(route.Config{
 			Network: staged.New(staged.Config{Inner: network, Slab: mem, SlabDevice: dev, StagingBytes: cfg.Staging(), Logger: log}),
 			Local:   cudaipc.New(cudaipc.Config{Slab: mem, SlabDevice: dev, Logger: log}),
-			Host:    consumer.HostIdentity(cfg.Host), Logger: log,
+			Host:    ids.HostIdentity(cfg.Host), Logger: log,
 		})
 	}
 	meta, err := startMetadata(cfg, opt)
@@ -127,7 +128,7 @@ func consumerNetwork(cfg config.Consumer, opt Options) (transport.Transport, err
 	case mooncake.Name:
 		return newMooncake(mooncake.FromConsumer(cfg, log))
 	case shm.Name:
-		return shm.New(shm.Config{Host: consumer.HostIdentity(cfg.Host), SlabFD: cfg.SlabFD, MaxConns: cfg.MaxDataConns, Logger: log}), nil
+		return shm.New(shm.Config{Host: ids.HostIdentity(cfg.Host), SlabFD: cfg.SlabFD, MaxConns: cfg.MaxDataConns, Logger: log}), nil
 	case "tcp":
 		// The data plane admits writers holding the same secret as the
 		// control plane (or, without one, a live grant).
@@ -141,20 +142,6 @@ func consumerNetwork(cfg config.Consumer, opt Options) (transport.Transport, err
 		}), nil
 	}
 	return nil, unknownTransport(cfg.Transport)
-}
-
-// newMooncake loads the TransferEngine library; a missing library or
-// symbol is ErrUnavailable, and only the objects that chose this transport
-// ever see it.
-func newMooncake(c mooncake.Config) (transport.Transport, error) {
-	tr, err := mooncake.New(c)
-	if errors.Is(err, mooncake.ErrUnavailable) {
-		return nil, &kindError{kind: ErrUnavailable, err: err}
-	}
-	if err != nil {
-		return nil, err
-	}
-	return tr, nil
 }
 
 // startMetadata serves the Mooncake metadata store a consumer asked for,

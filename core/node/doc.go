@@ -10,8 +10,10 @@
 //     settings name (tcp, mooncake, shm); for a GPU slab or GPU sources, TCP
 //     staged through page-locked memory (package staged); beside it a
 //     same-host plane (cuda_ipc) through a route that picks one per shard
-//     (package route) from host identity, local_transport and
-//     transport_overrides;
+//     (package route) from host identity (ids.HostIdentity),
+//     local_transport and transport_overrides; the Mooncake engine, which
+//     both roles build, in mooncake.go, so producer-side files never import
+//     core/consumer (layout_test.go checks it);
 //   - which GPUs the process has (the CUDA driver, opened on first use,
 //     or Options.Devices), and recording the readiness event of each
 //     stream that GPU sources come from;

@@ -5,9 +5,9 @@ import (
 	"fmt"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
-	"github.com/ecmooncake/ecmooncake/core/consumer"
 	"github.com/ecmooncake/ecmooncake/core/fsm/push"
 	"github.com/ecmooncake/ecmooncake/core/gpu"
+	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/cudaipc"
@@ -52,7 +52,7 @@ func producerTransport(cfg config.Producer, opt Options) (transport.Transport, g
 	if network.Name() == "tcp" {
 		network = staged.New(staged.Config{Inner: network, Devices: devs, StagingBytes: cfg.Staging(), ChunkBytes: cfg.TCPChunkBytes, Logger: log})
 	}
-	rc := route.Config{Network: network, Host: consumer.HostIdentity(cfg.Host), Overrides: cfg.TransportOverrides, Logger: log}
+	rc := route.Config{Network: network, Host: ids.HostIdentity(cfg.Host), Overrides: cfg.TransportOverrides, Logger: log}
 	switch {
 	case cfg.Local() == "":
 		rc.LocalOff = "local_transport is none"
@@ -81,7 +81,7 @@ func producerNetwork(cfg config.Producer, opt Options) (transport.Transport, err
 	case mooncake.Name:
 		return newMooncake(mooncake.FromProducer(cfg, log))
 	case shm.Name:
-		return shm.New(shm.Config{Host: consumer.HostIdentity(cfg.Host), Logger: log}), nil
+		return shm.New(shm.Config{Host: ids.HostIdentity(cfg.Host), Logger: log}), nil
 	}
 	return nil, unknownTransport(cfg.Transport)
 }

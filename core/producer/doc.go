@@ -3,10 +3,11 @@
 // reservations on every shard of the consumer that needs them.
 //
 // A Producer drives the deterministic push manager (package push) under its
-// lock. A step ticks the manager, takes the effects it asks for (reserve,
-// write, complete and cancel batches, one of each per destination shard at
-// a time) and hands each to a goroutine that performs the I/O and reports
-// the outcome back through the manager. Submit and each batch's goroutine
+// lock. A step takes the manager's Ready (one push.Effects, by the effect
+// protocol of core/fsm) and hands each effect it holds (reserve, write,
+// complete and cancel batches, one of each per destination shard at a
+// time) to a goroutine that performs the I/O and reports the outcome back
+// through the manager. Submit and each batch's goroutine
 // as it ends take the step themselves, so the next batch starts without a
 // hand-off; one goroutine, the driver, takes it when a deadline falls due
 // or when woken (by Sources). So per batch the

@@ -66,7 +66,7 @@ func (p *Producer) advanceLocked() {
 }
 
 // applyLocked records outcomes and launches one goroutine per batch.
-func (p *Producer) applyLocked(r push.Ready) {
+func (p *Producer) applyLocked(r push.Effects) {
 	if r.Empty() {
 		return
 	}

@@ -18,6 +18,10 @@
 // subscriber are CURVE clients with keys derived from it: the shards serve
 // and publish only to holders of the secret.
 //
+// Every Step, and the goroutine that applies deadlines, takes the table's
+// Ready (one sched.Effects, by the effect protocol of core/fsm): its
+// cancels go to the shards, its failures to the next Step's answer.
+//
 // An item is available only when every TP shard holds it: the table
 // counts readiness per shard.
 package scheduler

@@ -25,7 +25,8 @@ func TestWaitClockForgetsSettledTransfers(t *testing.T) {
 	w.settle(tab, []string{"t1"}, now.Add(time.Second))
 	require.NotContains(t, w, "t1", "available: observed and forgotten")
 
-	cancelled := tab.Finish("r1", now.Add(2*time.Second))
+	tab.Finish("r1", now.Add(2*time.Second))
+	cancelled := tab.Ready(now.Add(2 * time.Second)).Cancels
 	w.settle(tab, cancelled, now.Add(2*time.Second))
 	require.Empty(t, w, "cancelled with its request: forgotten")
 

@@ -203,8 +203,16 @@ func (s *Scheduler) ticker() {
 		defer s.recover("tick")
 		s.mu.Lock()
 		defer s.mu.Unlock()
-		if fails := s.table.Tick(time.Now()); len(fails) > 0 {
-			s.noteFailuresLocked(fails)
+		now := time.Now()
+		rd := s.table.Ready(now)
+		if cancels := s.applyLocked(rd); len(cancels) > 0 {
+			// Cancels come from Step's calls, whose own Ready takes them;
+			// one left here still reaches the shards (queueCancels never
+			// blocks).
+			s.waits.settle(s.table, cancels, now)
+			s.queueCancels(cancels)
+		}
+		if !rd.Empty() {
 			s.changedLocked()
 		} else {
 			// A deadline can end a record that no request waits for (a
@@ -436,6 +444,16 @@ func (s *Scheduler) Close() error {
 
 // maxHeldFailures bounds the failures kept for the next Step.
 const maxHeldFailures = 4096
+
+// applyLocked performs what the table's Ready handed out, by the protocol
+// of core/fsm: failures are noted for the next Step; the cancels are
+// returned, for the caller to send to the shards.
+func (s *Scheduler) applyLocked(rd sched.Effects) (cancels []string) {
+	if len(rd.Failures) > 0 {
+		s.noteFailuresLocked(rd.Failures)
+	}
+	return rd.Cancels
+}
 
 // noteFailuresLocked logs failures once and keeps them for the next Step.
 func (s *Scheduler) noteFailuresLocked(fails []sched.Failure) {

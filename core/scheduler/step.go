@@ -84,9 +84,7 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 	s.mu.Lock()
 	// Deadlines due now fire before Since is taken, so that what lies
 	// between Since and Generation is this step's own doing.
-	if fails := s.table.Tick(now); len(fails) > 0 {
-		s.noteFailuresLocked(fails)
-	}
+	out.Cancelled = s.applyLocked(s.table.Ready(now))
 	out.Since = s.table.Generation()
 	for _, e := range in.Expect {
 		s.waits.expect(e.Items, now)
@@ -109,12 +107,11 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 	for _, h := range in.Freed {
 		s.table.Freed(h, now)
 	}
+	// The table cancels what finished requests alone waited for, and the
+	// other pushes of content a load served; the Ready below hands both out.
 	for _, r := range in.Finished {
-		out.Cancelled = append(out.Cancelled, s.table.Finish(r, now)...)
+		s.table.Finish(r, now)
 	}
-	// A load that served several requests through one push leaves the
-	// other pushes of that content unwanted: they are cancelled too.
-	out.Cancelled = append(out.Cancelled, s.table.Cancels()...)
 	for _, h := range in.Load {
 		id, err := s.table.StartLoad(h, now)
 		lo := LoadOut{MMHash: h, TransferID: id}
@@ -140,10 +137,8 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 		out.Covered, out.Failed = s.table.Snapshot(now)
 	}
 	out.Generation = s.table.Generation()
+	out.Cancelled = append(out.Cancelled, s.applyLocked(s.table.Ready(now))...)
 	s.waits.settle(s.table, out.Cancelled, now)
-	if fails := s.table.Tick(now); len(fails) > 0 {
-		s.noteFailuresLocked(fails)
-	}
 	out.Failures, s.failures = s.failures, nil
 	s.changedLocked()
 	s.mu.Unlock()

@@ -5,10 +5,12 @@
 // It owns one record per (transfer_id, destination shard) and the sources
 // (encoder outputs) those records read, and nothing else: no sockets, no
 // goroutines, no locks, no clock. Like etcd raft's core, effects come out
-// as values: Ready returns the reservations, writes, completes and cancels
-// to send, batched per destination, and the sources to free; the runtime
-// performs them and reports each outcome back. Time comes in as an
-// argument. Its owner serialises calls.
+// as values, by the protocol of core/fsm: Ready returns one Effects with
+// the reservations, writes, completes and cancels to send, batched per
+// destination, the sources to free and the failures and completions to
+// report, and taking it acknowledges it; the runtime performs them and
+// reports each outcome back (Granted, WriteDone, CompleteDone,
+// CancelDone). Time comes in as an argument. Its owner serialises calls.
 //
 // # Flow of one push
 //
@@ -31,7 +33,7 @@
 //
 // Pushes of the same mm_hash share one source: SourceReady hands it over
 // once and every write of that content reads it. A source is released (it
-// appears in Ready.Releases, once) only when no write that reads it is in
+// appears in Effects.Releases, once) only when no write that reads it is in
 // flight and no live record may still write it (none Reserving or
 // WaitingInputs). A write in flight holds its source even after its record
 // failed by deadline or was cancelled: a timeout cannot prove the transport

@@ -117,10 +117,10 @@ type Failure struct {
 	Reason     string
 }
 
-// Ready holds the effects to perform now. Maps are keyed by destination and
-// each slice is one batch for that destination; every effect appears in
-// exactly one Ready. Fields are nil when empty.
-type Ready struct {
+// Effects holds what Ready hands out to perform now. Maps are keyed by
+// destination and each slice is one batch for that destination; every
+// effect appears in exactly one Effects. Fields are nil when empty.
+type Effects struct {
 	Reserves  map[string][]ReserveItem
 	Writes    map[string][]Write
 	Completes map[string][]Complete
@@ -131,7 +131,7 @@ type Ready struct {
 }
 
 // Empty reports whether there is nothing to perform.
-func (r Ready) Empty() bool {
+func (r Effects) Empty() bool {
 	return len(r.Reserves) == 0 && len(r.Writes) == 0 && len(r.Completes) == 0 &&
 		len(r.Cancels) == 0 && len(r.Releases) == 0 && len(r.Failures) == 0 && len(r.Done) == 0
 }
@@ -562,12 +562,14 @@ func (m *Manager) markCheck(mmHash string) {
 	}
 }
 
-// Ready returns the effects to perform now and forgets them: the caller
-// performs each and reports outcomes through Granted, WriteDone and
-// CompleteDone. Writes handed out here are in flight until WriteDone.
-func (m *Manager) Ready(now time.Time) Ready {
+// Ready applies the deadlines due at now, then returns the effects to
+// perform now and forgets them: taking them acknowledges them (the
+// protocol of core/fsm). The caller performs each and reports outcomes
+// through Granted, WriteDone, CompleteDone and CancelDone. Writes handed
+// out here are in flight until WriteDone.
+func (m *Manager) Ready(now time.Time) Effects {
 	m.advance(now)
-	var out Ready
+	var out Effects
 	held := m.reserveQ[:0]
 	for _, r := range m.reserveQ {
 		p := r.tr.push

@@ -211,7 +211,7 @@ func (md *model) step(step int) string {
 }
 
 // apply plays the runtime for one Ready and checks it from the outside.
-func (md *model) apply(where string, rd Ready) {
+func (md *model) apply(where string, rd Effects) {
 	t := md.t
 	once := func(kind string, k pairKey, extra ...any) {
 		key := fmt.Sprint(kind, k, extra)

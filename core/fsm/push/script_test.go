@@ -144,7 +144,7 @@ func errOf(words []string) error {
 // the order Ready gave them:
 //
 //	reserve D:T,T D:T | write D:T@SRC | complete D:T | cancel D:T | release SRC | fail T/D=REASON; ... | done T
-func formatReady(rd Ready) string {
+func formatReady(rd Effects) string {
 	var sections []string
 	perDest := func(name string, m map[string][]string) {
 		if len(m) == 0 {
@@ -200,7 +200,7 @@ func collect[T any](m map[string][]T, name func(T) string) map[string][]string {
 
 // checkReady verifies what formatReady does not show: credentials and
 // sizes, and that no destination has an empty batch.
-func checkReady(t *testing.T, where string, rd Ready, sizes map[string]uint64, grants map[string][]ids.ResID) {
+func checkReady(t *testing.T, where string, rd Effects, sizes map[string]uint64, grants map[string][]ids.ResID) {
 	granted := func(tid, dest string, res ids.ResID, tok ids.Token) {
 		require.Contains(t, grants[tid+"/"+dest], res, "%s: %s to %s names a reservation never granted", where, tid, dest)
 		require.True(t, tok.Equal(tokenFor(res)), "%s: %s to %s: token does not match reservation %d", where, tid, dest, res)

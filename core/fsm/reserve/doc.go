@@ -4,10 +4,14 @@
 //
 // The Table is deterministic, like etcd's raft core: it does no I/O, starts
 // no goroutines, takes no locks and reads no clock. Time comes in as the
-// now argument; effects come out as return values and as Events collected
-// until DrainEvents. Its owner (the control server) serialises every call,
-// drains events after each call and publishes them to the consumer
-// scheduler, and calls Tick at NextDeadline.
+// now argument. Answers to a caller (grants, offsets, errors) come back
+// from the call; effects for others (the Events its scheduler must hear)
+// are collected until Ready, which hands them out once as an Effects
+// value, by the protocol of core/fsm: rd := t.Ready(); publish rd.Events.
+// Its owner (the consumer shard) serialises every call, takes the Ready
+// after each call and publishes its events to the consumer scheduler, and
+// calls Tick at NextDeadline. Deadlines fire only in Tick, so Ready takes
+// no time.
 //
 // # Words
 //
@@ -25,7 +29,7 @@
 //	... write n bytes at slab offset off ...
 //	t.EndWrite(res, ok, now)                // exactly once per accepted write
 //	err = t.Complete(res, tok, now)         // Ready events for all transfers
-//	ev := t.DrainEvents()
+//	rd := t.Ready()                         // rd.Events: publish, in order
 //	off, n, err := t.Acquire(mmHash, now)   // the engine loads: pinned
 //	err = t.Release(mmHash, now)            // unpinned: a resident copy
 //

@@ -226,7 +226,7 @@ func (h *harness) do(t *testing.T, i int, st step) {
 
 func (h *harness) checkEvents(t *testing.T, i int, want []ev) {
 	t.Helper()
-	got := h.tab.DrainEvents()
+	got := h.tab.Ready().Events
 	var gotShort []ev
 	for _, e := range got {
 		gotShort = append(gotShort, shortEvent(e))

@@ -90,5 +90,5 @@ func TestReserveOnAClosingSlab(t *testing.T) {
 		{TransferID: "b", MMHash: "h2", NBytes: 100, Reason: "refused: " + g[0].Err.Error()},
 		{TransferID: "a", MMHash: "h1", NBytes: 100, Reason: ReasonCancelled},
 		{TransferID: "c", MMHash: "h1", NBytes: 100, Reason: ReasonCancelled},
-	}, tab.DrainEvents())
+	}, tab.Ready().Events)
 }

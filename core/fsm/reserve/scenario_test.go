@@ -528,7 +528,7 @@ func TestResidentHashReservedManyTimes(t *testing.T) {
 		g := h.tab.Reserve([]Item{item("c"+strconv.Itoa(i), "h1", 1000)}, h.now)
 		require.Equal(t, KindCached, g[0].Kind)
 	}
-	require.Len(t, h.tab.DrainEvents(), 10000)
+	require.Len(t, h.tab.Ready().Events, 10000)
 	s := h.tab.Stats()
 	require.Equal(t, 1, s.Transfers)
 	require.Equal(t, 100, s.Tombstones)

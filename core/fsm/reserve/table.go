@@ -858,11 +858,23 @@ func (t *Table) EvictResidents() int {
 	return n
 }
 
-// DrainEvents returns the events produced since the last drain, in order.
-func (t *Table) DrainEvents() []Event {
-	ev := t.events
+// Effects holds what the table produced since the last Ready: the events
+// to publish to the consumer scheduler, in the order they arose.
+type Effects struct {
+	Events []Event
+}
+
+// Empty reports whether there is nothing to publish.
+func (e Effects) Empty() bool { return len(e.Events) == 0 }
+
+// Ready returns the effects produced since the last call and forgets
+// them: taking them acknowledges them (the protocol of core/fsm). Unlike
+// the other machines' Ready it takes no time, because this table applies
+// its deadlines only in Tick, which its owner calls at NextDeadline.
+func (t *Table) Ready() Effects {
+	rd := Effects{Events: t.events}
 	t.events = nil
-	return ev
+	return rd
 }
 
 // Status describes a live or recently finished transfer, so that a

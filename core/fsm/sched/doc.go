@@ -6,7 +6,11 @@
 // goroutines, no locks, no clock. Every method takes the time as an
 // argument, does O(items it touches) work and never blocks, because vLLM's
 // scheduler hooks that call it must not. Its owner (the connector's
-// scheduler object) serialises calls and performs the effects it returns.
+// scheduler object) serialises calls. Answers to vLLM's questions (Has,
+// Ensure, StartLoad) come back from the calls; effects for others (cancels
+// for the shards, failures for requests) are collected until Ready, which
+// hands them out once as an Effects value, by the protocol of core/fsm:
+// rd := t.Ready(now); cancel rd.Cancels; fail rd.Failures.
 //
 // # Identity
 //
@@ -73,8 +77,8 @@
 // Siblings are the other transfers of one mm_hash. When one of them
 // reaches Ready it serves every request waiting for the content, so the
 // siblings still waiting or available lose their last request: they are
-// cancelled at once and Cancels hands their ids to the caller, which
-// cancels them on the shards as it does those Finish returns. No record
+// cancelled at once and Ready hands their ids to the caller, which
+// cancels them on the shards as it does those Finish cancelled. No record
 // outlives the requests for its content except the loaded one (and
 // resident copies).
 //
@@ -93,7 +97,7 @@
 // on it is served and what becomes of the transfer (resident, evicted,
 // expired) no longer fails it. While it waits, a transfer that ends fails
 // the item for that request: the failure shows in Ensure and Failures, and
-// Tick returns it once. Failures are retryable, except for an item whose
+// Ready hands it out once. Failures are retryable, except for an item whose
 // transfer_id had already ended when the request was registered: the push
 // it names is over, and only a new transfer_id can help. A request the
 // table does not know expects nothing: Ensure answers ready.
@@ -138,10 +142,11 @@
 //	id, err := t.StartLoad(mmHash, now)   // update_state_after_alloc: put id in the step's metadata
 //	t.Loaded(id, ok, reason, now)         // update_connector_output
 //	t.Freed(mmHash, now)                  // scheduler_output.free_encoder_mm_hashes
-//	cancel := t.Finish(reqID, now)        // request_finished: cancel these on the shards
-//	cancel = t.Cancels()                  // after Loaded: siblings of what was loaded, likewise
-//	// each step, or at NextDeadline:
-//	for _, f := range t.Tick(now) { fail f.RequestID with f.Reason }
+//	t.Finish(reqID, now)                  // request_finished
+//	// each step, after its calls, or at NextDeadline:
+//	rd := t.Ready(now)
+//	cancel rd.Cancels on the shards       // Finish's, and siblings of what Loaded served
+//	for _, f := range rd.Failures { fail f.RequestID with f.Reason }
 //
 // # Invariants
 //

@@ -106,6 +106,21 @@ func runModel(t *testing.T, rng *rand.Rand, steps int) (map[State]bool, Stats) {
 		}
 	}
 
+	// take plays the owner taking a Ready: every cancel names a transfer
+	// the table cancelled, every failure a known transfer, with a reason.
+	take := func(where string) {
+		rd := tb.Ready(now)
+		for _, tid := range rd.Cancels {
+			st, ok := tb.Status(tid)
+			require.True(t, ok, "%s: cancel of unknown %s", where, tid)
+			require.Equal(t, Cancelled, st, where)
+		}
+		for _, f := range rd.Failures {
+			require.NotEmpty(t, f.Reason, where)
+			require.Equal(t, known[f.TransferID], f.MMHash, where)
+		}
+	}
+
 	for step := 0; step < steps; step++ {
 		window = step / 30
 		now = now.Add(time.Duration(rng.Intn(600)) * time.Millisecond)
@@ -186,6 +201,7 @@ func runModel(t *testing.T, rng *rand.Rand, steps int) (map[State]bool, Stats) {
 			}
 			where = fmt.Sprintf("step %d: loaded %s", step, tid)
 			tb.Loaded(tid, rng.Intn(6) != 0, "boom", now)
+			take(where)
 		case op < 86:
 			h := pick("h", 4)
 			where = fmt.Sprintf("step %d: freed %s", step, h)
@@ -205,19 +221,15 @@ func runModel(t *testing.T, rng *rand.Rand, steps int) (map[State]bool, Stats) {
 					}
 				}
 			}
-			for _, tid := range tb.Finish(rid, now) {
-				st, _ := tb.Status(tid)
-				require.Equal(t, Cancelled, st, where)
-			}
+			tb.Finish(rid, now)
+			take(where)
 			for _, h := range others {
 				require.True(t, tb.Has(h), "%s: took %s from a request still waiting for it", where, h)
 			}
 		default:
 			where = fmt.Sprintf("step %d: tick", step)
-			for _, f := range tb.Tick(now) {
-				require.NotEmpty(t, f.Reason, where)
-				require.Equal(t, known[f.TransferID], f.MMHash, where)
-			}
+			tb.Tick(now)
+			take(where)
 			if at, ok := tb.NextDeadline(); ok {
 				require.True(t, at.After(now), "%s: next deadline %v not after a tick at %v", where, at, now)
 			}

@@ -5,6 +5,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/internal/fsmtest"
 	"github.com/stretchr/testify/require"
@@ -28,17 +29,32 @@ var base = fsmtest.Base
 //	load H -> T|error
 //	loaded T ok|fail [REASON...]
 //	freed H
-//	finish R -> T,T|-
-//	cancels -> T,T|-            transfers the table cancelled on its own
+//	finish R -> T,T|-           Finish, then the cancels of Ready
+//	cancels -> T,T|-            the cancels of Ready (the table's own: siblings of a load)
 //	lost S                      shard S stopped answering
 //	restarted S                 shard S came back as a new incarnation
-//	tick -> R/T,R/T|-
+//	tick -> R/T,R/T|-           the failures of Ready
 //	reason R T -> REASON        the reason Failures gives for item T of R
 //	gen -> same|changed         Generation against the last gen line (or New)
+//
+// Each of finish, cancels and tick takes a Ready and shows one half of
+// it; the other half is held for the line that shows it, so a script
+// reads each kind of effect where it expects it.
 func runScript(t *testing.T, cfg Config, script string) *Table {
 	t.Helper()
 	tb := New(cfg)
 	lastGen := tb.Generation()
+	var held Effects
+	take := func(now time.Time) {
+		rd := tb.Ready(now)
+		held.Cancels = append(held.Cancels, rd.Cancels...)
+		held.Failures = append(held.Failures, rd.Failures...)
+	}
+	cancels := func() []string {
+		out := held.Cancels
+		held.Cancels = nil
+		return out
+	}
 	s := &fsmtest.Script{
 		Next:  tb.NextDeadline,
 		Stats: func() map[string]string { return statsMap(tb.Stats()) },
@@ -132,7 +148,9 @@ func runScript(t *testing.T, cfg Config, script string) *Table {
 		case "freed":
 			tb.Freed(a[0], now)
 		case "finish":
-			l.Expect(orDash(tb.Finish(a[0], now)))
+			tb.Finish(a[0], now)
+			take(now)
+			l.Expect(orDash(cancels()))
 		case "lost", "restarted":
 			shard := l.Int(0)
 			if l.Cmd == "lost" {
@@ -141,11 +159,15 @@ func runScript(t *testing.T, cfg Config, script string) *Table {
 				tb.ShardRestarted(shard, fmt.Sprintf("shard %d restarted", shard), now)
 			}
 		case "cancels":
-			l.Expect(orDash(tb.Cancels()))
+			take(now)
+			l.Expect(orDash(cancels()))
 		case "tick":
 			l.NeedWant()
 			var got []string
-			for _, x := range tb.Tick(now) {
+			take(now)
+			fails := held.Failures
+			held.Failures = nil
+			for _, x := range fails {
 				require.True(t, x.Retryable || strings.Contains(x.Reason, "already ended"), where)
 				got = append(got, x.RequestID+"/"+x.TransferID)
 			}

@@ -123,12 +123,12 @@ type Table struct {
 	// gen counts the changes that can alter an answer (Generation).
 	gen uint64
 
-	// pending holds failures not yet returned by Tick, in the order they
-	// arose, so that failures from events reach the caller as well.
+	// pending holds failures not yet handed out by Ready, in the order
+	// they arose, so that failures from events reach the caller as well.
 	pending []pendingFailure
-	// cancels holds transfers the table cancelled on its own (no request
-	// needs them any more) until Cancels hands them to the caller, who
-	// cancels them on the shards as it does those Finish returns.
+	// cancels holds the transfers the table cancelled (Finish, or a load
+	// that served their content) until Ready hands them to the caller, who
+	// cancels them on the shards.
 	cancels []string
 
 	ended          [numStates]uint64
@@ -670,18 +670,18 @@ func (t *Table) Freed(mmHash string, now time.Time) {
 }
 
 // Finish detaches a finished or aborted request. Transfers it alone was
-// waiting for are cancelled and returned, so the caller can cancel them on
-// the shards. Loading and loaded transfers stay: a worker may already hold
+// waiting for are cancelled and handed out by the next Ready, so the
+// caller can cancel them on the shards. Loading and loaded transfers stay: a worker may already hold
 // a view of their bytes. An available transfer also stays while another
 // live request waits for its content: Ensure may have answered that
 // request ready from it, and vLLM then loads it in this very step. It is
-// cancelled (and returned) by the Finish of the last request that waits
+// cancelled (and handed out) by the Finish of the last request that waits
 // for the content, unless a load or its lease ends it first.
-func (t *Table) Finish(requestID string, now time.Time) (cancel []string) {
+func (t *Table) Finish(requestID string, now time.Time) {
 	t.advance(now)
 	req := t.requests[requestID]
 	if req == nil {
-		return nil
+		return
 	}
 	delete(t.requests, requestID)
 	t.gen++
@@ -702,11 +702,10 @@ func (t *Table) Finish(requestID string, now time.Time) (cancel []string) {
 		for _, r := range slices.Clone(t.byHash[h]) {
 			if t.idle(r) {
 				t.move(r, Cancelled, now, "request "+requestID+" finished")
-				cancel = append(cancel, r.id)
+				t.cancels = append(t.cancels, r.id)
 			}
 		}
 	}
-	return cancel
 }
 
 // idle reports whether a record is left for nobody: no request is attached
@@ -733,14 +732,21 @@ func (t *Table) unwant(mmHash string) {
 	t.wants[mmHash]--
 }
 
-// Cancels returns, once, the transfers the table cancelled by itself since
-// the last call: the other pushes of content that a load served. The
-// caller cancels them on the shards.
-func (t *Table) Cancels() []string {
-	out := t.cancels
-	t.cancels = nil
-	return out
+// Effects holds what Ready hands out: the transfers to cancel on the
+// shards, in the order the table cancelled them, and the failures of
+// requests' items, each once.
+type Effects struct {
+	// Cancels are the transfers the table cancelled: those a finished
+	// request alone waited for, and the other pushes of content that a
+	// load served. The caller cancels them on the shards.
+	Cancels []string
+	// Failures are items that will not come, from deadlines and shard
+	// events alike, for requests that still wait for them.
+	Failures []Failure
 }
+
+// Empty reports whether there is nothing to perform.
+func (e Effects) Empty() bool { return len(e.Cancels) == 0 && len(e.Failures) == 0 }
 
 func (r *record) detach(requestID string) bool {
 	for i, v := range r.requests {
@@ -752,10 +758,16 @@ func (r *record) detach(requestID string) bool {
 	return false
 }
 
-// Tick applies every deadline due at now and returns the failures that
-// arose since the last Tick, from deadlines and events alike, for requests
-// that still wait for those items.
-func (t *Table) Tick(now time.Time) []Failure {
+// Tick applies every deadline due at now; what they caused waits for the
+// next Ready.
+func (t *Table) Tick(now time.Time) { t.advance(now) }
+
+// Ready applies every deadline due at now, then returns the effects that
+// arose since the last Ready and forgets them: taking them acknowledges
+// them (the protocol of core/fsm). A failure is handed out only if its
+// request still waits for the item and no transfer of its content is
+// loaded by now.
+func (t *Table) Ready(now time.Time) Effects {
 	t.advance(now)
 	var out []Failure
 	for _, p := range t.pending {
@@ -770,11 +782,15 @@ func (t *Table) Tick(now time.Time) []Failure {
 		out = append(out, f)
 	}
 	t.pending = nil
-	return out
+	rd := Effects{Cancels: t.cancels, Failures: out}
+	t.cancels = nil
+	return rd
 }
 
-// NextDeadline returns when Tick next has work: the earliest deadline, or a
-// past time when failures wait to be returned.
+// NextDeadline returns when Tick or Ready next has work: the earliest
+// deadline, or a past time when failures wait to be handed out. Cancels
+// arise only from calls (Finish, Loaded), after which the owner takes a
+// Ready anyway, so they do not count here.
 func (t *Table) NextDeadline() (time.Time, bool) {
 	t.pruneDeadlines()
 	var best time.Time
@@ -919,7 +935,7 @@ func (t *Table) move(r *record, to State, now time.Time, reason string) {
 // loaded or another transfer of the same mm_hash: vLLM's encoder cache now
 // holds it, and requests no longer depend on what becomes of the transfers.
 // The other transfers that were still waiting or available lose their last
-// request here, so they are cancelled now (and handed out by Cancels):
+// request here, so they are cancelled now (and handed out by Ready):
 // Finish would never see them again, and no record outlives its requests.
 func (t *Table) serve(loaded *record, now time.Time) {
 	var idle []*record

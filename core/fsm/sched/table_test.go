@@ -645,7 +645,7 @@ func TestScenarios(t *testing.T) {
 func TestFailureCarriesIdentity(t *testing.T) {
 	tb := New(Config{Shards: 1})
 	require.NoError(t, tb.Expect("r1", []Expected{{"t1", "h1"}}, base))
-	got := tb.Tick(base.Add(DefaultEventWait))
+	got := tb.Ready(base.Add(DefaultEventWait)).Failures
 	require.Equal(t, []Failure{{
 		RequestID: "r1", TransferID: "t1", MMHash: "h1",
 		Reason:    "push did not arrive within 60s (0 of 1 shards ready)",
@@ -695,7 +695,8 @@ func TestCheckInvariantsCatchesCorruption(t *testing.T) {
 		tb.OnEvent(Event{Shard: 0, TransferID: "t1", MMHash: "h1", Ready: true}, base)
 		tb.OnEvent(Event{Shard: 1, TransferID: "t1", MMHash: "h1", Ready: true}, base)
 		tb.OnEvent(Event{Shard: 0, TransferID: "t9", MMHash: "h9", Ready: true}, base)
-		require.Equal(t, []string{"t3"}, tb.Finish("r2", base))
+		tb.Finish("r2", base)
+		require.Equal(t, []string{"t3"}, tb.Ready(base).Cancels)
 		require.NoError(t, tb.CheckInvariants())
 		return tb
 	}
