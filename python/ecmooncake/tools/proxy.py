@@ -47,6 +47,14 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds a backend connection may sit idle before the proxy closes it; keep it below the backends' own "
         "keep-alive (vLLM: 5 s) (default %(default)s)",
     )
+    p.add_argument("--max-body-bytes", type=int, default=256 << 20, help="largest request body, in bytes; a larger one is answered 413 (default %(default)s)")
+    p.add_argument(
+        "--max-bodies-in-flight",
+        type=int,
+        default=8,
+        help="the proxy holds at most --max-body-bytes × this many bytes of request bodies at once, all requests "
+        "together; a body that would take it over is answered 503 with Retry-After (default %(default)s)",
+    )
     p.add_argument("--no-register", action="store_true", help="refuse POST /v1/ecm/register even with a register token (static lists only)")
     add_token_arguments(p, name="register-token", env=REGISTER_TOKEN_ENV, what="the register token", file_help=(
         f"file holding the bearer token that register and deregister calls must carry (default: ${REGISTER_TOKEN_ENV}; "
@@ -83,6 +91,8 @@ def proxy_config(args: argparse.Namespace, token: str | None = None) -> dict[str
         "health_interval_s": args.health_interval,
         "fail_threshold": args.fail_threshold,
         "upstream_idle_timeout_s": args.upstream_idle_timeout,
+        "max_body_bytes": args.max_body_bytes,
+        "max_bodies_in_flight": args.max_bodies_in_flight,
         "allow_register": not args.no_register,
         "register_token": token or "",
         "admin_port": args.admin_port,
