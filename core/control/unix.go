@@ -247,13 +247,14 @@ func (s *UnixServer) accept() {
 	}
 }
 
-// refuseEarly tells c why it is not admitted, in place of the hello, and
-// closes it. Not under mu.
+// refuseEarly counts the refusal, then tells c why it is not admitted,
+// in place of the hello, and closes it: whoever sees the refusal sees it
+// counted. Not under mu.
 func (s *UnixServer) refuseEarly(c *net.UnixConn, status byte, r refusal, err error) {
+	s.refuse(r, err)
 	_ = c.SetWriteDeadline(time.Now().Add(unixWriteTimeout))
 	_, _ = c.Write(unixEarlyRefusal(status))
 	_ = c.Close()
-	s.refuse(r, err)
 }
 
 func (s *UnixServer) serveConn(c *net.UnixConn, uid uint32) {
