@@ -99,10 +99,10 @@ var errOverBudget = errors.New("over the proxy's budget of body bytes in flight"
 const bodyChunk = 64 << 10
 
 // takeBody reads the request's body under g into memory, or answers the
-// request itself and reports false: 503 and Retry-After over the budget,
-// 413 over the request's limit (which a streamed body is not held to by
-// the server). The connection is closed on any error: the rest of the
-// body is unread.
+// request itself and reports false: 503 and Retry-After over the budget
+// (once the rest of the body is read and dropped), 413 over the request's
+// limit (which a streamed body is not held to by the server). The
+// connection is closed on any error.
 func (p *Proxy) takeBody(ctx *fasthttp.RequestCtx, g *bodyGrant) bool {
 	stream := ctx.RequestBodyStream()
 	if stream == nil {
@@ -120,6 +120,13 @@ func (p *Proxy) takeBody(ctx *fasthttp.RequestCtx, g *bodyGrant) bool {
 	ctx.SetConnectionClose()
 	switch {
 	case errors.Is(err, errOverBudget):
+		// Read the rest into nothing (a pooled 8 KiB buffer, no grant)
+		// before answering: a client still sending when the proxy closes
+		// with unread bytes gets a reset, not the 503. The read timeout
+		// and the limit bound what this costs.
+		if _, derr := io.Copy(io.Discard, io.LimitReader(stream, int64(max)+1)); derr != nil {
+			return false
+		}
 		ctx.Response.Header.Set(fasthttp.HeaderRetryAfter, "1")
 		writeError(ctx, fasthttp.StatusServiceUnavailable, "ServiceUnavailableError",
 			fmt.Sprintf("the proxy holds its most request-body bytes at once (max_body_bytes %d × max_bodies_in_flight %d); retry shortly",
