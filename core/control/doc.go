@@ -60,8 +60,10 @@
 // another user is not trusted), then, with a secret, a challenge–response
 // HMAC over fresh nonces of both ends proves each holds it; the secret
 // never travels. Refusals are named to the refused end and counted by the
-// server (ServerStats.Refused: unix_uid, unix_conn_cap, unix_handshake and
-// the auth_* reasons of CURVE). Bounds: UnixMaxConns connections, frames
+// server (ServerStats.Refused: unix_uid, unix_conn_cap, unix_uid_cap,
+// unix_handshake and the auth_* reasons of CURVE). The uid is read at
+// accept, so a uid not admitted never holds a place. Bounds: UnixMaxConns
+// connections, UnixMaxConnsPerUID of them per peer uid, frames
 // of at most wire.MaxMessage checked before they are read, a deadline on
 // every handshake, read and write.
 //
@@ -124,13 +126,18 @@
 //
 // # Limits
 //
-// ZMQ_MAXMSGSIZE caps each part of a message; the sockets here also cap
-// the whole message (MaxMessageBytes, and a few parts), reading the parts
-// of a message over the cap into nothing. libzmq itself assembles a whole
-// multipart message before handing over its first part, so a message is
-// bounded inside libzmq only part by part: libzmq has no option that
-// caps the parts of one message (pipe high-water marks count whole
-// messages), so authentication, not the cap, is what keeps strangers from
+// ZMQ_MAXMSGSIZE caps each part of a message at what a control message
+// can be (wire.MaxMessage and a 64 KiB margin): libzmq checks it at the
+// part's header, before allocating it, and disconnects the peer. The
+// sockets here also cap the whole message (MaxMessageBytes, and a few
+// parts), reading the parts of a message over the cap into nothing.
+// libzmq itself assembles a whole multipart message before handing over
+// its first part, so a message is bounded inside libzmq only part by
+// part: libzmq has no option that caps the parts of one message (pipe
+// high-water marks count whole messages, and the parts of one not yet
+// complete count for nothing), so the worst a peer past the handshake can
+// make one connection hold is unbounded in parts, each at most
+// maxFrame; authentication, not a cap, is what keeps strangers from
 // sending one at all. With a secret, configured or per-user (the default
 // of the Python package), a peer must hold it before it can send a frame;
 // under allow_unauthenticated, anybody who reaches the port can make a
@@ -146,8 +153,11 @@
 // have completed it, so a flood of silent connections holds at most the
 // cap and a peer holding the secret still gets in. Each close is counted
 // as ecm_failures_total{component="control",reason="conn_cap"} and in
-// ServerStats.ConnsEvicted. The cap is per socket, not per peer address:
-// a bound socket's monitor names no peer.
+// ServerStats.ConnsEvicted. One peer address holds at most
+// DefaultMaxConnsPerPeer of them (WithMaxConnsPerPeer; the monitor names
+// the descriptor, getpeername(2) its peer), and a flood makes room from
+// its own address's connections (reason conn_cap_peer when the address
+// is over its share).
 //
 // Endpoints are "tcp://host:port" with IPv4, bracketed IPv6 ("tcp://[::1]:5")
 // or a hostname; Endpoint and SplitEndpoint build and parse them. Hostnames

@@ -78,12 +78,12 @@ type guard struct {
 }
 
 // newGuard configures sock (before bind) for sec and bindHost.
-func newGuard(zctx *zmq.Context, sock *zmq.Socket, sec Security, bindHost string, maxConns int, log *slog.Logger) (*guard, error) {
+func newGuard(zctx *zmq.Context, sock *zmq.Socket, sec Security, bindHost string, maxConns, perPeer int, log *slog.Logger) (*guard, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
 	g := &guard{log: log, policy: newPolicy(sec, bindHost), refused: map[string]uint64{}, logged: map[refusal]bool{},
-		conns: newConnCap(maxConns)}
+		conns: newConnCap(maxConns, perPeer)}
 	var err error
 	if g.policy.zap() {
 		var domain string
@@ -127,8 +127,8 @@ func (g *guard) watch() (full bool) {
 	return readEvents(g.mon, func(ev zmq.Event, _ string, value int) {
 		switch {
 		case ev == zmq.EVENT_ACCEPTED:
-			if victim, evict := g.conns.accepted(value); evict {
-				if err := shutdownConn(victim, g.port); err != nil {
+			if victim, why := g.conns.accepted(value, peerOf(value)); why != "" {
+				if err := shutdownConn(victim, g.port, why); err != nil {
 					g.log.Debug("control: connection cap: left a descriptor alone", "err", err)
 				}
 				g.logCapOnce()

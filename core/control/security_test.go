@@ -240,7 +240,34 @@ func TestClientRecoversOnceTheServerIsFixed(t *testing.T) {
 	})
 }
 
-// TestWholeMessageCap sends one message of 16 parts of 30 MiB from a peer
+// TestPartOverWhatControlNeeds: the message of 16 parts of 30 MiB that
+// grew a shard by 447 MB. Its first part announces more than any control
+// message can be (wire.MaxMessage), so libzmq refuses it at the part's
+// header and disconnects the peer before holding the part, nothing
+// reaches the server, and the server goes on serving.
+func TestPartOverWhatControlNeeds(t *testing.T) {
+	zctx := harness(t)
+	srv := startServer(t, zctx, "tcp://127.0.0.1:0", HandlerFunc(statusEcho))
+	peer := dialZMTP(t, portOf(t, srv.Endpoint()))
+
+	const parts, partBytes = 16, 30 << 20
+	sent, err := peer.sendUntilClosed(parts, partBytes)
+	require.Error(t, err, "the server closes the connection")
+	require.Less(t, sent, int64(parts*partBytes), "the server hung up before the message was sent")
+	_, err = peer.r.ReadByte()
+	require.Error(t, err, "no reply: the peer was disconnected")
+
+	st := srv.Stats()
+	require.Zero(t, st.Oversized, "the message never reached the server")
+	require.Zero(t, st.HeldPeak)
+	t.Logf("the peer got %d MiB of a %d MiB message out before the server hung up", sent>>20, parts*partBytes>>20)
+
+	fresh := dialZMTP(t, portOf(t, srv.Endpoint()))
+	fresh.sendStreamed(1, 0) // an empty frame: a reply, so still serving
+	require.Equal(t, wire.CodeBadRequest, fresh.reply().Err.Code)
+}
+
+// TestWholeMessageCap sends one message of 6 parts of 8 MiB from a peer
 // that streams it without holding it, so that only the server's memory is
 // at stake. The server keeps at most the cap and answers too_large.
 func TestWholeMessageCap(t *testing.T) {
@@ -249,7 +276,7 @@ func TestWholeMessageCap(t *testing.T) {
 	peer := dialZMTP(t, portOf(t, srv.Endpoint()))
 	rssBefore := rssBytes(t)
 
-	const parts, partBytes = 16, 30 << 20
+	const parts, partBytes = 6, 8 << 20
 	require.Less(t, partBytes, maxFrame, "each part passes the per-frame cap: only the whole-message cap stops it")
 	peer.sendStreamed(parts, partBytes)
 	rep := peer.reply()
@@ -313,6 +340,30 @@ func (p *zmtpPeer) sendStreamed(n, size int) {
 			require.NoError(p.t, err)
 		}
 	}
+}
+
+// sendUntilClosed sends what sendStreamed does until a write fails, and
+// returns the bytes written and the failure.
+func (p *zmtpPeer) sendUntilClosed(n, size int) (int64, error) {
+	chunk := make([]byte, 1<<20)
+	var sent int64
+	for i := range n {
+		flags := byte(0x03) // long frame, more
+		if i == n-1 {
+			flags = 0x02
+		}
+		if _, err := p.c.Write(binary.BigEndian.AppendUint64([]byte{flags}, uint64(size))); err != nil {
+			return sent, err
+		}
+		for left := size; left > 0; left -= len(chunk) {
+			k, err := p.c.Write(chunk[:min(left, len(chunk))])
+			sent += int64(k)
+			if err != nil {
+				return sent, err
+			}
+		}
+	}
+	return sent, nil
 }
 
 func (p *zmtpPeer) frame() (byte, []byte) {

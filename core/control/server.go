@@ -60,6 +60,7 @@ type ServerOption func(*serverOptions)
 type serverOptions struct {
 	sec      Security
 	maxConns int
+	perPeer  int
 }
 
 // DefaultMaxConns caps the connections of one server socket: producers
@@ -71,6 +72,20 @@ const DefaultMaxConns = 1024
 // given or not positive).
 func WithMaxConns(n int) ServerOption {
 	return func(o *serverOptions) { o.maxConns = n }
+}
+
+// DefaultMaxConnsPerPeer caps the connections of one peer address to one
+// server socket, so that one address cannot take every place of the cap.
+// Same-host peers share 127.0.0.1 (or ::1), so it is also the most
+// producer processes of one host a shard serves over TCP; a quarter of
+// DefaultMaxConns is far beyond that.
+const DefaultMaxConnsPerPeer = DefaultMaxConns / 4
+
+// WithMaxConnsPerPeer caps the connections of one peer address
+// (DefaultMaxConnsPerPeer when not given or not positive, and never
+// above the socket's cap).
+func WithMaxConnsPerPeer(n int) ServerOption {
+	return func(o *serverOptions) { o.perPeer = n }
 }
 
 // WithServerSecurity sets how the socket authenticates its peers; the
@@ -87,6 +102,10 @@ func serverOpts(opts []ServerOption) serverOptions {
 	if o.maxConns <= 0 {
 		o.maxConns = DefaultMaxConns
 	}
+	if o.perPeer <= 0 {
+		o.perPeer = DefaultMaxConnsPerPeer
+	}
+	o.perPeer = min(o.perPeer, o.maxConns)
 	return o
 }
 
@@ -151,7 +170,7 @@ func newGuardedSocket(zctx *zmq.Context, t zmq.Type, o serverOptions, bindHost s
 	if err != nil {
 		return nil, nil, err
 	}
-	g, err := newGuard(zctx, sock, o.sec, bindHost, o.maxConns, log)
+	g, err := newGuard(zctx, sock, o.sec, bindHost, o.maxConns, o.perPeer, log)
 	if err != nil {
 		sock.Close()
 		return nil, nil, err

@@ -36,10 +36,15 @@ const (
 	// ioTimeout is the socket-level receive/send timeout: every receive
 	// and send of an owner is non-blocking, so this is a safety net.
 	ioTimeout = time.Second
-	// maxFrame caps what libzmq accepts in one frame: frames between
-	// wire.MaxMessage and this are read and refused with too_large; a peer
-	// sending more is disconnected unread, which bounds memory.
-	maxFrame = 2 * wire.MaxMessage
+	// maxFrame caps what libzmq accepts in one frame (ZMQ_MAXMSGSIZE),
+	// checked at the frame's header, before libzmq allocates it: a peer
+	// announcing more is disconnected unread. No control message is larger
+	// than wire.MaxMessage (every encoder refuses more; data rides the
+	// data planes), so the cap is that and a margin, in which a frame is
+	// read and refused with too_large, so that a peer a little over the
+	// limit learns why. At twice wire.MaxMessage, one message of 16 parts
+	// of 30 MiB grew a shard by 447 MB before any check.
+	maxFrame = wire.MaxMessage + 64<<10
 	// recvBatch bounds how many messages an owner handles per step so a
 	// busy peer cannot starve Close or the other socket.
 	recvBatch = 256

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"maps"
 	"net"
+	"os"
 	"strings"
 	"sync"
 	"time"
@@ -19,8 +20,12 @@ import (
 
 // Bounds of the Unix control path.
 const (
-	// UnixMaxConns caps the connections one Unix server holds at once.
-	UnixMaxConns = 64
+	// UnixMaxConns caps the connections one Unix server holds at once,
+	// and UnixMaxConnsPerUID those of one peer uid (SO_PEERCRED), so that
+	// of the uids admitted (this process's and root's) one cannot take
+	// every place. A client holds one connection per server.
+	UnixMaxConns       = 64
+	UnixMaxConnsPerUID = UnixMaxConns / 2
 	// unixHandshakeTimeout bounds the admission of one connection.
 	unixHandshakeTimeout = 2 * time.Second
 	// unixClientIdle: a client closes a connection idle this long, before
@@ -76,8 +81,10 @@ func isLocalHost(host string) bool {
 
 // unixOptions are the test seams of the Unix path.
 type unixOptions struct {
-	allowed  func(uid uint32) bool // the uid rule; sameUser unless a test says
-	maxConns int
+	allowed   func(uid uint32) bool // the uid rule; sameUser unless a test says
+	uidOf     func(*net.UnixConn) (uint32, error)
+	maxConns  int
+	maxPerUID int
 	// writeTimeout bounds one write of events to a subscriber.
 	writeTimeout time.Duration
 	// eventQueue bounds the events held for one subscriber connection.
@@ -85,7 +92,8 @@ type unixOptions struct {
 }
 
 func defaultUnixOptions() unixOptions {
-	return unixOptions{allowed: sameUser, maxConns: UnixMaxConns, writeTimeout: unixWriteTimeout, eventQueue: EventQueue}
+	return unixOptions{allowed: sameUser, uidOf: peerUID, maxConns: UnixMaxConns, maxPerUID: UnixMaxConnsPerUID,
+		writeTimeout: unixWriteTimeout, eventQueue: EventQueue}
 }
 
 // serialHandler calls h one request at a time for every server sharing
@@ -115,6 +123,7 @@ type UnixServer struct {
 
 	mu     sync.Mutex
 	conns  map[*net.UnixConn]struct{}
+	uids   map[uint32]int // connections by peer uid
 	closed bool
 	stats  ServerStats
 	wg     sync.WaitGroup
@@ -136,13 +145,19 @@ func listenUnix(name string, h Handler, sec Security, log *slog.Logger, opt unix
 	if log == nil {
 		log = slog.Default()
 	}
+	if opt.uidOf == nil {
+		opt.uidOf = peerUID
+	}
+	if opt.maxPerUID <= 0 {
+		opt.maxPerUID = UnixMaxConnsPerUID
+	}
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: name, Net: "unix"})
 	if err != nil {
 		return nil, fmt.Errorf("control: unix listen %s: %w", name, err)
 	}
 	s := &UnixServer{
 		name: name, ln: ln, h: h, key: unixKey(sec), opt: opt, log: log,
-		conns: map[*net.UnixConn]struct{}{},
+		conns: map[*net.UnixConn]struct{}{}, uids: map[uint32]int{},
 		stats: ServerStats{Errors: map[string]uint64{}, Refused: map[string]uint64{}},
 	}
 	s.wg.Add(1)
@@ -206,28 +221,48 @@ func (s *UnixServer) accept() {
 			time.Sleep(10 * time.Millisecond)
 			continue
 		}
+		// The peer's uid is known at accept (SO_PEERCRED is the
+		// connector's, fixed at connect): a uid that is not admitted, or
+		// over its share, never holds a place.
+		uid, err := s.opt.uidOf(c)
+		if err != nil || !s.opt.allowed(uid) {
+			s.refuseEarly(c, unixRefusedUID, refusedUnixUID, fmt.Errorf("control: unix peer uid %d (err %v), this process's %d: %w", uid, err, os.Getuid(), ErrAuth))
+			continue
+		}
 		s.mu.Lock()
 		switch {
 		case s.closed:
 			s.mu.Unlock()
 			_ = c.Close()
 			return
+		case s.uids[uid] >= s.opt.maxPerUID:
+			s.mu.Unlock()
+			s.refuseEarly(c, unixRefusedBusy, refusedUnixUIDCap, fmt.Errorf("uid %d has %d connections open, its share of the cap", uid, s.opt.maxPerUID))
+			continue
 		case len(s.conns) >= s.opt.maxConns:
 			s.mu.Unlock()
-			_ = c.SetWriteDeadline(time.Now().Add(unixWriteTimeout))
-			_, _ = c.Write(unixEarlyRefusal(unixRefusedBusy))
-			_ = c.Close()
-			s.refuse(refusedUnixConnCap, fmt.Errorf("%d connections open, the cap", s.opt.maxConns))
+			s.refuseEarly(c, unixRefusedBusy, refusedUnixConnCap, fmt.Errorf("%d connections open, the cap", s.opt.maxConns))
 			continue
 		}
 		s.conns[c] = struct{}{}
+		s.uids[uid]++
 		s.wg.Add(1)
 		s.mu.Unlock()
-		go s.serveConn(c)
+		go s.serveConn(c, uid)
 	}
 }
 
-func (s *UnixServer) serveConn(c *net.UnixConn) {
+// refuseEarly counts the refusal, then tells c why it is not admitted,
+// in place of the hello, and closes it: whoever sees the refusal sees it
+// counted. Not under mu.
+func (s *UnixServer) refuseEarly(c *net.UnixConn, status byte, r refusal, err error) {
+	s.refuse(r, err)
+	_ = c.SetWriteDeadline(time.Now().Add(unixWriteTimeout))
+	_, _ = c.Write(unixEarlyRefusal(status))
+	_ = c.Close()
+}
+
+func (s *UnixServer) serveConn(c *net.UnixConn, uid uint32) {
 	defer s.wg.Done()
 	defer func() {
 		if r := recover(); r != nil {
@@ -235,6 +270,9 @@ func (s *UnixServer) serveConn(c *net.UnixConn) {
 		}
 		s.mu.Lock()
 		delete(s.conns, c)
+		if s.uids[uid]--; s.uids[uid] == 0 {
+			delete(s.uids, uid)
+		}
 		s.mu.Unlock()
 		_ = c.Close()
 	}()

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"net"
+	"os"
 	"sync"
 	"testing"
 	"time"
@@ -183,6 +184,48 @@ func TestUnixConnCap(t *testing.T) {
 	require.EqualValues(t, 1, unixServed(srv))
 	require.EqualValues(t, 1, srv.Stats().Refused["unix_conn_cap"])
 	require.EqualValues(t, 1, secondLinks.Fallbacks()["busy"])
+}
+
+// TestUnixCapPerUID: an admitted uid that opens and idles connections
+// holds at most its share of the cap; the ones beyond are refused at
+// accept (SO_PEERCRED), counted as unix_uid_cap, and another uid still
+// gets in over Unix. Which uid a connection has is the test's seam: the
+// first four are another uid's, admitted as root's would be.
+func TestUnixCapPerUID(t *testing.T) {
+	const attacker = 4242
+	var mu sync.Mutex
+	accepted := 0
+	opt := defaultUnixOptions()
+	opt.maxConns, opt.maxPerUID = 4, 2
+	opt.allowed = func(uint32) bool { return true }
+	opt.uidOf = func(*net.UnixConn) (uint32, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		accepted++
+		if accepted <= 4 {
+			return attacker, nil
+		}
+		return uint32(os.Getuid()), nil
+	}
+	srv := serveOn(t, unixLinks(t, "", opt))
+	name := srv.(*dualServer).unix.Endpoint()
+	var admitted int
+	for range 4 {
+		c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: name, Net: "unix"})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = c.Close() })
+		require.NoError(t, c.SetDeadline(time.Now().Add(settle)))
+		if clientHandshake(c, nil, sameUser) == nil {
+			admitted++
+		}
+	}
+	require.Equal(t, 2, admitted, "the attacking uid holds its share and no more")
+	require.EqualValues(t, 2, srv.Stats().Refused["unix_uid_cap"])
+
+	l := unixLinks(t, "", defaultUnixOptions())
+	require.NoError(t, statusCall(dialOn(t, l, srv.Endpoint()), "a"))
+	require.EqualValues(t, 1, unixServed(srv), "the other uid was served over Unix")
+	require.Empty(t, l.Fallbacks())
 }
 
 // rawUnix connects to name and passes the handshake without a secret.

@@ -71,6 +71,8 @@ const (
 	refusedUnixUID refusal = "unix_uid"
 	// A connection beyond the cap of concurrent connections.
 	refusedUnixConnCap refusal = "unix_conn_cap"
+	// A connection beyond its uid's share of that cap.
+	refusedUnixUIDCap refusal = "unix_uid_cap"
 	// A handshake that was not ours, or not done by its deadline.
 	refusedUnixHandshake refusal = "unix_handshake"
 )

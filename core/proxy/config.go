@@ -47,6 +47,10 @@ type Config struct {
 	UpstreamIdleTimeoutS float64 `json:"upstream_idle_timeout_s"`
 	DefaultTTLS          float64 `json:"registration_ttl_s"`
 	MaxBodyBytes         int     `json:"max_body_bytes"`
+	// MaxBodiesInFlight × MaxBodyBytes is the budget of request-body bytes
+	// the proxy holds across all requests at once; a body that would take
+	// it over is refused with 503 and Retry-After.
+	MaxBodiesInFlight int `json:"max_bodies_in_flight"`
 	// AllowRegister enables POST /v1/ecm/register and /v1/ecm/deregister
 	// once RegisterToken is set; false keeps them off even with a token.
 	AllowRegister bool `json:"allow_register"`
@@ -66,7 +70,7 @@ func DefaultConfig() Config {
 	return Config{
 		Host: "0.0.0.0", Port: 8000, Retries: 2, ECPort: 14579,
 		EncodeTimeoutS: 60, RequestTimeoutS: 600, HealthIntervalS: 2, FailThreshold: 3, UpstreamIdleTimeoutS: 4,
-		DefaultTTLS: discovery.DefaultTTL.Seconds(), MaxBodyBytes: 256 << 20, AllowRegister: true,
+		DefaultTTLS: discovery.DefaultTTL.Seconds(), MaxBodyBytes: 256 << 20, MaxBodiesInFlight: 8, AllowRegister: true,
 	}
 }
 
@@ -83,6 +87,9 @@ func DecodeConfig(raw []byte) (Config, error) {
 	}
 	return c, c.Validate()
 }
+
+// bodyBudget is the bytes of request bodies held at once, all requests together.
+func (c Config) bodyBudget() int64 { return int64(c.MaxBodiesInFlight) * int64(c.MaxBodyBytes) }
 
 func (c Config) encodeTimeout() time.Duration  { return secs(c.EncodeTimeoutS) }
 func (c Config) requestTimeout() time.Duration { return secs(c.RequestTimeoutS) }
@@ -125,6 +132,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: fail_threshold = %d; want at least 1", ErrInvalid, c.FailThreshold)
 	case c.MaxBodyBytes < 1<<10:
 		return fmt.Errorf("%w: max_body_bytes = %d; want at least 1024", ErrInvalid, c.MaxBodyBytes)
+	case c.MaxBodiesInFlight < 1 || int64(c.MaxBodiesInFlight)*int64(c.MaxBodyBytes) > 1<<40:
+		return fmt.Errorf("%w: max_bodies_in_flight = %d; want at least 1, and max_bodies_in_flight × max_body_bytes at most 1 TiB", ErrInvalid, c.MaxBodiesInFlight)
 	case c.Split() && len(c.PD) > 0:
 		return fmt.Errorf("%w: give either pd or prefill+decode backends, not both", ErrInvalid)
 	case c.Split() && (len(c.Prefill) == 0) != (len(c.Decode) == 0):

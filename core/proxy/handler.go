@@ -32,13 +32,22 @@ func (p *Proxy) handle(ctx *fasthttp.RequestCtx) {
 			writeError(ctx, fasthttp.StatusInternalServerError, "InternalServerError", fmt.Sprintf("proxy internal error: %v", r))
 		}
 	}()
+	g := p.bodies.open()
+	defer func() {
+		if !g.passed {
+			g.release()
+		}
+	}()
+	if !p.takeBody(ctx, g) {
+		return
+	}
 	path := string(ctx.Path())
 	post := ctx.IsPost()
 	switch {
 	case post && path == "/v1/chat/completions":
-		p.serveGenerate(ctx, "chat", true)
+		p.serveGenerate(ctx, "chat", true, g)
 	case post && path == "/v1/completions":
-		p.serveGenerate(ctx, "completions", false)
+		p.serveGenerate(ctx, "completions", false, g)
 	case path == "/health":
 		p.serveHealth(ctx)
 	case path == "/metrics":
@@ -135,7 +144,9 @@ type answer struct {
 	pdStart time.Time
 }
 
-func (p *Proxy) serveGenerate(ctx *fasthttp.RequestCtx, route string, chat bool) {
+// serveGenerate answers a generate call; g, its body's share of the
+// budget, goes to the stream writer when the answer is streamed.
+func (p *Proxy) serveGenerate(ctx *fasthttp.RequestCtx, route string, chat bool, g *bodyGrant) {
 	c := &call{p: p, route: route, path: string(ctx.Path()), id: p.newID(), start: time.Now()}
 	body := append([]byte(nil), ctx.PostBody()...)
 	r, err := parseRequest(body, chat)
@@ -180,9 +191,11 @@ func (p *Proxy) serveGenerate(ctx *fasthttp.RequestCtx, route string, chat bool)
 		return
 	}
 	ctx.Response.Header.Set("Cache-Control", "no-cache")
+	releaseBody := g.pass()
 	ctx.SetBodyStreamWriter(func(w *bufio.Writer) {
 		defer p.recover("stream")
 		defer func() {
+			releaseBody()
 			stopWatch()
 			c.cancel()
 			ans.x.Close()

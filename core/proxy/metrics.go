@@ -50,6 +50,18 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 			"Register and deregister calls refused, by op and reason: off (no register token, or allow_register false), unauthenticated (no bearer token), bad_token, static (would replace or remove a static backend), invalid (a malformed registration), too_large (a body above 64 KiB).",
 			"op", "reason"),
 	}
+	bodies := []prometheus.Collector{
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ecm_proxy_body_bytes_in_flight",
+			Help: "Request-body bytes the proxy holds now, all requests together; at most max_body_bytes × max_bodies_in_flight."},
+			func() float64 { return float64(p.bodies.held()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ecm_proxy_body_bytes_in_flight_peak",
+			Help: "The most request-body bytes the proxy has held at once since it started."},
+			func() float64 { return float64(p.bodies.peak()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ecm_proxy_body_refusals_total",
+			Help: "Requests refused with 503 because their body would take the proxy over max_body_bytes × max_bodies_in_flight."},
+			func() float64 { return float64(p.bodies.refused()) }),
+	}
+	m.reg.MustRegister(bodies...)
 	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.derived, m.retries, m.redials, m.checks, m.encodes, m.gone, m.registers, m.refusals, backendCollector{p})
 	m.gatherer = prometheus.Gatherers{m.reg, metrics.Registry()}
 	return m

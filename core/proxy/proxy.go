@@ -32,6 +32,7 @@ type Proxy struct {
 	enc, pd, prefill, dec *pool
 
 	auth    adminAuth
+	bodies  *bodyBudget
 	refused ratelog.Limiter
 
 	ln         net.Listener
@@ -77,7 +78,7 @@ func Open(cfg Config, log *slog.Logger) (p *Proxy, err error) {
 	p = &Proxy{
 		cfg: cfg, log: log.With("role", "proxy"), idBase: hex.EncodeToString(idb[:]),
 		stop: make(chan struct{}),
-		auth: newAdminAuth(cfg.RegisterToken),
+		auth: newAdminAuth(cfg.RegisterToken), bodies: newBodyBudget(cfg.bodyBudget()),
 	}
 	p.m = newProxyMetrics(p)
 	up := upstreamConfig{idleTimeout: cfg.upstreamIdleTimeout(), redialed: func(role string) { p.m.redials.WithLabelValues(role).Inc() }}
@@ -134,9 +135,12 @@ func Open(cfg Config, log *slog.Logger) (p *Proxy, err error) {
 		}
 	}
 	p.srv = &fasthttp.Server{
-		Name:                          "ecmooncake-proxy",
-		Handler:                       p.handle,
-		MaxRequestBodySize:            cfg.MaxBodyBytes,
+		Name:               "ecmooncake-proxy",
+		Handler:            p.handle,
+		MaxRequestBodySize: cfg.MaxBodyBytes,
+		// The handler reads each body under the budget of body bytes in
+		// flight (takeBody), as it arrives.
+		StreamRequestBody:             true,
 		ReadTimeout:                   time.Minute,
 		IdleTimeout:                   90 * time.Second,
 		NoDefaultServerHeader:         true,

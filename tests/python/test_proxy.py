@@ -148,6 +148,23 @@ def test_upstream_idle_timeout_reaches_the_config(library):
     Proxy(cfg).close()
 
 
+def test_body_budget_reaches_the_config(library):
+    import argparse
+
+    from ecmooncake.tools.proxy import add_proxy_arguments, proxy_config
+
+    p = argparse.ArgumentParser()
+    add_proxy_arguments(p)
+    cfg = proxy_config(p.parse_args([]))
+    assert (cfg["max_body_bytes"], cfg["max_bodies_in_flight"]) == (256 << 20, 8)
+    cfg = proxy_config(p.parse_args(["--pd", "http://127.0.0.1:1", "--host", "127.0.0.1", "--port", "0",
+                                     "--max-body-bytes", str(1 << 20), "--max-bodies-in-flight", "3"]))
+    assert (cfg["max_body_bytes"], cfg["max_bodies_in_flight"]) == (1 << 20, 3)
+    Proxy(cfg).close()
+    with pytest.raises(EcmInvalid, match="max_bodies_in_flight"):
+        Proxy({**cfg, "max_bodies_in_flight": 0})
+
+
 def test_metrics_text(library):
     text = metrics_text()
     assert "# TYPE go_goroutines gauge" in text

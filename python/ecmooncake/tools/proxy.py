@@ -48,6 +48,14 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
         ("--upstream-idle-timeout", 4.0, "seconds a backend connection may sit idle before the proxy closes it; keep it "
          "below the backends' own keep-alive (vLLM: 5 s)"),
     )
+    p.add_argument("--max-body-bytes", type=int, default=256 << 20, help="largest request body, in bytes; a larger one is answered 413 (default %(default)s)")
+    p.add_argument(
+        "--max-bodies-in-flight",
+        type=int,
+        default=8,
+        help="the proxy holds at most --max-body-bytes × this many bytes of request bodies at once, all requests "
+        "together; a body that would take it over is answered 503 with Retry-After (default %(default)s)",
+    )
     p.add_argument("--no-register", action="store_true", help="refuse POST /v1/ecm/register even with a register token (static lists only)")
     add_token_arguments(p, name="register-token", env=REGISTER_TOKEN_ENV, what="the register token", file_help=(
         f"file holding the bearer token that register and deregister calls must carry (default: ${REGISTER_TOKEN_ENV}; "
@@ -76,6 +84,7 @@ def settings_of(args: argparse.Namespace, same: str, **renamed: str) -> dict[str
 
 def proxy_config(args: argparse.Namespace, token: str | None = None) -> dict[str, Any]:
     same = "host port metrics_port encode pd prefill decode retries ec_port fail_threshold admin_port admin_host"
+    same += " max_body_bytes max_bodies_in_flight"
     return settings_of(
         args,
         same,
