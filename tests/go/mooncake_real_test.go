@@ -116,7 +116,7 @@ func TestMooncakeRoundTripsEveryByteOnEveryShard(t *testing.T) {
 // 3 x 64 MiB to both shards: each restart's engine publishes a fresh
 // segment and the producer must write to it, not to a vanished one (with
 // the HTTP store, a lookup of a vanished segment answers 404). The last
-// push must be done. The lease is the harness's generous one: with a 4 s
+// push must be done. The lease is generous: with a 4 s
 // lease both modes outlived it on a 2-core machine under load (-race, load
 // average 25; 9 s for 384 MiB over the engine's TCP), so a short lease here
 // would measure the machine, not the restart. So would the harness's 20 s
