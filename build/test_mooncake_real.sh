@@ -10,7 +10,9 @@
 #
 # ECMOONCAKE_REQUIRE_MOONCAKE=1 (test.sh sets it) makes a missing or
 # unsupported wheel a failure; otherwise the run is skipped, saying so.
-# Needs root (unshare --net) and iproute2.
+# Needs root (unshare --net) and iproute2. ECMOONCAKE_MOONCAKE_RUN=REGEX
+# runs only the tests/go scenarios it matches, verbosely (while working on
+# one of them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -59,6 +61,7 @@ echo "== go test -race, mooncake against the real engine ($engine, wheel $versio
 
 export ECMOONCAKE_MOONCAKE_LIBRARY=$shim ECMOONCAKE_MOONCAKE_ENGINE=$engine ECMOONCAKE_MOONCAKE_PROTOCOL=tcp
 export ECMOONCAKE_REQUIRE_MOONCAKE=$require PYTHON=$python
+export ECMOONCAKE_MOONCAKE_RUN=${ECMOONCAKE_MOONCAKE_RUN:-}
 # The namespace lives as long as the one command unshare runs; the veth
 # pair and every socket go with it.
 unshare --net bash -s "$work" <<'EOF'
@@ -72,8 +75,12 @@ ip link set ecm1 up
 ( while :; do ss -Htanp >>"$work/ss" 2>/dev/null; sleep 0.2; done ) &
 sampler=$!
 rc=0
-go test -race -count=1 -timeout 20m ./core/transport/mooncake/ || rc=$?
-go test -race -count=1 -timeout 20m -run 'Mooncake|IdleShardRestart/mooncake' ./tests/go/ || rc=$?
+if [ -n "$ECMOONCAKE_MOONCAKE_RUN" ]; then
+  go test -race -count=1 -timeout 20m -v -run "$ECMOONCAKE_MOONCAKE_RUN" ./tests/go/ || rc=$?
+else
+  go test -race -count=1 -timeout 20m ./core/transport/mooncake/ || rc=$?
+  go test -race -count=1 -timeout 20m -run 'Mooncake|IdleShardRestart/mooncake' ./tests/go/ || rc=$?
+fi
 kill "$sampler"
 wait "$sampler" 2>/dev/null || true
 exit $rc

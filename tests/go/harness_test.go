@@ -37,6 +37,9 @@ type cluster struct {
 	sched    *scheduler.Scheduler
 	prod     *node.Producer
 	consumer string // control endpoint of shard 0
+	// closing, when set, runs as the cluster's cleanup begins, before any
+	// node is closed.
+	closing func()
 }
 
 type clusterOpts struct {
@@ -200,6 +203,9 @@ func (c *cluster) restart(r int) {
 }
 
 func (c *cluster) close() {
+	if c.closing != nil {
+		c.closing()
+	}
 	if c.prod != nil {
 		require.NoError(c.t, c.prod.Close())
 	}
