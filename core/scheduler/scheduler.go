@@ -46,7 +46,12 @@ type Scheduler struct {
 	links   control.Links
 	sub     control.Subscriber
 	cancels []chan []string // per shard
-	ticks   *due.Loop
+	// answered counts, per shard, the heartbeats it answered: a caller
+	// that saw the network heal waits for one more to know that no probe
+	// sent before the heal can still declare the shard lost (a follow
+	// goroutine has one probe in flight at a time).
+	answered []atomic.Uint64
+	ticks    *due.Loop
 	// life ends at Close: it stops the goroutines, and a control call in
 	// flight returns at once instead of at its deadline. Ended and ended
 	// under mu.
@@ -103,6 +108,7 @@ func Open(cfg config.Scheduler, opt Options) (_ *Scheduler, err error) {
 	s.wg.Add(2)
 	go s.pump()
 	go s.ticker()
+	s.answered = make([]atomic.Uint64, len(shards))
 	for i, ep := range shards {
 		ch := make(chan []string, 64)
 		s.cancels = append(s.cancels, ch)
@@ -318,6 +324,7 @@ func (s *Scheduler) heartbeat(rank int, client control.Caller, log *slog.Logger,
 		return false
 	}
 	life.misses = 0
+	s.answered[rank].Add(1)
 	s.noteEpoch(rank, log, life, rep.Epoch)
 	if err := s.sub.Connect(rep.Endpoint); err != nil {
 		log.Warn("cannot follow the shard's events", "events", rep.Endpoint, "cause", err)

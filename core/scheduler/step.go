@@ -212,6 +212,9 @@ type Stats struct {
 	// Phases are this process's timings of the readiness path (package
 	// metrics); event_delivery is the scheduler's part.
 	Phases map[string]metrics.PhaseStat `json:"phases,omitempty"`
+	// HeartbeatsAnswered counts, per shard (TP rank), the liveness probes
+	// it answered.
+	HeartbeatsAnswered []uint64 `json:"heartbeats_answered"`
 }
 
 // Stats returns a snapshot.
@@ -219,6 +222,9 @@ func (s *Scheduler) Stats() Stats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	st := Stats{Table: s.table.Stats(), Resynced: s.resynced, Events: s.sub.Stats(), Shards: s.Shards(), Phases: metrics.Phases()}
+	for i := range s.answered {
+		st.HeartbeatsAnswered = append(st.HeartbeatsAnswered, s.answered[i].Load())
+	}
 	if rc, ok := s.links.(control.RefusalCounter); ok {
 		st.ControlRefused = rc.Refused()
 	}

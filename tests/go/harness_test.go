@@ -359,3 +359,23 @@ func tids(items []item) []string {
 }
 
 func metaOf(it item) string { return fmt.Sprintf(`{"dtype":"uint8","shape":[%d]}`, len(it.data)) }
+
+// awaitHeartbeats waits until every shard has answered one more heartbeat
+// than it had when called. After a fault has healed (a restart, a cut
+// link), a probe sent during the fault can still time out and declare a
+// shard lost, failing whatever was registered in the meantime; a
+// scheduler follows each shard with one probe in flight at a time, so once
+// every shard has answered a probe sent after the heal, none can.
+func awaitHeartbeats(t *testing.T, s *scheduler.Scheduler) {
+	t.Helper()
+	before := s.Stats().HeartbeatsAnswered
+	require.Eventually(t, func() bool {
+		now := s.Stats().HeartbeatsAnswered
+		for i := range before {
+			if now[i] <= before[i] {
+				return false
+			}
+		}
+		return true
+	}, 60*time.Second, 20*time.Millisecond, "every shard answers a heartbeat once the fault is over")
+}

@@ -107,6 +107,7 @@ func TestInmemClusterSurvivesPartitionsAndDelays(t *testing.T) {
 			c.data.SetDelay(c.addrs[1], 0)
 			c.guard.off()
 			c.requireReclaimed()
+			awaitHeartbeats(t, c.sched)
 
 			next := makeItems(uint64(200+i), 8, 1<<10, 256<<10, 0)
 			c.push("req-after", next)

@@ -32,6 +32,7 @@ func TestIdleShardRestart(t *testing.T) {
 			c.verify(before)
 
 			c.restart(1)
+			awaitHeartbeats(t, c.sched)
 
 			after := makeItems(seed+1, 3, 1000, 1<<20, 0)
 			out := c.pushAll("req-after", after)
