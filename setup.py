@@ -1,11 +1,13 @@
 """Packaging hooks: build_py builds libecmooncake.so and the ecm-ceiling command
-(the benchmarks' TCP ceiling, started by ecmooncake.tools.ceiling) into the package,
-and the wheel is tagged for the platform because it carries native code.
+(the benchmarks' TCP ceiling, started by ecmooncake.tools.ceiling) into the package
+(or copies an earlier build from $ECMOONCAKE_PREBUILT), and the wheel is tagged
+for the platform because it carries native code.
 
 Metadata lives in pyproject.toml.
 """
 
 import importlib.util
+import os
 from pathlib import Path
 
 from setuptools import Distribution, setup
@@ -35,7 +37,12 @@ class BuildPyWithLibrary(build_py):
             out = ROOT / "python" / "ecmooncake"
         else:
             out = Path(self.build_lib) / "ecmooncake"
-        _build_lib_module().build(out)
+        build_lib = _build_lib_module()
+        prebuilt = os.environ.get(build_lib.PREBUILT_ENV)
+        if prebuilt:
+            build_lib.copy_prebuilt(prebuilt, out)
+        else:
+            build_lib.build(out)
 
 
 class BinaryDistribution(Distribution):

@@ -13,6 +13,11 @@ needs neither cgo nor libzmq), and compiles the shim that carries the
 ($CXX); without a C++ compiler the shim is left out, said on stderr, and
 ``python -m ecmooncake doctor`` says so too. setup.py imports this file for ``pip install``,
 so it uses the standard library only.
+
+With ``$ECMOONCAKE_PREBUILT`` naming the folder of an earlier build (what
+``--out`` wrote), setup.py packages that build instead of building again:
+build/wheel.sh and its test reuse the library the tests already load rather
+than spend minutes relinking it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ SHIM_SOURCE = ROOT / "core" / "transport" / "mooncake" / "shim" / "ecm_mooncake_
 SHIM_FLAGS = ["-std=c++17", "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
 ZMQ_HINT = "install libzmq and its headers (Debian/Ubuntu: apt-get install libzmq3-dev)"
 INCLUDE_DIRS = [Path("/usr/include"), Path("/usr/local/include")]
+PREBUILT_ENV = "ECMOONCAKE_PREBUILT"
 
 
 class BuildError(RuntimeError):
@@ -108,6 +114,35 @@ def build(out_dir: Path | str = PACKAGE_DIR, verbose: bool = True) -> Path:
     build_ceiling(out_dir, go, verbose)
     build_shim(out_dir, verbose)
     return target
+
+
+def copy_prebuilt(src_dir: Path | str, out_dir: Path | str, verbose: bool = True) -> Path:
+    """Copies an earlier build's library, ecm-ceiling and shim from src_dir
+    into out_dir and returns the library's path. The library and ecm-ceiling
+    must be there; a missing shim is left out, said on stderr, as build()
+    does without a C++ compiler."""
+    src_dir, out_dir = Path(src_dir).resolve(), Path(out_dir).resolve()
+    missing = [name for name in (LIBRARY_NAME, CEILING_NAME) if not (src_dir / name).is_file()]
+    if missing:
+        raise BuildError(
+            f"${PREBUILT_ENV}={src_dir} lacks {' and '.join(missing)}: "
+            f"run 'python build/build_lib.py --out {src_dir}' first, or unset {PREBUILT_ENV} to build from source"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in (LIBRARY_NAME, CEILING_NAME, SHIM_NAME):
+        source = src_dir / name
+        if not source.is_file():
+            print(
+                f"build_lib: {source} is absent: {SHIM_NAME} not packaged, so the mooncake transport "
+                "cannot use a Mooncake pip wheel",
+                file=sys.stderr,
+            )
+            continue
+        if source != out_dir / name:
+            if verbose:
+                print(f"+ cp {source} {out_dir / name}", file=sys.stderr, flush=True)
+            shutil.copy2(source, out_dir / name)
+    return out_dir / LIBRARY_NAME
 
 
 def build_shim(out_dir: Path, verbose: bool = True) -> Path | None:

@@ -3,11 +3,14 @@
 #
 #   bash build/gpu_run.sh pack        on the CPU build machine: puts what a
 #                                     GPU host lacks into .artifacts/ (the
-#                                     library and ecm-ceiling beside it,
-#                                     libzmq and the libraries it loads, the
+#                                     manylinux wheel of build/wheel.sh,
+#                                     with the library, ecm-ceiling and
+#                                     libzmq with what it loads inside; the
 #                                     Go test binary of core/cuda)
 #   bash build/gpu_run.sh run [DIR]   on a host with a GPU, from a copy of the
-#                                     working tree plus .artifacts/: the Go
+#                                     working tree plus .artifacts/: installs
+#                                     the wheel into .artifacts/site (pip
+#                                     --target, no index), then the Go
 #                                     GPU tests, the Python GPU tests (the
 #                                     connector's with CUDA tensors too), the
 #                                     GPU benchmark (its cuda_ipc phases with
@@ -24,27 +27,38 @@
 #                                     ratio is above 1.02 (the ceiling was
 #                                     not one).
 #
-# The GPU host needs python3 with PyTorch (CUDA), numpy and pytest, and
-# libcuda.so.1 on the loader path; no Go, no libzmq, no network. Never ship
-# the build machine's libstdc++ or libgcc_s: PyTorch needs the host's newer
-# ones. Exit status: 0 when every step passed.
+# The GPU host needs python3 with pip, PyTorch (CUDA), numpy and pytest,
+# glibc 2.35 or newer (the wheel's manylinux_2_35 tag: Ubuntu 22.04 and
+# later) and libcuda.so.1 on the loader path; no Go, no libzmq, no network.
+# The wheel never carries the build machine's libstdc++ or libgcc_s:
+# PyTorch needs the host's newer ones. Exit status: 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ART=${ECM_ARTIFACTS:-$PWD/.artifacts}
-# What libzmq.so.5 loads that a fresh Ubuntu lacks.
-ZMQ_LIBS="libzmq.so.5 libsodium.so.23 libpgm-5.3.so.0 libnorm.so.1 libbsd.so.0 libmd.so.0"
+SITE="$ART/site"
 
 pack() {
 	set -e
 	mkdir -p "$ART"
-	python3 build/build_lib.py --out "$ART" >/dev/null
-	for lib in $ZMQ_LIBS; do
-		path=$(ldd "$ART/libecmooncake.so" | awk -v l="$lib" '$1 == l { print $3 }')
-		[ -n "$path" ] || { echo "gpu_run: $lib not found by ldd" >&2; exit 1; }
-		[ "$path" -ef "$ART/$lib" ] || cp -L "$path" "$ART/$lib"
-	done
+	# What earlier packs copied by hand, so that nothing loose is loaded.
+	rm -f "$ART"/libecmooncake.so "$ART"/libecmooncake_mooncake.so "$ART"/ecm-ceiling \
+		"$ART"/libzmq.so.5 "$ART"/libsodium.so.23 "$ART"/libpgm-5.3.so.0 "$ART"/libnorm.so.1 "$ART"/libbsd.so.0 "$ART"/libmd.so.0
+	rm -rf "$SITE"
+	bash build/wheel.sh "$ART" >/dev/null
 	CGO_ENABLED=1 go test -c -o "$ART/cuda.test" ./core/cuda
 	ls -l "$ART"
+}
+
+# install puts the packed wheel into $SITE, as pip would on any host: no
+# index, no dependencies (the host's numpy and PyTorch are used).
+install() {
+	local wheels=("$ART"/ecmooncake-*.whl)
+	[ -f "${wheels[0]}" ] || { echo "gpu_run: no ecmooncake wheel in $ART: run 'bash build/gpu_run.sh pack' on the build machine" >&2; return 1; }
+	[ "${#wheels[@]}" = 1 ] || { echo "gpu_run: more than one wheel in $ART: ${wheels[*]}" >&2; return 1; }
+	python3 -m pip install -q --no-index --no-deps --upgrade --target "$SITE" "${wheels[0]}" || return 1
+	export ECMOONCAKE_LIBRARY="$SITE/ecmooncake/libecmooncake.so" ECMOONCAKE_CEILING="$SITE/ecmooncake/ecm-ceiling"
+	export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+	echo "== installed ${wheels[0]##*/} into $SITE"
 }
 
 declare -a NAMES RESULTS DETAILS
@@ -64,8 +78,8 @@ summary() {
 run() {
 	local out=${1:-/tmp/ecm-gpu-run} rc=0 log
 	mkdir -p "$out"
-	export ECMOONCAKE_LIBRARY="$ART/libecmooncake.so" PYTHONUNBUFFERED=1
-	export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+	install || return 1
+	export PYTHONUNBUFFERED=1
 
 	echo "== host"
 	nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
@@ -138,8 +152,8 @@ PY
 tcp() {
 	local out=${1:-/tmp/ecm-tcp-run} rc=0 log step
 	mkdir -p "$out"
-	export ECMOONCAKE_LIBRARY="$ART/libecmooncake.so" ECMOONCAKE_CEILING="$ART/ecm-ceiling" PYTHONUNBUFFERED=1
-	export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+	install || return 1
+	export PYTHONUNBUFFERED=1
 	echo "== host: $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
 	# name, then the command; its log is $out/name.log
 	for step in \

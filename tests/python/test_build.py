@@ -70,3 +70,22 @@ def test_missing_c_compiler_is_named(build_lib, tmp_path):
 
 def test_go_header_is_not_left_beside_the_library(library):
     assert not library.with_suffix(".h").exists()
+
+
+def test_prebuilt_without_the_library_is_named(build_lib, tmp_path):
+    (tmp_path / "prebuilt").mkdir()
+    (tmp_path / "prebuilt" / "ecm-ceiling").write_text("")
+    with pytest.raises(build_lib.BuildError, match=r"lacks libecmooncake\.so: run 'python build/build_lib.py --out"):
+        build_lib.copy_prebuilt(tmp_path / "prebuilt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_prebuilt_is_copied_and_a_missing_shim_said(build_lib, tmp_path, capsys):
+    src = tmp_path / "prebuilt"
+    src.mkdir()
+    for name in ("libecmooncake.so", "ecm-ceiling"):
+        (src / name).write_text(name)
+    assert build_lib.copy_prebuilt(src, tmp_path / "out") == tmp_path / "out" / "libecmooncake.so"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ecm-ceiling", "libecmooncake.so"]
+    assert (tmp_path / "out" / "ecm-ceiling").read_text() == "ecm-ceiling"
+    assert "libecmooncake_mooncake.so not packaged" in capsys.readouterr().err
