@@ -206,6 +206,26 @@ func (r *receiver) Close() error {
 	return r.closeErr
 }
 
+// outboundHostTowards is the address this host uses to reach the engine
+// named segment ("host:port", as P2P handshake names segments): the source
+// address of the route to it, which a UDP "connection" finds without
+// sending anything. A segment that names no IP (a name in a metadata
+// store) falls back to the default route's address. A host with no default
+// route — a network namespace with only a link to its peers — would
+// otherwise advertise 127.0.0.1, which a peer on another host cannot reach.
+func outboundHostTowards(segment string) string {
+	host, _, err := net.SplitHostPort(segment)
+	if ip := net.ParseIP(host); err == nil && ip != nil {
+		if c, err := net.Dial("udp", net.JoinHostPort(ip.String(), "9")); err == nil {
+			defer c.Close()
+			if a, ok := c.LocalAddr().(*net.UDPAddr); ok && !a.IP.IsUnspecified() {
+				return a.IP.String()
+			}
+		}
+	}
+	return outboundHost()
+}
+
 // outboundHost is the address this host uses to reach others: a UDP
 // "connection" sends nothing, but makes the kernel pick the source
 // address of its default route.

@@ -133,7 +133,7 @@ func (w *Writer) Write(ctx context.Context, dest string, items []transport.Write
 	if valid == 0 {
 		return errs
 	}
-	eng, stg, err := w.ensure()
+	eng, stg, err := w.ensure(p.Segment)
 	if err != nil {
 		return failAll(p.Segment, err)
 	}
@@ -159,7 +159,10 @@ func (t *Transport) checkProto(p peer) error {
 // ensure makes the engine and the staging slab on first use. A failure is
 // not remembered: the next Write tries again (the metadata server may be
 // up by then).
-func (w *Writer) ensure() (*engine, *staging, error) {
+//
+// With no mooncake_host set, the engine advertises the source address of
+// the route towards the first segment written (towards).
+func (w *Writer) ensure(towards string) (*engine, *staging, error) {
 	w.initMu.Lock()
 	defer w.initMu.Unlock()
 	if w.eng != nil {
@@ -168,7 +171,7 @@ func (w *Writer) ensure() (*engine, *staging, error) {
 	cfg := w.t.cfg
 	host := cfg.Host
 	if host == "" {
-		host = outboundHost()
+		host = outboundHostTowards(towards)
 	}
 	eng, err := newEngine(w.t.lib, engineConfig{Metadata: cfg.Metadata, ServerName: cfg.LocalServerName, Host: host, Protocol: cfg.Protocol, Log: w.log})
 	if err != nil {
