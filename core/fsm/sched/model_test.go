@@ -16,8 +16,12 @@ import (
 // shared transfers, early and duplicate events and deadlines all happen
 // often. After every step it checks the table's own invariants and what a
 // caller can observe against a model of identity and terminal states.
+//
+// A run needs its 3000 steps to reach every state (at half, seeds 3 and 4
+// never see Failed), and its checks grow with the steps: under the race
+// detector it runs two of the seeds.
 func TestRandomModel(t *testing.T) {
-	fsmtest.Seeds(t, func(t *testing.T, rng *rand.Rand) {
+	fsmtest.SeedsUnderRace(t, 2, func(t *testing.T, rng *rand.Rand) {
 		visited, stats := runModel(t, rng, 3000)
 		for st := State(0); st < numStates; st++ {
 			require.True(t, visited[st], "the run should visit %s", st)
