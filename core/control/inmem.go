@@ -613,9 +613,11 @@ func (s *inmemSub) deliver(frame []byte, pubQuit <-chan struct{}) bool {
 		s.log.Warn("control: undecodable event", "err", err)
 		return false
 	}
+	// Counted before the hand-over, as the real subscribers count it, so
+	// that a reader that has an event finds it counted.
+	s.received.Add(1)
 	select {
 	case s.out <- ev:
-		s.received.Add(1)
 		return true
 	case <-s.quit:
 	case <-pubQuit:

@@ -191,7 +191,8 @@ func TestInmemSlowReaderDoesNotWedgeClose(t *testing.T) {
 	for i := range EventQueue + 10 {
 		pub.Send(event(i + 1))
 	}
-	require.Eventually(t, func() bool { return sub.Stats().Received == EventQueue }, time.Minute, time.Millisecond)
+	// The queue is full and one more event waits to be handed over.
+	require.Eventually(t, func() bool { return sub.Stats().Received == EventQueue+1 }, time.Minute, time.Millisecond)
 	done := make(chan error, 2)
 	go func() { done <- sched.Close() }()
 	go func() { done <- shard.Close() }()

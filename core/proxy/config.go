@@ -38,6 +38,10 @@ type Config struct {
 	EncodeTimeoutS  float64 `json:"encode_timeout_s"`
 	RequestTimeoutS float64 `json:"request_timeout_s"`
 	HealthIntervalS float64 `json:"health_interval_s"`
+	// HealthTimeoutS bounds one health check; 0 means the interval, at
+	// most 5 s. A check that times out counts as a failure, so a loaded
+	// host wants it well above its scheduling jitter.
+	HealthTimeoutS float64 `json:"health_timeout_s"`
 	// FailThreshold consecutive failures (health checks or calls) drop a
 	// backend until a health check passes again.
 	FailThreshold int `json:"fail_threshold"`
@@ -94,7 +98,13 @@ func (c Config) bodyBudget() int64 { return int64(c.MaxBodiesInFlight) * int64(c
 func (c Config) encodeTimeout() time.Duration  { return secs(c.EncodeTimeoutS) }
 func (c Config) requestTimeout() time.Duration { return secs(c.RequestTimeoutS) }
 func (c Config) healthInterval() time.Duration { return secs(c.HealthIntervalS) }
-func (c Config) defaultTTL() time.Duration     { return secs(c.DefaultTTLS) }
+func (c Config) healthTimeout() time.Duration {
+	if c.HealthTimeoutS > 0 {
+		return secs(c.HealthTimeoutS)
+	}
+	return min(c.healthInterval(), 5*time.Second)
+}
+func (c Config) defaultTTL() time.Duration { return secs(c.DefaultTTLS) }
 func (c Config) upstreamIdleTimeout() time.Duration {
 	return secs(c.UpstreamIdleTimeoutS)
 }
@@ -128,6 +138,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: ec_port = %d; want [1, 65535]", ErrInvalid, c.ECPort)
 	case c.EncodeTimeoutS <= 0 || c.RequestTimeoutS <= 0 || c.HealthIntervalS <= 0 || c.DefaultTTLS <= 0 || c.UpstreamIdleTimeoutS <= 0:
 		return fmt.Errorf("%w: encode_timeout_s, request_timeout_s, health_interval_s, registration_ttl_s and upstream_idle_timeout_s must be positive", ErrInvalid)
+	case c.HealthTimeoutS < 0:
+		return fmt.Errorf("%w: health_timeout_s = %g; want at least 0 (0 means health_interval_s, at most 5 s)", ErrInvalid, c.HealthTimeoutS)
 	case c.FailThreshold < 1:
 		return fmt.Errorf("%w: fail_threshold = %d; want at least 1", ErrInvalid, c.FailThreshold)
 	case c.MaxBodyBytes < 1<<10:

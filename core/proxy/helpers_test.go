@@ -69,6 +69,10 @@ func newRig(t *testing.T, o rigOpts) *rig {
 	cfg := DefaultConfig()
 	cfg.Host, cfg.Port = "127.0.0.1", 0
 	cfg.HealthIntervalS, cfg.FailThreshold = 0.05, 2
+	// The fakes answer /health at once or refuse the connection, so only
+	// a loaded host makes a check slow: a timeout far above its jitter
+	// keeps a slow check from dropping a live backend.
+	cfg.HealthTimeoutS = 30
 	cfg.EncodeTimeoutS, cfg.RequestTimeoutS = 10, 20
 	for i := 0; i < o.encoders; i++ {
 		r.enc = append(r.enc, startFake(t, fakevllm.RoleEncode, o.fake))

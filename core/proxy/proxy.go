@@ -272,7 +272,7 @@ func (p *Proxy) healthLoop() {
 func (p *Proxy) checkAll() {
 	defer p.recover("health")
 	now := time.Now()
-	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.healthInterval())
+	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.healthTimeout())
 	defer cancel()
 	var wg sync.WaitGroup
 	for _, pl := range p.pools() {
@@ -285,7 +285,7 @@ func (p *Proxy) checkAll() {
 			go func() {
 				defer wg.Done()
 				defer p.recover("health check")
-				err := checkHealth(ctx, b, min(p.cfg.healthInterval(), 5*time.Second))
+				err := checkHealth(ctx, b, p.cfg.healthTimeout())
 				outcome := "ok"
 				if err != nil {
 					outcome = "failed"

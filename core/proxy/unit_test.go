@@ -55,18 +55,20 @@ func TestSSEReaderSplitsEvents(t *testing.T) {
 
 func TestConfigValidation(t *testing.T) {
 	decodeCases{
-		"defaults with a pd":        {`{"pd": ["http://h:8100"]}`, ""},
-		"fragment layout":           {`{"pd": ["http://h:8100#ec=tcp://h:15000&tp_size=2&dp_size=4"]}`, ""},
-		"unknown key":               {`{"pdd": []}`, "unknown field"},
-		"https backend":             {`{"pd": ["https://h:8100"]}`, "want http://host:port"},
-		"backend with a path":       {`{"pd": ["http://a:1"], "encode": ["http://h:8100/v1"]}`, "no path"},
-		"bad fragment key":          {`{"pd": ["http://h:8100#colour=red"]}`, "unknown fragment key"},
-		"pd and prefill":            {`{"pd": ["http://a:1"], "prefill": ["http://b:1"], "decode": ["http://c:1"]}`, "not both"},
-		"prefill without decode":    {`{"prefill": ["http://b:1"]}`, "go together"},
-		"negative retries":          {`{"pd": ["http://a:1"], "retries": -1}`, "retries"},
-		"no consumer, no discovery": {`{"allow_register": false}`, "nothing could serve"},
-		"bad ec in fragment":        {`{"pd": ["http://h:1#ec=udp://h:2"]}`, "tcp://host:port"},
-		"zero idle timeout":         {`{"pd": ["http://a:1"], "upstream_idle_timeout_s": 0}`, "upstream_idle_timeout_s"},
+		"defaults with a pd":          {`{"pd": ["http://h:8100"]}`, ""},
+		"fragment layout":             {`{"pd": ["http://h:8100#ec=tcp://h:15000&tp_size=2&dp_size=4"]}`, ""},
+		"unknown key":                 {`{"pdd": []}`, "unknown field"},
+		"https backend":               {`{"pd": ["https://h:8100"]}`, "want http://host:port"},
+		"backend with a path":         {`{"pd": ["http://a:1"], "encode": ["http://h:8100/v1"]}`, "no path"},
+		"bad fragment key":            {`{"pd": ["http://h:8100#colour=red"]}`, "unknown fragment key"},
+		"pd and prefill":              {`{"pd": ["http://a:1"], "prefill": ["http://b:1"], "decode": ["http://c:1"]}`, "not both"},
+		"prefill without decode":      {`{"prefill": ["http://b:1"]}`, "go together"},
+		"negative retries":            {`{"pd": ["http://a:1"], "retries": -1}`, "retries"},
+		"no consumer, no discovery":   {`{"allow_register": false}`, "nothing could serve"},
+		"bad ec in fragment":          {`{"pd": ["http://h:1#ec=udp://h:2"]}`, "tcp://host:port"},
+		"zero idle timeout":           {`{"pd": ["http://a:1"], "upstream_idle_timeout_s": 0}`, "upstream_idle_timeout_s"},
+		"negative health timeout":     {`{"pd": ["http://a:1"], "health_timeout_s": -1}`, "health_timeout_s"},
+		"a health timeout of its own": {`{"pd": ["http://a:1"], "health_interval_s": 0.05, "health_timeout_s": 30}`, ""},
 	}.check(t)
 	c, err := DecodeConfig([]byte(`{"pd": ["http://[::1]:8100"]}`))
 	require.NoError(t, err)

@@ -61,8 +61,8 @@ func TestProducerWithoutTheSecretIsRefused(t *testing.T) {
 					n += refused[r]
 				}
 				return n > 0
-			}, 10*time.Second, 5*time.Millisecond)
-			require.Eventually(t, func() bool { return len(c.prod.Stats().ControlRefused) > 0 }, 10*time.Second, 5*time.Millisecond,
+			}, hang, 5*time.Millisecond)
+			require.Eventually(t, func() bool { return len(c.prod.Stats().ControlRefused) > 0 }, hang, 5*time.Millisecond,
 				"the producer counts the refusals it saw")
 		})
 	}
@@ -82,7 +82,7 @@ func TestPoisoningNeedsTheSecret(t *testing.T) {
 	attacker, err := control.Dial(zctx, c.consumer, quietLog())
 	require.NoError(t, err)
 	defer attacker.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), hang)
 	defer cancel()
 	var grants wire.ReserveBatchReply
 	err = attacker.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Requester: attackerID, Items: []wire.ReserveItem{

@@ -160,7 +160,7 @@ func TestOneLoadCancelsTheSiblings(t *testing.T) {
 	}
 	require.ElementsMatch(t, siblings, out.Cancelled, "the other pushes of the image are cancelled")
 	for r, s := range c.shards {
-		require.Eventually(t, func() bool { return s.Stats().Server.Served > served[r] }, 10*time.Second, 10*time.Millisecond,
+		require.Eventually(t, func() bool { return s.Stats().Server.Served > served[r] }, hang, 10*time.Millisecond,
 			"shard %d gets the cancel", r)
 	}
 

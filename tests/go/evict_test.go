@@ -37,7 +37,7 @@ func TestEvictedResidentCopyIsNotOffered(t *testing.T) {
 	for r, s := range c.shards {
 		require.Equal(t, uint64(1), s.Stats().Table.Evictions, "shard %d made room by evicting the first copy", r)
 	}
-	require.Eventually(t, func() bool { return !c.sched.Has(first[0].hash) }, 10*time.Second, 10*time.Millisecond,
+	require.Eventually(t, func() bool { return !c.sched.Has(first[0].hash) }, hang, 10*time.Millisecond,
 		"has_cache_item still says yes to an evicted copy")
 	load := c.sched.Step(scheduler.StepIn{Load: []string{first[0].hash}}).Load
 	require.Contains(t, load[0].Error, "not available")

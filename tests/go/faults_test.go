@@ -25,7 +25,7 @@ func TestProducerDiesMidWrite(t *testing.T) {
 	c.expect("req", items)
 	c.send(items)
 	// Kill the producer as soon as bytes start to land.
-	require.Eventually(t, func() bool { return c.shards[0].Stats().Data.Bytes > 0 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return c.shards[0].Stats().Data.Bytes > 0 }, hang, time.Millisecond)
 	require.NoError(t, c.prod.Close())
 	c.prod = nil
 
@@ -59,7 +59,7 @@ func TestConsumerDiesMidWrite(t *testing.T) {
 	c := newCluster(t, clusterOpts{tp: 2, pushWait: 3 * time.Second, slabBytes: 256 << 20})
 	items := makeItems(7, 4, 32<<20, 32<<20, 0)
 	c.send(items)
-	require.Eventually(t, func() bool { return c.shards[1].Stats().Data.Bytes > 0 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return c.shards[1].Stats().Data.Bytes > 0 }, hang, time.Millisecond)
 	require.NoError(t, c.shards[1].Close())
 	c.shards[1] = nil
 
@@ -67,7 +67,7 @@ func TestConsumerDiesMidWrite(t *testing.T) {
 	require.NotEmpty(t, out.Failed, "pushes to a dead shard must fail")
 	// The cancels for the dead shard's grants leave on the driver's next
 	// turn; until then the producer rightly reports work pending.
-	require.Eventually(t, func() bool { st := c.prod.Stats(); return st.Sources == 0 && !st.Pending }, 10*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool { st := c.prod.Stats(); return st.Sources == 0 && !st.Pending }, hang, 20*time.Millisecond)
 }
 
 // A push that never comes: the scheduler's next step reports the request's
@@ -80,7 +80,7 @@ func TestMissingPushFailsTheRequestInAStep(t *testing.T) {
 	require.Eventually(t, func() bool {
 		got = append(got, c.sched.Step(scheduler.StepIn{}).Failures...)
 		return len(got) > 0
-	}, 10*time.Second, 50*time.Millisecond)
+	}, hang, 50*time.Millisecond)
 	require.Len(t, got, 1)
 	require.Equal(t, "req-lost", got[0].RequestID)
 	require.Equal(t, items[0].tid, got[0].TransferID)
@@ -105,7 +105,7 @@ func TestRefusedReservationFailsTheRequestAtOnce(t *testing.T) {
 	require.Eventually(t, func() bool {
 		got = append(got, c.sched.Step(scheduler.StepIn{}).Failures...)
 		return len(got) > 0
-	}, 10*time.Second, 10*time.Millisecond)
+	}, hang, 10*time.Millisecond)
 	require.Equal(t, "req-big", got[0].RequestID)
 	require.True(t, got[0].Retryable)
 	require.Contains(t, got[0].Reason, "refused")
@@ -143,7 +143,7 @@ func TestRestartedShardItemsStopBeingAvailable(t *testing.T) {
 	items := makeItems(13, 1, 4096, 4096, 0)
 	c.deliver("req-rs", items)
 	c.restart(0)
-	require.Eventually(t, func() bool { return !c.sched.Has(items[0].hash) }, 20*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool { return !c.sched.Has(items[0].hash) }, hang, 20*time.Millisecond)
 }
 
 // Two requests show one image, so their pushes share one write: the
@@ -164,7 +164,7 @@ func TestAbortedRequestSparesOneSharingItsImage(t *testing.T) {
 		require.NoError(t, err)
 	}
 	for r, s := range c.shards {
-		require.Eventually(t, func() bool { return s.Stats().Table.Transfers == 2 }, 10*time.Second, 5*time.Millisecond,
+		require.Eventually(t, func() bool { return s.Stats().Table.Transfers == 2 }, hang, 5*time.Millisecond,
 			"shard %d: a writer and its follower", r)
 	}
 

@@ -176,7 +176,7 @@ func TestGPUSlabsOverEachPlane(t *testing.T) {
 			}
 		}
 	}
-	require.Eventually(t, func() bool { return c.host.OpenEvents() == 0 }, 10*time.Second, 10*time.Millisecond,
+	require.Eventually(t, func() bool { return c.host.OpenEvents() == 0 }, hang, 10*time.Millisecond,
 		"every source's readiness event is closed once the source is released")
 	require.Positive(t, c.host.OpenMappings())
 	c.close()
@@ -220,7 +220,7 @@ func TestGPUReadyPathIsTimedByPhase(t *testing.T) {
 	}
 	require.Eventually(t, func() bool {
 		return c.sched.Stats().Phases[metrics.PhaseEventDelivery].Count >= before[metrics.PhaseEventDelivery].Count+uint64(len(items))
-	}, 10*time.Second, time.Millisecond, "the scheduler timed each readiness event's delivery")
+	}, hang, time.Millisecond, "the scheduler timed each readiness event's delivery")
 }
 
 func (c *gpuCluster) wait(ids []string, within time.Duration) scheduler.WaitOut {

@@ -164,7 +164,7 @@ func TestMooncakeProducerGoneMidWrite(t *testing.T) {
 	c.send(items)
 	require.Eventually(t, func() bool {
 		return c.shards[0].Stats().Table.WritesInFlight > 0 || c.shards[1].Stats().Table.WritesInFlight > 0
-	}, 10*time.Second, time.Millisecond)
+	}, hang, time.Millisecond)
 	require.NoError(t, c.prod.Close())
 	c.prod = nil
 

@@ -244,7 +244,7 @@ func TestMooncakeFailedWriteAbandonsTheRegion(t *testing.T) {
 	require.Eventually(t, func() bool {
 		st := c.shards[0].Stats()
 		return st.InUse == 0 && st.Table.WritesInFlight == 0
-	}, 10*time.Second, 5*time.Millisecond)
+	}, hang, 5*time.Millisecond)
 	w := c.wait(tids(items), 10*time.Second)
 	require.Equal(t, tids(items), w.Failed)
 }
@@ -267,7 +267,7 @@ func TestMooncakeVanishedWriterReleasedAfterTwoLeases(t *testing.T) {
 	cl, err := control.Dial(zctx, s.Info().Control, quietLog())
 	require.NoError(t, err)
 	defer cl.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), hang)
 	defer cancel()
 	var rep wire.ReserveBatchReply
 	require.NoError(t, cl.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Requester: victimID, Items: []wire.ReserveItem{{TransferID: "t-gone", MMHash: "h-gone", NBytes: 4096}}}, &rep))
@@ -280,5 +280,5 @@ func TestMooncakeVanishedWriterReleasedAfterTwoLeases(t *testing.T) {
 	require.Eventually(t, func() bool {
 		st := s.Stats()
 		return st.InUse == 0 && st.Table.WritesInFlight == 0
-	}, 20*time.Second, 10*time.Millisecond)
+	}, hang, 10*time.Millisecond)
 }

@@ -42,7 +42,7 @@ func tcpShard(t *testing.T, lease float64, bound func(*config.Consumer)) (*node.
 
 func reserveOne(t *testing.T, cl *control.Client, tid string, n uint64) wire.Grant {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), hang)
 	defer cancel()
 	var rep wire.ReserveBatchReply
 	require.NoError(t, cl.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Requester: victimID, Items: []wire.ReserveItem{{TransferID: tid, MMHash: "h-" + tid, NBytes: n}}}, &rep))
@@ -64,17 +64,17 @@ func TestTCPStalledFrameIsReclaimed(t *testing.T) {
 	hdr := tcp.AppendHeader(nil, tcp.Header{Seq: 1, Res: ids.ResID(g.Res), Token: g.Token, Length: 64 << 10})
 	_, err = c.Write(append(hdr, make([]byte, 1000)...))
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return s.Stats().Table.WritesInFlight == 1 }, 10*time.Second, time.Millisecond,
+	require.Eventually(t, func() bool { return s.Stats().Table.WritesInFlight == 1 }, hang, time.Millisecond,
 		"the half frame is in flight")
 
 	require.Eventually(t, func() bool {
 		st := s.Stats()
 		return st.Data.Closed["frame_timeout"] == 1 && st.Table.WritesInFlight == 0
-	}, 10*time.Second, time.Millisecond, "the stalled frame is abandoned")
+	}, hang, time.Millisecond, "the stalled frame is abandoned")
 	require.Eventually(t, func() bool {
 		st := s.Stats()
 		return st.InUse == 0 && st.Table.Expired == 1 && st.Table.Regions[reserve.Writing] == 0
-	}, 10*time.Second, time.Millisecond, "the lease reclaims the region")
+	}, hang, time.Millisecond, "the lease reclaims the region")
 	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	_, err = c.Read(make([]byte, 1))
 	require.Error(t, err, "the stalled connection is closed")
@@ -118,7 +118,7 @@ func TestTCPIdleConnectionsDoNotLockOutAProducer(t *testing.T) {
 	for i := range src {
 		src[i] = byte(i * 13)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), hang)
 	defer cancel()
 	errs := w.Write(ctx, s.Info().Data, []transport.WriteItem{{Res: ids.ResID(g.Res), Token: g.Token, Src: src}})
 	require.NoError(t, errs[0])

@@ -21,7 +21,14 @@ from ecmooncake.tools.harness import Worker, stop_all  # noqa: E402
 
 # A test that runs past this is stuck: dump every thread's stack and exit
 # instead of hanging CI. Workers notice the closed pipe and stop.
-TEST_DEADLINE_S = float(os.environ.get("ECMOONCAKE_TEST_DEADLINE_S", "300"))
+TEST_DEADLINE_S = float(os.environ.get("ECMOONCAKE_TEST_DEADLINE_S", "600"))
+
+# A fresh interpreter that imports vLLM (and so torch) takes about 40 s on
+# an idle 2-core host, and ten times that at a load average of 35. Waits
+# for one are hang bounds: as long as the test's own deadline allows, so
+# that a stuck child fails its test with the child's output instead of
+# the deadline ending the whole run.
+FRESH_PYTHON_S = 0.9 * TEST_DEADLINE_S
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

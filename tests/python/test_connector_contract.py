@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import subprocess_env, wait_until, without_hanging
+from conftest import FRESH_PYTHON_S, subprocess_env, wait_until, without_hanging
 from vllm_engine import HIDDEN, Item, make_config, make_request, require_vllm, tiny_model
 
 require_vllm()
@@ -457,7 +457,7 @@ def test_metadata_is_small_and_loads_in_a_fresh_process():
     blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
     assert len(blob) < 16 << 10
     probe = "import pickle, sys; m = pickle.loads(sys.stdin.buffer.read()); print(type(m).__mro__[1].__name__, len(m.loads))"
-    done = subprocess.run([sys.executable, "-c", probe], input=blob, capture_output=True, timeout=120, env=subprocess_env())
+    done = subprocess.run([sys.executable, "-c", probe], input=blob, capture_output=True, timeout=FRESH_PYTHON_S, env=subprocess_env())
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert done.stdout.decode().split() == ["_StepMetadata", "64"]
 
@@ -663,7 +663,7 @@ print(json.dumps({"hook": connector.ECMooncakeConnector._hooks["get_ec_connector
 
 def test_an_older_vllm_without_stats_hooks_still_works(model_dir):
     config = make_config("ec_consumer", model_dir=model_dir, port=free_port_range(1), extra=EXTRA)
-    done = subprocess.run([sys.executable, "-c", OLDER_VLLM], input=pickle.dumps(config), capture_output=True, timeout=240, env=subprocess_env())
+    done = subprocess.run([sys.executable, "-c", OLDER_VLLM], input=pickle.dumps(config), capture_output=True, timeout=FRESH_PYTHON_S, env=subprocess_env())
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     out = json.loads(done.stdout.decode().strip().splitlines()[-1])
     assert out["hook"] is False and out["meta"] == "ECMooncakeConnectorMetadata"

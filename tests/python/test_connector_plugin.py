@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import FRESH_PYTHON_S, subprocess_env
 from vllm_engine import require_vllm
 
 require_vllm()
@@ -71,7 +71,7 @@ def probe(how: str) -> dict:
     env = subprocess_env()
     # Set, it limits which plugins vLLM loads; unset, every one loads.
     env.pop("VLLM_PLUGINS", None)
-    done = subprocess.run([sys.executable, "-c", PROBE, how], capture_output=True, text=True, timeout=180, env=env)
+    done = subprocess.run([sys.executable, "-c", PROBE, how], capture_output=True, text=True, timeout=FRESH_PYTHON_S, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

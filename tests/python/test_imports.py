@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON_DIR, subprocess_env
+from conftest import FRESH_PYTHON_S, PYTHON_DIR, subprocess_env
 
 PACKAGE = "ecmooncake"
 # The library: what vLLM and users import. It must not reach the tools.
@@ -129,6 +129,6 @@ def test_the_library_imports_no_tool():
 
 @pytest.mark.parametrize("module", sorted(modules(PYTHON_DIR)))
 def test_each_module_imports_first_in_a_fresh_interpreter(module):
-    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=60,
+    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=FRESH_PYTHON_S,
                           env=subprocess_env())
     assert done.returncode == 0, done.stderr[-3000:]

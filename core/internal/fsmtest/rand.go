@@ -47,7 +47,26 @@ func (s *ByteSource) Seed(int64) {}
 // with a generator of its own, so that a failure names its seed.
 func Seeds(t *testing.T, model func(t *testing.T, rng *rand.Rand)) {
 	t.Helper()
-	for seed := int64(1); seed <= 8; seed++ {
+	seeds(t, 8, model)
+}
+
+// SeedsUnderRace is Seeds, but under the race detector it runs only the
+// first n seeds, each at full length. It is for a model whose checks grow
+// with the run, so that all eight seeds under -race take minutes on a
+// loaded machine: the state machines are single-threaded, the race
+// detector has nothing to find in them, and without it every seed runs.
+func SeedsUnderRace(t *testing.T, n int, model func(t *testing.T, rng *rand.Rand)) {
+	t.Helper()
+	if Race {
+		seeds(t, int64(n), model)
+		return
+	}
+	seeds(t, 8, model)
+}
+
+func seeds(t *testing.T, n int64, model func(t *testing.T, rng *rand.Rand)) {
+	t.Helper()
+	for seed := int64(1); seed <= n; seed++ {
 		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) {
 			model(t, rand.New(rand.NewSource(seed)))
 		})

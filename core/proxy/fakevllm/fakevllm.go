@@ -558,11 +558,13 @@ func (s *Server) streamAnswer(w http.ResponseWriter, r *http.Request, chat bool,
 		s.cancelled.Add(1)
 		return
 	}
+	// Counted before [DONE] goes out, so that a client that has read the
+	// whole answer finds it counted.
+	s.served.Add(1)
 	fmt.Fprint(w, "data: [DONE]\n\n")
 	if fl != nil {
 		fl.Flush()
 	}
-	s.served.Add(1)
 	if s.cfg.AfterDone > 0 {
 		// The answer is whole: a client leaving now cancels nothing.
 		t := time.NewTimer(s.cfg.AfterDone)

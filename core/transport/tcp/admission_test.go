@@ -263,3 +263,28 @@ func TestTCPReplayedPreambleIsRefused(t *testing.T) {
 	require.Equal(t, make([]byte, 64<<10), sink.region(res), "the replay wrote into the slab")
 	require.Equal(t, uint64(1), r.Stats().Closed[transport.ClosedNotAdmitted])
 }
+
+// A writer whose connection is refused at the handshake before its first
+// frame is registered on it (the refusal overtakes a slow sender) fails
+// with the refusal, on that one connection: a refused proof is not a
+// goodbye, and dialing again would only be refused again, counted twice,
+// and could end in "connection closed" instead of the reason.
+func TestTCPRefusedBeforeTheFirstFrameIsNotRedialed(t *testing.T) {
+	sink := newMemSink(1 << 20)
+	r := listenTCP(t, newTCP(TCPConfig{Secret: testSecret}), sink)
+	res, tok := sink.reserve(t, 64<<10)
+	w := NewTCP(TCPConfig{Secret: "another secret, also 32 bytes ok", Logger: quiet}).NewWriter()
+	defer w.Close()
+	w.(*tcpWriter).afterConn = func(wc *wconn) {
+		require.Eventually(t, func() bool { return !wc.usable() }, eventually, time.Millisecond,
+			"the refusal ends the connection")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), eventually)
+	defer cancel()
+	err := w.Write(ctx, r.Addr(), []transport.WriteItem{{Res: res, Token: tok, Src: randBytes(2, 64<<10)}})[0]
+	require.ErrorIs(t, err, transport.ErrNotAdmitted)
+	require.Contains(t, err.Error(), "auth_secret")
+	require.Eventually(t, func() bool { return r.Stats().Closed[transport.ClosedNotAdmitted] >= 1 }, eventually, time.Millisecond)
+	require.Equal(t, uint64(1), r.Stats().Closed[transport.ClosedNotAdmitted], "one connection dialed and refused: %v", r.Stats().Closed)
+	require.Zero(t, sink.beginCount())
+}

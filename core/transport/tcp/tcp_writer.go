@@ -45,6 +45,10 @@ type tcpWriter struct {
 	seq    atomic.Uint64
 	// frameWrites counts the writes that carried frames, for tests.
 	frameWrites atomic.Uint64
+	// afterConn, set only by tests, runs between a sender getting its
+	// connection and registering frames on it: the window in which the
+	// receiver's answer to the handshake can end the connection.
+	afterConn func(*wconn)
 
 	// ctx is cancelled by Close so that dials in progress give up.
 	ctx    context.Context
@@ -476,6 +480,9 @@ func (s *slot) send(g []*chunk) {
 		settleAll(g, err)
 		return
 	}
+	if s.w.afterConn != nil {
+		s.w.afterConn(wc)
+	}
 	s.bufs = s.bufs[:0]
 	for _, ch := range g {
 		it := c.items[ch.item]
@@ -488,9 +495,14 @@ func (s *slot) send(g []*chunk) {
 	}
 	// Registered before the first byte goes out: an ack can overtake the
 	// return from the write. A connection that died since conn checked it
-	// (a goodbye) costs one redial, not the chunks.
+	// (a goodbye) costs one redial, not the chunks; one refused at its
+	// handshake is not redialed, as the next would be refused the same way.
 	if !wc.add(g) {
 		s.retire(wc)
+		if err := wc.refusal(); err != nil {
+			settleAll(g, err)
+			return
+		}
 		if wc, err = s.conn(c.ctx); err != nil {
 			settleAll(g, err)
 			return
@@ -625,6 +637,9 @@ type wconn struct {
 	mu      sync.Mutex
 	dead    bool
 	pending map[uint64]*chunk
+	// refused is the receiver's refusal of the handshake's proof, once
+	// its ack has come back.
+	refused error
 
 	// dlMu and gen keep a late ctx interrupt of one frame from hitting the
 	// write deadline of the next.
@@ -649,6 +664,13 @@ func (wc *wconn) add(g []*chunk) bool {
 		wc.pending[ch.seq] = ch
 	}
 	return true
+}
+
+// refusal is the receiver's refusal of this connection, if it sent one.
+func (wc *wconn) refusal() error {
+	wc.mu.Lock()
+	defer wc.mu.Unlock()
+	return wc.refused
 }
 
 func (wc *wconn) take(seq uint64) *chunk {
@@ -726,6 +748,11 @@ func (wc *wconn) readAcks() {
 	}
 	_ = wc.c.Close()
 	if errors.Is(err, transport.ErrNotAdmitted) {
+		// Recorded before failAll marks the connection dead, so that a
+		// sender that finds it dead also finds why.
+		wc.mu.Lock()
+		wc.refused = err
+		wc.mu.Unlock()
 		wc.failAll(err)
 	} else {
 		wc.failAll(wc.w.lost(err))
