@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from . import ceiling as ceilings
 from . import harness
-from .bench import _phase
+from .phase import run_phase as _phase
 from .harness import Worker
 from .report import GB, KiB, MiB
 
