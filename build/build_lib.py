@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIR = ROOT / "python" / "ecmooncake"
+VERSION_SCRIPT = ROOT / "export" / "ecmooncake.map"
 LIBRARY_NAME = "libecmooncake.so"
 CEILING_NAME = "ecm-ceiling"
 CEILING_PACKAGE = "./core/transport/cmd/ecm-ceiling"
@@ -98,7 +99,10 @@ def build(out_dir: Path | str = PACKAGE_DIR, verbose: bool = True) -> Path:
         # $ORIGIN lets libzmq and its dependencies travel beside the library
         # to hosts that lack them. An old-style DT_RPATH rather than RUNPATH:
         # the loader also searches it for libzmq's own dependencies.
-        "-ldflags=-extldflags=-Wl,-rpath,$ORIGIN,--disable-new-dtags",
+        # The version script keeps every symbol but the gated ABI local:
+        # no caller reaches the Go runtime past the fork gate (export/gate.c).
+        # cgo refuses the flag in a #cgo directive, so it is passed here.
+        f"-ldflags=-extldflags=-Wl,-rpath,$ORIGIN,--disable-new-dtags,--version-script={VERSION_SCRIPT}",
         "-o",
         str(target),
         "./export",

@@ -160,7 +160,7 @@ tcp() {
 		"ceiling|python3 -m ecmooncake ceiling --gomaxprocs 2 --conns 4" \
 		"bench|python3 -m ecmooncake bench --quiet" \
 		"demo|python3 -m ecmooncake demo --quiet" \
-		"gpubench-tcp|python3 -m ecmooncake gpubench --quiet --phases tcp-4m,tcp-32m,tcp-32m-stream --json $out/gpubench-tcp.json"; do
+		"gpubench-tcp|python3 -m ecmooncake gpubench --quiet --phases tcp-4m,tcp-32m,tcp-32m-stream,tcp-64k --json $out/gpubench-tcp.json"; do
 		local name=${step%%|*} cmd=${step#*|}
 		log="$out/$name.log"
 		echo "== $name: $cmd"

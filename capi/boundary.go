@@ -1,14 +1,5 @@
 package capi
 
-import (
-	"os"
-	"syscall"
-)
-
-// loadPID is the process that loaded the library: package initialisation
-// runs while the Go runtime starts, when the library is loaded.
-var loadPID = os.Getpid()
-
 // MaxSources bounds the items of one ecm_producer_sources_device call
 // (ECM_MAX_SOURCES): one model step's encoder outputs are a few hundred
 // at most, and a count from a caller that lies must be refused before it
@@ -19,18 +10,6 @@ const MaxSources = 1 << 16
 // address space reaches past 2^57 (five-level paging; 2^47 with four), so
 // a larger length is a bug in the caller, not memory.
 const maxSpanBytes = 1 << 57
-
-// Enter is the first check of every export. A child forked after the
-// library was loaded inherits the Go runtime's memory but none of its
-// threads (scheduler, timers, netpoller, ZMQ I/O): work handed to them
-// never happens, and the call hangs. Failing at once is the only answer.
-func Enter(fn string) error {
-	if pid := syscall.Getpid(); pid != loadPID {
-		return statusErr(StatusState, "%s: libecmooncake was loaded in pid %d and called from forked child %d; load it after fork "+
-			"(a Go runtime does not survive fork: its threads stay in the parent)", fn, loadPID, pid)
-	}
-	return nil
-}
 
 // NotNil refuses a NULL pointer parameter; exports check every one before
 // any work, so that nothing is opened that the caller could not close.

@@ -1,23 +1,10 @@
 package capi
 
 import (
-	"os"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 )
-
-func TestEnterRefusesAForkedChild(t *testing.T) {
-	require.NoError(t, Enter("ecm_x"))
-	saved := loadPID
-	t.Cleanup(func() { loadPID = saved })
-	loadPID = os.Getpid() + 1 // as a child sees the parent's record
-	err := Enter("ecm_x")
-	require.Equal(t, StatusState, Classify(err))
-	require.ErrorContains(t, err, "libecmooncake was loaded in pid")
-	require.ErrorContains(t, err, "called from forked child")
-	require.ErrorContains(t, err, "load it after fork")
-}
 
 func TestArgumentChecks(t *testing.T) {
 	require.NoError(t, NotNil("f", "out", true))

@@ -14,11 +14,11 @@
 // Every entry point runs under Guard, which turns a panic into
 // StatusInternal: a Go panic must never abort the Python process.
 //
-// Before any work every export runs Enter, which refuses a call from a
-// child forked after the library was loaded (the Go runtime's threads did
-// not follow it there, so the call would hang), and checks its pointers
-// (NotNil), item counts (Count, at most MaxSources) and (pointer, nbytes)
-// pairs (Span). A recovered panic is too late for those: a NULL out
+// A call from a child forked after the library was loaded never reaches
+// this package: the C side of each export (export/gate.c) refuses it
+// before the Go runtime is entered. Before any work every export checks
+// its pointers (NotNil), item counts (Count, at most MaxSources) and
+// (pointer, nbytes) pairs (Span). A recovered panic is too late for those: a NULL out
 // parameter would leave an opened object nobody can close, and a lying
 // count aborts the process with an allocation the runtime cannot make.
 package capi

@@ -72,6 +72,13 @@ func (r *packedReader) head(k int) []byte {
 
 // text returns the next n bytes as a UTF-8 string named what.
 func (r *packedReader) text(what string, n uint32) string {
+	return r.textLike(what, n, "")
+}
+
+// textLike is text, returning prev itself when the bytes spell it: the
+// pushes of a batch mostly share their consumer and meta, and a string
+// less a push is an allocation less on the encoder's per-batch call.
+func (r *packedReader) textLike(what string, n uint32, prev string) string {
 	if r.err != nil {
 		return ""
 	}
@@ -80,24 +87,16 @@ func (r *packedReader) text(what string, n uint32) string {
 		return ""
 	}
 	s := r.b[r.off : r.off+int(n)]
+	r.off += int(n)
+	if string(s) == prev { // compared without a copy
+		return prev
+	}
 	if !utf8.Valid(s) {
+		r.off -= int(n)
 		r.fail("%s is not UTF-8", what)
 		return ""
 	}
-	r.off += int(n)
 	return string(s)
-}
-
-func newPackedReader(fn string, n int, b []byte, minRecord int) (*packedReader, error) {
-	if len(b) > MaxPackedBytes {
-		return nil, statusErr(StatusInvalid, "%s: %d bytes; at most %d per batch", fn, len(b), MaxPackedBytes)
-	}
-	// A record is never shorter than its head: checked before any
-	// allocation is sized by n.
-	if uint64(n)*uint64(minRecord) > uint64(len(b)) {
-		return nil, statusErr(StatusInvalid, "%s: %d items need at least %d bytes, got %d", fn, n, n*minRecord, len(b))
-	}
-	return &packedReader{fn: fn, b: b}, nil
 }
 
 func (r *packedReader) end() error {
@@ -107,26 +106,28 @@ func (r *packedReader) end() error {
 	return r.err
 }
 
-// DecodePushes decodes n packed push records that fill b exactly.
-func DecodePushes(fn string, n int, b []byte) ([]producer.Push, error) {
-	r, err := newPackedReader(fn, n, b, pushHead)
-	if err != nil {
-		return nil, err
+// decodeRecords decodes n records of a head of headLen bytes that fill b
+// exactly: record reads the strings the head announces and fills one T.
+// The batch is bounded before anything is allocated, and the first
+// failure, the reader's or one record sets on it, ends the batch.
+func decodeRecords[T any](fn string, n int, b []byte, headLen int, record func(r *packedReader, h []byte, out *T)) ([]T, error) {
+	if len(b) > MaxPackedBytes {
+		return nil, statusErr(StatusInvalid, "%s: %d bytes; at most %d per batch", fn, len(b), MaxPackedBytes)
 	}
-	out := make([]producer.Push, n)
-	le := binary.LittleEndian
+	// A record is never shorter than its head: checked before any
+	// allocation is sized by n.
+	if uint64(n)*uint64(headLen) > uint64(len(b)) {
+		return nil, statusErr(StatusInvalid, "%s: %d items need at least %d bytes, got %d", fn, n, n*headLen, len(b))
+	}
+	r := &packedReader{fn: fn, b: b}
+	out := make([]T, n)
 	for i := range out {
 		r.item = i
-		h := r.head(pushHead)
+		h := r.head(headLen)
 		if h == nil {
 			break
 		}
-		p := &out[i]
-		p.NBytes = le.Uint64(h[0:])
-		p.TransferID = r.text("transfer_id", le.Uint32(h[8:]))
-		p.MMHash = r.text("mm_hash", le.Uint32(h[12:]))
-		p.Consumer = r.text("consumer", le.Uint32(h[16:]))
-		p.Meta = r.text("meta", le.Uint32(h[20:]))
+		record(r, h, &out[i])
 	}
 	if err := r.end(); err != nil {
 		return nil, err
@@ -134,35 +135,34 @@ func DecodePushes(fn string, n int, b []byte) ([]producer.Push, error) {
 	return out, nil
 }
 
+// DecodePushes decodes n packed push records that fill b exactly.
+func DecodePushes(fn string, n int, b []byte) ([]producer.Push, error) {
+	var consumer, meta string // the record before's
+	return decodeRecords(fn, n, b, pushHead, func(r *packedReader, h []byte, p *producer.Push) {
+		le := binary.LittleEndian
+		p.NBytes = le.Uint64(h[0:])
+		p.TransferID = r.text("transfer_id", le.Uint32(h[8:]))
+		p.MMHash = r.text("mm_hash", le.Uint32(h[12:]))
+		p.Consumer = r.textLike("consumer", le.Uint32(h[16:]), consumer)
+		p.Meta = r.textLike("meta", le.Uint32(h[20:]), meta)
+		consumer, meta = p.Consumer, p.Meta
+	})
+}
+
 // DecodeSources decodes n packed source records that fill b exactly, and
 // checks each (ptr, nbytes) with Span.
 func DecodeSources(fn string, n int, b []byte) ([]PackedSource, error) {
-	r, err := newPackedReader(fn, n, b, sourceHead)
-	if err != nil {
-		return nil, err
-	}
-	out := make([]PackedSource, n)
-	le := binary.LittleEndian
-	for i := range out {
-		r.item = i
-		h := r.head(sourceHead)
-		if h == nil {
-			break
-		}
-		s := &out[i]
+	return decodeRecords(fn, n, b, sourceHead, func(r *packedReader, h []byte, s *PackedSource) {
+		le := binary.LittleEndian
 		s.Ptr, s.N, s.Stream = uintptr(le.Uint64(h[0:])), le.Uint64(h[8:]), uintptr(le.Uint64(h[16:]))
 		s.Device = int32(le.Uint32(h[24:]))
 		s.MMHash = r.text("mm_hash", le.Uint32(h[28:]))
 		// The item is named only when refused: formatting it for every
 		// accepted one would cost more than the rest of the record.
-		if r.err == nil && Span(fn, "", s.Ptr, s.N) != nil {
-			r.err = Span(fn, fmt.Sprintf("item %d (%s)", i, s.MMHash), s.Ptr, s.N)
+		if r.err == nil && Span(r.fn, "", s.Ptr, s.N) != nil {
+			r.err = Span(r.fn, fmt.Sprintf("item %d (%s)", r.item, s.MMHash), s.Ptr, s.N)
 		}
-	}
-	if err := r.end(); err != nil {
-		return nil, err
-	}
-	return out, nil
+	})
 }
 
 // ProducerSubmitPacked announces a packed batch of pushes. reasons is nil

@@ -1,8 +1,11 @@
 package capi
 
 import (
+	"bytes"
 	"encoding/binary"
+	"fmt"
 	"testing"
+	"unsafe"
 
 	"github.com/stretchr/testify/require"
 
@@ -113,12 +116,14 @@ func FuzzDecodePacked(f *testing.F) {
 	f.Add(uint16(2), append(packPush(nil, producer.Push{TransferID: "a"}), packPush(nil, producer.Push{MMHash: "b"})...))
 	f.Add(uint16(3), []byte{0xff, 0xff, 0xff, 0xff})
 	f.Fuzz(func(t *testing.T, n uint16, b []byte) {
+		// Compared as bytes: an empty batch (n = 0, no bytes) decodes to
+		// no records and packs back to no bytes, nil or not.
 		if pushes, err := DecodePushes("f", int(n), b); err == nil {
 			var again []byte
 			for _, p := range pushes {
 				again = packPush(again, p)
 			}
-			require.Equal(t, b, again)
+			require.True(t, bytes.Equal(b, again), "%x packed back as %x", b, again)
 		} else {
 			require.Equal(t, StatusInvalid, Classify(err))
 		}
@@ -127,9 +132,44 @@ func FuzzDecodePacked(f *testing.F) {
 			for _, s := range srcs {
 				again = packSource(again, s)
 			}
-			require.Equal(t, b, again)
+			require.True(t, bytes.Equal(b, again), "%x packed back as %x", b, again)
 		} else {
 			require.Equal(t, StatusInvalid, Classify(err))
 		}
 	})
+}
+
+// The pushes of a batch share their consumer and mostly their meta: the
+// decoder hands out one string for each run of equal ones, and still
+// checks every one that differs.
+func TestDecodePushesSharesRepeatedStrings(t *testing.T) {
+	const consumer, meta = "tcp://127.0.0.1:5000", `{"dtype":"uint8","shape":[1,4096]}`
+	var b []byte
+	for i := range 8 {
+		b = packPush(b, producer.Push{TransferID: fmt.Sprint("t-", i), MMHash: fmt.Sprint("h", i), NBytes: 1, Consumer: consumer, Meta: meta})
+	}
+	got, err := DecodePushes("f", 8, b)
+	require.NoError(t, err)
+	for _, p := range got {
+		require.Equal(t, consumer, p.Consumer)
+		require.Equal(t, meta, p.Meta)
+		require.Same(t, unsafe.StringData(got[0].Consumer), unsafe.StringData(p.Consumer))
+	}
+	// Against a batch whose consumers and metas all differ, the first
+	// record's two strings are the only ones made.
+	var distinct []byte
+	for i := range 8 {
+		distinct = packPush(distinct, producer.Push{TransferID: fmt.Sprint("t-", i), MMHash: fmt.Sprint("h", i), NBytes: 1,
+			Consumer: fmt.Sprint(consumer, i), Meta: fmt.Sprint(meta, i)})
+	}
+	shared := testing.AllocsPerRun(100, func() { _, _ = DecodePushes("f", 8, b) })
+	each := testing.AllocsPerRun(100, func() { _, _ = DecodePushes("f", 8, distinct) })
+	require.Equal(t, float64(2*(8-1)), each-shared, "allocations: %v shared, %v distinct", shared, each)
+
+	// A record whose consumer differs from the one before is still checked.
+	bad := packPush(packPush(nil, producer.Push{TransferID: "a", MMHash: "h", Consumer: consumer}),
+		producer.Push{TransferID: "b", MMHash: "h", Consumer: "tcp://\xff"})
+	_, err = DecodePushes("f", 2, bad)
+	require.ErrorContains(t, err, "item 1 at byte")
+	require.ErrorContains(t, err, "consumer is not UTF-8")
 }

@@ -1,11 +1,3 @@
-// Command export is the C ABI of libecmooncake.so: only //export functions,
-// each a thin conversion of C types into a call of package capi. The
-// contract is include/ecmooncake.h; tests/python/test_abi.py fails when the
-// two drift apart.
-//
-// Our header is not included here: cgo writes its own prototypes for the
-// exported functions, without const, and the two would conflict in the
-// generated C. The types below match the header's one for one.
 package main
 
 /*
@@ -15,6 +7,10 @@ package main
 // Pointers that may be GPU addresses cross as uintptr_t, so that a GPU
 // address never sits in a Go pointer; host ones become pointers here.
 static void *ecm_host_ptr(uintptr_t p) { return (void *)p; }
+
+// gate.c includes the public header, so that the compiler checks each
+// gated definition against the contract.
+#cgo CFLAGS: -I${SRCDIR}/../include
 */
 import "C"
 
@@ -26,17 +22,13 @@ import (
 
 func main() {}
 
-// finish runs f under capi.Guard, after the fork check, and writes the
-// error text for C. Each f checks its pointers and counts before it does
-// any work: an object opened for a caller that cannot receive its handle
-// is one nobody can close.
-func finish(errOut **C.char, fn string, f func() error) C.int {
-	code, msg := capi.Guard(func() error {
-		if err := capi.Enter(fn); err != nil {
-			return err
-		}
-		return f()
-	})
+// finish runs f under capi.Guard and writes the error text for C (a
+// forked child never gets here: gate.c refuses it before the runtime).
+// Each f checks its pointers and counts before it does any work: an
+// object opened for a caller that cannot receive its handle is one nobody
+// can close.
+func finish(errOut **C.char, f func() error) C.int {
+	code, msg := capi.Guard(f)
 	if errOut != nil {
 		*errOut = nil
 		if code != capi.StatusOK {
@@ -77,7 +69,7 @@ func memory(fn, what string, p unsafe.Pointer, n C.uint64_t) ([]byte, error) {
 // the refusal) and stores its answer, made C by conv, in *out; *out is
 // zero whenever f fails.
 func finishOut[T, R any](errOut **C.char, fn, param string, out *T, f func() (R, error), conv func(R) T) C.int {
-	return finish(errOut, fn, func() error {
+	return finish(errOut, func() error {
 		if err := capi.NotNil(fn, param, out != nil); err != nil {
 			return err
 		}
@@ -107,45 +99,39 @@ func finishHandle(errOut **C.char, fn string, out *C.uint64_t, f func() (uint64,
 	return finishOut(errOut, fn, "out", out, f, func(h uint64) C.uint64_t { return C.uint64_t(h) })
 }
 
-//export ecm_abi_version
-func ecm_abi_version(out *C.int32_t, errOut **C.char) C.int {
+//export ecmgo_abi_version
+func ecmgo_abi_version(out *C.int32_t, errOut **C.char) C.int {
 	return finishOut(errOut, "ecm_abi_version", "out_version", out,
 		func() (int32, error) { return capi.ABIVersion, nil }, func(v int32) C.int32_t { return C.int32_t(v) })
 }
 
-// ecm_free takes no fork check: a forked child must still be able to free
-// the error text of the call that refused it.
-//
-//export ecm_free
-func ecm_free(p *C.char) { C.free(unsafe.Pointer(p)) }
-
-//export ecm_configure
-func ecm_configure(cfg *C.char, errOut **C.char) C.int {
-	return finish(errOut, "ecm_configure", func() error { return capi.Configure(goBytes(cfg)) })
+//export ecmgo_configure
+func ecmgo_configure(cfg *C.char, errOut **C.char) C.int {
+	return finish(errOut, func() error { return capi.Configure(goBytes(cfg)) })
 }
 
-//export ecm_gpu_info
-func ecm_gpu_info(out **C.char, errOut **C.char) C.int {
+//export ecmgo_gpu_info
+func ecmgo_gpu_info(out **C.char, errOut **C.char) C.int {
 	return finishJSON(errOut, "ecm_gpu_info", out, capi.GPUInfo)
 }
 
-//export ecm_mooncake_info
-func ecm_mooncake_info(cfg *C.char, out **C.char, errOut **C.char) C.int {
+//export ecmgo_mooncake_info
+func ecmgo_mooncake_info(cfg *C.char, out **C.char, errOut **C.char) C.int {
 	return finishJSON(errOut, "ecm_mooncake_info", out, func() ([]byte, error) { return capi.MooncakeInfo(goBytes(cfg)) })
 }
 
-//export ecm_stats
-func ecm_stats(h C.uint64_t, out **C.char, errOut **C.char) C.int {
+//export ecmgo_stats
+func ecmgo_stats(h C.uint64_t, out **C.char, errOut **C.char) C.int {
 	return finishJSON(errOut, "ecm_stats", out, func() ([]byte, error) { return capi.Stats(uint64(h)) })
 }
 
-//export ecm_close
-func ecm_close(h C.uint64_t, errOut **C.char) C.int {
-	return finish(errOut, "ecm_close", func() error { return capi.Close(uint64(h)) })
+//export ecmgo_close
+func ecmgo_close(h C.uint64_t, errOut **C.char) C.int {
+	return finish(errOut, func() error { return capi.Close(uint64(h)) })
 }
 
-//export ecm_consumer_open
-func ecm_consumer_open(cfg *C.char, slab unsafe.Pointer, n C.uint64_t, out *C.uint64_t, errOut **C.char) C.int {
+//export ecmgo_consumer_open
+func ecmgo_consumer_open(cfg *C.char, slab unsafe.Pointer, n C.uint64_t, out *C.uint64_t, errOut **C.char) C.int {
 	const fn = "ecm_consumer_open"
 	return finishHandle(errOut, fn, out, func() (uint64, error) {
 		mem, err := memory(fn, "slab", slab, n)
@@ -156,8 +142,8 @@ func ecm_consumer_open(cfg *C.char, slab unsafe.Pointer, n C.uint64_t, out *C.ui
 	})
 }
 
-//export ecm_consumer_open_device
-func ecm_consumer_open_device(cfg *C.char, slab C.uintptr_t, n C.uint64_t, device C.int32_t, out *C.uint64_t, errOut **C.char) C.int {
+//export ecmgo_consumer_open_device
+func ecmgo_consumer_open_device(cfg *C.char, slab C.uintptr_t, n C.uint64_t, device C.int32_t, out *C.uint64_t, errOut **C.char) C.int {
 	const fn = "ecm_consumer_open_device"
 	return finishHandle(errOut, fn, out, func() (uint64, error) {
 		if err := capi.Span(fn, "slab", uintptr(slab), uint64(n)); err != nil {
@@ -167,23 +153,23 @@ func ecm_consumer_open_device(cfg *C.char, slab C.uintptr_t, n C.uint64_t, devic
 	})
 }
 
-//export ecm_consumer_info
-func ecm_consumer_info(h C.uint64_t, out **C.char, errOut **C.char) C.int {
+//export ecmgo_consumer_info
+func ecmgo_consumer_info(h C.uint64_t, out **C.char, errOut **C.char) C.int {
 	return finishJSON(errOut, "ecm_consumer_info", out, func() ([]byte, error) { return capi.ConsumerInfo(uint64(h)) })
 }
 
-//export ecm_consumer_acquire
-func ecm_consumer_acquire(h C.uint64_t, in *C.char, out **C.char, errOut **C.char) C.int {
+//export ecmgo_consumer_acquire
+func ecmgo_consumer_acquire(h C.uint64_t, in *C.char, out **C.char, errOut **C.char) C.int {
 	return finishJSON(errOut, "ecm_consumer_acquire", out, func() ([]byte, error) { return capi.ConsumerAcquire(uint64(h), goBytes(in)) })
 }
 
-//export ecm_consumer_release
-func ecm_consumer_release(h C.uint64_t, in *C.char, out **C.char, errOut **C.char) C.int {
+//export ecmgo_consumer_release
+func ecmgo_consumer_release(h C.uint64_t, in *C.char, out **C.char, errOut **C.char) C.int {
 	return finishJSON(errOut, "ecm_consumer_release", out, func() ([]byte, error) { return capi.ConsumerRelease(uint64(h), goBytes(in)) })
 }
 
-//export ecm_producer_open
-func ecm_producer_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
+//export ecmgo_producer_open
+func ecmgo_producer_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
 	return finishHandle(errOut, "ecm_producer_open", out, func() (uint64, error) { return capi.ProducerOpen(goBytes(cfg)) })
 }
 
@@ -198,10 +184,10 @@ func packed(fn string, n C.uint64_t, in unsafe.Pointer, inLen C.uint64_t) (int, 
 	return k, b, err
 }
 
-//export ecm_producer_submit_packed
-func ecm_producer_submit_packed(h C.uint64_t, n C.uint64_t, in unsafe.Pointer, inLen C.uint64_t, out **C.char, errOut **C.char) C.int {
+//export ecmgo_producer_submit_packed
+func ecmgo_producer_submit_packed(h C.uint64_t, n C.uint64_t, in unsafe.Pointer, inLen C.uint64_t, out **C.char, errOut **C.char) C.int {
 	const fn = "ecm_producer_submit_packed"
-	return finish(errOut, fn, func() error {
+	return finish(errOut, func() error {
 		if err := capi.NotNil(fn, "out_json", out != nil); err != nil {
 			return err
 		}
@@ -219,10 +205,10 @@ func ecm_producer_submit_packed(h C.uint64_t, n C.uint64_t, in unsafe.Pointer, i
 	})
 }
 
-//export ecm_producer_sources_packed
-func ecm_producer_sources_packed(h C.uint64_t, n C.uint64_t, in unsafe.Pointer, inLen C.uint64_t, out *C.uint64_t, errOut **C.char) C.int {
+//export ecmgo_producer_sources_packed
+func ecmgo_producer_sources_packed(h C.uint64_t, n C.uint64_t, in unsafe.Pointer, inLen C.uint64_t, out *C.uint64_t, errOut **C.char) C.int {
 	const fn = "ecm_producer_sources_packed"
-	return finish(errOut, fn, func() error {
+	return finish(errOut, func() error {
 		k, b, err := packed(fn, n, in, inLen)
 		if err != nil || k == 0 {
 			return err
@@ -261,36 +247,36 @@ func ecm_producer_sources_packed(h C.uint64_t, n C.uint64_t, in unsafe.Pointer, 
 // ecm_noop is the floor that the hot calls are measured against: one
 // crossing of the boundary with their argument count, and nothing else.
 //
-//export ecm_noop
-func ecm_noop(h C.uint64_t, n C.uint64_t, in unsafe.Pointer, inLen C.uint64_t, out *C.uint64_t, errOut **C.char) C.int {
+//export ecmgo_noop
+func ecmgo_noop(h C.uint64_t, n C.uint64_t, in unsafe.Pointer, inLen C.uint64_t, out *C.uint64_t, errOut **C.char) C.int {
 	if errOut != nil {
 		*errOut = nil
 	}
 	return C.int(capi.StatusOK)
 }
 
-//export ecm_producer_cancel
-func ecm_producer_cancel(h C.uint64_t, in *C.char, errOut **C.char) C.int {
-	return finish(errOut, "ecm_producer_cancel", func() error { return capi.ProducerCancel(uint64(h), goBytes(in)) })
+//export ecmgo_producer_cancel
+func ecmgo_producer_cancel(h C.uint64_t, in *C.char, errOut **C.char) C.int {
+	return finish(errOut, func() error { return capi.ProducerCancel(uint64(h), goBytes(in)) })
 }
 
-//export ecm_producer_poll
-func ecm_producer_poll(h C.uint64_t, timeoutMs C.int32_t, out **C.char, errOut **C.char) C.int {
+//export ecmgo_producer_poll
+func ecmgo_producer_poll(h C.uint64_t, timeoutMs C.int32_t, out **C.char, errOut **C.char) C.int {
 	return finishJSON(errOut, "ecm_producer_poll", out, func() ([]byte, error) { return capi.ProducerPoll(uint64(h), int32(timeoutMs)) })
 }
 
-//export ecm_scheduler_open
-func ecm_scheduler_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
+//export ecmgo_scheduler_open
+func ecmgo_scheduler_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
 	return finishHandle(errOut, "ecm_scheduler_open", out, func() (uint64, error) { return capi.SchedulerOpen(goBytes(cfg)) })
 }
 
-//export ecm_scheduler_step
-func ecm_scheduler_step(h C.uint64_t, in *C.char, out **C.char, errOut **C.char) C.int {
+//export ecmgo_scheduler_step
+func ecmgo_scheduler_step(h C.uint64_t, in *C.char, out **C.char, errOut **C.char) C.int {
 	return finishJSON(errOut, "ecm_scheduler_step", out, func() ([]byte, error) { return capi.SchedulerStep(uint64(h), goBytes(in)) })
 }
 
-//export ecm_scheduler_has
-func ecm_scheduler_has(h C.uint64_t, mmHash *C.char, out *C.int32_t, errOut **C.char) C.int {
+//export ecmgo_scheduler_has
+func ecmgo_scheduler_has(h C.uint64_t, mmHash *C.char, out *C.int32_t, errOut **C.char) C.int {
 	return finishOut(errOut, "ecm_scheduler_has", "out", out, func() (bool, error) { return capi.SchedulerHas(uint64(h), goString(mmHash)) },
 		func(ok bool) C.int32_t {
 			if ok {
@@ -300,10 +286,10 @@ func ecm_scheduler_has(h C.uint64_t, mmHash *C.char, out *C.int32_t, errOut **C.
 		})
 }
 
-//export ecm_scheduler_watch
-func ecm_scheduler_watch(h C.uint64_t, counter *C.uint64_t, errOut **C.char) C.int {
+//export ecmgo_scheduler_watch
+func ecmgo_scheduler_watch(h C.uint64_t, counter *C.uint64_t, errOut **C.char) C.int {
 	const fn = "ecm_scheduler_watch"
-	return finish(errOut, fn, func() error {
+	return finish(errOut, func() error {
 		if err := capi.NotNil(fn, "counter", counter != nil); err != nil {
 			return err
 		}
@@ -311,29 +297,29 @@ func ecm_scheduler_watch(h C.uint64_t, counter *C.uint64_t, errOut **C.char) C.i
 	})
 }
 
-//export ecm_scheduler_wait
-func ecm_scheduler_wait(h C.uint64_t, in *C.char, timeoutMs C.int32_t, out **C.char, errOut **C.char) C.int {
+//export ecmgo_scheduler_wait
+func ecmgo_scheduler_wait(h C.uint64_t, in *C.char, timeoutMs C.int32_t, out **C.char, errOut **C.char) C.int {
 	return finishJSON(errOut, "ecm_scheduler_wait", out, func() ([]byte, error) {
 		return capi.SchedulerWait(uint64(h), goBytes(in), int32(timeoutMs))
 	})
 }
 
-//export ecm_proxy_open
-func ecm_proxy_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
+//export ecmgo_proxy_open
+func ecmgo_proxy_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
 	return finishHandle(errOut, "ecm_proxy_open", out, func() (uint64, error) { return capi.ProxyOpen(goBytes(cfg)) })
 }
 
-//export ecm_registrar_open
-func ecm_registrar_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
+//export ecmgo_registrar_open
+func ecmgo_registrar_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
 	return finishHandle(errOut, "ecm_registrar_open", out, func() (uint64, error) { return capi.RegistrarOpen(goBytes(cfg)) })
 }
 
-//export ecm_metrics_text
-func ecm_metrics_text(out **C.char, errOut **C.char) C.int {
+//export ecmgo_metrics_text
+func ecmgo_metrics_text(out **C.char, errOut **C.char) C.int {
 	return finishOut(errOut, "ecm_metrics_text", "out_text", out, capi.MetricsText, cText)
 }
 
-//export ecm_metadata_server_open
-func ecm_metadata_server_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
+//export ecmgo_metadata_server_open
+func ecmgo_metadata_server_open(cfg *C.char, out *C.uint64_t, errOut **C.char) C.int {
 	return finishHandle(errOut, "ecm_metadata_server_open", out, func() (uint64, error) { return capi.MetadataServerOpen(goBytes(cfg)) })
 }

@@ -142,12 +142,14 @@ func ShardPort(base, dpRank, tpSize, tpRank int) int { return base + dpRank*tpSi
 
 // Producer configures the producer (encoder instance worker).
 type Producer struct {
-	Transport       string  `json:"transport"`
-	ControlTimeoutS float64 `json:"control_timeout_s"`
-	PushWaitS       float64 `json:"push_wait_timeout_s"`
-	TCPConns        int     `json:"tcp_conns"`
-	TCPChunkBytes   int     `json:"tcp_chunk_bytes"`
-	Host            string  `json:"host"`
+	Transport     string `json:"transport"`
+	TCPConns      int    `json:"tcp_conns"`
+	TCPChunkBytes int    `json:"tcp_chunk_bytes"`
+	Host          string `json:"host"`
+	// CompleteWindow bounds the completes a producer has out to one shard
+	// and unanswered; it never waits for an answer below it.
+	CompleteWindow int `json:"complete_window"`
+	Deadlines
 	Mooncake
 	GPU
 	Routing
@@ -166,35 +168,44 @@ func (p Producer) MooncakeMetadataURL() string {
 	return P2PHandshake
 }
 
-// ControlTimeout bounds every control round trip.
-func (p Producer) ControlTimeout() time.Duration { return seconds(p.ControlTimeoutS) }
+// Deadlines are the two bounds the producer and the scheduler both keep,
+// each with defaults of its own.
+type Deadlines struct {
+	ControlTimeoutS float64 `json:"control_timeout_s"`
+	PushWaitS       float64 `json:"push_wait_timeout_s"`
+}
 
-// PushWait bounds how long a push waits for its source or its write.
-func (p Producer) PushWait() time.Duration { return seconds(p.PushWaitS) }
+// ControlTimeout bounds every control round trip (the scheduler's are
+// those of its background loop).
+func (d Deadlines) ControlTimeout() time.Duration { return seconds(d.ControlTimeoutS) }
+
+// PushWait bounds how long a push waits: on the producer for its source
+// or its write, on the scheduler in WAITING_EVENT.
+func (d Deadlines) PushWait() time.Duration { return seconds(d.PushWaitS) }
+
+func (d Deadlines) validate() error {
+	return first(
+		positive("control_timeout_s", d.ControlTimeoutS),
+		positive("push_wait_timeout_s", d.PushWaitS),
+	)
+}
 
 // Scheduler configures the consumer scheduler (the engine core's view).
 type Scheduler struct {
-	IP              string  `json:"ec_ip"`
-	Port            int     `json:"ec_port"`
-	TPSize          int     `json:"tp_size"`
-	DPRank          int     `json:"dp_rank"`
-	PushWaitS       float64 `json:"push_wait_timeout_s"`
-	LoadTimeoutS    float64 `json:"load_timeout_s"`
-	ControlTimeoutS float64 `json:"control_timeout_s"`
+	IP           string  `json:"ec_ip"`
+	Port         int     `json:"ec_port"`
+	TPSize       int     `json:"tp_size"`
+	DPRank       int     `json:"dp_rank"`
+	LoadTimeoutS float64 `json:"load_timeout_s"`
+	Deadlines
 	// Shards lists the shards' control endpoints explicitly; empty means
 	// derive them from ec_ip, ec_port, tp_size and dp_rank.
 	Shards []string `json:"shards"`
 	Auth
 }
 
-// PushWait bounds WAITING_EVENT.
-func (s Scheduler) PushWait() time.Duration { return seconds(s.PushWaitS) }
-
 // LoadTimeout bounds LOADING.
 func (s Scheduler) LoadTimeout() time.Duration { return seconds(s.LoadTimeoutS) }
-
-// ControlTimeout bounds each control round trip of the background loop.
-func (s Scheduler) ControlTimeout() time.Duration { return seconds(s.ControlTimeoutS) }
 
 // Runtime holds process-wide settings.
 type Runtime struct {
@@ -216,8 +227,8 @@ func DefaultConsumer() Consumer {
 
 // DefaultProducer returns the producer defaults.
 func DefaultProducer() Producer {
-	return Producer{Auth: defaultAuth(), Transport: "tcp", ControlTimeoutS: 30, PushWaitS: 60, TCPConns: 4, TCPChunkBytes: 8 << 20,
-		Mooncake: defaultMooncake(), MooncakeStagingBytes: 256 << 20}
+	return Producer{Auth: defaultAuth(), Transport: "tcp", Deadlines: Deadlines{ControlTimeoutS: 30, PushWaitS: 60}, TCPConns: 4, TCPChunkBytes: 8 << 20,
+		CompleteWindow: 1024, Mooncake: defaultMooncake(), MooncakeStagingBytes: 256 << 20}
 }
 
 // defaultAuth takes the Unix path to same-host peers: calls and readiness
@@ -228,7 +239,8 @@ func defaultMooncake() Mooncake { return Mooncake{Protocol: "rdma"} }
 
 // DefaultScheduler returns the scheduler defaults.
 func DefaultScheduler() Scheduler {
-	return Scheduler{Auth: defaultAuth(), IP: "127.0.0.1", Port: 14579, TPSize: 1, PushWaitS: 60, LoadTimeoutS: 30, ControlTimeoutS: 5}
+	return Scheduler{Auth: defaultAuth(), IP: "127.0.0.1", Port: 14579, TPSize: 1, LoadTimeoutS: 30,
+		Deadlines: Deadlines{ControlTimeoutS: 5, PushWaitS: 60}}
 }
 
 // DefaultRuntime keeps the Go runtime small beside PyTorch.
@@ -291,10 +303,10 @@ func (c Consumer) Validate() error {
 func (p Producer) Validate() error {
 	return first(
 		oneOf("transport", p.Transport, Transports),
-		positive("control_timeout_s", p.ControlTimeoutS),
-		positive("push_wait_timeout_s", p.PushWaitS),
+		p.Deadlines.validate(),
 		inRange("tcp_conns", p.TCPConns),
 		inRange("tcp_chunk_bytes", p.TCPChunkBytes),
+		inRange("complete_window", p.CompleteWindow),
 		optionalHost("host", p.Host),
 		p.Mooncake.validate(),
 		inRange("mooncake_staging_bytes", p.MooncakeStagingBytes),
@@ -348,9 +360,8 @@ func MooncakeMetadata(s string) error {
 // Validate checks every field.
 func (s Scheduler) Validate() error {
 	errs := []error{
-		positive("push_wait_timeout_s", s.PushWaitS),
+		s.Deadlines.validate(),
 		positive("load_timeout_s", s.LoadTimeoutS),
-		positive("control_timeout_s", s.ControlTimeoutS),
 		inRange("tp_size", s.TPSize),
 		inRange("dp_rank", s.DPRank),
 		s.Auth.validate(),

@@ -353,18 +353,25 @@ func (s *Shard) flushLocked() {
 	}
 }
 
-// sendEventsLocked sends the table's pending events, in order: a gone
-// event must follow the ready events it ends and precede those of a later
-// copy of the same content, because the scheduler reads it that way.
+// sendEventsLocked sends the table's pending events, in order, as one
+// event message: a batch's readiness costs the scheduler one message and
+// one step, not one per item. Order matters: a gone event must follow
+// the ready events it ends and precede those of a later copy of the same
+// content, because the scheduler reads it that way.
 func (s *Shard) sendEventsLocked() {
-	for _, e := range s.table.Ready().Events {
-		ev := wire.Event{
+	pending := s.table.Ready().Events
+	if len(pending) == 0 {
+		return
+	}
+	evs := make([]wire.Event, len(pending))
+	for i, e := range pending {
+		evs[i] = wire.Event{
 			V: wire.Version, Shard: s.cfg.TPRank, TransferID: e.TransferID,
 			MMHash: e.MMHash, Ready: e.Ready, NBytes: e.NBytes, Reason: e.Reason,
 		}
 		if e.Gone {
-			ev.Kind = wire.EventGone
+			evs[i].Kind = wire.EventGone
 		}
-		s.events.Send(ev)
 	}
+	s.events.Send(evs...)
 }

@@ -127,7 +127,7 @@ func BenchmarkEventDelivery(b *testing.B) {
 	defer zctx.Term()
 	ev := readyEvent(3, "transfer-0")
 	ev.V, ev.Seq, ev.SentNS = wire.Version, 1, time.Now().UnixNano()
-	frame, err := wire.EncodeEvent(ev)
+	frame, err := wire.EncodeEvents([]wire.Event{ev})
 	require.NoError(b, err)
 
 	for _, curve := range []bool{false, true} {

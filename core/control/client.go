@@ -106,6 +106,44 @@ type result struct {
 	err error
 }
 
+// into decodes the reply's body into out (nil: ignore it), or returns
+// why there is none to decode: the call's error, else the server's.
+func (r result) into(out any) error {
+	if r.err != nil {
+		return r.err
+	}
+	return replyInto(r.rep, out)
+}
+
+// replyInto decodes rep's body into out (nil: ignore it), or returns the
+// server's error.
+func replyInto(rep wire.Reply, out any) error {
+	if rep.Err != nil {
+		return rep.Err
+	}
+	if out == nil {
+		return nil
+	}
+	return wire.UnmarshalBody(rep.Body, out)
+}
+
+// requestFrame encodes the request id of op with body.
+func requestFrame(id uint64, op wire.Op, body any) ([]byte, error) {
+	req, err := wire.NewRequest(id, op, body)
+	if err != nil {
+		return nil, err
+	}
+	return wire.EncodeRequest(req)
+}
+
+// callContext gives ctx the bound d when it has none of its own.
+func callContext(ctx context.Context, d time.Duration) (context.Context, context.CancelFunc) {
+	if _, ok := ctx.Deadline(); ok {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(ctx, d)
+}
+
 // Dial connects a client to endpoint ("tcp://host:port"). It does not wait
 // for the server: calls made before the connection is up wait for it
 // within their deadline. A hostname is resolved once, here, to its first
@@ -167,22 +205,15 @@ func (c *Client) Endpoint() string { return c.endpoint }
 // with the wire sentinels); an expired context as its ctx.Err(); a closed
 // client as ErrClosed.
 func (c *Client) Call(ctx context.Context, op wire.Op, body any, out any) error {
-	if _, ok := ctx.Deadline(); !ok {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, c.timeout)
-		defer cancel()
-	}
+	ctx, cancel := callContext(ctx, c.timeout)
+	defer cancel()
 	select {
 	case <-c.done:
 		return c.fail(op, 0, c.err)
 	default:
 	}
 	id := c.nextID.Add(1)
-	req, err := wire.NewRequest(id, op, body)
-	if err != nil {
-		return c.fail(op, id, err)
-	}
-	frame, err := wire.EncodeRequest(req)
+	frame, err := requestFrame(id, op, body)
 	if err != nil {
 		return c.fail(op, id, err)
 	}
@@ -216,16 +247,8 @@ func (c *Client) Call(ctx context.Context, op wire.Op, body any, out any) error 
 	case <-c.done:
 		return c.fail(op, id, c.err)
 	}
-	if res.err != nil {
-		return c.fail(op, id, res.err)
-	}
-	if res.rep.Err != nil {
-		return c.fail(op, id, res.rep.Err)
-	}
-	if out != nil {
-		if err := wire.UnmarshalBody(res.rep.Body, out); err != nil {
-			return c.fail(op, id, err)
-		}
+	if err := res.into(out); err != nil {
+		return c.fail(op, id, err)
 	}
 	return nil
 }

@@ -279,15 +279,11 @@ func TestCloseFailsCallsInFlight(t *testing.T) {
 			errs <- cli.Call(context.Background(), wire.OpStatus, wire.Status{}, nil)
 		}()
 	}
-	for {
+	require.Eventually(t, func() bool {
 		cli.mu.Lock()
-		n := len(cli.pending)
-		cli.mu.Unlock()
-		if n == calls {
-			break
-		}
-		time.Sleep(time.Millisecond)
-	}
+		defer cli.mu.Unlock()
+		return len(cli.pending) == calls
+	}, settle, time.Millisecond, "every call is pending")
 	require.NoError(t, cli.Close())
 	for range calls {
 		require.ErrorIs(t, <-errs, ErrClosed)

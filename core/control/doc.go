@@ -23,11 +23,29 @@
 //	if errors.As(err, &werr) { /* the server refused: werr.Code */ }
 //
 //	pub, err := control.NewEventPub(zctx, ecIP, log) // the shard; advertise pub.Endpoint()
-//	pub.Send(wire.Event{Shard: rank, TransferID: id, MMHash: h, Ready: true, NBytes: n})
+//	pub.Send(evs...) // one flush's events: one message (wire.EncodeEvents)
 //
 //	sub, err := control.NewEventSub(zctx, log) // the scheduler
 //	err = sub.Connect(endpointFromEventPortOp)
-//	for ev := range sub.Events() { ... }
+//	for evs := range sub.Events() { apply evs as one batch }
+//
+// # Event messages
+//
+// A publisher's Send takes the events of one flush of a shard (every
+// readiness, failure and gone record one call produced) and sends them as
+// one binary event message (wire.EncodeEvents; several only past
+// wire.MaxEventRecords or wire.MaxMessage), and a subscriber hands each
+// message's events to its reader together, so that a batch of 8 items is
+// one message to queue, write, read and apply, not 8. Each event still
+// has its own seq (a message's run without a hole), so gaps, drops and
+// the status resync work per event as before; a publisher's queues and
+// backlogs are bounded in events (EventQueue, however they are packed),
+// a subscriber's in messages. PubStats.Sent and SubStats.Received count
+// events, Messages the messages they came in. An invalid event is refused and
+// counted (PubStats.Invalid), its seq spent, and the message goes on
+// without it. A JSON event from a publisher of an older build is refused,
+// counted (SubStats.Legacy) and logged once: shard and scheduler run from
+// one library.
 //
 // # Links
 //
@@ -61,9 +79,11 @@
 // HMAC over fresh nonces of both ends proves each holds it; the secret
 // never travels. Refusals are named to the refused end and counted by the
 // server (ServerStats.Refused: unix_uid, unix_conn_cap, unix_uid_cap,
-// unix_handshake and the auth_* reasons of CURVE). The uid is read at
-// accept, so a uid not admitted never holds a place. Bounds: UnixMaxConns
-// connections, UnixMaxConnsPerUID of them per peer uid, frames
+// unix_handshake and the auth_* reasons of CURVE). One gate
+// (unixgate.go) accepts for the call server and the event publisher
+// alike: the uid is read at accept, so a uid not admitted never holds a
+// place, nor one over its share. Bounds: UnixMaxConns connections,
+// UnixMaxConnsPerUID of them per peer uid, frames
 // of at most wire.MaxMessage checked before they are read, a deadline on
 // every handshake, read and write.
 //
@@ -77,15 +97,16 @@
 //
 // Readiness events take the Unix path too (unixevents.go): a publisher
 // (UnixEventPub) also listens on its ZeroMQ endpoint's Unix name, admits
-// subscribers as the server admits callers, and writes each event to
-// every admitted subscriber from that connection's goroutine, one seq
-// across both paths; while none is admitted, events go over ZeroMQ and a
+// subscribers through the same gate as the server's callers, and writes
+// each event message to every admitted subscriber from that connection's
+// goroutine, one seq per event across both paths; while none is
+// admitted, events go over ZeroMQ and a
 // bounded backlog keeps them for a subscriber yet to come, as a PUSH
 // socket keeps them for its PULL. A subscriber (UnixEventSub) follows a
 // same-host publisher over Unix, redialling a lost connection, and any
 // other, or one that refused it, over ZeroMQ (counted as the fallback
 // cause "events_<cause>"). A subscriber's queue holds opts.eventQueue
-// events, the ones beyond are dropped and counted (PubStats.Dropped,
+// events, the messages beyond are dropped and counted (PubStats.Dropped,
 // SubStats.Gaps), and a write that passes its deadline closes the
 // connection (PubStats.WriteFailures); the scheduler's status resync
 // covers what was dropped, as over ZeroMQ.

@@ -81,13 +81,17 @@ func resolve(host string) []string {
 // connectEndpoint turns ep into the endpoint to connect to: a hostname
 // becomes its first address, so that one client talks to one server even
 // when the name resolves to several hosts.
-func connectEndpoint(ep string) (string, error) {
+func connectEndpoint(ep string) (string, error) { return concreteEndpoint("connect", ep) }
+
+// concreteEndpoint is ep with its host resolved to its first address; a
+// wildcard host or port is refused, for what ("connect", ...).
+func concreteEndpoint(what, ep string) (string, error) {
 	host, port, err := SplitEndpoint(ep)
 	if err != nil {
 		return "", err
 	}
 	if host == "*" || port == 0 {
-		return "", fmt.Errorf("control: connect %q: %w: needs a concrete host and port", ep, ErrBadEndpoint)
+		return "", fmt.Errorf("control: %s %q: %w: needs a concrete host and port", what, ep, ErrBadEndpoint)
 	}
 	return Endpoint(resolve(host)[0], port), nil
 }

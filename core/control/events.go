@@ -1,6 +1,7 @@
 package control
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
@@ -9,18 +10,22 @@ import (
 	zmq "github.com/pebbe/zmq4"
 	"go.uber.org/atomic"
 
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
 
-// EventQueue bounds both the events a publisher holds for its socket and
-// the decoded events a subscriber holds for its reader.
+// EventQueue bounds the events a publisher holds for its socket (however
+// they are packed into messages) and the messages of decoded events a
+// subscriber holds for its reader.
 const EventQueue = 4096
 
 // PubStats counts what a publisher did with the events it was given.
 type PubStats struct {
-	Sent    uint64 // handed to libzmq
-	Dropped uint64 // queue full (no subscriber, or one not keeping up)
-	Invalid uint64 // refused by wire validation (a bug in the caller)
+	Sent uint64 // events handed to libzmq
+	// Messages counts the event messages those events travelled in.
+	Messages uint64 `json:",omitempty"`
+	Dropped  uint64 // queue full (no subscriber, or one not keeping up)
+	Invalid  uint64 // refused by wire validation (a bug in the caller)
 	// SentUnix counts, of Sent, the events written to same-host
 	// subscribers over the Unix path; WriteFailures the subscribers that
 	// lost their connection to a write that failed or passed its deadline.
@@ -43,11 +48,14 @@ type EventPub struct {
 	// sees seq increase by one per event unless some were dropped.
 	mu  sync.Mutex
 	seq uint64
-	q   chan []byte
+	q   chan eventMsg // at most EventQueue events in all (queued)
+	// queued counts the events in q: the bound is in events, as it was
+	// when each message held one, whatever a message holds.
+	queued atomic.Int64
 
-	head []byte // owner only: a frame the socket could not take yet
+	head *eventMsg // owner only: a message the socket could not take yet
 
-	sent, dropped, invalid atomic.Uint64
+	sent, messages, dropped, invalid atomic.Uint64
 }
 
 // NewEventPub binds a PUSH socket to an ephemeral port on host ("*" for
@@ -74,7 +82,7 @@ func NewEventPub(zctx *zmq.Context, host string, log *slog.Logger, opts ...Serve
 		sock:     sock,
 		guard:    g,
 		endpoint: endpoint,
-		q:        make(chan []byte, EventQueue),
+		q:        make(chan eventMsg, EventQueue),
 	}
 	if p.owner, err = newOwner(log, "event pub "+endpoint, pollItem{sock: sock, serve: p.flush, want: p.wants}, g.monitor()); err != nil {
 		closeGuarded(sock, g)
@@ -88,47 +96,105 @@ func NewEventPub(zctx *zmq.Context, host string, log *slog.Logger, opts ...Serve
 // Endpoint is where subscribers connect.
 func (p *EventPub) Endpoint() string { return p.endpoint }
 
-// Send stamps ev with the protocol version and the next sequence number and
-// queues it. It never blocks: when the queue is full (no subscriber yet, or
-// one not keeping up) the event is dropped and counted, and the gap in seq
-// tells the scheduler to resync with the status op.
-func (p *EventPub) Send(ev wire.Event) {
+// Send stamps evs with the protocol version and the next sequence
+// numbers and queues their message. It never blocks: when the queue is
+// full (no subscriber yet, or one not keeping up) the message is dropped
+// and counted, and the gap in seq tells the scheduler to resync with the
+// status op.
+func (p *EventPub) Send(evs ...wire.Event) {
 	p.mu.Lock()
-	p.seq++
-	frame, err := stampEvent(ev, p.seq)
-	if err != nil {
-		p.mu.Unlock()
-		p.invalid.Add(1)
-		p.log.Error("control: event refused", "transfer_id", ev.TransferID, "err", err)
-		return
+	for _, m := range stampEvents(evs, &p.seq, p.refuse) {
+		p.enqueueLocked(m)
 	}
-	p.enqueueLocked(frame)
 	p.mu.Unlock()
 }
 
-// stampEvent stamps ev with the protocol version, seq and the time, and
-// encodes it.
-func stampEvent(ev wire.Event, seq uint64) ([]byte, error) {
-	ev.V = wire.Version
-	ev.Seq = seq
-	ev.SentNS = time.Now().UnixNano()
-	return wire.EncodeEvent(ev)
+func (p *EventPub) refuse(ev wire.Event, err error) {
+	p.invalid.Add(1)
+	p.log.Error("control: event refused", "transfer_id", ev.TransferID, "err", err)
+}
+
+// eventMsg is one encoded event message and how many events it holds.
+type eventMsg struct {
+	frame  []byte
+	events int
+}
+
+// stampEvents stamps evs with the protocol version, the seqs after *seq
+// and the time, and packs them into as few messages as the bounds allow
+// (wire.MaxEventRecords, wire.MaxMessage). An event that fails validation
+// (a bug in the caller) is handed to refuse and left out, its seq spent:
+// the gap makes the scheduler resync, as for a dropped one. The caller
+// holds the lock that orders *seq with its queues.
+func stampEvents(evs []wire.Event, seq *uint64, refuse func(wire.Event, error)) []eventMsg {
+	now := time.Now().UnixNano()
+	var out []eventMsg
+	var run []wire.Event
+	size := wire.EventHeaderSize
+	flush := func() {
+		if len(run) == 0 {
+			return
+		}
+		if b, err := wire.EncodeEvents(run); err != nil {
+			for _, ev := range run { // cannot be: every one was checked
+				refuse(ev, err)
+			}
+		} else {
+			out = append(out, eventMsg{frame: b, events: len(run)})
+		}
+		run, size = nil, wire.EventHeaderSize
+	}
+	for _, ev := range evs {
+		*seq++
+		ev.V, ev.Seq, ev.SentNS, ev.Reason = wire.Version, *seq, now, wire.CutReason(ev.Reason)
+		if err := ev.Validate(); err != nil {
+			// The run stops here, so that seqs within a message stay
+			// consecutive.
+			flush()
+			refuse(ev, err)
+			continue
+		}
+		n := wire.EventRecordSize(ev)
+		if len(run) == wire.MaxEventRecords || size+n > wire.MaxMessage {
+			flush()
+		}
+		run = append(run, ev)
+		size += n
+	}
+	flush()
+	return out
 }
 
 // enqueueLocked queues a stamped frame, or drops and counts it when the
 // queue is full. The caller holds the lock that orders its seq.
-func (p *EventPub) enqueueLocked(frame []byte) {
-	select {
-	case p.q <- frame:
-		p.wakeup()
-	default:
-		p.dropped.Add(1)
+func (p *EventPub) enqueueLocked(m eventMsg) {
+	if !reserveEvents(&p.queued, m.events, EventQueue) {
+		p.dropped.Add(uint64(m.events))
+		return
 	}
+	select {
+	case p.q <- m:
+		p.wakeup()
+	default: // cannot be: q holds EventQueue messages of one event or more
+		p.queued.Sub(int64(m.events))
+		p.dropped.Add(uint64(m.events))
+	}
+}
+
+// reserveEvents counts n more events into a queue that holds at most
+// limit, or says there is no room. Its callers hold the lock that orders
+// the queue's sends; the reader only takes away.
+func reserveEvents(queued *atomic.Int64, n, limit int) bool {
+	if queued.Load()+int64(n) > int64(limit) {
+		return false
+	}
+	queued.Add(int64(n))
+	return true
 }
 
 // Stats returns the counters.
 func (p *EventPub) Stats() PubStats {
-	st := PubStats{Sent: p.sent.Load(), Dropped: p.dropped.Load(), Invalid: p.invalid.Load()}
+	st := PubStats{Sent: p.sent.Load(), Messages: p.messages.Load(), Dropped: p.dropped.Load(), Invalid: p.invalid.Load()}
 	if r := p.guard.stats(); len(r) > 0 {
 		st.Refused = r
 	}
@@ -154,28 +220,35 @@ func (p *EventPub) flush() error {
 	for {
 		if p.head == nil {
 			select {
-			case f := <-p.q:
-				p.head = f
+			case m := <-p.q:
+				p.queued.Sub(int64(m.events))
+				p.head = &m
 			default:
 				return nil
 			}
 		}
-		_, err := p.sock.SendBytes(p.head, zmq.DONTWAIT)
+		_, err := p.sock.SendBytes(p.head.frame, zmq.DONTWAIT)
 		if isAgain(err) {
 			return nil
 		}
 		if err != nil {
 			return fmt.Errorf("send: %w", err)
 		}
-		p.sent.Add(1)
+		p.sent.Add(uint64(p.head.events))
+		p.messages.Add(1)
 		p.head = nil
 	}
 }
 
 // SubStats counts what a subscriber received.
 type SubStats struct {
-	Received uint64 // decoded and valid, handed to Events
+	Received uint64 // events decoded and valid, handed to Events
+	Messages uint64 `json:",omitempty"` // the event messages they came in
 	Bad      uint64 // frames that did not decode or validate; dropped
+	// Legacy counts, of Bad, the JSON events of a publisher of an older
+	// build (wire.ErrLegacyEvent): refused, since shard and scheduler run
+	// from one library; the status resync still finds their transfers.
+	Legacy uint64 `json:",omitempty"`
 	// Over the Unix path: ReceivedUnix counts, of Received, the events
 	// read there, Gaps the events a publisher's seq skipped (dropped on
 	// its side; the scheduler's status resync covers them), Redials the
@@ -198,10 +271,10 @@ type EventSub struct {
 	refusals *Refusals
 
 	connq     chan connectReq
-	out       chan wire.Event
+	out       chan []wire.Event
 	connected map[string]bool // owner only
 
-	received, bad atomic.Uint64
+	received, messages, bad, legacy atomic.Uint64
 }
 
 // connectQueue bounds Connect requests waiting for the owner.
@@ -230,7 +303,7 @@ func NewEventSub(zctx *zmq.Context, log *slog.Logger, opts ...ClientOption) (*Ev
 		hs:        hs,
 		refusals:  hs.seen,
 		connq:     make(chan connectReq, connectQueue),
-		out:       make(chan wire.Event, EventQueue),
+		out:       make(chan []wire.Event, EventQueue),
 		connected: map[string]bool{},
 	}
 	// The refusal is logged once by handshakes; the scheduler's control
@@ -275,11 +348,12 @@ func (s *EventSub) Connect(endpoint string) error {
 // Events delivers decoded, validated events. It is closed when the
 // subscriber stops. A reader that falls behind holds the socket back:
 // libzmq and then the publishers queue, and publishers drop when full.
-func (s *EventSub) Events() <-chan wire.Event { return s.out }
+func (s *EventSub) Events() <-chan []wire.Event { return s.out }
 
 // Stats returns the counters.
 func (s *EventSub) Stats() SubStats {
-	return SubStats{Received: s.received.Load(), Bad: s.bad.Load(), Refused: s.refusals.Snapshot()}
+	return SubStats{Received: s.received.Load(), Messages: s.messages.Load(), Bad: s.bad.Load(), Legacy: s.legacy.Load(),
+		Refused: s.refusals.Snapshot()}
 }
 
 // Close stops receiving, closes the socket and then the Events channel.
@@ -338,23 +412,23 @@ func (s *EventSub) connect(req connectReq) {
 // reads nothing more: that is the back-pressure.
 func (s *EventSub) receive() error { return recvEach(s.sock, s.handleEvent) }
 
-// handleEvent hands one event to the reader; false when the subscriber
-// is closing.
+// handleEvent hands one message's events to the reader; false when the
+// subscriber is closing.
 func (s *EventSub) handleEvent(m capped) bool {
 	if m.over || len(m.parts) != 1 {
 		s.bad.Add(1)
 		return true
 	}
-	ev, err := wire.DecodeEvent(m.parts[0])
+	evs, err := wire.DecodeEvents(m.parts[0])
 	if err != nil {
-		s.bad.Add(1)
-		s.log.Warn("control: undecodable event", "err", err)
+		badEvent(s.log, &s.bad, &s.legacy, err)
 		return true
 	}
-	s.received.Add(1)
+	s.received.Add(uint64(len(evs)))
+	s.messages.Add(1)
 	for {
 		select {
-		case s.out <- ev:
+		case s.out <- evs:
 			return true
 		case req := <-s.connq:
 			s.connect(req)
@@ -362,4 +436,23 @@ func (s *EventSub) handleEvent(m capped) bool {
 			return false
 		}
 	}
+}
+
+// badEvent counts and logs a frame that is not a valid event message. A
+// JSON event is counted apart and logged as what it is, once per
+// subscriber and then at debug level: a publisher of an older build sends
+// nothing else, and one line per event would flood the log.
+func badEvent(log *slog.Logger, bad, legacy *atomic.Uint64, err error) {
+	bad.Add(1)
+	if !errors.Is(err, wire.ErrLegacyEvent) {
+		log.Warn("control: undecodable event", "err", err)
+		return
+	}
+	metrics.Failed("control", "event_legacy_json")
+	if legacy.Add(1) == 1 {
+		log.Error("control: a publisher sends JSON events, from a build older than this scheduler's; refused (shard and scheduler "+
+			"must run one build): its transfers are found by the status resync only", "err", err)
+		return
+	}
+	log.Debug("control: JSON event refused", "err", err)
 }

@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"maps"
-	"runtime/debug"
 	"sync"
 	"time"
 
@@ -219,9 +217,9 @@ type inmemServer struct {
 
 	// mu serialises requests, as the one goroutine of a ROUTER does, and
 	// makes Close wait for the request in the handler.
-	mu     sync.Mutex
-	closed bool
-	stats  ServerStats
+	mu       sync.Mutex
+	closed   bool
+	counters serverCounters
 }
 
 // Serve registers h at bind.
@@ -233,7 +231,7 @@ func (l *InmemLinks) Serve(bind string, h Handler, log *slog.Logger) (Serving, e
 	if err != nil {
 		return nil, err
 	}
-	s := &inmemServer{n: l.n, links: l, endpoint: ep, h: h, log: log, stats: ServerStats{Errors: map[string]uint64{}}}
+	s := &inmemServer{n: l.n, links: l, endpoint: ep, h: h, log: log}
 	l.n.mu.Lock()
 	if _, taken := l.n.servers[ep]; taken {
 		l.n.mu.Unlock()
@@ -249,13 +247,7 @@ func (l *InmemLinks) Serve(bind string, h Handler, log *slog.Logger) (Serving, e
 
 func (s *inmemServer) Endpoint() string { return s.endpoint }
 
-func (s *inmemServer) Stats() ServerStats {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := s.stats
-	out.Errors = maps.Clone(s.stats.Errors)
-	return out
-}
+func (s *inmemServer) Stats() ServerStats { return s.counters.snapshot() }
 
 func (s *inmemServer) Close() error {
 	unbind(s.n, s.n.servers, s.endpoint, s)
@@ -274,35 +266,8 @@ func (s *inmemServer) serve(frame []byte) ([]byte, bool) {
 	if s.closed {
 		return nil, false
 	}
-	rep := s.answer(frame)
-	out, err := wire.EncodeReply(rep)
-	if err != nil {
-		rep = wire.ErrReply(rep.ID, wire.CodeInternal, err.Error())
-		if out, err = wire.EncodeReply(rep); err != nil {
-			return nil, false
-		}
-	}
-	s.stats.Served++
-	if rep.Err != nil {
-		s.stats.Errors[rep.Err.Code]++
-	}
-	return out, true
-}
-
-func (s *inmemServer) answer(frame []byte) (rep wire.Reply) {
-	req, err := wire.DecodeRequest(frame)
-	if err != nil {
-		return wire.ErrReply(req.ID, wire.CodeOf(err), err.Error())
-	}
-	defer func() {
-		if r := recover(); r != nil {
-			s.log.Error("control: handler panicked", "op", req.Op, "id", req.ID, "panic", r, "stack", string(debug.Stack()))
-			rep = wire.ErrReply(req.ID, wire.CodeInternal, fmt.Sprintf("%s handler failed", req.Op))
-		}
-	}()
-	rep = s.h.Handle(req)
-	rep.V, rep.ID = wire.Version, req.ID
-	return rep
+	_, out, ok := s.counters.reply(answer(s.h, s.log, frame), s.log)
+	return out, ok
 }
 
 // caller ------------------------------------------------------------------
@@ -337,11 +302,8 @@ func (c *inmemCaller) Close() error {
 // Call sends the request over the link to the endpoint's owner and waits
 // for its reply; a lost message leaves the call to its deadline.
 func (c *inmemCaller) Call(ctx context.Context, op wire.Op, body, out any) error {
-	if _, ok := ctx.Deadline(); !ok {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, DefaultCallTimeout)
-		defer cancel()
-	}
+	ctx, cancel := callContext(ctx, DefaultCallTimeout)
+	defer cancel()
 	id := c.nextID.Add(1)
 	fail := func(err error) error { return fmt.Errorf("control: %s #%d to %s: %w", op, id, c.endpoint, err) }
 	select {
@@ -349,11 +311,7 @@ func (c *inmemCaller) Call(ctx context.Context, op wire.Op, body, out any) error
 		return fail(ErrClosed)
 	default:
 	}
-	req, err := wire.NewRequest(id, op, body)
-	if err != nil {
-		return fail(err)
-	}
-	frame, err := wire.EncodeRequest(req)
+	frame, err := requestFrame(id, op, body)
 	if err != nil {
 		return fail(err)
 	}
@@ -384,13 +342,8 @@ func (c *inmemCaller) Call(ctx context.Context, op wire.Op, body, out any) error
 	if err != nil {
 		return fail(fmt.Errorf("undecodable reply: %w", err))
 	}
-	if rep.Err != nil {
-		return fail(rep.Err)
-	}
-	if out != nil {
-		if err := wire.UnmarshalBody(rep.Body, out); err != nil {
-			return fail(err)
-		}
+	if err := replyInto(rep, out); err != nil {
+		return fail(err)
 	}
 	return nil
 }
@@ -433,16 +386,17 @@ type inmemPub struct {
 	endpoint string
 	log      *slog.Logger
 
-	mu  sync.Mutex // orders seq with the queue, as EventPub's does
-	seq uint64
-	q   chan []byte
+	mu     sync.Mutex // orders seq with the queue, as EventPub's does
+	seq    uint64
+	q      chan eventMsg
+	queued atomic.Int64 // events in q: at most EventQueue, as EventPub's
 
 	wake chan struct{} // a subscriber connected
 	quit chan struct{}
 	done chan struct{}
 	once sync.Once
 
-	sent, dropped, invalid atomic.Uint64
+	sent, dropped, invalid, messages atomic.Uint64
 }
 
 // Publish opens a publisher on host, on a port of its own.
@@ -450,9 +404,12 @@ func (l *InmemLinks) Publish(host string, log *slog.Logger) (Publisher, error) {
 	if host == "" {
 		return nil, fmt.Errorf("control: new event pub: %w: empty host", ErrBadEndpoint)
 	}
+	if log == nil {
+		log = slog.Default() // as the real publishers: a refusal is logged
+	}
 	ep := Endpoint(host, l.n.port())
 	p := &inmemPub{
-		n: l.n, links: l, endpoint: ep, log: log, q: make(chan []byte, EventQueue),
+		n: l.n, links: l, endpoint: ep, log: log, q: make(chan eventMsg, EventQueue),
 		wake: make(chan struct{}, 1), quit: make(chan struct{}), done: make(chan struct{}),
 	}
 	l.n.mu.Lock()
@@ -467,26 +424,30 @@ func (l *InmemLinks) Publish(host string, log *slog.Logger) (Publisher, error) {
 
 func (p *inmemPub) Endpoint() string { return p.endpoint }
 
-func (p *inmemPub) Send(ev wire.Event) {
+func (p *inmemPub) Send(evs ...wire.Event) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.seq++
-	ev.V, ev.Seq, ev.SentNS = wire.Version, p.seq, time.Now().UnixNano()
-	frame, err := wire.EncodeEvent(ev)
-	if err != nil {
-		p.invalid.Add(1)
-		p.log.Error("control: event refused", "transfer_id", ev.TransferID, "err", err)
-		return
-	}
-	select {
-	case p.q <- frame:
-	default:
-		p.dropped.Add(1)
+	for _, m := range stampEvents(evs, &p.seq, p.refuse) {
+		if !reserveEvents(&p.queued, m.events, EventQueue) {
+			p.dropped.Add(uint64(m.events))
+			continue
+		}
+		select {
+		case p.q <- m:
+		default: // cannot be: q holds EventQueue messages of one event or more
+			p.queued.Sub(int64(m.events))
+			p.dropped.Add(uint64(m.events))
+		}
 	}
 }
 
+func (p *inmemPub) refuse(ev wire.Event, err error) {
+	p.invalid.Add(1)
+	p.log.Error("control: event refused", "transfer_id", ev.TransferID, "err", err)
+}
+
 func (p *inmemPub) Stats() PubStats {
-	return PubStats{Sent: p.sent.Load(), Dropped: p.dropped.Load(), Invalid: p.invalid.Load()}
+	return PubStats{Sent: p.sent.Load(), Messages: p.messages.Load(), Dropped: p.dropped.Load(), Invalid: p.invalid.Load()}
 }
 
 // Close stops the pump and waits for it; queued events are lost.
@@ -505,9 +466,10 @@ func (p *inmemPub) Close() error {
 func (p *inmemPub) pump() {
 	defer close(p.done)
 	for {
-		var frame []byte
+		var m eventMsg
 		select {
-		case frame = <-p.q:
+		case m = <-p.q:
+			p.queued.Sub(int64(m.events))
 		case <-p.quit:
 			return
 		}
@@ -531,11 +493,12 @@ func (p *inmemPub) pump() {
 				return
 			}
 			if _, cut := p.n.link(p.links.name, s.links.name); cut {
-				p.dropped.Add(1)
+				p.dropped.Add(uint64(m.events))
 				continue
 			}
-			if s.deliver(frame, p.quit) {
-				p.sent.Add(1)
+			if s.deliver(m.frame, p.quit) {
+				p.sent.Add(uint64(m.events))
+				p.messages.Add(1)
 			}
 		}
 	}
@@ -545,7 +508,7 @@ type inmemSub struct {
 	n     *InmemNetwork
 	links *InmemLinks
 	log   *slog.Logger
-	out   chan wire.Event
+	out   chan []wire.Event
 
 	// mu is held for reading while an event is handed over, so that Close
 	// closes out only once nobody can send on it.
@@ -554,12 +517,15 @@ type inmemSub struct {
 	quit   chan struct{}
 	once   sync.Once
 
-	received, bad atomic.Uint64
+	received, messages, bad, legacy atomic.Uint64
 }
 
 // Subscribe opens a subscriber connected to nothing.
 func (l *InmemLinks) Subscribe(log *slog.Logger) (Subscriber, error) {
-	s := &inmemSub{n: l.n, links: l, log: log, out: make(chan wire.Event, EventQueue), quit: make(chan struct{})}
+	if log == nil {
+		log = slog.Default()
+	}
+	s := &inmemSub{n: l.n, links: l, log: log, out: make(chan []wire.Event, EventQueue), quit: make(chan struct{})}
 	if err := l.track(s); err != nil {
 		return nil, err
 	}
@@ -593,13 +559,13 @@ func (s *inmemSub) Connect(endpoint string) error {
 	return nil
 }
 
-func (s *inmemSub) Events() <-chan wire.Event { return s.out }
+func (s *inmemSub) Events() <-chan []wire.Event { return s.out }
 
 func (s *inmemSub) Stats() SubStats {
-	return SubStats{Received: s.received.Load(), Bad: s.bad.Load()}
+	return SubStats{Received: s.received.Load(), Messages: s.messages.Load(), Bad: s.bad.Load(), Legacy: s.legacy.Load()}
 }
 
-// deliver decodes frame and hands it to the reader, waiting while the
+// deliver decodes a message and hands its events to the reader, waiting while the
 // reader is behind; false when the subscriber or the publisher closed.
 func (s *inmemSub) deliver(frame []byte, pubQuit <-chan struct{}) bool {
 	s.mu.RLock()
@@ -607,17 +573,17 @@ func (s *inmemSub) deliver(frame []byte, pubQuit <-chan struct{}) bool {
 	if s.closed {
 		return false
 	}
-	ev, err := wire.DecodeEvent(frame)
+	evs, err := wire.DecodeEvents(frame)
 	if err != nil {
-		s.bad.Add(1)
-		s.log.Warn("control: undecodable event", "err", err)
+		badEvent(s.log, &s.bad, &s.legacy, err)
 		return false
 	}
 	// Counted before the hand-over, as the real subscribers count it, so
 	// that a reader that has an event finds it counted.
-	s.received.Add(1)
+	s.received.Add(uint64(len(evs)))
+	s.messages.Add(1)
 	select {
-	case s.out <- ev:
+	case s.out <- evs:
 		return true
 	case <-s.quit:
 	case <-pubQuit:

@@ -30,19 +30,23 @@ type Serving interface {
 	Close() error
 }
 
-// Publisher is a shard's event channel to its scheduler. Send never blocks.
+// Publisher is a shard's event channel to its scheduler. Send publishes
+// the events of one flush, in order, as one event message (several only
+// past wire.MaxEventRecords or wire.MaxMessage), and never blocks.
 type Publisher interface {
 	Endpoint() string
-	Send(ev wire.Event)
+	Send(evs ...wire.Event)
 	Stats() PubStats
 	Close() error
 }
 
-// Subscriber gathers the events of every publisher it connected to.
-// Events is closed once Close returns.
+// Subscriber gathers the events of every publisher it connected to. Each
+// value on Events is one event message's events, of one publisher, in
+// order: the reader applies them as one batch. Events is closed once
+// Close returns.
 type Subscriber interface {
 	Connect(endpoint string) error
-	Events() <-chan wire.Event
+	Events() <-chan []wire.Event
 	Stats() SubStats
 	Close() error
 }

@@ -143,7 +143,7 @@ func TestEventsKeepTheirOrder(t *testing.T) {
 		seen[ev.Shard]++
 	}
 	for _, p := range pubs {
-		require.Equal(t, PubStats{Sent: n + 1}, p.Stats())
+		require.Equal(t, PubStats{Sent: n + 1, Messages: n + 1}, p.Stats())
 	}
 }
 
@@ -164,9 +164,7 @@ func TestNoWorkWaitsForTheTick(t *testing.T) {
 	cli := dial(t, zctx, Endpoint("127.0.0.1", port))
 	early := make(chan error, 1)
 	go func() { early <- cli.Call(ctx, wire.OpStatus, wire.Status{TransferIDs: []string{"early"}}, nil) }()
-	for !cli.waitingAny() {
-		time.Sleep(time.Millisecond)
-	}
+	require.Eventually(t, cli.waitingAny, settle, time.Millisecond, "the early call is waiting")
 	startServer(t, zctx, Endpoint("127.0.0.1", port), HandlerFunc(statusEcho))
 	require.NoError(t, <-early)
 	for i := range 200 {

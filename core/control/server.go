@@ -117,8 +117,7 @@ type Server struct {
 	h        Handler
 	endpoint string
 
-	mu    sync.Mutex
-	stats ServerStats
+	counters serverCounters
 }
 
 // NewServer binds a ROUTER to bind ("tcp://host:port"; host "*" for every
@@ -154,7 +153,6 @@ func NewServer(zctx *zmq.Context, bind string, h Handler, log *slog.Logger, opts
 		guard:    g,
 		h:        h,
 		endpoint: endpoint,
-		stats:    ServerStats{Errors: map[string]uint64{}},
 	}
 	if s.owner, err = newOwner(log, "server "+endpoint, pollItem{sock: sock, serve: s.serve}, g.monitor()); err != nil {
 		return fail(err)
@@ -222,10 +220,7 @@ func (s *Server) Close() error { s.stop(); return nil }
 
 // Stats returns a snapshot of the counters.
 func (s *Server) Stats() ServerStats {
-	s.mu.Lock()
-	out := s.stats
-	out.Errors = maps.Clone(s.stats.Errors)
-	s.mu.Unlock()
+	out := s.counters.snapshot()
 	if r := s.guard.stats(); len(r) > 0 {
 		out.Refused = r
 	}
@@ -242,15 +237,11 @@ func (s *Server) serve() error {
 // by ROUTER; our protocol puts exactly one frame after it.
 func (s *Server) serveOne(m capped) {
 	parts := m.parts
-	s.mu.Lock()
-	s.stats.HeldPeak = max(s.stats.HeldPeak, uint64(m.held))
-	s.mu.Unlock()
+	s.counters.held(m.held)
 	var rep wire.Reply
 	switch {
 	case m.over:
-		s.mu.Lock()
-		s.stats.Oversized++
-		s.mu.Unlock()
+		s.counters.oversized()
 		metrics.Failed("control", "message_too_large")
 		s.log.Debug("control: dropped a message over the whole-message cap", "max_parts", maxParts, "max_bytes", maxMessage)
 		rep = wire.ErrReply(0, wire.CodeTooLarge, fmt.Sprintf("message over the cap of %d parts and %d bytes; want one frame per message", maxParts-1, maxMessage))
@@ -260,59 +251,115 @@ func (s *Server) serveOne(m capped) {
 		req, _ := wire.DecodeRequest(parts[len(parts)-1])
 		rep = wire.ErrReply(req.ID, wire.CodeBadRequest, fmt.Sprintf("want one frame per message, got %d", len(parts)-1))
 	default:
-		rep = s.answer(parts[1])
+		rep = answer(s.h, s.log, parts[1])
 	}
-	frame, err := wire.EncodeReply(rep)
-	if err != nil {
-		code := wire.CodeInternal
-		if errors.Is(err, wire.ErrTooLarge) {
-			code = wire.CodeTooLarge
-		}
-		rep = wire.ErrReply(rep.ID, code, err.Error())
-		frame, err = wire.EncodeReply(rep)
-		if err != nil {
-			s.log.Error("control: cannot encode error reply", "id", rep.ID, "err", err)
-			return
-		}
+	rep, frame, ok := s.counters.reply(rep, s.log)
+	if !ok {
+		return
 	}
-	// Counted before sending, so that a caller holding the reply sees it
-	// in Stats.
-	s.mu.Lock()
-	s.stats.Served++
-	if rep.Err != nil {
-		s.stats.Errors[rep.Err.Code]++
-	}
-	s.mu.Unlock()
 	if _, err := s.sock.SendMessageDontwait(parts[0], frame); err != nil {
-		s.mu.Lock()
-		s.stats.SendFailures++
-		s.mu.Unlock()
+		s.counters.sendFailed()
 		s.log.Debug("control: reply not sent", "id", rep.ID, "err", err)
 	}
 }
 
-func (s *Server) answer(frame []byte) wire.Reply {
+// answer decodes one request frame and answers it with h: an undecodable
+// request gets the error of its decoding, and a panic in h answers
+// CodeInternal, since one bad request must not take down a shard.
+func answer(h Handler, log *slog.Logger, frame []byte) (rep wire.Reply) {
 	req, err := wire.DecodeRequest(frame)
 	if err != nil {
-		s.log.Debug("control: refused request", "id", req.ID, "err", err)
+		log.Debug("control: refused request", "id", req.ID, "err", err)
 		return wire.ErrReply(req.ID, wire.CodeOf(err), err.Error())
 	}
-	rep := s.handle(req)
-	rep.V = wire.Version
-	rep.ID = req.ID
-	return rep
-}
-
-// handle calls the handler; a panic answers CodeInternal and the server
-// keeps serving, since one bad request must not take down a shard.
-func (s *Server) handle(req wire.Request) (rep wire.Reply) {
 	defer func() {
 		if r := recover(); r != nil {
-			s.log.Error("control: handler panicked", "op", req.Op, "id", req.ID, "panic", r, "stack", string(debug.Stack()))
+			log.Error("control: handler panicked", "op", req.Op, "id", req.ID, "panic", r, "stack", string(debug.Stack()))
 			rep = wire.ErrReply(req.ID, wire.CodeInternal, fmt.Sprintf("%s handler failed", req.Op))
 		}
 	}()
-	return s.h.Handle(req)
+	rep = h.Handle(req)
+	rep.V, rep.ID = wire.Version, req.ID
+	return rep
+}
+
+// encodeAnswer encodes rep or, when it cannot be (a body over the cap),
+// an error reply in its place, and returns the reply it encoded; an error
+// says that not even the error reply could be.
+func encodeAnswer(rep wire.Reply) (wire.Reply, []byte, error) {
+	frame, err := wire.EncodeReply(rep)
+	if err == nil {
+		return rep, frame, nil
+	}
+	code := wire.CodeInternal
+	if errors.Is(err, wire.ErrTooLarge) {
+		code = wire.CodeTooLarge
+	}
+	rep = wire.ErrReply(rep.ID, code, err.Error())
+	frame, err = wire.EncodeReply(rep)
+	return rep, frame, err
+}
+
+// serverCounters are the counters of a server, ZeroMQ's or the Unix
+// path's, under a lock of their own: both answer a frame the same way.
+type serverCounters struct {
+	mu    sync.Mutex
+	stats ServerStats
+}
+
+// held notes the bytes kept of one message.
+func (c *serverCounters) held(n int) {
+	c.mu.Lock()
+	c.stats.HeldPeak = max(c.stats.HeldPeak, uint64(n))
+	c.mu.Unlock()
+}
+
+func (c *serverCounters) oversized() {
+	c.mu.Lock()
+	c.stats.Oversized++
+	c.mu.Unlock()
+}
+
+func (c *serverCounters) sendFailed() {
+	c.mu.Lock()
+	c.stats.SendFailures++
+	c.mu.Unlock()
+}
+
+// reply encodes rep as encodeAnswer does and counts the reply encoded. It
+// is counted before it is sent, so that a caller holding the reply sees it
+// in Stats. false (logged): not even an error reply could be encoded.
+func (c *serverCounters) reply(rep wire.Reply, log *slog.Logger) (wire.Reply, []byte, bool) {
+	rep, frame, err := encodeAnswer(rep)
+	if err != nil {
+		if log == nil {
+			log = slog.Default()
+		}
+		log.Error("control: cannot encode error reply", "id", rep.ID, "err", err)
+		return rep, nil, false
+	}
+	c.mu.Lock()
+	c.stats.Served++
+	if rep.Err != nil {
+		if c.stats.Errors == nil {
+			c.stats.Errors = map[string]uint64{}
+		}
+		c.stats.Errors[rep.Err.Code]++
+	}
+	c.mu.Unlock()
+	return rep, frame, true
+}
+
+// snapshot copies the counters; Errors is never nil.
+func (c *serverCounters) snapshot() ServerStats {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := c.stats
+	out.Errors = maps.Clone(c.stats.Errors)
+	if out.Errors == nil {
+		out.Errors = map[string]uint64{}
+	}
+	return out
 }
 
 // unmapped rewrites an IPv4-mapped IPv6 endpoint (what libzmq reports for

@@ -425,9 +425,12 @@ func (o *owner) wakeup() {
 }
 
 // quitting reports whether stop was asked. Any goroutine.
-func (o *owner) quitting() bool {
+func (o *owner) quitting() bool { return isClosed(o.quit) }
+
+// isClosed reports whether ch, a channel only ever closed, is closed.
+func isClosed(ch <-chan struct{}) bool {
 	select {
-	case <-o.quit:
+	case <-ch:
 		return true
 	default:
 		return false

@@ -5,9 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"maps"
 	"net"
-	"os"
 	"strings"
 	"sync"
 	"time"
@@ -46,14 +44,11 @@ const (
 // Abstract names live in the network namespace and open no file, so a
 // name that a peer gives cannot point this process at anything else.
 func UnixName(ep string) (string, error) {
-	host, port, err := SplitEndpoint(ep)
+	target, err := concreteEndpoint("unix name of", ep)
 	if err != nil {
 		return "", err
 	}
-	if host == "*" || port == 0 {
-		return "", fmt.Errorf("control: unix name of %q: %w: needs a concrete host and port", ep, ErrBadEndpoint)
-	}
-	return "@ecmooncake/control/" + strings.TrimPrefix(Endpoint(resolve(host)[0], port), tcpScheme), nil
+	return "@ecmooncake/control/" + strings.TrimPrefix(target, tcpScheme), nil
 }
 
 // isLocalHost reports whether host is an address of this network
@@ -89,11 +84,13 @@ type unixOptions struct {
 	writeTimeout time.Duration
 	// eventQueue bounds the events held for one subscriber connection.
 	eventQueue int
+	// handshakeTimeout bounds a server's admission of one connection.
+	handshakeTimeout time.Duration
 }
 
 func defaultUnixOptions() unixOptions {
 	return unixOptions{allowed: sameUser, uidOf: peerUID, maxConns: UnixMaxConns, maxPerUID: UnixMaxConnsPerUID,
-		writeTimeout: unixWriteTimeout, eventQueue: EventQueue}
+		writeTimeout: unixWriteTimeout, eventQueue: EventQueue, handshakeTimeout: unixHandshakeTimeout}
 }
 
 // serialHandler calls h one request at a time for every server sharing
@@ -112,21 +109,13 @@ func (s *serialHandler) Handle(req wire.Request) wire.Reply {
 // UnixServer answers the control requests of same-host peers on an
 // abstract Unix socket, read by Go's network poller: one goroutine per
 // connection, requests answered in their order, the handler called one
-// request at a time.
+// request at a time. Its gate (unixgate.go) admits the connections.
 type UnixServer struct {
-	name string
-	ln   *net.UnixListener
+	gate *unixGate
 	h    Handler
-	key  []byte
-	opt  unixOptions
 	log  *slog.Logger
 
-	mu     sync.Mutex
-	conns  map[*net.UnixConn]struct{}
-	uids   map[uint32]int // connections by peer uid
-	closed bool
-	stats  ServerStats
-	wg     sync.WaitGroup
+	counters serverCounters // but Refused, the gate's
 }
 
 // ListenUnix serves h on the abstract socket name (UnixName), admitting
@@ -136,8 +125,8 @@ func ListenUnix(name string, h Handler, sec Security, log *slog.Logger) (*UnixSe
 }
 
 func listenUnix(name string, h Handler, sec Security, log *slog.Logger, opt unixOptions) (*UnixServer, error) {
-	if !strings.HasPrefix(name, "@") {
-		return nil, fmt.Errorf("control: unix listen %q: want an abstract name (@...): %w", name, ErrBadEndpoint)
+	if err := abstractName("unix listen", name); err != nil {
+		return nil, err
 	}
 	if h == nil {
 		return nil, errors.New("control: unix listen: nil handler")
@@ -145,186 +134,55 @@ func listenUnix(name string, h Handler, sec Security, log *slog.Logger, opt unix
 	if log == nil {
 		log = slog.Default()
 	}
-	if opt.uidOf == nil {
-		opt.uidOf = peerUID
-	}
-	if opt.maxPerUID <= 0 {
-		opt.maxPerUID = UnixMaxConnsPerUID
-	}
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: name, Net: "unix"})
+	s := &UnixServer{h: h, log: log}
+	g, err := listenUnixGate(name, "unix peer", sec, log, opt.withDefaults(), s.serveConn)
 	if err != nil {
 		return nil, fmt.Errorf("control: unix listen %s: %w", name, err)
 	}
-	s := &UnixServer{
-		name: name, ln: ln, h: h, key: unixKey(sec), opt: opt, log: log,
-		conns: map[*net.UnixConn]struct{}{}, uids: map[uint32]int{},
-		stats: ServerStats{Errors: map[string]uint64{}, Refused: map[string]uint64{}},
-	}
-	s.wg.Add(1)
-	go s.accept()
+	s.gate = g
 	return s, nil
 }
 
 // Endpoint is the abstract name served.
-func (s *UnixServer) Endpoint() string { return s.name }
+func (s *UnixServer) Endpoint() string { return s.gate.name }
 
 // Stats returns a snapshot of the counters.
 func (s *UnixServer) Stats() ServerStats {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := s.stats
-	out.Errors = maps.Clone(s.stats.Errors)
-	out.Refused = nil
-	if len(s.stats.Refused) > 0 {
-		out.Refused = maps.Clone(s.stats.Refused)
-	}
+	out := s.counters.snapshot()
+	out.Refused = s.gate.refusals()
 	return out
 }
 
 // Close stops accepting, closes every connection and waits for their
 // goroutines. Idempotent.
 func (s *UnixServer) Close() error {
-	s.mu.Lock()
-	if !s.closed {
-		s.closed = true
-		_ = s.ln.Close()
-		for c := range s.conns {
-			_ = c.Close()
-		}
-	}
-	s.mu.Unlock()
-	s.wg.Wait()
+	s.gate.close()
 	return nil
 }
 
-func (s *UnixServer) refuse(r refusal, err error) {
-	s.mu.Lock()
-	s.stats.Refused[string(r)]++
-	s.mu.Unlock()
-	metrics.Failed("control", string(r))
-	s.log.Warn("control: unix peer refused", "name", s.name, "reason", string(r), "err", err)
-}
-
-func (s *UnixServer) accept() {
-	defer s.wg.Done()
-	for {
-		c, err := s.ln.AcceptUnix()
-		if err != nil {
-			s.mu.Lock()
-			closed := s.closed
-			s.mu.Unlock()
-			if closed {
-				return
-			}
-			s.log.Warn("control: unix accept", "name", s.name, "err", err)
-			// A full fd table passes; do not spin on it.
-			time.Sleep(10 * time.Millisecond)
-			continue
-		}
-		// The peer's uid is known at accept (SO_PEERCRED is the
-		// connector's, fixed at connect): a uid that is not admitted, or
-		// over its share, never holds a place.
-		uid, err := s.opt.uidOf(c)
-		if err != nil || !s.opt.allowed(uid) {
-			s.refuseEarly(c, unixRefusedUID, refusedUnixUID, fmt.Errorf("control: unix peer uid %d (err %v), this process's %d: %w", uid, err, os.Getuid(), ErrAuth))
-			continue
-		}
-		s.mu.Lock()
-		switch {
-		case s.closed:
-			s.mu.Unlock()
-			_ = c.Close()
-			return
-		case s.uids[uid] >= s.opt.maxPerUID:
-			s.mu.Unlock()
-			s.refuseEarly(c, unixRefusedBusy, refusedUnixUIDCap, fmt.Errorf("uid %d has %d connections open, its share of the cap", uid, s.opt.maxPerUID))
-			continue
-		case len(s.conns) >= s.opt.maxConns:
-			s.mu.Unlock()
-			s.refuseEarly(c, unixRefusedBusy, refusedUnixConnCap, fmt.Errorf("%d connections open, the cap", s.opt.maxConns))
-			continue
-		}
-		s.conns[c] = struct{}{}
-		s.uids[uid]++
-		s.wg.Add(1)
-		s.mu.Unlock()
-		go s.serveConn(c, uid)
-	}
-}
-
-// refuseEarly counts the refusal, then tells c why it is not admitted,
-// in place of the hello, and closes it: whoever sees the refusal sees it
-// counted. Not under mu.
-func (s *UnixServer) refuseEarly(c *net.UnixConn, status byte, r refusal, err error) {
-	s.refuse(r, err)
-	_ = c.SetWriteDeadline(time.Now().Add(unixWriteTimeout))
-	_, _ = c.Write(unixEarlyRefusal(status))
-	_ = c.Close()
-}
-
-func (s *UnixServer) serveConn(c *net.UnixConn, uid uint32) {
-	defer s.wg.Done()
-	defer func() {
-		if r := recover(); r != nil {
-			s.log.Error("control: unix connection failed", "name", s.name, "panic", r)
-		}
-		s.mu.Lock()
-		delete(s.conns, c)
-		if s.uids[uid]--; s.uids[uid] == 0 {
-			delete(s.uids, uid)
-		}
-		s.mu.Unlock()
-		_ = c.Close()
-	}()
-	_ = c.SetDeadline(time.Now().Add(unixHandshakeTimeout))
-	if r, err := serverHandshake(c, s.key, s.opt.allowed); err != nil {
-		s.refuse(r, err)
-		return
-	}
-	srv := &Server{h: s.h} // for answer and handle: decoding and panic recovery
-	srv.owner = &owner{log: s.log}
+// serveConn answers the requests of one admitted connection.
+func (s *UnixServer) serveConn(c *net.UnixConn) {
 	var out []byte
 	for {
 		_ = c.SetReadDeadline(time.Now().Add(unixServerIdle))
 		frame, err := readUnixFrame(c)
 		if err != nil {
 			if errors.Is(err, errUnixFrame) {
-				s.mu.Lock()
-				s.stats.Oversized++
-				s.mu.Unlock()
+				s.counters.oversized()
 				metrics.Failed("control", "message_too_large")
-				s.log.Warn("control: unix peer sent a frame over the cap; closing", "name", s.name, "err", err)
+				s.log.Warn("control: unix peer sent a frame over the cap; closing", "name", s.gate.name, "err", err)
 			}
 			return
 		}
-		s.mu.Lock()
-		s.stats.HeldPeak = max(s.stats.HeldPeak, uint64(len(frame)))
-		s.mu.Unlock()
-		rep := srv.answer(frame)
-		enc, err := wire.EncodeReply(rep)
-		if err != nil {
-			code := wire.CodeInternal
-			if errors.Is(err, wire.ErrTooLarge) {
-				code = wire.CodeTooLarge
-			}
-			rep = wire.ErrReply(rep.ID, code, err.Error())
-			if enc, err = wire.EncodeReply(rep); err != nil {
-				s.log.Error("control: cannot encode error reply", "id", rep.ID, "err", err)
-				return
-			}
+		s.counters.held(len(frame))
+		rep, enc, ok := s.counters.reply(answer(s.h, s.log, frame), s.log)
+		if !ok {
+			return
 		}
-		s.mu.Lock()
-		s.stats.Served++
-		if rep.Err != nil {
-			s.stats.Errors[rep.Err.Code]++
-		}
-		s.mu.Unlock()
 		out, _ = appendUnixFrame(out[:0], enc)
 		_ = c.SetWriteDeadline(time.Now().Add(unixWriteTimeout))
 		if _, err := c.Write(out); err != nil {
-			s.mu.Lock()
-			s.stats.SendFailures++
-			s.mu.Unlock()
+			s.counters.sendFailed()
 			s.log.Debug("control: unix reply not sent", "id", rep.ID, "err", err)
 			return
 		}
@@ -375,8 +233,8 @@ func DialUnix(name string, sec Security, log *slog.Logger) (*UnixClient, error) 
 }
 
 func dialUnix(name string, sec Security, log *slog.Logger, opt unixOptions) (*UnixClient, error) {
-	if !strings.HasPrefix(name, "@") {
-		return nil, fmt.Errorf("control: unix dial %q: want an abstract name (@...): %w", name, ErrBadEndpoint)
+	if err := abstractName("unix dial", name); err != nil {
+		return nil, err
 	}
 	if log == nil {
 		log = slog.Default()
@@ -408,11 +266,8 @@ func (u *UnixClient) Close() error {
 
 // Call has Caller's contract.
 func (u *UnixClient) Call(ctx context.Context, op wire.Op, body, out any) error {
-	if _, ok := ctx.Deadline(); !ok {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, DefaultCallTimeout)
-		defer cancel()
-	}
+	ctx, cancel := callContext(ctx, DefaultCallTimeout)
+	defer cancel()
 	return u.call(ctx, op, body, out)
 }
 
@@ -424,11 +279,7 @@ func (u *UnixClient) fail(op wire.Op, id uint64, err error) error {
 // server. ctx has a deadline.
 func (u *UnixClient) call(ctx context.Context, op wire.Op, body, out any) error {
 	id := u.nextID.Add(1)
-	req, err := wire.NewRequest(id, op, body)
-	if err != nil {
-		return u.fail(op, id, err)
-	}
-	enc, err := wire.EncodeRequest(req)
+	enc, err := requestFrame(id, op, body)
 	if err != nil {
 		return u.fail(op, id, err)
 	}
@@ -468,16 +319,8 @@ func (u *UnixClient) call(ctx context.Context, op wire.Op, body, out any) error 
 	case <-ctx.Done():
 		return u.fail(op, id, ctx.Err())
 	}
-	if res.err != nil {
-		return u.fail(op, id, res.err)
-	}
-	if res.rep.Err != nil {
-		return u.fail(op, id, res.rep.Err)
-	}
-	if out != nil {
-		if err := wire.UnmarshalBody(res.rep.Body, out); err != nil {
-			return u.fail(op, id, err)
-		}
+	if err := res.into(out); err != nil {
+		return u.fail(op, id, err)
 	}
 	return nil
 }
@@ -506,23 +349,10 @@ func (u *UnixClient) connected(ctx context.Context) (*unixConn, error) {
 	if cn != nil {
 		cn.lose(errors.New("idle"))
 	}
-	dl, _ := ctx.Deadline()
-	hs := time.Now().Add(unixHandshakeTimeout)
-	if dl.After(hs) {
-		dl = hs
-	}
-	d := net.Dialer{Deadline: dl}
-	raw, err := d.DialContext(ctx, "unix", u.name)
+	c, err := dialAdmitted(ctx, u.name, u.key, u.opt.allowed)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", errUnixUnreachable, err)
-	}
-	c := raw.(*net.UnixConn)
-	_ = c.SetDeadline(dl)
-	if err := clientHandshake(c, u.key, u.opt.allowed); err != nil {
-		_ = c.Close()
 		return nil, err
 	}
-	_ = c.SetDeadline(time.Time{})
 	cn = &unixConn{c: c, pending: map[uint64]chan result{}, done: make(chan struct{})}
 	cn.last.Store(time.Now().UnixNano())
 	u.mu.Lock()
@@ -535,6 +365,29 @@ func (u *UnixClient) connected(ctx context.Context) (*unixConn, error) {
 	u.mu.Unlock()
 	go u.read(cn)
 	return cn, nil
+}
+
+// dialAdmitted connects to the server on the abstract name and passes
+// its admission (clientHandshake), within ctx and unixHandshakeTimeout.
+// An error wrapping errUnixUnreachable: nothing could be dialled.
+func dialAdmitted(ctx context.Context, name string, key []byte, allowed func(uint32) bool) (*net.UnixConn, error) {
+	dl := time.Now().Add(unixHandshakeTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(dl) {
+		dl = d
+	}
+	d := net.Dialer{Deadline: dl}
+	raw, err := d.DialContext(ctx, "unix", name)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", errUnixUnreachable, err)
+	}
+	c := raw.(*net.UnixConn)
+	_ = c.SetDeadline(dl)
+	if err := clientHandshake(c, key, allowed); err != nil {
+		_ = c.Close()
+		return nil, err
+	}
+	_ = c.SetDeadline(time.Time{})
+	return c, nil
 }
 
 // alive: not lost, and not idle long enough for the server to drop it.

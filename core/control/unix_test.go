@@ -4,9 +4,12 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+	"io"
 	"net"
 	"os"
+	"runtime"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -161,11 +164,7 @@ func TestUnixPipelined(t *testing.T) {
 		require.NoError(t, err)
 	}
 	require.EqualValues(t, 64, unixServed(srv))
-	us := srv.(*dualServer).unix
-	us.mu.Lock()
-	conns := len(us.conns)
-	us.mu.Unlock()
-	require.Equal(t, 1, conns, "one connection carries every call")
+	require.Equal(t, 1, srv.(*dualServer).unix.gate.open(), "one connection carries every call")
 	require.Empty(t, l.Fallbacks())
 }
 
@@ -226,6 +225,132 @@ func TestUnixCapPerUID(t *testing.T) {
 	require.NoError(t, statusCall(dialOn(t, l, srv.Endpoint()), "a"))
 	require.EqualValues(t, 1, unixServed(srv), "the other uid was served over Unix")
 	require.Empty(t, l.Fallbacks())
+}
+
+// TestUnixStrangersAndSharesAtAccept plays another local user against
+// both same-host Unix sockets, the call server's and the event
+// publisher's, with connections the kernel stamps with real uids: a uid
+// the rule does not admit is refused at accept, counted as unix_uid, and
+// holds no place; a uid it admits (root, when the shard runs as a user)
+// that opens connections and stays silent in the handshake holds its
+// share of the cap and no more, the rest counted as unix_uid_cap; and a
+// peer of this uid is still admitted and served, not pushed to ZeroMQ.
+// The handshake deadline outlasts the test, so the attacker never has to
+// renew its places.
+func TestUnixStrangersAndSharesAtAccept(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("connecting as other uids needs root")
+	}
+	const other, stranger = 65534, 65533
+	opt := defaultUnixOptions()
+	opt.maxConns, opt.maxPerUID = 4, 2
+	opt.handshakeTimeout = 2 * settle
+	// The rule of a shard run by a user admits two uids, its own and
+	// root's; the test runs as root, and other stands for the second.
+	opt.allowed = func(uid uint32) bool { return uid == 0 || uid == other }
+	for _, tc := range []struct {
+		name string
+		// listen serves on name; refused reads its refusals; legit is a
+		// peer of this uid using it.
+		listen func(t *testing.T, name string) (refused func() map[string]uint64, legit func(t *testing.T))
+	}{
+		{"call server", func(t *testing.T, name string) (func() map[string]uint64, func(*testing.T)) {
+			srv, err := listenUnix(name, HandlerFunc(statusEcho), Security{}, nil, opt)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = srv.Close() })
+			return func() map[string]uint64 { return srv.Stats().Refused }, func(t *testing.T) {
+				c, err := dialUnix(name, Security{}, nil, defaultUnixOptions())
+				require.NoError(t, err)
+				t.Cleanup(func() { _ = c.Close() })
+				require.NoError(t, statusCall(c, "a"))
+				require.EqualValues(t, 1, srv.Stats().Served)
+			}
+		}},
+		{"event publisher", func(t *testing.T, name string) (func() map[string]uint64, func(*testing.T)) {
+			pub, err := listenUnixEvents(name, nil, Security{}, nil, opt)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = pub.Close() })
+			return func() map[string]uint64 { return pub.Stats().Refused }, func(t *testing.T) {
+				sub := newUnixEventSub(nil, Security{}, nil, defaultUnixOptions(), nil)
+				t.Cleanup(func() { _ = sub.Close() })
+				require.NoError(t, sub.Connect(name))
+				pub.Send(readyEvent(1, "t-1"))
+				require.Equal(t, "t-1", nextOf(t, sub.Events()).TransferID)
+				require.EqualValues(t, 1, pub.Stats().SentUnix)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			name := eventName(t)
+			refused, legit := tc.listen(t, name)
+			for range 2 * opt.maxConns {
+				require.Equal(t, "refused unix_uid", openingOf(t, dialAs(t, name, stranger)))
+			}
+			require.EqualValues(t, 2*opt.maxConns, refused()["unix_uid"], "each stranger counted before it is told")
+			var held int
+			for range opt.maxConns {
+				switch got := openingOf(t, dialAs(t, name, other)); got {
+				case "hello":
+					held++ // and never answered
+				default:
+					require.Equal(t, "refused busy", got)
+				}
+			}
+			legit(t)
+			require.Equal(t, opt.maxPerUID, held, "the other uid holds its share and no more")
+			require.EqualValues(t, opt.maxConns-opt.maxPerUID, refused()["unix_uid_cap"])
+		})
+	}
+}
+
+// dialAs connects to the abstract name from a thread that runs as uid, so
+// that the kernel stamps the connection (SO_PEERCRED) with that uid. The
+// thread is never unlocked: it ends with its goroutine, and serves no
+// other.
+func dialAs(t *testing.T, name string, uid uint32) *net.UnixConn {
+	t.Helper()
+	type dialed struct {
+		c   *net.UnixConn
+		err error
+	}
+	ch := make(chan dialed, 1)
+	go func() {
+		runtime.LockOSThread()
+		// The raw call changes this thread alone; syscall.Setresuid would
+		// change every thread of the process.
+		if _, _, e := syscall.RawSyscall(syscall.SYS_SETRESUID, uintptr(uid), uintptr(uid), uintptr(uid)); e != 0 {
+			ch <- dialed{err: fmt.Errorf("setresuid %d: %w", uid, e)}
+			return
+		}
+		c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: name, Net: "unix"})
+		ch <- dialed{c, err}
+	}()
+	d := <-ch
+	require.NoError(t, d.err)
+	t.Cleanup(func() { _ = d.c.Close() })
+	require.NoError(t, d.c.SetDeadline(time.Now().Add(settle)))
+	return d.c
+}
+
+// openingOf reads what a Unix server first sends on c: "hello" when it
+// admits c to the handshake, else the refusal it sends in its place.
+func openingOf(t *testing.T, c *net.UnixConn) string {
+	t.Helper()
+	b := make([]byte, unixHelloLen)
+	_, err := io.ReadFull(c, b)
+	require.NoError(t, err)
+	if string(b[:4]) == "ECUH" {
+		return "hello"
+	}
+	status, err := checkOpening("refusal", "ECUV", b)
+	require.NoError(t, err)
+	switch status {
+	case unixRefusedUID:
+		return "refused unix_uid"
+	case unixRefusedBusy:
+		return "refused busy"
+	}
+	return fmt.Sprintf("refused with status %d", status)
 }
 
 // rawUnix connects to name and passes the handshake without a secret.

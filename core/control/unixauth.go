@@ -166,13 +166,10 @@ func admitUID(c *net.UnixConn, allowed func(uint32) bool) error {
 	return nil
 }
 
-// serverHandshake admits the client at the other end of c, or says why
-// not (a refusal label and an error). The caller sets the deadline.
-func serverHandshake(c *net.UnixConn, key []byte, allowed func(uint32) bool) (refusal, error) {
-	if err := admitUID(c, allowed); err != nil {
-		_, _ = c.Write(unixEarlyRefusal(unixRefusedUID))
-		return refusedUnixUID, err
-	}
+// serverHandshake admits the client at the other end of c, whose uid the
+// gate admitted at accept (unixgate.go), or says why not (a refusal label
+// and an error). The caller sets the deadline.
+func serverHandshake(c *net.UnixConn, key []byte) (refusal, error) {
 	var nonce [unixNonceLen]byte
 	_, _ = rand.Read(nonce[:])
 	mode := unixMode(key)

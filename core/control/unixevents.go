@@ -14,6 +14,7 @@ import (
 
 	"go.uber.org/atomic"
 
+	"github.com/ecmooncake/ecmooncake/core/internal/due"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
@@ -55,38 +56,37 @@ const unixRedialMax = time.Second
 // abstract Unix socket and, while none is admitted, to the ZeroMQ
 // publisher beside it. Send never blocks.
 type UnixEventPub struct {
-	name string
-	ln   *net.UnixListener
+	gate *unixGate
 	zmq  *EventPub // nil: Unix alone (tests)
-	key  []byte
 	opt  unixOptions
 	log  *slog.Logger
 
 	// mu orders seq with every queue, and guards what follows.
-	mu      sync.Mutex
-	seq     uint64
-	subs    map[*unixEventConn]struct{} // admitted
-	conns   int                         // open, admitted or not: the cap
-	backlog [][]byte                    // while no subscriber; at most opt.eventQueue
-	closed  bool
-	refused map[string]uint64
+	mu            sync.Mutex
+	seq           uint64
+	subs          map[*unixEventConn]struct{} // admitted
+	backlog       []unixPending               // while no subscriber; at most opt.eventQueue events
+	backlogEvents int
+	closed        bool
 
-	sent, dropped, invalid, writeFailures atomic.Uint64
-	wg                                    sync.WaitGroup
+	sent, messages, dropped, invalid, writeFailures atomic.Uint64
 }
 
 type unixEventConn struct {
 	c   *net.UnixConn
 	raw syscall.RawConn
 	q   chan unixPending
+	// queued counts the events in q, at most opt.eventQueue: the bound is
+	// in events however they are packed into messages.
+	queued atomic.Int64
 	// busy, under the publisher's mu: the writer holds or writes bytes of
 	// this connection, so Send must queue behind them; false only while q
 	// is empty.
 	busy bool
 }
 
-// unixPending is bytes of framed events queued for a writer; events is
-// how many events end in them.
+// unixPending is bytes of framed event messages queued for a writer;
+// events is how many events end in them.
 type unixPending struct {
 	b      []byte
 	events int
@@ -116,31 +116,19 @@ var _ Publisher = (*UnixEventPub)(nil)
 
 // listenUnixEvents publishes on the abstract name, beside zp when given.
 func listenUnixEvents(name string, zp *EventPub, sec Security, log *slog.Logger, opt unixOptions) (*UnixEventPub, error) {
-	if !strings.HasPrefix(name, "@") {
-		return nil, fmt.Errorf("control: unix events %q: want an abstract name (@...): %w", name, ErrBadEndpoint)
+	if err := abstractName("unix events", name); err != nil {
+		return nil, err
 	}
 	if log == nil {
 		log = slog.Default()
 	}
-	if opt.eventQueue <= 0 {
-		opt.eventQueue = EventQueue
-	}
-	if opt.writeTimeout <= 0 {
-		opt.writeTimeout = unixWriteTimeout
-	}
-	if opt.maxConns <= 0 {
-		opt.maxConns = UnixMaxConns
-	}
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: name, Net: "unix"})
+	opt = opt.withDefaults()
+	p := &UnixEventPub{zmq: zp, opt: opt, log: log, subs: map[*unixEventConn]struct{}{}}
+	g, err := listenUnixGate(name, "unix event subscriber", sec, log, opt, p.serveConn)
 	if err != nil {
 		return nil, fmt.Errorf("control: unix events listen %s: %w", name, err)
 	}
-	p := &UnixEventPub{
-		name: name, ln: ln, zmq: zp, key: unixKey(sec), opt: opt, log: log,
-		subs: map[*unixEventConn]struct{}{}, refused: map[string]uint64{},
-	}
-	p.wg.Add(1)
-	go p.accept()
+	p.gate = g
 	return p, nil
 }
 
@@ -150,24 +138,30 @@ func (p *UnixEventPub) Endpoint() string {
 	if p.zmq != nil {
 		return p.zmq.Endpoint()
 	}
-	return p.name
+	return p.gate.name
 }
 
 // UnixEndpoint is the abstract name served.
-func (p *UnixEventPub) UnixEndpoint() string { return p.name }
+func (p *UnixEventPub) UnixEndpoint() string { return p.gate.name }
 
 // Send has Publisher's contract.
-func (p *UnixEventPub) Send(ev wire.Event) {
+func (p *UnixEventPub) Send(evs ...wire.Event) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.seq++
-	frame, err := stampEvent(ev, p.seq)
-	if err != nil {
-		p.invalid.Add(1)
-		p.log.Error("control: event refused", "transfer_id", ev.TransferID, "err", err)
-		return
+	for _, m := range stampEvents(evs, &p.seq, p.refuseEvent) {
+		p.sendLocked(m)
 	}
-	framed := appendFrameTo(nil, frame)
+}
+
+func (p *UnixEventPub) refuseEvent(ev wire.Event, err error) {
+	p.invalid.Add(1)
+	p.log.Error("control: event refused", "transfer_id", ev.TransferID, "err", err)
+}
+
+// sendLocked offers one message to every admitted subscriber, or, while
+// none is, to ZeroMQ and the backlog.
+func (p *UnixEventPub) sendLocked(m eventMsg) {
+	framed := unixPending{b: appendFrameTo(nil, m.frame), events: m.events}
 	if len(p.subs) > 0 {
 		for sc := range p.subs {
 			p.offerLocked(sc, framed)
@@ -175,27 +169,35 @@ func (p *UnixEventPub) Send(ev wire.Event) {
 		return
 	}
 	if p.zmq != nil {
-		p.zmq.enqueueLocked(frame)
+		p.zmq.enqueueLocked(m)
 	}
-	if len(p.backlog) == p.opt.eventQueue {
-		// The oldest goes, as a full PUSH queue would drop the newest: the
+	if m.events > p.opt.eventQueue { // cannot be with the defaults
+		if p.zmq == nil {
+			p.dropped.Add(uint64(m.events))
+		}
+		return
+	}
+	for p.backlogEvents+m.events > p.opt.eventQueue {
+		// The oldest go, as a full PUSH queue would drop the newest: the
 		// seq gap is the same to a subscriber, and the latest are the likeliest
 		// to be awaited.
-		p.backlog = p.backlog[1:]
 		if p.zmq == nil {
-			p.dropped.Add(1)
+			p.dropped.Add(uint64(p.backlog[0].events))
 		}
+		p.backlogEvents -= p.backlog[0].events
+		p.backlog = p.backlog[1:]
 	}
 	p.backlog = append(p.backlog, framed)
+	p.backlogEvents += m.events
 }
 
-// offerLocked hands one framed event to a subscriber: written at once
+// offerLocked hands one framed message to a subscriber: written at once
 // when its connection has nothing queued and the socket takes it whole
 // without waiting (no goroutine hand-off on the common path), else
 // queued for its writer, or dropped and counted when the queue is full.
-func (p *UnixEventPub) offerLocked(sc *unixEventConn, framed []byte) {
+func (p *UnixEventPub) offerLocked(sc *unixEventConn, framed unixPending) {
 	if !sc.busy {
-		n, err := sc.tryWrite(framed)
+		n, err := sc.tryWrite(framed.b)
 		switch {
 		case err != nil:
 			// The connection is broken; its goroutines see it and clean up.
@@ -203,22 +205,29 @@ func (p *UnixEventPub) offerLocked(sc *unixEventConn, framed []byte) {
 			_ = sc.c.Close()
 			p.writeFailures.Add(1)
 			metrics.Failed("control", "unix_event_write")
-			p.log.Warn("control: unix event write failed; closing the subscriber's connection", "name", p.name, "err", err)
+			p.log.Warn("control: unix event write failed; closing the subscriber's connection", "name", p.gate.name, "err", err)
 			return
-		case n == len(framed):
-			p.sent.Add(1)
+		case n == len(framed.b):
+			p.sent.Add(uint64(framed.events))
+			p.messages.Add(1)
 			return
 		}
 		// The socket took part or none: the writer, with its deadline,
 		// sends the rest. The queue is empty while not busy.
 		sc.busy = true
-		sc.q <- unixPending{b: framed[n:], events: 1}
+		sc.queued.Add(int64(framed.events))
+		sc.q <- unixPending{b: framed.b[n:], events: framed.events}
+		return
+	}
+	if !reserveEvents(&sc.queued, framed.events, p.opt.eventQueue) {
+		p.dropped.Add(uint64(framed.events))
 		return
 	}
 	select {
-	case sc.q <- unixPending{b: framed, events: 1}:
-	default:
-		p.dropped.Add(1)
+	case sc.q <- framed:
+	default: // cannot be: q holds opt.eventQueue messages of one event or more
+		sc.queued.Sub(int64(framed.events))
+		p.dropped.Add(uint64(framed.events))
 	}
 }
 
@@ -229,13 +238,12 @@ func (p *UnixEventPub) Stats() PubStats {
 		st = p.zmq.Stats()
 	}
 	st.Sent += p.sent.Load()
+	st.Messages += p.messages.Load()
 	st.SentUnix = p.sent.Load()
 	st.Dropped += p.dropped.Load()
 	st.Invalid += p.invalid.Load()
 	st.WriteFailures = p.writeFailures.Load()
-	p.mu.Lock()
-	st.Refused = addCounts(st.Refused, p.refused)
-	p.mu.Unlock()
+	st.Refused = addCounts(st.Refused, p.gate.refusals())
 	return st
 }
 
@@ -243,89 +251,28 @@ func (p *UnixEventPub) Stats() PubStats {
 // ZeroMQ publisher. Idempotent.
 func (p *UnixEventPub) Close() error {
 	p.mu.Lock()
-	if !p.closed {
-		p.closed = true
-		_ = p.ln.Close()
-		for sc := range p.subs {
-			_ = sc.c.Close()
-		}
-	}
+	p.closed = true
 	p.mu.Unlock()
-	p.wg.Wait()
+	p.gate.close()
 	if p.zmq != nil {
 		return p.zmq.Close()
 	}
 	return nil
 }
 
-func (p *UnixEventPub) refuse(r refusal, err error) {
-	p.mu.Lock()
-	p.refused[string(r)]++
-	p.mu.Unlock()
-	metrics.Failed("control", string(r))
-	p.log.Warn("control: unix event subscriber refused", "name", p.name, "reason", string(r), "err", err)
-}
-
-func (p *UnixEventPub) accept() {
-	defer p.wg.Done()
-	for {
-		c, err := p.ln.AcceptUnix()
-		if err != nil {
-			p.mu.Lock()
-			closed := p.closed
-			p.mu.Unlock()
-			if closed {
-				return
-			}
-			p.log.Warn("control: unix events accept", "name", p.name, "err", err)
-			time.Sleep(10 * time.Millisecond) // a full fd table passes; do not spin
-			continue
-		}
-		p.mu.Lock()
-		switch {
-		case p.closed:
-			p.mu.Unlock()
-			_ = c.Close()
-			return
-		case p.conns >= p.opt.maxConns:
-			p.mu.Unlock()
-			_ = c.SetWriteDeadline(time.Now().Add(p.opt.writeTimeout))
-			_, _ = c.Write(unixEarlyRefusal(unixRefusedBusy))
-			_ = c.Close()
-			p.refuse(refusedUnixConnCap, fmt.Errorf("%d connections open, the cap", p.opt.maxConns))
-			continue
-		}
-		p.conns++
-		p.wg.Add(1)
-		p.mu.Unlock()
-		go p.serveConn(c)
-	}
-}
-
-// serveConn admits one subscriber, hands it the backlog and writes its
+// serveConn hands an admitted subscriber the backlog and writes its
 // queue until the connection fails or the publisher closes.
 func (p *UnixEventPub) serveConn(c *net.UnixConn) {
-	defer p.wg.Done()
 	sc := &unixEventConn{c: c, q: make(chan unixPending, p.opt.eventQueue)}
 	defer func() {
-		if r := recover(); r != nil {
-			p.log.Error("control: unix event connection failed", "name", p.name, "panic", r)
-		}
 		p.mu.Lock()
 		delete(p.subs, sc)
-		p.conns--
 		p.mu.Unlock()
-		_ = c.Close()
 	}()
-	_ = c.SetDeadline(time.Now().Add(unixHandshakeTimeout))
-	if r, err := serverHandshake(c, p.key, p.opt.allowed); err != nil {
-		p.refuse(r, err)
-		return
-	}
 	_ = c.SetDeadline(time.Time{})
 	raw, err := c.SyscallConn()
 	if err != nil {
-		p.log.Warn("control: unix event connection", "name", p.name, "err", err)
+		p.log.Warn("control: unix event connection", "name", p.gate.name, "err", err)
 		return
 	}
 	sc.raw = raw
@@ -335,10 +282,11 @@ func (p *UnixEventPub) serveConn(c *net.UnixConn) {
 		return
 	}
 	for _, f := range p.backlog {
-		sc.q <- unixPending{b: f, events: 1} // the backlog is no longer than the queue
+		sc.queued.Add(int64(f.events))
+		sc.q <- f // the backlog holds no more events, so no more messages, than the queue
 	}
 	sc.busy = len(p.backlog) > 0
-	p.backlog = nil
+	p.backlog, p.backlogEvents = nil, 0
 	p.subs[sc] = struct{}{}
 	p.mu.Unlock()
 
@@ -360,14 +308,17 @@ func (p *UnixEventPub) serveConn(c *net.UnixConn) {
 		case <-gone:
 			return
 		}
+		sc.queued.Sub(int64(it.events))
 		out = append(out[:0], it.b...)
-		n := it.events
+		n, msgs := it.events, 1
 	more:
 		for len(out) < unixEventBatch {
 			select {
 			case it = <-sc.q:
+				sc.queued.Sub(int64(it.events))
 				out = append(out, it.b...)
 				n += it.events
+				msgs++
 			default:
 				break more
 			}
@@ -376,11 +327,12 @@ func (p *UnixEventPub) serveConn(c *net.UnixConn) {
 		if _, err := c.Write(out); err != nil {
 			p.writeFailures.Add(1)
 			metrics.Failed("control", "unix_event_write")
-			p.log.Warn("control: unix event subscriber not reading; closing its connection", "name", p.name, "err", err)
+			p.log.Warn("control: unix event subscriber not reading; closing its connection", "name", p.gate.name, "err", err)
 			_ = c.Close()
 			return
 		}
 		p.sent.Add(uint64(n))
+		p.messages.Add(uint64(msgs))
 		p.mu.Lock()
 		if len(sc.q) == 0 {
 			sc.busy = false
@@ -389,12 +341,12 @@ func (p *UnixEventPub) serveConn(c *net.UnixConn) {
 	}
 }
 
-// appendFrameTo appends a frame that stampEvent encoded, so within the
+// appendFrameTo appends a frame that stampEvents encoded, so within the
 // cap, behind its length.
 func appendFrameTo(b, f []byte) []byte {
 	out, err := appendUnixFrame(b, f)
 	if err != nil {
-		return b // cannot be: EncodeEvent bounds it
+		return b // cannot be: EncodeEvents bounds it
 	}
 	return out
 }
@@ -409,7 +361,7 @@ type UnixEventSub struct {
 	log  *slog.Logger
 	fell func(cause string) // counts a fallback to ZeroMQ; may be nil
 
-	out  chan wire.Event
+	out  chan []wire.Event
 	quit chan struct{}
 
 	mu      sync.Mutex
@@ -418,7 +370,7 @@ type UnixEventSub struct {
 	closed  bool
 	wg      sync.WaitGroup
 
-	received, bad, gaps, redials atomic.Uint64
+	received, messages, bad, legacy, gaps, redials atomic.Uint64
 }
 
 type unixFollow struct {
@@ -435,7 +387,7 @@ func newUnixEventSub(zs Subscriber, sec Security, log *slog.Logger, opt unixOpti
 	}
 	s := &UnixEventSub{
 		zmq: zs, key: unixKey(sec), opt: opt, log: log, fell: fell,
-		out: make(chan wire.Event, EventQueue), quit: make(chan struct{}),
+		out: make(chan []wire.Event, EventQueue), quit: make(chan struct{}),
 		follows: map[string]*unixFollow{}, onZMQ: map[string]bool{},
 	}
 	if zs != nil {
@@ -448,9 +400,9 @@ func newUnixEventSub(zs Subscriber, sec Security, log *slog.Logger, opt unixOpti
 // forward hands the ZeroMQ subscriber's events on.
 func (s *UnixEventSub) forward() {
 	defer s.wg.Done()
-	for ev := range s.zmq.Events() {
+	for evs := range s.zmq.Events() {
 		select {
-		case s.out <- ev:
+		case s.out <- evs:
 		case <-s.quit:
 			return
 		}
@@ -526,21 +478,10 @@ func (s *UnixEventSub) connectZMQ(endpoint string) error {
 
 // dial connects to and is admitted by the publisher on name.
 func (s *UnixEventSub) dial(name string) (*net.UnixConn, error) {
-	dl := time.Now().Add(unixHandshakeTimeout)
-	ctx, cancel := context.WithDeadline(context.Background(), dl)
-	defer cancel()
-	d := net.Dialer{Deadline: dl}
-	raw, err := d.DialContext(ctx, "unix", name)
+	c, err := dialAdmitted(context.Background(), name, s.key, s.opt.allowed)
 	if err != nil {
-		return nil, fmt.Errorf("control: unix events %s: %w: %w", name, errUnixUnreachable, err)
+		return nil, fmt.Errorf("control: unix events %s: %w", name, err)
 	}
-	c := raw.(*net.UnixConn)
-	_ = c.SetDeadline(dl)
-	if err := clientHandshake(c, s.key, s.opt.allowed); err != nil {
-		_ = c.Close()
-		return nil, err
-	}
-	_ = c.SetDeadline(time.Time{})
 	return c, nil
 }
 
@@ -566,12 +507,8 @@ func (s *UnixEventSub) read(f *unixFollow) {
 			f.mu.Unlock()
 			backoff = 50 * time.Millisecond
 		}
-		t := time.NewTimer(backoff)
-		select {
-		case <-s.quit:
-			t.Stop()
+		if !due.Sleep(s.quit, backoff) {
 			return
-		case <-t.C:
 		}
 		backoff = min(2*backoff, unixRedialMax)
 		nc, err := s.dial(f.name)
@@ -597,38 +534,31 @@ func (s *UnixEventSub) readConn(c *net.UnixConn, last *uint64) error {
 		if err != nil {
 			return err
 		}
-		ev, err := wire.DecodeEvent(frame)
+		evs, err := wire.DecodeEvents(frame)
 		if err != nil {
-			s.bad.Add(1)
-			s.log.Warn("control: undecodable unix event", "err", err)
+			badEvent(s.log, &s.bad, &s.legacy, err)
 			continue
 		}
 		// A seq at or below the last starts again: a new incarnation on the
-		// same name, no gap.
-		if *last != 0 && ev.Seq > *last+1 {
-			s.gaps.Add(ev.Seq - *last - 1)
+		// same name, no gap. The seqs of one message run without a hole.
+		if first := evs[0].Seq; *last != 0 && first > *last+1 {
+			s.gaps.Add(first - *last - 1)
 		}
-		*last = ev.Seq
-		s.received.Add(1)
+		*last = evs[len(evs)-1].Seq
+		s.received.Add(uint64(len(evs)))
+		s.messages.Add(1)
 		select {
-		case s.out <- ev:
+		case s.out <- evs:
 		case <-s.quit:
 			return ErrClosed
 		}
 	}
 }
 
-func (s *UnixEventSub) quitting() bool {
-	select {
-	case <-s.quit:
-		return true
-	default:
-		return false
-	}
-}
+func (s *UnixEventSub) quitting() bool { return isClosed(s.quit) }
 
 // Events has Subscriber's contract.
-func (s *UnixEventSub) Events() <-chan wire.Event { return s.out }
+func (s *UnixEventSub) Events() <-chan []wire.Event { return s.out }
 
 // Stats adds this path's counters to the ZeroMQ subscriber's.
 func (s *UnixEventSub) Stats() SubStats {
@@ -639,7 +569,9 @@ func (s *UnixEventSub) Stats() SubStats {
 	}
 	st.Received += s.received.Load()
 	st.ReceivedUnix = s.received.Load()
+	st.Messages += s.messages.Load()
 	st.Bad += s.bad.Load()
+	st.Legacy += s.legacy.Load()
 	st.Gaps += s.gaps.Load()
 	st.Redials = s.redials.Load()
 	return st

@@ -51,17 +51,30 @@ func (u *Unix) Publish(host string, log *slog.Logger) (Publisher, error) {
 	if err != nil {
 		return nil, err
 	}
-	name, err := UnixName(zp.Endpoint())
-	var up *UnixEventPub
-	if err == nil {
-		up, err = listenUnixEvents(name, zp, u.sec, log, u.opt)
-	}
-	if err != nil {
-		metrics.Failed("control", "unix_listen")
-		log.Warn("control: no unix path for these events; same-host schedulers use ZeroMQ", "endpoint", zp.Endpoint(), "err", err)
+	up, ok := listenBeside(zp.Endpoint(), "these events; same-host schedulers", log, func(name string) (*UnixEventPub, error) {
+		return listenUnixEvents(name, zp, u.sec, log, u.opt)
+	})
+	if !ok {
 		return zp, nil
 	}
 	return up, nil
+}
+
+// listenBeside opens, with listen, the Unix path on the name of the
+// ZeroMQ endpoint ep. A failure is counted (unix_listen) and logged, and
+// ok is false: the caller then serves over ZeroMQ alone, which who (what
+// is served; who then uses ZeroMQ) names in the log.
+func listenBeside[T any](ep, who string, log *slog.Logger, listen func(name string) (T, error)) (t T, ok bool) {
+	name, err := UnixName(ep)
+	if err == nil {
+		t, err = listen(name)
+	}
+	if err != nil {
+		metrics.Failed("control", "unix_listen")
+		log.Warn("control: no unix path for "+who+" use ZeroMQ", "endpoint", ep, "err", err)
+		return t, false
+	}
+	return t, true
 }
 
 // Subscribe opens the ZeroMQ event subscriber, which Unix subscriptions of
@@ -110,14 +123,10 @@ func (u *Unix) Serve(bind string, h Handler, log *slog.Logger) (Serving, error) 
 	if err != nil {
 		return nil, err
 	}
-	name, err := UnixName(zs.Endpoint())
-	var us *UnixServer
-	if err == nil {
-		us, err = listenUnix(name, sh, u.sec, log, u.opt)
-	}
-	if err != nil {
-		metrics.Failed("control", "unix_listen")
-		log.Warn("control: no unix path for this server; same-host peers use ZeroMQ", "endpoint", zs.Endpoint(), "err", err)
+	us, ok := listenBeside(zs.Endpoint(), "this server; same-host peers", log, func(name string) (*UnixServer, error) {
+		return listenUnix(name, sh, u.sec, log, u.opt)
+	})
+	if !ok {
 		return &dualServer{zmq: zs}, nil
 	}
 	return &dualServer{zmq: zs, unix: us}, nil
@@ -218,11 +227,8 @@ type unixCaller struct {
 }
 
 func (c *unixCaller) Call(ctx context.Context, op wire.Op, body, out any) error {
-	if _, ok := ctx.Deadline(); !ok {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, DefaultCallTimeout)
-		defer cancel()
-	}
+	ctx, cancel := callContext(ctx, DefaultCallTimeout)
+	defer cancel()
 	c.mu.Lock()
 	skip := time.Now().Before(c.retryAt)
 	cause := c.cause

@@ -6,9 +6,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"os/exec"
-	"slices"
-	"strings"
 	"testing"
 	"time"
 
@@ -65,7 +62,7 @@ func TestCrossProcessEventPublisher(t *testing.T) {
 	require.NoError(t, err)
 	ev := readyEvent(0, "transfer-0")
 	ev.V, ev.Seq, ev.SentNS = wire.Version, 1, time.Now().UnixNano()
-	frame, err := wire.EncodeEvent(ev)
+	frame, err := wire.EncodeEvents([]wire.Event{ev})
 	require.NoError(t, err)
 	framed, err := appendUnixFrame(nil, frame)
 	require.NoError(t, err)
@@ -118,22 +115,7 @@ func TestCrossProcessEventPublisher(t *testing.T) {
 // share the host's clock), and x-bare-unix the ratio of a path to the
 // bare Unix write.
 func BenchmarkEventFloors(b *testing.B) {
-	cmd := exec.Command(os.Args[0], "-test.run=^TestCrossProcessEventPublisher$")
-	cmd.Env = append(os.Environ(), "ECM_XPROC_EVENTS=1")
-	stdin, err := cmd.StdinPipe()
-	require.NoError(b, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(b, err)
-	require.NoError(b, cmd.Start())
-	defer func() { stdin.Close(); _ = cmd.Wait() }()
-	eps := map[string]string{}
-	r := bufio.NewReader(stdout)
-	for len(eps) < 5 {
-		line, err := r.ReadString('\n')
-		require.NoError(b, err)
-		k, v, _ := strings.Cut(strings.TrimSpace(line), " ")
-		eps[k] = v
-	}
+	eps := startHalf(b, "TestCrossProcessEventPublisher", "ECM_XPROC_EVENTS", 5)
 
 	bare, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: eps["bare-unix"], Net: "unix"})
 	require.NoError(b, err)
@@ -166,12 +148,12 @@ func BenchmarkEventFloors(b *testing.B) {
 	require.NoError(b, zsub.Connect(eps["zmq"]))
 
 	stamp := func(f []byte) int64 { return int64(binary.BigEndian.Uint64(f)) }
-	event := func(ch <-chan wire.Event) (int64, error) {
-		ev, ok := <-ch
+	event := func(ch <-chan []wire.Event) (int64, error) {
+		evs, ok := <-ch
 		if !ok {
 			return 0, ErrClosed
 		}
-		return ev.SentNS, nil
+		return evs[0].SentNS, nil
 	}
 	recv := []func() (int64, error){
 		func() (int64, error) {
@@ -206,37 +188,5 @@ func BenchmarkEventFloors(b *testing.B) {
 		require.NoError(b, err, eventPaths[i])
 	}
 	require.EqualValues(b, 1, usub.Stats().ReceivedUnix, "our Unix path is the Unix path")
-	for _, gap := range []time.Duration{0, time.Millisecond} {
-		b.Run(fmt.Sprintf("gap=%v", gap), func(b *testing.B) {
-			lat := make([][]time.Duration, len(eventPaths))
-			for range b.N {
-				for i := range eventPaths {
-					if gap > 0 {
-						time.Sleep(gap)
-					}
-					d, err := one(i)
-					if err != nil {
-						b.Fatal(eventPaths[i], err)
-					}
-					lat[i] = append(lat[i], d)
-				}
-			}
-			pct := func(i int, q float64) float64 {
-				s := slices.Clone(lat[i])
-				slices.Sort(s)
-				return float64(s[min(len(s)-1, int(q*float64(len(s))))]) / 1e3
-			}
-			floor50, floor99 := pct(0, 0.50), pct(0, 0.99)
-			for i, name := range eventPaths {
-				p50, p99 := pct(i, 0.50), pct(i, 0.99)
-				b.ReportMetric(p50, name+"-p50-us")
-				b.ReportMetric(p99, name+"-p99-us")
-				if i > 0 {
-					b.ReportMetric(p50/floor50, name+"-p50-x-bare-unix")
-					b.ReportMetric(p99/floor99, name+"-p99-x-bare-unix")
-				}
-			}
-			b.ReportMetric(0, "ns/op")
-		})
-	}
+	reportFloors(b, eventPaths, one)
 }

@@ -6,9 +6,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"os/exec"
-	"slices"
-	"strings"
 	"testing"
 	"time"
 
@@ -98,22 +95,7 @@ func TestCrossProcessUnixServer(t *testing.T) {
 // Each figure is a p50 or p99 in microseconds (excluding the gap), and
 // x-bare-unix the ratio of a path to the bare Unix round trip.
 func BenchmarkUnixFloors(b *testing.B) {
-	cmd := exec.Command(os.Args[0], "-test.run=^TestCrossProcessUnixServer$")
-	cmd.Env = append(os.Environ(), "ECM_XPROC_UNIX=1")
-	stdin, err := cmd.StdinPipe()
-	require.NoError(b, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(b, err)
-	require.NoError(b, cmd.Start())
-	defer func() { stdin.Close(); _ = cmd.Wait() }()
-	eps := map[string]string{}
-	r := bufio.NewReader(stdout)
-	for len(eps) < 4 {
-		line, err := r.ReadString('\n')
-		require.NoError(b, err)
-		k, v, _ := strings.Cut(strings.TrimSpace(line), " ")
-		eps[k] = v
-	}
+	eps := startHalf(b, "TestCrossProcessUnixServer", "ECM_XPROC_UNIX", 4)
 
 	zctx, err := zmq.NewContext()
 	require.NoError(b, err)
@@ -162,37 +144,13 @@ func BenchmarkUnixFloors(b *testing.B) {
 	for _, p := range paths {
 		require.NoError(b, p.call(), p.name) // connect and warm up
 	}
-	for _, gap := range []time.Duration{0, time.Millisecond} {
-		b.Run(fmt.Sprintf("gap=%v", gap), func(b *testing.B) {
-			lat := make([][]time.Duration, len(paths))
-			for range b.N {
-				for i, p := range paths {
-					if gap > 0 {
-						time.Sleep(gap)
-					}
-					start := time.Now()
-					if err := p.call(); err != nil {
-						b.Fatal(p.name, err)
-					}
-					lat[i] = append(lat[i], time.Since(start))
-				}
-			}
-			pct := func(i int, q float64) float64 {
-				s := slices.Clone(lat[i])
-				slices.Sort(s)
-				return float64(s[min(len(s)-1, int(q*float64(len(s))))]) / 1e3
-			}
-			floor50, floor99 := pct(0, 0.50), pct(0, 0.99)
-			for i, p := range paths {
-				p50, p99 := pct(i, 0.50), pct(i, 0.99)
-				b.ReportMetric(p50, p.name+"-p50-us")
-				b.ReportMetric(p99, p.name+"-p99-us")
-				if i > 0 {
-					b.ReportMetric(p50/floor50, p.name+"-p50-x-bare-unix")
-					b.ReportMetric(p99/floor99, p.name+"-p99-x-bare-unix")
-				}
-			}
-			b.ReportMetric(0, "ns/op")
-		})
+	names := make([]string, len(paths))
+	for i, p := range paths {
+		names[i] = p.name
 	}
+	reportFloors(b, names, func(i int) (time.Duration, error) {
+		start := time.Now()
+		err := paths[i].call()
+		return time.Since(start), err
+	})
 }

@@ -8,7 +8,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/ecmooncake/ecmooncake/core/internal/ratelog"
 	"log/slog"
 	"net"
 	"strconv"
@@ -19,6 +18,7 @@ import (
 	"github.com/valyala/fasthttp"
 	"go.uber.org/atomic"
 
+	"github.com/ecmooncake/ecmooncake/core/internal/ratelog"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 )
 
@@ -32,6 +32,11 @@ const (
 	DefaultMaxValueBytes = 16 << 20
 	DefaultMaxKeys       = 1 << 16
 	DefaultMaxTotalBytes = 256 << 20
+	// DefaultMaxConns caps the connections served at once: a host's
+	// engines need a few each; a client past the cap is answered 503 and
+	// closed, and one that holds a place without sending loses it after
+	// the read timeout.
+	DefaultMaxConns = 1024
 	// MaxKeyLen bounds a key; Mooncake's are a prefix and a segment name.
 	MaxKeyLen = 4096
 	// Path is where the store answers, as in "http://host:port/metadata".
@@ -39,6 +44,8 @@ const (
 	// maxOtherBody bounds the body of every request that stores nothing
 	// (GET, DELETE, /health, and any request without the token).
 	maxOtherBody = 4096
+	// defaultCloseGrace is how long Close lets requests in flight finish.
+	defaultCloseGrace = 5 * time.Second
 )
 
 // ErrInvalid is wrapped by every configuration error.
@@ -61,7 +68,13 @@ type Config struct {
 	// store; a PUT that would pass either is refused with 507.
 	MaxKeys       int
 	MaxTotalBytes int64
-	Logger        *slog.Logger
+	// MaxConns caps the connections served at once (DefaultMaxConns).
+	MaxConns int
+	Logger   *slog.Logger
+
+	// closeGrace bounds how long Close lets requests in flight finish
+	// before it ends every connection; 0 is defaultCloseGrace.
+	closeGrace time.Duration
 }
 
 // withDefaults fills zero limits and checks them.
@@ -74,9 +87,12 @@ func (c Config) withDefaults() (Config, error) {
 	case c.Token != "" && c.Open:
 		return c, fmt.Errorf("%w: a token and open at once; drop one", ErrInvalid)
 	}
-	if c.MaxValueBytes < 0 || c.MaxKeys < 0 || c.MaxTotalBytes < 0 {
-		return c, fmt.Errorf("%w: max_value_bytes = %d, max_keys = %d, max_total_bytes = %d; want positive values, or 0 for the defaults",
-			ErrInvalid, c.MaxValueBytes, c.MaxKeys, c.MaxTotalBytes)
+	if c.MaxValueBytes < 0 || c.MaxKeys < 0 || c.MaxTotalBytes < 0 || c.MaxConns < 0 {
+		return c, fmt.Errorf("%w: max_value_bytes = %d, max_keys = %d, max_total_bytes = %d, max_conns = %d; want positive values, or 0 for the defaults",
+			ErrInvalid, c.MaxValueBytes, c.MaxKeys, c.MaxTotalBytes, c.MaxConns)
+	}
+	if c.MaxConns == 0 {
+		c.MaxConns = DefaultMaxConns
 	}
 	if c.MaxValueBytes == 0 {
 		c.MaxValueBytes = DefaultMaxValueBytes
@@ -93,6 +109,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	if c.closeGrace <= 0 {
+		c.closeGrace = defaultCloseGrace
 	}
 	return c, nil
 }
@@ -115,15 +134,18 @@ type Stats struct {
 	Unauthorized  uint64 `json:"unauthorized"`
 	TooLarge      uint64 `json:"too_large"`
 	StoreFull     uint64 `json:"store_full"`
+	// RejectedConns counts connections refused at MaxConns.
+	RejectedConns uint64 `json:"rejected_conns"`
 }
 
 // Server is a running store. Its methods are safe for concurrent use.
 type Server struct {
-	cfg  Config
-	log  *slog.Logger
-	ln   net.Listener
-	srv  *fasthttp.Server
-	done chan struct{}
+	cfg   Config
+	log   *slog.Logger
+	ln    net.Listener
+	conns connSet // what ln accepted and has not closed
+	srv   *fasthttp.Server
+	done  chan struct{}
 
 	token    [sha256.Size]byte // digest of cfg.Token, when set
 	refusals ratelog.Limiter
@@ -162,6 +184,7 @@ func newServer(cfg Config) (*Server, error) {
 		ReadTimeout:     30 * time.Second,
 		WriteTimeout:    30 * time.Second,
 		IdleTimeout:     time.Minute,
+		Concurrency:     cfg.MaxConns,
 		CloseOnShutdown: true,
 		Logger:          fasthttpLog{s.log},
 	}
@@ -259,7 +282,7 @@ func (s *Server) serve() {
 			s.log.Error("metadata: recovered panic in the server loop", "panic", r)
 		}
 	}()
-	if err := s.srv.Serve(s.ln); err != nil {
+	if err := s.srv.Serve(trackedListener{s.ln, &s.conns}); err != nil {
 		s.log.Warn("metadata store stopped serving", "cause", err)
 	}
 }
@@ -284,15 +307,23 @@ func (s *Server) Stats() Stats {
 		Gets: s.gets.Load(), Puts: s.puts.Load(), Deletes: s.deletes.Load(),
 		NotFound: s.notFound.Load(), BadRequests: s.badRequests.Load(), Unauthorized: s.unauthorized.Load(),
 		TooLarge: s.tooLarge.Load(), StoreFull: s.storeFull.Load(),
+		RejectedConns: uint64(s.srv.GetRejectedConnectionsCount()),
 	}
 }
 
 // Close stops serving and waits for the server goroutine; idempotent.
 func (s *Server) Close() error {
 	s.closeOnce.Do(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.closeGrace)
 		defer cancel()
-		if err := s.srv.ShutdownWithContext(ctx); err != nil {
+		switch err := s.srv.ShutdownWithContext(ctx); {
+		case errors.Is(err, context.DeadlineExceeded):
+			// Past the grace, what is still open ends now: requests that
+			// outlived it, and connections that never sent one (which
+			// fasthttp would keep for five seconds).
+			n := s.conns.closeAll()
+			s.log.Info("metadata: closed the connections still open after the close grace", "conns", n, "grace", s.cfg.closeGrace)
+		case err != nil:
 			s.closeErr = fmt.Errorf("metadata: close %s: %w", s.Addr(), err)
 		}
 		// Shutdown closes only the listeners Serve has registered; one that

@@ -269,3 +269,25 @@ func TestStoreRequiresATokenUnlessToldToServeOpen(t *testing.T) {
 	_, err = Listen(Config{Addr: "127.0.0.1:0", Token: "s3cret", Open: true, Logger: quiet()})
 	require.ErrorIs(t, err, ErrInvalid, "a token and open at once is a mistake")
 }
+
+// Go's http.Transport dials a connection for a waiting request and, when
+// another connection frees up first, parks the new one unused; fasthttp's
+// Shutdown counts a connection that has not sent a request as busy for its
+// first five seconds. Close must end such a connection, not wait for it
+// or report it: a shard closing its store would otherwise fail its close.
+func TestCloseEndsConnectionsThatNeverSentARequest(t *testing.T) {
+	s, err := Listen(Config{Addr: "127.0.0.1:0", Open: true, Logger: quiet(), closeGrace: 100 * time.Millisecond})
+	require.NoError(t, err)
+	idle, err := net.Dial("tcp", s.Addr())
+	require.NoError(t, err)
+	defer idle.Close()
+	// A request on a connection of its own, dialed after the idle one, is
+	// answered only after the idle one was accepted.
+	code, _ := newClient(s).get("mooncake/ram/x")
+	require.Equal(t, http.StatusNotFound, code)
+
+	require.NoError(t, s.Close())
+	require.NoError(t, idle.SetReadDeadline(time.Now().Add(time.Minute)))
+	_, err = idle.Read(make([]byte, 1))
+	require.ErrorIs(t, err, io.EOF, "the store closed the connection that never sent a request")
+}

@@ -23,6 +23,9 @@ const (
 	Pushes            = "ecm_pushes"
 	PushesEnded       = "ecm_pushes_ended_total"
 	SourceBytesHeld   = "ecm_source_bytes_held"
+	CompletesOut      = "ecm_completes_out"
+	CompleteWaits     = "ecm_complete_window_waits_total"
+	CompletesFailed   = "ecm_completes_failed_total"
 	Transfers         = "ecm_sched_transfers"
 	TransfersEnded    = "ecm_sched_transfers_ended_total"
 	ControlRequests   = "ecm_control_requests_total"
@@ -53,6 +56,9 @@ var table = map[string]spec{
 	Pushes:            {"Producer: live pushes by state.", prometheus.GaugeValue, []string{"state"}},
 	PushesEnded:       {"Producer: pushes that reached each terminal state.", prometheus.CounterValue, []string{"state"}},
 	SourceBytesHeld:   {"Producer: bytes of encoder outputs the library may still read.", prometheus.GaugeValue, nil},
+	CompletesOut:      {"Producer: completes sent and not yet answered (each holds no source).", prometheus.GaugeValue, nil},
+	CompleteWaits:     {"Producer: completes that waited for a place in their shard's complete_window.", prometheus.CounterValue, nil},
+	CompletesFailed:   {"Producer: completes refused by their shard or lost; each failed its push.", prometheus.CounterValue, nil},
 	Transfers:         {"Consumer scheduler: live transfer records by state.", prometheus.GaugeValue, []string{"state"}},
 	TransfersEnded:    {"Consumer scheduler: transfer records that reached each terminal state.", prometheus.CounterValue, []string{"state"}},
 	ControlRequests:   {"Consumer shard: control requests served.", prometheus.CounterValue, nil},

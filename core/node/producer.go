@@ -3,6 +3,7 @@ package node
 import (
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/fsm/push"
@@ -107,9 +108,16 @@ type DeviceSource struct {
 // ErrUnavailable when each was refused for want of a GPU.
 func (p *Producer) SourcesDevice(srcs []DeviceSource) ([]push.SourceID, error) {
 	ids := make([]push.SourceID, len(srcs))
-	ready, bad, unavailable := p.readyEvents(srcs)
-	var in []producer.Source
-	var at []int // index in srcs of each entry of in
+	var ready []gpu.Event
+	var bad []error
+	var unavailable int
+	// A batch of host memory records no events: its per-stream grouping
+	// would cost a map and a slice a call for nothing.
+	if slices.ContainsFunc(srcs, func(s DeviceSource) bool { return s.Ordinal >= 0 }) {
+		ready, bad, unavailable = p.readyEvents(srcs)
+	}
+	in := make([]producer.Source, 0, len(srcs))
+	at := make([]int, 0, len(srcs)) // index in srcs of each entry of in
 	for i, s := range srcs {
 		switch {
 		case s.Ordinal < 0:
@@ -124,7 +132,7 @@ func (p *Producer) SourcesDevice(srcs []DeviceSource) ([]push.SourceID, error) {
 		ids[i] = got[j]
 		if errs[j] != nil {
 			bad = append(bad, fmt.Errorf("item %d (%s): %w", i, srcs[i].MMHash, errs[j]))
-			if ready[i] != nil {
+			if ready != nil && ready[i] != nil {
 				_ = ready[i].Close()
 			}
 		}

@@ -419,6 +419,12 @@ func (p *Producer) handedOff(since map[string]time.Time, dest string, phase stri
 	}
 }
 
+// complete sends one complete_batch and applies its answer when it comes.
+// It is one way on the producer's path: the sources of these items went
+// back when their writes ended, and nothing else waits for this goroutine;
+// the manager bounds how many completes a shard has out (complete_window).
+// A refusal fails its push through the manager (reported and counted),
+// which gives the region up.
 func (p *Producer) complete(dest string, cs []push.Complete) {
 	req := wire.CompleteBatch{Items: make([]wire.CompleteItem, len(cs))}
 	for i, c := range cs {

@@ -18,6 +18,9 @@ func (p *Producer) probe(e *metrics.Emitter) {
 		e.Set(metrics.PushesEnded, float64(n), state.String())
 	}
 	e.Set(metrics.SourceBytesHeld, float64(st.SourceBytes))
+	e.Set(metrics.CompletesOut, float64(st.Push.CompletesOut))
+	e.Set(metrics.CompleteWaits, float64(st.Push.WindowWaits))
+	e.Set(metrics.CompletesFailed, float64(st.Push.CompletesFailed))
 }
 
 // planeName is the transport a write address goes to: its scheme when it

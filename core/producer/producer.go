@@ -155,6 +155,7 @@ func Open(cfg config.Producer, opt Options) (_ *Producer, err error) {
 		requester: requester,
 		mgr: push.New(push.Config{
 			ReserveWait: cfg.ControlTimeout() + wait, SourceWait: wait, WriteWait: wait, NotifyWait: cfg.ControlTimeout(),
+			CompleteWindow: cfg.CompleteWindow,
 		}),
 		sources:   map[push.SourceID]Source{},
 		consumers: map[string]*consumerInfo{},
@@ -183,7 +184,12 @@ func (p *Producer) Submit(pushes []Push) []error {
 	errs := make([]error, len(pushes))
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	waiting := map[*consumerInfo][]Push{}
+	// Made on first need: a consumer seen before is the common case, and
+	// this call runs once a batch.
+	var waiting map[*consumerInfo][]Push
+	// A batch's pushes mostly name one consumer: its lookup is found once.
+	var lastEndpoint string
+	var last *consumerInfo
 	now := time.Now()
 	for i, ps := range pushes {
 		switch {
@@ -196,11 +202,18 @@ func (p *Producer) Submit(pushes []Push) []error {
 		case ps.Consumer == "":
 			errs[i] = fmt.Errorf("producer: push %s: no consumer endpoint", ps.TransferID)
 		default:
-			ci := p.consumerLocked(ps.Consumer)
+			ci := last
+			if ci == nil || ps.Consumer != lastEndpoint {
+				ci = p.consumerLocked(ps.Consumer)
+				last, lastEndpoint = ci, ps.Consumer
+			}
 			select {
 			case <-ci.ready:
 				errs[i] = p.addLocked(ps, ci, now)
 			default:
+				if waiting == nil {
+					waiting = map[*consumerInfo][]Push{}
+				}
 				waiting[ci] = append(waiting[ci], ps)
 				p.admitting[ps.MMHash]++
 			}

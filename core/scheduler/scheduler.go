@@ -175,29 +175,33 @@ func (s *Scheduler) pump() {
 		select {
 		case <-s.life.Done():
 			return
-		case ev, ok := <-s.sub.Events():
+		case evs, ok := <-s.sub.Events():
 			if !ok {
 				return
 			}
-			s.apply(ev)
+			s.apply(evs...)
 		}
 	}
 }
 
+// apply applies the events of one message (or of one status resync) under
+// one lock, in one step of the table.
 func (s *Scheduler) apply(evs ...wire.Event) {
 	defer s.recover("event")
 	now := time.Now()
-	s.mu.Lock()
-	defer s.mu.Unlock()
 	ids := make([]string, len(evs))
+	in := make([]sched.Event, len(evs))
 	for i, ev := range evs {
 		if ev.SentNS > 0 {
 			metrics.Phase(metrics.PhaseEventDelivery, time.Duration(now.UnixNano()-ev.SentNS))
 		}
-		s.table.OnEvent(sched.Event{Shard: ev.Shard, TransferID: ev.TransferID, MMHash: ev.MMHash, Ready: ev.Ready,
-			NBytes: ev.NBytes, Reason: ev.Reason, Gone: ev.Kind == wire.EventGone}, now)
+		in[i] = sched.Event{Shard: ev.Shard, TransferID: ev.TransferID, MMHash: ev.MMHash, Ready: ev.Ready,
+			NBytes: ev.NBytes, Reason: ev.Reason, Gone: ev.Kind == wire.EventGone}
 		ids[i] = ev.TransferID
 	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.table.OnEvents(in, now)
 	s.waits.settle(s.table, ids, now)
 	s.changedLocked()
 }
@@ -413,16 +417,7 @@ func (s *Scheduler) call(c control.Caller, op wire.Op, body, out any) error {
 	return err
 }
 
-func (s *Scheduler) sleep(d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-s.life.Done():
-		return false
-	case <-t.C:
-		return true
-	}
-}
+func (s *Scheduler) sleep(d time.Duration) bool { return due.Sleep(s.life.Done(), d) }
 
 func (s *Scheduler) recover(what string) {
 	if r := recover(); r != nil {

@@ -4,8 +4,9 @@
 //
 // # Framing
 //
-// Every message is one ZeroMQ frame holding one JSON object of at most
-// MaxMessage bytes. There are three envelopes:
+// Every message is one ZeroMQ frame of at most MaxMessage bytes: a JSON
+// object, or, for events, a binary event message. There are three
+// envelopes:
 //
 //   - Request {v, id, op, body}: producer or scheduler → consumer shard
 //     (DEALER → ROUTER). The id is chosen by the caller, is never zero, and
@@ -13,14 +14,16 @@
 //   - Reply {v, id, err, body}: the answer to the request with the same id.
 //     A reply carries either err or body. A reply with id 0 answers a request
 //     whose id could not be read; no caller can match it.
-//   - Event {v, kind, shard, seq, ...}: readiness or abandonment of one
-//     transfer, or (kind "gone") the end of a shard's copy of one mm_hash,
-//     consumer shard → consumer scheduler (PUSH → PULL). Seq counts events of
-//     one publisher from 1 with no holes; a hole means events were dropped
-//     and the scheduler must resync with the status op. The kind is optional
-//     and omitted for a transfer's outcome, so peers built before kinds
-//     existed exchange transfer outcomes unchanged; they refuse a gone event
-//     (it names no transfer) as invalid, and keep serving.
+//   - Event message: the readiness or abandonment of transfers, or (kind
+//     gone) the end of a shard's copy of an mm_hash, consumer shard →
+//     consumer scheduler (PUSH → PULL), one message per flush of the shard
+//     holding every event of it. It is binary, not JSON (eventbatch.go
+//     gives the layout): a header with the version, the shard, the first
+//     event's seq and the send time, then up to MaxEventRecords records.
+//     Seq counts events of one publisher from 1 with no holes; a hole
+//     means events were dropped and the scheduler must resync with the
+//     status op. A JSON event, what builds before event messages sent, is
+//     refused with ErrLegacyEvent (a kind of ErrVersion).
 //
 // Every envelope carries v == Version. A peer of another version is refused
 // with CodeVersion rather than guessed at: both sides run from one build in
@@ -28,8 +31,9 @@
 //
 // # Decoding
 //
-// DecodeRequest, DecodeReply and DecodeEvent check, in order: size, JSON,
-// version, op (requests), required fields. Every failure wraps one of the
+// DecodeRequest and DecodeReply check, in order: size, JSON, version, op
+// (requests), required fields; DecodeEvents size, tag, version, bounds,
+// then each record's fields. Every failure wraps one of the
 // exported sentinels (ErrTooLarge, ErrMalformed, ErrInvalid, ErrVersion,
 // ErrUnknownOp) so that callers branch with errors.Is, and CodeOf turns it
 // into the reply code. On failure the decoders still return what they could

@@ -77,21 +77,8 @@ func (e Event) Validate() error {
 	if e.Ready && e.NBytes == 0 {
 		return fmt.Errorf("%w: nbytes: must be positive on a ready event", ErrInvalid)
 	}
+	if len(e.Reason) > MaxEventReason {
+		return fmt.Errorf("%w: reason: %d bytes, limit %d (CutReason)", ErrInvalid, len(e.Reason), MaxEventReason)
+	}
 	return nil
-}
-
-// EncodeEvent validates and encodes e.
-func EncodeEvent(e Event) ([]byte, error) { return encode("event", e) }
-
-// DecodeEvent decodes and validates one event frame. On failure the
-// returned Event holds whatever fields could be read.
-func DecodeEvent(b []byte) (Event, error) {
-	var e Event
-	if err := decode("event", b, &e); err != nil {
-		return e, err
-	}
-	if err := e.Validate(); err != nil {
-		return e, fmt.Errorf("wire: decode event %d of shard %d: %w", e.Seq, e.Shard, err)
-	}
-	return e, nil
 }

@@ -58,17 +58,15 @@ func FuzzDecodeReply(f *testing.F) {
 	f.Fuzz(func(t *testing.T, b []byte) { roundTrips(t, b, DecodeReply, EncodeReply) })
 }
 
-func FuzzDecodeEvent(f *testing.F) {
-	for _, ev := range []Event{
-		{V: Version, Shard: 0, Seq: 1, TransferID: "t1", MMHash: "h1", Ready: true, NBytes: 1 << 20},
-		{V: Version, Shard: 3, Seq: 42, TransferID: "t2", MMHash: "h2", Reason: "abandoned"},
-		{V: Version, Kind: EventGone, Shard: 1, Seq: 43, MMHash: "h2", NBytes: 1 << 20, Reason: "evicted"},
-	} {
-		b, err := EncodeEvent(ev)
+func FuzzDecodeEvents(f *testing.F) {
+	for _, evs := range eventMessages() {
+		b, err := EncodeEvents(evs)
 		require.NoError(f, err)
 		f.Add(b)
 	}
-	f.Fuzz(func(t *testing.T, b []byte) { roundTrips(t, b, DecodeEvent, EncodeEvent) })
+	f.Add([]byte(`{"v":1,"shard":0,"seq":7,"transfer_id":"t","mm_hash":"h","ready":true,"nbytes":9}`))
+	f.Add([]byte{eventTag, Version, 0, 1})
+	f.Fuzz(func(t *testing.T, b []byte) { roundTrips(t, b, DecodeEvents, EncodeEvents) })
 }
 
 // fuzzBody is the shared body of the per-type body fuzz targets.

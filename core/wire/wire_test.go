@@ -140,17 +140,6 @@ func TestTokenOmittedWhenZero(t *testing.T) {
 	require.Contains(t, string(b), `"token":"`+testToken.String()+`"`)
 }
 
-func TestEventRoundTrip(t *testing.T) {
-	for _, ev := range []Event{
-		{V: Version, Shard: 0, Seq: 1, TransferID: "t1", MMHash: "h1", Ready: true, NBytes: 1 << 20},
-		{V: Version, Shard: 0, Seq: 2, TransferID: "t1", MMHash: "h1", Ready: true, NBytes: 1, SentNS: 1_764_000_000_123_456_789},
-		{V: Version, Shard: 3, Seq: 42, TransferID: "t2", MMHash: "h2", Reason: "writer abandoned: encoder failed"},
-		{V: Version, Kind: EventGone, Shard: 1, Seq: 43, MMHash: "h2", NBytes: 1 << 20, Reason: "evicted"},
-	} {
-		reencodes(t, ev, DecodeEvent, EncodeEvent)
-	}
-}
-
 func TestDecodeRequestRejects(t *testing.T) {
 	huge := `{"v":1,"id":77,"op":"status","body":{"transfer_ids":["` + strings.Repeat("x", MaxMessage) + `"]}}`
 	for _, tc := range []struct {
@@ -208,62 +197,6 @@ func TestDecodeReplyRejects(t *testing.T) {
 			require.Equal(t, tc.wantID, got.ID)
 		})
 	}
-}
-
-func TestDecodeEventRejects(t *testing.T) {
-	ok := Event{V: Version, Shard: 1, Seq: 1, TransferID: "t", MMHash: "h", Ready: true, NBytes: 1}
-	long := strings.Repeat("h", MaxIDLen+1)
-	for _, tc := range []struct {
-		name  string
-		edit  func(*Event)
-		want  error
-		field string
-	}{
-		{"wrong version", func(e *Event) { e.V = 2 }, ErrVersion, "v2"},
-		{"negative shard", func(e *Event) { e.Shard = -1 }, ErrInvalid, "shard"},
-		{"zero seq", func(e *Event) { e.Seq = 0 }, ErrInvalid, "seq"},
-		{"no transfer id", func(e *Event) { e.TransferID = "" }, ErrInvalid, "transfer_id"},
-		{"no mm hash", func(e *Event) { e.MMHash = "" }, ErrInvalid, "mm_hash"},
-		{"mm hash too long", func(e *Event) { e.MMHash = long }, ErrInvalid, "mm_hash"},
-		{"ready without size", func(e *Event) { e.NBytes = 0 }, ErrInvalid, "nbytes"},
-		{"negative send time", func(e *Event) { e.SentNS = -1 }, ErrInvalid, "sent_ns"},
-		{"unknown kind", func(e *Event) { e.Kind = "moved" }, ErrInvalid, "kind"},
-		{"gone naming a transfer", func(e *Event) { e.Kind, e.Ready = EventGone, false }, ErrInvalid, "transfer_id"},
-		{"gone and ready", func(e *Event) { e.Kind, e.TransferID = EventGone, "" }, ErrInvalid, "ready"},
-		{"gone without mm hash", func(e *Event) { e.Kind, e.TransferID, e.Ready, e.MMHash = EventGone, "", false, "" }, ErrInvalid, "mm_hash"},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			ev := ok
-			tc.edit(&ev)
-			_, err := EncodeEvent(ev)
-			require.ErrorIs(t, err, tc.want, "encoding refuses what decoding would")
-			b, err := json.Marshal(ev)
-			require.NoError(t, err)
-			got, err := DecodeEvent(b)
-			require.ErrorIs(t, err, tc.want)
-			require.Contains(t, err.Error(), tc.field)
-			require.Equal(t, ev, got, "what was read comes back")
-		})
-	}
-	_, err := DecodeEvent([]byte(`{"v":1,"seq":"x"}`))
-	require.ErrorIs(t, err, ErrMalformed)
-}
-
-// A peer that predates event kinds sends no kind field: its events decode
-// as transfer outcomes, and a transfer outcome encodes without the field,
-// so such a peer still reads what this one sends about transfers.
-func TestEventWithoutKindIsATransferOutcome(t *testing.T) {
-	old := []byte(`{"v":1,"shard":0,"seq":7,"transfer_id":"t","mm_hash":"h","ready":true,"nbytes":9}`)
-	ev, err := DecodeEvent(old)
-	require.NoError(t, err)
-	require.Equal(t, EventTransfer, ev.Kind)
-	b, err := EncodeEvent(ev)
-	require.NoError(t, err)
-	require.NotContains(t, string(b), `"kind"`)
-
-	b, err = EncodeEvent(Event{V: Version, Kind: EventGone, Seq: 8, MMHash: "h", Reason: "evicted"})
-	require.NoError(t, err)
-	require.Contains(t, string(b), `"kind":"gone"`)
 }
 
 func TestBodyRejects(t *testing.T) {

@@ -96,6 +96,20 @@ _lib: ctypes.CDLL | None = None
 # The process that loaded the library. A Go runtime does not survive
 # fork (its threads stay in the parent), so a child must not call in.
 _pid: int | None = None
+# True in a child forked after the library was loaded: os.register_at_fork
+# says so, so that lib() need not ask the kernel for the pid (a system
+# call, microseconds on a virtual machine) at every call. A child forked
+# from C without Python's fork hooks is still refused by the library
+# itself, which checks on every call.
+_forked = False
+
+
+def _mark_forked() -> None:
+    global _forked
+    _forked = _lib is not None
+
+
+os.register_at_fork(after_in_child=_mark_forked)
 
 
 def candidates() -> list[Path]:
@@ -127,7 +141,7 @@ def lib() -> ctypes.CDLL:
     the child's calls would hang (the library refuses them too)."""
     dll = _lib
     if dll is not None:
-        if _pid != os.getpid():
+        if _forked and _pid != os.getpid():
             raise LibraryError(
                 f"libecmooncake was loaded in pid {_pid} and called from forked child {os.getpid()}; "
                 "load it after fork (use the library only in processes that did not inherit it loaded, "

@@ -25,12 +25,14 @@ def buffer_of(obj: Any, writable: bool = False) -> tuple[int, int]:
     The caller keeps ``obj`` alive for as long as the library may touch it.
     """
     if isinstance(obj, np.ndarray):
-        if not obj.flags.c_contiguous:
+        # Each read of obj.flags builds a new flags object: read it once.
+        flags = obj.flags
+        if not flags.c_contiguous:
             raise EcmInvalid(
                 f"array of shape {obj.shape} is not C-contiguous; "
                 "pass np.ascontiguousarray(a)"
             )
-        if not obj.flags.writeable:
+        if not flags.writeable:
             if writable:
                 raise EcmInvalid("array is read-only; the library must write into it")
             return int(obj.ctypes.data), int(obj.nbytes)
@@ -63,16 +65,24 @@ def memory_of(obj: Any, writable: bool = False) -> tuple[int, int, int]:
     accept both. The caller keeps ``obj`` alive for as long as the library
     may touch it.
     """
-    if _is_tensor(obj) and obj.device.type == "cuda":
-        if not obj.is_contiguous():
-            raise EcmInvalid(
-                f"tensor of shape {tuple(obj.shape)} is not contiguous; "
-                "pass t.contiguous()"
-            )
-        index = getattr(obj.device, "index", None)
-        return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), int(index or 0)
-    if _is_tensor(obj) and obj.device.type != "cpu":
-        raise EcmInvalid(f"tensor is on {obj.device}; the library takes host or CUDA memory")
+    if isinstance(obj, np.ndarray):
+        # The encoder's host outputs, checked first: the tensor checks
+        # below cost a device object and a module lookup an item.
+        ptr, nbytes = buffer_of(obj, writable)
+        return ptr, nbytes, -1
+    if _is_tensor(obj):
+        # A tensor's device is a new object at each read: read it once.
+        device = obj.device
+        if device.type == "cuda":
+            if not obj.is_contiguous():
+                raise EcmInvalid(
+                    f"tensor of shape {tuple(obj.shape)} is not contiguous; "
+                    "pass t.contiguous()"
+                )
+            index = getattr(device, "index", None)
+            return int(obj.data_ptr()), int(obj.numel() * obj.element_size()), int(index or 0)
+        if device.type != "cpu":
+            raise EcmInvalid(f"tensor is on {device}; the library takes host or CUDA memory")
     ptr, nbytes = buffer_of(obj, writable)
     return ptr, nbytes, -1
 

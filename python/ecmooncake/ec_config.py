@@ -267,6 +267,10 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         "tcp_conns", ("producer",),
         "TCP connections from the producer to each consumer shard",
     ),
+    "complete_window": _native(
+        "complete_window", ("producer",),
+        "completes the producer has out to one shard and unanswered; below it the producer never waits for an answer",
+    ),
     "tcp_chunk_bytes": _native(
         "tcp_chunk_bytes", ("producer",),
         "large items are split into chunks of at most this many bytes, spread over the connections",

@@ -5,6 +5,10 @@ from __future__ import annotations
 from . import _ffi
 
 
+# Status -> the subclass raised for it, filled as each subclass is defined.
+ERRORS: dict[int, type[EcmError]] = {}
+
+
 class EcmError(RuntimeError):
     """A failed library call; ``code`` is the ECM_ERR_* status."""
 
@@ -15,52 +19,45 @@ class EcmError(RuntimeError):
         if code is not None:
             self.code = code
 
+    def __init_subclass__(cls, *, status: int | None = None, **kwargs: object) -> None:
+        # One subclass a status: the class states its status once, and
+        # error_for finds it here. A subclass naming none (a caller's own
+        # refinement) keeps its parent's code.
+        super().__init_subclass__(**kwargs)
+        if status is None:
+            return
+        if status in ERRORS:
+            raise TypeError(f"{cls.__name__}: status {status} is already {ERRORS[status].__name__}'s")
+        cls.code = status
+        ERRORS[status] = cls
 
-class EcmInvalid(EcmError, ValueError):
+
+class EcmInvalid(EcmError, ValueError, status=_ffi.ECM_ERR_INVALID):
     """A bad argument, config or JSON (ECM_ERR_INVALID)."""
 
-    code = _ffi.ECM_ERR_INVALID
 
-
-class EcmHandleError(EcmError):
+class EcmHandleError(EcmError, status=_ffi.ECM_ERR_HANDLE):
     """An unknown, closed or wrong-kind handle (ECM_ERR_HANDLE)."""
 
-    code = _ffi.ECM_ERR_HANDLE
 
-
-class EcmStateError(EcmError):
+class EcmStateError(EcmError, status=_ffi.ECM_ERR_STATE):
     """The object cannot do that now, as after a fork (ECM_ERR_STATE)."""
 
-    code = _ffi.ECM_ERR_STATE
 
-
-class EcmIOError(EcmError):
+class EcmIOError(EcmError, status=_ffi.ECM_ERR_IO):
     """A network or transport failure (ECM_ERR_IO)."""
 
-    code = _ffi.ECM_ERR_IO
 
-
-class EcmTimeout(EcmError, TimeoutError):
+class EcmTimeout(EcmError, TimeoutError, status=_ffi.ECM_ERR_TIMEOUT):
     """A deadline passed (ECM_ERR_TIMEOUT)."""
 
-    code = _ffi.ECM_ERR_TIMEOUT
 
-
-class EcmInternal(EcmError):
+class EcmInternal(EcmError, status=_ffi.ECM_ERR_INTERNAL):
     """A recovered panic or a broken invariant: a bug (ECM_ERR_INTERNAL)."""
 
-    code = _ffi.ECM_ERR_INTERNAL
 
-
-class EcmUnavailable(EcmError):
+class EcmUnavailable(EcmError, status=_ffi.ECM_ERR_UNAVAILABLE):
     """A feature this build or host lacks (ECM_ERR_UNAVAILABLE)."""
-
-    code = _ffi.ECM_ERR_UNAVAILABLE
-
-
-ERRORS: dict[int, type[EcmError]] = {
-    cls.code: cls for cls in (EcmInvalid, EcmHandleError, EcmStateError, EcmIOError, EcmTimeout, EcmInternal, EcmUnavailable)
-}
 
 
 # Refusals of a reservation that a producer reports by name, at the start

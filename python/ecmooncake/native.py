@@ -11,15 +11,13 @@ once. Structured values cross the boundary as JSON, and Python validates none
 of what Go validates: a config dict goes through as it is. The encoder's
 per-batch calls (:meth:`Producer.submit`, :meth:`Producer.sources`) are the
 exception: each packs its batch into one buffer of binary records
-(include/ecmooncake.h) and crosses once, with no JSON unless an item is
-refused.
+(packed.py, include/ecmooncake.h) and crosses once, with no JSON unless an
+item is refused.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import struct
 import sys
 from ctypes import byref, c_int32, c_uint64, c_void_p
 from typing import Any
@@ -27,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import _ffi
-from .buffers import _is_tensor, buffer_of, memory_of, shared_slab  # noqa: F401  (re-exported)
+from .buffers import _EMPTY, _is_tensor, buffer_of, memory_of, shared_slab  # noqa: F401  (re-exported)
 from .environment import (  # noqa: F401  (re-exported)
     METADATA_TOKEN_ENV,
     MOONCAKE_LIBRARY_ENV,
@@ -53,6 +51,7 @@ from .errors import (  # noqa: F401  (re-exported)
     refusal_of,
 )
 from .auth import with_auth_default
+from .packed import pack_pushes, pack_sources
 
 
 def _encode(value: Any, what: str) -> bytes:
@@ -77,13 +76,14 @@ def _call(name: str, *args: Any, out: bool = False, optional: bool = False) -> A
     """
     dll = _ffi.lib()
     err = c_void_p()
-    out_json = c_void_p()
+    text = None
     if out:
+        out_json = c_void_p()
         rc = getattr(dll, name)(*args, byref(out_json), byref(err))
+        text = _ffi.take_string(dll, out_json)
     else:
         rc = getattr(dll, name)(*args, byref(err))
-    message = _ffi.take_string(dll, err)
-    text = _ffi.take_string(dll, out_json)
+    message = _ffi.take_string(dll, err) if err.value else None
     if rc != _ffi.ECM_OK:
         message = message or f"failed with status {rc}"
         # Checks at the boundary already name the export.
@@ -129,18 +129,6 @@ def mooncake_info(library: str | None = None, engine: str | None = None) -> dict
     return _call(
         "ecm_mooncake_info", _encode({"library": library or "", "engine": engine or ""}, "mooncake_info"), out=True
     )
-
-
-def _stream_handle(stream: Any, tensor: Any) -> int:
-    """The cudaStream_t whose queued work produces ``tensor``: ``stream``
-    (a torch.cuda.Stream or a raw handle), else the tensor device's current
-    stream."""
-    if stream is None:
-        torch = sys.modules["torch"]
-        return int(torch.cuda.current_stream(tensor.device).cuda_stream)
-    if isinstance(stream, int):
-        return stream
-    return int(stream.cuda_stream)
 
 
 class _Region:
@@ -274,54 +262,6 @@ class Consumer(_Handle):
         return self._bytes[offset : offset + nbytes]
 
 
-# The records of ecm_producer_submit_packed and ecm_producer_sources_packed:
-# a fixed head, then the head's strings. The Go decoder is capi/packed.go.
-_PUSH_HEAD = struct.Struct("<QIIII")  # nbytes, len transfer_id, mm_hash, consumer, meta
-_SOURCE_HEAD = struct.Struct("<QQQiI")  # ptr, nbytes, stream, device, len mm_hash
-
-
-def _text(value: Any, what: str) -> bytes:
-    if not isinstance(value, str):
-        raise EcmInvalid(f"{what} is {type(value).__name__}, not a string")
-    try:
-        return value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise EcmInvalid(f"{what} {value!r:.100} is not encodable as UTF-8: {exc}") from exc
-
-
-def _pack_pushes(pushes: list[dict]) -> bytes:
-    """The submit batch: a missing field packs as empty (the library refuses
-    that push with its reason, as it refuses any other), a wrong type is
-    refused here."""
-    parts: list[bytes] = []
-    for i, push in enumerate(pushes):
-        try:
-            tid = push.get("transfer_id", "").encode("utf-8")
-            mm_hash = push.get("mm_hash", "").encode("utf-8")
-            consumer = push.get("consumer", "").encode("utf-8")
-            meta = push.get("meta") or ""
-            meta = meta.encode("utf-8")
-            head = _PUSH_HEAD.pack(push.get("nbytes", 0), len(tid), len(mm_hash), len(consumer), len(meta))
-        except UnicodeEncodeError as exc:
-            raise EcmInvalid(f"submit: push {i} ({push!r:.200}): a string is not encodable as UTF-8: {exc}") from exc
-        except (AttributeError, TypeError, struct.error) as exc:
-            raise EcmInvalid(f"submit: push {i} ({push!r:.200}): {_why(push)}") from exc
-        parts += (head, tid, mm_hash, consumer, meta)
-    return b"".join(parts)
-
-
-def _why(push: Any) -> str:
-    if not isinstance(push, dict):
-        return f"a push is a dict, not {type(push).__name__}"
-    for key in ("transfer_id", "mm_hash", "consumer", "meta"):
-        if key in push and push[key] is not None and not isinstance(push[key], str):
-            return f"{key} is {type(push[key]).__name__}, not a string"
-    nbytes = push.get("nbytes", 0)
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool):
-        return f"nbytes is {type(nbytes).__name__}, not an int"
-    return f"nbytes = {nbytes} is not in [0, 2**64)"
-
-
 class Producer(_Handle):
     """The encoder side: announces pushes, hands over sources, reports outcomes."""
 
@@ -337,7 +277,7 @@ class Producer(_Handle):
         and optionally meta) in one call; per-item dicts carry transfer_id,
         and error when that push was refused."""
         pushes = list(pushes)
-        body = _pack_pushes(pushes)
+        body = pack_pushes(pushes)
         reasons = _call("ecm_producer_submit_packed", self.handle, len(pushes), body, len(body), out=True, optional=True)
         if reasons is None:
             return [{"transfer_id": p.get("transfer_id")} for p in pushes]
@@ -371,18 +311,7 @@ class Producer(_Handle):
         n = len(items)
         if n == 0:
             return []
-        parts: list[bytes] = []
-        streams: dict[int, int] = {}
-        for mm_hash, array in items:
-            ptr, nbytes, device = memory_of(array)
-            stream_handle = 0
-            if device >= 0:
-                stream_handle = streams.get(device, -1)
-                if stream_handle < 0:
-                    stream_handle = streams[device] = _stream_handle(stream, array)
-            encoded = _text(mm_hash, "sources: mm_hash")
-            parts += (_SOURCE_HEAD.pack(ptr, nbytes, stream_handle, device, len(encoded)), encoded)
-        body = b"".join(parts)
+        body = pack_sources(items, stream)
         ids = (c_uint64 * n)()
         try:
             _call("ecm_producer_sources_packed", self.handle, n, body, len(body), ids)

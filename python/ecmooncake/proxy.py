@@ -50,7 +50,7 @@ def metrics_text() -> str:
     message = _ffi.take_string(dll, err)
     text = _ffi.take_string(dll, out)
     if rc != _ffi.ECM_OK:
-        from .native import error_for
+        from .errors import error_for
 
         raise error_for(rc, f"ecm_metrics_text: {message}")
     return text or ""

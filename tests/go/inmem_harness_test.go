@@ -71,7 +71,13 @@ type inmemCluster struct {
 
 func shardName(r int) string { return fmt.Sprintf("shard-%d", r) }
 
-func newInmemCluster(t *testing.T) *inmemCluster {
+// inmemOption changes how the cluster's producer is opened.
+type inmemOption struct {
+	config func(*config.Producer)
+	links  func(control.Links) control.Links // wraps the producer's control links
+}
+
+func newInmemCluster(t *testing.T, opts ...inmemOption) *inmemCluster {
 	t.Helper()
 	c := &inmemCluster{
 		t: t, log: quietLog(), ctl: control.NewInmemNetwork(), data: transport.NewInmemNetwork(),
@@ -105,9 +111,19 @@ func newInmemCluster(t *testing.T) *inmemCluster {
 
 	pcfg := config.DefaultProducer()
 	pcfg.ControlTimeoutS, pcfg.PushWaitS = inmemControlTimeout, inmemPushWait
+	prodLinks := c.links("producer", -1)
+	for _, o := range opts {
+		if o.config != nil {
+			o.config(&pcfg)
+		}
+		if o.links != nil {
+			open := prodLinks
+			prodLinks = func() control.Links { return o.links(open()) }
+		}
+	}
 	c.prod, err = node.OpenProducer(pcfg, node.Options{
 		Log: c.log, Devices: noGPU, Network: inmemPlane{Inmem: transport.NewInmem(c.data)},
-		Control: c.links("producer", -1),
+		Control: prodLinks,
 	})
 	require.NoError(t, err)
 	t.Cleanup(c.close)

@@ -1,10 +1,12 @@
 """Shared fixtures: the source tree on sys.path, the built library (or a clear
-skip), worker processes that are always stopped, and a per-test deadline."""
+skip), worker processes that are always stopped, and a per-test deadline
+that stops every process a stuck test started before it ends the run."""
 
 from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import sys
 import threading
 import time
@@ -19,9 +21,14 @@ sys.path.insert(0, str(PYTHON_DIR))
 from ecmooncake import _ffi  # noqa: E402
 from ecmooncake.tools.harness import Worker, stop_all  # noqa: E402
 
-# A test that runs past this is stuck: dump every thread's stack and exit
-# instead of hanging CI. Workers notice the closed pipe and stop.
+# A test that runs past this is stuck: stop every process it started, dump
+# every thread's stack and exit instead of hanging CI.
 TEST_DEADLINE_S = float(os.environ.get("ECMOONCAKE_TEST_DEADLINE_S", "600"))
+
+# The deadline runs in a Python thread, which a hang that holds the GIL
+# starves; faulthandler's C watchdog then ends the run this much later,
+# without stopping the children (it cannot run Python).
+DEADLINE_BACKSTOP_S = 60.0
 
 # A fresh interpreter that imports vLLM (and so torch) takes about 40 s on
 # an idle 2-core host, and ten times that at a load average of 35. Waits
@@ -39,11 +46,125 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "deadline(seconds, env=None): this test's deadline instead of TEST_DEADLINE_S "
+        "(the environment variable env, when set, overrides it)",
+    )
+
+
+def deadline_of(node) -> float:
+    """The test's deadline: its ``deadline`` marker's, else TEST_DEADLINE_S.
+    The end-to-end tests, which start several vLLM instances, take a longer
+    one this way, so that the same watchdog (which stops what they started)
+    ends them too."""
+    mark = node.get_closest_marker("deadline")
+    if mark is None:
+        return TEST_DEADLINE_S
+    env = mark.kwargs.get("env")
+    if env and os.environ.get(env):
+        return float(os.environ[env])
+    return float(mark.args[0])
+
+
 @pytest.fixture(autouse=True)
-def _deadline():
-    faulthandler.dump_traceback_later(TEST_DEADLINE_S, exit=True)
+def _deadline(request):
+    passed = threading.Event()
+    limit_s = deadline_of(request.node)
+
+    def watch():
+        if not passed.wait(limit_s):
+            _expire(request, limit_s)
+
+    threading.Thread(target=watch, name=f"deadline: {request.node.nodeid}", daemon=True).start()
+    faulthandler.dump_traceback_later(limit_s + DEADLINE_BACKSTOP_S, exit=True)
     yield
+    passed.set()
     faulthandler.cancel_dump_traceback_later()
+
+
+def _expire(request, limit_s: float) -> None:
+    """Ends a stuck test's run: first every process it started (a server in
+    a session of its own outlives pytest otherwise, holding its memory),
+    then the stacks, where pytest's capture does not swallow them, then
+    the run itself."""
+    stopped = stop_descendants()
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture(in_=True)
+    sys.stderr.write(
+        f"\n{request.node.nodeid}: the test deadline of {limit_s:g} s passed; "
+        f"stopped {len(stopped)} processes it started (pids {sorted(stopped)})\n"
+    )
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """A process's state and parent, or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1])
+
+
+def _descendants(root: int) -> set[int]:
+    """Every live (not zombie) process below root in the process tree."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := _proc_stat(int(entry))) is not None and st[0] != "Z":
+            children.setdefault(st[1], []).append(int(entry))
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            if pid not in found:
+                found.add(pid)
+                todo.append(pid)
+    return found
+
+
+def stop_descendants(root: int | None = None) -> set[int]:
+    """SIGKILLs every process below root (this one by default) and the
+    process groups they lead or belong to, other than root's own: the
+    servers the end-to-end tests start in sessions of their own, their
+    children, workers, clients. Each is stopped (SIGSTOP) before any dies,
+    so that none forks a child that escapes the walk, and a grandchild is
+    killed by pid even once reparented away from its dead parent. Returns
+    the pids it signalled."""
+    root = os.getpid() if root is None else root
+    own_group = os.getpgid(root)
+    frozen: set[int] = set()
+    for _ in range(100):  # a bound on a tree that keeps growing
+        new = _descendants(root) - frozen
+        if not new:
+            break
+        for pid in new:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        frozen |= new
+    groups: set[int] = set()
+    for pid in frozen:
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            pass
+    for pgid in groups - {own_group}:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in frozen:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return frozen
 
 
 @pytest.fixture(scope="session")

@@ -9,14 +9,16 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from ctypes import byref, c_int32, c_uint64, c_void_p
 
 import pytest
 
-from conftest import without_hanging
-from ecmooncake import _ffi, native
+from conftest import subprocess_env, without_hanging
+from ecmooncake import _ffi, native, packed
 
 pytestmark = pytest.mark.usefixtures("library")
 
@@ -111,7 +113,7 @@ def test_the_hang_bound_reports_a_hang_and_passes_errors_through():
 
 
 def _source(ptr: int, nbytes: int, mm_hash: bytes = b"h", device: int = -1, stream: int = 0) -> bytes:
-    return native._SOURCE_HEAD.pack(ptr, nbytes, stream, device, len(mm_hash)) + mm_hash
+    return packed.SOURCE_HEAD.pack(ptr, nbytes, stream, device, len(mm_hash)) + mm_hash
 
 
 @pytest.mark.parametrize("name", ["ecm_producer_submit_packed", "ecm_producer_sources_packed"])
@@ -225,3 +227,90 @@ def test_forked_child_fails_clearly_instead_of_hanging():
         assert isinstance(p.stats(), dict), "the parent's producer is untouched"
     finally:
         p.close()
+
+
+# Forks from the main thread while two threads keep calling into the
+# library, so that a fork often lands while a Go thread holds the only P
+# (GOMAXPROCS=1) or a runtime lock; each child then calls exports. A child
+# that entered the Go runtime would wait forever for what the parent's
+# threads held. It prints, as JSON, the (status, message) of each child's
+# calls, or null for a child that did not answer before the deadline.
+_FORK_DURING_CALLS = r"""
+import json, os, signal, sys, threading, time
+from ctypes import byref, c_int32, c_uint64, c_void_p
+from ecmooncake import _ffi, native
+children, deadline_s = int(sys.argv[1]), float(sys.argv[2])
+dll = _ffi.lib()
+producer = native.Producer({})
+stop = threading.Event()
+def hammer():
+    v, e = c_int32(), c_void_p()
+    while not stop.is_set():
+        dll.ecm_abi_version(byref(v), byref(e))
+        dll.ecm_stats(producer.handle, byref(c_void_p()), byref(e))
+threads = [threading.Thread(target=hammer, daemon=True) for _ in range(2)]
+for t in threads:
+    t.start()
+pipes = {}
+for _ in range(children):
+    time.sleep(0.005)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(int(deadline_s) + 5)
+        out = []
+        for call in (
+            lambda err: dll.ecm_abi_version(byref(c_int32()), err),
+            lambda err: dll.ecm_producer_open(b"{}", byref(c_uint64()), err),
+            lambda err: dll.ecm_close(producer.handle, err),
+        ):
+            err = c_void_p()
+            rc = call(byref(err))
+            out.append((rc, _ffi.take_string(dll, err)))
+        os.write(w, json.dumps({"pid": os.getpid(), "calls": out}).encode())
+        os._exit(0)
+    os.close(w)
+    pipes[pid] = r
+stop.set()
+deadline = time.monotonic() + deadline_s
+results = []
+for pid, r in pipes.items():
+    while os.waitpid(pid, os.WNOHANG)[0] == 0:
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            results.append(None)
+            break
+        time.sleep(0.02)
+    else:
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        results.append(json.loads(data) if data else None)
+for t in threads:
+    t.join()
+producer.close()
+print(json.dumps({"parent": os.getpid(), "results": results}))
+"""
+
+
+def test_children_forked_during_calls_are_refused_without_entering_the_runtime():
+    # The check must come before the Go runtime is entered: in a child,
+    # entering it can wait forever on a P or a lock that a parent's thread
+    # held at the fork.
+    children = 24
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_DURING_CALLS, str(children), "60"],
+        env=subprocess_env(GOMAXPROCS="1"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    hung = sum(r is None for r in got["results"])
+    assert hung == 0, f"{hung} of {children} forked children hung in a call instead of being refused"
+    for r in got["results"]:
+        want = f"libecmooncake was loaded in pid {got['parent']} and called from forked child {r['pid']}; load it after fork"
+        for rc, msg in r["calls"]:
+            assert rc == _ffi.ECM_ERR_STATE, (rc, msg)
+            assert want in msg, msg

@@ -26,7 +26,7 @@ def _run(*args: str, netns: str | None = None, timeout: float = 300) -> subproce
 @pytest.mark.parametrize(
     "planes, said",
     [
-        ("tcp,udp", "unknown plane udp: choose among tcp, mooncake"),
+        ("tcp,udp", "unknown plane udp: choose among tcp, mooncake, shm"),
         ("tcp,tcp", "a plane is named twice"),
         (",", "no plane named"),
     ],
@@ -102,3 +102,35 @@ def test_a_tiny_bench_of_both_planes_inside_a_namespace(netns):
     listening = [line.rpartition("listening on ")[2].strip() for line in proc.stderr.splitlines() if "listening on " in line]
     assert len(listening) >= 2, proc.stderr[-4000:]
     assert all(a.startswith("198.18.9.1:") for a in listening), listening
+
+
+@pytest.mark.usefixtures("library")
+def test_shm_is_measured_beside_tcp_and_not_held_to_its_ceiling():
+    # 64 MiB through shm against a 16 MiB TCP sample: on a quiet machine shm
+    # may well be above the TCP ceiling, which must not read as a broken one.
+    proc = _run(
+        "--planes", "tcp,shm", "--mb", "1", "--batch", "2", "--batches", "1",
+        "--small-kb", "16", "--small-batch", "4", "--small-batches", "1", "--ceiling-mb", "16",
+        "--gomaxprocs", "2", "--tcp-conns", "2", "--quiet", "--json",
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout
+    out = json.loads(proc.stdout)
+    assert out["ok"], out
+    assert set(out["planes"]) == {"tcp", "shm"}
+    for plane, phases in out["planes"].items():
+        for label in ("large", "small"):
+            phase = phases[label]
+            assert phase["failures"] == [], (plane, label, phase)
+            assert phase["bytes_per_sec"] > 0 and "ceiling_ratio" in phase, (plane, label, phase)
+            # The per-phase breakdown a batch's control plane is read from.
+            assert phase["producer_stat_deltas"]["phases.complete_rtt.count"] >= 1, (plane, label, phase)
+    assert not any(w.startswith("shm ") for w in out["ceiling_warnings"]), out
+
+
+def test_only_planes_over_tcp_are_held_to_the_tcp_ceiling():
+    by_plane = {
+        "tcp": {"large": {"ceiling_ratio": 0.5}, "small": {"ceiling_ratio": 0.1}},
+        "shm": {"large": {"ceiling_ratio": 6.2}, "small": {"ceiling_ratio": 0.2}},
+    }
+    assert bench.ceiling_marks(by_plane) == {"tcp large items": 0.5, "tcp small items": 0.1}
+    assert bench.ceiling_marks({"tcp": by_plane["tcp"]}) == {"large items": 0.5, "small items": 0.1}

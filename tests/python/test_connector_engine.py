@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import wait_until
+from conftest import FRESH_PYTHON_S, wait_until
 from vllm_engine import HIDDEN, Engine, Item, WorkerProc, make_config, make_request, require_vllm, run_until, tiny_model
 
 require_vllm()
@@ -72,7 +72,9 @@ def deployment(library, tmp_path_factory):
     connectors = []
     try:
         for worker in workers:
-            worker.result(240)
+            # Each worker is a fresh interpreter importing vLLM: a hang bound
+            # (240 s was not enough for three at once at a load average of 12).
+            worker.result(FRESH_PYTHON_S)
         plugin.register()
         pd_sched = ECConnectorFactory.create_connector(pd_config, ECConnectorRole.SCHEDULER)
         connectors.append(pd_sched)

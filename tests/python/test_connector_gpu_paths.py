@@ -20,9 +20,9 @@ import pytest
 import fake_torch
 from fake_torch import FakeDevice, FakeTensor
 
-from ecmooncake import ec_config, native
+from ecmooncake import ec_config, native, packed
 from ecmooncake.connector import consumer, hooks, producer
-from ecmooncake.connector.common import PushSpec, _StepMetadata, _WorkerReport
+from ecmooncake.connector.metadata import PushSpec, _StepMetadata, _WorkerReport
 
 
 class FakeDtype(str):
@@ -135,8 +135,8 @@ class FakeABI:
             n, body, ids = args[1], args[2], args[4]
             offset = 0
             for i in range(n):
-                ptr, _, stream, device, hash_len = native._SOURCE_HEAD.unpack_from(body, offset)
-                offset += native._SOURCE_HEAD.size
+                ptr, _, stream, device, hash_len = packed.SOURCE_HEAD.unpack_from(body, offset)
+                offset += packed.SOURCE_HEAD.size
                 mm_hash = body[offset : offset + hash_len].decode()
                 offset += hash_len
                 ids[i] = self.next_id
@@ -158,7 +158,7 @@ class FakeABI:
 def abi(monkeypatch):
     fake = FakeABI()
     monkeypatch.setattr(native, "_call", fake)
-    monkeypatch.setattr(producer, "_configure_process", lambda *a, **k: None)
+    monkeypatch.setattr(producer, "configure_process", lambda *a, **k: None)
     return fake
 
 
@@ -267,7 +267,7 @@ class FakeConsumer:
 @pytest.fixture
 def shard(monkeypatch):
     monkeypatch.setattr(consumer, "Consumer", FakeConsumer)
-    monkeypatch.setattr(consumer, "_configure_process", lambda *a, **k: None)
+    monkeypatch.setattr(consumer, "configure_process", lambda *a, **k: None)
 
 
 @pytest.mark.parametrize(

@@ -133,6 +133,19 @@ def test_env_var_comes_first(monkeypatch, tmp_path):
     assert paths[-1].parent.name == "ecmooncake"
 
 
+def test_every_error_status_has_one_class():
+    from ecmooncake import errors
+
+    statuses = {v for k, v in vars(_ffi).items() if k.startswith("ECM_ERR_")}
+    assert set(errors.ERRORS) == statuses
+    assert all(cls.code == status for status, cls in errors.ERRORS.items())
+    with pytest.raises(TypeError, match="already EcmTimeout"):
+        type("AnotherTimeout", (errors.EcmError,), {}, status=_ffi.ECM_ERR_TIMEOUT)
+    # A caller's refinement names no status and keeps its parent's.
+    assert type("Mine", (errors.EcmInvalid,), {}).code == _ffi.ECM_ERR_INVALID
+    assert errors.ERRORS[_ffi.ECM_ERR_INVALID] is errors.EcmInvalid
+
+
 @pytest.mark.parametrize(
     "status, cls",
     [

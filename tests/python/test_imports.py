@@ -22,7 +22,8 @@ PACKAGE = "ecmooncake"
 # The library: what vLLM and users import. It must not reach the tools.
 LIBRARY = {"ecmooncake", "ecmooncake._ffi", "ecmooncake.native", "ecmooncake.ec_config", "ecmooncake.plugin",
            "ecmooncake.tokens", "ecmooncake.proxy", "ecmooncake.schema",
-           "ecmooncake.errors", "ecmooncake.buffers", "ecmooncake.environment", "ecmooncake.auth"}
+           "ecmooncake.errors", "ecmooncake.buffers", "ecmooncake.environment", "ecmooncake.auth",
+           "ecmooncake.packed"}
 
 
 def modules(root: Path) -> dict[str, Path]:

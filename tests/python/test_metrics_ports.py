@@ -17,7 +17,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole  # no
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory  # noqa: E402
 
 from ecmooncake import plugin  # noqa: E402
-from ecmooncake.connector import common  # noqa: E402
+from ecmooncake.connector import lifecycle  # noqa: E402
 from ecmooncake.tools.harness import free_port_range  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("library")
@@ -29,7 +29,7 @@ def test_each_process_asks_for_its_documented_port(tmp_path, monkeypatch):
     metrics = 9400
     plugin.register()
     asked: list[dict] = []
-    monkeypatch.setattr(common, "configure", lambda **settings: asked.append(settings))
+    monkeypatch.setattr(lifecycle, "configure", lambda **settings: asked.append(settings))
     layout = [
         ("ec_consumer", ECConnectorRole.SCHEDULER, metrics),
         ("ec_consumer", ECConnectorRole.WORKER, metrics + 1),
@@ -37,7 +37,7 @@ def test_each_process_asks_for_its_documented_port(tmp_path, monkeypatch):
         ("ec_producer", ECConnectorRole.WORKER, metrics + 1),
     ]
     for role, side, port in layout:
-        monkeypatch.setattr(common, "_configured", False)
+        monkeypatch.setattr(lifecycle, "_configured", False)
         asked.clear()
         config = make_config(role, model_dir=model, port=ec_port, buffer_size=16 << 20, extra={"metrics_port": metrics, "log_level": "warn"},
                              widths={"image": 2 * HIDDEN})

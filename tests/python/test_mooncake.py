@@ -128,6 +128,15 @@ def test_metadata_server_refuses_to_serve_without_a_token():
     assert done.returncode == 2 and "--token" in done.stderr, done
 
 
+def test_metadata_server_cli_passes_its_limits():
+    # The library checks the limits together: a value above the total is
+    # refused by name, which it can only be if the flags reached it.
+    cli = [sys.executable, "-m", "ecmooncake", "metadata-server", "--host", IP, "--port", "0", "--open",
+           "--max-value-bytes", str(1 << 20), "--max-total-bytes", "1024"]
+    done = subprocess.run(cli, capture_output=True, text=True, env=subprocess_env(MC_METADATA_HTTP_TOKEN=""), timeout=60)
+    assert done.returncode == 1 and "max_value_bytes" in done.stderr, done
+
+
 def test_metadata_server_open_is_logged_loudly():
     proc = subprocess.Popen(
         [sys.executable, "-m", "ecmooncake", "metadata-server", "--port", "0", "--open"],

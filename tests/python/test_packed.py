@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import wait_until
-from ecmooncake import _ffi, native
+from ecmooncake import _ffi, native, packed
 from ecmooncake.native import Consumer, EcmInvalid, Producer
 from ecmooncake.tools.harness import free_port_range, payload
 
@@ -119,7 +119,7 @@ def test_bad_sources_are_refused_clearly(pair):
 
 def test_malformed_records_are_refused_by_the_library(pair):
     _, producer, address = pair
-    body = native._pack_pushes([{"transfer_id": "t", "mm_hash": "h", "nbytes": 1, "consumer": address}])
+    body = packed.pack_pushes([{"transfer_id": "t", "mm_hash": "h", "nbytes": 1, "consumer": address}])
     dll = _ffi.lib()
     for n, blob, want in [
         (1, body[:-1], "item 0 at byte"),
@@ -148,3 +148,36 @@ def test_a_host_address_is_the_array_data():
     base = np.arange(64, dtype=np.uint8)
     for array in (base, base[8:40], base.reshape(8, 8)[2:5], np.frombuffer(bytes(16), dtype=np.uint8)):
         assert native.buffer_of(array) == (array.ctypes.data, array.nbytes)
+
+
+def test_a_sources_batch_packs_record_after_record(pair, monkeypatch):
+    """The batch is packed in one call on a layout chosen by its hashes'
+    lengths; each record still reads back as head then hash, with the
+    array's own address, whichever path found it (the host fast path,
+    or memory_of for a read-only array)."""
+    _, producer, _ = pair
+    base = np.arange(4096, dtype=np.uint8)
+    read_only = np.frombuffer(bytes(range(200)), dtype=np.uint8)
+    items = [("a" * 64, base), ("é-two", base[100:1100]), ("", base.reshape(64, 64)[8:16]), ("h" * 7, read_only)]
+    bodies = []
+    monkeypatch.setattr(native, "_call", lambda name, handle, n, body, size, ids: bodies.append((name, n, body, size)))
+    for _ in range(2):  # the second batch meets its layout cached
+        assert producer.sources(items) == [0] * len(items)
+    assert bodies[0] == bodies[1]
+    name, n, body, size = bodies[0]
+    assert (name, n, size) == ("ecm_producer_sources_packed", len(items), len(body))
+    offset = 0
+    for mm_hash, array in items:
+        ptr, nbytes, stream, device, hash_len = packed.SOURCE_HEAD.unpack_from(body, offset)
+        offset += packed.SOURCE_HEAD.size
+        assert (ptr, nbytes, stream, device) == (array.ctypes.data, array.nbytes, 0, -1)
+        assert body[offset : offset + hash_len] == mm_hash.encode("utf-8")
+        offset += hash_len
+    assert offset == len(body)
+    assert producer.held_sources == 0
+
+
+def test_the_layout_cache_is_bounded():
+    for k in range(3 * packed._MAX_SOURCE_LAYOUTS):
+        packed._sources_layout((k,))
+    assert 0 < len(packed._SOURCE_LAYOUTS) <= packed._MAX_SOURCE_LAYOUTS

@@ -148,6 +148,24 @@ def test_upstream_idle_timeout_reaches_the_config(library):
     Proxy(cfg).close()
 
 
+def test_health_timeout_reaches_the_proxy(library, capsys):
+    import argparse
+
+    from ecmooncake.tools.proxy import add_proxy_arguments, proxy_config, proxy_main
+
+    p = argparse.ArgumentParser()
+    add_proxy_arguments(p)
+    # 0 leaves the bound to the proxy: the interval, at most 5 s.
+    assert proxy_config(p.parse_args([]))["health_timeout_s"] == 0
+    base = ["--pd", "http://127.0.0.1:1", "--host", "127.0.0.1", "--port", "0", "--no-register"]
+    cfg = proxy_config(p.parse_args(base + ["--health-timeout", "30"]))
+    assert cfg["health_timeout_s"] == 30
+    Proxy(cfg).close()
+    # The proxy itself checks the flag's value, and the command says so.
+    assert proxy_main(p.parse_args(base + ["--health-timeout", "-1"])) == 2
+    assert "health_timeout_s" in capsys.readouterr().err
+
+
 def test_body_budget_reaches_the_config(library):
     import argparse
 

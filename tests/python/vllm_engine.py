@@ -18,7 +18,6 @@ the pipe pickled, as they cross vLLM's message queues.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 import time
@@ -28,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from ecmooncake.tools.connector_gpu import Item
 from ecmooncake.tools.worker import Worker
 
 CONNECTOR = "ECMooncakeConnector"
@@ -97,28 +97,6 @@ def make_config(
 
 
 # --- requests and tensors ----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Item:
-    """One image (or video) of a chat request, with its encoder output shape."""
-
-    name: str
-    num_embeds: int
-    width: int
-    modality: str = "image"
-
-    @property
-    def identifier(self) -> str:
-        return hashlib.sha256(self.name.encode()).hexdigest()
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.num_embeds, self.width)
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_embeds * self.width * 2
 
 
 def make_request(request_id: str, items: list[Item], params: dict | None, max_tokens: int = 2) -> Any:

@@ -41,6 +41,22 @@
 // needs, or a second source for content that already has one, is released
 // at the next Ready.
 //
+// # Completes
+//
+// The complete is one way on the producer's path: the write's end releases
+// the source (the shard holds the bytes) in the same Ready that hands the
+// complete out, and nothing the manager hands out afterwards waits for the
+// complete's answer. The shard still checks each complete (its token, a
+// live reservation) and publishes readiness as it accepts it; its answer
+// comes back through CompleteDone and only ends the record: accepted, Done;
+// refused or lost, Failed (counted in Stats.CompletesFailed) with a Cancel
+// that gives the region up, as for a failed write. A destination has at
+// most CompleteWindow completes out and unanswered; the next ones wait in
+// Notifying, in order, for a place (Stats.WindowWaits), under the same
+// NotifyWait deadline, so that a shard that stopped answering holds a
+// bounded number. A record that ends, by its answer or its deadline, gives
+// its place back.
+//
 // # Regions on the consumer
 //
 // A record that ends Cancelled or Failed while holding a granted region
@@ -101,7 +117,7 @@
 //		rd := m.Ready(now)
 //		for dest, items := range rd.Reserves { send one reserve_batch; m.Granted(id, dest, grant, now) per reply item }
 //		for dest, ws := range rd.Writes { start the writes; m.WriteDone(id, dest, err, now) as each ends }
-//		for dest, cs := range rd.Completes { send one complete_batch; m.CompleteDone(id, dest, err, now) }
+//		for dest, cs := range rd.Completes { send one complete_batch, go on; m.CompleteDone(id, dest, err, now) as its answer comes }
 //		for dest, cs := range rd.Cancels { send cancels; m.CancelDone(id, dest, now) per item, answered or not }
 //		free rd.Releases; report rd.Failures and rd.Done
 //		wait for an outcome or NextDeadline; m.Tick(now)
@@ -111,7 +127,11 @@
 // # Invariants
 //
 // CheckInvariants verifies them: every write in flight reads a source that
-// is still held (a released source is never read); each content's count of
+// is still held (a released source is never read); a held source that no
+// record waits for or reads (every record of its content Notifying or
+// ended) is queued for release at the next Ready; each Notifying record
+// has its complete either queued or out, and the completes out per
+// destination match their count and stay within CompleteWindow; each content's count of
 // waiting records and of writes in flight matches its records; Writing and
 // CancelPending records have a write in flight and WaitingInputs, Writing,
 // Notifying and CancelPending records hold a write grant; a WaitingInputs

@@ -20,6 +20,14 @@ func (m *Manager) CheckInvariants() error {
 		}
 		inWriteQ[r] = true
 	}
+	inCompleteQ := make(map[*rec]bool, len(m.completeQ))
+	for _, r := range m.completeQ {
+		if inCompleteQ[r] {
+			bad("%s: complete queued twice", r)
+		}
+		inCompleteQ[r] = true
+	}
+	completesOut := make(map[string]int, len(m.completesOut))
 	current := make(map[*rec]bool, len(m.deadlines))
 	for _, d := range m.deadlines {
 		if d.current() {
@@ -67,6 +75,12 @@ func (m *Manager) CheckInvariants() error {
 			if r.queued != inWriteQ[r] {
 				bad("%s: queued=%v, in write queue=%v", r, r.queued, inWriteQ[r])
 			}
+			if r.completeOut {
+				completesOut[r.dest]++
+			}
+			if r.state == Notifying && r.completeOut == inCompleteQ[r] {
+				bad("%s: complete out=%v and queued=%v: want exactly one", r, r.completeOut, inCompleteQ[r])
+			}
 			m.checkRecord(r, current[r], bad)
 		}
 		liveRecs += live
@@ -111,6 +125,14 @@ func (m *Manager) CheckInvariants() error {
 		if len(c.transfers) == 0 && c.src == 0 {
 			bad("content %s: neither pushes nor a source", h)
 		}
+		if c.src != 0 && c.waiters == 0 && c.readers == 0 {
+			// Records whose bytes landed (Notifying, with their complete
+			// queued or out) neither wait nor read: the source goes back at
+			// the next Ready, before any complete is acknowledged.
+			if _, queued := m.checkSet[h]; !queued {
+				bad("content %s: holds source %d that no push needs, not queued for release", h, c.src)
+			}
+		}
 		if c.src != 0 {
 			held++
 			if len(c.transfers) > 0 && c.srcBytes != c.nbytes {
@@ -125,6 +147,15 @@ func (m *Manager) CheckInvariants() error {
 	}
 	if held != m.held {
 		bad("%d sources counted, %d held", m.held, held)
+	}
+
+	if len(completesOut) != len(m.completesOut) {
+		bad("%d shards with completes out counted, %d found", len(m.completesOut), len(completesOut))
+	}
+	for d, n := range m.completesOut {
+		if completesOut[d] != n || n > m.cfg.CompleteWindow {
+			bad("shard %s: %d completes out counted, %d found, window %d", d, n, completesOut[d], m.cfg.CompleteWindow)
+		}
 	}
 
 	perDestHash := make(map[destHash]int, len(m.abandoning))
@@ -197,6 +228,9 @@ func (m *Manager) checkRecord(r *rec, hasEntry bool, bad func(string, ...any)) {
 		if r.inFlight {
 			bad("%s: write in flight", r)
 		}
+	}
+	if r.completeOut && r.state != Notifying {
+		bad("%s: holds a place among the completes out", r)
 	}
 	if r.inFlight {
 		if c := m.contents[r.tr.push.MMHash]; c == nil || c.src == 0 || c.src != r.src {

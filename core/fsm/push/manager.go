@@ -18,6 +18,10 @@ const (
 	DefaultWriteWait     = 60 * time.Second
 	DefaultNotifyWait    = 30 * time.Second
 	DefaultMaxTombstones = 65536
+	// DefaultCompleteWindow is above the largest batch an engine step
+	// hands over, so that one batch's completes always go out together,
+	// and small enough that a shard that stopped answering holds few.
+	DefaultCompleteWindow = 1024
 )
 
 // Config times and sizes a Manager; zero (or negative) fields take the
@@ -28,6 +32,9 @@ type Config struct {
 	WriteWait     time.Duration // Writing and CancelPending: until the write finishes
 	NotifyWait    time.Duration // Notifying: until the complete is acknowledged
 	MaxTombstones int
+	// CompleteWindow bounds, per destination, the completes handed out
+	// and not yet acknowledged; the rest wait in Notifying for a place.
+	CompleteWindow int
 }
 
 func (c Config) withDefaults() Config {
@@ -36,6 +43,7 @@ func (c Config) withDefaults() Config {
 	defaults.Positive(&c.WriteWait, DefaultWriteWait)
 	defaults.Positive(&c.NotifyWait, DefaultNotifyWait)
 	defaults.Positive(&c.MaxTombstones, DefaultMaxTombstones)
+	defaults.Positive(&c.CompleteWindow, DefaultCompleteWindow)
 	return c
 }
 
@@ -148,6 +156,16 @@ type Stats struct {
 	Unanswered int              // ended records whose reservation is still out: their content's reservations to that shard wait
 	Collisions uint64
 	Tombstones int
+	// CompletesOut are completes handed out and not yet acknowledged (nor
+	// ended by their record's deadline); each holds a place in its
+	// destination's window, and none holds a source.
+	CompletesOut int
+	// CompletesFailed counts completes that came back refused or whose
+	// call failed: each failed its push, after its source was released.
+	CompletesFailed uint64
+	// WindowWaits counts completes that had to wait for a place in their
+	// destination's window, once each.
+	WindowWaits uint64
 }
 
 // Manager is the producer's push manager. It is not safe for concurrent
@@ -179,11 +197,15 @@ type Manager struct {
 	// the shard may have given them a region that their late grant's
 	// Cancel gives up, so those reservations wait for that answer too.
 	unanswered map[destHash]int
-	failures   []Failure
-	done       []string
-	releases   []SourceID
-	check      []string // mm_hashes whose source may have become unneeded
-	checkSet   map[string]struct{}
+	// completesOut counts, by destination, the records whose complete is
+	// out and unacknowledged (rec.completeOut); at CompleteWindow the
+	// destination's next completes wait in completeQ.
+	completesOut map[string]int
+	failures     []Failure
+	done         []string
+	releases     []SourceID
+	check        []string // mm_hashes whose source may have become unneeded
+	checkSet     map[string]struct{}
 
 	liveRecs     int // records not terminal, to size the deadline heap
 	held         int // contents holding a source
@@ -191,6 +213,8 @@ type Manager struct {
 	ignored      uint64
 	collisions   uint64
 	illegalMoves uint64
+	windowWaits  uint64
+	completesBad uint64
 }
 
 type transfer struct {
@@ -227,8 +251,12 @@ type rec struct {
 	inFlight     bool // a write reading src is out; may outlive the record's failure
 	src          SourceID
 	queued       bool // in writeQ
-	deadline     time.Time
-	seq          uint64 // seq of the current deadline entry; 0 when none
+	// completeOut says Ready handed the complete out and no outcome came
+	// back yet: the record holds a place in its destination's window.
+	completeOut bool
+	waited      bool // its complete waited for a place in the window
+	deadline    time.Time
+	seq         uint64 // seq of the current deadline entry; 0 when none
 }
 
 // content is what the manager knows about one mm_hash: its live pushes and
@@ -263,6 +291,8 @@ func New(cfg Config) *Manager {
 		cancelsOut: make(map[destTID]string),
 		abandoning: make(map[destHash]int),
 		unanswered: make(map[destHash]int),
+
+		completesOut: make(map[string]int),
 	}
 }
 
@@ -296,9 +326,12 @@ func (m *Manager) Add(p Push, now time.Time) error {
 		m.contents[p.MMHash] = c
 	}
 	p.Dests = slices.Clone(p.Dests)
-	tr := &transfer{push: p, live: len(p.Dests)}
-	for _, d := range p.Dests {
-		r := &rec{tr: tr, dest: d, state: Reserving}
+	tr := &transfer{push: p, live: len(p.Dests), recs: make([]*rec, 0, len(p.Dests))}
+	// One allocation for the records of a push, not one each.
+	block := make([]rec, len(p.Dests))
+	for i, d := range p.Dests {
+		r := &block[i]
+		*r = rec{tr: tr, dest: d, state: Reserving}
 		tr.recs = append(tr.recs, r)
 		m.setDeadline(r, now.Add(m.cfg.ReserveWait))
 		m.reserveQ = append(m.reserveQ, r)
@@ -311,6 +344,10 @@ func (m *Manager) Add(p Push, now time.Time) error {
 	return nil
 }
 
+// smallDests is the longest destination list that validate checks for
+// repeats without a map.
+const smallDests = 16
+
 func validate(p Push) error {
 	switch {
 	case p.TransferID == "" || p.MMHash == "":
@@ -320,12 +357,23 @@ func validate(p Push) error {
 	case len(p.Dests) == 0:
 		return fmt.Errorf("add %s: %w: no destination", describe(p), ErrInvalid)
 	}
-	seen := make(map[string]bool, len(p.Dests))
-	for _, d := range p.Dests {
-		if d == "" || seen[d] {
+	// Destinations are a consumer's shards, usually a handful: comparing
+	// each with the ones before it then costs less than a map a push. The
+	// map stays for long lists, which a shard's peers reply can make.
+	var seen map[string]bool
+	if len(p.Dests) > smallDests {
+		seen = make(map[string]bool, len(p.Dests))
+	}
+	for i, d := range p.Dests {
+		repeated := seen[d]
+		if seen == nil {
+			repeated = slices.Contains(p.Dests[:i], d)
+		} else {
+			seen[d] = true
+		}
+		if d == "" || repeated {
 			return fmt.Errorf("add %s: %w: empty or repeated destination %q", describe(p), ErrInvalid, d)
 		}
-		seen[d] = true
 	}
 	return nil
 }
@@ -579,7 +627,7 @@ func (m *Manager) Ready(now time.Time) Effects {
 			held = append(held, r)
 		default:
 			r.asked = true
-			out.Reserves = appendTo(out.Reserves, r.dest, ReserveItem{p.TransferID, p.MMHash, p.NBytes, p.Meta})
+			out.Reserves = appendSized(out.Reserves, r.dest, ReserveItem{p.TransferID, p.MMHash, p.NBytes, p.Meta}, perDest(m.reserveQ))
 		}
 	}
 	clear(m.reserveQ[len(held):])
@@ -598,15 +646,30 @@ func (m *Manager) Ready(now time.Time) Effects {
 		r.tr.inFlight++
 		c.readers++
 		p := r.tr.push
-		out.Writes = appendTo(out.Writes, r.dest, Write{p.TransferID, p.MMHash, r.grant.Res, r.grant.Token, c.src, p.NBytes, r.grant.Addr, r.grant.Plane})
+		out.Writes = appendSized(out.Writes, r.dest, Write{p.TransferID, p.MMHash, r.grant.Res, r.grant.Token, c.src, p.NBytes, r.grant.Addr, r.grant.Plane}, perDest(m.writeQ))
 	}
 	m.writeQ = nil
+	waiting := m.completeQ[:0]
 	for _, r := range m.completeQ {
-		if r.state == Notifying {
+		switch {
+		case r.state != Notifying:
+		case m.completesOut[r.dest] >= m.cfg.CompleteWindow:
+			if !r.waited {
+				r.waited = true
+				m.windowWaits++
+			}
+			waiting = append(waiting, r)
+		default:
+			r.completeOut = true
+			m.completesOut[r.dest]++
 			out.Completes = appendTo(out.Completes, r.dest, Complete{r.tr.push.TransferID, r.grant.Res, r.grant.Token})
 		}
 	}
-	m.completeQ = nil
+	clear(m.completeQ[len(waiting):])
+	m.completeQ = waiting
+	if len(m.completeQ) == 0 {
+		m.completeQ = nil
+	}
 	for _, dc := range m.cancels {
 		out.Cancels = appendTo(out.Cancels, dc.dest, dc.c)
 	}
@@ -626,6 +689,31 @@ func (m *Manager) Ready(now time.Time) Effects {
 	out.Failures, m.failures = m.failures, nil
 	out.Done, m.done = m.done, nil
 	return out
+}
+
+// appendSized is appendTo for a queue of about hint items a destination:
+// a batch's slice is made once, not grown item by item.
+func appendSized[T any](m map[string][]T, dest string, v T, hint int) map[string][]T {
+	if m == nil {
+		m = make(map[string][]T)
+	}
+	batch, ok := m[dest]
+	if !ok {
+		batch = make([]T, 0, hint)
+	}
+	m[dest] = append(batch, v)
+	return m
+}
+
+// perDest is how many records of q each destination has when every push
+// in it goes to the destinations of its first (a batch of pushes to one
+// consumer, the common case); elsewhere a batch's slice grows as needed.
+func perDest(q []*rec) int {
+	if len(q) == 0 {
+		return 0
+	}
+	k := max(len(q[0].tr.recs), 1)
+	return (len(q) + k - 1) / k
 }
 
 func appendTo[T any](m map[string][]T, dest string, v T) map[string][]T {
@@ -664,7 +752,12 @@ func (m *Manager) WriteDone(transferID, dest string, err error, now time.Time) {
 	m.maybeRetire(r.tr)
 }
 
-// CompleteDone reports the outcome of a complete handed out by Ready.
+// CompleteDone reports the outcome of a complete handed out by Ready. The
+// runtime hands a complete to its link and goes on: the source was
+// released when the write ended (the shard holds the bytes), so this
+// outcome only ends the record. A refusal (a token or lease the shard no
+// longer honours) or a failed call fails the push as a write error would,
+// counted in Stats.CompletesFailed, and gives the region up.
 func (m *Manager) CompleteDone(transferID, dest string, err error, now time.Time) {
 	m.advance(now)
 	r := m.find(transferID, dest)
@@ -673,6 +766,7 @@ func (m *Manager) CompleteDone(transferID, dest string, err error, now time.Time
 		return
 	}
 	if err != nil {
+		m.completesBad++
 		m.move(r, Failed, now, fmt.Sprintf("complete failed: %v", err))
 		return
 	}
@@ -817,6 +911,12 @@ func (m *Manager) Stats() Stats {
 		Tombstones: len(m.tombs),
 		Sources:    m.held,
 		CancelsOut: len(m.cancelsOut),
+
+		CompletesFailed: m.completesBad,
+		WindowWaits:     m.windowWaits,
+	}
+	for _, n := range m.completesOut {
+		s.CompletesOut += n
 	}
 	for _, n := range m.unanswered {
 		s.Unanswered += n
@@ -853,7 +953,7 @@ func (m *Manager) find(transferID, dest string) *rec {
 
 func (m *Manager) advance(now time.Time) {
 	for len(m.deadlines) > 0 && !m.deadlines[0].at.After(now) {
-		d := heap.Pop(&m.deadlines).(deadline)
+		d := m.deadlines.Take()
 		if d.current() {
 			m.expire(d.rec, now)
 		}
@@ -891,6 +991,14 @@ func (m *Manager) move(r *rec, to State, now time.Time, reason string) {
 	from := r.state
 	r.state = to
 	p := r.tr.push
+	if r.completeOut {
+		// Acknowledged, refused or out of time: the place in the window is
+		// free for the destination's next complete.
+		r.completeOut = false
+		if m.completesOut[r.dest]--; m.completesOut[r.dest] <= 0 {
+			delete(m.completesOut, r.dest)
+		}
+	}
 	if from.needsSource() && !to.needsSource() {
 		c := m.contents[p.MMHash]
 		c.waiters--
@@ -984,7 +1092,7 @@ func (m *Manager) dropContent(mmHash string) {
 func (m *Manager) setDeadline(r *rec, at time.Time) {
 	m.seq++
 	r.seq, r.deadline = m.seq, at
-	heap.Push(&m.deadlines, deadline{at: at, rec: r, seq: r.seq})
+	m.deadlines.Add(deadline{at: at, rec: r, seq: r.seq})
 	if len(m.deadlines) > 2*m.liveRecs+64 {
 		kept := m.deadlines[:0]
 		for _, d := range m.deadlines {
@@ -1000,6 +1108,6 @@ func (m *Manager) setDeadline(r *rec, at time.Time) {
 
 func (m *Manager) pruneDeadlines() {
 	for len(m.deadlines) > 0 && !m.deadlines[0].current() {
-		heap.Pop(&m.deadlines)
+		m.deadlines.Take()
 	}
 }

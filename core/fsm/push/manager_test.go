@@ -3,6 +3,7 @@ package push
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -520,6 +521,88 @@ func TestScenarios(t *testing.T) {
 			completed t1 d1 shard restarted
 			ready -> cancel d1:t1 | fail t1/d1=complete failed: shard restarted
 		`},
+		{"the source is released once the bytes landed, while the complete is unacknowledged", Config{}, toWriting + `
+			wrote t1 d1
+			ready -> complete d1:t1 | release s11
+			state t1 -> d1=Notifying
+			stats -> sources=0 completesout=1 inflight=0
+			pending -> yes
+			completed t1 d1
+			ready -> done t1
+			stats -> completesout=0 completesfailed=0
+			pending -> no
+		`},
+		{"a complete refused after its source was released fails the push, counted, and gives the region up", Config{}, toWriting + `
+			wrote t1 d1
+			ready -> complete d1:t1 | release s11
+			stats -> sources=0 completesout=1
+			completed t1 d1 complete at d1: reserve: bad token
+			ready -> cancel d1:t1 | fail t1/d1=complete failed: complete at d1: reserve: bad token
+			stats -> completesout=0 completesfailed=1 ended=Failed:1 sources=0 cancelsout=1
+			cancelled t1 d1
+			pending -> no
+		`},
+		{"completes beyond the window wait for an acknowledgement, per shard", Config{CompleteWindow: 2}, `
+			add t1 h1 100 d1
+			add t2 h2 100 d1
+			add t3 h3 100 d1
+			add t4 h4 100 d2
+			ready -> reserve d1:t1,t2,t3 d2:t4
+			grant t1 d1 write 1
+			grant t2 d1 write 2
+			grant t3 d1 write 3
+			grant t4 d2 write 4
+			source h1 11 100
+			source h2 12 100
+			source h3 13 100
+			source h4 14 100
+			ready -> write d1:t1@s11,t2@s12,t3@s13 d2:t4@s14
+			wrote t1 d1
+			wrote t2 d1
+			wrote t3 d1
+			wrote t4 d2
+			ready -> complete d1:t1,t2 d2:t4 | release s11,s12,s13,s14
+			stats -> completesout=3 windowwaits=1 sources=0
+			state t3 -> d1=Notifying
+			ready -> -
+			stats -> windowwaits=1
+			completed t2 d1
+			ready -> complete d1:t3 | done t2
+			stats -> completesout=3 windowwaits=1
+			completed t1 d1
+			completed t3 d1
+			completed t4 d2
+			ready -> done t1,t3,t4
+			stats -> completesout=0
+			pending -> no
+		`},
+		{"a complete held at the window keeps its deadline; one failed at its deadline frees its place", Config{CompleteWindow: 1, NotifyWait: 5 * time.Second}, `
+			add t1 h1 100 d1
+			add t2 h2 100 d1
+			add t3 h3 100 d1
+			ready -> reserve d1:t1,t2,t3
+			grant t1 d1 write 1
+			grant t2 d1 write 2
+			grant t3 d1 write 3
+			source h1 11 100
+			source h2 12 100
+			source h3 13 100
+			ready -> write d1:t1@s11,t2@s12,t3@s13
+			wrote t1 d1
+			ready -> complete d1:t1 | release s11
+			at 3s
+			wrote t2 d1
+			wrote t3 d1
+			ready -> release s12,s13
+			stats -> completesout=1 windowwaits=2
+			at 5s
+			ready -> complete d1:t2 | cancel d1:t1 | fail t1/d1=Notifying: complete not acknowledged within 5s
+			completed t1 d1
+			stats -> ignored=1 completesout=1
+			at 8s
+			ready -> cancel d1:t2,t3 | fail t2/d1=Notifying: complete not acknowledged within 5s; t3/d1=Notifying: complete not acknowledged within 5s
+			stats -> completesout=0 completesfailed=0 ended=Failed:3
+		`},
 		{"refused and malformed grants", Config{}, `
 			add t1 h1 100 d1,d2,d3,d4
 			ready -> reserve d1:t1 d2:t1 d3:t1 d4:t1
@@ -699,6 +782,26 @@ func TestCheckInvariantsCatchesCorruption(t *testing.T) {
 		"both live and retired":  func(m *Manager) { m.tombs["t2"] = m.transfers["t2"] },
 		"held count":             func(m *Manager) { m.held++ },
 		"cancel out not counted": func(m *Manager) { m.cancelsOut[destTID{"d1", "t9"}] = "h1" },
+		"complete out while writing": func(m *Manager) {
+			rec(m, "t1", 0).completeOut = true
+			m.completesOut["d1"]++
+		},
+		"window count":       func(m *Manager) { m.completesOut["d1"] = 1 },
+		"complete forgotten": func(m *Manager) { m.WriteDone("t1", "d1", nil, base); m.completeQ = nil },
+		"complete both queued and out": func(m *Manager) {
+			m.WriteDone("t1", "d1", nil, base)
+			rec(m, "t1", 0).completeOut = true
+			m.completesOut["d1"]++
+		},
+		"window overrun": func(m *Manager) {
+			m.WriteDone("t1", "d1", nil, base)
+			m.Ready(base)
+			m.cfg.CompleteWindow = 0
+		},
+		"source kept that no push needs": func(m *Manager) {
+			m.contents["h9"] = &content{src: 9, srcBytes: 100}
+			m.held++
+		},
 	}
 	fsmtest.Corruptions(t, build, (*Manager).CheckInvariants, ErrInvariant, corruptions)
 }

@@ -20,6 +20,7 @@ import (
 // is never released while a write reading it is out, that every effect is
 // emitted once, and that nothing is left once all work has drained.
 func TestRandomModel(t *testing.T) {
+	var windowWaits, completesFailed uint64
 	fsmtest.Seeds(t, func(t *testing.T, rng *rand.Rand) {
 		md := newModel(t, rng)
 		md.run(2000)
@@ -28,7 +29,13 @@ func TestRandomModel(t *testing.T) {
 		require.NotZero(t, s.Ended[Failed], "the run should fail pushes")
 		require.NotZero(t, s.Ended[Cancelled], "the run should cancel pushes")
 		require.NotZero(t, s.Collisions, "the run should exercise collisions")
+		// Which write the model reports first is drawn from a map, so a
+		// seed's run varies a little: these are counted over every seed.
+		windowWaits += s.WindowWaits
+		completesFailed += s.CompletesFailed
 	})
+	require.NotZero(t, windowWaits, "the runs should fill the complete window")
+	require.NotZero(t, completesFailed, "the runs should fail completes")
 }
 
 // FuzzModel runs the same model with the fuzzer's bytes choosing every
@@ -38,6 +45,10 @@ func FuzzModel(f *testing.F) {
 }
 
 type pairKey struct{ tid, dest string }
+
+// modelWindow is small, so that the model's completes often wait for a
+// place.
+const modelWindow = 1
 
 type model struct {
 	t   *testing.T
@@ -61,9 +72,10 @@ type model struct {
 
 func newModel(t *testing.T, rng *rand.Rand) *model {
 	return &model{
-		t:        t,
-		rng:      rng,
-		m:        New(Config{ReserveWait: 20 * time.Second, SourceWait: 30 * time.Second, WriteWait: 20 * time.Second, NotifyWait: 15 * time.Second, MaxTombstones: 1 << 20}),
+		t:   t,
+		rng: rng,
+		m: New(Config{ReserveWait: 20 * time.Second, SourceWait: 30 * time.Second, WriteWait: 20 * time.Second, NotifyWait: 15 * time.Second, MaxTombstones: 1 << 20,
+			CompleteWindow: modelWindow}),
 		now:      base,
 		pushes:   map[string]Push{},
 		granted:  map[pairKey]Grant{},
@@ -267,6 +279,43 @@ func (md *model) apply(where string, rd Effects) {
 	for _, tid := range rd.Done {
 		require.False(t, md.done[tid], "%s: %s done twice", where, tid)
 		md.done[tid] = true
+	}
+	md.checkWindow(where)
+	md.checkSourcesNeeded(where)
+}
+
+// checkWindow: no destination ever has more completes out (handed out,
+// no outcome reported, the record still waiting for one) than the window.
+func (md *model) checkWindow(where string) {
+	out := map[string]int{}
+	for _, k := range md.complete {
+		if st, _ := md.m.Status(k.tid); st[k.dest] == Notifying {
+			out[k.dest]++
+		}
+	}
+	for d, n := range out {
+		require.LessOrEqual(md.t, n, modelWindow, "%s: %d completes out to %s", where, n, d)
+	}
+}
+
+// checkSourcesNeeded: after a Ready, every source still held is one that
+// a push may still write or a write still reads; a push whose bytes landed
+// (its complete queued or out, acknowledged or not) keeps none.
+func (md *model) checkSourcesNeeded(where string) {
+	needed := map[string]bool{}
+	for k := range md.writes {
+		needed[md.pushes[k.tid].MMHash] = true
+	}
+	for tid, p := range md.pushes {
+		st, _ := md.m.Status(tid)
+		for _, s := range st {
+			if s == Reserving || s == WaitingInputs || s == Writing || s == CancelPending {
+				needed[p.MMHash] = true
+			}
+		}
+	}
+	for src, h := range md.sources {
+		require.True(md.t, needed[h], "%s: source %d of %s held after Ready, though no push needs it", where, src, h)
 	}
 }
 

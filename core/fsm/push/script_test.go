@@ -242,6 +242,10 @@ func statsMap(s Stats) map[string]string {
 		"unanswered": strconv.Itoa(s.Unanswered),
 		"collisions": strconv.FormatUint(s.Collisions, 10),
 		"tombs":      strconv.Itoa(s.Tombstones),
+
+		"completesout":    strconv.Itoa(s.CompletesOut),
+		"completesfailed": strconv.FormatUint(s.CompletesFailed, 10),
+		"windowwaits":     strconv.FormatUint(s.WindowWaits, 10),
 	}
 	m["records"] = strings.Join(fsmtest.Counts(s.Records), ",")
 	m["ended"] = strings.Join(fsmtest.Counts(s.Ended), ",")

@@ -23,7 +23,8 @@ const (
 	// Writing: the write was handed out and reads the source.
 	// → Notifying | CancelPending | Failed.
 	Writing
-	// Notifying: the bytes landed; the complete is out or about to be.
+	// Notifying: the bytes landed and the record holds no source; the
+	// complete is out, or waits for a place in its destination's window.
 	// → Done | Failed.
 	Notifying
 	// Done (terminal): the destination has the bytes or will get them from

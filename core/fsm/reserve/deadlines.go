@@ -33,7 +33,7 @@ type deadlineHeap = deadlines.Heap[deadlineEntry]
 // setDeadline starts (or restarts) r's lease.
 func (t *Table) setDeadline(r *region, at time.Time) {
 	r.deadline = at
-	heap.Push(&t.deadlines, deadlineEntry{at: at, res: r.res})
+	t.deadlines.Add(deadlineEntry{at: at, res: r.res})
 	if len(t.deadlines) > 2*len(t.regions)+64 {
 		t.rebuildDeadlines()
 	}
@@ -52,7 +52,7 @@ func (t *Table) dropStaleDeadlines() {
 		if _, ok := t.live(t.deadlines[0]); ok {
 			return
 		}
-		heap.Pop(&t.deadlines)
+		t.deadlines.Take()
 	}
 }
 
@@ -62,13 +62,13 @@ func (t *Table) dueRegion(now time.Time) *region {
 		e := t.deadlines[0]
 		r, ok := t.live(e)
 		if !ok {
-			heap.Pop(&t.deadlines)
+			t.deadlines.Take()
 			continue
 		}
 		if now.Before(e.at) {
 			return nil
 		}
-		heap.Pop(&t.deadlines)
+		t.deadlines.Take()
 		return r
 	}
 	return nil

@@ -4,9 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 
+	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/stretchr/testify/require"
 )
@@ -16,18 +18,40 @@ import (
 // gets a second terminal event, and that admitted writes stay inside their
 // region. At the end it winds everything down and expects every transfer
 // to have had exactly one terminal event and the slab to be empty.
+//
+// The second shape gives room for every content to stay resident, so that
+// eviction has many copies to choose among (roomFor is checked against its
+// full search at every step).
 func TestRandomizedModel(t *testing.T) {
-	for seed := range uint64(4) {
-		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) { runModel(t, seed, 4000) })
+	shapes := []modelShape{
+		{"tight", 32 << 10, 12 << 10},
+		{"many residents", 64 << 10, 60 << 10},
 	}
+	for _, sh := range shapes {
+		searches := 0
+		for seed := range uint64(4) {
+			t.Run(fmt.Sprint(sh.name, "/seed", seed), func(t *testing.T) { searches += runModel(t, seed, 4000, sh) })
+		}
+		if sh.name == "many residents" {
+			require.Positive(t, searches, "roomFor never chose among several residents")
+		}
+	}
+}
+
+// modelShape sizes the model's slab and the resident bytes it may keep.
+type modelShape struct {
+	name              string
+	slab, maxResident uint64
 }
 
 // admitted is a write that BeginWrite accepted and EndWrite has not ended.
 type admitted struct{ res ids.ResID }
 
-func runModel(t *testing.T, seed uint64, steps int) {
+// runModel returns how many of roomFor's checks chose among several
+// residents.
+func runModel(t *testing.T, seed uint64, steps int, shape modelShape) (searches int) {
 	rng := rand.New(rand.NewPCG(seed, 99))
-	h := newHarness(32<<10, Config{Lease: lease, MaxResidentBytes: 12 << 10})
+	h := newHarness(shape.slab, Config{Lease: lease, MaxResidentBytes: shape.maxResident})
 	hashes := []string{"h0", "h1", "h2", "h3", "h4", "h5", "h6", "h7"}
 	size := func(hash string) uint64 { return uint64(hash[1]-'0'+1) * 1500 }
 	granted := map[string]bool{}
@@ -163,6 +187,7 @@ func runModel(t *testing.T, seed uint64, steps int) {
 		}
 		h.checkEvents(t, i, h.peekEvents())
 		require.NoError(t, h.tab.CheckInvariants(), "step %d", i)
+		searches += checkRoomFor(t, h.tab, i)
 		st := h.tab.Stats()
 		seen["pending"] += st.Pending
 		seen["resident"] += st.Residents
@@ -200,6 +225,7 @@ func runModel(t *testing.T, seed uint64, steps int) {
 	require.Positive(t, s.Evictions, "the run never evicted")
 	require.Positive(t, s.Expired-s.Evictions, "the run never expired a lease")
 	require.Positive(t, s.Cancelled, "the run never cancelled")
+	return searches
 }
 
 // peekEvents returns the pending events as the harness's short form, so the
@@ -223,4 +249,27 @@ func requireKnown(t *testing.T, err error, allowed ...error) {
 		}
 	}
 	t.Fatalf("unexpected error: %v", err)
+}
+
+// checkRoomFor holds roomFor's shortcut (the least recently used copy
+// alone, when it is large enough) to the full search, for sizes below,
+// at and above the model's items.
+func checkRoomFor(t *testing.T, tab *Table, step int) (searches int) {
+	if tab.residents.Len() == 0 {
+		return 0
+	}
+	for _, n := range []uint64{1, 1500, 2999, 4500, 7500, 12000} {
+		need := (n + slab.Align - 1) &^ (slab.Align - 1)
+		if need > tab.slab.Size()-tab.slab.InUse()+tab.residentBytes {
+			continue
+		}
+		want, got := tab.roomForScan(need), tab.roomFor(n)
+		if !slices.Equal(want, got) {
+			require.Equal(t, want, got, "step %d: roomFor(%d)", step, n)
+		}
+		if tab.residents.Len() > 1 && want != nil {
+			searches++
+		}
+	}
+	return searches
 }

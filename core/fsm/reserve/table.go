@@ -480,6 +480,11 @@ func (t *Table) alloc(it Item) (uint64, error) {
 // Of all runs that are just large enough, it takes the one whose most
 // recently used copy is the oldest (least recently used first, as far as
 // contiguity allows), then the one that evicts fewer bytes.
+//
+// When the least recently used copy alone is large enough, that copy is
+// the answer without a scan: every run it is in evicts it, and no other
+// run is as old. That is the common case (items of one size, a full slab
+// of residents), and it spares each reserve a pass over every region.
 func (t *Table) roomFor(n uint64) []*region {
 	if t.residents.Len() == 0 {
 		return nil
@@ -488,6 +493,15 @@ func (t *Table) roomFor(n uint64) []*region {
 	if need > t.slab.Size()-t.slab.InUse()+t.residentBytes {
 		return nil
 	}
+	if lru := t.residents.Back().Value.(*region); lru.alloc >= need {
+		return []*region{lru}
+	}
+	return t.roomForScan(need)
+}
+
+// roomForScan is roomFor's search over every run of residents, for need
+// bytes already aligned.
+func (t *Table) roomForScan(need uint64) []*region {
 	for e, i := t.residents.Back(), 0; e != nil; e, i = e.Prev(), i+1 {
 		e.Value.(*region).age = i // 0 is the least recently used
 	}

@@ -134,8 +134,8 @@
 //	t := sched.New(sched.Config{Shards: tp})
 //	// request arrives with ec_transfer_params:
 //	if err := t.Expect(reqID, items, now); errors.Is(err, sched.ErrCollision) { reject reqID }
-//	// background goroutine, per readiness event from a shard:
-//	t.OnEvent(ev, now)
+//	// background goroutine, per event message from a shard (its records):
+//	t.OnEvents(evs, now)
 //	// scheduler hooks:
 //	t.Has(mmHash)                         // has_cache_item
 //	ready, failed := t.Ensure(reqID, now) // ensure_cache_available; fail the request when failed != nil
@@ -158,7 +158,7 @@
 // it. Every item of a request is exactly one of: attached to a live record
 // of the same mm_hash, failed, or served; a Ready record has no request
 // attached; a WaitingEvent record has one, and an Available record without
-// one has its content wanted by an unserved item of a live request (the
-// count of those per mm_hash matches the requests). Tombstones and early
+// one has its content wanted by an item of a live request, served or not
+// (the count of those per mm_hash matches the requests). Tombstones and early
 // events stay within their bounds. No method ever attempted an illegal move.
 package sched

@@ -99,19 +99,17 @@ func (t *Table) CheckInvariants() error {
 	wants := make(map[string]int, len(t.wants))
 	for _, req := range t.requests {
 		for _, it := range req.items {
-			if _, ok := req.served[it.TransferID]; !ok {
-				wants[it.MMHash]++
-			}
+			wants[it.MMHash]++
 		}
 	}
 	for h, n := range t.wants {
 		if n != wants[h] {
-			bad("mm_hash %s: counted %d unserved items, requests hold %d", h, n, wants[h])
+			bad("mm_hash %s: counted %d live items, requests hold %d", h, n, wants[h])
 		}
 	}
 	for h, n := range wants {
 		if _, ok := t.wants[h]; !ok {
-			bad("mm_hash %s: requests hold %d unserved items, none counted", h, n)
+			bad("mm_hash %s: requests hold %d live items, none counted", h, n)
 		}
 	}
 

@@ -94,6 +94,9 @@ type Stats struct {
 	IgnoredReports uint64 // Loaded reports for transfers that were not loading
 	Collisions     uint64
 	Tombstones     int
+	// EventSteps counts the steps that applied events (OnEvent, OnEvents):
+	// a shard's event message of many records is one.
+	EventSteps uint64
 }
 
 // Table is the consumer scheduler's transfer table. It is not safe for
@@ -104,11 +107,12 @@ type Table struct {
 	records  map[string]*record   // live transfers by transfer_id
 	byHash   map[string][]*record // live transfers by mm_hash, oldest first
 	requests map[string]*request
-	// wants counts, by mm_hash, the items of live requests that are not
-	// served yet: whether some request still waits for the content through
+	// wants counts, by mm_hash, the items of live requests, served or
+	// not: whether some live request may still need the content through
 	// any transfer. Ensure answers by content, so an available transfer
-	// whose own requests finished may be what a waiting request was told
-	// is there; it stays while the content is wanted.
+	// whose own requests finished may be what another request was told is
+	// there, also one served before whose copy is gone since (a preempted
+	// request asks again); it stays while the content is wanted.
 	wants map[string]int
 
 	early  map[string]*early
@@ -137,6 +141,7 @@ type Table struct {
 	ignoredReports uint64
 	collisions     uint64
 	illegalMoves   uint64
+	eventSteps     uint64
 }
 
 type record struct {
@@ -242,11 +247,11 @@ func (t *Table) Expect(requestID string, items []Expected, now time.Time) error 
 		t.gen++
 		req.items = append(req.items, it)
 		req.index[it.TransferID] = struct{}{}
+		t.wants[it.MMHash]++
 		if r := t.records[it.TransferID]; r != nil && r.state == Ready {
 			req.served[r.id] = struct{}{}
 			continue
 		}
-		t.wants[it.MMHash]++
 		if r := t.records[it.TransferID]; r != nil {
 			r.requests = append(r.requests, requestID)
 			continue
@@ -280,8 +285,21 @@ func (t *Table) knownHash(transferID string) (string, bool) {
 
 // OnEvent applies one shard's event. Events are facts from other processes,
 // so nothing here fails: an event that does not fit is counted and dropped.
-func (t *Table) OnEvent(ev Event, now time.Time) {
+func (t *Table) OnEvent(ev Event, now time.Time) { t.OnEvents([]Event{ev}, now) }
+
+// OnEvents applies the events of one message (a shard's flush), in order,
+// in one step: deadlines due at now are applied once, before the first,
+// and each event then as OnEvent would. What they cause waits for Ready,
+// as for every input.
+func (t *Table) OnEvents(evs []Event, now time.Time) {
 	t.advance(now)
+	t.eventSteps++
+	for _, ev := range evs {
+		t.applyOne(ev, now)
+	}
+}
+
+func (t *Table) applyOne(ev Event, now time.Time) {
 	if ev.Gone {
 		t.onGone(ev, now)
 		return
@@ -687,9 +705,7 @@ func (t *Table) Finish(requestID string, now time.Time) {
 	t.gen++
 	var hashes []string
 	for _, it := range req.items {
-		if _, ok := req.served[it.TransferID]; !ok {
-			t.unwant(it.MMHash)
-		}
+		t.unwant(it.MMHash)
 		if !slices.Contains(hashes, it.MMHash) {
 			hashes = append(hashes, it.MMHash)
 		}
@@ -851,6 +867,7 @@ func (t *Table) Stats() Stats {
 		IgnoredReports: t.ignoredReports,
 		Collisions:     t.collisions,
 		Tombstones:     len(t.tombs),
+		EventSteps:     t.eventSteps,
 	}
 	for _, r := range t.records {
 		s.Records[r.state]++
@@ -869,7 +886,7 @@ func (t *Table) Stats() Stats {
 // run backwards.
 func (t *Table) advance(now time.Time) {
 	for len(t.deadlines) > 0 && !t.deadlines[0].at.After(now) {
-		d := heap.Pop(&t.deadlines).(deadline)
+		d := t.deadlines.Take()
 		if r := t.records[d.id]; r != nil && r.seq == d.seq {
 			t.expire(r, now)
 		}
@@ -942,7 +959,6 @@ func (t *Table) serve(loaded *record, now time.Time) {
 	for _, r := range t.byHash[loaded.hash] {
 		for _, rid := range r.requests {
 			t.requests[rid].served[r.id] = struct{}{}
-			t.unwant(r.hash)
 		}
 		r.requests = nil
 		if r != loaded && (r.state == WaitingEvent || r.state == Available) {
@@ -990,7 +1006,7 @@ func (t *Table) retire(r *record, reason string, now time.Time) {
 func (t *Table) setDeadline(r *record, at time.Time) {
 	t.seq++
 	r.seq, r.deadline = t.seq, at
-	heap.Push(&t.deadlines, deadline{at: at, id: r.id, seq: r.seq})
+	t.deadlines.Add(deadline{at: at, id: r.id, seq: r.seq})
 	if len(t.deadlines) > 2*len(t.records)+64 {
 		kept := t.deadlines[:0]
 		for _, d := range t.deadlines {
@@ -1012,7 +1028,7 @@ func (t *Table) current(d deadline) bool {
 
 func (t *Table) pruneDeadlines() {
 	for len(t.deadlines) > 0 && !t.current(t.deadlines[0]) {
-		heap.Pop(&t.deadlines)
+		t.deadlines.Take()
 	}
 }
 

@@ -286,6 +286,31 @@ func TestScenarios(t *testing.T) {
 			ensure rB -> ready
 			load h1 -> tB
 		`},
+		{"a transfer stays for a live request whose earlier copy is gone", Config{Shards: 2, ResidentTTL: 30 * time.Second}, `
+			# the fuzzer's "took h1 from a request still waiting for it":
+			# rB was served once, its copy expired, and rA's transfer of the
+			# same image is what Ensure now answers rB ready from
+			expect rB tB=h1
+			ready 0 tB h1
+			ready 1 tB h1
+			load h1 -> tB
+			loaded tB ok
+			freed h1
+			at 30s
+			tick -> -
+			state tB -> Expired
+			expect rA tA=h1
+			ready 0 tA h1
+			ready 1 tA h1
+			ensure rB -> ready
+			finish rA -> -
+			state tA -> Available
+			has h1 -> yes
+			ensure rB -> ready
+			load h1 -> tA
+			loaded tA ok
+			finish rB -> -
+		`},
 		{"request aborted mid-transfer", two, `
 			expect r1 t1=h1 t2=h2 t3=h3
 			ready 0 t1 h1
@@ -760,4 +785,48 @@ func TestWaitingListsOnlyOldWaitingTransfers(t *testing.T) {
 	require.Equal(t, []string{"old"}, tb.Waiting(t0.Add(2500*time.Millisecond), time.Second))
 	require.ElementsMatch(t, []string{"old", "young"}, tb.Waiting(t0.Add(3*time.Second), time.Second))
 	require.Empty(t, tb.Waiting(t0.Add(3*time.Second), time.Hour))
+}
+
+// A shard's message of 8 records is one step: every item becomes
+// available at once, the request with them, and the table ends where
+// applying the same events one by one leaves it (a failure and a gone
+// record in the middle included).
+func TestOnEventsAppliesAMessageInOneStep(t *testing.T) {
+	var items []Expected
+	var evs []Event
+	for i := range 8 {
+		id, h := fmt.Sprintf("t%d", i), fmt.Sprintf("h%d", i)
+		items = append(items, Expected{id, h})
+		evs = append(evs, Event{Shard: 0, TransferID: id, MMHash: h, Ready: true, NBytes: 64})
+	}
+	batched := New(Config{Shards: 1})
+	require.NoError(t, batched.Expect("r1", items, base))
+	batched.OnEvents(evs, base)
+	ready, failed := batched.Ensure("r1", base)
+	require.True(t, ready)
+	require.Empty(t, failed)
+	require.EqualValues(t, 1, batched.Stats().EventSteps, "one message, one step")
+	require.Equal(t, 8, batched.Stats().Records[Available])
+
+	mixed := append([]Event(nil), evs...)
+	mixed[3] = Event{Shard: 0, TransferID: "t3", MMHash: "h3", Reason: "writer abandoned"}
+	mixed = append(mixed, Event{Shard: 0, MMHash: "h5", Gone: true, Reason: "evicted"}, Event{Shard: 0, TransferID: "t9", MMHash: "h9", Ready: true, NBytes: 1})
+	one, many := New(Config{Shards: 1}), New(Config{Shards: 1})
+	for _, tb := range []*Table{one, many} {
+		require.NoError(t, tb.Expect("r1", items, base))
+	}
+	one.OnEvents(mixed, base)
+	for _, ev := range mixed {
+		many.OnEvent(ev, base)
+	}
+	so, sm := one.Stats(), many.Stats()
+	require.EqualValues(t, 1, so.EventSteps)
+	require.EqualValues(t, len(mixed), sm.EventSteps)
+	so.EventSteps, sm.EventSteps = 0, 0
+	require.Equal(t, sm, so, "a message ends where its events one by one end")
+	require.Equal(t, many.Generation(), one.Generation())
+	require.Equal(t, many.Ready(base), one.Ready(base))
+	for _, tb := range []*Table{one, many} {
+		require.NoError(t, tb.CheckInvariants())
+	}
 }

@@ -1,12 +1,3 @@
-// Package deadlines holds what the core's state machines share about
-// their deadlines: a min-heap whose entries order themselves, and the way a
-// wait is written in a failure reason.
-//
-// An entry's Before breaks ties between equal times (by id, then sequence)
-// so that deadlines that fall due together fire in the same order on every
-// run. Entries are never removed when a record changes state: each owner
-// recognises and skips its stale entries when they surface, so that a
-// state change costs O(log n) without a position index.
 package deadlines
 
 import (
@@ -42,6 +33,51 @@ func (h *Heap[E]) Pop() any {
 	var zero E
 	old[len(old)-1] = zero
 	*h = old[:len(old)-1]
+	return e
+}
+
+// Add pushes e. Unlike heap.Push it boxes nothing in an interface: the
+// push manager sets a deadline at every state change of every record, and
+// an allocation each was a share of the encoder's per-batch call.
+func (h *Heap[E]) Add(e E) {
+	*h = append(*h, e)
+	s := *h
+	for j := len(s) - 1; j > 0; {
+		i := (j - 1) / 2
+		if !s[j].Before(s[i]) {
+			break
+		}
+		s[i], s[j] = s[j], s[i]
+		j = i
+	}
+}
+
+// Take removes and returns the earliest entry, clearing the slot it
+// vacates, without boxing it (heap.Pop's answer is an interface). The heap
+// must not be empty. Add, Take and container/heap's functions mix freely:
+// each keeps the same heap order.
+func (h *Heap[E]) Take() E {
+	s := *h
+	n := len(s) - 1
+	s[0], s[n] = s[n], s[0]
+	for i := 0; ; {
+		j := 2*i + 1
+		if j >= n {
+			break
+		}
+		if k := j + 1; k < n && s[k].Before(s[j]) {
+			j = k
+		}
+		if !s[j].Before(s[i]) {
+			break
+		}
+		s[i], s[j] = s[j], s[i]
+		i = j
+	}
+	e := s[n]
+	var zero E
+	s[n] = zero
+	*h = s[:n]
 	return e
 }
 

@@ -2,6 +2,8 @@ package deadlines
 
 import (
 	"container/heap"
+	"fmt"
+	"math/rand/v2"
 	"testing"
 	"time"
 
@@ -34,6 +36,44 @@ func TestHeapPopsEarliestThenByTieBreak(t *testing.T) {
 	for _, e := range h[:cap(h)] {
 		require.Equal(t, entry{}, e, "popped slots are cleared")
 	}
+}
+
+// Add and Take keep the order container/heap keeps, mixed with it in any
+// way, allocate nothing once the slice has room, and clear what they hand
+// out.
+func TestAddAndTakeMatchContainerHeap(t *testing.T) {
+	t0 := time.Unix(0, 0)
+	rng := rand.New(rand.NewPCG(1, 2))
+	var ours, theirs Heap[entry]
+	for round := range 2000 {
+		switch op := rng.IntN(3); {
+		case op < 2 || ours.Len() == 0:
+			e := entry{t0.Add(time.Duration(rng.IntN(50))), fmt.Sprint("e", rng.IntN(20), "-", round)}
+			if rng.IntN(2) == 0 {
+				ours.Add(e)
+			} else {
+				heap.Push(&ours, e)
+			}
+			heap.Push(&theirs, e)
+		default:
+			want := heap.Pop(&theirs).(entry)
+			var got entry
+			if rng.IntN(2) == 0 {
+				got = ours.Take()
+			} else {
+				got = heap.Pop(&ours).(entry)
+			}
+			require.Equal(t, want, got, "round %d", round)
+		}
+	}
+	for ours.Len() > 0 {
+		require.Equal(t, heap.Pop(&theirs).(entry), ours.Take())
+	}
+	for _, e := range ours[:cap(ours)] {
+		require.Equal(t, entry{}, e, "taken slots are cleared")
+	}
+	e := entry{t0, "x"}
+	require.Zero(t, testing.AllocsPerRun(100, func() { ours.Add(e); _ = ours.Take() }))
 }
 
 func TestSecs(t *testing.T) {

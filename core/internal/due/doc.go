@@ -5,9 +5,14 @@
 // one Life.
 //
 // A change that may move an object's next deadline earlier calls Due with
-// it: the loop is woken only when that deadline falls before the end of
-// its sleep, or when a step is running (which may have read the deadlines
-// before the change). Wake steps again regardless.
+// it, which never wakes the loop's goroutine: it moves the end of the
+// loop's sleep to that deadline when it falls earlier, and while a step
+// runs (which may have read the deadlines before the change) it bounds the
+// sleep that follows. Wake steps again now, regardless.
+//
+// Sleep is the one pause of the core's retry and backoff loops (the
+// accept loop, the Unix event redial, the scheduler's retries): it ends
+// early when its owner closes.
 //
 // Invariant: step never runs concurrently with itself, and the loop never
 // sleeps past the deadline step last returned, nor past a deadline given

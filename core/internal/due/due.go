@@ -16,11 +16,15 @@ type Loop struct {
 	wake chan struct{}
 
 	mu sync.Mutex
-	// sleeping is false while a step runs (any Due then wakes the loop
-	// again, since the step may have read its deadlines before the change);
-	// until is when the current sleep ends by itself.
+	// sleeping is false while a step runs (and before Run starts); until
+	// is when the current sleep ends, the deadline timer is armed for.
 	sleeping bool
 	until    time.Time
+	timer    *time.Timer
+	// soonest is the earliest deadline given to Due while not sleeping,
+	// zero when none: the step may have read its deadlines before that
+	// change, so the sleep after it ends by soonest.
+	soonest time.Time
 }
 
 // NewLoop returns a loop that Run drives.
@@ -29,20 +33,28 @@ func NewLoop() *Loop { return &Loop{wake: make(chan struct{}, 1)} }
 // Run calls step and sleeps as Loop says, until stop closes. A step that
 // recovers a panic should return no deadline.
 func (l *Loop) Run(stop <-chan struct{}, step func() (next time.Time, ok bool)) {
-	timer := time.NewTimer(idle)
+	l.mu.Lock()
+	l.timer = time.NewTimer(idle)
+	timer := l.timer
+	l.mu.Unlock()
 	defer timer.Stop()
 	for {
 		l.mu.Lock()
 		l.sleeping = false
 		l.mu.Unlock()
-		wait := idle
-		if next, ok := step(); ok {
-			wait = max(time.Until(next), time.Millisecond)
+		next, ok := step()
+		now := time.Now()
+		until := now.Add(idle)
+		if ok {
+			until = next
 		}
 		l.mu.Lock()
-		l.sleeping, l.until = true, time.Now().Add(wait)
+		if !l.soonest.IsZero() && l.soonest.Before(until) {
+			until = l.soonest
+		}
+		l.soonest = time.Time{}
+		l.sleeping, l.until = true, l.arm(now, until)
 		l.mu.Unlock()
-		timer.Reset(wait)
 		select {
 		case <-stop:
 			return
@@ -50,6 +62,16 @@ func (l *Loop) Run(stop <-chan struct{}, step func() (next time.Time, ok bool)) 
 		case <-timer.C:
 		}
 	}
+}
+
+// arm sets the timer to fire at until, but no sooner than a millisecond
+// from now, and returns when it fires. l.mu is held: Run and Due both arm.
+func (l *Loop) arm(now, until time.Time) time.Time {
+	if soon := now.Add(time.Millisecond); until.Before(soon) {
+		until = soon
+	}
+	l.timer.Reset(until.Sub(now))
+	return until
 }
 
 // Wake has the loop step again now.
@@ -60,14 +82,20 @@ func (l *Loop) Wake() {
 	}
 }
 
-// Due has the loop step again by at: it wakes the loop only when at falls
-// before the end of its sleep, so that a change that leaves the next
-// deadline where it was costs no goroutine hand-off.
+// Due has the loop step again by at. It never hands off to the loop's
+// goroutine (a thread wake-up, and a step under its owner's lock, for a
+// deadline usually seconds away): a sleeping loop's timer is moved to at
+// when at falls before the end of its sleep, and a loop that is stepping
+// (or not yet running) ends its next sleep by at.
 func (l *Loop) Due(at time.Time) {
 	l.mu.Lock()
-	wake := !l.sleeping || at.Before(l.until)
-	l.mu.Unlock()
-	if wake {
-		l.Wake()
+	defer l.mu.Unlock()
+	switch {
+	case !l.sleeping:
+		if l.soonest.IsZero() || at.Before(l.soonest) {
+			l.soonest = at
+		}
+	case at.Before(l.until):
+		l.until = l.arm(time.Now(), at)
 	}
 }

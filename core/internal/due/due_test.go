@@ -37,7 +37,35 @@ func TestLoopStepsOnWakeAndDeadlineAndStopsAtStop(t *testing.T) {
 	}
 }
 
-func TestDueWakesOnlyForAnEarlierDeadline(t *testing.T) {
+// sleepingUntil waits until the loop sleeps and returns when that sleep
+// ends.
+func sleepingUntil(t *testing.T, l *Loop) time.Time {
+	t.Helper()
+	var until time.Time
+	require.Eventually(t, func() bool {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		until = l.until
+		return l.sleeping
+	}, 10*time.Second, time.Millisecond)
+	return until
+}
+
+// stepped waits for the loop's next step, with a generous bound.
+func stepped(t *testing.T, steps <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-steps:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("no step: %s", what)
+	}
+}
+
+// Due never hands off to the loop's goroutine: a deadline before the end
+// of the sleep moves that end, and the loop steps then, not now; a later
+// one changes nothing. The caller of Due (a producer's Submit, once a
+// batch) so pays no thread wake-up for a deadline seconds away.
+func TestDueMovesTheEndOfTheSleepWithoutAWake(t *testing.T) {
 	stop := make(chan struct{})
 	defer close(stop)
 	l := NewLoop()
@@ -48,18 +76,25 @@ func TestDueWakesOnlyForAnEarlierDeadline(t *testing.T) {
 		return later, true
 	})
 	<-steps
-	require.Eventually(t, func() bool {
-		l.mu.Lock()
-		defer l.mu.Unlock()
-		return l.sleeping
-	}, 10*time.Second, time.Millisecond)
+	until := sleepingUntil(t, l)
 	l.Due(later.Add(time.Minute))
-	require.Empty(t, l.wake, "a deadline after the sleep's end leaves the loop asleep")
-	l.Due(later.Add(-time.Minute))
-	<-steps // an earlier one wakes it
+	require.Equal(t, until, sleepingUntil(t, l), "a deadline after the sleep's end leaves it")
+	require.Empty(t, l.wake)
+
+	sooner := time.Now().Add(30 * time.Minute)
+	l.Due(sooner)
+	require.Empty(t, l.wake, "no hand-off for a deadline half an hour away")
+	require.Equal(t, sooner, sleepingUntil(t, l), "the sleep ends at the earlier deadline")
+	require.Empty(t, steps, "nor a step before it")
+
+	l.Due(time.Now().Add(20 * time.Millisecond))
+	stepped(t, steps, "the sleep should have ended at the deadline given to Due")
 }
 
-func TestDueWhileAStepRunsStepsAgain(t *testing.T) {
+// A Due while a step runs is not lost, even though the step may have read
+// its deadlines before the change: the sleep that follows the step ends
+// by it.
+func TestDueWhileAStepRunsBoundsTheNextSleep(t *testing.T) {
 	stop := make(chan struct{})
 	defer close(stop)
 	l := NewLoop()
@@ -76,12 +111,23 @@ func TestDueWhileAStepRunsStepsAgain(t *testing.T) {
 		return time.Now().Add(time.Hour), true
 	})
 	<-inStep
-	// The step may have read its deadlines already: a Due now, even a late
-	// one, must not be lost.
-	l.Due(time.Now().Add(2 * time.Hour))
+	late, soon := time.Now().Add(2*time.Hour), time.Now().Add(30*time.Minute)
+	l.Due(late)
+	l.Due(soon)
 	close(release)
 	<-steps
-	<-steps
+	require.Equal(t, soon, sleepingUntil(t, l), "the earliest Due given during the step ends the sleep")
+
+	// A Due given before the loop runs at all bounds its first sleep.
+	l2 := NewLoop()
+	l2.Due(soon)
+	steps2 := make(chan struct{}, 16)
+	go l2.Run(stop, func() (time.Time, bool) {
+		steps2 <- struct{}{}
+		return time.Time{}, false
+	})
+	<-steps2
+	require.Equal(t, soon, sleepingUntil(t, l2))
 }
 
 func TestLifeEndsOnceAndEndsItsContext(t *testing.T) {
@@ -93,4 +139,37 @@ func TestLifeEndsOnceAndEndsItsContext(t *testing.T) {
 	require.True(t, l.Ended())
 	<-l.Done()
 	require.ErrorIs(t, l.Err(), context.Canceled)
+}
+
+func TestSleep(t *testing.T) {
+	open, closed := make(chan struct{}), make(chan struct{})
+	close(closed)
+	cases := []struct {
+		name string
+		stop chan struct{}
+		d    time.Duration
+		want bool
+	}{
+		{"the whole wait", open, time.Millisecond, true},
+		{"no wait", open, 0, true},
+		{"stopped before", closed, time.Hour, false},
+		{"stopped, no wait", closed, 0, false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			require.Equal(t, c.want, Sleep(c.stop, c.d))
+		})
+	}
+	t.Run("stopped during", func(t *testing.T) {
+		stop := make(chan struct{})
+		got := make(chan bool)
+		go func() { got <- Sleep(stop, time.Hour) }()
+		close(stop)
+		select {
+		case ok := <-got:
+			require.False(t, ok)
+		case <-time.After(time.Minute):
+			t.Fatal("Sleep did not return when stop closed")
+		}
+	})
 }

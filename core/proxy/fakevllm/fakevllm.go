@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"go.uber.org/atomic"
+
+	"github.com/ecmooncake/ecmooncake/core/internal/due"
 )
 
 // Roles.
@@ -503,15 +505,11 @@ func (s *Server) sleep(ctx context.Context, d time.Duration) bool {
 	if d <= 0 {
 		return true
 	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
+	if !due.Sleep(ctx.Done(), d) {
 		s.cancelled.Add(1)
 		return false
 	}
+	return true
 }
 
 func (s *Server) streamAnswer(w http.ResponseWriter, r *http.Request, chat bool, model, text string, failed bool) {

@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"syscall"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/stretchr/testify/require"
@@ -13,6 +14,10 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/mooncake/mooncaketest"
 )
+
+// testTimeout bounds waits for what normally takes milliseconds: a hang
+// bound, not a claim about speed.
+const testTimeout = 60 * time.Second
 
 var (
 	doublePath string // the C test double of the TransferEngine C API, or a real library

@@ -14,6 +14,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/metadata"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/mooncake/mooncaketest"
+	"github.com/ecmooncake/ecmooncake/core/transport/transporttest"
 )
 
 func TestLoadFailuresNameWhatIsMissing(t *testing.T) {
@@ -213,7 +214,9 @@ func TestFailedTaskFailsItsItemAndTheSegmentIsReopened(t *testing.T) {
 func TestPeerVanishesMidBatch(t *testing.T) {
 	needDouble(t)
 	p := newPair(t, 8<<20, testConfig(), testConfig())
-	require.NoError(t, double.SetDelay(p.recv.eng.segment, 100_000))
+	// Held, no item can land before the peer vanishes, however slowly
+	// this test gets to Kill.
+	hold(t, p.recv.eng.segment)
 	items := make([]transport.WriteItem, 4)
 	for i := range items {
 		items[i] = p.item(i+1, uint64(i)<<20, pattern(64<<10, byte(i)))
@@ -221,14 +224,11 @@ func TestPeerVanishesMidBatch(t *testing.T) {
 	before := double.Stats()
 	done := make(chan []error)
 	go func() { done <- p.w.Write(context.Background(), p.recv.Addr(), items) }()
-	require.Eventually(t, func() bool { return double.Stats().TasksSubmitted >= before.TasksSubmitted+4 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return double.Stats().TasksSubmitted >= before.TasksSubmitted+4 }, testTimeout, time.Millisecond)
 	require.NoError(t, double.Kill(p.recv.eng.segment))
 	errs := <-done
-	require.ErrorIs(t, errs[3], transport.ErrConnLost, "the last item cannot have landed before the peer vanished")
-	for _, err := range errs {
-		if err != nil {
-			require.ErrorIs(t, err, transport.ErrConnLost)
-		}
+	for i, err := range errs {
+		require.ErrorIs(t, err, transport.ErrConnLost, "item %d cannot have landed before the peer vanished", i)
 	}
 	require.Equal(t, before.BatchesLive, double.Stats().BatchesLive, "the batch is drained and freed")
 	require.Zero(t, p.w.Stats().LeakedBatches)
@@ -238,19 +238,24 @@ func TestDeadlineStopsSubmittingButDrainsWhatStarted(t *testing.T) {
 	needDouble(t)
 	tiny := func(c *Config) { c.StagingBytes, c.ChunkBytes = 1<<20, 256<<10 }
 	p := newPair(t, 8<<20, testConfig(), testConfig(tiny))
-	require.NoError(t, double.SetDelay(p.recv.eng.segment, 1_000_000))
-	// Four chunks fill the staging; the second item must wait for them,
-	// longer than the deadline, which still leaves the first item ample
-	// time to be submitted on a loaded machine.
+	release := hold(t, p.recv.eng.segment)
+	// The first item's four chunks fill the staging, and the held peer
+	// keeps it full: the second item can only be staged once they land,
+	// which is after the deadline.
 	items := []transport.WriteItem{p.item(1, 0, pattern(1<<20, 1)), p.item(2, 2<<20, pattern(1<<20, 2))}
 	before := double.Stats()
-	ctx, cancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
-	defer cancel()
-	errs := p.w.Write(ctx, p.recv.Addr(), items)
+	ctx := transporttest.NewExpiring()
+	done := make(chan []error)
+	go func() { done <- p.w.Write(ctx, p.recv.Addr(), items) }()
+	require.Eventually(t, func() bool { return double.Stats().TasksSubmitted >= before.TasksSubmitted+4 }, testTimeout, time.Millisecond)
+	ctx.Expire()
+	release()
+	errs := <-done
 	require.NoError(t, errs[0], "submitted before the deadline, drained after it")
 	require.ErrorIs(t, errs[1], context.DeadlineExceeded)
 	require.ErrorContains(t, errs[1], "not sent")
 	after := double.Stats()
+	require.Equal(t, before.TasksSubmitted+4, after.TasksSubmitted, "nothing submitted after the deadline")
 	require.Equal(t, before.BatchesLive, after.BatchesLive)
 	require.Zero(t, after.BusyFrees-before.BusyFrees, "freed only once drained")
 	require.True(t, bytes.Equal(items[0].Src, p.slab[:1<<20]))
@@ -260,17 +265,30 @@ func TestTasksThatNeverFinishKeepTheirBatch(t *testing.T) {
 	needDouble(t)
 	short := func(c *Config) { c.DrainTimeout = 20 * time.Millisecond }
 	p := newPair(t, 1<<20, testConfig(), testConfig(short))
-	require.NoError(t, double.SetDelay(p.recv.eng.segment, 2_000_000))
+	// Held until the test ends, the task cannot finish within any drain.
+	hold(t, p.recv.eng.segment)
 	before := double.Stats()
-	// Long enough that the task is surely submitted on a loaded machine,
-	// and far shorter than the task, which therefore never finishes in time.
-	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-	defer cancel()
-	errs := p.w.Write(ctx, p.recv.Addr(), []transport.WriteItem{p.item(1, 0, pattern(100, 1))})
+	ctx := transporttest.NewExpiring()
+	done := make(chan []error)
+	go func() { done <- p.w.Write(ctx, p.recv.Addr(), []transport.WriteItem{p.item(1, 0, pattern(100, 1))}) }()
+	require.Eventually(t, func() bool { return double.Stats().TasksSubmitted >= before.TasksSubmitted+1 }, testTimeout, time.Millisecond)
+	ctx.Expire()
+	errs := <-done
 	require.ErrorIs(t, errs[0], transport.ErrConnLost)
 	require.ErrorContains(t, errs[0], "after draining")
 	require.Equal(t, uint64(1), p.w.Stats().LeakedBatches)
 	require.Equal(t, before.BatchesLive+1, double.Stats().BatchesLive, "never freed under a running task")
+}
+
+// hold leaves every write to segment unread until the returned release
+// runs, or the test ends.
+func hold(t *testing.T, segment string) (release func()) {
+	t.Helper()
+	require.NoError(t, double.Hold(segment, true))
+	var once sync.Once
+	release = func() { once.Do(func() { require.NoError(t, double.Hold(segment, false)) }) }
+	t.Cleanup(release)
+	return release
 }
 
 // A consumer that restarts under the same segment name (HTTP metadata

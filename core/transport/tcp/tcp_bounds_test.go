@@ -75,8 +75,13 @@ func TestTCPConnectionCap(t *testing.T) {
 	res, tok := sink.reserve(t, 64<<10)
 	res2, tok2 := sink.reserve(t, 64<<10)
 
+	// The receiver checks each preamble on a goroutine of its own, so two
+	// connections proven back to back may count in either order: each is
+	// waited for, so that first is the idlest.
 	first := dialProven(t, r.Addr())
+	waitProven(t, r, 1)
 	second := dialProven(t, r.Addr())
+	waitProven(t, r, 2)
 	third := dialProven(t, r.Addr())
 	a := readAck(t, first)
 	require.Equal(t, Ack{Seq: 0, Status: transport.StatusClosing, Msg: transport.ClosedEvicted}, a, "the idlest one makes room")
@@ -148,4 +153,14 @@ func TestTCPWriterResendsAfterAGoodbye(t *testing.T) {
 	require.Equal(t, src, sink.region(res))
 	require.Len(t, sink.beginsOf(res), 4, "each chunk began once, on the second connection")
 	sink.requireBalanced(t)
+}
+
+// waitProven waits until the receiver holds n proven connections.
+func waitProven(t *testing.T, r *tcpReceiver, n int) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		return r.proven == n
+	}, eventually, time.Millisecond, "%d proven connections", n)
 }

@@ -13,6 +13,7 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/transporttest"
 	"github.com/stretchr/testify/require"
 )
 
@@ -221,9 +222,18 @@ func TestTCPWriteReturnsByDeadline(t *testing.T) {
 	res, tok := sink.reserve(t, 32<<20)
 	src := randBytes(1, 32<<20)
 
-	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-	defer cancel()
-	errs := w.Write(ctx, r.Addr(), []transport.WriteItem{{Res: res, Token: tok, Src: src}})
+	// The deadline passes once the receiver holds the frame, so that the
+	// writer is connected and inside it, whatever the machine's speed.
+	ctx := transporttest.NewExpiring()
+	done := make(chan []error)
+	go func() { done <- w.Write(ctx, r.Addr(), []transport.WriteItem{{Res: res, Token: tok, Src: src}}) }()
+	select {
+	case <-sink.began:
+	case <-time.After(testTimeout):
+		t.Fatal("the receiver never began the frame")
+	}
+	ctx.Expire()
+	errs := <-done
 	require.ErrorIs(t, errs[0], context.DeadlineExceeded)
 	require.Contains(t, errs[0].Error(), r.Addr())
 

@@ -36,8 +36,12 @@ first attribute access, which is what vLLM's factory and pickle do.
 
 The parts live by role: :mod:`.scheduler` (both scheduler roles),
 :mod:`.consumer` and :mod:`.producer` (the worker roles), :mod:`.hooks`
-(the hooks vLLM calls, dispatched to the parts), :mod:`.stats` (transfer
-statistics) and :mod:`.common` (metadata, guards, request helpers).
+(the hooks vLLM calls, dispatched to the parts, and their guard),
+:mod:`.stats` (transfer statistics). What they share has a room each:
+:mod:`.names` (what vLLM knows the connector by), :mod:`.metadata` (the
+records between scheduler and workers), :mod:`.dtypes`, :mod:`.request`
+(what a vLLM request says), :mod:`.log` (the logger and its throttle) and
+:mod:`.lifecycle` (the library's settings and bounded close).
 """
 
 from __future__ import annotations
@@ -46,19 +50,11 @@ import threading
 from typing import Any
 
 # Re-exported: the plugin, the tools and the tests name them here.
-from .common import (  # noqa: F401
-    CONNECTOR_NAME,
-    DTYPES,
-    MODULE_PATH_NAME,
-    OPTIONAL_HOOKS,
-    LoadSpec,
-    PushSpec,
-    _StepMetadata,
-    _WorkerReport,
-    consumer_address,
-    transfer_ids,
-)
+from .dtypes import DTYPES  # noqa: F401
 from .hooks import _Connector
+from .metadata import LoadSpec, PushSpec, _StepMetadata, _WorkerReport  # noqa: F401
+from .names import CONNECTOR_NAME, MODULE_PATH_NAME, OPTIONAL_HOOKS  # noqa: F401
+from .request import consumer_address, transfer_ids  # noqa: F401
 from .stats import _PromMetrics, _Stats
 
 

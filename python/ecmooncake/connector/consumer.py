@@ -16,8 +16,13 @@ import math
 from typing import Any
 
 from .. import ec_config
-from ..native import Consumer, EcmError, shared_slab
-from .common import DTYPES, LoadSpec, _StepMetadata, _WorkerReport, _configure_process, _dtype_name, logger, _throttle, _torch
+from ..buffers import shared_slab
+from ..errors import EcmError
+from ..native import Consumer
+from .dtypes import DTYPES, dtype_name, import_torch
+from .lifecycle import configure_process
+from .log import logger, throttle
+from .metadata import LoadSpec, _StepMetadata, _WorkerReport
 from .stats import _Recorder
 
 # --- worker side: consumer ---------------------------------------------------
@@ -27,7 +32,7 @@ def _require_cuda(device: str) -> None:
     """Refuses a GPU receive buffer on a host where torch sees no GPU, at
     startup and naming the setting; vLLM's default ec_buffer_device is
     "cuda", so this is the first thing a CPU-only PD instance meets."""
-    torch = _torch()
+    torch = import_torch()
     if torch.cuda.is_available():
         return
     raise ec_config.ConfigError(
@@ -64,7 +69,7 @@ class _ConsumerWorker:
         if model_config is not None:
             try:
                 self._fallback_width = int(model_config.get_hidden_size())
-                self._fallback_dtype = _dtype_name(model_config.dtype)
+                self._fallback_dtype = dtype_name(model_config.dtype)
             except Exception:
                 pass
         # The (dtype, width) last seen per modality: sizes a stand-in entry
@@ -79,7 +84,7 @@ class _ConsumerWorker:
     def start(self) -> None:
         if not self.receiving or self._native is not None:
             return
-        torch = _torch()
+        torch = import_torch()
         device = self._cfg.buffer_device
         settings = self._cfg.consumer_settings()
         if device.startswith("cuda"):
@@ -111,7 +116,7 @@ class _ConsumerWorker:
         # Touch every page now, so that first writes do not pay page faults
         # inside a timed transfer.
         slab.zero_()
-        _configure_process(self._cfg, worker=True)
+        configure_process(self._cfg, worker=True)
         self._native = Consumer(settings, slab)
         self._slab = slab
         logger.info("ecmooncake: consumer shard listening at %s", self._native.info().get("control"))
@@ -132,7 +137,7 @@ class _ConsumerWorker:
             if self._device is None:
                 self._release(gone)
             else:
-                torch = _torch()
+                torch = import_torch()
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self._device))
                 self._releasing.append((event, gone))
@@ -196,7 +201,7 @@ class _ConsumerWorker:
             released = [{"mm_hash": h, "error": str(exc)} for h in hashes]
         for item in released:
             if item.get("error"):
-                _throttle.warn("release", "ecmooncake: release of %s at shard %s: %s", item["mm_hash"], self.endpoint, item["error"])
+                throttle.warn("release", "ecmooncake: release of %s at shard %s: %s", item["mm_hash"], self.endpoint, item["error"])
 
     def _release_done(self) -> None:
         """Releases the dropped items whose readers have completed on the
@@ -210,10 +215,10 @@ class _ConsumerWorker:
         try:
             self._native.release([mm_hash])
         except Exception as exc:
-            _throttle.warn("release", "ecmooncake: release of %s at shard %s: %s", mm_hash, self.endpoint, exc)
+            throttle.warn("release", "ecmooncake: release of %s at shard %s: %s", mm_hash, self.endpoint, exc)
 
     def _view(self, spec: LoadSpec, item: dict[str, Any]) -> Any:
-        torch = _torch()
+        torch = import_torch()
         desc = json.loads(item.get("meta") or "{}")
         name = desc.get("dtype")
         shape = desc.get("shape")
@@ -262,7 +267,7 @@ class _ConsumerWorker:
                 spec.mm_hash,
             )
             return
-        torch = _torch()
+        torch = import_torch()
         device = self._device if self._device is not None else "cpu"
         encoder_cache[spec.mm_hash] = torch.zeros(spec.num_embeds, width, dtype=getattr(torch, dtype), device=device)
 

@@ -1,18 +1,52 @@
 """The hooks vLLM calls, each dispatched to the role parts this instance
-has (see the package docstring), and the startup line."""
+has (see the package docstring), the guard that keeps their exceptions out
+of vLLM's engine loop, and the startup line."""
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from .. import ec_config
-from .common import OPTIONAL_HOOKS, _StepMetadata, _WorkerReport, _guarded, _hook_failed, logger, _throttle
 from .consumer import _ConsumerWorker
+from .log import logger, throttle
+from .metadata import _StepMetadata, _WorkerReport
+from .names import OPTIONAL_HOOKS
 from .producer import _ProducerWorker
 from .scheduler import _ConsumerScheduler, _ProducerScheduler
 from .stats import _Recorder, _Stats
+
+# --- the guard ---------------------------------------------------------------
+
+
+def _hook_failed(name: str, exc: Exception) -> None:
+    """Logs a hook's failure, throttled per hook; the hook then answers its default."""
+    throttle.warn(
+        "hook:" + name,
+        "ecmooncake: %s failed, carrying on without it: %s: %s",
+        name,
+        type(exc).__name__,
+        exc,
+    )
+
+
+def _guarded(default: Callable[[], Any]) -> Callable:
+    """Runs a hook so that no exception reaches vLLM's engine loop."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as exc:
+                _hook_failed(fn.__name__, exc)
+                return default()
+
+        return hook
+
+    return wrap
+
 
 # --- the startup line --------------------------------------------------------
 
@@ -187,7 +221,7 @@ class _Connector:
             try:
                 build()
             except Exception as exc:
-                _throttle.warn("build", "ecmooncake: build_connector_meta: %s: %s", type(exc).__name__, exc)
+                throttle.warn("build", "ecmooncake: build_connector_meta: %s: %s", type(exc).__name__, exc)
         return meta
 
     @_guarded(lambda: None)

@@ -19,8 +19,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .. import ec_config
-from ..native import EcmError, Producer
-from .common import DTYPES, PushSpec, _WorkerReport, _close_bounded, _configure_process, _dtype_name, logger, _throttle, _torch
+from ..errors import EcmError
+from ..native import Producer
+from .dtypes import DTYPES, dtype_name, import_torch
+from .lifecycle import close_bounded, configure_process
+from .log import logger, throttle
+from .metadata import PushSpec, _WorkerReport
 from .stats import _Recorder
 
 # --- worker side: producer ---------------------------------------------------
@@ -69,7 +73,7 @@ class _HostCopier:
         return self._inflight > 0
 
     def submit(self, mm_hash: str, tensor: Any) -> None:
-        torch = _torch()
+        torch = import_torch()
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(tensor.device))
         with self._lock:
@@ -80,7 +84,7 @@ class _HostCopier:
         self._jobs.put((mm_hash, tensor, event))
 
     def _run(self) -> None:
-        torch = _torch()
+        torch = import_torch()
         streams: dict[Any, Any] = {}
         while True:
             job = self._jobs.get()
@@ -148,7 +152,7 @@ class _ProducerWorker:
             if self._closed:
                 raise EcmError("producer: connector is shut down")
             if self._native is None:
-                _configure_process(self._cfg, worker=True)
+                configure_process(self._cfg, worker=True)
                 self._native = Producer(self._cfg.producer_settings())
 
     def announce(self, pushes: list[PushSpec], encoder_cache: dict[str, Any] | None) -> None:
@@ -222,7 +226,7 @@ class _ProducerWorker:
                 # copy is queued on the output's own stream behind its
                 # kernels; nothing waits for either.
                 self._ready[mm_hash] = tensor if tensor.is_contiguous() else tensor.contiguous()
-                self._streams[mm_hash] = _torch().cuda.current_stream(tensor.device)
+                self._streams[mm_hash] = import_torch().cuda.current_stream(tensor.device)
                 return
         self._say_path(tensor)
         self._copier.submit(mm_hash, tensor)
@@ -270,7 +274,7 @@ class _ProducerWorker:
             pushes = [self._pushes[tid] for tid in self._by_hash.get(h, ())]
             if not pushes:
                 continue
-            dtype, shape = _dtype_name(tensor.dtype), tuple(int(d) for d in tensor.shape)
+            dtype, shape = dtype_name(tensor.dtype), tuple(int(d) for d in tensor.shape)
             wrong = [p for p in pushes if p.spec.shape is not None and (p.spec.dtype, tuple(p.spec.shape)) != (dtype, shape)]
             for p in wrong:
                 announced = f"{list(p.spec.shape)} {p.spec.dtype}"
@@ -297,7 +301,7 @@ class _ProducerWorker:
             except EcmError as exc:
                 # The library fails the pushes it could not source and reports
                 # them through poll; the ones it took are already on their way.
-                _throttle.warn("sources", "ecmooncake: encoder outputs refused by the producer: %s", exc)
+                throttle.warn("sources", "ecmooncake: encoder outputs refused by the producer: %s", exc)
 
     def _fail_locked(self, tid: str, reason: str) -> None:
         push = self._pushes.pop(tid, None)
@@ -390,4 +394,4 @@ class _ProducerWorker:
             native, self._native = self._native, None
             self._closed = True
         if native is not None:
-            _close_bounded(native)
+            close_bounded(native)

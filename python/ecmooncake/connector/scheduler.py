@@ -13,8 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import ec_config
-from ..native import EcmError, Scheduler
-from .common import DTYPES, LoadSpec, PushSpec, _StepMetadata, _WorkerReport, _close_bounded, _configure_process, consumer_address, _dtype_name, logger, _num_embeds, _throttle, transfer_ids, _unconsumed
+from ..errors import EcmError
+from ..native import Scheduler
+from .dtypes import DTYPES, dtype_name
+from .lifecycle import close_bounded, configure_process
+from .log import logger, throttle
+from .metadata import LoadSpec, PushSpec, _StepMetadata, _WorkerReport
+from .request import consumer_address, num_embeds_of, transfer_ids, unconsumed
 from .stats import _Recorder
 
 # --- scheduler side: consumer ------------------------------------------------
@@ -50,7 +55,7 @@ class _ConsumerScheduler:
         # registered from update_state_after_alloc instead.
         self._ensure_hook = ensure_hook
         self._load_timeout_s = float(cfg.value("load_timeout_s"))
-        _configure_process(cfg, worker=False)
+        configure_process(cfg, worker=False)
         self._native = Scheduler(cfg.scheduler_settings())
         self._requests: dict[str, list[_Expected]] = {}
         self._registered: set[str] = set()
@@ -126,7 +131,7 @@ class _ConsumerScheduler:
         remaining = {
             it.mm_hash
             for it in items
-            if it.mm_hash not in self._local and _unconsumed(request, it.index, num_computed_tokens)
+            if it.mm_hash not in self._local and unconsumed(request, it.index, num_computed_tokens)
         }
         if not remaining:
             return True
@@ -217,7 +222,7 @@ class _ConsumerScheduler:
         if feature.identifier in self._said_yes:
             plan = self._to_load.get(feature.identifier)
             if plan is None:
-                plan = _LoadPlan(_num_embeds(request, index), feature.modality)
+                plan = _LoadPlan(num_embeds_of(request, index), feature.modality)
                 self._to_load[feature.identifier] = plan
             plan.requests.add(rid)
 
@@ -334,7 +339,7 @@ class _ConsumerScheduler:
     def close(self) -> None:
         # The counter stops once closed: no remembered answer outlives it.
         self._at, self._has, self._failed = -1, {}, {}
-        _close_bounded(self._native)
+        close_bounded(self._native)
 
 
 # --- scheduler side: producer ------------------------------------------------
@@ -346,11 +351,11 @@ class _ProducerScheduler:
     def __init__(self, cfg: ec_config.ECMooncakeConfig, vllm_config: Any):
         # It holds no native object, but metrics_port promises every
         # process of an instance a port: the engine core's is metrics_port.
-        _configure_process(cfg, worker=False)
+        configure_process(cfg, worker=False)
         self._vllm_config = vllm_config
         model_config = getattr(vllm_config, "model_config", None)
         dtype = getattr(model_config, "dtype", None)
-        self._dtype = _dtype_name(dtype) if dtype is not None and _dtype_name(dtype) in DTYPES else None
+        self._dtype = dtype_name(dtype) if dtype is not None and dtype_name(dtype) in DTYPES else None
         self._model_config = model_config
         self._resolver: Any = None
         self._widths: dict[str, int | None] = {}
@@ -389,7 +394,7 @@ class _ProducerScheduler:
             # The proxy still learns this id from request_finished and can
             # hand it to the consumer.
             tid = f"{rid}:{index}"
-            _throttle.warn(
+            throttle.warn(
                 "no-transfer-id",
                 "ecmooncake: request %s item %d names no transfer_id in ec_items; using %s",
                 rid,
@@ -403,7 +408,7 @@ class _ProducerScheduler:
         spec = PushSpec(tid, feature.identifier, consumer, rid, feature.modality)
         if width is not None and self._dtype is not None:
             spec.dtype = self._dtype
-            spec.shape = (_num_embeds(request, index), width)
+            spec.shape = (num_embeds_of(request, index), width)
         self._prepared[tid] = spec
         self._by_request.setdefault(rid, []).append(tid)
         self._new.append(spec)
@@ -412,7 +417,7 @@ class _ProducerScheduler:
         # Items the encoder cache already holds never reach
         # update_state_after_alloc, so pushes are prepared here as well.
         for index in range(len(request.mm_features)):
-            if _unconsumed(request, index, num_computed_tokens):
+            if unconsumed(request, index, num_computed_tokens):
                 self.prepare(request, index)
 
     def build(self, meta: _StepMetadata) -> None:

@@ -15,6 +15,7 @@ connector benchmark (``python -m ecmooncake.tools.connector_gpu``, run by
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import pickle
 import statistics
@@ -25,8 +26,9 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..connector.common import OPTIONAL_HOOKS, _WorkerReport
 from ..connector.hooks import _Connector
+from ..connector.metadata import _WorkerReport
+from ..connector.names import OPTIONAL_HOOKS
 from .worker import Worker
 
 MiB = 1 << 20
@@ -108,9 +110,18 @@ class Request:
 
 @dataclass(frozen=True)
 class Item:
-    identifier: str
+    """One image (or video) of a chat request, with its encoder output
+    shape; its identifier is a sha256 as vLLM's mm_hash is. The vLLM
+    engine tests (tests/python/vllm_engine.py) use it too."""
+
+    name: str
     num_embeds: int
     width: int
+    modality: str = "image"
+
+    @property
+    def identifier(self) -> str:
+        return hashlib.sha256(self.name.encode()).hexdigest()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -124,7 +135,7 @@ class Item:
 def make_request(request_id: str, items: list[Item], params: dict | None) -> Request:
     features, offset = [], 4
     for it in items:
-        features.append(_Feature(it.identifier, "image", _Position(offset, it.num_embeds)))
+        features.append(_Feature(it.identifier, it.modality, _Position(offset, it.num_embeds)))
         offset += it.num_embeds + 4
     return Request(request_id, features, params)
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ..native import Consumer, Producer, Scheduler, configure, shared_slab
+from ..buffers import shared_slab
+from ..native import Consumer, Producer, Scheduler, configure
 from .worker import Worker as _Worker
 from .worker import WorkerError, stop_all
 

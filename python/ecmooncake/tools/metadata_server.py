@@ -12,9 +12,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .cli import add_options, option_values
 from .serve import add_token_arguments, refuses_bad_tokens, run_until_signal, token_from
 
 TOKEN_ENV = "MC_METADATA_HTTP_TOKEN"
+
+# The store's bounds, passed to MetadataServer under their own names; 0
+# leaves the library's default.
+LIMITS = (
+    ("--max-keys", 0, "most keys the store keeps; 0 means 65536"),
+    ("--max-value-bytes", 0, "largest value; a larger PUT gets 413; 0 means 16 MiB"),
+    ("--max-total-bytes", 0, "most bytes of keys and values together; a PUT past it (or past --max-keys) gets 507; "
+     "0 means 256 MiB"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="address to listen on (default %(default)s: this host only; engines on other hosts need "
         "an address they reach, and then a token)",
     )
-    parser.add_argument("--port", type=int, default=8080, help="port; 0 picks a free one (default %(default)s)")
+    add_options(parser, ("--port", 8080, "port; 0 picks a free one"))
     # No --token: a flag's value is visible to every user of the host.
     add_token_arguments(parser, name="token", env=TOKEN_ENV, what="the token", flag=False, file_help=(
         f"require 'Authorization: Bearer TOKEN' on /metadata, TOKEN read from FILE (default: ${TOKEN_ENV}, "
@@ -38,21 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve without a token: whoever reaches the port can rewrite the segment descriptors engines "
         "connect to (logged loudly)",
     )
-    parser.add_argument("--max-keys", type=int, default=0, help="most keys the store keeps (default 65536)")
-    parser.add_argument(
-        "--max-value-bytes", type=int, default=0, help="largest value; a larger PUT gets 413 (default 16 MiB)"
-    )
-    parser.add_argument(
-        "--max-total-bytes",
-        type=int,
-        default=0,
-        help="most bytes of keys and values together; a PUT past it (or past --max-keys) gets 507 (default 256 MiB)",
-    )
+    add_options(parser, *LIMITS)
 
 
 @refuses_bad_tokens("metadata-server")
 def main(args: argparse.Namespace) -> int:
-    from ..native import EcmError, MetadataServer
+    from ..errors import EcmError
+    from ..native import MetadataServer
 
     if args.token is not None:
         print(
@@ -62,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
         )
         return 2
     token = token_from(args, name="token", env=TOKEN_ENV, what="metadata token")
-    limits = {"max_keys": args.max_keys, "max_value_bytes": args.max_value_bytes, "max_total_bytes": args.max_total_bytes}
+    limits = option_values(args, LIMITS)
     try:
         server = MetadataServer(args.host, args.port, token=token, open=args.open, **limits)
     except EcmError as exc:

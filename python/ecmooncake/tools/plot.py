@@ -149,7 +149,8 @@ def series(summary: dict) -> tuple[str, list[Series]]:
     raise ValueError(f"not a summary of bench --sweep, bench-vllm or gpubench (keys: {', '.join(sorted(summary))})")
 
 
-def _size_label(nbytes: float) -> str:
+def size_label(nbytes: float) -> str:
+    """An item size as the plots and the benches print it: "64 KiB", "32 MiB"."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale:
             return f"{nbytes / scale:g} {unit}"
@@ -183,7 +184,7 @@ def _axes(title: str, lines: list[Series], ylabel: str, log_y: bool | None) -> A
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(FixedLocator(sizes))
     ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xticks(sizes, [_size_label(n) for n in sizes])
+    ax.set_xticks(sizes, [size_label(n) for n in sizes])
     ax.set_xlabel("item size")
     ax.set_ylabel(ylabel)
     values = [v for line in lines for v in line.gbps if v > 0]

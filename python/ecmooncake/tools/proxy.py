@@ -36,37 +36,26 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
         p,
         ("--retries", 2, "re-encode and resend a request whose consumer failed before the first byte, up to N times"),
         ("--host", "0.0.0.0", "address to listen on"), ("--port", 8000, "port to listen on"),
-    )
-    p.add_argument("--metrics-port", type=int, default=0, help="also serve /metrics on this port (it is always on the main port)")
-    add_options(
-        p,
+        ("--metrics-port", 0, "also serve /metrics on this port (it is always on the main port); 0: only there"),
         ("--ec-port", 14579, "consumers' ec_port for --pd/--prefill URLs without ec="),
         ("--encode-timeout", 60.0, "seconds allowed per encoder call"),
         ("--request-timeout", 600.0, "seconds allowed per request, end to end"),
         ("--health-interval", 2.0, "seconds between /health checks of each backend"),
+        ("--health-timeout", 0.0, "seconds one /health check may take before it counts as a failure; 0 means "
+         "--health-interval, at most 5 s (a loaded host wants it well above its scheduling jitter)"),
         ("--fail-threshold", 3, "consecutive failures that drop a backend"),
         ("--upstream-idle-timeout", 4.0, "seconds a backend connection may sit idle before the proxy closes it; keep it "
          "below the backends' own keep-alive (vLLM: 5 s)"),
-    )
-    p.add_argument("--max-body-bytes", type=int, default=256 << 20, help="largest request body, in bytes; a larger one is answered 413 (default %(default)s)")
-    p.add_argument(
-        "--max-bodies-in-flight",
-        type=int,
-        default=8,
-        help="the proxy holds at most --max-body-bytes × this many bytes of request bodies at once, all requests "
-        "together; a body that would take it over is answered 503 with Retry-After (default %(default)s)",
+        ("--max-body-bytes", 256 << 20, "largest request body, in bytes; a larger one is answered 413"),
+        ("--max-bodies-in-flight", 8, "the proxy holds at most --max-body-bytes × this many bytes of request bodies at "
+         "once, all requests together; a body that would take it over is answered 503 with Retry-After"),
     )
     p.add_argument("--no-register", action="store_true", help="refuse POST /v1/ecm/register even with a register token (static lists only)")
     add_token_arguments(p, name="register-token", env=REGISTER_TOKEN_ENV, what="the register token", file_help=(
         f"file holding the bearer token that register and deregister calls must carry (default: ${REGISTER_TOKEN_ENV}; "
         "with neither, registration is off)"))
-    p.add_argument(
-        "--admin-port",
-        type=int,
-        default=0,
-        help="serve /v1/ecm/register, /deregister and /backends on this port only, so that --port can be exposed alone "
-        "(default: on --port)",
-    )
+    add_options(p, ("--admin-port", 0, "serve /v1/ecm/register, /deregister and /backends on this port only, so that "
+                     "--port can be exposed alone; 0: on --port"))
     p.add_argument("--admin-host", default="", help="address of the admin port (default: --host)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
 
@@ -91,6 +80,7 @@ def proxy_config(args: argparse.Namespace, token: str | None = None) -> dict[str
         encode_timeout_s="encode_timeout",
         request_timeout_s="request_timeout",
         health_interval_s="health_interval",
+        health_timeout_s="health_timeout",
         upstream_idle_timeout_s="upstream_idle_timeout",
     ) | {"allow_register": not args.no_register, "register_token": token or ""}
 
@@ -117,7 +107,8 @@ def register_config(args: argparse.Namespace, token: str | None = None) -> dict[
 
 @refuses_bad_tokens("proxy")
 def proxy_main(args: argparse.Namespace) -> int:
-    from ..native import EcmInvalid, configure
+    from ..errors import EcmInvalid
+    from ..native import configure
 
     token = register_token(args)
 

@@ -10,7 +10,7 @@ import sys
 from typing import Callable
 
 from . import ceiling as ceilings
-from ..native import EcmError
+from ..errors import EcmError
 from .worker import WorkerError
 
 KiB = 1 << 10

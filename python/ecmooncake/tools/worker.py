@@ -8,7 +8,7 @@ TP rank and the encoder are separate processes too. The parent drives a worker
 with commands over a pipe; every wait on an answer has a deadline and notices
 a worker that died, so a crashed child turns into a :class:`WorkerError`
 instead of a hang. A library error in the child comes back as the same
-:class:`~ecmooncake.native.EcmError` subclass.
+:class:`~ecmooncake.errors.EcmError` subclass.
 
 A host is a class (or ``"module:Class"``, imported only in the child) whose
 constructor takes the worker's keyword arguments, with ``ready()`` (its
@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Any
 
-from ..native import EcmError, error_for
+from ..errors import EcmError, error_for
 
 _POLL_S = 0.05
 

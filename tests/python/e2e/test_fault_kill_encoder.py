@@ -22,7 +22,6 @@ shard has no write, cancel or expiry left pending once the run is over.
 from __future__ import annotations
 
 import base64
-import faulthandler
 import io
 import json
 import os
@@ -63,13 +62,10 @@ CONCURRENCY = REQUESTS
 WAIT_S = 300
 
 
-@pytest.fixture(autouse=True)
-def _deadline():
-    """conftest's per-test deadline, longer: this test starts four vLLM
-    instances one after another's phase on a shared machine."""
-    faulthandler.dump_traceback_later(float(os.environ.get("ECMOONCAKE_E2E_DEADLINE_S", "1800")), exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
+# conftest's per-test deadline (its watchdog stops every server the test
+# started), longer: this test starts four vLLM
+# instances one after another's phase on a shared machine.
+pytestmark = pytest.mark.deadline(1800, env="ECMOONCAKE_E2E_DEADLINE_S")
 
 
 def _png(seed: int) -> str:

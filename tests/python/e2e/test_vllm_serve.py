@@ -25,7 +25,6 @@ once vLLM stopped as it does by default (SIGTERM; it SIGKILLs its engine).
 from __future__ import annotations
 
 import base64
-import faulthandler
 import io
 import json
 import os
@@ -54,22 +53,20 @@ from servers import (
 
 require_venv()
 
+from ecmooncake.tools.fleet import ecm_config  # noqa: E402
 from ecmooncake.tools.harness import free_port_range  # noqa: E402
 
 MAX_TOKENS = 8
 TIMINGS: dict[str, float] = {}
 
 
-@pytest.fixture(autouse=True)
-def _deadline():
-    """conftest's per-test deadline, longer: a phase starts two vLLM
-    instances (and, for the first test to need them, the single instance
-    and the model) on a shared machine, each start bounded by
-    START_TIMEOUT_S; conftest's 300 s ended a loaded run mid-start and left
-    its servers behind."""
-    faulthandler.dump_traceback_later(float(os.environ.get("ECMOONCAKE_E2E_DEADLINE_S", "1800")), exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
+# conftest's per-test deadline (its watchdog stops every server the test
+# started), longer: a phase starts two vLLM
+# instances (and, for the first test to need them, the single instance
+# and the model) on a shared machine, each start bounded by
+# START_TIMEOUT_S; conftest's 300 s ended a loaded run mid-start and left
+# its servers behind.
+pytestmark = pytest.mark.deadline(1800, env="ECMOONCAKE_E2E_DEADLINE_S")
 
 
 def _png(seed: int, size: tuple[int, int]) -> str:
@@ -191,18 +188,6 @@ def _proxy_argv(port: int, metrics_port: int, encode: str, pd: str, consumer: st
     ]
 
 
-def _ecm(role: str, ec_ip: str, ec_port: int, extra: dict) -> dict:
-    return {
-        "ec_connector": "ECMooncakeConnector",
-        "ec_role": role,
-        "ec_ip": ec_ip,
-        "ec_port": ec_port,
-        "ec_buffer_device": "cpu",
-        "ec_buffer_size": 64 << 20,
-        "ec_connector_extra_config": extra,
-    }
-
-
 def _check_transfers(out: dict, proxy_metrics: str, pd_metrics: list[str], items: int, distinct: int) -> None:
     """Every item went through the transfer: the proxy encoded each one and
     none fell back, the PD scheduler saw each distinct image arrive on every
@@ -232,8 +217,8 @@ def _mooncake_phase(name, model, logs, requests_, baseline, transport: str) -> N
     consumer = f"tcp://127.0.0.1:{ec_port}"
     before = _ecm_shm_files()
     with Phase(name, logs) as ph:
-        pd_ec = _ecm("ec_consumer", "127.0.0.1", ec_port, {"transport": transport, "metrics_port": pd_metrics, "push_wait_timeout_s": 120})
-        enc_ec = _ecm("ec_producer", "127.0.0.1", ec_port, {"transport": transport})
+        pd_ec = ecm_config("ec_consumer", "127.0.0.1", ec_port, {"transport": transport, "metrics_port": pd_metrics, "push_wait_timeout_s": 120})
+        enc_ec = ecm_config("ec_producer", "127.0.0.1", ec_port, {"transport": transport})
         ph.d.start("pd", vllm_argv(model, pd_http, ec=pd_ec), ready=VLLM_READY)
         ph.d.start("encoder", vllm_argv(model, enc_http, ec=enc_ec), ready=VLLM_READY)
         ph.ready()
@@ -377,10 +362,10 @@ def test_mooncake_connector_between_two_hosts_matches_one_instance(plane, reques
         consumer = f"tcp://{ns.pd_ip}:{ec_port}"
         env = child_env(ECMOONCAKE_SECRET="e2e-" + os.urandom(16).hex())
         with Phase(f"two-hosts-{plane}", logs) as ph:
-            pd_ec = _ecm("ec_consumer", ns.pd_ip, ec_port, {**extra, "metrics_port": pd_metrics, "push_wait_timeout_s": 120})
+            pd_ec = ecm_config("ec_consumer", ns.pd_ip, ec_port, {**extra, "metrics_port": pd_metrics, "push_wait_timeout_s": 120})
             # A producer takes its consumer from the proxy; its ec_ip only
             # says where its metrics are served: its own host.
-            enc_ec = _ecm("ec_producer", ns.enc_ip, ec_port, {**extra, "metrics_port": enc_metrics})
+            enc_ec = ecm_config("ec_producer", ns.enc_ip, ec_port, {**extra, "metrics_port": enc_metrics})
             pd_srv = ph.d.start("pd", vllm_argv(model, pd_http, ec=pd_ec), ready=VLLM_READY, netns=ns.pd, env=env)
             enc_srv = ph.d.start(
                 "encoder", vllm_argv(model, enc_http, host=ns.enc_ip, ec=enc_ec), ready=VLLM_READY, netns=ns.enc, env=env

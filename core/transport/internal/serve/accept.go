@@ -7,6 +7,8 @@ import (
 	"runtime/debug"
 	"sync"
 	"time"
+
+	"github.com/ecmooncake/ecmooncake/core/internal/due"
 )
 
 // Acceptor is the accept loop every receiver runs, whatever its socket:
@@ -39,12 +41,8 @@ func (a Acceptor[C]) Run() {
 			}
 			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
 			a.Failed(err, backoff)
-			t := time.NewTimer(backoff)
-			select {
-			case <-a.Done:
-				t.Stop()
+			if !due.Sleep(a.Done, backoff) {
 				return
-			case <-t.C:
 			}
 			continue
 		}

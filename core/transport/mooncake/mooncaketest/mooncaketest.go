@@ -1,12 +1,3 @@
-// Package mooncaketest builds and drives the test double of Mooncake
-// TransferEngine's C API (../testdata/transfer_engine_double.c): a small C
-// library that keeps the API's contract and moves real bytes between
-// engines over TCP, with functions to inject faults and read counters.
-//
-// Tests build it with the system C compiler (Build), point the mooncake
-// transport's Config.Library at the result, and load it here too (Open)
-// to reach the double's own functions. Both dlopen the same file, so they
-// share one copy of the library and its state.
 package mooncaketest
 
 /*
@@ -226,7 +217,7 @@ func Open(path string) (*Double, error) {
 		return nil, fmt.Errorf("mooncaketest: load %s: %v", path, err)
 	}
 	d := &Double{fn: map[string]unsafe.Pointer{}}
-	for _, name := range []string{"mcd_fail_next", "mcd_set_delay_us", "mcd_kill", "mcd_stats", "mcd_raw_write"} {
+	for _, name := range []string{"mcd_fail_next", "mcd_set_delay_us", "mcd_hold", "mcd_kill", "mcd_stats", "mcd_raw_write"} {
 		f, err := lib.Sym(name)
 		if err != nil {
 			return nil, fmt.Errorf("mooncaketest: %s lacks %s", path, name)
@@ -245,6 +236,23 @@ func (d *Double) SetDelay(segment string, us int) error {
 	cs := C.CString(segment)
 	defer C.free(unsafe.Pointer(cs))
 	if C.t_by_name(d.fn["mcd_set_delay_us"], cs, C.int(us)) != 0 {
+		return fmt.Errorf("mooncaketest: no engine serves %q", segment)
+	}
+	return nil
+}
+
+// Hold makes the engine serving segment leave every incoming write unread,
+// so that its task stays unfinished, until Hold(segment, false), Kill or the
+// engine's destruction: a test orders events around a write in flight
+// instead of racing a delay.
+func (d *Double) Hold(segment string, on bool) error {
+	cs := C.CString(segment)
+	defer C.free(unsafe.Pointer(cs))
+	v := 0
+	if on {
+		v = 1
+	}
+	if C.t_by_name(d.fn["mcd_hold"], cs, C.int(v)) != 0 {
 		return fmt.Errorf("mooncaketest: no engine serves %q", segment)
 	}
 	return nil

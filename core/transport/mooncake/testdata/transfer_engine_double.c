@@ -161,6 +161,7 @@ typedef struct engine {
     int stopping;
     int killed;
     int delay_us;
+    int held; /* incoming writes wait, unread, until it is cleared */
     pthread_t acceptor, worker;
     int conns[MAX_CONNS];
     pthread_t conn_threads[MAX_CONNS];
@@ -401,6 +402,13 @@ static void *serve_conn(void *p) {
             status = S_NOT_REGISTERED;
         pthread_mutex_unlock(&e->mu);
         if (delay > 0) usleep((useconds_t)delay);
+        for (;;) {
+            pthread_mutex_lock(&e->mu);
+            int wait = e->held && !e->killed && !e->stopping;
+            pthread_mutex_unlock(&e->mu);
+            if (!wait) break;
+            usleep(1000);
+        }
         int broken = 0;
         if (status == 0) {
             broken = read_all(fd, (void *)(uintptr_t)rq.addr, rq.len);
@@ -942,6 +950,21 @@ int mcd_set_delay_us(const char *segment, int us) {
     if (e) {
         pthread_mutex_lock(&e->mu);
         e->delay_us = us;
+        pthread_mutex_unlock(&e->mu);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e ? 0 : -1;
+}
+
+/* With on, the engine serving segment leaves every incoming write unread,
+ * and so its task unfinished, until it is called again with 0, killed or
+ * destroyed: a test decides when a write lands instead of racing a delay. */
+int mcd_hold(const char *segment, int on) {
+    pthread_mutex_lock(&g_mu);
+    engine_t *e = by_name(segment);
+    if (e) {
+        pthread_mutex_lock(&e->mu);
+        e->held = on;
         pthread_mutex_unlock(&e->mu);
     }
     pthread_mutex_unlock(&g_mu);

@@ -1,0 +1,26 @@
+"""`python -m ecmooncake hotpath` runs end to end on a few batches and
+reports each call's wall-clock and CPU figures, each against its floor."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ecmooncake.tools import hotpath
+
+pytestmark = pytest.mark.usefixtures("library")
+
+
+def test_a_short_run_reports_wall_and_cpu_figures():
+    parser = argparse.ArgumentParser()
+    hotpath.add_arguments(parser)
+    report = hotpath.run(parser.parse_args(["--batches", "6", "--warmup", "2", "--batch", "3"]))
+    for key in ("figures", "cpu_figures"):
+        figures = report[key]
+        assert set(figures) == {"floor", "submit", "hand_over"}
+        for fig in figures.values():
+            assert 0 < fig["p50_us"] <= fig["p99_us"] <= fig["max_us"]
+        assert figures["floor"]["p50_per_floor"] == pytest.approx(1.0)
+    text = hotpath.summary(report)
+    assert "submit cpu" in text and "hand_over cpu" in text
