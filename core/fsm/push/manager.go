@@ -839,6 +839,12 @@ func (m *Manager) Cancel(transferID string, now time.Time) {
 		if !r.state.Terminal() {
 			r.cancelWanted = true
 			m.settle(r, now)
+			// A push being cancelled no longer keeps another's cancel
+			// waiting (awaitedAt skips it), even when its own cancel must
+			// wait because a follower holds it.
+			for _, x := range m.peers(r) {
+				m.settle(x, now)
+			}
 		}
 	}
 }

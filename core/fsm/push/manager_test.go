@@ -262,6 +262,28 @@ func TestScenarios(t *testing.T) {
 			cancelled t2 d1
 			pending -> no
 		`},
+		{"a cancel that waited for a push since cancelled takes effect", Config{}, `
+			# t2 follows t1 (its grant came first, t1's is still out), so t1
+			# goes on when cancelled. t3 reserves after that follow and is
+			# cancelled while t1 still reserves: t3 waits, since t1 may be
+			# the write t3 follows. Cancelling t1 removes the last push t3
+			# could follow, so t3's cancel must take effect then.
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			add t2 h1 100 d1
+			ready -> reserve d1:t2
+			grant t2 d1 follow
+			add t3 h1 100 d1
+			ready -> reserve d1:t3 | done t2
+			cancel t3
+			state t3 -> d1=Reserving
+			cancel t1
+			state t1 -> d1=Reserving
+			state t3 -> d1=Cancelled
+			grant t1 d1 write 1
+			grant t3 d1 follow 3
+			ready -> cancel d1:t3
+		`},
 		{"a deferred cancel still fails at the reservation deadline", Config{}, cancelOneOfTwo + `
 			at 31s
 			ready -> fail t1/d1=Reserving: no reservation grant within 30s; t2/d1=Reserving: no reservation grant within 30s
