@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sync"
 	"time"
 
 	zmq "github.com/pebbe/zmq4"
@@ -84,12 +83,11 @@ type Client struct {
 	sendq  chan outgoing
 	nextID atomic.Uint64
 
-	mu      sync.Mutex
-	pending map[uint64]chan result // calls waiting for a reply, by id
-	// refused is the last security refusal of the server, nil once a
-	// handshake succeeds: calls fail with it at once rather than wait for
+	// calls wait for their replies here. The table is closed with the
+	// server's last security refusal and opened again once a handshake
+	// succeeds: calls fail with the refusal at once rather than wait for
 	// a connection that cannot come.
-	refused error
+	calls callTable
 
 	head *outgoing // owner only: a frame the socket could not take yet
 
@@ -185,7 +183,7 @@ func Dial(zctx *zmq.Context, endpoint string, log *slog.Logger, opts ...ClientOp
 		target:   target,
 		timeout:  o.timeout,
 		sendq:    make(chan outgoing, sendQueue),
-		pending:  map[uint64]chan result{},
+		calls:    newCallTable(),
 	}
 	c.owner, err = newOwner(log, "client "+endpoint, pollItem{sock: sock, serve: c.serve, want: c.wants}, hs.monitor(c.setRefused))
 	if err != nil {
@@ -217,17 +215,11 @@ func (c *Client) Call(ctx context.Context, op wire.Op, body any, out any) error 
 	if err != nil {
 		return c.fail(op, id, err)
 	}
-	ch := make(chan result, 1)
-	c.mu.Lock()
-	refused := c.refused
-	if refused == nil {
-		c.pending[id] = ch
+	ch, err := c.calls.add(id)
+	if err != nil {
+		return c.fail(op, id, err)
 	}
-	c.mu.Unlock()
-	if refused != nil {
-		return c.fail(op, id, refused)
-	}
-	defer c.forget(id)
+	defer c.calls.forget(id)
 
 	select {
 	case c.sendq <- outgoing{id: id, frame: frame}:
@@ -257,36 +249,8 @@ func (c *Client) fail(op wire.Op, id uint64, err error) error {
 	return fmt.Errorf("control: %s #%d to %s: %w", op, id, c.endpoint, err)
 }
 
-func (c *Client) forget(id uint64) {
-	c.mu.Lock()
-	delete(c.pending, id)
-	c.mu.Unlock()
-}
-
-func (c *Client) waiting(id uint64) bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	_, ok := c.pending[id]
-	return ok
-}
-
 // deliver hands a result to its caller; false when nobody waits for it.
-// A reply is counted before the caller can see it, so that a caller holding
-// its reply sees it in the counters.
-func (c *Client) deliver(id uint64, r result) bool {
-	c.mu.Lock()
-	ch, ok := c.pending[id]
-	delete(c.pending, id)
-	c.mu.Unlock()
-	if !ok {
-		return false
-	}
-	if r.err == nil {
-		c.roundTrips.Add(1)
-	}
-	ch <- r // buffered, and delivered at most once: never blocks
-	return true
-}
+func (c *Client) deliver(id uint64, r result) bool { return c.calls.deliver(id, r, &c.roundTrips) }
 
 // Close fails calls in flight with ErrClosed, stops the owner and closes
 // the socket. Idempotent.
@@ -327,18 +291,7 @@ func (c *Client) wants() zmq.State {
 // setRefused records the server's latest security verdict and fails every
 // call waiting for it: none of them can be sent. Owner only.
 func (c *Client) setRefused(_ string, err error) {
-	c.mu.Lock()
-	c.refused = err
-	var waiting []uint64
-	if err != nil {
-		for id := range c.pending {
-			waiting = append(waiting, id)
-		}
-	}
-	c.mu.Unlock()
-	for _, id := range waiting {
-		c.deliver(id, result{err: err})
-	}
+	c.calls.refuse(err)
 	if err != nil {
 		c.head = nil
 	}
@@ -375,7 +328,7 @@ func (c *Client) flush() error {
 				return nil
 			}
 		}
-		if !c.waiting(c.head.id) {
+		if !c.calls.waiting(c.head.id) {
 			c.head = nil
 			continue
 		}

@@ -280,9 +280,7 @@ func TestCloseFailsCallsInFlight(t *testing.T) {
 		}()
 	}
 	require.Eventually(t, func() bool {
-		cli.mu.Lock()
-		defer cli.mu.Unlock()
-		return len(cli.pending) == calls
+		return cli.calls.size() == calls
 	}, settle, time.Millisecond, "every call is pending")
 	require.NoError(t, cli.Close())
 	for range calls {

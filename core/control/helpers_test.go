@@ -189,7 +189,5 @@ func names(prefix string, n int) []string {
 
 // waitingAny reports whether some call waits for its reply.
 func (c *Client) waitingAny() bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return len(c.pending) > 0
+	return c.calls.size() > 0
 }

@@ -210,13 +210,11 @@ type UnixClient struct {
 }
 
 type unixConn struct {
-	c       *net.UnixConn
-	wmu     sync.Mutex // one frame written at a time
-	mu      sync.Mutex
-	pending map[uint64]chan result
-	err     error // set once the connection is lost
-	last    atomic.Int64
-	done    chan struct{}
+	c     *net.UnixConn
+	wmu   sync.Mutex // one frame written at a time
+	calls callTable  // closed once the connection is lost
+	last  atomic.Int64
+	done  chan struct{}
 }
 
 // errNotSent marks a call that never reached the server: the caller may
@@ -291,16 +289,11 @@ func (u *UnixClient) call(ctx context.Context, op wire.Op, body, out any) error 
 	if err != nil {
 		return u.fail(op, id, fmt.Errorf("%w: %w", errNotSent, err))
 	}
-	ch := make(chan result, 1)
-	cn.mu.Lock()
-	if cn.err != nil {
-		err := cn.err
-		cn.mu.Unlock()
+	ch, err := cn.calls.add(id)
+	if err != nil {
 		return u.fail(op, id, fmt.Errorf("%w: %w", errNotSent, err))
 	}
-	cn.pending[id] = ch
-	cn.mu.Unlock()
-	defer cn.forget(id)
+	defer cn.calls.forget(id)
 
 	dl, _ := ctx.Deadline()
 	cn.wmu.Lock()
@@ -353,7 +346,7 @@ func (u *UnixClient) connected(ctx context.Context) (*unixConn, error) {
 	if err != nil {
 		return nil, err
 	}
-	cn = &unixConn{c: c, pending: map[uint64]chan result{}, done: make(chan struct{})}
+	cn = &unixConn{c: c, calls: newCallTable(), done: make(chan struct{})}
 	cn.last.Store(time.Now().UnixNano())
 	u.mu.Lock()
 	if u.closed {
@@ -392,32 +385,13 @@ func dialAdmitted(ctx context.Context, name string, key []byte, allowed func(uin
 
 // alive: not lost, and not idle long enough for the server to drop it.
 func (cn *unixConn) alive() bool {
-	cn.mu.Lock()
-	lost := cn.err != nil
-	cn.mu.Unlock()
-	return !lost && time.Since(time.Unix(0, cn.last.Load())) < unixClientIdle
-}
-
-func (cn *unixConn) forget(id uint64) {
-	cn.mu.Lock()
-	delete(cn.pending, id)
-	cn.mu.Unlock()
+	return !cn.calls.isClosed() && time.Since(time.Unix(0, cn.last.Load())) < unixClientIdle
 }
 
 // lose closes the connection once and fails every call waiting on it.
 func (cn *unixConn) lose(err error) {
-	cn.mu.Lock()
-	if cn.err != nil {
-		cn.mu.Unlock()
-		return
-	}
-	cn.err = err
-	waiting := cn.pending
-	cn.pending = map[uint64]chan result{}
-	cn.mu.Unlock()
-	_ = cn.c.Close()
-	for _, ch := range waiting {
-		ch <- result{err: fmt.Errorf("unix connection lost: %w", err)}
+	if cn.calls.close(err, fmt.Errorf("unix connection lost: %w", err)) {
+		_ = cn.c.Close()
 	}
 }
 
@@ -448,16 +422,5 @@ func (u *UnixClient) read(cn *unixConn) {
 }
 
 func (cn *unixConn) deliver(id uint64, r result, trips *atomic.Uint64) bool {
-	cn.mu.Lock()
-	ch, ok := cn.pending[id]
-	delete(cn.pending, id)
-	cn.mu.Unlock()
-	if !ok {
-		return false
-	}
-	if trips != nil {
-		trips.Add(1)
-	}
-	ch <- r
-	return true
+	return cn.calls.deliver(id, r, trips)
 }
