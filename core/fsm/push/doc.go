@@ -74,6 +74,15 @@
 // come back either), the cancel waits with the record, and takes effect as
 // soon as the grants show nobody follows it. A follow grant that comes back
 // before its writer's grant marks the records still waiting for theirs.
+// A write that a push joins while it waits for its source gets that push's
+// own wait (SourceWait from the follow grant) when it ends later: the
+// follower's request hands the content's source over and this write
+// carries it, so a write whose own request went away before its encoder
+// ran does not take a late follower down with it. For the same reason a
+// write whose wait for the source runs out while another push of the
+// content has its reservation out to that shard (the shard may have made
+// it follow already) waits for that answer, at most that reservation's
+// deadline: a follow extends the wait, any other answer ends it.
 //
 // The other crossing is a cancel on its way to the shard when another push
 // of the content to that shard is added: a reservation that overtook the

@@ -255,6 +255,11 @@ func (m *Manager) checkRecord(r *rec, hasEntry bool, bad func(string, ...any)) {
 	if r.cancelWanted && !r.state.Terminal() && !r.followed && !m.awaitedAt(r) {
 		bad("%s: a cancel waits though no other push follows or may follow", r)
 	}
+	if r.overdue {
+		if _, wait := m.overdueAt(r); r.state != WaitingInputs || !wait {
+			bad("%s: waits past its source deadline though no reservation of its content to that shard is out", r)
+		}
+	}
 	if r.state.Terminal() {
 		if r.seq != 0 {
 			bad("%s: keeps a deadline", r)

@@ -248,9 +248,14 @@ type rec struct {
 	// follows this record's write, or may come to: the cancel waits until
 	// it can no longer cost that push its image (settle).
 	cancelWanted bool
-	inFlight     bool // a write reading src is out; may outlive the record's failure
-	src          SourceID
-	queued       bool // in writeQ
+	// overdue says the record's wait for its source ran out while another
+	// push of the content had its reservation out to the same shard: the
+	// shard may have joined that push to this write, so the record waits
+	// for that answer (overdueAt) before it fails.
+	overdue  bool
+	inFlight bool // a write reading src is out; may outlive the record's failure
+	src      SourceID
+	queued   bool // in writeQ
 	// completeOut says Ready handed the complete out and no outcome came
 	// back yet: the record holds a place in its destination's window.
 	completeOut bool
@@ -448,7 +453,7 @@ func (m *Manager) Granted(transferID, dest string, g Grant, now time.Time) {
 	}
 	switch g.Kind {
 	case KindFollow:
-		m.noteFollower(r)
+		m.noteFollower(r, now)
 		m.move(r, Done, now, "")
 	case KindCached:
 		m.move(r, Done, now, "")
@@ -472,7 +477,15 @@ func (m *Manager) Granted(transferID, dest string, g Grant, now time.Time) {
 // grant yet, the ones whose reservation is out and unanswered are marked:
 // the writer is among them. A follow from a region of another producer
 // finds none, which is right: that write is not ours.
-func (m *Manager) noteFollower(follower *rec) {
+//
+// A marked write still waiting for the source gets the follower's own wait
+// for it (SourceWait from now) when that ends later than its own: the
+// follower's request hands over the content's source, and this write is
+// the one that carries it to the shard. Failing the write at its own,
+// earlier deadline would make the shard fail the follower with it (a
+// request whose writer was aborted before its encoder ran, and a retry
+// that joined that region).
+func (m *Manager) noteFollower(follower *rec, now time.Time) {
 	var writers, asked []*rec
 	for _, r := range m.peers(follower) {
 		switch {
@@ -487,6 +500,12 @@ func (m *Manager) noteFollower(follower *rec) {
 	}
 	for _, r := range writers {
 		r.followed = true
+		if r.state == WaitingInputs {
+			r.overdue = false
+			if at := now.Add(m.cfg.SourceWait); at.After(r.deadline) {
+				m.setDeadline(r, at)
+			}
+		}
 	}
 }
 
@@ -526,6 +545,32 @@ func (m *Manager) awaitedAt(r *rec) bool {
 		}
 	}
 	return false
+}
+
+// overdueAt reports, for a write whose wait for its source ran out, until
+// when it must still wait: the latest reservation deadline of the other
+// pushes of its content whose reservation is out to the same shard (asked,
+// not answered, not being cancelled). The shard may have made any of them
+// follow this write, and giving the write up would fail them; their answer
+// says whether they follow (noteFollower) or not (recheckOverdue).
+func (m *Manager) overdueAt(r *rec) (time.Time, bool) {
+	var at time.Time
+	for _, x := range m.peers(r) {
+		if x.state == Reserving && x.asked && !x.cancelWanted && x.deadline.After(at) {
+			at = x.deadline
+		}
+	}
+	return at, !at.IsZero()
+}
+
+// recheckOverdue fails an overdue write once no reservation it waited for
+// is out any more and none of them followed it.
+func (m *Manager) recheckOverdue(r *rec, now time.Time) {
+	if r.overdue && r.state == WaitingInputs {
+		if _, wait := m.overdueAt(r); !wait {
+			m.expire(r, now)
+		}
+	}
 }
 
 // holdsBack reports whether a reservation of content to a shard must wait:
@@ -841,9 +886,11 @@ func (m *Manager) Cancel(transferID string, now time.Time) {
 			m.settle(r, now)
 			// A push being cancelled no longer keeps another's cancel
 			// waiting (awaitedAt skips it), even when its own cancel must
-			// wait because a follower holds it.
+			// wait because a follower holds it; nor does it keep an overdue
+			// write waiting (overdueAt skips it too).
 			for _, x := range m.peers(r) {
 				m.settle(x, now)
+				m.recheckOverdue(x, now)
 			}
 		}
 	}
@@ -973,6 +1020,11 @@ func (m *Manager) expire(r *rec, now time.Time) {
 	case Reserving:
 		what, wait = "no reservation grant", m.cfg.ReserveWait
 	case WaitingInputs:
+		if at, ok := m.overdueAt(r); ok && at.After(now) {
+			r.overdue = true
+			m.setDeadline(r, at)
+			return
+		}
 		what, wait = "no encoder output", m.cfg.SourceWait
 	case Writing:
 		what, wait = "write not finished", m.cfg.WriteWait
@@ -996,6 +1048,9 @@ func (m *Manager) move(r *rec, to State, now time.Time, reason string) {
 	}
 	from := r.state
 	r.state = to
+	if to != WaitingInputs {
+		r.overdue = false
+	}
 	p := r.tr.push
 	if r.completeOut {
 		// Acknowledged, refused or out of time: the place in the window is
@@ -1030,10 +1085,13 @@ func (m *Manager) move(r *rec, to State, now time.Time, reason string) {
 	}
 	if from == Reserving {
 		// r has its answer and one fewer push waits for a grant from r's
-		// shard: a cancel that waited for either may now take effect.
+		// shard: a cancel that waited for either may now take effect, and
+		// a write whose wait ran out while r's reservation was out fails
+		// unless r now follows it.
 		m.settle(r, now)
 		for _, x := range m.peers(r) {
 			m.settle(x, now)
+			m.recheckOverdue(x, now)
 		}
 	}
 }

@@ -303,6 +303,123 @@ func TestScenarios(t *testing.T) {
 			cancelled t1 d1
 			pending -> no
 		`},
+		{"a push that joins a waiting write late gives that write the push's own wait for the source", Config{}, `
+			# t2 follows t1; t1's request goes away before its encoder output
+			# exists. At 50 s a third push of the content (t2's request
+			# retried) follows t1's region too: its request will hand the
+			# content's source over, and t1 writes it for both. Failing t1 at
+			# its own deadline (60 s) would make the shard fail t3 with it.
+			add t1 h1 100 d1
+			add t2 h1 100 d1
+			ready -> reserve d1:t1,t2
+			grant t1 d1 write 1
+			grant t2 d1 follow
+			cancel t1
+			ready -> done t2
+			at 50s
+			add t3 h1 100 d1
+			ready -> reserve d1:t3
+			grant t3 d1 follow
+			ready -> done t3
+			at 61s
+			ready -> -
+			state t1 -> d1=WaitingInputs
+			source h1 7 100
+			ready -> write d1:t1@s7
+			wrote t1 d1
+			ready -> complete d1:t1 | release s7
+			completed t1 d1
+			ready -> done t1
+			pending -> no
+		`},
+		{"a late follower's wait is bounded: with no source the write still fails", Config{}, `
+			add t1 h1 100 d1
+			add t2 h1 100 d1
+			ready -> reserve d1:t1,t2
+			grant t1 d1 write 1
+			grant t2 d1 follow
+			cancel t1
+			ready -> done t2
+			at 50s
+			add t3 h1 100 d1
+			ready -> reserve d1:t3
+			grant t3 d1 follow
+			ready -> done t3
+			at 109s
+			ready -> -
+			at 110s
+			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s
+		`},
+		{"a write whose wait ran out while another push's reservation is out waits for that answer", Config{}, `
+			# t3's reservation is out when t1's wait ends: the shard may have
+			# made t3 follow t1's write already, so t1 waits for t3's answer.
+			# A follow gives t1 t3's own wait for the source.
+			add t1 h1 100 d1
+			add t2 h1 100 d1
+			ready -> reserve d1:t1,t2
+			grant t1 d1 write 1
+			grant t2 d1 follow
+			cancel t1
+			ready -> done t2
+			at 59s
+			add t3 h1 100 d1
+			ready -> reserve d1:t3
+			at 60s
+			ready -> -
+			state t1 -> d1=WaitingInputs
+			at 61s
+			grant t3 d1 follow
+			ready -> done t3
+			at 120s
+			ready -> -
+			at 121s
+			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s
+		`},
+		{"a write whose wait ran out fails once the awaited answer shows nobody follows it", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			grant t1 d1 write 1
+			at 59s
+			add t3 h1 100 d1
+			ready -> reserve d1:t3
+			at 60s
+			ready -> -
+			at 61s
+			grant t3 d1 write 3
+			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s
+			state t3 -> d1=WaitingInputs
+		`},
+		{"a write whose wait ran out fails when the awaited answer never comes", Config{}, `
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			grant t1 d1 write 1
+			at 59s
+			add t3 h1 100 d1
+			ready -> reserve d1:t3
+			at 88s
+			ready -> -
+			at 89s
+			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s; t3/d1=Reserving: no reservation grant within 30s
+		`},
+		{"an overdue write stops waiting for a reservation whose push is cancelled", Config{}, `
+			# t3's cancel waits (t4 may still come to follow t3), but t1 no
+			# longer waits for t3: t3's request is gone, so it does not
+			# matter that t3 fails with t1's region.
+			add t1 h1 100 d1
+			ready -> reserve d1:t1
+			grant t1 d1 write 1
+			at 59s
+			add t3 h1 100 d1
+			ready -> reserve d1:t3
+			at 60s
+			ready -> -
+			add t4 h1 100 d1
+			cancel t3
+			state t3 -> d1=Reserving
+			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s
+			cancelled t1 d1
+			ready -> reserve d1:t4
+		`},
 		{"a reserve waits until the shard has heard the abandon of its content's region", Config{}, `
 			# Nobody else wants h1 on d1 when t1 is cancelled, so its region
 			# is given up. t2 shows the same image before the shard has heard
