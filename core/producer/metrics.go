@@ -21,6 +21,7 @@ func (p *Producer) probe(e *metrics.Emitter) {
 	e.Set(metrics.CompletesOut, float64(st.Push.CompletesOut))
 	e.Set(metrics.CompleteWaits, float64(st.Push.WindowWaits))
 	e.Set(metrics.CompletesFailed, float64(st.Push.CompletesFailed))
+	e.Set(metrics.WaitsExtended, float64(st.Push.WaitsExtended))
 }
 
 // planeName is the transport a write address goes to: its scheme when it

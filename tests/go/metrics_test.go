@@ -55,7 +55,7 @@ func TestRuntimeObjectsReportMetrics(t *testing.T) {
 		require.Equal(t, float64(len(items)<<20), sample(t, text, `ecm_received_bytes_total{object="consumer:`+strconv.Itoa(sh.Info().TPRank+c.base)+`",transport="tcp"}`))
 	}
 	require.Equal(t, float64(len(items)*2), sample(t, text, `ecm_pushes_ended_total{object="producer",state="Done"}`), "one push record per item per shard")
-	for _, series := range []string{"ecm_completes_out", "ecm_completes_failed_total", "ecm_complete_window_waits_total"} {
+	for _, series := range []string{"ecm_completes_out", "ecm_completes_failed_total", "ecm_complete_window_waits_total", "ecm_source_waits_extended_total"} {
 		// Present, and zero: every complete was answered, accepted, within its window.
 		require.Regexp(t, `(?m)^`+series+`\{object="producer"\} 0$`, string(text))
 	}

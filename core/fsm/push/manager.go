@@ -166,6 +166,11 @@ type Stats struct {
 	// WindowWaits counts completes that had to wait for a place in their
 	// destination's window, once each.
 	WindowWaits uint64
+	// WaitsExtended counts the times a write's wait for its source grew
+	// beyond SourceWait for another push of its content: one that joined it
+	// as a follower, or one whose reservation was out when the wait ran
+	// out (see noteFollower and overdueAt).
+	WaitsExtended uint64
 }
 
 // Manager is the producer's push manager. It is not safe for concurrent
@@ -215,6 +220,7 @@ type Manager struct {
 	illegalMoves uint64
 	windowWaits  uint64
 	completesBad uint64
+	extended     uint64
 }
 
 type transfer struct {
@@ -503,6 +509,7 @@ func (m *Manager) noteFollower(follower *rec, now time.Time) {
 		if r.state == WaitingInputs {
 			r.overdue = false
 			if at := now.Add(m.cfg.SourceWait); at.After(r.deadline) {
+				m.extended++
 				m.setDeadline(r, at)
 			}
 		}
@@ -967,6 +974,7 @@ func (m *Manager) Stats() Stats {
 
 		CompletesFailed: m.completesBad,
 		WindowWaits:     m.windowWaits,
+		WaitsExtended:   m.extended,
 	}
 	for _, n := range m.completesOut {
 		s.CompletesOut += n
@@ -1022,6 +1030,7 @@ func (m *Manager) expire(r *rec, now time.Time) {
 	case WaitingInputs:
 		if at, ok := m.overdueAt(r); ok && at.After(now) {
 			r.overdue = true
+			m.extended++
 			m.setDeadline(r, at)
 			return
 		}

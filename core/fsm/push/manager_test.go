@@ -297,6 +297,7 @@ func TestScenarios(t *testing.T) {
 			grant t2 d1 follow
 			cancel t1
 			ready -> done t2
+			stats -> extended=0
 			at 61s
 			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s
 			pending -> yes
@@ -321,6 +322,7 @@ func TestScenarios(t *testing.T) {
 			ready -> reserve d1:t3
 			grant t3 d1 follow
 			ready -> done t3
+			stats -> extended=1
 			at 61s
 			ready -> -
 			state t1 -> d1=WaitingInputs
@@ -367,9 +369,11 @@ func TestScenarios(t *testing.T) {
 			at 60s
 			ready -> -
 			state t1 -> d1=WaitingInputs
+			stats -> extended=1
 			at 61s
 			grant t3 d1 follow
 			ready -> done t3
+			stats -> extended=2
 			at 120s
 			ready -> -
 			at 121s

@@ -246,6 +246,7 @@ func statsMap(s Stats) map[string]string {
 		"completesout":    strconv.Itoa(s.CompletesOut),
 		"completesfailed": strconv.FormatUint(s.CompletesFailed, 10),
 		"windowwaits":     strconv.FormatUint(s.WindowWaits, 10),
+		"extended":        strconv.FormatUint(s.WaitsExtended, 10),
 	}
 	m["records"] = strings.Join(fsmtest.Counts(s.Records), ",")
 	m["ended"] = strings.Join(fsmtest.Counts(s.Ended), ",")
