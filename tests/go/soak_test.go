@@ -844,7 +844,8 @@ func (s *soak) report(wall time.Duration) {
 		s.t.Logf("soak:   %s, e.g. %q", k, f.failureSample[k])
 	}
 	s.prodMu.Lock()
-	s.t.Logf("soak: producer: %d pushes done, failed by reason %v", s.prodDone, s.prodFail)
+	s.t.Logf("soak: producer: %d pushes done, failed by reason %v; %d waits for a source extended for a push that follows",
+		s.prodDone, s.prodFail, s.c.prod.Stats().Push.WaitsExtended)
 	for _, k := range sortedKeys(s.prodEg) {
 		s.t.Logf("soak:   %s, e.g. %q", k, s.prodEg[k])
 	}
