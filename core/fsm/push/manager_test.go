@@ -20,6 +20,31 @@ const cancelOneOfTwo = `
 	cancel t1
 `
 
+// followedThenCancelled starts the scenarios of a late follower: t2
+// follows t1's write to d1, and t1's request goes away before its encoder
+// output exists, so t1 waits for a source on t2's behalf.
+const followedThenCancelled = `
+	add t1 h1 100 d1
+	add t2 h1 100 d1
+	ready -> reserve d1:t1,t2
+	grant t1 d1 write 1
+	grant t2 d1 follow
+	cancel t1
+	ready -> done t2
+`
+
+// reserveOutAtDeadline starts the scenarios of a write whose wait for its
+// source (60 s) runs out while another push's reservation of its content
+// to the same shard is out: t3 reserves at 59 s, its answer due by 89 s.
+const reserveOutAtDeadline = `
+	add t1 h1 100 d1
+	ready -> reserve d1:t1
+	grant t1 d1 write 1
+	at 59s
+	add t3 h1 100 d1
+	ready -> reserve d1:t3
+`
+
 // toWriting starts many scenarios: one push of t1 (content h1, 100 bytes)
 // to d1, granted a region and handed out for writing.
 const toWriting = `
@@ -289,14 +314,7 @@ func TestScenarios(t *testing.T) {
 			ready -> fail t1/d1=Reserving: no reservation grant within 30s; t2/d1=Reserving: no reservation grant within 30s
 			pending -> no
 		`},
-		{"a followed write that gets no source fails at its deadline", Config{}, `
-			add t1 h1 100 d1
-			add t2 h1 100 d1
-			ready -> reserve d1:t1,t2
-			grant t1 d1 write 1
-			grant t2 d1 follow
-			cancel t1
-			ready -> done t2
+		{"a followed write that gets no source fails at its deadline", Config{}, followedThenCancelled + `
 			stats -> extended=0
 			at 61s
 			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s
@@ -304,19 +322,11 @@ func TestScenarios(t *testing.T) {
 			cancelled t1 d1
 			pending -> no
 		`},
-		{"a push that joins a waiting write late gives that write the push's own wait for the source", Config{}, `
-			# t2 follows t1; t1's request goes away before its encoder output
-			# exists. At 50 s a third push of the content (t2's request
-			# retried) follows t1's region too: its request will hand the
-			# content's source over, and t1 writes it for both. Failing t1 at
-			# its own deadline (60 s) would make the shard fail t3 with it.
-			add t1 h1 100 d1
-			add t2 h1 100 d1
-			ready -> reserve d1:t1,t2
-			grant t1 d1 write 1
-			grant t2 d1 follow
-			cancel t1
-			ready -> done t2
+		{"a push that joins a waiting write late gives that write the push's own wait for the source", Config{}, followedThenCancelled + `
+			# At 50 s a third push of the content (t2's request retried)
+			# follows t1's region too: its request will hand the content's
+			# source over, and t1 writes it for both. Failing t1 at its own
+			# deadline (60 s) would make the shard fail t3 with it.
 			at 50s
 			add t3 h1 100 d1
 			ready -> reserve d1:t3
@@ -334,14 +344,7 @@ func TestScenarios(t *testing.T) {
 			ready -> done t1
 			pending -> no
 		`},
-		{"a late follower's wait is bounded: with no source the write still fails", Config{}, `
-			add t1 h1 100 d1
-			add t2 h1 100 d1
-			ready -> reserve d1:t1,t2
-			grant t1 d1 write 1
-			grant t2 d1 follow
-			cancel t1
-			ready -> done t2
+		{"a late follower's wait is bounded: with no source the write still fails", Config{}, followedThenCancelled + `
 			at 50s
 			add t3 h1 100 d1
 			ready -> reserve d1:t3
@@ -352,17 +355,10 @@ func TestScenarios(t *testing.T) {
 			at 110s
 			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s
 		`},
-		{"a write whose wait ran out while another push's reservation is out waits for that answer", Config{}, `
+		{"a write whose wait ran out while another push's reservation is out waits for that answer", Config{}, followedThenCancelled + `
 			# t3's reservation is out when t1's wait ends: the shard may have
 			# made t3 follow t1's write already, so t1 waits for t3's answer.
 			# A follow gives t1 t3's own wait for the source.
-			add t1 h1 100 d1
-			add t2 h1 100 d1
-			ready -> reserve d1:t1,t2
-			grant t1 d1 write 1
-			grant t2 d1 follow
-			cancel t1
-			ready -> done t2
 			at 59s
 			add t3 h1 100 d1
 			ready -> reserve d1:t3
@@ -379,13 +375,7 @@ func TestScenarios(t *testing.T) {
 			at 121s
 			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s
 		`},
-		{"a write whose wait ran out fails once the awaited answer shows nobody follows it", Config{}, `
-			add t1 h1 100 d1
-			ready -> reserve d1:t1
-			grant t1 d1 write 1
-			at 59s
-			add t3 h1 100 d1
-			ready -> reserve d1:t3
+		{"a write whose wait ran out fails once the awaited answer shows nobody follows it", Config{}, reserveOutAtDeadline + `
 			at 60s
 			ready -> -
 			at 61s
@@ -393,28 +383,16 @@ func TestScenarios(t *testing.T) {
 			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s
 			state t3 -> d1=WaitingInputs
 		`},
-		{"a write whose wait ran out fails when the awaited answer never comes", Config{}, `
-			add t1 h1 100 d1
-			ready -> reserve d1:t1
-			grant t1 d1 write 1
-			at 59s
-			add t3 h1 100 d1
-			ready -> reserve d1:t3
+		{"a write whose wait ran out fails when the awaited answer never comes", Config{}, reserveOutAtDeadline + `
 			at 88s
 			ready -> -
 			at 89s
 			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s; t3/d1=Reserving: no reservation grant within 30s
 		`},
-		{"an overdue write stops waiting for a reservation whose push is cancelled", Config{}, `
+		{"an overdue write stops waiting for a reservation whose push is cancelled", Config{}, reserveOutAtDeadline + `
 			# t3's cancel waits (t4 may still come to follow t3), but t1 no
 			# longer waits for t3: t3's request is gone, so it does not
 			# matter that t3 fails with t1's region.
-			add t1 h1 100 d1
-			ready -> reserve d1:t1
-			grant t1 d1 write 1
-			at 59s
-			add t3 h1 100 d1
-			ready -> reserve d1:t3
 			at 60s
 			ready -> -
 			add t4 h1 100 d1
