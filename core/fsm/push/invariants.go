@@ -255,6 +255,9 @@ func (m *Manager) checkRecord(r *rec, hasEntry bool, bad func(string, ...any)) {
 	if r.cancelWanted && !r.state.Terminal() && !r.followed && !m.awaitedAt(r) {
 		bad("%s: a cancel waits though no other push follows or may follow", r)
 	}
+	if r.state == WaitingInputs && r.deadline.After(r.sourceDue) && !r.followed && !r.overdue {
+		bad("%s: waits past its source deadline though nobody follows it", r)
+	}
 	if r.overdue {
 		if _, wait := m.overdueAt(r); r.state != WaitingInputs || !wait {
 			bad("%s: waits past its source deadline though no reservation of its content to that shard is out", r)

@@ -166,10 +166,13 @@ type Stats struct {
 	// WindowWaits counts completes that had to wait for a place in their
 	// destination's window, once each.
 	WindowWaits uint64
-	// WaitsExtended counts the times a write's wait for its source grew
-	// beyond SourceWait for another push of its content: one that joined it
-	// as a follower, or one whose reservation was out when the wait ran
-	// out (see noteFollower and overdueAt).
+	// WaitsExtended counts the writes that went on waiting for their
+	// source past their own SourceWait, for another push of their content:
+	// one that joined them as a follower later, or one whose reservation
+	// was out when the wait ran out (see noteFollower and overdueAt).
+	// Each is counted once, when its wait ends (source, cancel or
+	// failure); without the extension each would have failed at its own
+	// deadline and taken the shard's followers of its region with it.
 	WaitsExtended uint64
 }
 
@@ -258,10 +261,13 @@ type rec struct {
 	// push of the content had its reservation out to the same shard: the
 	// shard may have joined that push to this write, so the record waits
 	// for that answer (overdueAt) before it fails.
-	overdue  bool
-	inFlight bool // a write reading src is out; may outlive the record's failure
-	src      SourceID
-	queued   bool // in writeQ
+	overdue bool
+	// sourceDue is when the record's own wait for its source ends
+	// (SourceWait from its write grant); its deadline may lie later.
+	sourceDue time.Time
+	inFlight  bool // a write reading src is out; may outlive the record's failure
+	src       SourceID
+	queued    bool // in writeQ
 	// completeOut says Ready handed the complete out and no outcome came
 	// back yet: the record holds a place in its destination's window.
 	completeOut bool
@@ -509,7 +515,6 @@ func (m *Manager) noteFollower(follower *rec, now time.Time) {
 		if r.state == WaitingInputs {
 			r.overdue = false
 			if at := now.Add(m.cfg.SourceWait); at.After(r.deadline) {
-				m.extended++
 				m.setDeadline(r, at)
 			}
 		}
@@ -1030,7 +1035,6 @@ func (m *Manager) expire(r *rec, now time.Time) {
 	case WaitingInputs:
 		if at, ok := m.overdueAt(r); ok && at.After(now) {
 			r.overdue = true
-			m.extended++
 			m.setDeadline(r, at)
 			return
 		}
@@ -1057,6 +1061,10 @@ func (m *Manager) move(r *rec, to State, now time.Time, reason string) {
 	}
 	from := r.state
 	r.state = to
+	if from == WaitingInputs && r.deadline.After(r.sourceDue) && now.After(r.sourceDue) {
+		// It waited past its own wait, for another push of its content.
+		m.extended++
+	}
 	if to != WaitingInputs {
 		r.overdue = false
 	}
@@ -1078,7 +1086,8 @@ func (m *Manager) move(r *rec, to State, now time.Time, reason string) {
 	}
 	switch to {
 	case WaitingInputs:
-		m.setDeadline(r, now.Add(m.cfg.SourceWait))
+		r.sourceDue = now.Add(m.cfg.SourceWait)
+		m.setDeadline(r, r.sourceDue)
 		if m.contents[p.MMHash].src != 0 {
 			m.queueWrite(r)
 		}

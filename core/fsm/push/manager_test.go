@@ -318,6 +318,7 @@ func TestScenarios(t *testing.T) {
 			stats -> extended=0
 			at 61s
 			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s
+			stats -> extended=0
 			pending -> yes
 			cancelled t1 d1
 			pending -> no
@@ -332,12 +333,13 @@ func TestScenarios(t *testing.T) {
 			ready -> reserve d1:t3
 			grant t3 d1 follow
 			ready -> done t3
-			stats -> extended=1
 			at 61s
 			ready -> -
 			state t1 -> d1=WaitingInputs
+			stats -> extended=0
 			source h1 7 100
 			ready -> write d1:t1@s7
+			stats -> extended=1
 			wrote t1 d1
 			ready -> complete d1:t1 | release s7
 			completed t1 d1
@@ -365,15 +367,15 @@ func TestScenarios(t *testing.T) {
 			at 60s
 			ready -> -
 			state t1 -> d1=WaitingInputs
-			stats -> extended=1
 			at 61s
 			grant t3 d1 follow
 			ready -> done t3
-			stats -> extended=2
 			at 120s
 			ready -> -
+			stats -> extended=0
 			at 121s
 			ready -> cancel d1:t1 | fail t1/d1=WaitingInputs: no encoder output within 60s
+			stats -> extended=1
 		`},
 		{"a write whose wait ran out fails once the awaited answer shows nobody follows it", Config{}, reserveOutAtDeadline + `
 			at 60s

@@ -20,7 +20,7 @@ import (
 // is never released while a write reading it is out, that every effect is
 // emitted once, and that nothing is left once all work has drained.
 func TestRandomModel(t *testing.T) {
-	var windowWaits, completesFailed uint64
+	var windowWaits, completesFailed, extended uint64
 	fsmtest.Seeds(t, func(t *testing.T, rng *rand.Rand) {
 		md := newModel(t, rng)
 		md.run(2000)
@@ -33,9 +33,11 @@ func TestRandomModel(t *testing.T) {
 		// seed's run varies a little: these are counted over every seed.
 		windowWaits += s.WindowWaits
 		completesFailed += s.CompletesFailed
+		extended += s.WaitsExtended
 	})
 	require.NotZero(t, windowWaits, "the runs should fill the complete window")
 	require.NotZero(t, completesFailed, "the runs should fail completes")
+	require.NotZero(t, extended, "the runs should make writes wait past their source deadline for a follower")
 }
 
 // FuzzModel runs the same model with the fuzzer's bytes choosing every
@@ -70,11 +72,14 @@ type model struct {
 	nextRes  ids.ResID
 }
 
+// newModel's SourceWait is short beside how often a content's source comes
+// (about every 8 s of model time): writes then often wait past it, some for
+// a follower that joined late (Stats.WaitsExtended), and some fail.
 func newModel(t *testing.T, rng *rand.Rand) *model {
 	return &model{
 		t:   t,
 		rng: rng,
-		m: New(Config{ReserveWait: 20 * time.Second, SourceWait: 30 * time.Second, WriteWait: 20 * time.Second, NotifyWait: 15 * time.Second, MaxTombstones: 1 << 20,
+		m: New(Config{ReserveWait: 20 * time.Second, SourceWait: 5 * time.Second, WriteWait: 20 * time.Second, NotifyWait: 15 * time.Second, MaxTombstones: 1 << 20,
 			CompleteWindow: modelWindow}),
 		now:      base,
 		pushes:   map[string]Push{},
