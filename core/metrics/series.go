@@ -60,7 +60,7 @@ var table = map[string]spec{
 	CompletesOut:      {"Producer: completes sent and not yet answered (each holds no source).", prometheus.GaugeValue, nil},
 	CompleteWaits:     {"Producer: completes that waited for a place in their shard's complete_window.", prometheus.CounterValue, nil},
 	CompletesFailed:   {"Producer: completes refused by their shard or lost; each failed its push.", prometheus.CounterValue, nil},
-	WaitsExtended:     {"Producer: writes whose wait for the encoder output grew for another push of their content that follows them (or whose reservation was out when the wait ran out).", prometheus.CounterValue, nil},
+	WaitsExtended:     {"Producer: writes that waited for the encoder output past their own deadline, for another push of the same content that follows them (or whose reservation was out when the wait ran out).", prometheus.CounterValue, nil},
 	Transfers:         {"Consumer scheduler: live transfer records by state.", prometheus.GaugeValue, []string{"state"}},
 	TransfersEnded:    {"Consumer scheduler: transfer records that reached each terminal state.", prometheus.CounterValue, []string{"state"}},
 	ControlRequests:   {"Consumer shard: control requests served.", prometheus.CounterValue, nil},
