@@ -275,6 +275,15 @@ func (s *Shard) Stats() Stats {
 	return st
 }
 
+// Status reports where one transfer stands in the shard's table, live or
+// remembered in its tombstones: what the status op answers a peer, for an
+// operator or a test in the same process.
+func (s *Shard) Status(transferID string) (reserve.StatusInfo, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.table.Status(transferID)
+}
+
 // Close stops the control server and the data plane and waits for their
 // goroutines, so that the caller may free the slab afterwards.
 func (s *Shard) Close() error {

@@ -496,6 +496,14 @@ func (p *Producer) Stats() Stats {
 	return st
 }
 
+// Status reports the state of a push on each of its destinations, live or
+// remembered in the push manager's tombstones.
+func (p *Producer) Status(transferID string) (map[string]push.State, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.mgr.Status(transferID)
+}
+
 // Close fails what is pending, stops every goroutine and closes sockets.
 // After Close returns no source is read again.
 func (p *Producer) Close() error {

@@ -745,7 +745,10 @@ func (s *soak) attribute(r *soakReq, f sched.Failure, class string) string {
 // producer reported for it.
 func (s *soak) history(r *soakReq, f sched.Failure) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "%s (plan %s, step %d→%d) tid %s mm_hash %s: %s", r.id, r.plan, r.startStep, s.step, f.TransferID, f.MMHash, f.Reason)
+	fmt.Fprintf(&b, "%s (plan %s, step %d→%d, at %s) tid %s mm_hash %s: %s", r.id, r.plan, r.startStep, s.step, s.ms(), f.TransferID, f.MMHash, f.Reason)
+	if !s.fig.restartedAt.IsZero() {
+		fmt.Fprintf(&b, " (%s after the shard restart)", time.Since(s.fig.restartedAt).Round(time.Millisecond))
+	}
 	hashes := []string{f.MMHash}
 	if f.MMHash == "" {
 		hashes = nil
@@ -760,9 +763,41 @@ func (s *soak) history(r *soakReq, f sched.Failure) string {
 			o := s.byTID[tid]
 			fmt.Fprintf(&b, "\n      %s %s: %s plan %s step %d sourced %v faults %v outcome %q producer %v",
 				h, tid, o.id, o.plan, o.startStep, o.sourced, o.faults, o.outcome, s.prodByTID[tid])
+			fmt.Fprintf(&b, "\n        now: %s", s.whereNow(tid))
 		}
 	}
 	return b.String()
+}
+
+// whereNow is where a transfer stands, as the producer and each shard see
+// it at this moment: a history's clue to which side a push got stuck on.
+func (s *soak) whereNow(tid string) string {
+	var parts []string
+	if st, ok := s.c.prod.Status(tid); ok {
+		dests := make([]string, 0, len(st))
+		for d, state := range st {
+			dests = append(dests, fmt.Sprintf("%s=%s", d, state))
+		}
+		sort.Strings(dests)
+		parts = append(parts, "producer "+strings.Join(dests, " "))
+	} else {
+		parts = append(parts, "producer: unknown")
+	}
+	for i, sh := range s.c.shards {
+		if st, ok := sh.Status(tid); ok {
+			parts = append(parts, fmt.Sprintf("shard %d %s %s done %v%s", i, st.Kind, st.State, st.Done, reasonSuffix(st.Reason)))
+		} else {
+			parts = append(parts, fmt.Sprintf("shard %d: unknown", i))
+		}
+	}
+	return strings.Join(parts, "; ")
+}
+
+func reasonSuffix(reason string) string {
+	if reason == "" {
+		return ""
+	}
+	return " (" + reason + ")"
 }
 
 // ms is the time since the soak began, for histories.
