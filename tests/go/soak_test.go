@@ -183,6 +183,9 @@ type soakReq struct {
 	// faults names the injected faults that touched this attempt: a
 	// failure of it is theirs, not ours.
 	faults []string
+	// sinceRestart is how long after the shard restart the attempt
+	// started, for one that started inside restartWindow.
+	sinceRestart time.Duration
 }
 
 // cacheEntry is one mm_hash in the engine's encoder cache: pinned on the
@@ -205,8 +208,13 @@ type soakFigures struct {
 	// lateLoadFailures are loads that failed on a shard more than a
 	// second after the restart, when the scheduler had long seen it.
 	lateLoadFailures []string
-	loadFailures     map[string]int
-	neverExpected    int // every image was in the encoder cache already
+	// lastRestartFailure is, of the attempts that started after the
+	// restart and failed with the restart as their fault, the latest
+	// start (time after the restart): how close to restartWindow's edge
+	// the restart still costs requests.
+	lastRestartFailure time.Duration
+	loadFailures       map[string]int
+	neverExpected      int // every image was in the encoder cache already
 	// Attempt failures split by cause: an injected fault that touched the
 	// attempt, or none (unexplained: our own bug, which fails the soak).
 	byFault     map[string]map[string]int
@@ -369,6 +377,7 @@ func (s *soak) start(base, attempt int, plan abortPlan, imgs []*soakImage) {
 		// Its pushes may still meet connections to the incarnation that is
 		// gone.
 		r.faults = append(r.faults, "shard restart")
+		r.sinceRestart = time.Since(s.fig.restartedAt)
 	}
 	if attempt > 0 {
 		r.id += fmt.Sprintf("-retry%d", attempt)
@@ -666,6 +675,9 @@ func (s *soak) fail(r *soakReq, f sched.Failure) {
 			s.fig.byFault[fault] = map[string]int{}
 		}
 		s.fig.byFault[fault][class]++
+		if fault == "shard restart" {
+			s.fig.lastRestartFailure = max(s.fig.lastRestartFailure, r.sinceRestart)
+		}
 	} else {
 		s.fig.unexplained[class]++
 		s.fig.details = append(s.fig.details, s.history(r, f))
@@ -867,7 +879,8 @@ func (s *soak) report(wall time.Duration) {
 		f.completed, f.aborted, f.failedFinal, f.items, f.repeats, f.sharedInFlight, f.served, f.neverExpected)
 	s.t.Logf("soak: %d loads, %d MiB loaded and checked; load failures %v, %d of them not right after the restart %v",
 		f.loads, f.loadedBytes>>20, f.loadFailures, len(f.lateLoadFailures), f.lateLoadFailures[:min(len(f.lateLoadFailures), 5)])
-	s.t.Logf("soak: shard restarts %d; attempt failures by reason %v", f.restarts, f.failures)
+	s.t.Logf("soak: shard restarts %d; attempt failures by reason %v; the latest attempt the restart failed started %s after it (window %s)",
+		f.restarts, f.failures, f.lastRestartFailure.Round(time.Millisecond), restartWindow)
 	for _, k := range sortedKeys(f.byFault) {
 		s.t.Logf("soak:   caused by %s: %v", k, f.byFault[k])
 	}
