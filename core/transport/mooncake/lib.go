@@ -117,6 +117,10 @@ type library struct {
 	// (libetcd_wrapper's NewEtcdClient), which etcd:// metadata needs: an
 	// engine without it aborts the process on that scheme.
 	etcd bool
+	// cuda says whether the engine is a CUDA build (cudaMalloc resolves
+	// in it or a library it loaded): only such an engine registers GPU
+	// memory.
+	cuda bool
 }
 
 // etcdClientSymbol is the entry of Mooncake's etcd client
@@ -169,16 +173,8 @@ func load(path, engine string) (*library, error) {
 		if l.wheel, err = openEngine(h, open, engine); err != nil {
 			return nil, err
 		}
-		if has, err := h.Sym("ecm_mooncake_shim_engine_has"); err == nil {
-			cs := C.CString(etcdClientSymbol)
-			l.etcd = C.mc_shim_has(has, cs) == 1
-			C.free(unsafe.Pointer(cs))
-		}
-	} else {
-		// dlsym on the library's handle searches the libraries it loaded.
-		_, err := h.Sym(etcdClientSymbol)
-		l.etcd = err == nil
 	}
+	l.etcd, l.cuda = engineHas(h, engine != "", etcdClientSymbol), engineHas(h, engine != "", cudaSymbol)
 	for _, name := range symbols {
 		f, err := h.Sym(name)
 		if err != nil {
@@ -399,6 +395,27 @@ func (l *library) poll(e unsafe.Pointer, batch uint64, ids []uint64, rcs, sts []
 
 func (l *library) freeBatch(e unsafe.Pointer, batch uint64) int {
 	return int(C.mc_free(l.fn["freeBatchID"], e, C.uint64_t(batch)))
+}
+
+// cudaSymbol is a CUDA runtime function every CUDA build of Mooncake
+// calls, and so links.
+const cudaSymbol = "cudaMalloc"
+
+// engineHas says whether the engine defines sym, in itself or a library
+// it loaded: through the shim, in the wheel's engine.so; otherwise in the
+// library at h (dlsym on a handle searches what that dlopen loaded).
+func engineHas(h dl.Lib, shim bool, sym string) bool {
+	if !shim {
+		_, err := h.Sym(sym)
+		return err == nil
+	}
+	has, err := h.Sym("ecm_mooncake_shim_engine_has")
+	if err != nil {
+		return false
+	}
+	cs := C.CString(sym)
+	defer C.free(unsafe.Pointer(cs))
+	return C.mc_shim_has(has, cs) == 1
 }
 
 // describe names the library for errors: the shim with its wheel's
