@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"slices"
+	"unicode/utf8"
 )
 
 // The proxy holds one copy of a request's body, the one its budget
@@ -79,7 +80,9 @@ func objectMembers(b []byte) (map[string]json.RawMessage, bool) {
 	for i = skipSpace(b, i+1); i < len(b) && b[i] != '}'; {
 		ke := skipString(b, i)
 		key := string(b[i+1 : ke-1])
-		if slices.Contains(b[i:ke], '\\') {
+		// Escapes and bytes that are not UTF-8 are decoded as encoding/json
+		// decodes them (invalid bytes become U+FFFD).
+		if slices.Contains(b[i:ke], '\\') || !utf8.Valid(b[i:ke]) {
 			if json.Unmarshal(b[i:ke], &key) != nil {
 				return nil, false
 			}
