@@ -131,6 +131,9 @@ func (l trackedListener) Accept() (net.Conn, error) {
 			l.set.evicted.Add(1)
 			l.onVictim(victim, why, false)
 			// Its fasthttp worker, waiting for a request, sees the close.
+			// One whose request header completed in the instant since
+			// the choice loses that request: the price of choosing
+			// without holding the set's lock across the handler.
 			_ = victim.Close()
 			return tc, nil
 		}
