@@ -99,9 +99,9 @@ func TestIdleFloodLeavesTheStoreToEngines(t *testing.T) {
 
 	healthOK(t, s)
 	engine := engineClient(s)
-	require.Equal(t, http.StatusOK, engine.put("mooncake/rpc_meta/seg0", map[string]any{"ip": "10.0.0.1", "port": 12345}),
-		"an engine publishes during the flood")
-	code, body := engine.get("mooncake/rpc_meta/seg0")
+	code, body := engine.do(http.MethodPut, "mooncake/rpc_meta/seg0", []byte(`{"ip":"10.0.0.1","port":12345}`))
+	require.Equal(t, http.StatusOK, code, "an engine publishes during the flood: %s", body)
+	code, body = engine.get("mooncake/rpc_meta/seg0")
 	require.Equal(t, http.StatusOK, code, "an engine reads during the flood: %s", body)
 	healthOK(t, s)
 

@@ -52,6 +52,10 @@ func (t *Table[K]) Accepted(k K, peer string, now time.Time) (victim K, why stri
 	switch {
 	case len(t.live) > t.max && t.peers[peer] > t.perPeer:
 		why = Total
+	case len(t.live) > t.max && t.unprovenOf(peer, now) > 1:
+		// The newcomer's address makes room from its own first: a
+		// flood that keeps reopening displaces itself.
+		why = Total
 	case len(t.live) > t.max:
 		why, from = Total, t.mostUnproven(now)
 	case t.peers[peer] > t.perPeer:
@@ -115,6 +119,17 @@ func (t *Table[K]) unproven(e *entry, now time.Time) bool {
 
 func (e *entry) before(o *entry) bool {
 	return e.since.Before(o.since) || e.since.Equal(o.since) && e.seq < o.seq
+}
+
+// unprovenOf is how many unproven connections peer holds.
+func (t *Table[K]) unprovenOf(peer string, now time.Time) int {
+	n := 0
+	for _, e := range t.live {
+		if e.peer == peer && t.unproven(e, now) {
+			n++
+		}
+	}
+	return n
 }
 
 // mostUnproven is the address holding the most unproven connections, the

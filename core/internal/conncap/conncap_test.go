@@ -60,6 +60,26 @@ func TestAFloodMakesRoomFromItsOwnAddress(t *testing.T) {
 	}
 }
 
+// A newcomer whose address holds other unproven connections makes room
+// from them, even when another address holds more: a churning flood
+// displaces itself, not an engine that shares its address with another
+// flood.
+func TestANewcomerMakesRoomFromItsOwnAddressFirst(t *testing.T) {
+	var c clock
+	tb := New[int](4, 4, 0)
+	tb.Accepted(1, "crowded", c.tick())
+	tb.Accepted(2, "crowded", c.tick())
+	tb.Accepted(3, "churn", c.tick())
+	tb.Accepted(4, "crowded", c.tick()) // the engine, newest of its address
+	for k := 5; k < 50; k++ {
+		victim, why := tb.Accepted(k, "churn", c.tick())
+		require.Equal(t, Total, why)
+		require.Equal(t, map[bool]int{true: 3, false: k - 1}[k == 5], victim, "the churning address's own oldest goes")
+	}
+	victim, _ := tb.Accepted(50, "elsewhere", c.tick())
+	require.Equal(t, 1, victim, "a newcomer alone at its address takes from the most crowded, oldest first")
+}
+
 func TestOnTiedAddressesTheLongestWaitingGoes(t *testing.T) {
 	var c clock
 	tb := New[int](3, 3, 0)

@@ -16,7 +16,8 @@
 //
 //   - over the address's share: that address's own longest-waiting
 //     unproven connection;
-//   - over Max: the longest-waiting unproven connection of the address
+//   - over Max: the longest-waiting unproven connection of the
+//     newcomer's own address when it holds another, else of the address
 //     holding the most unproven ones (on a tie, the address whose
 //     candidate waited longest), so a flood makes room from its own
 //     connections, never from another address's;
