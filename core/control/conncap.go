@@ -25,7 +25,8 @@ import (
 // Which one goes: a connection older than the handshake deadline has
 // completed its handshake (libzmq closes it otherwise), so under a secret
 // it belongs to a holder of it and stays. Of the younger ones, the oldest
-// of the peer address with the most young connections goes first: a real
+// of the newcomer's own address goes first when it has another, else the
+// oldest of the peer address with the most young connections: a real
 // peer's handshake takes milliseconds, so it is young only briefly, while
 // a silent flood fills the young set from its own address, and makes room
 // from its own connections, never another address's. When every other
