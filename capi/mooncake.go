@@ -42,11 +42,14 @@ type metadataIn struct {
 	MaxKeys       int    `json:"max_keys"`
 	MaxValueBytes int    `json:"max_value_bytes"`
 	MaxTotalBytes int64  `json:"max_total_bytes"`
+	MaxConns      int    `json:"max_conns"`
+	MaxConnsPeer  int    `json:"max_conns_per_peer"`
 }
 
 // MetadataServerOpen serves a Mooncake-compatible metadata store until the
 // handle is closed. config: {"host": "127.0.0.1", "port": 8080, "token":
-// "", "open": false, "max_keys", "max_value_bytes", "max_total_bytes"}: a
+// "", "open": false, "max_keys", "max_value_bytes", "max_total_bytes",
+// "max_conns", "max_conns_per_peer"}: a
 // token is required unless open is true; loopback unless
 // the caller names another address, since the store tells engines where
 // to write.
@@ -57,7 +60,7 @@ func MetadataServerOpen(raw []byte) (uint64, error) {
 		dec := json.NewDecoder(bytes.NewReader(raw))
 		dec.DisallowUnknownFields()
 		if err := dec.Decode(&in); err != nil {
-			return 0, statusErr(StatusInvalid, "metadata server config: %v (keys: host, port, token, open, max_keys, max_value_bytes, max_total_bytes)", err)
+			return 0, statusErr(StatusInvalid, "metadata server config: %v (keys: host, port, token, open, max_keys, max_value_bytes, max_total_bytes, max_conns, max_conns_per_peer)", err)
 		}
 	}
 	if in.Port < 0 || in.Port > 65535 {
@@ -69,6 +72,7 @@ func MetadataServerOpen(raw []byte) (uint64, error) {
 	s, err := metadata.Listen(metadata.Config{
 		Addr: net.JoinHostPort(in.Host, strconv.Itoa(in.Port)), Token: in.Token, Open: in.Open, Logger: slog.Default(),
 		MaxKeys: in.MaxKeys, MaxValueBytes: in.MaxValueBytes, MaxTotalBytes: in.MaxTotalBytes,
+		MaxConns: in.MaxConns, MaxConnsPerPeer: in.MaxConnsPeer,
 	})
 	if errors.Is(err, metadata.ErrInvalid) {
 		return 0, statusErr(StatusInvalid, "metadata server: %v", err)

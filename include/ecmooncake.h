@@ -213,8 +213,10 @@ int ecm_metrics_text(char **out_text, char **err);
  * GET /health) for TransferEngines in HTTP metadata mode, served in the
  * background until ecm_close. config: {"host": "127.0.0.1", "port": 8080,
  * "token": "", "max_keys": 65536, "max_value_bytes": 16777216,
- * "max_total_bytes": 268435456}; port 0 picks a free one; a limit of 0 is
- * its default; with a token every /metadata request needs "Authorization:
+ * "max_total_bytes": 268435456, "max_conns": 1024, "max_conns_per_peer":
+ * 256}; port 0 picks a free one; a limit of 0 is its default; at a
+ * connection limit an idle connection that sent no request with the token
+ * makes room for a newcomer; with a token every /metadata request needs "Authorization:
  * Bearer <token>". A value above max_value_bytes is refused with 413, a
  * PUT past max_keys or max_total_bytes with 507. ecm_stats gives its
  * address, URL, limits and counters. */

@@ -27,7 +27,7 @@ func (h handler) Handle(req wire.Request) wire.Reply {
 	case wire.OpEventPort:
 		return wire.OKReply(req.ID, wire.EventPortReply{Endpoint: s.events.Endpoint(), Epoch: s.epoch})
 	case wire.OpReserveBatch:
-		return answer(req, s.reserve)
+		return answer(req, func(b wire.ReserveBatch) wire.ReserveBatchReply { return s.reserve(req.Peer, b) })
 	case wire.OpCompleteBatch:
 		return answer(req, s.complete)
 	case wire.OpCancel:
@@ -66,10 +66,14 @@ func (s *Shard) peers() wire.PeersReply {
 	}
 }
 
-func (s *Shard) reserve(b wire.ReserveBatch) wire.ReserveBatchReply {
+// reserve answers a batch that came on the connection peer: its quota is
+// that connection's, whatever requester the batch names, since only the
+// connection is proven (by the secret, or by the kernel's peer
+// credentials).
+func (s *Shard) reserve(peer string, b wire.ReserveBatch) wire.ReserveBatchReply {
 	items := make([]reserve.Item, len(b.Items))
 	for i, it := range b.Items {
-		items[i] = reserve.Item{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Meta: it.Meta, Owner: b.Requester}
+		items[i] = reserve.Item{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Meta: it.Meta, Owner: b.Requester, Peer: peer}
 	}
 	s.mu.Lock()
 	now := time.Now()

@@ -26,6 +26,9 @@ func (s *Shard) probe(e *metrics.Emitter) {
 	for reason, n := range st.Data.Rejected {
 		e.Set(metrics.RejectedWrites, float64(n), reason)
 	}
+	for reason, n := range st.Table.OverQuota {
+		e.Set(metrics.OverQuota, float64(n), reason)
+	}
 	for reason, n := range st.Data.Closed {
 		e.Set(metrics.DataConnsClosed, float64(n), reason)
 	}

@@ -168,7 +168,8 @@
 // not completed its handshake, and every server socket keeps at most
 // DefaultMaxConns connections (WithMaxConns). libzmq has no connection cap
 // of its own, so the cap is kept from the socket monitor's ACCEPTED and
-// DISCONNECTED events (connCap): at the cap the connection that has
+// DISCONNECTED events (connCap, by the rule of core/internal/conncap that
+// the metadata store shares): at the cap the connection that has
 // waited longest in its handshake is shut down (shutdown(2) on libzmq's
 // descriptor, which libzmq then reports closed), never one old enough to
 // have completed it, so a flood of silent connections holds at most the

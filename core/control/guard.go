@@ -181,7 +181,7 @@ func (g *guard) logCapOnce() {
 	g.mu.Unlock()
 	if first {
 		g.log.Warn("control: connection cap reached: closing the connections that have waited longest in their handshake",
-			"cap", g.conns.max, "port", g.port, "note", "later closes are only counted (ecm_failures_total{component=\"control\",reason=\"conn_cap\"})")
+			"cap", g.conns.table.Max(), "port", g.port, "note", "later closes are only counted (ecm_failures_total{component=\"control\",reason=\"conn_cap\"})")
 	}
 }
 

@@ -37,6 +37,7 @@ type InmemNetwork struct {
 	cut      map[inmemPair]bool
 	delay    map[inmemPair]time.Duration
 	nextPort int
+	callers  atomic.Uint64 // callers dialled, to name each
 }
 
 // inmemPair names the link between two Links, in either direction.
@@ -260,13 +261,13 @@ func (s *inmemServer) Close() error {
 
 // serve answers one request frame as a Server does; false when the server
 // closed before it could.
-func (s *inmemServer) serve(frame []byte) ([]byte, bool) {
+func (s *inmemServer) serve(peer string, frame []byte) ([]byte, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
 		return nil, false
 	}
-	_, out, ok := s.counters.reply(answer(s.h, s.log, frame), s.log)
+	_, out, ok := s.counters.reply(answer(s.h, s.log, peer, frame), s.log)
 	return out, ok
 }
 
@@ -275,6 +276,7 @@ func (s *inmemServer) serve(frame []byte) ([]byte, bool) {
 type inmemCaller struct {
 	links    *InmemLinks
 	endpoint string
+	peer     string // what the server names it (Request.Peer)
 	nextID   atomic.Uint64
 	done     chan struct{}
 	once     sync.Once
@@ -286,7 +288,8 @@ func (l *InmemLinks) Dial(endpoint string, _ *slog.Logger) (Caller, error) {
 	if _, _, err := SplitEndpoint(endpoint); err != nil {
 		return nil, err
 	}
-	c := &inmemCaller{links: l, endpoint: endpoint, done: make(chan struct{})}
+	c := &inmemCaller{links: l, endpoint: endpoint, done: make(chan struct{}),
+		peer: fmt.Sprintf("inmem:%s#%d", l.name, l.n.callers.Add(1))}
 	if err := l.track(c); err != nil {
 		return nil, err
 	}
@@ -371,7 +374,7 @@ func (c *inmemCaller) roundTrip(frame []byte, ended <-chan struct{}) ([]byte, bo
 	if !hop() {
 		return nil, false
 	}
-	reply, ok := s.serve(frame)
+	reply, ok := s.serve(c.peer, frame)
 	if !ok || !hop() {
 		return nil, false
 	}

@@ -1,6 +1,7 @@
 package control
 
 import (
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -251,7 +252,10 @@ func (s *Server) serveOne(m capped) {
 		req, _ := wire.DecodeRequest(parts[len(parts)-1])
 		rep = wire.ErrReply(req.ID, wire.CodeBadRequest, fmt.Sprintf("want one frame per message, got %d", len(parts)-1))
 	default:
-		rep = answer(s.h, s.log, parts[1])
+		// ROUTER names each connection by a routing id of its own,
+		// unique among its live connections (no handover), and every
+		// message on it passed the connection's CURVE handshake.
+		rep = answer(s.h, s.log, "zmq:"+hex.EncodeToString(parts[0]), parts[1])
 	}
 	rep, frame, ok := s.counters.reply(rep, s.log)
 	if !ok {
@@ -263,11 +267,13 @@ func (s *Server) serveOne(m capped) {
 	}
 }
 
-// answer decodes one request frame and answers it with h: an undecodable
-// request gets the error of its decoding, and a panic in h answers
-// CodeInternal, since one bad request must not take down a shard.
-func answer(h Handler, log *slog.Logger, frame []byte) (rep wire.Reply) {
+// answer decodes one request frame that came on the connection peer and
+// answers it with h: an undecodable request gets the error of its
+// decoding, and a panic in h answers CodeInternal, since one bad request
+// must not take down a shard.
+func answer(h Handler, log *slog.Logger, peer string, frame []byte) (rep wire.Reply) {
 	req, err := wire.DecodeRequest(frame)
+	req.Peer = peer
 	if err != nil {
 		log.Debug("control: refused request", "id", req.ID, "err", err)
 		return wire.ErrReply(req.ID, wire.CodeOf(err), err.Error())

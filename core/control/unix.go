@@ -116,6 +116,7 @@ type UnixServer struct {
 	log  *slog.Logger
 
 	counters serverCounters // but Refused, the gate's
+	conns    atomic.Uint64  // connections served, to name each (Request.Peer)
 }
 
 // ListenUnix serves h on the abstract socket name (UnixName), admitting
@@ -161,7 +162,10 @@ func (s *UnixServer) Close() error {
 }
 
 // serveConn answers the requests of one admitted connection.
-func (s *UnixServer) serveConn(c *net.UnixConn) {
+func (s *UnixServer) serveConn(c *net.UnixConn, uid uint32) {
+	// The kernel vouched for the uid at accept; the connection's number
+	// tells two connections of one uid apart.
+	peer := fmt.Sprintf("unix:uid=%d:conn=%d", uid, s.conns.Add(1))
 	var out []byte
 	for {
 		_ = c.SetReadDeadline(time.Now().Add(unixServerIdle))
@@ -175,7 +179,7 @@ func (s *UnixServer) serveConn(c *net.UnixConn) {
 			return
 		}
 		s.counters.held(len(frame))
-		rep, enc, ok := s.counters.reply(answer(s.h, s.log, frame), s.log)
+		rep, enc, ok := s.counters.reply(answer(s.h, s.log, peer, frame), s.log)
 		if !ok {
 			return
 		}

@@ -262,7 +262,7 @@ func (p *UnixEventPub) Close() error {
 
 // serveConn hands an admitted subscriber the backlog and writes its
 // queue until the connection fails or the publisher closes.
-func (p *UnixEventPub) serveConn(c *net.UnixConn) {
+func (p *UnixEventPub) serveConn(c *net.UnixConn, _ uint32) {
 	sc := &unixEventConn{c: c, q: make(chan unixPending, p.opt.eventQueue)}
 	defer func() {
 		p.mu.Lock()

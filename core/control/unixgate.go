@@ -33,7 +33,7 @@ type unixGate struct {
 	key   []byte
 	opt   unixOptions
 	log   *slog.Logger
-	serve func(c *net.UnixConn) // an admitted connection, still under the handshake's deadline
+	serve func(c *net.UnixConn, uid uint32) // an admitted connection of uid, still under the handshake's deadline
 
 	mu      sync.Mutex
 	conns   map[*net.UnixConn]struct{} // open, in the handshake or admitted
@@ -82,7 +82,7 @@ func abstractName(what, name string) error {
 // listenUnixGate listens on the abstract name and admits peers by opt
 // and sec's secret, handing each admitted connection to serve; who names
 // the peers in logs.
-func listenUnixGate(name, who string, sec Security, log *slog.Logger, opt unixOptions, serve func(*net.UnixConn)) (*unixGate, error) {
+func listenUnixGate(name, who string, sec Security, log *slog.Logger, opt unixOptions, serve func(c *net.UnixConn, uid uint32)) (*unixGate, error) {
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: name, Net: "unix"})
 	if err != nil {
 		return nil, err
@@ -201,5 +201,5 @@ func (g *unixGate) admit(c *net.UnixConn, uid uint32) {
 		g.refuse(r, err)
 		return
 	}
-	g.serve(c)
+	g.serve(c, uid)
 }

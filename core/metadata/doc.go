@@ -37,6 +37,29 @@
 // Invariant: the counted bytes equal the sum of every key and value, and
 // never exceed MaxTotalBytes (FuzzRequests checks it after each request).
 //
+// # Connections
+//
+// Whoever reaches the port can open connections, token or not, so
+// connections are admitted by the rule the control plane's ports share
+// (core/internal/conncap): at most MaxConns at once and MaxConnsPerPeer
+// from one address. A connection proves itself by a request with the
+// token (without a token none can); at a limit, one that has not, and is
+// not in a request, makes room for the newcomer: its address's
+// longest-waiting one over the share, or over the cap the
+// longest-waiting one of the address holding the most such connections.
+// A flood of silent connections therefore makes room from its own, and
+// an engine, /health included, is answered while it lasts; only when
+// every place is held by a proven connection or one in a request is the
+// newcomer answered 503 and closed. A request's header must arrive within
+// 5 s of the connection or of the previous request (30 s for an authorized
+// PUT's body); Stats counts EvictedConns and RejectedConns, and
+// ecm_metadata_refusals_total the reasons conn_evicted and conn_refused.
+// Peers that share an address (same-host clients on loopback) are told
+// apart only by how long each waited, so a peer of the same address that
+// opens connections faster than an engine's request takes could still
+// close that engine's newest connection: give engines a token and keep
+// the store on loopback or an address untrusted hosts cannot reach.
+//
 // # Lifetime
 //
 // The store lives in memory: it is lost when its process ends, and engines

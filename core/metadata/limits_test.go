@@ -24,12 +24,17 @@ func TestDefaultsBoundTheStore(t *testing.T) {
 	require.Equal(t, DefaultMaxKeys, c.MaxKeys)
 	require.Equal(t, int64(DefaultMaxTotalBytes), c.MaxTotalBytes)
 	require.Equal(t, DefaultMaxConns, c.MaxConns)
+	require.Equal(t, DefaultMaxConnsPerPeer, c.MaxConnsPerPeer)
+	c, err = Config{Open: true, MaxConns: 8}.withDefaults()
+	require.NoError(t, err)
+	require.Equal(t, 8, c.MaxConnsPerPeer, "a share is never above the cap")
 	for name, bad := range map[string]Config{
 		"value above total": {MaxValueBytes: 2 << 20, MaxTotalBytes: 1 << 20},
 		"negative keys":     {MaxKeys: -1},
 		"negative total":    {MaxTotalBytes: -1},
 		"negative value":    {MaxValueBytes: -5},
 		"negative conns":    {MaxConns: -1},
+		"negative share":    {MaxConnsPerPeer: -1},
 	} {
 		_, err := bad.withDefaults()
 		require.ErrorIs(t, err, ErrInvalid, name)
@@ -158,33 +163,4 @@ func TestRefusalsAreInTheProcessMetrics(t *testing.T) {
 	require.NoError(t, s.Close())
 	text, _ = metrics.Text(nil)
 	require.NotContains(t, string(text), object, "a closed store leaves the metrics")
-}
-
-// Every port has a cap on connections: past MaxConns a client is answered
-// 503 and counted, and a place that frees up is served again.
-func TestConnectionsAreCapped(t *testing.T) {
-	s := listen(t, Config{MaxConns: 2})
-	var held []net.Conn
-	for range 2 {
-		c, err := net.Dial("tcp", s.Addr())
-		require.NoError(t, err)
-		defer c.Close()
-		held = append(held, c)
-	}
-	// Dialed after the two, so accepted after them (one accept loop). The
-	// store answers it 503 at once, before any request, and closes it.
-	third, err := net.Dial("tcp", s.Addr())
-	require.NoError(t, err)
-	defer third.Close()
-	require.NoError(t, third.SetReadDeadline(time.Now().Add(time.Minute)))
-	status, err := bufio.NewReader(third).ReadString('\n')
-	require.NoError(t, err)
-	require.Equal(t, "HTTP/1.1 503 Service Unavailable\r\n", status)
-	require.Equal(t, uint64(1), s.Stats().RejectedConns)
-
-	require.NoError(t, held[0].Close())
-	require.Eventually(t, func() bool {
-		code, _ := newClient(s).get("mooncake/ram/x")
-		return code == http.StatusNotFound
-	}, time.Minute, 10*time.Millisecond, "a freed place is served again")
 }

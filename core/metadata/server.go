@@ -33,10 +33,20 @@ const (
 	DefaultMaxKeys       = 1 << 16
 	DefaultMaxTotalBytes = 256 << 20
 	// DefaultMaxConns caps the connections served at once: a host's
-	// engines need a few each; a client past the cap is answered 503 and
-	// closed, and one that holds a place without sending loses it after
-	// the read timeout.
+	// engines need a few each. At the cap, a connection that has not
+	// proved itself (no request with the token) and is not in a request
+	// makes room for a newcomer; with none, the newcomer is answered 503
+	// and closed.
 	DefaultMaxConns = 1024
+	// DefaultMaxConnsPerPeer caps the connections of one peer address
+	// (never above MaxConns): past it, that address's own longest-waiting
+	// unproven connection makes room.
+	DefaultMaxConnsPerPeer = DefaultMaxConns / 4
+	// headerTimeout bounds the wait for a request's header, the first
+	// request's included: a connection that sends none in time is closed.
+	// Only an authorized PUT's body gets bodyTimeout.
+	headerTimeout = 5 * time.Second
+	bodyTimeout   = 30 * time.Second
 	// MaxKeyLen bounds a key; Mooncake's are a prefix and a segment name.
 	MaxKeyLen = 4096
 	// Path is where the store answers, as in "http://host:port/metadata".
@@ -68,9 +78,11 @@ type Config struct {
 	// store; a PUT that would pass either is refused with 507.
 	MaxKeys       int
 	MaxTotalBytes int64
-	// MaxConns caps the connections served at once (DefaultMaxConns).
-	MaxConns int
-	Logger   *slog.Logger
+	// MaxConns caps the connections served at once (DefaultMaxConns),
+	// MaxConnsPerPeer those of one peer address (DefaultMaxConnsPerPeer).
+	MaxConns        int
+	MaxConnsPerPeer int
+	Logger          *slog.Logger
 
 	// closeGrace bounds how long Close lets requests in flight finish
 	// before it ends every connection; 0 is defaultCloseGrace.
@@ -87,13 +99,17 @@ func (c Config) withDefaults() (Config, error) {
 	case c.Token != "" && c.Open:
 		return c, fmt.Errorf("%w: a token and open at once; drop one", ErrInvalid)
 	}
-	if c.MaxValueBytes < 0 || c.MaxKeys < 0 || c.MaxTotalBytes < 0 || c.MaxConns < 0 {
-		return c, fmt.Errorf("%w: max_value_bytes = %d, max_keys = %d, max_total_bytes = %d, max_conns = %d; want positive values, or 0 for the defaults",
-			ErrInvalid, c.MaxValueBytes, c.MaxKeys, c.MaxTotalBytes, c.MaxConns)
+	if c.MaxValueBytes < 0 || c.MaxKeys < 0 || c.MaxTotalBytes < 0 || c.MaxConns < 0 || c.MaxConnsPerPeer < 0 {
+		return c, fmt.Errorf("%w: max_value_bytes = %d, max_keys = %d, max_total_bytes = %d, max_conns = %d, max_conns_per_peer = %d; want positive values, or 0 for the defaults",
+			ErrInvalid, c.MaxValueBytes, c.MaxKeys, c.MaxTotalBytes, c.MaxConns, c.MaxConnsPerPeer)
 	}
 	if c.MaxConns == 0 {
 		c.MaxConns = DefaultMaxConns
 	}
+	if c.MaxConnsPerPeer == 0 {
+		c.MaxConnsPerPeer = DefaultMaxConnsPerPeer
+	}
+	c.MaxConnsPerPeer = min(c.MaxConnsPerPeer, c.MaxConns)
 	if c.MaxValueBytes == 0 {
 		c.MaxValueBytes = DefaultMaxValueBytes
 	}
@@ -134,7 +150,12 @@ type Stats struct {
 	Unauthorized  uint64 `json:"unauthorized"`
 	TooLarge      uint64 `json:"too_large"`
 	StoreFull     uint64 `json:"store_full"`
-	// RejectedConns counts connections refused at MaxConns.
+	// Conns is the connections open now.
+	Conns int `json:"conns"`
+	// EvictedConns counts unproven idle connections closed to make room
+	// for a newcomer; RejectedConns the newcomers refused (503) because
+	// every place was held by a proven connection or one in a request.
+	EvictedConns  uint64 `json:"evicted_conns"`
 	RejectedConns uint64 `json:"rejected_conns"`
 }
 
@@ -143,7 +164,7 @@ type Server struct {
 	cfg   Config
 	log   *slog.Logger
 	ln    net.Listener
-	conns connSet // what ln accepted and has not closed
+	conns *connSet // what ln accepted and has not closed
 	srv   *fasthttp.Server
 	done  chan struct{}
 
@@ -169,7 +190,8 @@ func newServer(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, log: cfg.Logger.With("component", "mooncake-metadata"), done: make(chan struct{}), kv: map[string][]byte{}}
+	s := &Server{cfg: cfg, log: cfg.Logger.With("component", "mooncake-metadata"), done: make(chan struct{}), kv: map[string][]byte{},
+		conns: newConnSet(cfg.MaxConns, cfg.MaxConnsPerPeer)}
 	if cfg.Token != "" {
 		s.token = sha256.Sum256([]byte(cfg.Token))
 	}
@@ -180,11 +202,14 @@ func newServer(cfg Config) (*Server, error) {
 		HeaderReceived:     s.bodyLimit,
 		ErrorHandler:       s.readError,
 		// Room for a request line carrying a MaxKeyLen key escaped in full.
-		ReadBufferSize:  4*MaxKeyLen + 4096,
-		ReadTimeout:     30 * time.Second,
-		WriteTimeout:    30 * time.Second,
-		IdleTimeout:     time.Minute,
-		Concurrency:     cfg.MaxConns,
+		ReadBufferSize: 4*MaxKeyLen + 4096,
+		ReadTimeout:    headerTimeout,
+		WriteTimeout:   30 * time.Second,
+		IdleTimeout:    time.Minute,
+		// The cap is the listener's (connSet); fasthttp's own is a
+		// backstop with room for the workers of closed connections that
+		// are still unwinding.
+		Concurrency:     2 * cfg.MaxConns,
 		CloseOnShutdown: true,
 		Logger:          fasthttpLog{s.log},
 	}
@@ -225,6 +250,8 @@ func (s *Server) probe(e *metrics.Emitter) {
 	e.Set(metrics.MetadataRefusals, float64(st.TooLarge), "too_large")
 	e.Set(metrics.MetadataRefusals, float64(st.StoreFull), "store_full")
 	e.Set(metrics.MetadataRefusals, float64(st.BadRequests), "bad_request")
+	e.Set(metrics.MetadataRefusals, float64(st.EvictedConns), "conn_evicted")
+	e.Set(metrics.MetadataRefusals, float64(st.RejectedConns), "conn_refused")
 }
 
 func loopback(a net.Addr) bool {
@@ -282,7 +309,7 @@ func (s *Server) serve() {
 			s.log.Error("metadata: recovered panic in the server loop", "panic", r)
 		}
 	}()
-	if err := s.srv.Serve(trackedListener{s.ln, &s.conns}); err != nil {
+	if err := s.srv.Serve(trackedListener{Listener: s.ln, set: s.conns, onVictim: s.connClosed}); err != nil {
 		s.log.Warn("metadata store stopped serving", "cause", err)
 	}
 }
@@ -307,7 +334,23 @@ func (s *Server) Stats() Stats {
 		Gets: s.gets.Load(), Puts: s.puts.Load(), Deletes: s.deletes.Load(),
 		NotFound: s.notFound.Load(), BadRequests: s.badRequests.Load(), Unauthorized: s.unauthorized.Load(),
 		TooLarge: s.tooLarge.Load(), StoreFull: s.storeFull.Load(),
-		RejectedConns: uint64(s.srv.GetRejectedConnectionsCount()),
+		Conns: s.conns.len(), EvictedConns: s.conns.evicted.Load(),
+		RejectedConns: s.conns.refused.Load() + uint64(s.srv.GetRejectedConnectionsCount()),
+	}
+}
+
+// connClosed logs, at most once per interval per reason, a connection
+// closed to keep the limits.
+func (s *Server) connClosed(c *trackedConn, why string, refused bool) {
+	reason := why + "_evicted"
+	if refused {
+		reason = why + "_refused"
+	}
+	if ok, suppressed := s.refusals.Admit(reason, time.Now()); ok {
+		s.log.Warn("metadata: at a connection limit", "reason", reason, "peer", c.peer,
+			"max_conns", s.cfg.MaxConns, "max_conns_per_peer", s.cfg.MaxConnsPerPeer,
+			"detail", "an unproven idle connection makes room; with none, the newcomer is refused",
+			"refusals_not_logged", suppressed)
 	}
 }
 
@@ -336,6 +379,12 @@ func (s *Server) Close() error {
 }
 
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
+	// While it is in a request, a connection never makes room for a
+	// newcomer; one that brought the token never does.
+	if tc, ok := ctx.Conn().(*trackedConn); ok {
+		s.conns.busy(tc, true, s.cfg.Token != "" && s.authorized(&ctx.Request.Header), time.Now())
+		defer func() { s.conns.busy(tc, false, false, time.Now()) }()
+	}
 	defer func() {
 		if r := recover(); r != nil {
 			s.log.Error("metadata: recovered panic in a handler", "panic", r, "uri", string(ctx.RequestURI()))
@@ -377,7 +426,7 @@ func (s *Server) authorized(h *fasthttp.RequestHeader) bool {
 // buffer more than a few KB.
 func (s *Server) bodyLimit(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
 	if h.IsPut() && s.authorized(h) {
-		return fasthttp.RequestConfig{MaxRequestBodySize: s.cfg.MaxValueBytes}
+		return fasthttp.RequestConfig{MaxRequestBodySize: s.cfg.MaxValueBytes, ReadTimeout: bodyTimeout}
 	}
 	return fasthttp.RequestConfig{MaxRequestBodySize: maxOtherBody}
 }

@@ -19,6 +19,7 @@ const (
 	CompletedBytes    = "ecm_completed_bytes_total"
 	ReceivedFrames    = "ecm_received_frames_total"
 	RejectedWrites    = "ecm_rejected_writes_total"
+	OverQuota         = "ecm_reserve_over_quota_total"
 	DataConnsClosed   = "ecm_data_conns_closed_total"
 	Pushes            = "ecm_pushes"
 	PushesEnded       = "ecm_pushes_ended_total"
@@ -53,6 +54,7 @@ var table = map[string]spec{
 	CompletedBytes:    {"Consumer shard: bytes of the items whose writer completed them, any data plane.", prometheus.CounterValue, nil},
 	ReceivedFrames:    {"Consumer shard: frames landed by the data plane, by transport.", prometheus.CounterValue, []string{"transport"}},
 	RejectedWrites:    {"Consumer shard: data-plane writes refused, by reason.", prometheus.CounterValue, []string{"reason"}},
+	OverQuota:         {"Consumer shard: reservations refused for the quota of their connection, by reason (pending, pending_bytes, followers, peer_followers, requesters_per_peer).", prometheus.CounterValue, []string{"reason"}},
 	DataConnsClosed:   {"Consumer shard: data-plane connections closed or refused to protect the shard, by reason (limit, evicted, idle, frame_timeout, peer_uid, bad_hello, bad_nonce).", prometheus.CounterValue, []string{"reason"}},
 	Pushes:            {"Producer: live pushes by state.", prometheus.GaugeValue, []string{"state"}},
 	PushesEnded:       {"Producer: pushes that reached each terminal state.", prometheus.CounterValue, []string{"state"}},

@@ -55,6 +55,11 @@ type Config struct {
 	// the proxy holds across all requests at once; a body that would take
 	// it over is refused with 503 and Retry-After.
 	MaxBodiesInFlight int `json:"max_bodies_in_flight"`
+	// MaxBodyBytesPerClient is the most of that budget the requests of one
+	// client (peer address) hold at once; a body past it is refused with
+	// 503 and Retry-After. 0 means half the budget, and never less than
+	// max_body_bytes.
+	MaxBodyBytesPerClient int64 `json:"max_body_bytes_per_client"`
 	// AllowRegister enables POST /v1/ecm/register and /v1/ecm/deregister
 	// once RegisterToken is set; false keeps them off even with a token.
 	AllowRegister bool `json:"allow_register"`
@@ -94,6 +99,14 @@ func DecodeConfig(raw []byte) (Config, error) {
 
 // bodyBudget is the bytes of request bodies held at once, all requests together.
 func (c Config) bodyBudget() int64 { return int64(c.MaxBodiesInFlight) * int64(c.MaxBodyBytes) }
+
+// maxBodyBytesPerClient is one client's share of bodyBudget.
+func (c Config) maxBodyBytesPerClient() int64 {
+	if c.MaxBodyBytesPerClient > 0 {
+		return c.MaxBodyBytesPerClient
+	}
+	return max(c.bodyBudget()/2, int64(c.MaxBodyBytes))
+}
 
 func (c Config) encodeTimeout() time.Duration  { return secs(c.EncodeTimeoutS) }
 func (c Config) requestTimeout() time.Duration { return secs(c.RequestTimeoutS) }
@@ -146,6 +159,9 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: max_body_bytes = %d; want at least 1024", ErrInvalid, c.MaxBodyBytes)
 	case c.MaxBodiesInFlight < 1 || int64(c.MaxBodiesInFlight)*int64(c.MaxBodyBytes) > 1<<40:
 		return fmt.Errorf("%w: max_bodies_in_flight = %d; want at least 1, and max_bodies_in_flight × max_body_bytes at most 1 TiB", ErrInvalid, c.MaxBodiesInFlight)
+	case c.MaxBodyBytesPerClient != 0 && (c.MaxBodyBytesPerClient < int64(c.MaxBodyBytes) || c.MaxBodyBytesPerClient > c.bodyBudget()):
+		return fmt.Errorf("%w: max_body_bytes_per_client = %d; want 0 (half the budget) or from max_body_bytes (%d) to max_body_bytes × max_bodies_in_flight (%d)",
+			ErrInvalid, c.MaxBodyBytesPerClient, c.MaxBodyBytes, c.bodyBudget())
 	case c.Split() && len(c.PD) > 0:
 		return fmt.Errorf("%w: give either pd or prefill+decode backends, not both", ErrInvalid)
 	case c.Split() && (len(c.Prefill) == 0) != (len(c.Decode) == 0):

@@ -73,6 +73,23 @@
 // once per interval per reason. Discovery bodies are capped before they
 // are read.
 //
+// # Memory
+//
+// The proxy's memory for request bodies is the budget it advertises,
+// max_body_bytes × max_bodies_in_flight (bodyBudget): a body is read into
+// one buffer of its announced length, granted before it is allocated (a
+// chunked body grows by doubling, the buffer it replaces counted until
+// the copy is done), and that buffer is the only copy. The request is
+// split into the values the rewrite touches without copying them, and
+// every request sent on (to an encoder, the consumer, a prefill or decode
+// instance) is written from slices of it and the few bytes the proxy adds
+// (jsonspan.go). One client (peer address) holds at most
+// max_body_bytes_per_client of the budget (half by default), so its
+// stalled uploads leave the rest to others. TestProxyMemoryStaysWithin
+// TheBodiesInFlight measures a proxy process's resident set against the
+// bytes it holds (cmd/proxyrss). Backend answers are read whole only when
+// not streamed, at most max_body_bytes each, outside the budget.
+//
 // # Metrics
 //
 // /metrics on the main port (and on MetricsPort when set) serves the

@@ -32,22 +32,23 @@ func (p *Proxy) handle(ctx *fasthttp.RequestCtx) {
 			writeError(ctx, fasthttp.StatusInternalServerError, "InternalServerError", fmt.Sprintf("proxy internal error: %v", r))
 		}
 	}()
-	g := p.bodies.open()
+	g := p.bodies.open(ctx.RemoteIP().String())
 	defer func() {
 		if !g.passed {
 			g.release()
 		}
 	}()
-	if !p.takeBody(ctx, g) {
+	body, ok := p.takeBody(ctx, g)
+	if !ok {
 		return
 	}
 	path := string(ctx.Path())
 	post := ctx.IsPost()
 	switch {
 	case post && path == "/v1/chat/completions":
-		p.serveGenerate(ctx, "chat", true, g)
+		p.serveGenerate(ctx, "chat", true, body, g)
 	case post && path == "/v1/completions":
-		p.serveGenerate(ctx, "completions", false, g)
+		p.serveGenerate(ctx, "completions", false, body, g)
 	case path == "/health":
 		p.serveHealth(ctx)
 	case path == "/metrics":
@@ -99,7 +100,7 @@ func (p *Proxy) serveModels(ctx *fasthttp.RequestCtx) {
 	rctx, req, resp, done := newCall(context.Background(), p.cfg.encodeTimeout(), fasthttp.MethodGet, "/v1/models")
 	defer done()
 	copyAuth(ctx, req)
-	if _, err := b.up.do(rctx, req, resp, false, p.cfg.MaxBodyBytes); err != nil {
+	if _, err := b.up.do(rctx, req, nil, resp, false, p.cfg.MaxBodyBytes); err != nil {
 		p.noteHealth(pl, b, err)
 		writeError(ctx, fasthttp.StatusBadGateway, "BadGatewayError", err.Error())
 		return
@@ -144,11 +145,11 @@ type answer struct {
 	pdStart time.Time
 }
 
-// serveGenerate answers a generate call; g, its body's share of the
-// budget, goes to the stream writer when the answer is streamed.
-func (p *Proxy) serveGenerate(ctx *fasthttp.RequestCtx, route string, chat bool, g *bodyGrant) {
+// serveGenerate answers a generate call; body is the request's body, the
+// proxy's one copy of it, and g its share of the budget, which goes to the
+// stream writer when the answer is streamed.
+func (p *Proxy) serveGenerate(ctx *fasthttp.RequestCtx, route string, chat bool, body []byte, g *bodyGrant) {
 	c := &call{p: p, route: route, path: string(ctx.Path()), id: p.newID(), start: time.Now()}
-	body := append([]byte(nil), ctx.PostBody()...)
 	r, err := parseRequest(body, chat)
 	if err != nil {
 		p.finish(c, fasthttp.StatusBadRequest)
@@ -363,7 +364,7 @@ func (c *call) attempt(pl *pool, cons *backend, attempt int, last bool) (*answer
 			cons.ranks[rank].Add(-1)
 		})
 	}
-	top := c.req.top
+	top := rawTop(c.req.top)
 	rewritten := false
 	if c.req.hasMedia() {
 		endpoint, err := discovery.RankEndpoint(cons.reg.Consumer, cons.reg.TPSize, rank)
@@ -388,12 +389,9 @@ func (c *call) attempt(pl *pool, cons *backend, attempt int, last bool) (*answer
 	if p.split() {
 		ans, err = c.splitCall(pl, cons, rank, top, last)
 	} else {
-		body := c.req.raw
+		body := outBody{c.req.raw}
 		if rewritten {
-			if body, err = marshalTop(top); err != nil {
-				release()
-				return nil, err
-			}
+			body = marshalTop(top)
 		}
 		ans, err = c.send(pl, cons, rank, body, c.req.stream, last)
 	}
@@ -412,13 +410,9 @@ func (c *call) attempt(pl *pool, cons *backend, attempt int, last bool) (*answer
 
 // splitCall prefills on the consumer (which waits for the pushed items),
 // then decodes on a decode instance with the prefill's KV parameters.
-func (c *call) splitCall(pl *pool, cons *backend, rank int, top map[string]json.RawMessage, last bool) (*answer, error) {
+func (c *call) splitCall(pl *pool, cons *backend, rank int, top map[string]outBody, last bool) (*answer, error) {
 	p := c.p
-	body, err := marshalTop(prefillTop(top))
-	if err != nil {
-		return nil, err
-	}
-	pre, err := c.send(pl, cons, rank, body, false, false)
+	pre, err := c.send(pl, cons, rank, marshalTop(prefillTop(top)), false, false)
 	if err != nil {
 		if !last {
 			return nil, err
@@ -437,12 +431,8 @@ func (c *call) splitCall(pl *pool, cons *backend, rank int, top map[string]json.
 	if dec == nil {
 		return nil, &errRetry{reason: "no_decode", err: errors.New("no healthy decode instance")}
 	}
-	body, err = marshalTop(decodeTop(top, kv))
-	if err != nil {
-		return nil, err
-	}
 	dec.inflight.Add(1)
-	ans, err := c.sendTo(p.dec, dec, -1, body, c.req.stream, last)
+	ans, err := c.sendTo(p.dec, dec, -1, marshalTop(decodeTop(top, kv)), c.req.stream, last)
 	if err != nil {
 		dec.inflight.Add(-1)
 		return nil, err
@@ -451,7 +441,7 @@ func (c *call) splitCall(pl *pool, cons *backend, rank int, top map[string]json.
 	return ans, nil
 }
 
-func (c *call) send(pl *pool, b *backend, rank int, body []byte, stream, last bool) (*answer, error) {
+func (c *call) send(pl *pool, b *backend, rank int, body outBody, stream, last bool) (*answer, error) {
 	if b.reg.DPSize <= 1 {
 		rank = -1
 	}
@@ -461,7 +451,7 @@ func (c *call) send(pl *pool, b *backend, rank int, body []byte, stream, last bo
 // sendTo posts body to one instance. A streamed answer is read up to its
 // first event that carries output; what came before is held, so that a
 // failure there can still be retried.
-func (c *call) sendTo(pl *pool, b *backend, rank int, body []byte, stream, last bool) (*answer, error) {
+func (c *call) sendTo(pl *pool, b *backend, rank int, body outBody, stream, last bool) (*answer, error) {
 	p := c.p
 	req := fasthttp.AcquireRequest()
 	defer fasthttp.ReleaseRequest(req)
@@ -475,10 +465,9 @@ func (c *call) sendTo(pl *pool, b *backend, rank int, body []byte, stream, last 
 	if len(c.auth) > 0 {
 		req.Header.SetBytesV(fasthttp.HeaderAuthorization, c.auth)
 	}
-	req.SetBodyRaw(body)
 	resp := fasthttp.AcquireResponse()
 	start := time.Now()
-	x, err := b.up.do(c.ctx, req, resp, stream, p.cfg.MaxBodyBytes)
+	x, err := b.up.do(c.ctx, req, body, resp, stream, p.cfg.MaxBodyBytes)
 	if err != nil {
 		fasthttp.ReleaseResponse(resp)
 		if c.ctx.Err() != nil {
@@ -626,7 +615,7 @@ func (c *call) encodeOne(item int, consumer, tid string) (*encoded, error) {
 	return nil, last
 }
 
-func (c *call) encodeAt(enc *backend, item int, body []byte, tid string) (*encoded, bool, error) {
+func (c *call) encodeAt(enc *backend, item int, body outBody, tid string) (*encoded, bool, error) {
 	p := c.p
 	enc.inflight.Add(1)
 	defer enc.inflight.Add(-1)
@@ -637,8 +626,7 @@ func (c *call) encodeAt(enc *backend, item int, body []byte, tid string) (*encod
 	if len(c.auth) > 0 {
 		req.Header.SetBytesV(fasthttp.HeaderAuthorization, c.auth)
 	}
-	req.SetBodyRaw(body)
-	if _, err := enc.up.do(ctx, req, resp, false, p.cfg.MaxBodyBytes); err != nil {
+	if _, err := enc.up.do(ctx, req, body, resp, false, p.cfg.MaxBodyBytes); err != nil {
 		if c.ctx.Err() != nil {
 			return nil, false, err
 		}

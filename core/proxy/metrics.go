@@ -60,6 +60,9 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ecm_proxy_body_refusals_total",
 			Help: "Requests refused with 503 because their body would take the proxy over max_body_bytes × max_bodies_in_flight."},
 			func() float64 { return float64(p.bodies.refused()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ecm_proxy_body_client_refusals_total",
+			Help: "Requests refused with 503 because their body would take their client (peer address) over max_body_bytes_per_client."},
+			func() float64 { return float64(p.bodies.refusedShare()) }),
 	}
 	m.reg.MustRegister(bodies...)
 	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.derived, m.retries, m.redials, m.checks, m.encodes, m.gone, m.registers, m.refusals, backendCollector{p})

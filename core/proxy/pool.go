@@ -233,7 +233,7 @@ func (p *pool) report(b *backend, err error) (changed, healthy bool) {
 func checkHealth(ctx context.Context, b *backend, timeout time.Duration) error {
 	ctx, req, resp, done := newCall(ctx, timeout, fasthttp.MethodGet, "/health")
 	defer done()
-	if _, err := b.up.do(ctx, req, resp, false, 1<<20); err != nil {
+	if _, err := b.up.do(ctx, req, nil, resp, false, 1<<20); err != nil {
 		return fmt.Errorf("health check: %w", err)
 	}
 	if resp.StatusCode() != fasthttp.StatusOK {

@@ -78,7 +78,7 @@ func Open(cfg Config, log *slog.Logger) (p *Proxy, err error) {
 	p = &Proxy{
 		cfg: cfg, log: log.With("role", "proxy"), idBase: hex.EncodeToString(idb[:]),
 		stop: make(chan struct{}),
-		auth: newAdminAuth(cfg.RegisterToken), bodies: newBodyBudget(cfg.bodyBudget()),
+		auth: newAdminAuth(cfg.RegisterToken), bodies: newBodyBudget(cfg.bodyBudget(), cfg.maxBodyBytesPerClient()),
 	}
 	p.m = newProxyMetrics(p)
 	up := upstreamConfig{idleTimeout: cfg.upstreamIdleTimeout(), redialed: func(role string) { p.m.redials.WithLabelValues(role).Inc() }}

@@ -20,7 +20,8 @@ var (
 var encoderKeys = []string{"model", "mm_processor_kwargs", "media_io_kwargs", "chat_template_kwargs"}
 
 // chatRequest is a parsed /v1/chat/completions body: only the parts the
-// rewrite touches are decoded, the rest stays raw.
+// rewrite touches are decoded, the rest stays raw. Every raw value is a
+// slice of raw, never a copy (see jsonspan.go).
 type chatRequest struct {
 	raw      []byte
 	top      map[string]json.RawMessage
@@ -43,7 +44,11 @@ var errNotJSON = errors.New("request body is not a JSON object")
 // vLLM would.
 func parseRequest(body []byte, chat bool) (*chatRequest, error) {
 	r := &chatRequest{raw: body}
-	if err := json.Unmarshal(body, &r.top); err != nil || r.top == nil {
+	if !json.Valid(body) {
+		return nil, errNotJSON
+	}
+	var ok bool
+	if r.top, ok = objectMembers(body); !ok {
 		return nil, errNotJSON
 	}
 	if s, ok := r.top["stream"]; ok {
@@ -53,20 +58,24 @@ func parseRequest(body []byte, chat bool) (*chatRequest, error) {
 	if !chat || !ok {
 		return r, nil
 	}
-	var raws []json.RawMessage
-	if json.Unmarshal(msgs, &raws) != nil {
+	raws, ok := arrayElems(msgs)
+	if !ok {
 		return r, nil
 	}
 	seen := map[string]int{}
 	var decoded []map[string]json.RawMessage
 	for mi, m := range raws {
-		var msg map[string]json.RawMessage
-		if json.Unmarshal(m, &msg) != nil {
+		msg, ok := objectMembers(m)
+		if !ok {
 			return r, nil
 		}
 		decoded = append(decoded, msg)
-		var parts []json.RawMessage
-		if c, ok := msg["content"]; !ok || json.Unmarshal(c, &parts) != nil {
+		c, ok := msg["content"]
+		if !ok {
+			continue
+		}
+		parts, ok := arrayElems(c)
+		if !ok {
 			continue
 		}
 		for pi, p := range parts {
@@ -81,15 +90,13 @@ func parseRequest(body []byte, chat bool) (*chatRequest, error) {
 			}
 			r.parts[mi] = parts
 			// Identical parts (the same image twice) are encoded once: the
-			// bytes, uuid included, decide.
-			var key bytes.Buffer
-			if json.Compact(&key, p) != nil {
-				continue
-			}
-			item, dup := seen[key.String()]
+			// bytes, uuid included, decide, compared by a digest rather
+			// than by a compacted copy of each.
+			key := compactSum(p)
+			item, dup := seen[key]
 			if !dup {
 				item = len(r.items)
-				seen[key.String()] = item
+				seen[key] = item
 				r.items = append(r.items, p)
 				r.kinds = append(r.kinds, modalityOf[head.Type])
 			}
@@ -107,24 +114,33 @@ func (r *chatRequest) hasMedia() bool { return len(r.items) > 0 }
 func (r *chatRequest) modality(item int) string { return r.kinds[item] }
 
 // encoderBody is the request that sends one media item to an encoder,
-// telling it which consumer to push to and under which transfer id.
-func (r *chatRequest) encoderBody(item int, consumer, transferID string) ([]byte, error) {
-	out := map[string]any{}
+// telling it which consumer to push to and under which transfer id. The
+// item goes out as the slice of the client's body it is.
+func (r *chatRequest) encoderBody(item int, consumer, transferID string) (outBody, error) {
+	out := map[string]outBody{}
 	for _, k := range encoderKeys {
 		if v, ok := r.top[k]; ok {
-			out[k] = v
+			out[k] = outBody{v}
 		}
 	}
-	out["messages"] = []any{map[string]any{"role": "user", "content": []json.RawMessage{r.items[item]}}}
-	out["max_tokens"] = 1
-	out["stream"] = false
-	out["ec_transfer_params"] = map[string]any{
+	var msgs jsonWriter
+	msgs.lit(`[{"content":[`)
+	msgs.raw(r.items[item])
+	msgs.lit(`],"role":"user"}]`)
+	out["messages"] = msgs.done()
+	out["max_tokens"] = outBody{[]byte("1")}
+	out["stream"] = outBody{[]byte("false")}
+	params, err := json.Marshal(map[string]any{
 		// Both spellings: ours, and the one vLLM's in-tree connector reads.
 		"consumer":     consumer,
 		"consumer_zmq": consumer,
 		"ec_items":     []any{map[string]string{"transfer_id": transferID}},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("encode ec_transfer_params: %w", err)
 	}
-	return json.Marshal(out)
+	out["ec_transfer_params"] = outBody{params}
+	return marshalTop(out), nil
 }
 
 // encoded is what an encoder reported for one item.
@@ -195,11 +211,8 @@ func parseEncoderReply(body []byte, transferID, sent string) (*encoded, error) {
 // pushed item, and ec_transfer_params lists the items to wait for. done[i]
 // is nil where item i falls back to its original media. The second result
 // is false when nothing was encoded, and the body can go unchanged.
-func (r *chatRequest) consumerTop(done []*encoded) (map[string]json.RawMessage, bool, error) {
-	top := make(map[string]json.RawMessage, len(r.top)+1)
-	for k, v := range r.top {
-		top[k] = v
-	}
+func (r *chatRequest) consumerTop(done []*encoded) (map[string]outBody, bool, error) {
+	top := rawTop(r.top)
 	some := false
 	for _, d := range done {
 		some = some || d != nil
@@ -234,55 +247,55 @@ func (r *chatRequest) consumerTop(done []*encoded) (map[string]json.RawMessage, 
 		params[d.identifier] = d.entry
 	}
 	params["ec_items"] = items
-	msgs := make([]json.RawMessage, len(r.messages))
+	// Messages and parts that stay as they were go out as the slices of
+	// the client's body they are.
+	var msgs jsonWriter
+	msgs.lit("[")
 	for mi, m := range r.messages {
+		if mi > 0 {
+			msgs.lit(",")
+		}
 		ps, ok := parts[mi]
 		if !ok {
-			raw, err := json.Marshal(m)
-			if err != nil {
-				return nil, false, err
-			}
-			msgs[mi] = raw
+			msgs.object(rawTop(m))
 			continue
 		}
-		msg := make(map[string]json.RawMessage, len(m))
-		for k, v := range m {
-			msg[k] = v
+		var content jsonWriter
+		content.lit("[")
+		for pi, part := range ps {
+			if pi > 0 {
+				content.lit(",")
+			}
+			content.raw(part)
 		}
-		content, err := json.Marshal(ps)
-		if err != nil {
-			return nil, false, err
-		}
-		msg["content"] = content
-		raw, err := json.Marshal(msg)
-		if err != nil {
-			return nil, false, err
-		}
-		msgs[mi] = raw
+		content.lit("]")
+		msg := rawTop(m)
+		msg["content"] = content.done()
+		msgs.object(msg)
 	}
-	var err error
-	if top["messages"], err = json.Marshal(msgs); err != nil {
+	msgs.lit("]")
+	top["messages"] = msgs.done()
+	ps, err := json.Marshal(params)
+	if err != nil {
 		return nil, false, err
 	}
-	if top["ec_transfer_params"], err = json.Marshal(params); err != nil {
-		return nil, false, err
-	}
+	top["ec_transfer_params"] = outBody{ps}
 	return top, true, nil
 }
 
 // prefillTop turns a consumer request into the prefill half of a split
 // prefill/decode pair: one token, no stream, and a request for the KV
 // transfer parameters the decode instance needs (vLLM's P/D protocol).
-func prefillTop(top map[string]json.RawMessage) map[string]json.RawMessage {
-	out := make(map[string]json.RawMessage, len(top)+2)
+func prefillTop(top map[string]outBody) map[string]outBody {
+	out := make(map[string]outBody, len(top)+2)
 	for k, v := range top {
 		out[k] = v
 	}
 	delete(out, "stream_options")
 	delete(out, "max_completion_tokens")
-	out["stream"] = json.RawMessage(`false`)
-	out["max_tokens"] = json.RawMessage(`1`)
-	out["kv_transfer_params"] = json.RawMessage(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
+	out["stream"] = outBody{[]byte(`false`)}
+	out["max_tokens"] = outBody{[]byte(`1`)}
+	out["kv_transfer_params"] = outBody{[]byte(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)}
 	return out
 }
 
@@ -300,22 +313,23 @@ func prefillKV(body []byte) json.RawMessage {
 	return kv.KV
 }
 
-func decodeTop(top map[string]json.RawMessage, kv json.RawMessage) map[string]json.RawMessage {
-	out := make(map[string]json.RawMessage, len(top))
+func decodeTop(top map[string]outBody, kv json.RawMessage) map[string]outBody {
+	out := make(map[string]outBody, len(top))
 	for k, v := range top {
 		out[k] = v
 	}
 	delete(out, "ec_transfer_params")
-	if len(kv) > 0 {
-		out["kv_transfer_params"] = kv
+	// What the prefill answered goes on as it came, so it must be JSON.
+	if len(kv) > 0 && json.Valid(kv) {
+		out["kv_transfer_params"] = outBody{kv}
 	}
 	return out
 }
 
-func marshalTop(top map[string]json.RawMessage) ([]byte, error) {
-	b, err := json.Marshal(top)
-	if err != nil {
-		return nil, fmt.Errorf("encode request: %w", err)
-	}
-	return b, nil
+// marshalTop writes a request's top-level members, keys in order, as the
+// pieces they are; every value is valid JSON already.
+func marshalTop(top map[string]outBody) outBody {
+	var w jsonWriter
+	w.object(top)
+	return w.done()
 }

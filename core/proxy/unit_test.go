@@ -1,6 +1,9 @@
 package proxy
 
 import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/json"
 	"io"
 	"net"
 	"strings"
@@ -140,9 +143,29 @@ func FuzzRewrite(f *testing.F) {
 		if err != nil {
 			return
 		}
+		// The parser splits without copying; what it finds is what
+		// encoding/json finds.
+		var want map[string]json.RawMessage
+		if err := json.Unmarshal(body, &want); err != nil {
+			t.Fatalf("parsed %q, which encoding/json refuses: %v", body, err)
+		}
+		require.Equal(t, len(want), len(r.top), "members of %q", body)
+		for k, v := range want {
+			require.Equal(t, string(v), string(r.top[k]), "member %q of %q", k, body)
+		}
+		for _, p := range r.items {
+			var c bytes.Buffer
+			require.NoError(t, json.Compact(&c, p))
+			sum := sha256.Sum256(c.Bytes())
+			require.Equal(t, string(sum[:]), compactSum(p), "the digest of %q is that of its compact form", p)
+		}
 		for i := range r.items {
-			if _, err := r.encoderBody(i, "tcp://h:1", "t"); err != nil {
+			eb, err := r.encoderBody(i, "tcp://h:1", "t")
+			if err != nil {
 				t.Fatalf("encoder body: %v", err)
+			}
+			if !json.Valid(eb.bytes()) {
+				t.Fatalf("encoder body %q is not JSON", eb.bytes())
 			}
 		}
 		done := make([]*encoded, len(r.items))
@@ -153,8 +176,8 @@ func FuzzRewrite(f *testing.F) {
 		if err != nil {
 			t.Fatalf("rewrite: %v", err)
 		}
-		if _, err := marshalTop(top); err != nil {
-			t.Fatalf("marshal: %v", err)
+		if out := marshalTop(top).bytes(); !json.Valid(out) {
+			t.Fatalf("consumer body %q is not JSON", out)
 		}
 	})
 }

@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -122,13 +121,13 @@ var errNoResponse = errors.New("no response")
 // errBodyTooLarge marks an answer above max_body_bytes.
 var errBodyTooLarge = errors.New("response body too large")
 
-// do sends req and reads the response head into resp. With stream false
+// do sends req with body and reads the response head into resp. With stream false
 // the body is read too (at most maxBody bytes) and the connection goes
 // back to the pool; with stream true the caller reads exchange.body and
 // must Close the exchange. The connection is closed as soon as ctx ends,
 // whatever the call is doing.
-func (u *upstream) do(ctx context.Context, req *fasthttp.Request, resp *fasthttp.Response, stream bool, maxBody int) (*exchange, error) {
-	hr, err := u.request(ctx, req)
+func (u *upstream) do(ctx context.Context, req *fasthttp.Request, body outBody, resp *fasthttp.Response, stream bool, maxBody int) (*exchange, error) {
+	hr, err := u.request(ctx, req, body)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", u.addr, err)
 	}
@@ -143,7 +142,7 @@ func (u *upstream) do(ctx context.Context, req *fasthttp.Request, resp *fasthttp
 		// request went out; a connection of its age in the pool may be
 		// just as dead, so the retry dials.
 		u.redialed()
-		if hr, err = u.request(ctx, req); err != nil {
+		if hr, err = u.request(ctx, req, body); err != nil {
 			return nil, fmt.Errorf("%s: %w", u.addr, err)
 		}
 		hresp, err = u.fresh.RoundTrip(hr)
@@ -165,31 +164,30 @@ func (u *upstream) do(ctx context.Context, req *fasthttp.Request, resp *fasthttp
 		return &exchange{resp: resp, body: hresp.Body}, nil
 	}
 	defer hresp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(hresp.Body, int64(maxBody)+1))
+	got, err := io.ReadAll(io.LimitReader(hresp.Body, int64(maxBody)+1))
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, fmt.Errorf("%s: %w", u.addr, context.Cause(ctx))
 		}
 		return nil, fmt.Errorf("%s: read response: %w", u.addr, err)
 	}
-	if len(body) > maxBody {
+	if len(got) > maxBody {
 		return nil, fmt.Errorf("%s: %w: more than %d bytes (max_body_bytes)", u.addr, errBodyTooLarge, maxBody)
 	}
-	resp.SetBody(body)
+	resp.SetBodyRaw(got)
 	return nil, nil
 }
 
-// request copies req into a net/http request to this backend; the body is
-// shared, not copied, and req must outlive the call.
-func (u *upstream) request(ctx context.Context, req *fasthttp.Request) (*http.Request, error) {
-	body := req.Body()
-	hr, err := http.NewRequestWithContext(ctx, string(req.Header.Method()), "http://"+u.addr+string(req.RequestURI()), bytes.NewReader(body))
+// request copies req's header into a net/http request to this backend;
+// body goes out as its pieces, shared, not copied, and must outlive the
+// call.
+func (u *upstream) request(ctx context.Context, req *fasthttp.Request, body outBody) (*http.Request, error) {
+	hr, err := http.NewRequestWithContext(ctx, string(req.Header.Method()), "http://"+u.addr+string(req.RequestURI()), http.NoBody)
 	if err != nil {
 		return nil, fmt.Errorf("build request: %w", err)
 	}
-	hr.ContentLength = int64(len(body))
-	if len(body) == 0 {
-		hr.Body = http.NoBody
+	if n := body.len(); n > 0 {
+		hr.Body, hr.ContentLength = io.NopCloser(body.reader()), int64(n)
 	}
 	for k, v := range req.Header.All() {
 		switch string(k) {

@@ -121,6 +121,11 @@ type Request struct {
 	ID   uint64          `json:"id"`
 	Op   Op              `json:"op"`
 	Body json.RawMessage `json:"body,omitempty"`
+	// Peer names the connection the request came on as the server that
+	// received it proved it ("zmq:<routing id>", "unix:uid=<uid>:conn=<n>",
+	// "inmem:<links>#<n>"); the server sets it and never reads it off
+	// the wire, so a peer cannot name another.
+	Peer string `json:"-"`
 }
 
 // Reply answers the Request with the same ID.

@@ -394,7 +394,9 @@ class MetadataServer(_Handle):
     start unless ``open=True`` (served to anybody, logged loudly). It listens on loopback unless
     ``host`` says otherwise. ``max_keys``, ``max_value_bytes`` and
     ``max_total_bytes`` bound it (0: 65536 keys, 16 MiB, 256 MiB); a value
-    too large gets 413, a PUT into a full store 507.
+    too large gets 413, a PUT into a full store 507. ``max_conns`` and
+    ``max_conns_per_peer`` (0: 1024, 256) bound its connections: at a limit
+    an idle connection that has sent no request with the token makes room.
     """
 
     kind = "metadata server"
@@ -409,6 +411,8 @@ class MetadataServer(_Handle):
         max_keys: int = 0,
         max_value_bytes: int = 0,
         max_total_bytes: int = 0,
+        max_conns: int = 0,
+        max_conns_per_peer: int = 0,
     ):
         super().__init__()
         config: dict[str, Any] = {
@@ -417,6 +421,8 @@ class MetadataServer(_Handle):
             "max_keys": int(max_keys),
             "max_value_bytes": int(max_value_bytes),
             "max_total_bytes": int(max_total_bytes),
+            "max_conns": int(max_conns),
+            "max_conns_per_peer": int(max_conns_per_peer),
         }
         if token:
             config["token"] = token

@@ -135,6 +135,10 @@ def test_metadata_server_cli_passes_its_limits():
            "--max-value-bytes", str(1 << 20), "--max-total-bytes", "1024"]
     done = subprocess.run(cli, capture_output=True, text=True, env=subprocess_env(MC_METADATA_HTTP_TOKEN=""), timeout=60)
     assert done.returncode == 1 and "max_value_bytes" in done.stderr, done
+    cli = [sys.executable, "-m", "ecmooncake", "metadata-server", "--host", IP, "--port", "0", "--open",
+           "--max-conns", "8", "--max-conns-per-peer", "-1"]
+    done = subprocess.run(cli, capture_output=True, text=True, env=subprocess_env(MC_METADATA_HTTP_TOKEN=""), timeout=60)
+    assert done.returncode == 1 and "max_conns_per_peer = -1" in done.stderr, done
 
 
 def test_metadata_server_open_is_logged_loudly():
@@ -151,11 +155,12 @@ def test_metadata_server_open_is_logged_loudly():
 
 
 def test_metadata_server_object():
-    with MetadataServer(IP, 0, open=True) as server:
+    with MetadataServer(IP, 0, open=True, max_conns=16, max_conns_per_peer=8) as server:
         assert server.url.startswith(f"http://{IP}:")
         _check_store(server.url)
         stats = server.stats()
         assert stats["puts"] == 2 and stats["deletes"] == 2 and stats["keys"] == 0
+        assert stats["evicted_conns"] == 0 and stats["rejected_conns"] == 0
     assert server.closed
 
 

@@ -12,11 +12,13 @@ import stat
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import subprocess_env, wait_until
+from ecmooncake import _ffi
 from ecmooncake.native import Consumer, EcmInvalid, Producer
 from ecmooncake.tools.harness import free_port_range
 
@@ -112,8 +114,24 @@ def test_same_uid_interoperates_without_secret_settings(home):
     assert len(path.read_text().strip()) == 44, "32 random bytes, base64"
 
 
-@pytest.mark.usefixtures("library")
-def test_another_uid_is_refused_and_cannot_poison(home):
+def give_package(theirs: str, library) -> dict[str, str]:
+    """Copies the package and the library this process loaded into theirs,
+    a folder of the other uid's, and returns the environment that runs
+    them: the checkout may lie where that uid cannot enter (under /root,
+    or a 0700 folder), and what it runs must not depend on that."""
+    package = Path(_ffi.__file__).resolve().parent
+    root = Path(theirs) / "pkg"
+    copy = root / "ecmooncake"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copy2(library, copy / _ffi.LIBRARY_NAME)
+    for path in [root, *root.rglob("*")]:
+        os.chown(path, NOBODY, NOBODY)
+    env = subprocess_env(HOME=theirs, PYTHONPATH=str(root), **{_ffi.LIBRARY_ENV: str(copy / _ffi.LIBRARY_NAME)})
+    env.pop("XDG_RUNTIME_DIR", None)
+    return env
+
+
+def test_another_uid_is_refused_and_cannot_poison(home, library):
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         pytest.skip("running a process as another uid needs root and setpriv")
     port = free_port_range(1, IP)
@@ -122,9 +140,8 @@ def test_another_uid_is_refused_and_cannot_poison(home):
     theirs = tempfile.mkdtemp(prefix="ecm-nobody-")
     try:
         os.chown(theirs, NOBODY, NOBODY)
+        env = give_package(theirs, library)
         with Consumer({"ec_ip": IP, "ec_port": port}, slab) as consumer:
-            env = subprocess_env(HOME=theirs)
-            env.pop("XDG_RUNTIME_DIR", None)
             run = subprocess.run(
                 ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                  sys.executable, "-c", ATTACKER, endpoint, mm_hash],

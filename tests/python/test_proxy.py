@@ -174,13 +174,16 @@ def test_body_budget_reaches_the_config(library):
     p = argparse.ArgumentParser()
     add_proxy_arguments(p)
     cfg = proxy_config(p.parse_args([]))
-    assert (cfg["max_body_bytes"], cfg["max_bodies_in_flight"]) == (256 << 20, 8)
+    assert (cfg["max_body_bytes"], cfg["max_bodies_in_flight"], cfg["max_body_bytes_per_client"]) == (256 << 20, 8, 0)
     cfg = proxy_config(p.parse_args(["--pd", "http://127.0.0.1:1", "--host", "127.0.0.1", "--port", "0",
-                                     "--max-body-bytes", str(1 << 20), "--max-bodies-in-flight", "3"]))
-    assert (cfg["max_body_bytes"], cfg["max_bodies_in_flight"]) == (1 << 20, 3)
+                                     "--max-body-bytes", str(1 << 20), "--max-bodies-in-flight", "3",
+                                     "--max-body-bytes-per-client", str(2 << 20)]))
+    assert (cfg["max_body_bytes"], cfg["max_bodies_in_flight"], cfg["max_body_bytes_per_client"]) == (1 << 20, 3, 2 << 20)
     Proxy(cfg).close()
     with pytest.raises(EcmInvalid, match="max_bodies_in_flight"):
         Proxy({**cfg, "max_bodies_in_flight": 0})
+    with pytest.raises(EcmInvalid, match="max_body_bytes_per_client"):
+        Proxy({**cfg, "max_body_bytes_per_client": 1 << 10})
 
 
 def test_metrics_text(library):

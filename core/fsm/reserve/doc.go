@@ -81,14 +81,18 @@
 // # Requesters
 //
 // An Item names its requester (Owner, an identity unguessable to other
-// peers). A repeated reserve of a live write grant is answered with the
-// grant only for the same owner; anyone else gets ErrInProgress and no
-// region or token. Each owner's regions being written, their bytes and
-// its followers are bounded (Config.MaxPending*PerOwner,
-// MaxFollowersPerOwner), and so are one write's followers
+// peers) and its peer (Peer, the connection it came on as the control
+// plane proved it). A repeated reserve of a live write grant is answered
+// with the grant only for the same owner; anyone else gets ErrInProgress
+// and no region or token. Quotas count per peer, since an owner is only
+// what the peer says: a peer's regions being written, their bytes and its
+// followers are bounded (Config.MaxPending*PerOwner, MaxFollowersPerOwner)
+// whatever owners it names, at most MaxOwnersPerPeer owners hold records
+// under one peer at once, and one write's followers are bounded
 // (Config.MaxFollowers): over a bound a reservation is refused with
-// ErrOverQuota and settled at once like a refusal for room, so a flood
-// costs only tombstones, which are bounded.
+// ErrOverQuota, counted by reason (Stats.OverQuota) and settled at once
+// like a refusal for room, so a flood costs only tombstones, which are
+// bounded. The table only compares peers: naming them is the caller's.
 //
 // # Safety of the data plane
 //

@@ -8,8 +8,9 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
+// owned is an item of owner's, sent on a connection of its own.
 func owned(owner, tid, hash string, n uint64) Item {
-	return Item{TransferID: tid, MMHash: hash, NBytes: n, Owner: owner}
+	return Item{TransferID: tid, MMHash: hash, NBytes: n, Owner: owner, Peer: "conn-" + owner}
 }
 
 func newGrantTable(slabBytes uint64, cfg Config) *Table {
@@ -135,5 +136,35 @@ func TestACancelWithoutTheTokenNeverEndsAWrite(t *testing.T) {
 	require.ErrorIs(t, tab.Complete(victim.Res, forged, epoch), ErrBadToken, "complete without the token is refused")
 	require.ErrorIs(t, tab.Abandon(victim.Res, forged, "x", epoch), ErrBadToken, "abandon without the token is refused")
 	require.NoError(t, tab.Complete(victim.Res, victim.Token, epoch))
+	require.NoError(t, tab.CheckInvariants())
+}
+
+// A peer that names more requesters on one connection gains no room:
+// its quota counts per connection, and past MaxOwnersPerPeer requesters
+// holding records it is refused by name; another connection still gets
+// its grants.
+func TestQuotaCountsPerConnectionWhateverRequesterItNames(t *testing.T) {
+	tab := newGrantTable(1<<20, Config{MaxPendingBytesPerOwner: 48 << 10, MaxOwnersPerPeer: 2})
+	on := func(peer, owner, tid string, n uint64) Grant {
+		return tab.Reserve([]Item{{TransferID: tid, MMHash: "h-" + tid, NBytes: n, Owner: owner, Peer: peer}}, epoch)[0]
+	}
+	require.NoError(t, on("conn-a", "first", "a0", 32<<10).Err)
+	g := on("conn-a", "second", "a1", 32<<10)
+	require.ErrorIs(t, g.Err, ErrOverQuota, "32 KiB + 32 KiB pass the connection's 48 KiB, whoever asks")
+	require.ErrorContains(t, g.Err, "max_pending_bytes_per_producer")
+	require.NoError(t, on("conn-a", "second", "a2", 4<<10).Err, "within the connection's quota")
+	g = on("conn-a", "third", "a3", 4<<10)
+	require.ErrorIs(t, g.Err, ErrOverQuota)
+	require.ErrorContains(t, g.Err, "max_requesters_per_connection", "a third requester on one connection is refused by name")
+	require.Equal(t, map[string]uint64{QuotaPendingBytes: 1, QuotaRequesters: 1}, tab.Stats().OverQuota)
+
+	require.NoError(t, on("conn-b", "honest", "b0", 32<<10).Err, "another connection gets its grant")
+	require.NoError(t, tab.CheckInvariants())
+
+	// A requester's records gone, its place among the connection's
+	// requesters is free again.
+	g0 := tab.Reserve([]Item{{TransferID: "a0", MMHash: "h-a0", NBytes: 32 << 10, Owner: "first", Peer: "conn-a"}}, epoch)[0]
+	require.NoError(t, tab.Complete(g0.Res, g0.Token, epoch))
+	require.NoError(t, on("conn-a", "third", "a4", 4<<10).Err)
 	require.NoError(t, tab.CheckInvariants())
 }

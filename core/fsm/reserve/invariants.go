@@ -1,6 +1,8 @@
 package reserve
 
 import (
+	"maps"
+
 	"github.com/ecmooncake/ecmooncake/core/internal/invariant"
 )
 
@@ -26,27 +28,44 @@ func (t *Table) CheckInvariants() error {
 		}
 	}
 
-	// Each requester's quota use is what its live records add up to.
-	want := map[string]ownerUse{}
+	// Each peer's quota use is what its live records add up to, and
+	// the requesters it counts are those of its records.
+	type use struct {
+		pending      int
+		pendingBytes uint64
+		followers    int
+		owners       map[string]int
+	}
+	want := map[string]*use{}
+	at := func(peer string) *use {
+		if want[peer] == nil {
+			want[peer] = &use{owners: map[string]int{}}
+		}
+		return want[peer]
+	}
 	for _, r := range t.regions {
 		if r.state == Writing {
-			u := want[r.owner]
+			u := at(r.peer)
 			u.pending++
 			u.pendingBytes += r.nbytes
-			want[r.owner] = u
+			u.owners[r.owner]++
 		}
 		for _, f := range r.followers {
-			u := want[f.owner]
+			u := at(f.peer)
 			u.followers++
-			want[f.owner] = u
+			u.owners[f.owner]++
 		}
 	}
-	if len(want) != len(t.owners) {
-		bad("%d requesters hold records, %d are counted", len(want), len(t.owners))
+	if len(want) != len(t.peers) {
+		bad("%d peers hold records, %d are counted", len(want), len(t.peers))
 	}
-	for owner, u := range t.owners {
-		if want[owner] != *u {
-			bad("requester %q counted %+v, holds %+v", owner, *u, want[owner])
+	for peer, u := range t.peers {
+		w := want[peer]
+		if w == nil || w.pending != u.pending || w.pendingBytes != u.pendingBytes || w.followers != u.followers || !maps.Equal(w.owners, u.owners) {
+			bad("peer %q counted %+v, holds %+v", peer, *u, w)
+		}
+		if len(u.owners) > t.cfg.MaxOwnersPerPeer {
+			bad("peer %q holds records of %d requesters, over %d", peer, len(u.owners), t.cfg.MaxOwnersPerPeer)
 		}
 	}
 

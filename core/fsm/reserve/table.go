@@ -4,6 +4,7 @@ import (
 	"container/list"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"time"
 
@@ -80,6 +81,9 @@ const (
 	// records one requester keeps live.
 	DefaultMaxPendingPerOwner   = 4096
 	DefaultMaxFollowersPerOwner = 4096
+	// DefaultMaxOwnersPerPeer bounds the requesters one connection holds
+	// records for: a producer sends under one.
+	DefaultMaxOwnersPerPeer = 4
 )
 
 // Config tunes a Table; zero fields take the defaults.
@@ -95,14 +99,19 @@ type Config struct {
 	// MaxFollowers bounds the transfers following one write.
 	MaxFollowers int
 	// MaxPendingPerOwner, MaxPendingBytesPerOwner and
-	// MaxFollowersPerOwner bound what one requester (Item.Owner) holds
-	// at once: regions being written, their bytes, and transfers
-	// following others' writes. The bytes default to three quarters of
-	// the slab; a requester holding nothing is always allowed one region,
-	// so an item larger than its share still fits an idle slab.
+	// MaxFollowersPerOwner bound what one peer (Item.Peer, the
+	// authenticated connection) holds at once, whatever requesters it
+	// names: regions being written, their bytes, and transfers following
+	// others' writes. The bytes default to three quarters of the slab; a
+	// peer holding nothing is always allowed one region, so an item
+	// larger than its share still fits an idle slab.
 	MaxPendingPerOwner      int
 	MaxPendingBytesPerOwner uint64
 	MaxFollowersPerOwner    int
+	// MaxOwnersPerPeer bounds the requesters one peer holds records for
+	// at once; one more is refused (ErrOverQuota, counted as
+	// QuotaRequesters).
+	MaxOwnersPerPeer int
 }
 
 func (c Config) withDefaults(slabSize uint64) Config {
@@ -111,6 +120,7 @@ func (c Config) withDefaults(slabSize uint64) Config {
 	defaults.Positive(&c.MaxFollowers, DefaultMaxFollowers)
 	defaults.Positive(&c.MaxPendingPerOwner, DefaultMaxPendingPerOwner)
 	defaults.Positive(&c.MaxFollowersPerOwner, DefaultMaxFollowersPerOwner)
+	defaults.Positive(&c.MaxOwnersPerPeer, DefaultMaxOwnersPerPeer)
 	if c.MaxPendingBytesPerOwner == 0 {
 		c.MaxPendingBytesPerOwner = max(slabSize/4*3, 1)
 	}
@@ -124,10 +134,14 @@ type Item struct {
 	NBytes     uint64
 	Meta       string // opaque; kept with the region and returned by Meta
 	// Owner names the requester (the producer that sent the reserve): a
-	// write grant is repeated only to its owner, and quotas are counted
-	// per owner. It must be unguessable to others, or they can claim
-	// the grant.
+	// write grant is repeated only to its owner. It must be unguessable
+	// to others, or they can claim the grant.
 	Owner string
+	// Peer names what the reserve came from as its sender proved it (the
+	// control plane's name for the authenticated connection): quotas are
+	// counted per peer, so that naming more requesters gains no room.
+	// The table only compares it.
+	Peer string
 }
 
 // Grant answers one Item. Res, Token and Offset are set only for
@@ -172,6 +186,7 @@ type StatusInfo struct {
 
 type region struct {
 	owner  string // the requester whose write grant it is
+	peer   string // the connection its quota counts under
 	res    ids.ResID
 	token  ids.Token
 	mmHash string
@@ -203,6 +218,7 @@ type region struct {
 
 type transfer struct {
 	owner  string
+	peer   string
 	id     string
 	mmHash string
 	kind   Kind
@@ -238,6 +254,10 @@ type Stats struct {
 	CompletedBytes uint64
 	RejectedWrites Rejections
 	UnmatchedEnds  uint64 // EndWrite calls with no write in flight
+	// OverQuota counts reservations refused for quota, by reason
+	// (QuotaPending, QuotaPendingBytes, QuotaFollowers,
+	// QuotaPeerFollowers, QuotaRequesters).
+	OverQuota map[string]uint64
 }
 
 // Table is the reservation table of one consumer shard. It is not safe for
@@ -272,9 +292,11 @@ type Table struct {
 	completed     uint64
 	completedB    uint64
 
-	// owners counts what each requester holds; an entry goes when it
-	// holds nothing, so the map is bounded by the live records.
-	owners map[string]*ownerUse
+	// peers counts what each peer holds; an entry goes when it holds
+	// nothing, so the map is bounded by the live records.
+	peers map[string]*peerUse
+	// overQuota counts quota refusals by reason (Quota* names).
+	overQuota map[string]uint64
 
 	// broken records the first internal inconsistency (an illegal
 	// transition or a refused free); CheckInvariants reports it.
@@ -292,7 +314,8 @@ func New(s *slab.Slab, cfg Config, tokens ids.TokenSource) *Table {
 		regions:   make(map[ids.ResID]*region),
 		byHash:    make(map[string]*region),
 		transfers: make(map[string]*transfer),
-		owners:    make(map[string]*ownerUse),
+		peers:     make(map[string]*peerUse),
+		overQuota: make(map[string]uint64),
 		residents: list.New(),
 		tomb:      newTombstones(cfg.MaxTombstones),
 	}
@@ -366,9 +389,9 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 			}
 		}
 		r.joined++
-		tr := &transfer{owner: it.Owner, id: it.TransferID, mmHash: it.MMHash, nbytes: it.NBytes, region: r}
+		tr := &transfer{owner: it.Owner, peer: it.Peer, id: it.TransferID, mmHash: it.MMHash, nbytes: it.NBytes, region: r}
 		if r.state == Writing {
-			t.use(it.Owner).followers++
+			t.hold(it.Peer, it.Owner, func(u *peerUse) { u.followers++ })
 			tr.kind = KindFollow
 			r.followers = append(r.followers, tr)
 			t.transfers[tr.id] = tr
@@ -404,16 +427,17 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 	res := t.resIDs.Next()
 	t.lastRes = res
 	r := &region{
-		owner: it.Owner, res: res, token: tok, mmHash: it.MMHash, meta: it.Meta,
+		owner: it.Owner, peer: it.Peer, res: res, token: tok, mmHash: it.MMHash, meta: it.Meta,
 		off: off, nbytes: it.NBytes, alloc: alloc,
 		state: Writing,
 	}
 	t.setDeadline(r, now.Add(t.cfg.Lease))
-	tr := &transfer{owner: it.Owner, id: it.TransferID, mmHash: it.MMHash, kind: KindWrite, nbytes: it.NBytes, region: r}
+	tr := &transfer{owner: it.Owner, peer: it.Peer, id: it.TransferID, mmHash: it.MMHash, kind: KindWrite, nbytes: it.NBytes, region: r}
 	r.writer = tr
-	u := t.use(it.Owner)
-	u.pending++
-	u.pendingBytes += r.nbytes
+	t.hold(it.Peer, it.Owner, func(u *peerUse) {
+		u.pending++
+		u.pendingBytes += r.nbytes
+	})
 	t.regions[res] = r
 	t.fileByOff(r)
 	t.byHash[it.MMHash] = r
@@ -934,6 +958,7 @@ func (t *Table) Stats() Stats {
 		CompletedBytes: t.completedB,
 		RejectedWrites: t.rejected,
 		UnmatchedEnds:  t.unmatchedEnds,
+		OverQuota:      maps.Clone(t.overQuota),
 	}
 	for _, r := range t.regions {
 		s.Regions[r.state]++
@@ -1018,7 +1043,7 @@ func (t *Table) settle(tr *transfer, outcome State, reason string) {
 			r.writer = nil
 		} else if i := slices.Index(r.followers, tr); i >= 0 {
 			r.followers = slices.Delete(r.followers, i, i+1)
-			t.drop(tr.owner, func(u *ownerUse) { u.followers-- })
+			t.drop(tr.peer, tr.owner, func(u *peerUse) { u.followers-- })
 		}
 	}
 	delete(t.transfers, tr.id)
@@ -1053,71 +1078,115 @@ func because(reason string) string {
 	return " (" + reason + ")"
 }
 
-// ownerUse is what one requester holds: regions it is writing and their
-// bytes, and transfers following others' writes.
-type ownerUse struct {
+// peerUse is what one peer holds: regions it is writing and their bytes,
+// and transfers following others' writes; and, by requester, how many of
+// those records each holds.
+type peerUse struct {
 	pending      int
 	pendingBytes uint64
 	followers    int
+	owners       map[string]int
 }
 
-func (t *Table) use(owner string) *ownerUse {
-	u := t.owners[owner]
+// Why a reservation was refused for quota (Stats.OverQuota keys).
+const (
+	QuotaPending         = "pending"
+	QuotaPendingBytes    = "pending_bytes"
+	QuotaFollowers       = "followers"
+	QuotaPeerFollowers   = "peer_followers"
+	QuotaRequesters      = "requesters_per_peer"
+	quotaRequestersLimit = "max_requesters_per_connection"
+)
+
+// hold adds one record of owner's to peer's use, through f.
+func (t *Table) hold(peer, owner string, f func(*peerUse)) {
+	u := t.peers[peer]
 	if u == nil {
-		u = &ownerUse{}
-		t.owners[owner] = u
+		u = &peerUse{owners: map[string]int{}}
+		t.peers[peer] = u
 	}
-	return u
+	u.owners[owner]++
+	f(u)
 }
 
-// drop applies f to owner's use and forgets an owner that holds nothing.
-func (t *Table) drop(owner string, f func(*ownerUse)) {
-	u := t.owners[owner]
-	if u == nil {
-		t.fault(fmt.Errorf("requester %q releases what it never held", owner))
+// drop takes one record of owner's from peer's use, through f, and
+// forgets a requester, then a peer, that holds nothing.
+func (t *Table) drop(peer, owner string, f func(*peerUse)) {
+	u := t.peers[peer]
+	if u == nil || u.owners[owner] == 0 {
+		t.fault(fmt.Errorf("requester %q of peer %q releases what it never held", owner, peer))
 		return
 	}
 	f(u)
-	if *u == (ownerUse{}) {
-		delete(t.owners, owner)
+	if u.owners[owner]--; u.owners[owner] == 0 {
+		delete(u.owners, owner)
+	}
+	if len(u.owners) == 0 {
+		if u.pending != 0 || u.pendingBytes != 0 || u.followers != 0 {
+			t.fault(fmt.Errorf("peer %q holds no records but counts %d pending, %d bytes, %d followers", peer, u.pending, u.pendingBytes, u.followers))
+		}
+		delete(t.peers, peer)
 	}
 }
 
-// unpend returns a region's share of its owner's quota when it stops
+// unpend returns a region's share of its peer's quota when it stops
 // being written (ready, or doomed: a pending region's memory waits for
-// the writes in flight, but its owner can no longer add to them).
+// the writes in flight, but its writer can no longer add to them).
 func (t *Table) unpend(r *region) {
-	t.drop(r.owner, func(u *ownerUse) {
+	t.drop(r.peer, r.owner, func(u *peerUse) {
 		u.pending--
 		u.pendingBytes -= r.nbytes
 	})
 }
 
-// pendingQuota refuses a new region past its requester's share.
+// overQuotaErr counts a quota refusal under why.
+func (t *Table) overQuotaErr(why string, format string, args ...any) error {
+	t.overQuota[why]++
+	return fmt.Errorf(format, args...)
+}
+
+// requesterQuota refuses a record of a requester new to its peer once the
+// peer holds records of MaxOwnersPerPeer requesters.
+func (t *Table) requesterQuota(it Item) error {
+	u := t.peers[it.Peer]
+	if u == nil || u.owners[it.Owner] > 0 || len(u.owners) < t.cfg.MaxOwnersPerPeer {
+		return nil
+	}
+	return t.overQuotaErr(QuotaRequesters, "reserve transfer %s (%s): %w: its connection holds records of %d requesters already (%s %d); requester %q is one too many",
+		it.TransferID, it.MMHash, ErrOverQuota, len(u.owners), quotaRequestersLimit, t.cfg.MaxOwnersPerPeer, it.Owner)
+}
+
+// pendingQuota refuses a new region past its peer's share.
 func (t *Table) pendingQuota(it Item) error {
-	u := t.owners[it.Owner]
+	if err := t.requesterQuota(it); err != nil {
+		return err
+	}
+	u := t.peers[it.Peer]
 	if u == nil {
 		return nil
 	}
 	switch {
 	case u.pending >= t.cfg.MaxPendingPerOwner:
-		return fmt.Errorf("reserve transfer %s (%s): %w: requester %q is writing %d regions (max_pending_per_producer %d)",
+		return t.overQuotaErr(QuotaPending, "reserve transfer %s (%s): %w: its connection (requester %q) is writing %d regions (max_pending_per_producer %d)",
 			it.TransferID, it.MMHash, ErrOverQuota, it.Owner, u.pending, t.cfg.MaxPendingPerOwner)
 	case u.pending > 0 && u.pendingBytes+it.NBytes > t.cfg.MaxPendingBytesPerOwner:
-		return fmt.Errorf("reserve transfer %s (%s): %w: requester %q is writing %d bytes, %d more would pass %d (max_pending_bytes_per_producer)",
+		return t.overQuotaErr(QuotaPendingBytes, "reserve transfer %s (%s): %w: its connection (requester %q) is writing %d bytes, %d more would pass %d (max_pending_bytes_per_producer)",
 			it.TransferID, it.MMHash, ErrOverQuota, it.Owner, u.pendingBytes, it.NBytes, t.cfg.MaxPendingBytesPerOwner)
 	}
 	return nil
 }
 
-// followQuota refuses a follower past its write's or its requester's bound.
+// followQuota refuses a follower past its write's or its peer's bound.
 func (t *Table) followQuota(it Item, r *region) error {
 	if len(r.followers) >= t.cfg.MaxFollowers {
-		return fmt.Errorf("reserve transfer %s (%s): %w: %d transfers already follow its write (max_followers %d)",
+		return t.overQuotaErr(QuotaFollowers, "reserve transfer %s (%s): %w: %d transfers already follow its write (max_followers %d)",
 			it.TransferID, it.MMHash, ErrOverQuota, len(r.followers), t.cfg.MaxFollowers)
 	}
-	if u := t.owners[it.Owner]; u != nil && u.followers >= t.cfg.MaxFollowersPerOwner {
-		return fmt.Errorf("reserve transfer %s (%s): %w: requester %q follows %d writes (max_followers_per_producer %d)",
+	if err := t.requesterQuota(it); err != nil {
+		return err
+	}
+	if u := t.peers[it.Peer]; u != nil && u.followers >= t.cfg.MaxFollowersPerOwner {
+		return t.overQuotaErr(QuotaPeerFollowers, "reserve transfer %s (%s): %w: its connection (requester %q) follows %d writes (max_followers_per_producer %d)",
 			it.TransferID, it.MMHash, ErrOverQuota, it.Owner, u.followers, t.cfg.MaxFollowersPerOwner)
 	}
 	return nil

@@ -24,6 +24,9 @@ LIMITS = (
     ("--max-value-bytes", 0, "largest value; a larger PUT gets 413; 0 means 16 MiB"),
     ("--max-total-bytes", 0, "most bytes of keys and values together; a PUT past it (or past --max-keys) gets 507; "
      "0 means 256 MiB"),
+    ("--max-conns", 0, "most connections served at once; at the cap an idle connection that sent no request with "
+     "the token makes room for a new one; 0 means 1024"),
+    ("--max-conns-per-peer", 0, "most connections of one peer address; 0 means 256"),
 )
 
 

@@ -49,6 +49,8 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
         ("--max-body-bytes", 256 << 20, "largest request body, in bytes; a larger one is answered 413"),
         ("--max-bodies-in-flight", 8, "the proxy holds at most --max-body-bytes × this many bytes of request bodies at "
          "once, all requests together; a body that would take it over is answered 503 with Retry-After"),
+        ("--max-body-bytes-per-client", 0, "the most of that budget the requests of one client (peer address) hold at "
+         "once; past it, 503 with Retry-After; 0: half the budget, never less than --max-body-bytes"),
     )
     p.add_argument("--no-register", action="store_true", help="refuse POST /v1/ecm/register even with a register token (static lists only)")
     add_token_arguments(p, name="register-token", env=REGISTER_TOKEN_ENV, what="the register token", file_help=(
@@ -73,7 +75,7 @@ def settings_of(args: argparse.Namespace, same: str, **renamed: str) -> dict[str
 
 def proxy_config(args: argparse.Namespace, token: str | None = None) -> dict[str, Any]:
     same = "host port metrics_port encode pd prefill decode retries ec_port fail_threshold admin_port admin_host"
-    same += " max_body_bytes max_bodies_in_flight"
+    same += " max_body_bytes max_bodies_in_flight max_body_bytes_per_client"
     return settings_of(
         args,
         same,
