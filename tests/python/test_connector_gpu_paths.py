@@ -218,17 +218,17 @@ def test_a_strided_output_is_made_contiguous_at_capture(torch, abi):
     worker.close()
 
 
-@pytest.mark.parametrize("transport", ["mooncake", "shm"])
-def test_host_only_transports_still_get_a_pinned_host_copy(torch, abi, monkeypatch, transport):
+@pytest.mark.parametrize("transport", ["mooncake", "shm", "tcp"])
+def test_every_transport_gets_cuda_outputs_as_device_memory(torch, abi, transport):
+    """No CUDA output is copied to host memory in Python: the library
+    stages it where its transport needs host memory."""
     worker = producer._ProducerWorker(config("producer", **{"transport": transport}))
-    submitted = []
-    monkeypatch.setattr(worker._copier, "submit", lambda h, t: submitted.append((h, t)))
+    assert not hasattr(producer, "_HostCopier")
     worker.announce([push()], None)
     out = GpuTensor()
     worker.capture("h1", out)
     worker.finish(set())
-    assert submitted == [("h1", out)]
-    assert abi.sources == [], "no device memory reaches a host-only writer"
+    assert [(s["mm_hash"], s["device"], s["stream"]) for s in abi.sources] == [("h1", 0, 0x1000)]
     worker.close()
 
 
