@@ -9,6 +9,11 @@ type Availability struct {
 	Available bool     `json:"available"`
 	Reason    string   `json:"reason,omitempty"`
 	Symbols   []string `json:"symbols"`
+	// RegistersGPU says whether the engine is a CUDA build, which registers
+	// GPU memory (a GPU slab on the consumer, GPU staging on the producer);
+	// GPUReason says how that was read.
+	RegistersGPU bool   `json:"registers_gpu"`
+	GPUReason    string `json:"gpu_reason,omitempty"`
 }
 
 // Probe loads the library at path (empty: DefaultLibrary on the loader's
@@ -23,6 +28,7 @@ func Probe(path, engine string) Availability {
 	if engine != "" {
 		out.Version, _ = WheelVersion(engine)
 	}
+	out.RegistersGPU, out.GPUReason = gpuSupport(Config{Library: path, Engine: engine})
 	if _, err := load(path, engine); err != nil {
 		out.Reason = err.Error()
 	} else {

@@ -1,0 +1,57 @@
+"""The CPU-checkable parts of the GPU host's mooncake step
+(``bash build/gpu_run.sh mooncake``): the script's syntax and commands, the
+connector bench's path selection, and the table that sets our figures
+against the engine's own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from conftest import REPO
+from ecmooncake.tools import connector_gpu, mooncake_gpu
+
+SCRIPT = REPO / "build" / "gpu_run.sh"
+
+
+def test_the_script_parses_and_names_its_steps():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    out = subprocess.run(["bash", str(SCRIPT), "no-such-step"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "mooncake [DIR]" in out.stderr and "fetch-mooncake" in out.stderr
+
+
+def test_the_mooncake_step_needs_the_carried_wheels(tmp_path):
+    env = {**os.environ, "ECM_ARTIFACTS": str(tmp_path / "artifacts"), "ECM_WHEELS": str(tmp_path / "whl")}
+    out = subprocess.run(["bash", str(SCRIPT), "mooncake", str(tmp_path / "out")], capture_output=True, text=True, env=env, cwd=REPO)
+    assert out.returncode == 1
+    assert "no ecmooncake wheel" in out.stderr and "gpu_run.sh pack" in out.stderr
+
+
+def test_all_paths_leave_mooncake_to_a_run_that_names_it():
+    assert [p[0] for p in connector_gpu.select_paths("all")] == ["cuda_ipc", "staged tcp", "pinned host"]
+    (name, common, pd_extra), = connector_gpu.select_paths("mooncake")
+    assert name == "mooncake"
+    assert common == {"transport": "mooncake", "mooncake_protocol": "tcp"}
+    assert pd_extra == {"buffer_memory": "device"}, "the PD's slab is GPU memory"
+
+
+def test_our_figures_are_ratios_to_the_engines(tmp_path):
+    ours = {"rows": [{"path": "mooncake", "mib": 32, "batch": 8, "batch_s": 0.400}, {"path": "mooncake", "mib": 4, "batch": 1, "batch_s": 0.010}]}
+    engine = {
+        "protocol": "tcp",
+        "rows": [{"mib": 4, "batch": 1, "batch_s": 0.004}, {"mib": 32, "batch": 8, "batch_s": 0.200}, {"mib": 128, "batch": 1, "batch_s": 0.1}],
+        "register_vs_copy": [{"mib": 4, "register_s_with_0": 0.002, "unregister_s_with_0": 0.001, "register_s_with_16": 0.004, "unregister_s_with_16": 0.001, "device_copy_s": 0.00001}],
+    }
+    lines = mooncake_gpu.compare(ours, engine)
+    rows = {tuple(line.split()[:2]): line.split() for line in lines if line.split()[:1] and line.split()[0].isdigit()}
+    assert rows[("4", "1")][-1] == "0.400"
+    assert rows[("32", "8")][-1] == "0.500"
+    assert rows[("128", "1")][-1] == "-", "a size the bench did not run has no ratio"
+    (a, b) = (tmp_path / "ours.json", tmp_path / "engine.json")
+    a.write_text(json.dumps(ours))
+    b.write_text(json.dumps(engine))
+    out = subprocess.run(["python3", "-m", "ecmooncake.tools.mooncake_gpu", "--compare", str(a), str(b)], capture_output=True, text=True, cwd=REPO / "python")
+    assert out.returncode == 0, out.stderr
+    assert "register ms" in out.stdout and "0.500" in out.stdout
