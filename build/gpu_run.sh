@@ -175,8 +175,23 @@ MOONCAKE_WHEEL=${ECM_MOONCAKE_WHEEL:-mooncake-transfer-engine-cuda13==0.3.14}
 WHL=${ECM_WHEELS:-$PWD/.whl}
 
 # fetch_mooncake downloads the wheel for the GPU host (cp312, manylinux
-# x86_64) into .whl/, on the build machine.
+# x86_64), on the build machine, and writes into .whl/ the copy of it that
+# is carried: its transfer engine only (build/slim_mooncake_wheel.py; the
+# whole wheel, 49.7 MB, would not fit one upload beside .artifacts/).
 fetch_mooncake() {
+	local tmp
+	tmp=$(mktemp -d /tmp/ecm-mooncake-wheel.XXXXXX) || return 1
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_35_x86_64 -d "$tmp" "$MOONCAKE_WHEEL" || { rm -rf "$tmp"; return 1; }
+	rm -f "$WHL"/mooncake_transfer_engine*.whl
+	python3 build/slim_mooncake_wheel.py "$tmp"/mooncake_transfer_engine*.whl "$WHL"
+	local rc=$?
+	rm -rf "$tmp"
+	ls -l "$WHL"
+	return $rc
+}
+
+mooncake() {
 	mkdir -p "$WHL"
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_35_x86_64 -d "$WHL" "$MOONCAKE_WHEEL" || return 1

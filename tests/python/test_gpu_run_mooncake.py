@@ -55,3 +55,46 @@ def test_our_figures_are_ratios_to_the_engines(tmp_path):
     out = subprocess.run(["python3", "-m", "ecmooncake.tools.mooncake_gpu", "--compare", str(a), str(b)], capture_output=True, text=True, cwd=REPO / "python")
     assert out.returncode == 0, out.stderr
     assert "register ms" in out.stdout and "0.500" in out.stdout
+
+
+def _so(tmp_path, name, needs=()):
+    """A shared library named name needing the libraries in needs."""
+    src = tmp_path / "s.c"
+    src.write_text("int f(void) { return 0; }\n")
+    args = ["cc", "-shared", "-fPIC", "-o", str(tmp_path / name), f"-Wl,-soname,{name}", str(src), "-Wl,--no-as-needed", f"-L{tmp_path}"]
+    subprocess.run(args + [f"-l:{n}" for n in needs], check=True)
+    return (tmp_path / name).read_bytes()
+
+
+def test_the_carried_mooncake_wheel_keeps_what_the_engine_loads(tmp_path):
+    import importlib.util
+    import zipfile
+
+    spec = importlib.util.spec_from_file_location("slim", REPO / "build" / "slim_mooncake_wheel.py")
+    slim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(slim)
+    libs = {"libdep.so.1": _so(tmp_path, "libdep.so.1")}
+    libs["libmid.so"] = _so(tmp_path, "libmid.so", ["libdep.so.1"])
+    files = {
+        "mooncake/__init__.py": b"",
+        "mooncake/engine.so": _so(tmp_path, "engine.so", ["libmid.so"]),
+        "mooncake/libmid.so": libs["libmid.so"],
+        "mooncake.libs/libdep.so.1": libs["libdep.so.1"],
+        "mooncake/_store.so": _so(tmp_path, "_store.so", ["libdep.so.1"]),
+        "mooncake/mooncake_master": _so(tmp_path, "master"),
+    }
+    record = "".join(f"{n},sha256=x,{len(d)}\n" for n, d in files.items()) + "mooncake-0.1.dist-info/RECORD,,\n"
+    whl = tmp_path / "in" / "mooncake-0.1-cp312-cp312-manylinux_2_28_x86_64.whl"
+    whl.parent.mkdir()
+    with zipfile.ZipFile(whl, "w") as z:
+        for n, d in files.items():
+            z.writestr(n, d)
+        z.writestr("mooncake-0.1.dist-info/RECORD", record)
+    out = slim.slim(str(whl), str(tmp_path / "out"))
+    with zipfile.ZipFile(out) as z:
+        names = set(z.namelist())
+        kept_record = z.read("mooncake-0.1.dist-info/RECORD").decode()
+        assert z.read("mooncake/engine.so") == files["mooncake/engine.so"], "kept byte for byte"
+    assert names == {"mooncake/__init__.py", "mooncake/engine.so", "mooncake/libmid.so", "mooncake.libs/libdep.so.1", "mooncake-0.1.dist-info/RECORD"}
+    assert "_store.so" not in kept_record and "mooncake_master" not in kept_record
+    assert "mooncake/libmid.so" in kept_record
