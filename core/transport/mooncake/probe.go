@@ -6,14 +6,14 @@ type Availability struct {
 	Library   string   `json:"library"`
 	Engine    string   `json:"engine,omitempty"`
 	Version   string   `json:"version,omitempty"`
-	Available bool     `json:"available"`
-	Reason    string   `json:"reason,omitempty"`
-	Symbols   []string `json:"symbols"`
 	// RegistersGPU says whether the engine is a CUDA build, which registers
 	// GPU memory (a GPU slab on the consumer, GPU staging on the producer);
 	// GPUReason says how that was read.
 	RegistersGPU bool   `json:"registers_gpu"`
 	GPUReason    string `json:"gpu_reason,omitempty"`
+	Available bool     `json:"available"`
+	Reason    string   `json:"reason,omitempty"`
+	Symbols   []string `json:"symbols"`
 }
 
 // Probe loads the library at path (empty: DefaultLibrary on the loader's
@@ -25,10 +25,10 @@ func Probe(path, engine string) Availability {
 		path = DefaultLibrary
 	}
 	out := Availability{Library: path, Engine: engine, Symbols: append([]string(nil), symbols...)}
+	out.RegistersGPU, out.GPUReason = gpuSupport(Config{Library: path, Engine: engine})
 	if engine != "" {
 		out.Version, _ = WheelVersion(engine)
 	}
-	out.RegistersGPU, out.GPUReason = gpuSupport(Config{Library: path, Engine: engine})
 	if _, err := load(path, engine); err != nil {
 		out.Reason = err.Error()
 	} else {
