@@ -3,14 +3,15 @@ package mooncake
 // Availability says whether a TransferEngine library can serve this
 // transport, for tools that check a host before anything is configured.
 type Availability struct {
-	Library   string   `json:"library"`
-	Engine    string   `json:"engine,omitempty"`
-	Version   string   `json:"version,omitempty"`
 	// RegistersGPU says whether the engine is a CUDA build, which registers
 	// GPU memory (a GPU slab on the consumer, GPU staging on the producer);
 	// GPUReason says how that was read.
 	RegistersGPU bool   `json:"registers_gpu"`
 	GPUReason    string `json:"gpu_reason,omitempty"`
+
+	Library   string   `json:"library"`
+	Engine    string   `json:"engine,omitempty"`
+	Version   string   `json:"version,omitempty"`
 	Available bool     `json:"available"`
 	Reason    string   `json:"reason,omitempty"`
 	Symbols   []string `json:"symbols"`
