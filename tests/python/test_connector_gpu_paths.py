@@ -277,7 +277,6 @@ def shard(monkeypatch):
         ("cuda:1", {}, "device", "cuda:1", False),
         ("cuda", {"buffer_memory": "device"}, "device", "cuda:0", False),
         ("cuda", {"buffer_memory": "pinned_host"}, "pinned_host", "cpu", True),
-        ("cuda", {"transport": "mooncake"}, "pinned_host", "cpu", True),
         ("cuda", {"transport": "mooncake", "buffer_memory": "device"}, "device", "cuda:0", False),
         ("cpu", {}, "host", "cpu", False),
     ],
@@ -290,6 +289,32 @@ def test_the_slab_lives_where_the_settings_say(torch, shard, device, extra, memo
     (made,) = torch.made
     assert (made["device"], made["pin_memory"], made["nbytes"]) == (where, pinned, 16 << 20)
     assert worker._native.slab is made["tensor"], "the library gets the slab itself"
+
+
+@pytest.mark.parametrize("cuda_build, memory", [(False, "pinned_host"), (True, "device")])
+def test_a_mooncake_slab_is_gpu_memory_when_the_engine_registers_it(monkeypatch, cuda_build, memory):
+    asked = []
+
+    def info(library=None, engine=None):
+        asked.append((library, engine))
+        return {"available": True, "registers_gpu": cuda_build, "gpu_reason": "stand-in"}
+
+    import ecmooncake.native
+
+    monkeypatch.setattr(ecmooncake.native, "mooncake_info", info)
+    cfg = config("consumer", "cuda", transport="mooncake", mooncake_engine="/x/mooncake/engine.so", mooncake_library="/x/shim.so")
+    assert cfg.slab_memory == memory
+    assert asked == [("/x/shim.so", "/x/mooncake/engine.so")], "the engine the shard will load is the one asked"
+
+
+def test_a_mooncake_engine_that_cannot_be_asked_keeps_the_slab_in_pinned_host_memory(monkeypatch):
+    import ecmooncake.native
+
+    def broken(*_a, **_k):
+        raise OSError("libecmooncake.so: cannot open shared object file")
+
+    monkeypatch.setattr(ecmooncake.native, "mooncake_info", broken)
+    assert config("consumer", "cuda", transport="mooncake").slab_memory == "pinned_host"
 
 
 def test_buffer_memory_takes_only_known_values():

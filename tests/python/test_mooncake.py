@@ -632,3 +632,14 @@ def test_real_engine_shard_killed_mid_write_http_inside_the_namespace(workers, m
 def test_real_engine_producer_killed_mid_write_inside_the_namespace(workers, monkeypatch):
     monkeypatch.delenv(native.MOONCAKE_LIBRARY_ENV, raising=False)
     _producer_killed_mid_write(workers, {"mooncake_protocol": "tcp"}, _real_producer(), "rpkill")
+
+
+def test_mooncake_info_says_whether_the_engine_registers_gpu_memory(double):
+    info = native.mooncake_info(str(double), "")
+    assert info["available"], info
+    assert info["registers_gpu"] is False, "the double links no CUDA runtime"
+    assert "links no CUDA runtime" in info["gpu_reason"]
+    wheel = environment.mooncake_wheel()
+    if wheel is not None and os.path.isfile(wheel["shim"]):
+        real = native.mooncake_info(wheel["shim"], wheel["engine"])
+        assert "gpu_reason" in real and isinstance(real["registers_gpu"], bool), real
