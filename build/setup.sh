@@ -3,8 +3,12 @@
 # its headers, a C compiler, binutils), fetches the Go modules, installs the
 # Python package in editable mode with its test extras, the pinned vLLM the
 # connector is tested against, and the CPU vLLM environment of the
-# end-to-end test, and Mooncake's pip wheel at the version the shim
-# supports (with the Debian libraries its engine.so loads even for TCP).
+# end-to-end test, and Mooncake's non-CUDA pip wheel (with the Debian
+# libraries its engine.so loads even for TCP): the newest version the shim
+# was checked against into $PYTHON, the oldest it supports into
+# .mooncake-oldest/ (pip --target), so that build/test_mooncake_real.sh
+# runs the real-engine tests against both; and Debian's etcd-server, the
+# metadata service those tests start inside their network namespace.
 # Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +31,8 @@ if [ "$skip_mooncake" = 1 ] && [ "${CI:-}" = true ]; then
 fi
 if [ "$skip_mooncake" != 1 ]; then
   command -v g++ >/dev/null || missing+=(g++)
+  # a real etcd for the engine's etcd:// metadata (build/test_mooncake_real.sh)
+  command -v etcd >/dev/null || missing+=(etcd-server)
   for pkg in libibverbs1 libnl-3-200 libnl-route-3-200; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
   done
@@ -41,13 +47,19 @@ go mod download
 python=${PYTHON:-python3}
 "$python" -m pip install -q -e ".[test,plot]"
 if [ "$skip_mooncake" != 1 ]; then
-  # The version the shim was checked against (SupportedWheels' first).
-  mc_version=$(sed -n 's/^var SupportedWheels = \[\]string{"\([^"]*\)".*/\1/p' core/transport/mooncake/wheel.go)
-  if [ -z "$mc_version" ]; then
-    echo "setup: no Mooncake wheel version in core/transport/mooncake/wheel.go (SupportedWheels)" >&2
+  # The newest and the oldest wheel the shim supports (NewestWheel and
+  # OldestWheel in core/transport/mooncake/wheel.go).
+  mc_newest=$(sed -n 's/^\tNewestWheel = "\([^"]*\)"$/\1/p' core/transport/mooncake/wheel.go)
+  mc_oldest=$(sed -n 's/^\tOldestWheel = "\([^"]*\)"$/\1/p' core/transport/mooncake/wheel.go)
+  if [ -z "$mc_newest" ] || [ -z "$mc_oldest" ]; then
+    echo "setup: no NewestWheel or OldestWheel in core/transport/mooncake/wheel.go" >&2
     exit 1
   fi
-  "$python" -m pip install -q "mooncake-transfer-engine-non-cuda==$mc_version"
+  "$python" -m pip install -q "mooncake-transfer-engine-non-cuda==$mc_newest"
+  if [ ! -d ".mooncake-oldest/mooncake_transfer_engine_non_cuda-$mc_oldest.dist-info" ]; then
+    rm -rf .mooncake-oldest
+    "$python" -m pip install -q --no-deps --target .mooncake-oldest "mooncake-transfer-engine-non-cuda==$mc_oldest"
+  fi
 fi
 # The connector's tests run against a real vLLM from PyPI, pinned here.
 # ECMOONCAKE_SKIP_VLLM=1 leaves it out (those tests then skip).

@@ -13,7 +13,7 @@ MOONCAKE_LIBRARY_ENV = "ECMOONCAKE_MOONCAKE_LIBRARY"
 
 
 SHIM_NAME = "libecmooncake_mooncake.so"
-MOONCAKE_WHEELS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")
+MOONCAKE_WHEELS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine", "mooncake-transfer-engine-cuda13")
 
 
 def mooncake_wheel() -> dict | None:

@@ -36,7 +36,10 @@ func TestMooncakeRealEngineIsLoaded(t *testing.T) {
 	require.NotNil(t, mcShim, "the library carrying %s is ecmooncake's shim", mcEngine)
 	v, err := mooncake.WheelVersion(mcEngine)
 	require.NoError(t, err)
-	require.Contains(t, mooncake.SupportedWheels, v)
+	wc, err := mooncake.CheckWheel(os.Getenv(mooncaketest.EnvLibrary), v)
+	require.NoError(t, err)
+	require.True(t, wc.Checked, "wheel %s is one the shim was checked against (%s)", v, wc.CheckedVersions)
+	t.Logf("real engine: wheel %s, TransferRequest of %d bytes", v, wc.RequestBytes)
 }
 
 // mcModes are the two ways an engine finds its peers' segments: by a P2P

@@ -43,11 +43,22 @@ static uint64_t mc_alloc(void *f, void *e, size_t n) { return ((alloc_fn)f)(e, n
 static int mc_submit(void *f, void *e, uint64_t b, struct mc_request *r, size_t n) { return ((submit_fn)f)(e, b, r, n); }
 static int mc_free(void *f, void *e, uint64_t b) { return ((free_fn)f)(e, b); }
 
-// ecm_mooncake_shim_open of core/transport/mooncake/shim.
+// ecm_mooncake_shim_open, _check and _request_bytes of
+// core/transport/mooncake/shim.
 typedef int (*shim_open_fn)(const char *, const char *, char *, size_t);
 static int mc_shim_open(void *f, const char *engine, const char *version, char *err, size_t n) {
 	return ((shim_open_fn)f)(engine, version, err, n);
 }
+typedef int (*shim_check_fn)(const char *, size_t *, char *, size_t);
+static int mc_shim_check(void *f, const char *version, size_t *req, char *msg, size_t n) {
+	return ((shim_check_fn)f)(version, req, msg, n);
+}
+typedef size_t (*shim_size_fn)(void);
+static size_t mc_shim_size(void *f) { return ((shim_size_fn)f)(); }
+typedef const char *(*shim_versions_fn)(void);
+static const char *mc_shim_versions(void *f) { return ((shim_versions_fn)f)(); }
+typedef const char *(*shim_symbol_fn)(size_t);
+static const char *mc_shim_symbol(void *f, size_t i) { return ((shim_symbol_fn)f)(i); }
 
 // mc_poll asks for the status of n tasks in one crossing of the cgo
 // boundary: rcs[i] is getTransferStatus's return code, sts[i] the status.
@@ -63,6 +74,7 @@ import "C"
 
 import (
 	"fmt"
+	"log/slog"
 	"sync"
 	"unsafe"
 
@@ -82,8 +94,13 @@ var symbols = []string{
 
 // shimOpen is the function that marks ecmooncake's shim
 // (core/transport/mooncake/shim): the C API over the C++ API of a
-// Mooncake pip wheel's engine.so, which it loads when asked.
-const shimOpen = "ecm_mooncake_shim_open"
+// Mooncake pip wheel's engine.so, which it loads when asked. shimCheck
+// decides whether a wheel version can be loaded, without loading it.
+const (
+	shimOpen         = "ecm_mooncake_shim_open"
+	shimCheck        = "ecm_mooncake_shim_check"
+	shimRequestBytes = "ecm_mooncake_shim_request_bytes"
+)
 
 // library is a loaded libtransfer_engine.so (or the shim, with the
 // wheel's engine.so behind it) with every function resolved.
@@ -91,6 +108,9 @@ type library struct {
 	path   string
 	engine string // the wheel's engine.so behind the shim; "" for none
 	fn     map[string]unsafe.Pointer
+	// wheel is what the shim decided about the wheel behind it; zero
+	// without one.
+	wheel WheelCheck
 }
 
 var (
@@ -130,14 +150,15 @@ func load(path, engine string) (*library, error) {
 		return nil, fmt.Errorf("%w: mooncake_engine is set (%s) but mooncake_library %s is not ecmooncake's shim (it lacks %s): name libecmooncake_mooncake.so there, or leave mooncake_engine empty for a libtransfer_engine.so",
 			ErrUnavailable, engine, path, shimOpen)
 	case engine == "" && shimErr == nil:
-		return nil, fmt.Errorf("%w: %s is ecmooncake's shim over a Mooncake wheel and needs mooncake_engine, the path of the wheel's mooncake/engine.so (pip install mooncake-transfer-engine-non-cuda==%s)",
-			ErrUnavailable, path, SupportedWheels[0])
-	case engine != "":
-		if err := openEngine(open, engine); err != nil {
+		return nil, fmt.Errorf("%w: %s is ecmooncake's shim over a Mooncake wheel and needs mooncake_engine, the path of the wheel's mooncake/engine.so (%s)",
+			ErrUnavailable, path, InstallHint)
+	}
+	l := &library{path: path, engine: engine, fn: make(map[string]unsafe.Pointer, len(symbols))}
+	if engine != "" {
+		if l.wheel, err = openEngine(h, open, engine); err != nil {
 			return nil, err
 		}
 	}
-	l := &library{path: path, engine: engine, fn: make(map[string]unsafe.Pointer, len(symbols))}
 	for _, name := range symbols {
 		f, err := h.Sym(name)
 		if err != nil {
@@ -152,11 +173,92 @@ func load(path, engine string) (*library, error) {
 	return l, nil
 }
 
+// WheelCheck is what the shim decided about a Mooncake wheel's version.
+type WheelCheck struct {
+	Version string `json:"version"`
+	// Checked is true for a version the shim was checked against; a newer
+	// one loads with Warning set.
+	Checked bool   `json:"checked"`
+	Warning string `json:"warning,omitempty"`
+	// RequestBytes is the size of Transport::TransferRequest the shim
+	// declares for the version's release range.
+	RequestBytes int `json:"request_bytes"`
+	// CheckedVersions lists the versions the shim was checked against.
+	CheckedVersions string `json:"checked_versions"`
+}
+
+// CheckWheel asks the shim at shim (libecmooncake_mooncake.so) whether it
+// can load a wheel of version, without loading any engine: a refusal is an
+// error wrapping ErrUnavailable that says why and the fix.
+func CheckWheel(shim, version string) (WheelCheck, error) {
+	h, err := dl.Open(shim)
+	if err != nil {
+		return WheelCheck{}, fmt.Errorf("%w: cannot load %s: %v", ErrUnavailable, shim, err)
+	}
+	return checkWheel(h, version)
+}
+
+// ShimSymbols lists the mangled names of the C++ functions the shim at
+// shim resolves in a wheel's engine.so: what every wheel it loads must
+// export.
+func ShimSymbols(shim string) ([]string, error) {
+	h, err := dl.Open(shim)
+	if err != nil {
+		return nil, fmt.Errorf("%w: cannot load %s: %v", ErrUnavailable, shim, err)
+	}
+	f, err := h.Sym("ecm_mooncake_shim_symbol")
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s is not ecmooncake's shim: %v", ErrUnavailable, shim, err)
+	}
+	var out []string
+	for i := 0; ; i++ {
+		name := C.mc_shim_symbol(f, C.size_t(i))
+		if name == nil {
+			return out, nil
+		}
+		out = append(out, C.GoString(name))
+	}
+}
+
+func checkWheel(h dl.Lib, version string) (WheelCheck, error) {
+	out := WheelCheck{Version: version}
+	check, err := h.Sym(shimCheck)
+	if err != nil {
+		return out, fmt.Errorf("%w: not ecmooncake's shim (it lacks %s): %v", ErrUnavailable, shimCheck, err)
+	}
+	if versions, err := h.Sym("ecm_mooncake_shim_versions"); err == nil {
+		out.CheckedVersions = C.GoString((*C.char)(C.mc_shim_versions(versions)))
+	}
+	cv := C.CString(version)
+	defer C.free(unsafe.Pointer(cv))
+	const n = 2048
+	buf := (*C.char)(C.calloc(1, n))
+	defer C.free(unsafe.Pointer(buf))
+	var req C.size_t
+	rc := C.mc_shim_check(check, cv, &req, buf, n)
+	out.RequestBytes = int(req)
+	switch {
+	case rc < 0:
+		return out, fmt.Errorf("%w: %s", ErrUnavailable, C.GoString(buf))
+	case rc == 0:
+		out.Checked = true
+	default:
+		out.Warning = C.GoString(buf)
+	}
+	return out, nil
+}
+
 // openEngine has the shim check the wheel's version and load its engine.so.
-func openEngine(open unsafe.Pointer, engine string) error {
+// A version the shim was not checked against loads with a warning, logged
+// here once per process (the library is loaded once) and kept for Probe.
+func openEngine(h dl.Lib, open unsafe.Pointer, engine string) (WheelCheck, error) {
 	version, err := WheelVersion(engine)
 	if err != nil {
-		return fmt.Errorf("%w: %v", ErrUnavailable, err)
+		return WheelCheck{}, fmt.Errorf("%w: %v", ErrUnavailable, err)
+	}
+	wc, err := checkWheel(h, version)
+	if err != nil {
+		return wc, fmt.Errorf("%w (Mooncake wheel engine %s)", err, engine)
 	}
 	ce, cv := C.CString(engine), C.CString(version)
 	defer C.free(unsafe.Pointer(ce))
@@ -164,10 +266,17 @@ func openEngine(open unsafe.Pointer, engine string) error {
 	const n = 2048
 	buf := (*C.char)(C.calloc(1, n))
 	defer C.free(unsafe.Pointer(buf))
-	if C.mc_shim_open(open, ce, cv, buf, n) != 0 {
-		return fmt.Errorf("%w: Mooncake wheel engine %s: %s", ErrUnavailable, engine, C.GoString(buf))
+	switch rc := C.mc_shim_open(open, ce, cv, buf, n); {
+	case rc < 0:
+		return wc, fmt.Errorf("%w: Mooncake wheel engine %s: %s", ErrUnavailable, engine, C.GoString(buf))
+	case rc > 0:
+		wc.Warning = C.GoString(buf)
+		slog.Default().Warn("mooncake: "+wc.Warning, "engine", engine, "version", version)
 	}
-	return nil
+	if size, err := h.Sym(shimRequestBytes); err == nil {
+		wc.RequestBytes = int(C.mc_shim_size(size))
+	}
+	return wc, nil
 }
 
 // The methods below are the C API, one to one, with C types converted.

@@ -15,6 +15,10 @@ type Availability struct {
 	Available bool     `json:"available"`
 	Reason    string   `json:"reason,omitempty"`
 	Symbols   []string `json:"symbols"`
+	// Wheel is what the shim decided about the wheel's version (whether
+	// it was checked against it, the warning it loaded with); nil without
+	// a wheel or before the shim got to decide.
+	Wheel *WheelCheck `json:"wheel,omitempty"`
 }
 
 // Probe loads the library at path (empty: DefaultLibrary on the loader's
@@ -30,10 +34,15 @@ func Probe(path, engine string) Availability {
 	if engine != "" {
 		out.Version, _ = WheelVersion(engine)
 	}
-	if _, err := load(path, engine); err != nil {
+	l, err := load(path, engine)
+	if err != nil {
 		out.Reason = err.Error()
-	} else {
-		out.Available = true
+		return out
+	}
+	out.Available = true
+	if engine != "" {
+		wc := l.wheel
+		out.Wheel = &wc
 	}
 	return out
 }

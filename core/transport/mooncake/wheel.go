@@ -8,10 +8,21 @@ import (
 	"strings"
 )
 
-// SupportedWheels are the versions of the Mooncake pip wheels
-// (mooncake-transfer-engine, -non-cuda) whose engine.so the shim's
-// declarations match; the shim keeps the same list and refuses others.
-var SupportedWheels = []string{"0.3.12.post1"}
+// Which wheel versions load is the shim's decision (ecm_mooncake_shim_check,
+// CheckWheel): it knows the declarations it carries. The versions below
+// are what build/setup.sh installs and CI runs against the real engine.
+const (
+	// NewestWheel is the newest non-CUDA wheel the shim was checked
+	// against: build/setup.sh installs it into python3.
+	NewestWheel = "0.3.13.post1"
+	// OldestWheel is the oldest version the shim loads: build/setup.sh
+	// installs it into a --target folder, and build/test_mooncake_real.sh
+	// runs the real-engine tests against both.
+	OldestWheel = "0.3.12.post1"
+	// InstallHint is the fix where no wheel is installed.
+	InstallHint = "pip install mooncake-transfer-engine-non-cuda==" + NewestWheel +
+		" (host memory) or mooncake-transfer-engine / mooncake-transfer-engine-cuda13 (CUDA builds, for GPU memory)"
+)
 
 // WheelVersion is the version of the installed Mooncake wheel that owns
 // engine (site-packages/mooncake/engine.so), read from the name of its
@@ -34,8 +45,8 @@ func WheelVersion(engine string) (string, error) {
 	}
 	switch len(versions) {
 	case 0:
-		return "", fmt.Errorf("mooncake: %s belongs to no installed Mooncake wheel (no mooncake_transfer_engine*.dist-info in %s): pip install mooncake-transfer-engine-non-cuda==%s",
-			engine, site, SupportedWheels[0])
+		return "", fmt.Errorf("mooncake: %s belongs to no installed Mooncake wheel (no mooncake_transfer_engine*.dist-info in %s): %s",
+			engine, site, InstallHint)
 	case 1:
 		for _, v := range versions {
 			return v, nil
