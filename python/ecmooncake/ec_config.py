@@ -356,7 +356,8 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
     ),
     "mooncake_staging_bytes": _native(
         "mooncake_staging_bytes", ("producer",),
-        "registered staging memory the producer copies encoder outputs into before an RDMA write",
+        "registered staging memory the producer copies encoder outputs into before a write: host memory, and as much "
+        "GPU memory of each device outputs come from with a CUDA build of the engine",
         only_if_set=True,
     ),
 }
