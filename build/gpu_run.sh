@@ -235,12 +235,13 @@ mooncake_steps() {
 	echo "== go: core/cuda (AllocDevice, the GPU staging slab's memory)"
 	(cd core/cuda && "$ART/cuda.test" -test.v -test.count=1 -test.run 'AllocDevice|CopiesRoundTrip') 2>&1 | tee "$out/go_cuda.log"
 	step_rc=${PIPESTATUS[0]}
-	record "go AllocDevice" "$([ "$step_rc" = 0 ] && echo PASS || echo FAIL)" "$(grep -c -- '^--- PASS' "$out/go_cuda.log") passed"
+	if grep -q -- '^--- SKIP' "$out/go_cuda.log"; then step_rc=1; fi
+	record "go AllocDevice" "$([ "$step_rc" = 0 ] && echo PASS || echo FAIL)" "$(grep -c -- '^--- PASS' "$out/go_cuda.log") passed, $(grep -c -- '^--- SKIP' "$out/go_cuda.log") skipped"
 	[ "$step_rc" = 0 ] || rc=1
 
 	echo "== pytest: mooncake GPU -> GPU, shard and producer processes"
 	log="$out/pytest_mooncake.log"
-	python3 -m pytest -q -s -p no:cacheprovider -rs tests/python/test_gpu_mooncake.py 2>&1 | tee "$log"
+	timeout 240 python3 -m pytest -q -s -p no:cacheprovider -rs tests/python/test_gpu_mooncake.py 2>&1 | tee "$log"
 	step_rc=${PIPESTATUS[0]}
 	# A skip is a failure here: this step exists to run them.
 	if grep -q -E '[0-9]+ skipped' "$log"; then step_rc=1; fi
@@ -249,14 +250,14 @@ mooncake_steps() {
 
 	echo "== the engine's own GPU -> GPU transfer (the ceiling), and registering against copying"
 	log="$out/mooncake_ceiling.log"
-	timeout 240 python3 -m ecmooncake.tools.mooncake_gpu --reps 5 --json "$out/mooncake_ceiling.json" 2>&1 | tee "$log"
+	timeout 120 python3 -m ecmooncake.tools.mooncake_gpu --reps 5 --json "$out/mooncake_ceiling.json" 2>&1 | tee "$log"
 	step_rc=${PIPESTATUS[0]}
 	record "mooncake ceiling" "$([ "$step_rc" = 0 ] && echo PASS || echo FAIL)" "JSON in $out/mooncake_ceiling.json"
 	[ "$step_rc" = 0 ] || rc=1
 
 	echo "== connector bench, mooncake: save_caches -> the PD's encoder_cache, GPU -> GPU"
 	log="$out/connector_mooncake.log"
-	timeout 300 python3 -m ecmooncake.tools.connector_gpu --paths mooncake --reps 5 --json "$out/connector_mooncake.json" 2>&1 | tee "$log"
+	timeout 180 python3 -m ecmooncake.tools.connector_gpu --paths mooncake --reps 5 --json "$out/connector_mooncake.json" 2>&1 | tee "$log"
 	step_rc=${PIPESTATUS[0]}
 	record "connector mooncake" "$([ "$step_rc" = 0 ] && echo PASS || echo FAIL)" "JSON in $out/connector_mooncake.json"
 	[ "$step_rc" = 0 ] || rc=1

@@ -36,6 +36,21 @@ def _engine(host: str, protocol: str) -> Any:
     return te
 
 
+def _use(torch: Any, device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+
+
+def _sync(torch: Any, device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _location(device: str) -> str:
+    """Mooncake's name for where memory lives ("cpu" is "*": any NUMA node)."""
+    return device if device.startswith("cuda") else "*"
+
+
 def _pattern(torch: Any, n: int, seed: int, device: str) -> Any:
     g = torch.Generator(device=device)
     g.manual_seed(seed)
@@ -46,10 +61,10 @@ def _target(conn: Any, host: str, protocol: str, device: str, nbytes: int) -> No
     """The receiving engine: a registered GPU buffer, checked on demand."""
     import torch
 
-    torch.cuda.set_device(device)
+    _use(torch, device)
     buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     te = _engine(host, protocol)
-    rc = te.register_memory(buf.data_ptr(), nbytes, device)
+    rc = te.register_memory(buf.data_ptr(), nbytes, _location(device))
     if rc != 0:
         conn.send({"error": f"register_memory of the {nbytes}-byte GPU buffer on {device} returned {rc}"})
         return
@@ -61,7 +76,7 @@ def _target(conn: Any, host: str, protocol: str, device: str, nbytes: int) -> No
         n, seeds = msg
         ok = all(bool(torch.equal(buf[i * n : (i + 1) * n], _pattern(torch, n, s, device))) for i, s in enumerate(seeds))
         buf.zero_()
-        torch.cuda.synchronize()
+        _sync(torch, device)
         conn.send(ok)
     te.unregister_memory(buf.data_ptr())
 
@@ -70,7 +85,7 @@ def ceiling(args: argparse.Namespace) -> dict:
     import torch
 
     device = args.device
-    torch.cuda.set_device(device)
+    _use(torch, device)
     largest = max(args.sizes) * MiB * max(args.batches)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -83,7 +98,7 @@ def ceiling(args: argparse.Namespace) -> dict:
         seg, base = hello["segment"], hello["base"]
         te = _engine(args.host, args.protocol)
         src = torch.empty(largest, dtype=torch.uint8, device=device)
-        rc = te.register_memory(src.data_ptr(), largest, device)
+        rc = te.register_memory(src.data_ptr(), largest, _location(device))
         if rc != 0:
             raise RuntimeError(f"register_memory of the {largest}-byte GPU source returned {rc}")
         rows = []
@@ -93,7 +108,7 @@ def ceiling(args: argparse.Namespace) -> dict:
                 seeds = [mib * 100 + batch * 10 + i for i in range(batch)]
                 for i, s in enumerate(seeds):
                     src[i * n : (i + 1) * n].copy_(_pattern(torch, n, s, device))
-                torch.cuda.synchronize()
+                _sync(torch, device)
                 srcs = [src.data_ptr() + i * n for i in range(batch)]
                 dsts = [base + i * n for i in range(batch)]
                 times = []
@@ -138,12 +153,12 @@ def register_vs_copy(te: Any, torch: Any, sizes: list[int], device: str, reps: i
         for held in (0, 16):
             others = [torch.empty(MiB, dtype=torch.uint8, device=device) for _ in range(held)]
             for o in others:
-                te.register_memory(o.data_ptr(), MiB, device)
+                te.register_memory(o.data_ptr(), MiB, _location(device))
             reg, unreg = [], []
             for _ in range(reps):
                 fresh = torch.empty(n, dtype=torch.uint8, device=device)
                 t0 = time.perf_counter()
-                rc = te.register_memory(fresh.data_ptr(), n, device)
+                rc = te.register_memory(fresh.data_ptr(), n, _location(device))
                 t1 = time.perf_counter()
                 te.unregister_memory(fresh.data_ptr())
                 t2 = time.perf_counter()
@@ -157,6 +172,11 @@ def register_vs_copy(te: Any, torch: Any, sizes: list[int], device: str, reps: i
             figures[f"unregister_s_with_{held}"] = statistics.median(unreg)
         copies = []
         for _ in range(reps + 2):
+            if not device.startswith("cuda"):
+                t0 = time.perf_counter()
+                staging.copy_(out)
+                copies.append(time.perf_counter() - t0)
+                continue
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             staging.copy_(out)
@@ -207,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--device", default="cuda:0", help="cpu runs the same steps in host memory (a check of the tool without a GPU)")
     p.add_argument("--host", default="127.0.0.1", help="the address both engines name themselves by")
     p.add_argument("--protocol", default="tcp")
     p.add_argument("--json", default="")
