@@ -367,5 +367,7 @@ def test_the_startup_line_names_the_slab_path(extra, words, absent):
 def test_the_encoder_startup_line_names_its_paths():
     assert "cuda_ipc" in hooks._transport_line(config("producer"))
     line = hooks._transport_line(config("producer", transport="mooncake"))
-    assert "pinned host memory" in line and "cuda_ipc" not in line
+    assert "GPU staging registered with the engine" in line and "cuda_ipc" not in line
+    assert "pinned host memory" not in line, "no transport copies CUDA outputs to host memory first"
+    assert "staged by the library" in hooks._transport_line(config("producer", transport="shm"))
 
