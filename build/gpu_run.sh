@@ -63,7 +63,7 @@ pack() {
 	# What earlier packs copied by hand, so that nothing loose is loaded.
 	rm -f "$ART"/libecmooncake.so "$ART"/libecmooncake_mooncake.so "$ART"/ecm-ceiling \
 		"$ART"/libzmq.so.5 "$ART"/libsodium.so.23 "$ART"/libpgm-5.3.so.0 "$ART"/libnorm.so.1 "$ART"/libbsd.so.0 "$ART"/libmd.so.0
-	rm -rf "$SITE"
+	rm -rf "$SITE" "$ART/mooncake-site"
 	bash build/wheel.sh "$ART" >/dev/null
 	CGO_ENABLED=1 go test -c -o "$ART/cuda.test" ./core/cuda
 	ls -l "$ART"
