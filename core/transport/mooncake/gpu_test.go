@@ -16,6 +16,7 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/staged"
 )
 
 // hostGPU stands in for a GPU whose memory the engine can read: its
@@ -269,4 +270,28 @@ func write(t *testing.T, w transport.Writer, dest string, items ...transport.Wri
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	return w.Write(ctx, dest, items)
+}
+
+// With an engine that is no CUDA build the producer wraps the transport in
+// package staged: device sources reach the writer as page-locked host
+// chunks that keep the grant, and land where the item belongs.
+func TestNonCUDAEngineTakesDeviceSourcesThroughStaged(t *testing.T) {
+	needDouble(t)
+	host := gpu.NewFakeHost(1)
+	p := newPair(t, 16<<20, testConfig(), testConfig(gpuOn(false)))
+	w := staged.New(staged.Config{Inner: p.tr, Devices: host, ChunkBytes: 1 << 20, StagingBytes: 4 << 20, Logger: quiet}).NewWriter()
+	t.Cleanup(func() { _ = w.Close() })
+	data := pattern(5<<20+7, 4)
+	addr, window := host.Alloc(0, len(data))
+	copy(window, data)
+	it := p.item(1, 1<<20, nil)
+	it.Src, it.Dev = nil, &transport.DeviceSrc{Addr: addr, Len: uint64(len(data))}
+	host2 := p.item(2, 8<<20, pattern(3000, 5))
+	errs := write(t, w, p.recv.Addr(), it, host2)
+	require.NoError(t, errs[0])
+	require.NoError(t, errs[1])
+	require.True(t, bytes.Equal(data, p.slab[1<<20:1<<20+len(data)]))
+	require.True(t, bytes.Equal(pattern(3000, 5), p.slab[8<<20:8<<20+3000]))
+	require.NoError(t, w.Close())
+	require.Zero(t, host.HostBuffers(), "the page-locked buffers go with the writer")
 }
