@@ -91,11 +91,12 @@ func (w *Writer) Stats() WriterStats {
 // consumer's segment, as one batch: a host source into host staging, a
 // device source, after its Ready event, into staging on its own GPU by a
 // device-to-device copy (only an engine that registers GPU memory takes
-// device sources; see Transport.RegistersGPU). Unlike the transports that ask the
-// sink per frame, it returns only once the engine has finished every task
-// it started, even past ctx's deadline (by at most Config.DrainTimeout):
-// the engine has no cancel, and returning earlier would let the producer
-// abandon a region that an RDMA write may still land in.
+// device sources; see Transport.RegistersGPU). Unlike the transports that
+// ask the sink per frame, it returns only once the engine has finished
+// every task it started, even past ctx's deadline (by at most
+// Config.DrainTimeout): the engine has no cancel, and returning earlier
+// would let the producer abandon a region that an RDMA write may still
+// land in.
 func (w *Writer) Write(ctx context.Context, dest string, items []transport.WriteItem) []error {
 	errs := make([]error, len(items))
 	failAll := func(seg string, cause error) []error {
