@@ -93,6 +93,8 @@ def test_round_trips_from_4k_to_128m_are_bit_exact(cuda_engine, workers):
         _check_pushed(producer.call("push", 180, items=items, consumer=address, timeout_s=120))
         took = time.monotonic() - t0
         _verify(shard, items)
+        # The load is a view of the GPU slab the engine wrote into.
+        assert shard.call("where", 30, mm_hash=items[0]["mm_hash"]) == {"device": "cuda:0", "view": True, "error": ""}
         _drain(shard, items)
         print(f"mooncake GPU->GPU {size / MiB:9.3f} MiB: {took * 1e3:8.2f} ms, bit-exact")
     # A batch of every size at once, with a duplicate hash.
