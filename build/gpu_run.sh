@@ -252,14 +252,14 @@ mooncake_steps() {
 	log="$out/mooncake_ceiling.log"
 	timeout 120 python3 -m ecmooncake.tools.mooncake_gpu --reps 5 --json "$out/mooncake_ceiling.json" 2>&1 | tee "$log"
 	step_rc=${PIPESTATUS[0]}
-	record "mooncake ceiling" "$([ "$step_rc" = 0 ] && echo PASS || echo FAIL)" "JSON in $out/mooncake_ceiling.json"
+	record "mooncake ceiling" "$([ "$step_rc" = 0 ] && echo PASS || echo FAIL)" "$([ "$step_rc" = 0 ] && echo "JSON in $out/mooncake_ceiling.json" || echo "exit $step_rc, log $log")"
 	[ "$step_rc" = 0 ] || rc=1
 
 	echo "== connector bench, mooncake: save_caches -> the PD's encoder_cache, GPU -> GPU"
 	log="$out/connector_mooncake.log"
 	timeout 180 python3 -m ecmooncake.tools.connector_gpu --paths mooncake --reps 5 --json "$out/connector_mooncake.json" 2>&1 | tee "$log"
 	step_rc=${PIPESTATUS[0]}
-	record "connector mooncake" "$([ "$step_rc" = 0 ] && echo PASS || echo FAIL)" "JSON in $out/connector_mooncake.json"
+	record "connector mooncake" "$([ "$step_rc" = 0 ] && echo PASS || echo FAIL)" "$([ "$step_rc" = 0 ] && echo "JSON in $out/connector_mooncake.json" || echo "exit $step_rc, log $log")"
 	[ "$step_rc" = 0 ] || rc=1
 
 	summary
