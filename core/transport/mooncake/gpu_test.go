@@ -251,17 +251,17 @@ func TestCUDABuildReadFromTheEngineLibrary(t *testing.T) {
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "s.c"), []byte("int ecm_stub(void) { return 0; }\n"), 0o644))
 	cc("-shared", "-fPIC", "-o", filepath.Join(dir, "libcudart.so.13"), "-Wl,-soname,libcudart.so.13", filepath.Join(dir, "s.c"))
 	cc("-shared", "-fPIC", "-o", filepath.Join(dir, "engine.so"), filepath.Join(dir, "s.c"), "-Wl,--no-as-needed", "-L"+dir, "-l:libcudart.so.13")
-	ok, why := cudaRuntime(filepath.Join(dir, "engine.so"))
+	ok, why := linksCUDARuntime(filepath.Join(dir, "engine.so"))
 	require.True(t, ok, why)
 	require.Contains(t, why, "links libcudart.so.13")
 
-	ok, why = cudaRuntime(doublePath)
+	ok, why = linksCUDARuntime(doublePath)
 	require.False(t, ok, why)
 	require.Contains(t, why, "links no CUDA runtime")
-	ok, why = cudaRuntime("libtransfer_engine.so")
+	ok, why = linksCUDARuntime("libtransfer_engine.so")
 	require.False(t, ok)
 	require.Contains(t, why, "search path")
-	_, why = cudaRuntime("/nonexistent/engine.so")
+	_, why = linksCUDARuntime("/nonexistent/engine.so")
 	require.Contains(t, why, "cannot read")
 }
 

@@ -7,12 +7,12 @@ import (
 	"strings"
 )
 
-// cudaRuntime reports whether the engine library at path is a CUDA build,
+// linksCUDARuntime reports whether the engine library at path is a CUDA build,
 // which is what lets it register GPU memory: Mooncake's CUDA wheels
 // (mooncake-transfer-engine, -cuda13) link the CUDA runtime, the non-CUDA
 // wheel does not, and a non-CUDA build handed a device address would read
 // it as host memory. why says what was found, for logs and errors.
-func cudaRuntime(path string) (ok bool, why string) {
+func linksCUDARuntime(path string) (ok bool, why string) {
 	if path == "" || !filepath.IsAbs(path) && !strings.Contains(path, "/") {
 		return false, fmt.Sprintf("%s is found by the loader's search path; name it by its path to let its build be read", displayName(path))
 	}
@@ -53,7 +53,7 @@ func gpuSupport(cfg Config) (bool, string) {
 	if lib == "" {
 		lib = cfg.Library
 	}
-	return cudaRuntime(lib)
+	return linksCUDARuntime(lib)
 }
 
 // RegistersGPU reports whether this transport's engine registers GPU
