@@ -295,3 +295,38 @@ func TestNonCUDAEngineTakesDeviceSourcesThroughStaged(t *testing.T) {
 	require.NoError(t, w.Close())
 	require.Zero(t, host.HostBuffers(), "the page-locked buffers go with the writer")
 }
+
+// Concurrent writes of device and host sources share the GPU staging and
+// the host staging, each smaller than what is in flight, without waiting
+// on each other for ever.
+func TestConcurrentDeviceWritesShareGPUStaging(t *testing.T) {
+	needDouble(t)
+	d := &hostGPU{ordinal: 0}
+	small := func(c *Config) { c.StagingBytes, c.ChunkBytes, c.Devices = 2<<20, 512<<10, devs{d} }
+	p := newPair(t, 64<<20, testConfig(), testConfig(gpuOn(true), small))
+	var wg sync.WaitGroup
+	for g := 0; g < 4; g++ {
+		dev := pattern(3<<20, byte(g))
+		src := deviceSrc(t, d, dev, nil)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			base := uint64(g) * (16 << 20)
+			it := p.item(1, base, nil)
+			it.Src, it.Dev = nil, src
+			items := []transport.WriteItem{it, p.item(2, base+(8<<20), pattern(1<<20+3, byte(g+9)))}
+			for i, err := range write(t, p.w, p.recv.Addr(), items...) {
+				if err != nil {
+					t.Errorf("writer %d item %d: %v", g, i, err)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	for g := 0; g < 4; g++ {
+		base := uint64(g) * (16 << 20)
+		require.True(t, bytes.Equal(pattern(3<<20, byte(g)), p.slab[base:base+3<<20]), "writer %d, device item", g)
+		require.True(t, bytes.Equal(pattern(1<<20+3, byte(g+9)), p.slab[base+8<<20:base+8<<20+1<<20+3]), "writer %d, host item", g)
+	}
+	require.EqualValues(t, 4*(3<<20), p.w.Stats().DeviceBytes)
+}
