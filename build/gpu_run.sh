@@ -192,13 +192,6 @@ fetch_mooncake() {
 }
 
 mooncake() {
-	mkdir -p "$WHL"
-	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-		--platform manylinux_2_28_x86_64 --platform manylinux_2_35_x86_64 -d "$WHL" "$MOONCAKE_WHEEL" || return 1
-	ls -l "$WHL"
-}
-
-mooncake() {
 	local out=${1:-/tmp/ecm-mooncake-run} rc=0
 	mkdir -p "$out"
 	out=$(cd "$out" && pwd)

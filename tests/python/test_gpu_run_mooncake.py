@@ -98,3 +98,11 @@ def test_the_carried_mooncake_wheel_keeps_what_the_engine_loads(tmp_path):
     assert names == {"mooncake/__init__.py", "mooncake/engine.so", "mooncake/libmid.so", "mooncake.libs/libdep.so.1", "mooncake-0.1.dist-info/RECORD"}
     assert "_store.so" not in kept_record and "mooncake_master" not in kept_record
     assert "mooncake/libmid.so" in kept_record
+
+
+def test_every_function_of_the_script_is_defined_once():
+    import re
+    from collections import Counter
+
+    names = Counter(re.findall(r"^([a-z_]+)\(\) \{", SCRIPT.read_text(), re.M))
+    assert names and all(n == 1 for n in names.values()), names
