@@ -240,6 +240,14 @@ mooncake_steps() {
 	if grep -q -E '[0-9]+ skipped' "$log"; then step_rc=1; fi
 	record "pytest mooncake GPU" "$([ "$step_rc" = 0 ] && echo PASS || echo FAIL)" "$(grep -E '(passed|failed|error|skipped)' "$log" | tail -1)"
 	[ "$step_rc" = 0 ] || rc=1
+	# The library's own logs (log_level info) say which memory each end
+	# registered: the producer's GPU staging, the shard's GPU slab.
+	local staging slabs
+	staging=$(grep -c 'mooncake GPU staging registered' "$log")
+	slabs=$(grep 'mooncake engine serving the slab' "$log" | grep -c 'cuda:0')
+	record "mooncake GPU memory" "$([ "$staging" -gt 0 ] && [ "$slabs" -gt 0 ] && echo PASS || echo FAIL)" \
+		"GPU staging registered by $staging producer(s), GPU slab by $slabs shard(s) (the logs above)"
+	[ "$staging" -gt 0 ] && [ "$slabs" -gt 0 ] || rc=1
 
 	echo "== the engine's own GPU -> GPU transfer (the ceiling), and registering against copying"
 	log="$out/mooncake_ceiling.log"
