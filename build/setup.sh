@@ -38,6 +38,14 @@ if [ "$skip_mooncake" != 1 ]; then
   done
 fi
 apt_install "${missing[@]}"
+# Debian's etcd-server may start a service of its own on this host; the
+# tests start their etcd inside their network namespace and use no other.
+if [ "$skip_mooncake" != 1 ] && command -v systemctl >/dev/null && systemctl is-active --quiet etcd 2>/dev/null; then
+  echo "setup: stopping and disabling the etcd service etcd-server started (the tests run their own)" >&2
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo systemctl disable --now etcd
+fi
 if ! command -v go >/dev/null; then
   echo "setup: Go 1.26 or newer is required (https://go.dev/dl/)" >&2
   exit 1

@@ -33,7 +33,8 @@ type Mooncake struct {
 	// reached through ecmooncake's shim, which Library then names; empty
 	// means Library is a TransferEngine C API library of its own.
 	Engine string `json:"mooncake_engine"`
-	// Metadata is P2PHANDSHAKE or http(s)://host:port/path; empty means
+	// Metadata is P2PHANDSHAKE, http(s)://host:port/path or
+	// etcd://host:port[,host:port...]; empty means
 	// P2PHANDSHAKE, or this shard's own metadata server when it starts one.
 	Metadata string `json:"mooncake_metadata"`
 	// Protocol is the Mooncake transport installed on the engine.
@@ -330,13 +331,18 @@ func (m Mooncake) validate() error {
 
 // MooncakeMetadata checks a Mooncake metadata connection string before it
 // can reach Mooncake, which aborts the whole process on a scheme it was not
-// built with. Only the modes every build has are allowed: P2PHANDSHAKE and
-// HTTP (the default build's USE_HTTP); empty means the default.
+// built with. Allowed: P2PHANDSHAKE and HTTP (the default build's
+// USE_HTTP), and etcd://host:port[,host:port...] (USE_ETCD, which every
+// pip wheel has: whether the loaded engine has the etcd client is the
+// transport's check, when it loads it); empty means the default.
 func MooncakeMetadata(s string) error {
 	const key = "mooncake_metadata"
-	const allowed = `"P2PHANDSHAKE" or "http://host:port/metadata" (also https)`
+	const allowed = `"P2PHANDSHAKE", "http://host:port/metadata" (also https) or "etcd://host:port" (endpoints separated by commas)`
 	if s == "" || s == P2PHandshake {
 		return nil
+	}
+	if rest, ok := strings.CutPrefix(s, EtcdScheme); ok {
+		return etcdEndpoints(key, s, rest, allowed)
 	}
 	u, err := url.Parse(s)
 	if err != nil || !strings.Contains(s, "://") {
@@ -350,6 +356,32 @@ func MooncakeMetadata(s string) error {
 		return fmt.Errorf("%w: %s = %q: want a host, optional port and path, nothing else; want %s", ErrInvalid, key, s, allowed)
 	}
 	if p := u.Port(); p != "" {
+		if n, err := strconv.Atoi(p); err != nil || n < 1 || n > 65535 {
+			return fmt.Errorf("%w: %s = %q: port %q is not in [1, 65535]", ErrInvalid, key, s, p)
+		}
+	}
+	return nil
+}
+
+// EtcdScheme starts a Mooncake metadata string that names etcd endpoints.
+const EtcdScheme = "etcd://"
+
+// etcdEndpoints checks the endpoints of an etcd:// metadata string as
+// Mooncake's etcd client splits them (on commas or semicolons): each a
+// host and a port, no user (a password there would show in every log
+// line and process listing that prints the setting), path or scheme.
+func etcdEndpoints(key, s, rest, allowed string) error {
+	eps := strings.FieldsFunc(rest, func(r rune) bool { return r == ',' || r == ';' })
+	if len(eps) == 0 {
+		return fmt.Errorf("%w: %s = %q names no etcd endpoint; want %s", ErrInvalid, key, s, allowed)
+	}
+	for _, ep := range eps {
+		ep = strings.TrimSpace(ep)
+		h, p, err := net.SplitHostPort(ep)
+		if err != nil || h == "" || strings.ContainsAny(ep, "/@?#") {
+			return fmt.Errorf("%w: %s = %q: etcd endpoint %q is not host:port (no user, path or scheme); want %s",
+				ErrInvalid, key, s, ep, allowed)
+		}
 		if n, err := strconv.Atoi(p); err != nil || n < 1 || n > 65535 {
 			return fmt.Errorf("%w: %s = %q: port %q is not in [1, 65535]", ErrInvalid, key, s, p)
 		}

@@ -45,7 +45,13 @@ func TestDecodeErrorsNameKeyValueAndAllowed(t *testing.T) {
 		{"runtime level", runtime, `{"log_level": "loud"}`, []string{`log_level = "loud"`, "debug, info, warn, error"}},
 		{"runtime procs", runtime, `{"gomaxprocs": 0}`, []string{"gomaxprocs = 0"}},
 		{"mooncake protocol", producer, `{"mooncake_protocol": "ucx"}`, []string{`mooncake_protocol = "ucx"`, "rdma, tcp"}},
-		{"mooncake metadata scheme", consumer, `{"mooncake_metadata": "etcd://h:2379"}`, []string{`mooncake_metadata = "etcd://h:2379"`, `scheme "etcd"`, "P2PHANDSHAKE"}},
+		{"mooncake metadata scheme", consumer, `{"mooncake_metadata": "redis://h:6379"}`, []string{`mooncake_metadata = "redis://h:6379"`, `scheme "redis"`, "P2PHANDSHAKE", "etcd://host:port"}},
+		{"etcd no endpoint", consumer, `{"mooncake_metadata": "etcd://"}`, []string{"names no etcd endpoint"}},
+		{"etcd no port", producer, `{"mooncake_metadata": "etcd://h"}`, []string{`etcd endpoint "h" is not host:port`}},
+		{"etcd user", producer, `{"mooncake_metadata": "etcd://u:secret@h:2379"}`, []string{"is not host:port (no user, path or scheme)"}},
+		{"etcd path", producer, `{"mooncake_metadata": "etcd://h:2379/x"}`, []string{"is not host:port"}},
+		{"etcd scheme in endpoint", producer, `{"mooncake_metadata": "etcd://http://h:2379"}`, []string{"is not host:port"}},
+		{"etcd port", producer, `{"mooncake_metadata": "etcd://h:1,g:0"}`, []string{`port "0" is not in [1, 65535]`}},
 		{"mooncake metadata no scheme", producer, `{"mooncake_metadata": "h:2379"}`, []string{`mooncake_metadata = "h:2379"`, "not a URL"}},
 		{"mooncake metadata port", producer, `{"mooncake_metadata": "http://h:0/metadata"}`, []string{"port", "[1, 65535]"}},
 		{"mooncake metadata query", producer, `{"mooncake_metadata": "http://h:1/metadata?x=1"}`, []string{"nothing else"}},
@@ -124,6 +130,9 @@ func TestMooncakeDefaultsAndMetadataURL(t *testing.T) {
 		{`{"mooncake_metadata_server": "[::]:8090"}`, "http://127.0.0.1:8090/metadata"},
 		{`{"mooncake_metadata_server": ":8090", "mooncake_metadata": "http://store:1/metadata"}`, "http://store:1/metadata"},
 		{`{"mooncake_metadata": "P2PHANDSHAKE"}`, P2PHandshake},
+		{`{"mooncake_metadata": "etcd://10.0.0.5:2379"}`, "etcd://10.0.0.5:2379"},
+		{`{"mooncake_metadata": "etcd://a:2379,b:2379;[::1]:2379"}`, "etcd://a:2379,b:2379;[::1]:2379"},
+		{`{"mooncake_metadata_server": ":8090", "mooncake_metadata": "etcd://store:2379"}`, "etcd://store:2379"},
 	}
 	for _, tc := range cases {
 		c, err := DecodeConsumer([]byte(tc.in))

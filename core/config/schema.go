@@ -126,7 +126,7 @@ var specs = map[string]spec{
 	"slab_path":                  {kind: KindRemoved, help: "refused: producers no longer map a file a consumer names; pass slab_fd"},
 	"mooncake_library":           {kind: KindText, help: "path of libtransfer_engine.so (empty: the loader's search path)"},
 	"mooncake_engine":            {kind: KindText, help: "a Mooncake pip wheel's mooncake/engine.so, carried by the shim mooncake_library names (empty: none)"},
-	"mooncake_metadata":          {kind: KindText, help: "P2PHANDSHAKE or http(s)://host:port/path (empty: P2PHANDSHAKE, or the shard's own metadata server)"},
+	"mooncake_metadata":          {kind: KindText, help: "P2PHANDSHAKE, http(s)://host:port/path or etcd://host:port[,host:port] (empty: P2PHANDSHAKE, or the shard's own metadata server)"},
 	"mooncake_protocol":          {kind: KindEnum, choices: MooncakeProtocols, help: "Mooncake transport; both ends must name the same one"},
 	"mooncake_local_server_name": {kind: KindText, help: "the engine's segment name in HTTP metadata mode (empty: host:port)"},
 	"mooncake_host":              {kind: KindHost, help: "address peers reach the Mooncake engine at (empty: ec_ip on a consumer, the outbound address on a producer)"},

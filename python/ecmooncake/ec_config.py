@@ -316,7 +316,7 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         mooncake_engine="path of a Mooncake pip wheel's `mooncake/engine.so`, carried by the shim `mooncake_library` then names "
         "(empty: filled in when the wheel is installed and `mooncake_library` is not set)",
         mooncake_protocol="Mooncake transport; both ends must name the same one",
-        mooncake_metadata="`P2PHANDSHAKE` or `http://host:port/metadata` (empty: P2PHANDSHAKE, or the shard's own metadata server)",
+        mooncake_metadata="`P2PHANDSHAKE`, `http://host:port/metadata` or `etcd://host:port` (empty: P2PHANDSHAKE, or the shard's own metadata server)",
     ),
     "mooncake_metadata_server": _native(
         "mooncake_metadata_server", ("consumer",),
@@ -604,4 +604,4 @@ def mooncake_registers_gpu(extra: dict[str, Any]) -> bool:
         return False
     if not info.get("available"):
         return False
-    return bool(info.get("registers_gpu"))
+    return bool(info.get("cuda"))

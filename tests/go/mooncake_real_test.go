@@ -1,8 +1,11 @@
 package gotests
 
 import (
+	"context"
 	"fmt"
+	"net/url"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -42,8 +45,10 @@ func TestMooncakeRealEngineIsLoaded(t *testing.T) {
 	t.Logf("real engine: wheel %s, TransferRequest of %d bytes", v, wc.RequestBytes)
 }
 
-// mcModes are the two ways an engine finds its peers' segments: by a P2P
-// handshake with the peer, and through our own HTTP metadata store.
+// mcModes are the ways an engine finds its peers' segments: by a P2P
+// handshake with the peer, through our own HTTP metadata store, and
+// through a real etcd (the real engine only: the double has no etcd
+// client).
 var mcModes = []struct {
 	name string
 	open func(t *testing.T) func(*mooncake.Config)
@@ -54,6 +59,10 @@ var mcModes = []struct {
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = store.Close() })
 		return func(c *mooncake.Config) { c.Metadata = store.URL() }
+	}},
+	{"etcd", func(t *testing.T) func(*mooncake.Config) {
+		url := needEtcd(t)
+		return func(c *mooncake.Config) { c.Metadata = url }
 	}},
 }
 
@@ -138,6 +147,9 @@ func TestMooncakeShardRestartedThriceThenLargeBatch(t *testing.T) {
 				seg := c.shards[1].Info().Data
 				require.False(t, segs[seg], "restart %d got a fresh segment, not %s again", k, seg)
 				segs[seg] = true
+				if m.name == "etcd" {
+					requirePublished(t, seg)
+				}
 				batch := sized(fmt.Sprintf("rs%d-%s", k, m.name), 4<<10, 2<<20)
 				c.deliver(fmt.Sprintf("req-rs%d-%s", k, m.name), batch, "the first batch after restart %d", k)
 				c.verify(batch)
@@ -222,4 +234,21 @@ func TestMooncakeCleanShutdownLeavesNothing(t *testing.T) {
 			require.Equal(t, before, mcNow(), "batch ids, registrations and engines all ended (batches, regs, engines, refused)")
 		})
 	}
+}
+
+// requirePublished checks that the engine behind data (a shard's
+// mooncake:// data-plane address) published its segment descriptor to
+// the process's etcd, under Mooncake's key for it.
+func requirePublished(t *testing.T, data string) {
+	t.Helper()
+	rest, ok := strings.CutPrefix(data, "mooncake://")
+	require.True(t, ok, data)
+	seg, _, _ := strings.Cut(rest, "?")
+	seg, err := url.PathUnescape(seg)
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	keys, err := etcdKeys(ctx, "mooncake/ram/")
+	require.NoError(t, err)
+	require.Contains(t, keys, "mooncake/ram/"+seg, "the restarted engine published its segment to etcd")
 }

@@ -43,7 +43,11 @@ func needDouble(t *testing.T) {
 	}
 }
 
-func TestMain(m *testing.M) { os.Exit(withMooncake(m.Run)) }
+func TestMain(m *testing.M) {
+	rc := withMooncake(m.Run)
+	stopEtcd()
+	os.Exit(rc)
+}
 
 // withMooncake runs the tests against the library mooncaketest.Real
 // names, else against the double, built for this run in a directory

@@ -297,7 +297,7 @@ def test_a_mooncake_slab_is_gpu_memory_when_the_engine_registers_it(monkeypatch,
 
     def info(library=None, engine=None):
         asked.append((library, engine))
-        return {"available": True, "registers_gpu": cuda_build, "gpu_reason": "stand-in"}
+        return {"available": True, "cuda": cuda_build}
 
     import ecmooncake.native
 

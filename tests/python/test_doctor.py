@@ -171,11 +171,60 @@ def test_the_wheel_is_named_with_its_version_and_protocols():
 
     wheel = native.mooncake_wheel()
     if wheel is None or not os.path.exists(wheel["shim"]):
-        pytest.skip("no Mooncake pip wheel installed (pip install mooncake-transfer-engine-non-cuda==0.3.12.post1), or no shim built")
+        pytest.skip("no Mooncake pip wheel installed (pip install mooncake-transfer-engine-non-cuda), or no shim built")
     check = doctor.check_mooncake(doctor._parse(None, 1, 1, None))
     assert check.status == "ok", check
     assert wheel["version"] in check.message and wheel["engine"] in check.message, check.message
+    assert "mooncake-transfer-engine" in check.message
     assert "protocols: tcp" in check.message
+    assert "GPUDirect RDMA: " in check.message
+    assert "etcd client: yes" in check.message, "every pip wheel carries the etcd client"
+    cuda = "can register GPU memory (CUDA build" in check.message
+    assert cuda != ("host memory only" in check.message)
+    assert cuda == ("non-cuda" not in check.message), "the non-CUDA wheel is the one build that cannot register GPU memory"
+
+
+WHEEL_INFO = {
+    "available": True, "library": "/pkg/libecmooncake_mooncake.so", "engine": "/site/mooncake/engine.so",
+    "version": "0.3.14", "distribution": "mooncake-transfer-engine-cuda13", "symbols": ["f"] * 12,
+    "wheel": {"version": "0.3.14", "checked": True, "request_bytes": 72, "checked_versions": "0.3.12.post1, 0.3.14"},
+    "cuda": True, "cuda_runtime": "libcudart.so.13", "etcd": True,
+}
+
+
+def test_the_mooncake_line_says_wheel_gpu_memory_protocols_gpudirect_and_etcd():
+    check = doctor.describe_mooncake(WHEEL_INFO, True, True, ["mlx5_0"], True)
+    assert check.status == "ok", check
+    for want in ("mooncake-transfer-engine-cuda13 0.3.14 (/site/mooncake/engine.so)", "can register GPU memory (CUDA build, libcudart.so.13)",
+                 "protocols: tcp, rdma (devices: mlx5_0)", "GPUDirect RDMA: nvidia_peermem loaded", "etcd client: yes"):
+        assert want in check.message, (want, check.message)
+
+    host = {**WHEEL_INFO, "distribution": "mooncake-transfer-engine-non-cuda", "cuda": False, "cuda_runtime": "", "etcd": False}
+    check = doctor.describe_mooncake(host, True, False, [], False)
+    assert check.status == "ok", check
+    for want in ("host memory only (not a CUDA build", "tcp only: no RDMA device", "nvidia_peermem not loaded", "etcd client: no"):
+        assert want in check.message, (want, check.message)
+
+
+def test_a_gpu_slab_on_an_engine_without_cuda_fails_naming_the_cuda_wheels():
+    host = {**WHEEL_INFO, "cuda": False, "cuda_runtime": ""}
+    check = doctor.describe_mooncake(host, True, True, [], False)
+    assert check.status == "fail" and "GPU slab" in check.message
+    assert "mooncake-transfer-engine-cuda13" in check.fix and '"ec_buffer_device": "cpu"' in check.fix
+
+
+def test_a_wheel_newer_than_the_checked_ones_warns_with_the_shims_words():
+    newer = {**WHEEL_INFO, "version": "0.3.15",
+             "wheel": {**WHEEL_INFO["wheel"], "version": "0.3.15", "checked": False, "warning": "Mooncake wheel version 0.3.15 is not one this shim was checked against (0.3.12.post1, 0.3.14)"}}
+    check = doctor.describe_mooncake(newer, True, False, [], False)
+    assert check.status == "warn" and "0.3.15 is not one this shim was checked against" in check.message
+    assert "0.3.12.post1, 0.3.14" in check.fix
+
+
+def test_nvidia_peermem_is_read_from_sys_module(tmp_path):
+    assert not doctor.nvidia_peermem_loaded(str(tmp_path))
+    (tmp_path / "nvidia_peermem").mkdir()
+    assert doctor.nvidia_peermem_loaded(str(tmp_path))
 
 
 def test_rdma_devices_are_listed(tmp_path):

@@ -39,9 +39,9 @@ def cuda_engine(library):
     info = native.mooncake_info()
     if not info.get("available"):
         pytest.skip(f"no usable Mooncake engine: {info.get('reason')}")
-    if not info.get("registers_gpu"):
-        pytest.skip(f"the Mooncake engine here is no CUDA build ({info.get('gpu_reason')}): install mooncake-transfer-engine-cuda13")
-    print("mooncake engine:", info.get("engine") or info.get("library"), info.get("version"), "-", info.get("gpu_reason"))
+    if not info.get("cuda"):
+        pytest.skip(f"the Mooncake engine here ({info.get('engine') or info.get('library')}) is no CUDA build: install mooncake-transfer-engine-cuda13")
+    print("mooncake engine:", info.get("engine") or info.get("library"), info.get("version"), info.get("cuda_runtime"))
     return info
 
 

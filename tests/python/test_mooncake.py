@@ -634,12 +634,11 @@ def test_real_engine_producer_killed_mid_write_inside_the_namespace(workers, mon
     _producer_killed_mid_write(workers, {"mooncake_protocol": "tcp"}, _real_producer(), "rpkill")
 
 
-def test_mooncake_info_says_whether_the_engine_registers_gpu_memory(double):
+
+def test_the_double_is_no_cuda_build_so_a_pd_slab_stays_in_pinned_host_memory(double):
+    from ecmooncake import ec_config
+
     info = native.mooncake_info(str(double), "")
-    assert info["available"], info
-    assert info["registers_gpu"] is False, "the double links no CUDA runtime"
-    assert "links no CUDA runtime" in info["gpu_reason"]
-    wheel = environment.mooncake_wheel()
-    if wheel is not None and os.path.isfile(wheel["shim"]):
-        real = native.mooncake_info(wheel["shim"], wheel["engine"])
-        assert "gpu_reason" in real and isinstance(real["registers_gpu"], bool), real
+    assert info["available"] and info["cuda"] is False, info
+    extra = {"mooncake_library": str(double)}
+    assert ec_config.mooncake_registers_gpu(extra) is False

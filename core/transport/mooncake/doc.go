@@ -13,6 +13,17 @@
 // names what is missing and the path tried; the C boundary turns it into
 // ECM_ERR_UNAVAILABLE. Small C trampolines call the resolved pointers.
 //
+// A Mooncake pip wheel exports no C API: Config.Library then names
+// ecmooncake's shim (package directory shim/) and Config.Engine the wheel's
+// engine.so. The shim decides whether it can carry the wheel (CheckWheel):
+// every C++ symbol it calls present, and the layouts of the wheel's
+// release range (Transport::TransferRequest differs between 0.3.12.post1,
+// 0.3.13 and 0.3.14); a version newer than the checked ones loads with a
+// warning logged once per process, an older one or a missing symbol is
+// refused with the fix. Probe reports what a doctor needs: the wheel and
+// version, whether the engine is a CUDA build and whether it has the etcd
+// client.
+//
 // # Engines
 //
 // Each process object owns one engine, created when first needed: a
@@ -22,8 +33,9 @@
 // ends run what the settings say and not what the engine guesses. The
 // metadata string is checked before it reaches Mooncake, which aborts the
 // whole process on a scheme it was not built with: only P2PHANDSHAKE (the
-// default, no service) and http(s)://host:port/path (see package metadata
-// for a store) pass.
+// default, no service), http(s)://host:port/path (see package metadata
+// for a store) and etcd://host:port[,host:port...] pass, the last only to
+// an engine that has Mooncake's etcd client (every pip wheel does).
 //
 // # Consumer side
 //

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"strings"
 	"sync"
 	"unsafe"
 
@@ -19,7 +20,7 @@ type region struct {
 
 // engineConfig says how to create one TransferEngine.
 type engineConfig struct {
-	Metadata   string // P2PHANDSHAKE or http(s)://...; "" means P2PHANDSHAKE
+	Metadata   string // P2PHANDSHAKE, http(s)://... or etcd://...; "" means P2PHANDSHAKE
 	ServerName string // local_server_name; "" picks one
 	Host       string // where peers reach this engine
 	Port       int    // rpc_port; Mooncake picks its own in both modes we allow
@@ -54,6 +55,10 @@ func newEngine(lib *library, c engineConfig) (*engine, error) {
 	metadata := c.Metadata
 	if metadata == "" {
 		metadata = config.P2PHandshake
+	}
+	if strings.HasPrefix(metadata, config.EtcdScheme) && !lib.etcd {
+		return nil, fmt.Errorf("%w: mooncake_metadata %q needs an engine with Mooncake's etcd client (%s), and %s has none (Mooncake aborts the process on etcd:// without it): use a pip wheel, which carries libetcd_wrapper.so, or a source build with -DUSE_ETCD=ON",
+			ErrUnavailable, metadata, etcdClientSymbol, lib.describe())
 	}
 	p2p := metadata == config.P2PHandshake
 	name := c.ServerName

@@ -4,9 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"sync"
 	"syscall"
 	"testing"
@@ -240,29 +237,17 @@ func TestGPUSlabNeedsAnEngineThatRegistersGPUMemory(t *testing.T) {
 	require.NoError(t, r.Close())
 }
 
-func TestCUDABuildReadFromTheEngineLibrary(t *testing.T) {
-	// A library linking a CUDA runtime, as the CUDA wheels' engine.so
-	// links libcudart.so.12 or .13.
-	dir := t.TempDir()
-	cc := func(args ...string) {
-		out, err := exec.Command("cc", args...).CombinedOutput()
-		require.NoError(t, err, string(out))
-	}
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "s.c"), []byte("int ecm_stub(void) { return 0; }\n"), 0o644))
-	cc("-shared", "-fPIC", "-o", filepath.Join(dir, "libcudart.so.13"), "-Wl,-soname,libcudart.so.13", filepath.Join(dir, "s.c"))
-	cc("-shared", "-fPIC", "-o", filepath.Join(dir, "engine.so"), filepath.Join(dir, "s.c"), "-Wl,--no-as-needed", "-L"+dir, "-l:libcudart.so.13")
-	ok, why := linksCUDARuntime(filepath.Join(dir, "engine.so"))
-	require.True(t, ok, why)
-	require.Contains(t, why, "links libcudart.so.13")
-
-	ok, why = linksCUDARuntime(doublePath)
+func TestCUDABuildReadFromTheEngine(t *testing.T) {
+	needDouble(t) // it links no CUDA runtime
+	tr, err := New(testConfig())
+	require.NoError(t, err)
+	ok, why := tr.RegistersGPU()
 	require.False(t, ok, why)
-	require.Contains(t, why, "links no CUDA runtime")
-	ok, why = linksCUDARuntime("libtransfer_engine.so")
-	require.False(t, ok)
-	require.Contains(t, why, "search path")
-	_, why = linksCUDARuntime("/nonexistent/engine.so")
-	require.Contains(t, why, "cannot read")
+	require.Contains(t, why, "no CUDA build")
+	tr, err = New(testConfig(gpuOn(true)))
+	require.NoError(t, err)
+	ok, _ = tr.RegistersGPU()
+	require.True(t, ok, "the setting decides when set")
 }
 
 func write(t *testing.T, w transport.Writer, dest string, items ...transport.WriteItem) []error {

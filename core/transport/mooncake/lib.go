@@ -57,6 +57,8 @@ typedef size_t (*shim_size_fn)(void);
 static size_t mc_shim_size(void *f) { return ((shim_size_fn)f)(); }
 typedef const char *(*shim_versions_fn)(void);
 static const char *mc_shim_versions(void *f) { return ((shim_versions_fn)f)(); }
+typedef int (*shim_has_fn)(const char *);
+static int mc_shim_has(void *f, const char *sym) { return ((shim_has_fn)f)(sym); }
 typedef const char *(*shim_symbol_fn)(size_t);
 static const char *mc_shim_symbol(void *f, size_t i) { return ((shim_symbol_fn)f)(i); }
 
@@ -111,7 +113,20 @@ type library struct {
 	// wheel is what the shim decided about the wheel behind it; zero
 	// without one.
 	wheel WheelCheck
+	// etcd says whether the engine has Mooncake's etcd client
+	// (libetcd_wrapper's NewEtcdClient), which etcd:// metadata needs: an
+	// engine without it aborts the process on that scheme.
+	etcd bool
+	// cuda says whether the engine is a CUDA build (cudaMalloc resolves
+	// in it or a library it loaded): only such an engine registers GPU
+	// memory.
+	cuda bool
 }
+
+// etcdClientSymbol is the entry of Mooncake's etcd client
+// (mooncake-common/etcd, libetcd_wrapper.so), which builds with USE_ETCD
+// link and the pip wheels carry.
+const etcdClientSymbol = "NewEtcdClient"
 
 var (
 	libMu sync.Mutex
@@ -159,6 +174,7 @@ func load(path, engine string) (*library, error) {
 			return nil, err
 		}
 	}
+	l.etcd, l.cuda = engineHas(h, engine != "", etcdClientSymbol), engineHas(h, engine != "", cudaSymbol)
 	for _, name := range symbols {
 		f, err := h.Sym(name)
 		if err != nil {
@@ -379,4 +395,34 @@ func (l *library) poll(e unsafe.Pointer, batch uint64, ids []uint64, rcs, sts []
 
 func (l *library) freeBatch(e unsafe.Pointer, batch uint64) int {
 	return int(C.mc_free(l.fn["freeBatchID"], e, C.uint64_t(batch)))
+}
+
+// cudaSymbol is a CUDA runtime function every CUDA build of Mooncake
+// calls, and so links.
+const cudaSymbol = "cudaMalloc"
+
+// engineHas says whether the engine defines sym, in itself or a library
+// it loaded: through the shim, in the wheel's engine.so; otherwise in the
+// library at h (dlsym on a handle searches what that dlopen loaded).
+func engineHas(h dl.Lib, shim bool, sym string) bool {
+	if !shim {
+		_, err := h.Sym(sym)
+		return err == nil
+	}
+	has, err := h.Sym("ecm_mooncake_shim_engine_has")
+	if err != nil {
+		return false
+	}
+	cs := C.CString(sym)
+	defer C.free(unsafe.Pointer(cs))
+	return C.mc_shim_has(has, cs) == 1
+}
+
+// describe names the library for errors: the shim with its wheel's
+// engine, or the library alone.
+func (l *library) describe() string {
+	if l.engine != "" {
+		return fmt.Sprintf("the engine %s (wheel %s)", l.engine, l.wheel.Version)
+	}
+	return l.path
 }

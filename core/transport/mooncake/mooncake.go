@@ -128,7 +128,7 @@ func New(cfg Config) (*Transport, error) {
 		return nil, err
 	}
 	t := &Transport{cfg: cfg, lib: lib, log: cfg.Logger.With("transport", Name)}
-	t.gpu, t.gpuWhy = gpuSupport(cfg)
+	t.gpu, t.gpuWhy = gpuSupport(cfg, lib)
 	return t, nil
 }
 

@@ -40,7 +40,7 @@ func TestLoadFailuresNameWhatIsMissing(t *testing.T) {
 // The double aborts the process on an unknown metadata scheme, as Mooncake
 // does: these reach it only if our check lets them through.
 func TestMetadataCheckedBeforeMooncake(t *testing.T) {
-	for _, md := range []string{"etcd://127.0.0.1:2379", "redis://h:6379", "127.0.0.1:2379", "http://", "http://h:99999/metadata", "ftp://h/x"} {
+	for _, md := range []string{"etcd://127.0.0.1", "etcd://u:p@127.0.0.1:2379", "redis://h:6379", "127.0.0.1:2379", "http://", "http://h:99999/metadata", "ftp://h/x"} {
 		t.Run(md, func(t *testing.T) {
 			_, err := New(testConfig(func(c *Config) { c.Metadata = md }))
 			require.ErrorIs(t, err, config.ErrInvalid)
@@ -51,6 +51,28 @@ func TestMetadataCheckedBeforeMooncake(t *testing.T) {
 			require.ErrorIs(t, err, config.ErrInvalid)
 		})
 	}
+}
+
+// etcd:// reaches only an engine that has Mooncake's etcd client: the
+// double has none (and aborts the process on the scheme, as such a build
+// of Mooncake does), every pip wheel has one.
+func TestEtcdMetadataNeedsTheEtcdClient(t *testing.T) {
+	lib, err := load(doublePath, enginePath)
+	require.NoError(t, err)
+	require.Equal(t, enginePath != "", lib.etcd, "a wheel's engine has the etcd client; the double has none")
+	if lib.etcd {
+		t.Skip("the engine has the etcd client: tests/go runs it against a real etcd")
+	}
+	const md = "etcd://127.0.0.1:2379"
+	_, err = newEngine(lib, engineConfig{Metadata: md, Host: "127.0.0.1", Protocol: "tcp"})
+	require.ErrorIs(t, err, ErrUnavailable)
+	for _, w := range []string{md, "etcd client", "NewEtcdClient", doublePath, "-DUSE_ETCD=ON"} {
+		require.Contains(t, err.Error(), w)
+	}
+	tr, err := New(testConfig(func(c *Config) { c.Metadata = md }))
+	require.NoError(t, err, "the transport loads; its engine is what is refused")
+	_, err = tr.Listen("127.0.0.1:0", slabSink{hostSlab(t, 1<<20)})
+	require.ErrorIs(t, err, ErrUnavailable)
 }
 
 func TestWriteLandsEveryByte(t *testing.T) {

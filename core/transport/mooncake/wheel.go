@@ -28,10 +28,17 @@ const (
 // engine (site-packages/mooncake/engine.so), read from the name of its
 // dist-info folder beside the package, as pip writes it.
 func WheelVersion(engine string) (string, error) {
+	_, v, err := Wheel(engine)
+	return v, err
+}
+
+// Wheel is the name (as pip spells the project: dashes) and version of
+// the installed Mooncake wheel that owns engine.
+func Wheel(engine string) (name, version string, err error) {
 	site := filepath.Dir(filepath.Dir(engine))
 	infos, err := filepath.Glob(filepath.Join(site, "mooncake_transfer_engine*.dist-info"))
 	if err != nil {
-		return "", fmt.Errorf("mooncake: look for the wheel of %s: %w", engine, err)
+		return "", "", fmt.Errorf("mooncake: look for the wheel of %s: %w", engine, err)
 	}
 	versions := map[string]string{}
 	for _, info := range infos {
@@ -45,11 +52,11 @@ func WheelVersion(engine string) (string, error) {
 	}
 	switch len(versions) {
 	case 0:
-		return "", fmt.Errorf("mooncake: %s belongs to no installed Mooncake wheel (no mooncake_transfer_engine*.dist-info in %s): %s",
+		return "", "", fmt.Errorf("mooncake: %s belongs to no installed Mooncake wheel (no mooncake_transfer_engine*.dist-info in %s): %s",
 			engine, site, InstallHint)
 	case 1:
-		for _, v := range versions {
-			return v, nil
+		for n, v := range versions {
+			return strings.ReplaceAll(n, "_", "-"), v, nil
 		}
 	}
 	var names []string
@@ -57,6 +64,6 @@ func WheelVersion(engine string) (string, error) {
 		names = append(names, n+" "+v)
 	}
 	sort.Strings(names)
-	return "", fmt.Errorf("mooncake: more than one Mooncake wheel in %s (%s) share mooncake/engine.so: pip uninstall all but one",
+	return "", "", fmt.Errorf("mooncake: more than one Mooncake wheel in %s (%s) share mooncake/engine.so: pip uninstall all but one",
 		site, strings.Join(names, ", "))
 }

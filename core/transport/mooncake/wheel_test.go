@@ -152,8 +152,11 @@ func TestShimPicksLayoutsByVersion(t *testing.T) {
 
 // fakeEngine builds a library exporting the shim's C++ symbols except
 // omit, in a fake wheel of version, and returns the engine's path. Its
-// functions are empty: the shim only resolves them at open.
-func fakeEngine(t *testing.T, shim, version, omit string) string {
+// functions are empty: the shim only resolves them at open. With cudart
+// set it links a fake libcudart.so.13 (defining cudaMalloc) beside it, as
+// a CUDA wheel's engine.so links the real one; with etcd set it defines
+// the etcd client's NewEtcdClient, as the wheels' libetcd_wrapper.so does.
+func fakeEngine(t *testing.T, shim, version, omit string, cudart, etcd bool) string {
 	t.Helper()
 	names, err := ShimSymbols(shim)
 	require.NoError(t, err)
@@ -168,15 +171,31 @@ func fakeEngine(t *testing.T, shim, version, omit string) string {
 		fmt.Fprintf(&src, "void %s(void) {}\n", n)
 	}
 	require.True(t, found, "%s is one of the shim's symbols", omit)
+	if etcd {
+		src.WriteString("int NewEtcdClient(void) { return 0; }\n")
+	}
 	engine := fakeWheel(t, version)
-	c := filepath.Join(t.TempDir(), "engine.c")
-	require.NoError(t, os.WriteFile(c, []byte(src.String()), 0o644))
+	dir := filepath.Dir(engine)
 	cc := os.Getenv("CC")
 	if cc == "" {
 		cc = "cc"
 	}
-	out, err := exec.Command(cc, "-shared", "-fPIC", "-o", engine, c).CombinedOutput()
-	require.NoError(t, err, "%s", out)
+	build := func(out string, code string, args ...string) {
+		c := filepath.Join(t.TempDir(), "src.c")
+		require.NoError(t, os.WriteFile(c, []byte(code), 0o644))
+		cmd := exec.Command(cc, append([]string{"-shared", "-fPIC", "-o", out, c}, args...)...)
+		msg, err := cmd.CombinedOutput()
+		require.NoError(t, err, "%s", msg)
+	}
+	var link []string
+	if cudart {
+		build(filepath.Join(dir, "libcudart.so.13"), "int cudaMalloc(void **p, unsigned long n) { (void)p; (void)n; return 100; }\n",
+			"-Wl,-soname,libcudart.so.13")
+		// --no-as-needed: the fake engine calls nothing of it, and linkers
+		// that default to --as-needed would drop it.
+		link = []string{"-L" + dir, "-Wl,--no-as-needed", "-l:libcudart.so.13", "-Wl,-rpath,$ORIGIN"}
+	}
+	build(engine, src.String(), link...)
 	return engine
 }
 
@@ -188,7 +207,7 @@ func TestShimRefusesAWheelMissingASymbol(t *testing.T) {
 	const getStatus = "_ZN8mooncake14TransferEngine17getTransferStatusEmmRNS_9Transport14TransferStatusE"
 	shim, err := mooncaketest.BuildShim(t.TempDir(), "libecmooncake_mooncake.so")
 	require.NoError(t, err)
-	engine := fakeEngine(t, shim, "0.3.13.post1", getStatus)
+	engine := fakeEngine(t, shim, "0.3.13.post1", getStatus, false, false)
 	_, err = New(Config{Library: shim, Engine: engine, Logger: quiet})
 	require.ErrorIs(t, err, ErrUnavailable)
 	for _, w := range []string{"Mooncake wheel 0.3.13.post1", "lacks mooncake::TransferEngine::getTransferStatus", getStatus,
@@ -202,7 +221,7 @@ func TestShimRefusesAWheelMissingASymbol(t *testing.T) {
 func TestShimLoadsANewerWheelWithAWarning(t *testing.T) {
 	shim, err := mooncaketest.BuildShim(t.TempDir(), "libecmooncake_mooncake.so")
 	require.NoError(t, err)
-	engine := fakeEngine(t, shim, "0.3.15", "")
+	engine := fakeEngine(t, shim, "0.3.15", "", false, false)
 	var logged bytes.Buffer
 	prev := slog.Default()
 	slog.SetDefault(slog.New(slog.NewTextHandler(&logged, nil)))
@@ -215,10 +234,29 @@ func TestShimLoadsANewerWheelWithAWarning(t *testing.T) {
 	require.False(t, got.Wheel.Checked)
 	require.Equal(t, 72, got.Wheel.RequestBytes, "the loaded engine uses the newest declarations")
 	require.Contains(t, got.Wheel.Warning, "0.3.12.post1, 0.3.13, 0.3.13.post1, 0.3.14")
+	require.Equal(t, "mooncake-transfer-engine-non-cuda", got.Distribution)
+	require.False(t, got.CUDA, "no libcudart: not a CUDA build")
+	require.Empty(t, got.CUDARuntime)
+	require.False(t, got.Etcd, "no etcd client")
 	require.Contains(t, logged.String(), "level=WARN")
 	require.Contains(t, logged.String(), "0.3.15 is not one this shim was checked against")
 	require.Equal(t, 1, strings.Count(logged.String(), "level=WARN"), "one warning per process and library")
 	again := Probe(shim, engine)
 	require.True(t, again.Available)
 	require.Equal(t, 1, strings.Count(logged.String(), "level=WARN"))
+}
+
+// Probe says what a doctor needs about the engine: a CUDA build (it links
+// libcudart, and can register GPU memory) and the etcd client.
+func TestProbeSaysCUDAAndEtcd(t *testing.T) {
+	shim, err := mooncaketest.BuildShim(t.TempDir(), "libecmooncake_mooncake.so")
+	require.NoError(t, err)
+	engine := fakeEngine(t, shim, "0.3.14", "", true, true)
+	got := Probe(shim, engine)
+	require.True(t, got.Available, got.Reason)
+	require.True(t, got.Wheel.Checked)
+	require.Equal(t, 72, got.Wheel.RequestBytes)
+	require.True(t, got.CUDA)
+	require.Equal(t, "libcudart.so.13", got.CUDARuntime)
+	require.True(t, got.Etcd)
 }

@@ -220,20 +220,57 @@ def check_mooncake(s: Setup) -> Check:
     if library is None and s.cfg is not None and s.cfg.extra.get("mooncake_library"):
         library = s.cfg.extra["mooncake_library"]
     info = mooncake_info(library, "" if library is not None else None)
-    if info.get("available"):
-        if info.get("engine"):
-            what = f"Mooncake wheel {info.get('version') or '(version unknown)'} ({info['engine']}) through {info['library']}"
-        else:
-            what = f"{info['library']}"
+    gpu_slab = wanted and _wants_gpu(s)
+    return describe_mooncake(info, wanted, gpu_slab, rdma_devices(), nvidia_peermem_loaded())
+
+
+def describe_mooncake(info: dict, wanted: bool, gpu_slab: bool, devices: list[str], peermem: bool) -> Check:
+    """The mooncake line from what the library's probe says (info) and
+    the host's facts: which engine and wheel version would load, whether
+    it can register GPU memory (a CUDA build), which protocols it can
+    install here, whether GPUDirect RDMA is there (nvidia_peermem), and
+    whether it has the etcd client."""
+    if not info.get("available"):
+        reason = info.get("reason") or f"cannot load {info.get('library')}"
+        if wanted:
+            return Check("mooncake", FAIL, f"transport mooncake, but {reason}", MOONCAKE_FIX)
+        return Check("mooncake", WARN, f"not available: {reason}", "only transport mooncake needs it; see the README's 'Mooncake (RDMA)'")
+    wheel = info.get("wheel") or {}
+    if info.get("engine"):
+        name = info.get("distribution") or "Mooncake wheel"
+        what = f"{name} {info.get('version') or '(version unknown)'} ({info['engine']}) through {info['library']}"
+    else:
+        what = f"{info['library']}"
+    if info.get("cuda"):
+        runtime = info.get("cuda_runtime")
+        memory = f"can register GPU memory (CUDA build{', ' + runtime if runtime else ''})"
+    else:
+        memory = "host memory only (not a CUDA build: GPU slabs need mooncake-transfer-engine or -cuda13)"
+    if devices:
+        protocols = f"tcp, rdma (devices: {', '.join(devices)})"
+    else:
+        protocols = "tcp only: no RDMA device in /sys/class/infiniband, so mooncake_protocol rdma cannot install here"
+    if peermem:
+        gpudirect = "GPUDirect RDMA: nvidia_peermem loaded"
+    else:
+        gpudirect = "GPUDirect RDMA: no (nvidia_peermem not loaded; GPU memory over rdma needs it: modprobe nvidia_peermem)"
+    etcd = "etcd client: yes" if info.get("etcd") else "etcd client: no (mooncake_metadata etcd:// is refused)"
+    message = (
+        f"would load {what}: every function the transport calls ({len(info.get('symbols') or ())}); "
+        f"{memory}; protocols: {protocols}; {gpudirect}; {etcd}"
+    )
+    if gpu_slab and not info.get("cuda"):
         return Check(
-            "mooncake", OK,
-            f"would load {what}: every function the transport calls ({len(info.get('symbols') or ())}); "
-            f"protocols: {_mooncake_protocols()}",
+            "mooncake", FAIL, f"{message}; but ec_buffer_device asks for a GPU slab, which this engine cannot register",
+            "pip install mooncake-transfer-engine (CUDA 12) or mooncake-transfer-engine-cuda13 (CUDA 13) instead of -non-cuda, "
+            'or add "ec_buffer_device": "cpu"',
         )
-    reason = info.get("reason") or f"cannot load {info.get('library')}"
-    if wanted:
-        return Check("mooncake", FAIL, f"transport mooncake, but {reason}", MOONCAKE_FIX)
-    return Check("mooncake", WARN, f"not available: {reason}", "only transport mooncake needs it; see the README's 'Mooncake (RDMA)'")
+    if wheel.get("warning"):
+        return Check(
+            "mooncake", WARN, f"{message}; {wheel['warning']}",
+            f"install a checked version ({wheel.get('checked_versions')}), e.g. pip install mooncake-transfer-engine-non-cuda",
+        )
+    return Check("mooncake", OK, message)
 
 
 def rdma_devices(root: str = "/sys/class/infiniband") -> list[str]:
@@ -244,11 +281,10 @@ def rdma_devices(root: str = "/sys/class/infiniband") -> list[str]:
         return []
 
 
-def _mooncake_protocols() -> str:
-    devices = rdma_devices()
-    if devices:
-        return f"tcp, rdma (devices: {', '.join(devices)})"
-    return "tcp only: no RDMA device in /sys/class/infiniband, so mooncake_protocol rdma cannot install here"
+def nvidia_peermem_loaded(root: str = "/sys/module") -> bool:
+    """Whether the nvidia_peermem kernel module is loaded: what lets an RDMA
+    NIC read and write GPU memory directly (GPUDirect RDMA)."""
+    return os.path.isdir(os.path.join(root, "nvidia_peermem"))
 
 
 def shm_free_bytes(path: str = "/dev/shm") -> int:

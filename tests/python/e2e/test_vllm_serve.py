@@ -306,7 +306,7 @@ def _mooncake_engine() -> str | None:
     if not info.get("available"):
         return (
             f"no Mooncake engine in {VENV}: {info.get('reason')} "
-            "(pip install mooncake-transfer-engine-non-cuda==0.3.12.post1 into it)"
+            "(pip install mooncake-transfer-engine-non-cuda into it)"
         )
     return None
 

@@ -239,6 +239,7 @@ std::mutex g_mu;
 Api g_api;
 std::atomic<bool> g_loaded{false};
 const Release *g_release = nullptr;
+void *g_handle = nullptr;  // engine.so, once loaded
 std::string g_engine_path;
 std::atomic<long> g_exceptions{0};
 
@@ -401,6 +402,17 @@ ECM_EXPORT const char *ecm_mooncake_shim_symbol(size_t i) {
     return i < all.size() ? all[i].mangled : nullptr;
 }
 
+// ecm_mooncake_shim_engine_has says whether the loaded engine.so, or a
+// library it loaded with it, defines sym: 1 yes, 0 no or no engine
+// loaded. It is how the transport learns that the engine was built with
+// the etcd client (libetcd_wrapper.so's NewEtcdClient) before it passes
+// an etcd:// string that an engine without one would abort on.
+ECM_EXPORT int ecm_mooncake_shim_engine_has(const char *sym) {
+    if (!g_loaded.load() || !sym) return 0;
+    dlerror();
+    return dlsym(g_handle, sym) != nullptr ? 1 : 0;
+}
+
 // ecm_mooncake_shim_request_bytes is the size of TransferRequest of the
 // loaded engine's release; 0 before an engine is loaded.
 ECM_EXPORT size_t ecm_mooncake_shim_request_bytes() { return g_loaded.load() ? g_release->request_bytes : 0; }
@@ -469,6 +481,7 @@ ECM_EXPORT int ecm_mooncake_shim_open(const char *engine_path, const char *versi
         }
     }
     g_api = api;
+    g_handle = h;
     g_release = release;
     g_engine_path = engine_path;
     g_loaded.store(true);
