@@ -26,6 +26,26 @@
 #                                     in the same run; a step fails when a
 #                                     ratio is above 1.02 (the ceiling was
 #                                     not one).
+#   bash build/gpu_run.sh mooncake [DIR]
+#                                     on the same host, GPU memory over the
+#                                     `mooncake` transport with Mooncake's
+#                                     CUDA 13 wheel, carried in .whl/
+#                                     (bash build/gpu_run.sh fetch-mooncake
+#                                     puts it there): installs it next to
+#                                     ours (pip --target, no index), then,
+#                                     in a network namespace of its own when
+#                                     root (loopback and a veth pair, as
+#                                     Mooncake advertises the first interface
+#                                     that is not loopback): the GPU tests of
+#                                     tests/python/test_gpu_mooncake.py
+#                                     (shard and producer processes, GPU slab
+#                                     and CUDA sources, 4 KiB..128 MiB
+#                                     bit-exact, a producer killed mid-write,
+#                                     a shard restarted), the engine's own
+#                                     GPU -> GPU transfer of the same bytes
+#                                     (the ceiling) and the connector
+#                                     bench's mooncake rows, each a ratio to
+#                                     the ceiling.
 #
 # The GPU host needs python3 with pip, PyTorch (CUDA), numpy and pytest,
 # glibc 2.35 or newer (the wheel's manylinux_2_35 tag: Ubuntu 22.04 and
@@ -43,7 +63,7 @@ pack() {
 	# What earlier packs copied by hand, so that nothing loose is loaded.
 	rm -f "$ART"/libecmooncake.so "$ART"/libecmooncake_mooncake.so "$ART"/ecm-ceiling \
 		"$ART"/libzmq.so.5 "$ART"/libsodium.so.23 "$ART"/libpgm-5.3.so.0 "$ART"/libnorm.so.1 "$ART"/libbsd.so.0 "$ART"/libmd.so.0
-	rm -rf "$SITE"
+	rm -rf "$SITE" "$ART/mooncake-site"
 	bash build/wheel.sh "$ART" >/dev/null
 	CGO_ENABLED=1 go test -c -o "$ART/cuda.test" ./core/cuda
 	ls -l "$ART"
@@ -149,6 +169,107 @@ PY
 	return $rc
 }
 
+# The Mooncake wheel the mooncake step installs: the CUDA 13 build, as the
+# GPU host's PyTorch is CUDA 13.
+MOONCAKE_WHEEL=${ECM_MOONCAKE_WHEEL:-mooncake-transfer-engine-cuda13==0.3.14}
+WHL=${ECM_WHEELS:-$PWD/.whl}
+
+# fetch_mooncake downloads the wheel for the GPU host (cp312, manylinux
+# x86_64), on the build machine, and writes into .whl/ the copy of it that
+# is carried: its transfer engine only (build/slim_mooncake_wheel.py; the
+# whole wheel, 49.7 MB, would not fit one upload beside .artifacts/).
+fetch_mooncake() {
+	local tmp
+	tmp=$(mktemp -d /tmp/ecm-mooncake-wheel.XXXXXX) || return 1
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_35_x86_64 -d "$tmp" "$MOONCAKE_WHEEL" || { rm -rf "$tmp"; return 1; }
+	rm -f "$WHL"/mooncake_transfer_engine*.whl
+	python3 build/slim_mooncake_wheel.py "$tmp"/mooncake_transfer_engine*.whl "$WHL"
+	local rc=$?
+	rm -rf "$tmp"
+	ls -l "$WHL"
+	return $rc
+}
+
+mooncake() {
+	local out=${1:-/tmp/ecm-mooncake-run} rc=0
+	mkdir -p "$out"
+	out=$(cd "$out" && pwd)
+	install || return 1
+	local wheels=("$WHL"/mooncake_transfer_engine*.whl)
+	[ -f "${wheels[0]}" ] || { echo "gpu_run: no Mooncake wheel in $WHL: run 'bash build/gpu_run.sh fetch-mooncake' on the build machine and carry .whl" >&2; return 1; }
+	[ "${#wheels[@]}" = 1 ] || { echo "gpu_run: more than one Mooncake wheel in $WHL: ${wheels[*]}" >&2; return 1; }
+	python3 -m pip install -q --no-index --no-deps --upgrade --target "$ART/mooncake-site" "${wheels[0]}" || return 1
+	export PYTHONPATH="$ART/mooncake-site:$PYTHONPATH" PYTHONUNBUFFERED=1
+	echo "== installed ${wheels[0]##*/} into $ART/mooncake-site"
+	# The tests import this tree's python/ (tests/python/conftest.py), whose
+	# package looks for the shim beside itself: the wheel's, built here.
+	cp -f "$SITE/ecmooncake/libecmooncake_mooncake.so" python/ecmooncake/ || return 1
+	if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && command -v ip >/dev/null && [ -z "${ECM_IN_NETNS:-}" ]; then
+		echo "== in a network namespace of its own: loopback and a veth pair on 10.231.0.1/24"
+		ECM_IN_NETNS=1 unshare --net bash -c '
+			ip link set lo up && ip link add ecm0 type veth peer name ecm1 && ip addr add 10.231.0.1/24 dev ecm0 &&
+			ip link set ecm0 up && ip link set ecm1 up || exit 1
+			exec bash "$0" mooncake-steps "$1"' build/gpu_run.sh "$out"
+		return $?
+	fi
+	echo "== in the host's network namespace (not root, or no unshare/ip): the engines may advertise a non-loopback address"
+	mooncake_steps "$out"
+}
+
+# mooncake_steps runs the mooncake step's measurements, the wheel installed.
+mooncake_steps() {
+	local out=$1 rc=0 log step_rc
+	echo "== host"
+	nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+	ip -brief addr 2>/dev/null || true
+	python3 -c 'import json; from ecmooncake import native; print(json.dumps(native.mooncake_info(), indent=1))' 2>&1 | tee "$out/mooncake_info.json"
+
+	echo "== go: core/cuda (AllocDevice, the GPU staging slab's memory)"
+	(cd core/cuda && "$ART/cuda.test" -test.v -test.count=1 -test.run 'AllocDevice|CopiesRoundTrip') 2>&1 | tee "$out/go_cuda.log"
+	step_rc=${PIPESTATUS[0]}
+	if grep -q -- '^--- SKIP' "$out/go_cuda.log"; then step_rc=1; fi
+	record "go AllocDevice" "$([ "$step_rc" = 0 ] && echo PASS || echo FAIL)" "$(grep -c -- '^--- PASS' "$out/go_cuda.log") passed, $(grep -c -- '^--- SKIP' "$out/go_cuda.log") skipped"
+	[ "$step_rc" = 0 ] || rc=1
+
+	echo "== pytest: mooncake GPU -> GPU, shard and producer processes"
+	log="$out/pytest_mooncake.log"
+	timeout 240 python3 -m pytest -q -s -p no:cacheprovider -rs tests/python/test_gpu_mooncake.py 2>&1 | tee "$log"
+	step_rc=${PIPESTATUS[0]}
+	# A skip is a failure here: this step exists to run them.
+	if grep -q -E '[0-9]+ skipped' "$log"; then step_rc=1; fi
+	record "pytest mooncake GPU" "$([ "$step_rc" = 0 ] && echo PASS || echo FAIL)" "$(grep -E '(passed|failed|error|skipped)' "$log" | tail -1)"
+	[ "$step_rc" = 0 ] || rc=1
+	# The library's own logs (log_level info) say which memory each end
+	# registered: the producer's GPU staging, the shard's GPU slab.
+	local staging slabs
+	staging=$(grep -c 'mooncake GPU staging registered' "$log")
+	slabs=$(grep 'mooncake engine serving the slab' "$log" | grep -c 'cuda:0')
+	record "mooncake GPU memory" "$([ "$staging" -gt 0 ] && [ "$slabs" -gt 0 ] && echo PASS || echo FAIL)" \
+		"GPU staging registered by $staging producer(s), GPU slab by $slabs shard(s) (the logs above)"
+	[ "$staging" -gt 0 ] && [ "$slabs" -gt 0 ] || rc=1
+
+	echo "== the engine's own GPU -> GPU transfer (the ceiling), and registering against copying"
+	log="$out/mooncake_ceiling.log"
+	timeout 120 python3 -m ecmooncake.tools.mooncake_gpu --reps 5 --json "$out/mooncake_ceiling.json" 2>&1 | tee "$log"
+	step_rc=${PIPESTATUS[0]}
+	record "mooncake ceiling" "$([ "$step_rc" = 0 ] && echo PASS || echo FAIL)" "$([ "$step_rc" = 0 ] && echo "JSON in $out/mooncake_ceiling.json" || echo "exit $step_rc, log $log")"
+	[ "$step_rc" = 0 ] || rc=1
+
+	echo "== connector bench, mooncake: save_caches -> the PD's encoder_cache, GPU -> GPU"
+	log="$out/connector_mooncake.log"
+	timeout 180 python3 -m ecmooncake.tools.connector_gpu --paths mooncake --reps 5 --json "$out/connector_mooncake.json" 2>&1 | tee "$log"
+	step_rc=${PIPESTATUS[0]}
+	record "connector mooncake" "$([ "$step_rc" = 0 ] && echo PASS || echo FAIL)" "$([ "$step_rc" = 0 ] && echo "JSON in $out/connector_mooncake.json" || echo "exit $step_rc, log $log")"
+	[ "$step_rc" = 0 ] || rc=1
+
+	summary
+	if [ -f "$out/connector_mooncake.json" ] && [ -f "$out/mooncake_ceiling.json" ]; then
+		python3 -m ecmooncake.tools.mooncake_gpu --compare "$out/connector_mooncake.json" "$out/mooncake_ceiling.json"
+	fi
+	return $rc
+}
+
 tcp() {
 	local out=${1:-/tmp/ecm-tcp-run} rc=0 log step
 	mkdir -p "$out"
@@ -184,5 +305,9 @@ case "${1:-run}" in
 pack) pack ;;
 run) shift; run "$@" ;;
 tcp) shift; tcp "$@" ;;
-*) echo "usage: $0 pack | run [DIR] | tcp [DIR]" >&2; exit 2 ;;
+fetch-mooncake) fetch_mooncake ;;
+mooncake) shift; mooncake "$@" ;;
+# inside mooncake's network namespace, with the environment it set
+mooncake-steps) shift; mooncake_steps "$@" ;;
+*) echo "usage: $0 pack | run [DIR] | tcp [DIR] | fetch-mooncake | mooncake [DIR]" >&2; exit 2 ;;
 esac

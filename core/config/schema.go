@@ -146,7 +146,7 @@ var specs = map[string]spec{
 	"complete_window":            ints(1, 1<<16).with("completes a producer has out to one shard and unanswered; it never waits for an answer below this, and at it the shard's next completes wait (their deadline still runs)"),
 	"local_transport":            {kind: KindEnum, choices: LocalTransports, zeroMeans: DefaultLocalTransport, help: "data plane to shards on this host with a GPU slab; none uses transport everywhere"},
 	"transport_overrides":        {kind: KindMap, help: "shard control endpoint or host identity -> the transport that carries pushes to it"},
-	"mooncake_staging_bytes":     ints(1<<20, 1<<40).with("registered staging memory sources are copied into before an RDMA write"),
+	"mooncake_staging_bytes":     ints(1<<20, 1<<40).with("registered staging memory sources are copied into before a write: host memory, and as much GPU memory of each device sources come from with a CUDA build of the engine"),
 	"load_timeout_s":             {kind: KindSeconds, help: "a load handed to the workers and not reported back by then fails"},
 	"shards":                     {kind: KindList, help: "explicit shard control endpoints, one per TP rank (empty: derived from ec_ip, ec_port, tp_size, dp_rank)"},
 	"gomaxprocs":                 ints(1, 1024).with("Go runtime threads; small, so that Go leaves the cores to PyTorch"),

@@ -533,12 +533,42 @@ func (d *Device) OpenIPC(h gpu.IPCHandle) (gpu.Mapping, error) {
 }
 
 var (
-	_ gpu.Device      = (*Device)(nil)
-	_ gpu.TimedCopier = (*Device)(nil)
+	_ gpu.Device          = (*Device)(nil)
+	_ gpu.TimedCopier     = (*Device)(nil)
+	_ gpu.DeviceAllocator = (*Device)(nil)
 )
 
-// memAlloc and memFree serve this package's tests on a GPU host:
-// production code never allocates device memory, PyTorch does.
+// deviceMem is memory from cuMemAlloc.
+type deviceMem struct {
+	d    *Device
+	addr uintptr
+	n    uint64
+	once sync.Once
+}
+
+func (m *deviceMem) Addr() uintptr { return m.addr }
+func (m *deviceMem) Len() uint64   { return m.n }
+
+func (m *deviceMem) Free() error {
+	var err error
+	m.once.Do(func() { err = m.d.memFree(m.addr) })
+	return err
+}
+
+// AllocDevice implements gpu.DeviceAllocator: a transport's own staging
+// slab (encoder outputs themselves are PyTorch's).
+func (d *Device) AllocDevice(n uint64) (gpu.DeviceMem, error) {
+	if n == 0 {
+		return nil, fmt.Errorf("cuda: %s: device allocation of 0 bytes", d.Name())
+	}
+	p, err := d.memAlloc(int(n))
+	if err != nil {
+		return nil, fmt.Errorf("cuda: %s: %d bytes of device memory: %w", d.Name(), n, err)
+	}
+	return &deviceMem{d: d, addr: p, n: n}, nil
+}
+
+// memAlloc and memFree serve AllocDevice and this package's tests.
 func (d *Device) memAlloc(n int) (uintptr, error) {
 	var p C.ecm_CUdeviceptr
 	err := d.with(func() error { return check("cuMemAlloc", C.ecm_cuMemAlloc(&p, C.size_t(n))) })

@@ -200,3 +200,25 @@ func TestTimedCopyReportsTheGPUsTime(t *testing.T) {
 		t.Logf("64 MiB in two copies: queue %v, GPU %v, host wait %v", tm.Queue, tm.GPU, tm.Wait)
 	}
 }
+
+// A transport's own staging slab: device memory it allocates, fills by
+// a device copy and frees.
+func TestAllocDeviceHoldsWhatIsCopiedIn(t *testing.T) {
+	dev := gpuDevice(t)
+	const n = 5<<20 + 17
+	m, err := dev.AllocDevice(n)
+	require.NoError(t, err)
+	require.EqualValues(t, n, m.Len())
+	require.NoError(t, dev.CheckDevice(m.Addr(), n))
+	src := devMem(t, dev, n)
+	want := pattern(n, 9)
+	require.NoError(t, dev.CopyFromHost(src, want))
+	require.NoError(t, dev.CopyDevice([]gpu.DeviceCopy{{Dst: m.Addr(), Src: src, N: n}}))
+	got := make([]byte, n)
+	require.NoError(t, dev.CopyToHost(got, m.Addr(), nil))
+	require.True(t, bytes.Equal(want, got))
+	require.NoError(t, m.Free())
+	require.NoError(t, m.Free(), "a second Free is a no-op")
+	_, err = dev.AllocDevice(0)
+	require.Error(t, err)
+}

@@ -40,6 +40,22 @@ type HostMem interface {
 	Free() error
 }
 
+// DeviceMem is device memory this process allocated: Len bytes at Addr,
+// until Free.
+type DeviceMem interface {
+	Addr() uintptr
+	Len() uint64
+	Free() error
+}
+
+// DeviceAllocator is a Device that allocates device memory of its own: a
+// transport that registers memory once with a network engine keeps a
+// staging slab there, since registering every source costs more than a
+// device-to-device copy into memory registered already.
+type DeviceAllocator interface {
+	AllocDevice(n uint64) (DeviceMem, error)
+}
+
 // Mapping is another process's device memory opened in this one. Addr is
 // where the exported allocation starts here; Close unmaps it.
 type Mapping interface {

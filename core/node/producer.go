@@ -44,14 +44,14 @@ func OpenProducer(cfg config.Producer, opt Options) (*Producer, error) {
 }
 
 func producerTransport(cfg config.Producer, opt Options) (transport.Transport, gpu.Devices, error) {
-	network, err := producerNetwork(cfg, opt)
+	log := opt.log()
+	devs, gpuErr := opt.devices()
+	network, err := producerNetwork(cfg, opt, devs)
 	if err != nil {
 		return nil, nil, err
 	}
-	log := opt.log()
-	devs, gpuErr := opt.devices()
-	if network.Name() == "tcp" {
-		network = staged.New(staged.Config{Inner: network, Devices: devs, StagingBytes: cfg.Staging(), ChunkBytes: cfg.TCPChunkBytes, Logger: log})
+	if stage, chunk := hostOnly(network, cfg); stage {
+		network = staged.New(staged.Config{Inner: network, Devices: devs, StagingBytes: cfg.Staging(), ChunkBytes: chunk, Logger: log})
 	}
 	rc := route.Config{Network: network, Host: ids.HostIdentity(cfg.Host), Overrides: cfg.TransportOverrides, Logger: log}
 	switch {
@@ -65,8 +65,28 @@ func producerTransport(cfg config.Producer, opt Options) (transport.Transport, g
 	return route.New(rc), devs, nil
 }
 
+// hostOnly reports whether network reads host memory only, so that its
+// device sources stage through page-locked host buffers in the library
+// first, in chunks of chunk bytes (0: staged's default): TCP and shm
+// always, mooncake when its engine cannot register GPU memory (a CUDA
+// build of it stages on the GPU itself).
+func hostOnly(network transport.Transport, cfg config.Producer) (stage bool, chunk int) {
+	switch network.Name() {
+	case "tcp":
+		return true, cfg.TCPChunkBytes
+	case shm.Name:
+		return true, 0
+	case mooncake.Name:
+		if m, ok := network.(*mooncake.Transport); ok {
+			gpuOK, _ := m.RegistersGPU()
+			return !gpuOK, int(mooncake.DefaultChunkBytes)
+		}
+	}
+	return false, 0
+}
+
 // producerNetwork is the producer's network data plane.
-func producerNetwork(cfg config.Producer, opt Options) (transport.Transport, error) {
+func producerNetwork(cfg config.Producer, opt Options, devs gpu.Devices) (transport.Transport, error) {
 	if opt.Network != nil {
 		return opt.Network, nil
 	}
@@ -80,7 +100,9 @@ func producerNetwork(cfg config.Producer, opt Options) (transport.Transport, err
 		return tcp.NewTCP(tcp.TCPConfig{Conns: cfg.TCPConns, ChunkSize: cfg.TCPChunkBytes, DialTimeout: cfg.ControlTimeout(),
 			Secret: tcp.Secret(secret), Logger: log}), nil
 	case mooncake.Name:
-		return newMooncake(mooncake.FromProducer(cfg, log))
+		mc := mooncake.FromProducer(cfg, log)
+		mc.Devices = devs
+		return newMooncake(mc)
 	case shm.Name:
 		return shm.New(shm.Config{Host: ids.HostIdentity(cfg.Host), Logger: log}), nil
 	}

@@ -74,13 +74,14 @@
 // # GPU memory
 //
 // A source in GPU memory comes as WriteItem.Dev, with a readiness event the
-// transport orders its reads after; TCP and Inmem refuse it
-// (ErrDeviceMemory, see RefuseDevice). A slab in GPU memory has no byte view: its shard is a
+// transport orders its reads after; TCP, shm and Inmem refuse it
+// (ErrDeviceMemory, see RefuseDevice), and so does mooncake with an engine
+// that is no CUDA build: the producer wraps those in package staged. A slab in GPU memory has no byte view: its shard is a
 // RegionSink, which admits a frame like BeginWrite but answers with the
 // frame's offset in the slab. A FrameSink tells frames apart, so a sink
 // that stages a frame through host memory can copy it on when that frame
-// ends. The packages below this one build on these: staged (TCP with GPU
-// memory, through page-locked buffers), cudaipc (same host, one-sided,
+// ends. The packages below this one build on these: staged (TCP, shm and a
+// non-CUDA mooncake with GPU memory, through page-locked buffers), cudaipc (same host, one-sided,
 // device to device) and route (which plane serves which destination: Picker,
 // MultiReceiver).
 package transport

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import math
 import os
 import re
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import schema
+
+logger = logging.getLogger("vllm.ecmooncake")
 
 BUFFER_DEVICES = ("cpu", "cuda")
 # The control plane's secret, for deployments that keep it off the command
@@ -235,7 +238,7 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         "consumer with ec_buffer_device `cuda`: `device` receives into GPU memory of the shard's device "
         "(same-host encoders write with cuda_ipc, others through staged TCP), `pinned_host` into pinned host "
         "memory copied to the GPU at load; `auto` is `device`, except `pinned_host` with transport `mooncake` "
-        "(Mooncake writes GPU memory only in a CUDA build of its engine)",
+        "when its engine is no CUDA build (only a CUDA build registers GPU memory)",
     ),
     "push_wait_timeout_s": _native(
         "push_wait_timeout_s", ("producer", "scheduler"),
@@ -353,7 +356,8 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
     ),
     "mooncake_staging_bytes": _native(
         "mooncake_staging_bytes", ("producer",),
-        "registered staging memory the producer copies encoder outputs into before an RDMA write",
+        "registered staging memory the producer copies encoder outputs into before a write: host memory, and as much "
+        "GPU memory of each device outputs come from with a CUDA build of the engine",
         only_if_set=True,
     ),
 }
@@ -396,7 +400,9 @@ class ECMooncakeConfig:
             return "host"
         chosen = self.value("buffer_memory")
         if chosen == "auto":
-            return "pinned_host" if self.value("transport") == "mooncake" else "device"
+            if self.value("transport") == "mooncake":
+                return "device" if mooncake_registers_gpu(self.extra) else "pinned_host"
+            return "device"
         return chosen
 
     @property
@@ -581,3 +587,21 @@ def from_vllm_config(vllm_config: Any, topology: Topology | None = None) -> ECMo
         topology=topology,
         extra=extra,
     )
+
+
+def mooncake_registers_gpu(extra: dict[str, Any]) -> bool:
+    """Whether the Mooncake engine these settings load (``mooncake_library``
+    and ``mooncake_engine``, else the installed wheel) is a CUDA build,
+    which registers GPU memory; False, logged, when the library cannot say
+    (the shard then fails to open on its own, with the cause)."""
+    from . import native
+
+    try:
+        info = native.mooncake_info(extra.get("mooncake_library"), extra.get("mooncake_engine"))
+    except Exception as exc:  # the library itself is missing: the shard's open reports it
+        logger.warning("ecmooncake: cannot ask the library whether the Mooncake engine registers GPU memory (%s); "
+                       "a Mooncake PD's slab stays in pinned host memory", exc)
+        return False
+    if not info.get("available"):
+        return False
+    return bool(info.get("cuda"))

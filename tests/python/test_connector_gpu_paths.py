@@ -218,17 +218,17 @@ def test_a_strided_output_is_made_contiguous_at_capture(torch, abi):
     worker.close()
 
 
-@pytest.mark.parametrize("transport", ["mooncake", "shm"])
-def test_host_only_transports_still_get_a_pinned_host_copy(torch, abi, monkeypatch, transport):
+@pytest.mark.parametrize("transport", ["mooncake", "shm", "tcp"])
+def test_every_transport_gets_cuda_outputs_as_device_memory(torch, abi, transport):
+    """No CUDA output is copied to host memory in Python: the library
+    stages it where its transport needs host memory."""
     worker = producer._ProducerWorker(config("producer", **{"transport": transport}))
-    submitted = []
-    monkeypatch.setattr(worker._copier, "submit", lambda h, t: submitted.append((h, t)))
+    assert not hasattr(producer, "_HostCopier")
     worker.announce([push()], None)
     out = GpuTensor()
     worker.capture("h1", out)
     worker.finish(set())
-    assert submitted == [("h1", out)]
-    assert abi.sources == [], "no device memory reaches a host-only writer"
+    assert [(s["mm_hash"], s["device"], s["stream"]) for s in abi.sources] == [("h1", 0, 0x1000)]
     worker.close()
 
 
@@ -277,7 +277,6 @@ def shard(monkeypatch):
         ("cuda:1", {}, "device", "cuda:1", False),
         ("cuda", {"buffer_memory": "device"}, "device", "cuda:0", False),
         ("cuda", {"buffer_memory": "pinned_host"}, "pinned_host", "cpu", True),
-        ("cuda", {"transport": "mooncake"}, "pinned_host", "cpu", True),
         ("cuda", {"transport": "mooncake", "buffer_memory": "device"}, "device", "cuda:0", False),
         ("cpu", {}, "host", "cpu", False),
     ],
@@ -290,6 +289,32 @@ def test_the_slab_lives_where_the_settings_say(torch, shard, device, extra, memo
     (made,) = torch.made
     assert (made["device"], made["pin_memory"], made["nbytes"]) == (where, pinned, 16 << 20)
     assert worker._native.slab is made["tensor"], "the library gets the slab itself"
+
+
+@pytest.mark.parametrize("cuda_build, memory", [(False, "pinned_host"), (True, "device")])
+def test_a_mooncake_slab_is_gpu_memory_when_the_engine_registers_it(monkeypatch, cuda_build, memory):
+    asked = []
+
+    def info(library=None, engine=None):
+        asked.append((library, engine))
+        return {"available": True, "cuda": cuda_build}
+
+    import ecmooncake.native
+
+    monkeypatch.setattr(ecmooncake.native, "mooncake_info", info)
+    cfg = config("consumer", "cuda", transport="mooncake", mooncake_engine="/x/mooncake/engine.so", mooncake_library="/x/shim.so")
+    assert cfg.slab_memory == memory
+    assert asked == [("/x/shim.so", "/x/mooncake/engine.so")], "the engine the shard will load is the one asked"
+
+
+def test_a_mooncake_engine_that_cannot_be_asked_keeps_the_slab_in_pinned_host_memory(monkeypatch):
+    import ecmooncake.native
+
+    def broken(*_a, **_k):
+        raise OSError("libecmooncake.so: cannot open shared object file")
+
+    monkeypatch.setattr(ecmooncake.native, "mooncake_info", broken)
+    assert config("consumer", "cuda", transport="mooncake").slab_memory == "pinned_host"
 
 
 def test_buffer_memory_takes_only_known_values():
@@ -342,5 +367,7 @@ def test_the_startup_line_names_the_slab_path(extra, words, absent):
 def test_the_encoder_startup_line_names_its_paths():
     assert "cuda_ipc" in hooks._transport_line(config("producer"))
     line = hooks._transport_line(config("producer", transport="mooncake"))
-    assert "pinned host memory" in line and "cuda_ipc" not in line
+    assert "GPU staging registered with the engine" in line and "cuda_ipc" not in line
+    assert "pinned host memory" not in line, "no transport copies CUDA outputs to host memory first"
+    assert "staged by the library" in hooks._transport_line(config("producer", transport="shm"))
 

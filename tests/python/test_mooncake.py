@@ -637,3 +637,13 @@ def test_real_engine_shard_killed_mid_write_http_inside_the_namespace(workers, m
 def test_real_engine_producer_killed_mid_write_inside_the_namespace(workers, monkeypatch):
     monkeypatch.delenv(native.MOONCAKE_LIBRARY_ENV, raising=False)
     _producer_killed_mid_write(workers, {"mooncake_protocol": "tcp"}, _real_producer(), "rpkill")
+
+
+
+def test_the_double_is_no_cuda_build_so_a_pd_slab_stays_in_pinned_host_memory(double):
+    from ecmooncake import ec_config
+
+    info = native.mooncake_info(str(double), "")
+    assert info["available"] and info["cuda"] is False, info
+    extra = {"mooncake_library": str(double)}
+    assert ec_config.mooncake_registers_gpu(extra) is False

@@ -75,6 +75,17 @@
 //     reads its source; from staging, the caller's buffer can be released
 //     the moment Write returns, as the transport contract requires.
 //
+// A source in GPU memory (WriteItem.Dev) goes the same way on its own
+// device, when the engine is a CUDA build, which registers GPU memory
+// (Transport.RegistersGPU reads that from whether the engine library links
+// the CUDA runtime): the writer allocates a staging slab on each device its
+// sources come from, registers it once with location "cuda:N", and fills it
+// by device-to-device copies ordered after the source's readiness event.
+// An engine that is no CUDA build refuses device sources
+// (transport.ErrDeviceMemory): the producer wraps it in package staged,
+// which hands it host memory, and a shard refuses to register a GPU slab
+// with it.
+//
 // The copy is pipelined with the transfer: items are cut into chunks of
 // Config.ChunkBytes, and chunk k+1 is copied while chunk k is on the wire,
 // so the copy costs throughput only when memcpy is slower than the link.

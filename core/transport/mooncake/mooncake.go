@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/config"
+	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
@@ -55,7 +56,12 @@ type Config struct {
 	// the engine to finish tasks it has already started (there is no
 	// cancel), before it gives their batch and staging up for lost.
 	DrainTimeout time.Duration
-	Logger       *slog.Logger
+	// Devices resolves the GPUs of device sources (producer side).
+	Devices gpu.Devices
+	// GPUMemory, when set, says whether the engine registers GPU memory;
+	// nil reads it from the engine library's build (see RegistersGPU).
+	GPUMemory *bool
+	Logger    *slog.Logger
 }
 
 // FromProducer and FromConsumer translate the settings.
@@ -86,6 +92,7 @@ func (c Config) withDefaults() Config {
 	// wait for its own last chunk to land before copying the next.
 	c.ChunkBytes = min(c.ChunkBytes, uint64(c.StagingBytes)/4)
 	defaults.Positive(&c.DrainTimeout, DefaultDrainTimeout)
+	c.Devices = gpu.Configured(c.Devices, "mooncake staging")
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -96,9 +103,11 @@ func (c Config) withDefaults() Config {
 // NewWriter owns one engine (a consumer shard listens once; a producer
 // has one writer), created when it is first needed.
 type Transport struct {
-	cfg Config
-	lib *library
-	log *slog.Logger
+	cfg    Config
+	lib    *library
+	log    *slog.Logger
+	gpu    bool   // the engine registers GPU memory
+	gpuWhy string // how gpu was decided
 }
 
 var (
@@ -118,7 +127,9 @@ func New(cfg Config) (*Transport, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Transport{cfg: cfg, lib: lib, log: cfg.Logger.With("transport", Name)}, nil
+	t := &Transport{cfg: cfg, lib: lib, log: cfg.Logger.With("transport", Name)}
+	t.gpu, t.gpuWhy = gpuSupport(cfg, lib)
+	return t, nil
 }
 
 // Name is "mooncake".
@@ -146,6 +157,11 @@ func (t *Transport) Listen(addr string, sink transport.Sink) (transport.Receiver
 	base, n, device, err := transport.DirectMemory(sink)
 	if err != nil {
 		return nil, fmt.Errorf("mooncake: listen %s: %w", addr, err)
+	}
+	if device != "" && device != "cpu" && !t.gpu {
+		// A non-CUDA engine would take the device address for host memory.
+		return nil, fmt.Errorf("mooncake: listen %s: the slab is on %s and this engine cannot register GPU memory (%s); install a CUDA build of the engine (mooncake-transfer-engine, or -cuda13 for CUDA 13)",
+			addr, device, t.gpuWhy)
 	}
 	host, portStr, err := net.SplitHostPort(addr)
 	if err != nil {

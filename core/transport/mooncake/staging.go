@@ -7,15 +7,21 @@ import (
 	"unsafe"
 
 	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
+	"github.com/ecmooncake/ecmooncake/core/gpu"
 )
 
-// staging is the producer's registered bounce buffer: anonymous memory
-// outside the Go heap (the engine reads it from its own threads, after the
-// call that handed it over has returned), registered once, carved by a
-// first-fit allocator. Safe for concurrent use.
+// staging is a registered bounce buffer of the producer, carved by a
+// first-fit allocator and registered once: in host memory (anonymous
+// memory outside the Go heap, which the engine reads from its own threads
+// after the call that handed it over has returned), or in the memory of
+// one GPU, filled by device-to-device copies. Safe for concurrent use.
 type staging struct {
-	mem  []byte
-	base uintptr
+	mem    []byte // the host view; nil for device memory
+	base   uintptr
+	n      uint64
+	where  string // "cpu" or "cuda:N", as the engine is told
+	dev    gpu.Device
+	devMem gpu.DeviceMem
 
 	mu    sync.Mutex
 	alloc *slab.Allocator
@@ -27,10 +33,27 @@ func newStaging(n int64) (*staging, error) {
 	if err != nil {
 		return nil, fmt.Errorf("mooncake: map a %d-byte staging slab: %w", n, err)
 	}
-	return &staging{mem: mem, base: uintptr(unsafe.Pointer(unsafe.SliceData(mem))), alloc: slab.NewAllocator(uint64(n)), freed: make(chan struct{})}, nil
+	s := &staging{mem: mem, base: uintptr(unsafe.Pointer(unsafe.SliceData(mem))), n: uint64(n), where: "cpu"}
+	s.alloc, s.freed = slab.NewAllocator(uint64(n)), make(chan struct{})
+	return s, nil
 }
 
-func (s *staging) region() region { return region{addr: s.base, n: uint64(len(s.mem))} }
+// newDeviceStaging allocates n bytes of dev's memory for staging.
+func newDeviceStaging(dev gpu.Device, n int64) (*staging, error) {
+	da, ok := dev.(gpu.DeviceAllocator)
+	if !ok {
+		return nil, fmt.Errorf("mooncake: %s cannot allocate device memory for staging (a %T)", dev.Name(), dev)
+	}
+	m, err := da.AllocDevice(uint64(n))
+	if err != nil {
+		return nil, fmt.Errorf("mooncake: a %d-byte staging slab on %s: %w", n, dev.Name(), err)
+	}
+	s := &staging{base: m.Addr(), n: m.Len(), where: dev.Name(), dev: dev, devMem: m}
+	s.alloc, s.freed = slab.NewAllocator(m.Len()), make(chan struct{})
+	return s, nil
+}
+
+func (s *staging) region() region { return region{addr: s.base, n: s.n} }
 
 // tryAlloc reserves n bytes, or reports that they do not fit now and
 // returns a channel closed at the next free (taken under the same lock,
@@ -52,9 +75,16 @@ func (s *staging) free(off uint64) {
 	s.freed = make(chan struct{})
 }
 
+// bytes is the host view of [off, off+n); host staging only.
 func (s *staging) bytes(off, n uint64) []byte { return s.mem[off : off+n : off+n] }
 
 func (s *staging) close() error {
+	if s.devMem != nil {
+		if err := s.devMem.Free(); err != nil {
+			return fmt.Errorf("mooncake: free the staging slab on %s: %w", s.where, err)
+		}
+		return nil
+	}
 	if err := syscall.Munmap(s.mem); err != nil {
 		return fmt.Errorf("mooncake: unmap the staging slab: %w", err)
 	}

@@ -11,6 +11,7 @@ import (
 
 	"go.uber.org/atomic"
 
+	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
@@ -31,17 +32,23 @@ type WriterStats struct {
 	SubmitErrors  uint64 `json:"submit_errors"`
 	LeakedBatches uint64 `json:"leaked_batches"`
 	Reopens       uint64 `json:"segment_reopens"`
+	// DeviceBytes counts the bytes of device sources, which leave from
+	// GPU staging (a CUDA build of the engine).
+	DeviceBytes uint64 `json:"device_bytes"`
 }
 
-// Writer is the producer side: one engine, one registered staging slab,
-// the segments it opened. Safe for concurrent use; each Write is one batch.
+// Writer is the producer side: one engine, one registered host staging
+// slab, one registered staging slab on each GPU its device sources came
+// from (an engine that can register GPU memory only), the segments it
+// opened. Safe for concurrent use; each Write is one batch.
 type Writer struct {
 	t   *Transport
 	log *slog.Logger
 
-	initMu sync.Mutex // guards eng and stg while they are made
+	initMu sync.Mutex // guards eng, stg and devStg while they are made
 	eng    *engine
 	stg    *staging
+	devStg map[int]*staging // by device ordinal
 
 	segMu sync.Mutex
 	segs  map[string]*segState // by segment name
@@ -50,7 +57,7 @@ type Writer struct {
 	closing  chan struct{} // closed, under mu, when Close begins
 	inflight sync.WaitGroup
 
-	batches, tasks, bytes, failedTasks, submitErrors, leaked, reopens atomic.Uint64
+	batches, tasks, bytes, failedTasks, submitErrors, leaked, reopens, devBytes atomic.Uint64
 }
 
 var _ transport.Writer = (*Writer)(nil)
@@ -68,7 +75,7 @@ type segState struct {
 func (t *Transport) NewWriter() transport.Writer { return t.newWriter() }
 
 func (t *Transport) newWriter() *Writer {
-	return &Writer{t: t, log: t.log, segs: map[string]*segState{}, closing: make(chan struct{})}
+	return &Writer{t: t, log: t.log, segs: map[string]*segState{}, devStg: map[int]*staging{}, closing: make(chan struct{})}
 }
 
 // Stats returns a snapshot of the counters.
@@ -76,15 +83,20 @@ func (w *Writer) Stats() WriterStats {
 	return WriterStats{
 		Batches: w.batches.Load(), Tasks: w.tasks.Load(), Bytes: w.bytes.Load(), FailedTasks: w.failedTasks.Load(),
 		SubmitErrors: w.submitErrors.Load(), LeakedBatches: w.leaked.Load(), Reopens: w.reopens.Load(),
+		DeviceBytes: w.devBytes.Load(),
 	}
 }
 
 // Write copies every item into staging and writes it to Addr+Off on the
-// consumer's segment, as one batch. Unlike the transports that ask the
-// sink per frame, it returns only once the engine has finished every task
-// it started, even past ctx's deadline (by at most Config.DrainTimeout):
-// the engine has no cancel, and returning earlier would let the producer
-// abandon a region that an RDMA write may still land in.
+// consumer's segment, as one batch: a host source into host staging, a
+// device source, after its Ready event, into staging on its own GPU by a
+// device-to-device copy (only an engine that registers GPU memory takes
+// device sources; see Transport.RegistersGPU). Unlike the transports that
+// ask the sink per frame, it returns only once the engine has finished
+// every task it started, even past ctx's deadline (by at most
+// Config.DrainTimeout): the engine has no cancel, and returning earlier
+// would let the producer abandon a region that an RDMA write may still
+// land in.
 func (w *Writer) Write(ctx context.Context, dest string, items []transport.WriteItem) []error {
 	errs := make([]error, len(items))
 	failAll := func(seg string, cause error) []error {
@@ -117,8 +129,8 @@ func (w *Writer) Write(ctx context.Context, dest string, items []transport.Write
 	for i, it := range items {
 		var cause error
 		switch {
-		case it.Dev != nil:
-			cause = transport.ErrDeviceMemory
+		case it.Dev != nil && !w.t.gpu:
+			cause = fmt.Errorf("%w (this engine cannot register GPU memory: %s)", transport.ErrDeviceMemory, w.t.gpuWhy)
 		case it.Addr == 0:
 			cause = errors.New("the grant carries no remote address (is the consumer's transport mooncake?)")
 		case it.Addr+it.Off < it.Addr || !p.contains(it.Addr+it.Off, it.Len()):
@@ -141,7 +153,17 @@ func (w *Writer) Write(ctx context.Context, dest string, items []transport.Write
 	if err != nil {
 		return failAll(p.Segment, fmt.Errorf("%w: %w", transport.ErrUnreachable, err))
 	}
-	b := &batch{w: w, eng: eng, stg: stg, p: p, seg: seg, items: items, errs: errs}
+	stgs := make([]*staging, len(items))
+	for i, it := range items {
+		stgs[i] = stg
+		if errs[i] != nil || it.Dev == nil {
+			continue
+		}
+		if stgs[i], err = w.deviceStaging(eng, it.Dev.Ordinal); err != nil {
+			errs[i] = transport.ItemErr(Name, p.Segment, it.Res, it.Off, it.Off+it.Len(), err)
+		}
+	}
+	b := &batch{w: w, eng: eng, stgs: stgs, p: p, seg: seg, items: items, errs: errs}
 	b.run(ctx)
 	return errs
 }
@@ -188,8 +210,38 @@ func (w *Writer) ensure(towards string) (*engine, *staging, error) {
 		return nil, nil, err
 	}
 	w.eng, w.stg = eng, stg
-	w.log.Info("mooncake engine ready", "segment", eng.segment, "protocol", cfg.Protocol, "staging_bytes", cfg.StagingBytes)
+	w.log.Info("mooncake engine ready", "segment", eng.segment, "protocol", cfg.Protocol, "staging_bytes", cfg.StagingBytes,
+		"gpu_memory", w.t.gpu)
 	return eng, stg, nil
+}
+
+// deviceStaging is the registered staging slab on the GPU of ordinal,
+// made and registered on its first use: registering costs milliseconds
+// and grows with what the engine holds registered already, so it happens
+// once per GPU for the writer's life, and every device source is copied
+// there on its own GPU. A failure is not remembered.
+func (w *Writer) deviceStaging(eng *engine, ordinal int) (*staging, error) {
+	w.initMu.Lock()
+	defer w.initMu.Unlock()
+	if s := w.devStg[ordinal]; s != nil {
+		return s, nil
+	}
+	dev, err := w.t.cfg.Devices.Device(ordinal)
+	if err != nil {
+		return nil, err
+	}
+	s, err := newDeviceStaging(dev, w.t.cfg.StagingBytes)
+	if err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	if err := eng.register([]region{s.region()}, location(s.where)); err != nil {
+		_ = s.close()
+		return nil, err
+	}
+	w.devStg[ordinal] = s
+	w.log.Info("mooncake GPU staging registered", "device", s.where, "bytes", s.n, "register_ms", time.Since(start).Milliseconds())
+	return s, nil
 }
 
 // segment opens p's segment once, and again without the engine's cache
@@ -273,6 +325,12 @@ func (w *Writer) Close() error {
 		err = errors.Join(err, w.stg.close())
 	}
 	w.eng = nil
+	if w.leaked.Load() == 0 {
+		for ord, s := range w.devStg {
+			err = errors.Join(err, s.close())
+			delete(w.devStg, ord)
+		}
+	}
 	if err != nil {
 		return fmt.Errorf("mooncake: close writer: %w", err)
 	}
@@ -283,7 +341,7 @@ func (w *Writer) Close() error {
 type piece struct {
 	item   int
 	off, n uint64
-	stg    uint64 // staging offset, valid while held
+	stg    uint64 // offset in the item's staging, valid while held
 	task   uint64
 	held   bool // staging is held for it
 	state  int  // the task's last state
@@ -294,7 +352,7 @@ type piece struct {
 type batch struct {
 	w     *Writer
 	eng   *engine
-	stg   *staging
+	stgs  []*staging // each item's staging
 	p     peer
 	seg   int32
 	items []transport.WriteItem
@@ -387,7 +445,12 @@ func (b *batch) stageAndSubmit(ctx context.Context) {
 			break
 		}
 		pc := &b.pieces[b.next]
-		off, ok, freed := b.stg.tryAlloc(pc.n)
+		if b.errs[pc.item] != nil {
+			b.next++ // an earlier piece of its item failed: the rest stay here
+			continue
+		}
+		stg := b.stgs[pc.item]
+		off, ok, freed := stg.tryAlloc(pc.n)
 		if !ok {
 			if len(b.live)+len(group) > 0 {
 				break // our own tasks will free room; poll them first
@@ -401,8 +464,12 @@ func (b *batch) stageAndSubmit(ctx context.Context) {
 			}
 			continue
 		}
-		src := b.items[pc.item].Src
-		copy(b.stg.bytes(off, pc.n), src[pc.off:pc.off+pc.n])
+		if err := b.fill(stg, off, pc); err != nil {
+			stg.free(off)
+			b.fail(pc.item, err)
+			b.next++
+			continue
+		}
 		pc.stg, pc.held = off, true
 		group = append(group, b.next)
 		groupBytes += pc.n
@@ -433,7 +500,7 @@ func (b *batch) submit(group []int) {
 	for k, idx := range group {
 		pc := b.pieces[idx]
 		it := b.items[pc.item]
-		reqs[k] = request{src: b.stg.base + uintptr(pc.stg), seg: b.seg, remote: it.Addr + it.Off + pc.off, n: pc.n}
+		reqs[k] = request{src: b.stgs[pc.item].base + uintptr(pc.stg), seg: b.seg, remote: it.Addr + it.Off + pc.off, n: pc.n}
 	}
 	err := statusCall("submitTransfer", b.eng.lib.submit(b.eng.h, b.id, reqs))
 	if err == nil {
@@ -469,8 +536,24 @@ func (b *batch) submit(group []int) {
 func (b *batch) release(idx int) {
 	if pc := &b.pieces[idx]; pc.held {
 		pc.held = false
-		b.stg.free(pc.stg)
+		b.stgs[pc.item].free(pc.stg)
 	}
+}
+
+// fill copies a piece into its staging at off: a memcpy from host memory,
+// a device-to-device copy ordered after the source's Ready event on the
+// GPU (the host waits for the copy, never for the encoder's stream).
+func (b *batch) fill(stg *staging, off uint64, pc *piece) error {
+	it := b.items[pc.item]
+	if it.Dev == nil {
+		copy(stg.bytes(off, pc.n), it.Src[pc.off:pc.off+pc.n])
+		return nil
+	}
+	op := gpu.DeviceCopy{Dst: stg.base + uintptr(off), Src: it.Dev.Addr + uintptr(pc.off), N: pc.n, After: it.Dev.Ready}
+	if err := stg.dev.CopyDevice([]gpu.DeviceCopy{op}); err != nil {
+		return fmt.Errorf("copy bytes [%d,%d) into staging on %s: %w", pc.off, pc.off+pc.n, stg.where, err)
+	}
+	return nil
 }
 
 func (b *batch) statuses(ids []uint64) (rcs, sts []int32) {
@@ -542,6 +625,9 @@ func (b *batch) finish() {
 	for i, it := range b.items {
 		if b.errs[i] == nil {
 			b.w.bytes.Add(it.Len())
+			if it.Dev != nil {
+				b.w.devBytes.Add(it.Len())
+			}
 		}
 	}
 	if lost > 0 {

@@ -1,6 +1,8 @@
 // Package staged carries GPU memory over a transport that moves host
-// memory (TCP), by staging it through page-locked host buffers on both
-// sides.
+// memory (TCP; on the producer side also shm and mooncake with an engine
+// that is no CUDA build), by staging it through page-locked host buffers
+// on both sides. A staged chunk keeps its item's grant (Addr, Size), so
+// one-sided inner transports place it as they would the whole item.
 //
 // Producer side: a device source is cut into chunks; each chunk is copied
 // to a page-locked buffer (ordered after the source's readiness event) and

@@ -262,7 +262,10 @@ func (w *writer) stage(ctx context.Context, dest string, wg *sync.WaitGroup, it 
 			fail(errAt(off, off+n, err))
 			return
 		}
-		frame := transport.WriteItem{Res: it.Res, Token: it.Token, Off: it.Off + off, Src: buf}
+		// The chunk keeps the grant's Addr and Size: one-sided inner
+		// transports (mooncake, shm) place it by them.
+		frame := it
+		frame.Dev, frame.Src, frame.Off = nil, buf, it.Off+off
 		w.spawn(wg, func() {
 			defer w.pool.put(m)
 			if errs := w.inner.Write(ctx, dest, []transport.WriteItem{frame}); errs[0] != nil {

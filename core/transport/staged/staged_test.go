@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -249,4 +251,53 @@ func TestBeginFramePassesRefusals(t *testing.T) {
 	_, err = s.BeginFrame(res, tok, 5, 10)
 	require.ErrorIs(t, err, transport.ErrOutOfBounds)
 	require.NoError(t, regions.Balance())
+}
+
+// recordingTransport is a one-sided inner transport that keeps what it is
+// asked to write, in place at Addr+Off as a slab would.
+type recordingTransport struct {
+	mu     sync.Mutex
+	slab   []byte
+	base   uint64
+	frames []transport.WriteItem
+}
+
+func (r *recordingTransport) Name() string { return "onesided" }
+func (r *recordingTransport) Listen(string, transport.Sink) (transport.Receiver, error) {
+	return nil, errors.New("not a receiver")
+}
+func (r *recordingTransport) NewWriter() transport.Writer { return r }
+func (r *recordingTransport) Close() error                { return nil }
+func (r *recordingTransport) Write(_ context.Context, _ string, items []transport.WriteItem) []error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	errs := make([]error, len(items))
+	for i, it := range items {
+		r.frames = append(r.frames, it)
+		if it.Dev != nil || it.Addr < r.base || it.Addr+it.Off+uint64(len(it.Src)) > r.base+uint64(len(r.slab)) ||
+			it.Off+uint64(len(it.Src)) > it.Size {
+			errs[i] = fmt.Errorf("frame [%d,+%d) at %#x (size %d) misplaced", it.Off, len(it.Src), it.Addr, it.Size)
+			continue
+		}
+		copy(r.slab[it.Addr-r.base+it.Off:], it.Src)
+	}
+	return errs
+}
+
+// One-sided inner transports (mooncake without a CUDA engine, shm) place
+// each staged chunk by the grant's remote address and size, which every
+// chunk must keep.
+func TestChunksKeepTheGrantForOneSidedTransports(t *testing.T) {
+	host := gpu.NewFakeHost(1)
+	inner := &recordingTransport{slab: make([]byte, 1<<20), base: 0x10000}
+	w := New(Config{Inner: inner, Devices: host, ChunkBytes: chunk, StagingBytes: 4 * chunk, Logger: transporttest.Quiet()}).NewWriter()
+	t.Cleanup(func() { _ = w.Close() })
+	data := bytes.Repeat([]byte{1, 2, 3, 4, 5, 6, 7}, (3*chunk+100)/7)
+	addr, window := host.Alloc(0, len(data))
+	copy(window, data)
+	item := transport.WriteItem{Res: 7, Off: 512, Addr: inner.base + 4096, Size: 512 + uint64(len(data)),
+		Dev: &transport.DeviceSrc{Addr: addr, Len: uint64(len(data))}}
+	require.NoError(t, write(t, w, "peer", item)[0])
+	require.Len(t, inner.frames, 4)
+	require.Equal(t, data, inner.slab[4096+512:4096+512+len(data)])
 }

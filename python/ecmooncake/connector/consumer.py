@@ -91,12 +91,17 @@ class _ConsumerWorker:
             self._device = torch.device(device if ":" in device else f"cuda:{torch.cuda.current_device()}")
         if self.slab_memory == "device":
             slab = torch.empty(self._cfg.buffer_size, dtype=torch.uint8, device=self._device)
+            how = (
+                "registered with the Mooncake engine as memory of its device"
+                if self._cfg.value("transport") == "mooncake"
+                else "cuda_ipc from encoders on this host, staged tcp from others"
+            )
             logger.info(
-                "ecmooncake: ec_buffer_device=%s: receiving into %d bytes of GPU memory on %s "
-                "(cuda_ipc from encoders on this host, staged tcp from others); loads are views, no copy",
+                "ecmooncake: ec_buffer_device=%s: receiving into %d bytes of GPU memory on %s (%s); loads are views, no copy",
                 device,
                 self._cfg.buffer_size,
                 self._device,
+                how,
             )
         elif self.slab_memory == "pinned_host":
             slab = torch.empty(self._cfg.buffer_size, dtype=torch.uint8, pin_memory=True)

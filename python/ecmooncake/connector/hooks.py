@@ -67,9 +67,12 @@ def _transport_line(cfg: ec_config.ECMooncakeConfig) -> str:
         return f"transport {name}"
     # The producer picks per shard (see the README's GPU memory section).
     if transport == "shm":
-        return "transport shm: other hosts refused, this host shm"
+        return "transport shm: other hosts refused, this host shm (CUDA outputs staged by the library)"
     if transport == "mooncake":
-        return f"transport {name}: every shard {name}, CUDA outputs copied to pinned host memory first"
+        return (
+            f"transport {name}: every shard {name}, CUDA outputs from GPU staging registered with the engine "
+            "(a CUDA build of it), else staged by the library"
+        )
     return f"transport {name}: this host cuda_ipc into a GPU slab, else {name} (CUDA outputs staged by the library)"
 
 

@@ -5,18 +5,18 @@ shard before the encoder runs and writes each output once it exists.
 A CUDA output goes to the library as device memory with the stream that
 produced it: the library orders its reads after that stream's work (the
 engine thread records nothing and waits for nothing), copies device to
-device with ``cuda_ipc`` into a GPU slab on this host and stages it through
-page-locked buffers over TCP to any other. Only transports that read host
-memory alone (``mooncake``, ``shm``) still get a pinned host copy, made off
-the engine thread by :class:`_HostCopier`."""
+device with ``cuda_ipc`` into a GPU slab on this host, and for the network
+transports stages it in the library: through a registered GPU staging slab
+for ``mooncake`` with an engine that registers GPU memory (a CUDA build),
+through page-locked host buffers for ``tcp``, ``shm`` and a non-CUDA
+``mooncake`` engine. Python copies no encoder output anywhere."""
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .. import ec_config
 from ..errors import EcmError
@@ -40,80 +40,10 @@ class _Push:
     sourced_at: float = 0.0
 
 
-# Transports whose writers read host memory only: a CUDA output is copied
-# to pinned host memory before the library sees it.
-HOST_ONLY_TRANSPORTS = ("mooncake", "shm")
-
 # Transfer ids of pushes that ended, remembered so that announcing one again
 # (a proxy reusing an id) cannot create a push the library will never report
 # on: it treats a known id as a no-op.
 MAX_ENDED_PUSHES = 1 << 16
-
-
-class _HostCopier:
-    """Copies CUDA encoder outputs into pinned host memory off the engine
-    thread, for transports that read host memory only.
-
-    The engine thread only records an event after the encoder's kernels;
-    this thread waits for it on its own stream, copies, waits for the copy,
-    and only then hands the host copy over. It keeps the CUDA tensor
-    referenced until the copy finished, so the caching allocator cannot
-    reuse its memory under the copy.
-    """
-
-    def __init__(self, deliver: Callable[[str, Any, str], None]):
-        self._deliver = deliver
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._inflight = 0
-
-    @property
-    def busy(self) -> bool:
-        return self._inflight > 0
-
-    def submit(self, mm_hash: str, tensor: Any) -> None:
-        torch = import_torch()
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(tensor.device))
-        with self._lock:
-            self._inflight += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ecmooncake-d2h", daemon=True)
-                self._thread.start()
-        self._jobs.put((mm_hash, tensor, event))
-
-    def _run(self) -> None:
-        torch = import_torch()
-        streams: dict[Any, Any] = {}
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            mm_hash, tensor, event = job
-            host, error = None, ""
-            try:
-                stream = streams.get(tensor.device)
-                if stream is None:
-                    stream = streams[tensor.device] = torch.cuda.Stream(tensor.device)
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                with torch.cuda.stream(stream):
-                    stream.wait_event(event)
-                    host.copy_(tensor, non_blocking=True)
-                stream.synchronize()
-            except Exception as exc:
-                host, error = None, f"copy to host memory failed: {exc}"
-            del tensor, job
-            try:
-                self._deliver(mm_hash, host, error)
-            finally:
-                with self._lock:
-                    self._inflight -= 1
-
-    def close(self, timeout_s: float) -> None:
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(timeout_s)
 
 
 class _ProducerWorker:
@@ -122,16 +52,14 @@ class _ProducerWorker:
     def __init__(self, cfg: ec_config.ECMooncakeConfig):
         self._cfg = cfg
         self._native: Producer | None = None
-        # Guards the native producer and everything below: the copy thread
-        # (host-only transports) hands sources over too. Held only for non-blocking native calls.
+        # Guards the native producer and everything below. Held only for
+        # non-blocking native calls.
         self._lock = threading.Lock()
         self._pushes: dict[str, _Push] = {}
         self._by_hash: dict[str, set[str]] = {}
         self._ready: dict[str, Any] = {}
         self._done: set[str] = set()
         self._failed: dict[str, str] = {}
-        self._host_copy = cfg.value("transport") in HOST_ONLY_TRANSPORTS
-        self._copier = _HostCopier(self._deliver_copy)
         # The stream each CUDA output in _ready was produced on, captured in
         # save_caches: later work queued on another stream is no concern of
         # the library's.
@@ -139,7 +67,6 @@ class _ProducerWorker:
         self._said_path = False
         push_wait = float(cfg.value("push_wait_timeout_s"))
         control = float(cfg.extra.get("control_timeout_s", 30.0))
-        self._shutdown_s = push_wait
         # Every state of a push has a deadline in the library; past the sum
         # of them (and a margin) no outcome will come.
         self._give_up_s = 3 * push_wait + 2 * control + 30.0
@@ -220,42 +147,25 @@ class _ProducerWorker:
             if device == "cpu":
                 self._ready[mm_hash] = tensor
                 return
-            if not self._host_copy:
-                self._say_path(tensor)
-                # Made contiguous here, on the engine thread, so that the
-                # copy is queued on the output's own stream behind its
-                # kernels; nothing waits for either.
-                self._ready[mm_hash] = tensor if tensor.is_contiguous() else tensor.contiguous()
-                self._streams[mm_hash] = import_torch().cuda.current_stream(tensor.device)
-                return
-        self._say_path(tensor)
-        self._copier.submit(mm_hash, tensor)
+            self._say_path(tensor)
+            # Made contiguous here, on the engine thread, so that the copy
+            # is queued on the output's own stream behind its kernels;
+            # nothing waits for either.
+            self._ready[mm_hash] = tensor if tensor.is_contiguous() else tensor.contiguous()
+            self._streams[mm_hash] = import_torch().cuda.current_stream(tensor.device)
 
     def _say_path(self, tensor: Any) -> None:
         """Logs once how CUDA outputs leave this encoder."""
         if self._said_path:
             return
         self._said_path = True
-        if self._host_copy:
-            logger.info(
-                "ecmooncake: encoder outputs on %s are copied to pinned host memory before sending "
-                "(transport %s reads host memory only)",
-                tensor.device,
-                self._cfg.value("transport"),
-            )
-        else:
-            logger.info(
-                "ecmooncake: encoder outputs on %s go to the library as device memory: cuda_ipc into GPU "
-                "slabs on this host, staged tcp to any other (ecm_transfer_bytes_total{transport} counts each)",
-                tensor.device,
-            )
-
-    def _deliver_copy(self, mm_hash: str, host: Any, error: str) -> None:
-        with self._lock:
-            if error:
-                self._abandon_locked(list(self._by_hash.get(mm_hash, ())), error)
-                return
-            self._hand_over_locked({mm_hash: host})
+        logger.info(
+            "ecmooncake: encoder outputs on %s go to the library as device memory: cuda_ipc into GPU "
+            "slabs on this host, %s (staged by the library where it needs host memory) to any other "
+            "(ecm_transfer_bytes_total{transport} counts each)",
+            tensor.device,
+            self._cfg.value("transport"),
+        )
 
     def flush(self) -> None:
         with self._lock:
@@ -265,7 +175,7 @@ class _ProducerWorker:
 
     def _hand_over_locked(self, ready: dict[str, Any]) -> None:
         if self._native is None:
-            # Shut down: a copy that finished late has nobody to go to.
+            # Shut down: nobody to hand the outputs to.
             return
         sources = []
         late: list[_Push] = []
@@ -380,7 +290,7 @@ class _ProducerWorker:
             # Held sources keep the engine stepping too: only a poll lets
             # the library hand them back.
             held = self._native is not None and self._native.held_sources > 0
-            pending = bool(self._pushes or self._ready or self._copier.busy or held)
+            pending = bool(self._pushes or self._ready or held)
             report.pending_pushes = report.pending_pushes or pending
             self._done, self._failed = set(), {}
 
@@ -388,7 +298,6 @@ class _ProducerWorker:
         return self._native.stats() if self._native is not None else {}
 
     def close(self) -> None:
-        self._copier.close(self._shutdown_s)
         self.flush()
         with self._lock:
             native, self._native = self._native, None

@@ -259,12 +259,19 @@ class PDHost:
         loaded = time.monotonic()
         verdicts: dict[str, str] = {}
         where: dict[str, str] = {}
+        views: dict[str, bool] = {}
+        slab = self.connector._consumer_worker._slab
+        lo = slab.data_ptr()
+        hi = lo + slab.numel() * slab.element_size()
         for h, shape in gather:
             got = self.cache.get(h)
             if got is None:
                 verdicts[h] = "missing"
                 continue
             where[h] = str(got.device)
+            # A view of the slab, not a copy of it (a pinned host slab's
+            # loads are copies on the GPU: False there).
+            views[h] = got.device == slab.device and lo <= got.data_ptr() < hi
             if check:
                 verdicts[h] = "ok" if bit_equal(got, expected(h, tuple(shape), got.device)) else "differs"
             else:
@@ -272,7 +279,7 @@ class PDHost:
         c.get_finished(set())
         report = c.build_connector_worker_meta()
         c.clear_connector_metadata()
-        return {"report": pickle.dumps(report), "verdicts": verdicts, "where": where, "loaded": loaded}
+        return {"report": pickle.dumps(report), "verdicts": verdicts, "where": where, "views": views, "loaded": loaded}
 
     def op_device_copy(self, nbytes: int, batch: int, reps: int) -> float:
         """Median seconds of torch's device-to-device copy of a batch."""
@@ -435,7 +442,7 @@ class Deployment:
         self.pd_sched.update_connector_output(types.SimpleNamespace(ec_connector_worker_meta=merged))
 
 
-def planes(rank: Worker) -> dict[str, int]:
+def planes(rank: Worker, transport: str = "tcp") -> dict[str, int]:
     """What each data plane carried into a PD rank's shard: frames for TCP,
     producers attached for cuda_ipc (one-sided: its writes never pass
     through the receiver)."""
@@ -445,7 +452,7 @@ def planes(rank: Worker) -> dict[str, int]:
         # A shard that serves one plane reports it under "data" alone (the
         # split is only there when it serves several). This harness runs
         # every PD on the default transport, tcp.
-        return {"tcp": (stats.get("data") or {}).get("Frames", 0)}
+        return {transport: (stats.get("data") or {}).get("Frames", 0)}
     return {k: v.get("Frames", 0) or v.get("Attached", 0) for k, v in split.items()}
 
 
@@ -457,23 +464,38 @@ ELSEWHERE = {"host": "pd-elsewhere"}
 # --- the benchmark -----------------------------------------------------------
 
 
+# Each path: its name, the settings of both sides, the PD's own. "pinned
+# host" is the path the connector took before GPU slabs: a pinned host slab
+# on the PD, filled over TCP and copied to the GPU at load; measured as the
+# "before" beside the GPU paths. "mooncake" is GPU to GPU through the
+# engine: the PD's GPU slab registered with it, the encoder's outputs
+# leaving from its GPU staging, mooncake_protocol tcp; it needs a CUDA build
+# of Mooncake's engine, so only a run that names it measures it.
+PATHS = (
+    ("cuda_ipc", {}, {}),
+    ("staged tcp", {}, ELSEWHERE),
+    ("pinned host", {}, {"buffer_memory": "pinned_host"}),
+    ("mooncake", {"transport": "mooncake", "mooncake_protocol": "tcp"}, {"buffer_memory": "device"}),
+)
+
+
+def select_paths(name: str) -> list[tuple[str, dict, dict]]:
+    """The paths --paths names: one by name, or "all" but mooncake."""
+    return [p for p in PATHS if name == p[0] or name == "all" and p[0] != "mooncake"]
+
+
 def bench(args: argparse.Namespace) -> dict:
     """From save_caches to the tensor in the PD's encoder_cache, per item,
     for each size and batch, against torch's device copy of the same bytes."""
     from .harness import free_port_range
 
     rows = []
-    # "pinned host" is the path the connector took before GPU slabs: a
-    # pinned host slab on the PD, filled over TCP and copied to the GPU at
-    # load; measured here as the "before" beside the two GPU paths.
-    every = (("cuda_ipc", {}), ("staged tcp", ELSEWHERE), ("pinned host", {"buffer_memory": "pinned_host"}))
-    paths = [p for p in every if args.paths in ("all", p[0])]
-    for path, pd_extra in paths:
+    for path, common, pd_extra in select_paths(args.paths):
         dep = Deployment.start(
             port=free_port_range(1),
             buffer_size=args.slab_mib * MiB,
             width=2048,
-            extra={"log_level": "warn", "max_resident_bytes": 1 << 20},
+            extra={"log_level": "warn", "max_resident_bytes": 1 << 20, **common},
             pd_extra=pd_extra,
         )
         try:
@@ -499,13 +521,19 @@ def bench(args: argparse.Namespace) -> dict:
                         bad = {h: v for r in results for h, v in r["verdicts"].items() if v != "ok"}
                         if bad:
                             raise RuntimeError(f"{tag}: items not intact: {bad}")
+                        copies = [h for r in results for h, v in r["views"].items() if not v]
+                        if path == "mooncake" and copies:
+                            raise RuntimeError(f"{tag}: loads are not views of the PD's GPU slab: {copies}")
                         if rep >= args.warmup:
                             times.append(max(r["loaded"] for r in results) - sent["t0"])
                         dep.free(req)
                     copy = dep.ranks[0].call("device_copy", nbytes=mib * MiB, batch=batch, reps=args.reps)
                     median = statistics.median(times)
                     row = {"path": path, "mib": mib, "batch": batch, "batch_s": median, "per_item_s": median / batch, "device_copy_s": copy, "ratio": copy / median}
-                    row["planes"] = planes(dep.ranks[0])
+                    row["planes"] = planes(dep.ranks[0], "mooncake" if path == "mooncake" else "tcp")
+                    row["slab"] = dep.ranks[0].call("slab")
+                    if path == "mooncake" and not str(row["slab"].get("device", "")).startswith("cuda"):
+                        raise RuntimeError(f"mooncake: the PD's slab is {row['slab']}, not GPU memory")
                     rows.append(row)
                     print(f"{path:<11} {mib:>4} MiB x {batch}: {median * 1e3:8.2f} ms per batch, {median / batch * 1e3:8.2f} ms per item; device copy {copy * 1e3:7.3f} ms; {row['ratio']:.3f} of it", flush=True)
         finally:
@@ -520,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--slab-mib", type=int, default=3072)
-    p.add_argument("--paths", default="all", choices=["all", "cuda_ipc", "staged tcp", "pinned host"])
+    p.add_argument("--paths", default="all", choices=["all", *(p[0] for p in PATHS)],
+                   help="all: every path but mooncake, which needs a CUDA build of Mooncake's engine")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     print("ecmooncake connector GPU bench: save_caches -> tensor in the PD's encoder_cache, median of", args.reps, flush=True)

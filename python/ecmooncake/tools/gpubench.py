@@ -76,6 +76,19 @@ class GPUConsumerHost(ConsumerHost):
     def ready(self) -> dict:
         return {"info": self.consumer.info(), "pid": os.getpid(), "device": self.device}
 
+    def op_where(self, mm_hash: str) -> dict:
+        """Where an item's load lives: its device and whether it is a view
+        of the slab (not a copy of it)."""
+        (got,) = self.consumer.acquire([mm_hash])
+        if got.get("error"):
+            return {"error": got["error"]}
+        try:
+            view = self.consumer.view(got["offset"], got["nbytes"])
+            lo = self.slab.data_ptr()
+            return {"device": str(view.device), "view": lo <= view.data_ptr() < lo + self.slab.numel(), "error": ""}
+        finally:
+            self.consumer.release([mm_hash])
+
     def _bytes(self, region: Any) -> bytes:
         return region.cpu().numpy().tobytes()
 
