@@ -66,6 +66,19 @@ func New(cfg Config) *Transport {
 // Name is the inner transport's: staging is invisible on the wire.
 func (t *Transport) Name() string { return t.cfg.Inner.Name() }
 
+var _ transport.AddrChecker = (*Transport)(nil)
+
+// CheckAddr is the inner transport's check, when it has one: staging
+// changes where bytes are read from, not which peers the plane can reach
+// (a mooncake engine of another protocol is refused at lookup, before
+// anything is reserved, wrapped or not).
+func (t *Transport) CheckAddr(addr string) error {
+	if c, ok := t.cfg.Inner.(transport.AddrChecker); ok {
+		return c.CheckAddr(addr)
+	}
+	return nil
+}
+
 // Listen listens on Inner; over a device slab the sink is wrapped so that
 // frames stage through host buffers. sink must then be a RegionSink.
 func (t *Transport) Listen(addr string, sink transport.Sink) (transport.Receiver, error) {
