@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"io"
 	"net"
 	"runtime"
@@ -203,7 +204,13 @@ func TestTCPReceiverClosedMidWrite(t *testing.T) {
 	go func() { _ = r.Close(); close(closed) }()
 
 	errs := <-done
-	require.ErrorIs(t, errs[0], transport.ErrConnLost)
+	// The item goes out over several connections: one that was writing
+	// loses its connection, and one dialed only after the close is refused
+	// (not redialed). Either ends the write with the receiver's closing,
+	// whichever the writer reports first on a loaded machine.
+	if !errors.Is(errs[0], transport.ErrConnLost) {
+		require.ErrorIs(t, errs[0], transport.ErrUnreachable, "the write failed for the receiver's closing")
+	}
 	require.NoError(t, ctx.Err(), "Write returned because the connection broke, not because time ran out")
 	require.Contains(t, errs[0].Error(), r.Addr())
 
