@@ -22,7 +22,7 @@ func newRegistry() *prometheus.Registry {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		transferBytes, transferItems, itemBytes, writeSeconds,
-		failures, roundTrips, roundTripSeconds, transferWait, phaseSeconds,
+		failures, roundTrips, roundTripSeconds, transferWait, localEncodes, phaseSeconds,
 		probes,
 	)
 	return r
@@ -48,7 +48,11 @@ var (
 	failures         = Counters("ecm_failures_total", "Items that failed, by the component that gave up and a short reason.", "component", "reason")
 	roundTrips       = Counters("ecm_control_round_trips_total", "Control-plane round trips, by op and outcome.", "op", "outcome")
 	roundTripSeconds = Histograms("ecm_control_round_trip_seconds", "Duration of control-plane round trips, by op.", latencyBuckets, "op")
-	transferWait     = prometheus.NewHistogram(prometheus.HistogramOpts{
+	localEncodes     = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "ecm_local_encodes_total",
+		Help: "Consumer scheduler: items whose transfer failed that the engine encoded itself (a vLLM without take_unavailable_requests, which cannot fail the request).",
+	})
+	transferWait = prometheus.NewHistogram(prometheus.HistogramOpts{
 		Name:    "ecm_transfer_wait_seconds",
 		Help:    "Consumer scheduler: time from a request expecting an item to the item being available on every shard.",
 		Buckets: latencyBuckets,
@@ -89,6 +93,10 @@ func RoundTrip(op string, d time.Duration, err error) {
 	roundTrips.WithLabelValues(op, outcome(err)).Inc()
 	roundTripSeconds.WithLabelValues(op).Observe(d.Seconds())
 }
+
+// LocalEncodes counts n items the engine encodes itself after their
+// transfer failed (see scheduler.StepIn.LocalEncodes).
+func LocalEncodes(n int) { localEncodes.Add(float64(n)) }
 
 // TransferWait observes how long an expected item took to become available.
 func TransferWait(d time.Duration) { transferWait.Observe(d.Seconds()) }

@@ -379,7 +379,8 @@ func (c *call) attempt(pl *pool, cons *backend, attempt int, last bool) (*answer
 			release()
 			return nil, fmt.Errorf("while encoding: %w", context.Cause(c.ctx))
 		}
-		if top, rewritten, err = c.req.consumerTop(done); err != nil {
+		embeds := p.consumerTakesEmbeds(c.ctx, cons)
+		if top, rewritten, err = c.req.consumerTop(done, embeds); err != nil {
 			release()
 			return nil, err
 		}

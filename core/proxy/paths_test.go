@@ -441,3 +441,41 @@ func TestAStreamReadToItsEndIsAnsweredNotCancelled(t *testing.T) {
 	require.Contains(t, m, `ecm_proxy_requests_total{outcome="ok",route="chat"} 1`)
 	require.NotContains(t, m, `outcome="cancelled"`)
 }
+
+// A PD instance of vLLM < 0.30 takes no embeddings-only request (its
+// frontend refuses embeds without tensors, and before 0.30 nothing turns
+// --enable-mm-embeds on for a consumer) and cannot fail a request whose
+// push never comes (no take_unavailable_requests), so it gets the media
+// with the transfer parameters: it loads what arrives and encodes what
+// does not. The proxy learns the version from the instance's /version.
+func TestOlderPDGetsMediaWithTheTransfer(t *testing.T) {
+	r := newRig(t, rigOpts{encoders: 1, pds: 1, fake: fakevllm.Config{Version: "0.26.0"}})
+	code, body := r.post("/v1/chat/completions", chat(false, image("http://img/1.png"), image("http://img/2.png")))
+	require.Equal(t, 200, code, string(body))
+	b := decodePD(t, r.pd[0].Calls()[0])
+	require.Equal(t, []string{"image_url", "image_url"}, partTypes(t, b), "the media, as the client sent it")
+	require.Len(t, b.Params.Items, 2, "and every item's transfer")
+	resp, err := http.Get(r.url + "/metrics")
+	require.NoError(t, err)
+	m := readAll(t, resp)
+	require.Contains(t, m, `ecm_proxy_media_items_total{outcome="encoded"} 2`)
+	require.NotContains(t, m, `ecm_proxy_media_items_total{outcome="fallback"}`)
+}
+
+// The version decides per instance: 0.30 and newer take embeds; a version
+// the proxy could not learn gets the media, which every release takes.
+func TestEmbedsOnlyFromVLLM030(t *testing.T) {
+	for version, want := range map[string]bool{
+		"0.26.0": false, "0.29.9": false, "0.30.0": true, "0.30.0rc1": true, "0.33.0": true,
+		"0.11.1.dev12+gabc": false, "1.0.0": true, "": false, "dev": false, "0": false,
+	} {
+		require.Equal(t, want, takesEmbeds(version), version)
+	}
+}
+
+func TestNewerPDGetsEmbeds(t *testing.T) {
+	r := newRig(t, rigOpts{encoders: 1, pds: 1, fake: fakevllm.Config{Version: "0.30.0"}})
+	code, body := r.post("/v1/chat/completions", chat(false, image("http://img/1.png")))
+	require.Equal(t, 200, code, string(body))
+	require.Equal(t, []string{"image_embeds"}, partTypes(t, decodePD(t, r.pd[0].Calls()[0])))
+}

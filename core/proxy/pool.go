@@ -29,6 +29,10 @@ type backend struct {
 	fails   int
 	lastErr string
 	expires time.Time // zero for static backends
+	// The instance's vLLM version (GET /version), once asked: whether a
+	// consumer takes embeddings-only requests (version.go).
+	version      string
+	versionKnown bool
 }
 
 func (p *pool) newBackend(reg discovery.Registration, static bool) (*backend, error) {
@@ -222,6 +226,7 @@ func (p *pool) report(b *backend, err error) (changed, healthy bool) {
 	} else {
 		b.fails++
 		b.lastErr = err.Error()
+		b.versionKnown = false
 		if b.fails >= p.threshold {
 			b.healthy = false
 		}

@@ -207,11 +207,13 @@ func parseEncoderReply(body []byte, transferID, sent string) (*encoded, error) {
 }
 
 // consumerTop returns the top-level fields of the consumer's request:
-// every media part that was encoded becomes an embeds reference to the
-// pushed item, and ec_transfer_params lists the items to wait for. done[i]
-// is nil where item i falls back to its original media. The second result
-// is false when nothing was encoded, and the body can go unchanged.
-func (r *chatRequest) consumerTop(done []*encoded) (map[string]outBody, bool, error) {
+// with embeds, every media part that was encoded becomes an embeds
+// reference to the pushed item (without, for a consumer of vLLM < 0.30,
+// the media stays: see version.go), and ec_transfer_params lists the
+// items to wait for. done[i] is nil where item i falls back to its
+// original media. The second result is false when nothing was encoded,
+// and the body can go unchanged.
+func (r *chatRequest) consumerTop(done []*encoded, embeds bool) (map[string]outBody, bool, error) {
 	top := rawTop(r.top)
 	some := false
 	for _, d := range done {
@@ -235,12 +237,14 @@ func (r *chatRequest) consumerTop(done []*encoded) (map[string]outBody, bool, er
 		if d == nil {
 			continue
 		}
-		typ := embedsOf[d.modality]
-		part, err := json.Marshal(map[string]any{"type": typ, typ: d.metadata, "uuid": d.identifier})
-		if err != nil {
-			return nil, false, fmt.Errorf("encode %s part: %w", typ, err)
+		if embeds {
+			typ := embedsOf[d.modality]
+			part, err := json.Marshal(map[string]any{"type": typ, typ: d.metadata, "uuid": d.identifier})
+			if err != nil {
+				return nil, false, fmt.Errorf("encode %s part: %w", typ, err)
+			}
+			parts[ref.msg][ref.part] = part
 		}
-		parts[ref.msg][ref.part] = part
 		items = append(items, ecItem{MMHash: d.identifier, TransferID: d.transferID})
 		// vLLM's in-tree connector reads the encoder's per-item entries
 		// from the same dict; ours reads ec_items.

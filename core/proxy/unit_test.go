@@ -172,7 +172,7 @@ func FuzzRewrite(f *testing.F) {
 		for i := range done {
 			done[i] = &encoded{identifier: "h", modality: "image", metadata: []byte(`{}`), entry: []byte(`{}`), transferID: "t"}
 		}
-		top, _, err := r.consumerTop(done)
+		top, _, err := r.consumerTop(done, true)
 		if err != nil {
 			t.Fatalf("rewrite: %v", err)
 		}
@@ -213,4 +213,18 @@ func TestOpenFailsCleanlyWhenAPortIsTaken(t *testing.T) {
 			require.Contains(t, err.Error(), "address already in use")
 		})
 	}
+}
+
+// A /version answer comes from the network: nothing may panic its parser,
+// and what it returns is a version only when the body said so.
+func FuzzVersionReply(f *testing.F) {
+	f.Add([]byte(`{"version":"0.26.0"}`))
+	f.Add([]byte(`{"version":3}`))
+	f.Add([]byte(`[]`))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		v := parseVersionReply(body)
+		if v != "" && !json.Valid(body) {
+			t.Fatalf("version %q from a body that is not JSON: %q", v, body)
+		}
+	})
 }

@@ -1,12 +1,15 @@
 package scheduler
 
 import (
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
+	"github.com/ecmooncake/ecmooncake/core/metrics"
 )
 
 // The wait clock forgets every transfer once it leaves WAITING_EVENT,
@@ -34,4 +37,30 @@ func TestWaitClockForgetsSettledTransfers(t *testing.T) {
 		w.expect([]sched.Expected{{TransferID: string(rune(i)), MMHash: "h"}}, now)
 	}
 	require.LessOrEqual(t, len(w), maxWaiting+1)
+}
+
+// Items the engine encodes itself because their transfer failed on a vLLM
+// that cannot fail the request reach ecm_local_encodes_total with the step
+// that reports them, once each.
+func TestStepCountsLocalEncodes(t *testing.T) {
+	s := openIdle(t)
+	before := localEncodes(t)
+	s.Step(StepIn{LocalEncodes: []string{"h1", "h2"}})
+	s.Step(StepIn{})
+	require.Equal(t, before+2, localEncodes(t))
+}
+
+func localEncodes(t *testing.T) float64 {
+	t.Helper()
+	text, err := metrics.Text(nil)
+	require.NoError(t, err)
+	for _, line := range strings.Split(string(text), "\n") {
+		if v, ok := strings.CutPrefix(line, "ecm_local_encodes_total "); ok {
+			n, err := strconv.ParseFloat(v, 64)
+			require.NoError(t, err)
+			return n
+		}
+	}
+	t.Fatalf("no ecm_local_encodes_total in\n%s", text)
+	return 0
 }

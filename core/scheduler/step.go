@@ -33,6 +33,12 @@ type StepIn struct {
 	Load     []string   `json:"load"`
 	Ensure   []string   `json:"ensure"`
 	Has      []string   `json:"has"`
+	// LocalEncodes are the contents of items whose transfer failed and
+	// that the engine encodes itself: on a vLLM without
+	// take_unavailable_requests the connector cannot fail their request,
+	// so it lets the engine encode them. Only counted here
+	// (ecm_local_encodes_total): the table already gave them up.
+	LocalEncodes []string `json:"local_encodes"`
 	// Snapshot asks for every request's answer at once (StepOut.Covered
 	// and Failed): far less to encode than naming each.
 	Snapshot bool `json:"snapshot"`
@@ -136,6 +142,7 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 	if in.Snapshot {
 		out.Covered, out.Failed = s.table.Snapshot(now)
 	}
+	metrics.LocalEncodes(len(in.LocalEncodes))
 	out.Generation = s.table.Generation()
 	out.Cancelled = append(out.Cancelled, s.applyLocked(s.table.Ready(now))...)
 	s.waits.settle(s.table, out.Cancelled, now)

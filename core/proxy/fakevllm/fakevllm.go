@@ -54,6 +54,8 @@ type Config struct {
 	Host  string // default 127.0.0.1
 	Port  int    // 0 picks a free port
 	Model string
+	// Version is the vLLM release GET /version names (default 0.33.0).
+	Version string
 	// Tokens per answer, and the delay before each streamed token.
 	Tokens     int
 	TokenDelay time.Duration
@@ -152,6 +154,7 @@ func (s *Server) listen(addr string) error {
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/health", s.health)
+	mux.HandleFunc("/version", s.version)
 	mux.HandleFunc("/v1/models", s.models)
 	mux.HandleFunc("/v1/chat/completions", s.generate)
 	mux.HandleFunc("/v1/completions", s.generate)
@@ -279,6 +282,15 @@ func (s *Server) health(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	w.WriteHeader(http.StatusOK)
+}
+
+func (s *Server) version(w http.ResponseWriter, r *http.Request) {
+	v := s.cfg.Version
+	if v == "" {
+		v = "0.33.0"
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(map[string]string{"version": v})
 }
 
 func (s *Server) models(w http.ResponseWriter, r *http.Request) {

@@ -37,7 +37,8 @@ first attribute access, which is what vLLM's factory and pickle do.
 The parts live by role: :mod:`.scheduler` (both scheduler roles),
 :mod:`.consumer` and :mod:`.producer` (the worker roles), :mod:`.hooks`
 (the hooks vLLM calls, dispatched to the parts, and their guard),
-:mod:`.stats` (transfer statistics). What they share has a room each:
+:mod:`.stats` (transfer statistics), :mod:`.calls` (which hooks the running
+vLLM calls, read from its source). What they share has a room each:
 :mod:`.names` (what vLLM knows the connector by), :mod:`.metadata` (the
 records between scheduler and workers), :mod:`.dtypes`, :mod:`.request`
 (what a vLLM request says), :mod:`.log` (the logger and its throttle) and
@@ -51,6 +52,7 @@ from typing import Any
 
 # Re-exported: the plugin, the tools and the tests name them here.
 from .dtypes import DTYPES  # noqa: F401
+from .calls import read_calls
 from .hooks import _Connector
 from .metadata import LoadSpec, PushSpec, _StepMetadata, _WorkerReport  # noqa: F401
 from .names import CONNECTOR_NAME, MODULE_PATH_NAME, OPTIONAL_HOOKS  # noqa: F401
@@ -67,7 +69,10 @@ _bind_lock = threading.Lock()
 def _bind() -> None:
     from vllm.distributed.ec_transfer.ec_connector import base
 
-    hooks = {name: hasattr(base.ECConnectorBase, name) for name in OPTIONAL_HOOKS}
+    # What this vLLM calls, read from its source: its base class defines
+    # hooks its scheduler never calls (0.26: update_connector_output).
+    calls = read_calls(base=base.ECConnectorBase)
+    hooks = {name: calls.hooks.get(name, hasattr(base.ECConnectorBase, name)) for name in OPTIONAL_HOOKS}
     namespace = globals()
 
     def make(name: str, impl: type, vllm_base: type, extra: dict[str, Any] | None = None) -> type:
@@ -87,7 +92,7 @@ def _bind() -> None:
         "ECMooncakeConnector",
         _Connector,
         base.ECConnectorBase,
-        {"_hooks": hooks, "_metadata_cls": metadata, "_report_cls": report, "_stats_cls": stats, "_prom_cls": prom},
+        {"_hooks": hooks, "_calls": calls, "_metadata_cls": metadata, "_report_cls": report, "_stats_cls": stats, "_prom_cls": prom},
     )
     namespace.update(
         ECMooncakeConnectorMetadata=metadata,

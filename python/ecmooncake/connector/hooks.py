@@ -118,9 +118,10 @@ class _Connector:
     never called on an instance, and answers neutrally if it is.
     """
 
-    # Filled in by _bind: which optional hooks this vLLM's base class has,
+    # Filled in by _bind: which optional hooks this vLLM calls (.calls),
     # and the metadata classes bound to vLLM's bases.
     _hooks: dict[str, bool] = {}
+    _calls: Any = None
     _metadata_cls: type = _StepMetadata
     _report_cls: type = _WorkerReport
     _stats_cls: type = _Stats
@@ -138,7 +139,12 @@ class _Connector:
         self._recorder = _Recorder()
         if getattr(role, "name", str(role)) == "SCHEDULER":
             if self._cfg.is_consumer:
-                self._consumer_sched = _ConsumerScheduler(self._cfg, ensure_hook=self._hooks.get("ensure_cache_available", True))
+                self._consumer_sched = _ConsumerScheduler(
+                    self._cfg,
+                    ensure_hook=self._hooks.get("ensure_cache_available", True),
+                    outcomes=self._outcomes(),
+                    can_fail=self._hooks.get("take_unavailable_requests", True),
+                )
             if self._cfg.is_producer:
                 self._producer_sched = _ProducerScheduler(self._cfg, vllm_config)
         else:
@@ -146,6 +152,11 @@ class _Connector:
                 self._consumer_worker = _ConsumerWorker(self._cfg, vllm_config)
             if self._cfg.is_producer:
                 self._producer_worker = _ProducerWorker(self._cfg)
+            if not self._hooks.get("start_worker_services", True):
+                # Nothing else would start the shards before the first
+                # step, and an encoder reserving space before then would
+                # find nobody listening (its push failing).
+                self.start_worker_services()
         level, line = self._startup_line(getattr(role, "name", str(role)))
         logger.log(level, "%s", line)
 
@@ -166,9 +177,18 @@ class _Connector:
         present = [name for name in OPTIONAL_HOOKS if self._hooks.get(name, True)]
         parts.append("calls " + (", ".join(present) if present else "none of the optional hooks"))
         missing = [f"{name} ({cost})" for name, cost in OPTIONAL_HOOKS.items() if not self._hooks.get(name, True)]
+        calls = self._calls
+        if calls is not None and calls.ensure_paths == 1:
+            parts.append("ensure_cache_available in the waiting path only")
+        if calls is not None and calls.unread:
+            parts.append("source unreadable, the base class decided for " + ", ".join(calls.unread))
         if missing:
             parts.append("lacks " + ", ".join(missing))
         return (logging.WARNING if missing else logging.INFO), "; ".join(parts)
+
+    def _outcomes(self) -> bool:
+        """Whether workers' load and push outcomes reach the scheduler."""
+        return self._hooks.get("build_connector_worker_meta", True) and self._hooks.get("update_connector_output", True)
 
     # --- scheduler side ---
 
@@ -295,6 +315,10 @@ class _Connector:
         self._consumer_worker.load(meta, encoder_cache)
         if meta.loads:
             self._consumer_worker.note_loads(meta, before, encoder_cache, self._recorder)
+        if not self._outcomes():
+            # Nobody collects the outcomes (no worker report on this vLLM):
+            # dropped here, or they would pile up for good.
+            self._consumer_worker.report(_WorkerReport())
 
     @_guarded(lambda: None)
     def save_caches(self, encoder_cache: dict[str, Any], mm_hash: str, **kwargs: Any) -> None:
@@ -308,6 +332,8 @@ class _Connector:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._producer_worker is not None:
             self._producer_worker.finish(finished_req_ids)
+            if not self._outcomes():
+                self._producer_worker.report(_WorkerReport())
         return None, None
 
     @_guarded(lambda: None)

@@ -9,14 +9,25 @@ CONNECTOR_NAME = "ECMooncakeConnector"
 # it knows, and recent vLLM knows ECMooncakeConnector as its own.
 MODULE_PATH_NAME = "EcmooncakeConnector"
 
-# Hooks that only some vLLM releases call, with what their absence costs;
-# the connector adapts where it can (see hooks._Connector) and says so at startup.
+# Hooks that only some vLLM releases call (read from its source: .calls),
+# with what their absence costs and what the connector does instead; it
+# says so at startup. docs/vllm.md has the table per release.
 OPTIONAL_HOOKS = {
     "ensure_cache_available": "requests are scheduled before their items arrive",
     "start_save_caches": "pushes are announced when the step's metadata is bound",
-    "start_worker_services": "consumer shards start listening at the first step",
-    "take_unavailable_requests": "a request whose items never arrive is not failed",
-    "build_connector_worker_meta": "load and push outcomes do not reach the scheduler",
-    "has_pending_push_work": "an idle engine may sit on pushes in flight",
+    "start_worker_services": (
+        "consumer shards start listening when the worker's connector is created, "
+        "before the model loads (vLLM's memory profiling counts the slab)"
+    ),
+    "take_unavailable_requests": (
+        "a request whose items never arrive cannot be failed: at its deadline the engine "
+        "encodes them itself from the request's media (ecm_local_encodes_total)"
+    ),
+    "update_connector_output": "load outcomes do not reach the scheduler: a load counts as done once its step is built",
+    "build_connector_worker_meta": "load outcomes do not reach the scheduler: a load counts as done once its step is built",
+    "has_pending_push_work": (
+        "an idle engine does not step for pending work: frees, cancels and held encoder "
+        "outputs wait for its next request (the shards' leases bound them)"
+    ),
     "get_ec_connector_stats": "transfer statistics stay off vLLM's /metrics (metrics_port still serves the library's)",
 }

@@ -49,11 +49,23 @@ class _Inflight:
 class _ConsumerScheduler:
     """Consumer instance, engine core: what may load, from Go-side state."""
 
-    def __init__(self, cfg: ec_config.ECMooncakeConfig, ensure_hook: bool):
+    def __init__(self, cfg: ec_config.ECMooncakeConfig, ensure_hook: bool, outcomes: bool = True, can_fail: bool = True):
         self._cfg = cfg
         # Without ensure_cache_available (older vLLM) expectations are
         # registered from update_state_after_alloc instead.
         self._ensure_hook = ensure_hook
+        # Without the workers' report (vLLM < 0.30: no worker metadata, or
+        # no update_connector_output) a load counts as done once its step
+        # is built: the worker loads from its own shard what the table saw
+        # arrive there, and would fill the entry with a stand-in otherwise.
+        self._outcomes = outcomes
+        # Without take_unavailable_requests (vLLM < 0.30) a request cannot
+        # be failed: one whose items will not come is let through with them
+        # missing, and the engine encodes them itself from the request's
+        # media (the proxy sends it to such a PD instance).
+        self._can_fail = can_fail
+        self._local_encodes: list[str] = []
+        self._given_up: set[str] = set()
         self._load_timeout_s = float(cfg.value("load_timeout_s"))
         configure_process(cfg, worker=False)
         self._native = Scheduler(cfg.scheduler_settings())
@@ -125,8 +137,10 @@ class _ConsumerScheduler:
 
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
         rid = request.request_id
+        if rid in self._given_up:
+            return True
         if rid in self._refused or rid in self._unavailable:
-            return False
+            return self._give_up(request) if not self._can_fail else False
         items = self._expected(request)
         remaining = {
             it.mm_hash
@@ -153,8 +167,29 @@ class _ConsumerScheduler:
                     f.get("reason"),
                 )
             self._unavailable.add(rid)
-            return False
+            return self._give_up(request) if not self._can_fail else False
         return all(has.get(h) for h in remaining)
+
+    def _give_up(self, request: Any) -> bool:
+        """Lets a request whose items will not arrive be scheduled without
+        them (no take_unavailable_requests to fail it): has_cache_item says
+        no for each, so the engine encodes them itself. True, for
+        ensure_cache_available to answer."""
+        rid = request.request_id
+        self._unavailable.discard(rid)
+        self._given_up.add(rid)
+        missing = sorted({it.mm_hash for it in self._requests.get(rid) or () if not self._native.has(it.mm_hash)})
+        for h in missing:
+            self._has[h] = False
+        self._local_encodes += missing
+        logger.warning(
+            "ecmooncake: request %s: items %s will not arrive at consumer %s; this vLLM cannot fail the request "
+            "(no take_unavailable_requests), so the engine encodes them itself",
+            rid,
+            missing,
+            self.endpoints,
+        )
+        return True
 
     def _register(self, rid: str, items: list[_Expected]) -> bool:
         """Registers a new request and learns its answer in one native step.
@@ -252,10 +287,12 @@ class _ConsumerScheduler:
             body["freed"] = self._freed
         if self._finished:
             body["finished"] = self._finished
+        if self._local_encodes:
+            body["local_encodes"] = self._local_encodes
         if plans:
             body["load"] = list(plans)
         registering = list(self._to_register)
-        self._to_register, self._reports, self._freed, self._finished = {}, [], [], []
+        self._to_register, self._reports, self._freed, self._finished, self._local_encodes = {}, [], [], [], []
         if not body:
             return
         try:
@@ -280,8 +317,13 @@ class _ConsumerScheduler:
                 )
                 self._unavailable |= plan.requests
             else:
-                self._inflight[tid] = _Inflight(h, plan.requests, deadline)
-                self._loading[h] = tid
+                if self._outcomes:
+                    self._inflight[tid] = _Inflight(h, plan.requests, deadline)
+                    self._loading[h] = tid
+                else:
+                    # No report will come: done as far as the table goes,
+                    # told with the next step.
+                    self._reports.append({"transfer_id": tid, "ok": True})
                 asked = self._asked_at.pop(h, None)
                 if asked is not None:
                     self.recorder.waited(now - asked)
@@ -311,6 +353,7 @@ class _ConsumerScheduler:
         for it in self._requests.pop(rid, None) or ():
             self._asked_at.pop(it.mm_hash, None)
         self._to_register.pop(rid, None)
+        self._given_up.discard(rid)
         self._refused.discard(rid)
         self._unavailable.discard(rid)
         if rid in self._registered:
@@ -331,7 +374,7 @@ class _ConsumerScheduler:
         # Outcomes, frees and finished requests reach the table with the next
         # step; asking for one keeps an otherwise idle engine from sitting on
         # them (cancels of finished requests free slab space on the shards).
-        return bool(self._reports or self._freed or self._finished or self._to_register)
+        return bool(self._reports or self._freed or self._finished or self._to_register or self._local_encodes)
 
     def stats(self) -> dict[str, Any]:
         return self._native.stats()

@@ -189,6 +189,12 @@ def vllm_argv(python: Path | str, model: Path | str, port: int, host: str = "127
     ]
     if ec is not None:
         argv += ["--ec-transfer-config", json.dumps(ec)]
+        if ec.get("ec_role") == "ec_producer":
+            # An encoder holds no KV cache. vLLM 0.29 and newer turn prefix
+            # caching off for it themselves; 0.26 to 0.28 fail at start-up
+            # with it on ("HybridKVCacheCoordinator requires at least two
+            # attention groups": no KV cache group to manage).
+            argv += ["--no-enable-prefix-caching"]
     return argv
 
 

