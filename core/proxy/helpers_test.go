@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"testing"
@@ -197,13 +198,31 @@ func readAll(t *testing.T, resp *http.Response) string {
 	return string(b)
 }
 
+// portRange is where freePort looks: 10000 to 32000, or the part of it
+// ECMOONCAKE_PORT_RANGE ("LOW-HIGH") names, so that test phases running
+// side by side (build/test.sh) never pick the same port.
+func portRange(t *testing.T) (low, n int) {
+	text := os.Getenv("ECMOONCAKE_PORT_RANGE")
+	if text == "" {
+		return 10000, 22000
+	}
+	a, b, _ := strings.Cut(text, "-")
+	lo, err1 := strconv.Atoi(a)
+	hi, err2 := strconv.Atoi(b)
+	if err1 != nil || err2 != nil || hi-lo < 100 {
+		t.Fatalf("ECMOONCAKE_PORT_RANGE=%q is not LOW-HIGH with 100 ports or more", text)
+	}
+	return lo, hi - lo
+}
+
 // freePort is a port free now, taken from below the kernel's ephemeral
 // range (32768 and up on Linux): a port of that range, free when checked,
 // may be any process's outgoing connection by the time the test binds it.
 func freePort(t *testing.T) int {
 	t.Helper()
+	low, n := portRange(t)
 	for range 200 {
-		port := 10000 + rand.IntN(22000)
+		port := low + rand.IntN(n)
 		ln, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port))
 		if err == nil {
 			ln.Close()

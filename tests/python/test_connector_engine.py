@@ -15,9 +15,16 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import FRESH_PYTHON_S, wait_until
-from vllm_engine import HIDDEN, Engine, Item, WorkerProc, make_config, make_request, require_vllm, run_until, tiny_model
+from vllm_engine import CALLS, HIDDEN, Engine, Item, WorkerProc, make_config, make_request, require_vllm, run_until, tiny_model
 
 require_vllm()
+
+try:
+    from vllm.distributed.ec_transfer.ec_connector import encoder_output_width as _widths  # noqa: F401, E402
+
+    WIDTHS_KNOWN = True
+except ImportError:
+    WIDTHS_KNOWN = False  # vLLM 0.26: pushes are sized once the output exists
 
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole  # noqa: E402
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory  # noqa: E402
@@ -158,7 +165,7 @@ def test_several_images_per_request(deployment):
         entry = params[it.identifier]
         assert entry["mm_hash"] == it.identifier and entry["item_indices"] == [index]
         assert entry["transfer_id"] == f"{enc}:{index}", "ids invented when the proxy sends none"
-    for it in images:
+    for it in images if WIDTHS_KNOWN else ():
         assert params[it.identifier]["dtype"] == "bfloat16"
         assert params[it.identifier]["shape"] == [it.num_embeds, WIDTH]
         assert params[it.identifier]["nbytes"] == it.nbytes
@@ -188,6 +195,7 @@ def test_same_image_in_two_concurrent_requests(deployment):
     settle(d)
 
 
+@pytest.mark.skipif(not WIDTHS_KNOWN, reason="this vLLM measures no encoder output width (0.26): a push reserves only once the output exists")
 def test_request_aborted_mid_transfer(deployment):
     d = deployment
     item = Item("aborted/x", 2048, WIDTH)
@@ -230,7 +238,14 @@ def test_push_that_never_comes_fails_the_request(deployment):
     pd = prefill(d, [item], [{"mm_hash": item.identifier, "transfer_id": f"never-{next(_ids)}"}])
     run_until([d.pd], lambda: pd in d.pd.outcomes, PUSH_WAIT_S + 30, "the unavailable request")
     outcome = d.pd.outcomes[pd]
-    assert outcome.status == "error", "failed through take_unavailable_requests, for the client to retry"
+    if CALLS.hooks["take_unavailable_requests"]:
+        assert outcome.status == "error", "failed through take_unavailable_requests, for the client to retry"
+    else:
+        # vLLM < 0.30 cannot fail it: at the deadline the engine encodes the
+        # item itself (the request carries its media), and the answer is right.
+        assert outcome.status == "done"
+        assert item.identifier in d.pd.encoded_log
+        assert set(outcome.gathered[item.identifier].split(",")) == {"ok"}, "every TP rank gathers it"
     assert outcome.steps_waited > 0
     assert item.identifier not in d.pd.loads_log
     settle(d)
@@ -290,6 +305,7 @@ def front_end(config, payloads: list[dict]) -> tuple[dict, str]:
     return series, "\n".join(lines)
 
 
+@pytest.mark.skipif(not CALLS.hooks["get_ec_connector_stats"], reason="this vLLM calls no stats hooks (vLLM < 0.31)")
 def test_transfer_stats_reach_vllms_metrics(deployment):
     d = deployment
     settle(d)

@@ -2,7 +2,9 @@
 
 It calls a connector's hooks in the order vLLM 0.33's scheduler
 (``v1/core/sched/scheduler.py``) and model runner (``v1/worker/gpu/
-ec_connector.py``) do, with vLLM's own objects wherever they run without a
+ec_connector.py``) do, and only those the installed vLLM calls
+(ecmooncake.connector.calls: on 0.26 neither worker reports nor
+take_unavailable_requests, has_pending_push_work or the stats hooks), with vLLM's own objects wherever they run without a
 GPU: ``VllmConfig``/``ECTransferConfig``/``ModelConfig`` (from a tiny model
 config written to disk), ``Request``, ``EncoderCacheManager``,
 ``SchedulerOutput``, ``ECConnectorOutput``, ``ModelRunnerOutput`` and
@@ -18,6 +20,7 @@ the pipe pickled, as they cross vLLM's message queues.
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import time
@@ -27,10 +30,14 @@ from typing import Any
 
 import pytest
 
+from ecmooncake.connector.calls import read_calls
 from ecmooncake.tools.connector_gpu import Item
 from ecmooncake.tools.worker import Worker
 
 CONNECTOR = "ECMooncakeConnector"
+
+# What the installed vLLM calls; the driver calls nothing more.
+CALLS = read_calls()
 
 
 def require_vllm() -> None:
@@ -163,7 +170,8 @@ class WorkerHost:
         vllm_config.parallel_config.rank = rank  # as vLLM's WorkerBase does
         plugin.register()  # vLLM runs the general plugins in every worker
         self.connector = ECConnectorFactory.create_connector(vllm_config, ECConnectorRole.WORKER)
-        self.connector.start_worker_services()
+        if CALLS.hooks["start_worker_services"]:
+            self.connector.start_worker_services()
         self.cache: dict[str, Any] = {}
         self._step: dict[str, Any] | None = None
 
@@ -181,7 +189,7 @@ class WorkerHost:
             return
         c = self.connector
         c.bind_connector_metadata(meta)
-        if c.is_producer:
+        if c.is_producer and CALLS.hooks["start_save_caches"]:
             c.start_save_caches(encoder_cache=self.cache)
         if c.is_consumer:
             c.start_load_caches(self.cache)
@@ -214,10 +222,16 @@ class WorkerHost:
                     c.save_caches(encoder_cache=self.cache, mm_hash=h)
         finally:
             output.finished_sending, output.finished_recving = c.get_finished(step["finished"])
-            output.ec_connector_stats = c.get_ec_connector_stats()
-            output.ec_connector_worker_meta = c.build_connector_worker_meta()
+            if CALLS.hooks["get_ec_connector_stats"]:
+                output.ec_connector_stats = c.get_ec_connector_stats()
+            if CALLS.outcomes:
+                output.ec_connector_worker_meta = c.build_connector_worker_meta()
             c.clear_connector_metadata()
-        result = ModelRunnerOutput.with_ec_conn_output(EMPTY_MODEL_RUNNER_OUTPUT, output)
+        if hasattr(ModelRunnerOutput, "with_ec_conn_output"):
+            result = ModelRunnerOutput.with_ec_conn_output(EMPTY_MODEL_RUNNER_OUTPUT, output)
+        else:  # vLLM 0.26
+            result = copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
+            result.ec_connector_output = output
         return pickle.dumps((result, gathered), protocol=pickle.HIGHEST_PROTOCOL)
 
     def op_step(self, payload: bytes) -> bytes:
@@ -297,7 +311,8 @@ class Engine:
         self.waiting.append(request)
 
     def has_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.connector.has_pending_push_work())
+        pending = CALLS.hooks["has_pending_push_work"] and self.connector.has_pending_push_work()
+        return bool(self.waiting or self.running or pending)
 
     def abort(self, request_id: str) -> None:
         """vLLM's finish_requests(..., ABORTED)."""
@@ -321,8 +336,9 @@ class Engine:
         prefills: dict[str, Any] = {}
         encoder_inputs: dict[str, list[int]] = {}
         budget = self.budget
-        for run in self.running.values():
-            c.ensure_cache_available(run.request, run.request.num_computed_tokens)
+        if CALLS.ensure_paths > 1:  # 0.26 to 0.29: the waiting path only
+            for run in self.running.values():
+                c.ensure_cache_available(run.request, run.request.num_computed_tokens)
         for req in list(self.waiting):
             if not c.ensure_cache_available(req, 0):
                 self._waited[req.request_id] = self._waited.get(req.request_id, 0) + 1
@@ -401,12 +417,15 @@ class Engine:
         return out, prefills
 
     def end(self, out: Any, prefills: dict) -> None:
-        from vllm.distributed.ec_transfer.ec_connector.utils import ECOutputAggregator
-
         for w in self.workers:
             w.send("end")
         results = [pickle.loads(w.result(120)) for w in self.workers]
-        merged = ECOutputAggregator().aggregate([r for r, _ in results], output_rank=0)
+        try:
+            from vllm.distributed.ec_transfer.ec_connector.utils import ECOutputAggregator
+        except ImportError:  # vLLM < 0.30: rank 0's output, as its executor takes
+            merged = results[0][0]
+        else:
+            merged = ECOutputAggregator().aggregate([r for r, _ in results], output_rank=0)
         gathered: dict[str, list[str]] = {}
         for _, g in results:
             for h, verdict in g.items():
@@ -428,7 +447,8 @@ class Engine:
                 req.num_computed_tokens = req.num_tokens
                 for i in sorted(self.cache.get_cached_input_ids(req)):
                     self.cache.free_encoder_input(req, i)
-                    c.update_state_after_free(req, i)
+                    if hasattr(c, "update_state_after_free"):  # since vLLM 0.30
+                        c.update_state_after_free(req, i)
                 if self.encode_only:
                     del self.running[rid]
                     self._finish(req, "done", run.gathered)
@@ -438,12 +458,14 @@ class Engine:
             if run.decoded + 1 >= req.max_tokens:
                 del self.running[rid]
                 self._finish(req, "done", run.gathered)
-        for rid in c.take_unavailable_requests():
-            self._end(rid, "error")
+        if CALLS.hooks["take_unavailable_requests"]:
+            for rid in c.take_unavailable_requests():
+                self._end(rid, "error")
         ec_output = merged.ec_connector_output if merged is not None else None
-        if ec_output is not None:
+        if ec_output is not None and CALLS.hooks["update_connector_output"]:
             c.update_connector_output(ec_output)
-        self._collect_stats(ec_output)
+        if CALLS.hooks["get_ec_connector_stats"]:
+            self._collect_stats(ec_output)
 
     def _collect_stats(self, ec_output: Any) -> None:
         """The workers' stats merged with the scheduler's, as vLLM's

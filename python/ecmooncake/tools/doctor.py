@@ -393,12 +393,12 @@ def check_vllm(s: Setup) -> Check:
     if abstract:
         return Check(
             "vllm", FAIL, f"vLLM {version} requires hooks this connector lacks: {', '.join(abstract)}",
-            "use a vLLM release this ecmooncake supports (0.32, 0.33) or upgrade ecmooncake",
+            "use a vLLM release this ecmooncake supports (0.26 to 0.33) or upgrade ecmooncake",
         )
     missing = [f"{name} ({connector.OPTIONAL_HOOKS[name]})" for name, present in cls._hooks.items() if not present]
     if missing:
-        return Check("vllm", WARN, f"vLLM {version} lacks {', '.join(missing)}", "vLLM 0.33 calls every hook the connector has")
-    return Check("vllm", OK, f"vLLM {version} has every hook the connector uses ({len(cls._hooks)} optional ones included)")
+        return Check("vllm", WARN, f"vLLM {version} does not call {', '.join(missing)}", "vLLM 0.31 and newer call every hook the connector has (docs/vllm.md)")
+    return Check("vllm", OK, f"vLLM {version} calls every hook the connector uses ({len(cls._hooks)} optional ones included)")
 
 
 def check_plugin(s: Setup) -> Check:

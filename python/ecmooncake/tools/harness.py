@@ -59,13 +59,31 @@ def free_port_range(count: int, host: str = "127.0.0.1", attempts: int = 200) ->
     it only later (a worker process, a vLLM server seconds after), and a port
     in the ephemeral range may by then be any process's outgoing connection.
     """
-    top = _ephemeral_low() - count
+    low, top = _port_range()
+    top -= count
     rng = random.Random()
     for _ in range(attempts):
-        base = rng.randrange(10000, max(10001, top))
+        base = rng.randrange(low, max(low + 1, top))
         if base + count <= 65536 and all(_port_free(host, base + i) for i in range(count)):
             return base
     raise WorkerError(f"no run of {count} free ports on {host} below {top + count} after {attempts} tries")
+
+
+def _port_range() -> tuple[int, int]:
+    """Where runs of ports are taken: [10000, the ephemeral range), or the
+    part of it ECMOONCAKE_PORT_RANGE ("LOW-HIGH", HIGH excluded) names, so
+    that test phases running side by side never pick the same port."""
+    low, high = 10000, _ephemeral_low()
+    text = os.environ.get("ECMOONCAKE_PORT_RANGE", "")
+    if text:
+        a, _, b = text.partition("-")
+        try:
+            low, high = max(1024, int(a)), min(high, int(b))
+        except ValueError:
+            raise WorkerError(f"ECMOONCAKE_PORT_RANGE={text!r} is not LOW-HIGH") from None
+        if high - low < 100:
+            raise WorkerError(f"ECMOONCAKE_PORT_RANGE={text!r} leaves fewer than 100 ports below the ephemeral range")
+    return low, high
 
 
 def _ephemeral_low() -> int:

@@ -37,7 +37,9 @@ START_TIMEOUT_S = float(os.environ.get("ECMOONCAKE_E2E_START_TIMEOUT_S", "900"))
 def vllm_calls() -> dict:
     """The CPU vLLM environment's vLLM version and the connector hooks it
     calls (ecmooncake.connector.calls, asked of that environment's own
-    interpreter): what the test may expect of it."""
+    interpreter): what the test may expect of it. ``example_answers``:
+    whether vLLM's own ECExampleConnector answers an encoder request with
+    ec_transfer_params (since 0.28), which the proxy needs to route it."""
     probe = (
         "import json, importlib.metadata as m\n"
         "from ecmooncake.connector.calls import read_calls\n"
@@ -48,7 +50,10 @@ def vllm_calls() -> dict:
         "        except m.PackageNotFoundError:\n"
         "            pass\n"
         "    return '?'\n"
-        "print(json.dumps({'version': version(), 'hooks': read_calls().hooks}))\n"
+        "from ecmooncake.connector.calls import vllm_root\n"
+        "example = (vllm_root() / 'distributed/ec_transfer/ec_connector/example_connector.py').read_text()\n"
+        "print(json.dumps({'version': version(), 'hooks': read_calls().hooks,\n"
+        "                  'example_answers': 'def request_finished' in example}))\n"
     )
     done = subprocess.run([str(PYTHON), "-c", probe], check=True, capture_output=True, timeout=120, env=child_env())
     return json.loads(done.stdout)
