@@ -4,11 +4,11 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"net/http"
 	"strconv"
 	"strings"
 	"time"
-
-	"github.com/valyala/fasthttp"
 )
 
 // embedsSince is the first vLLM release (major, minor) whose consumer
@@ -62,17 +62,30 @@ func parseVersionReply(body []byte) string {
 
 // fetchVersion asks one instance's /version. An answer that is not
 // vLLM's (a 404, another body) is a known, unreadable version; only a
-// failed call leaves it unknown, to be asked again.
+// failed call leaves it unknown, to be asked again. Asked once per
+// instance, on a connection of its own that is closed after (the
+// transport without keep-alives): the request that follows opens its own,
+// as it would without this question.
 func fetchVersion(ctx context.Context, b *backend, timeout time.Duration) (string, error) {
-	ctx, req, resp, done := newCall(ctx, timeout, fasthttp.MethodGet, "/version")
-	defer done()
-	if _, err := b.up.do(ctx, req, nil, resp, false, 1<<16); err != nil {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	hr, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+b.up.addr+"/version", http.NoBody)
+	if err != nil {
 		return "", fmt.Errorf("version: %w", err)
 	}
-	if resp.StatusCode() != fasthttp.StatusOK {
+	resp, err := b.up.fresh.RoundTrip(hr)
+	if err != nil {
+		return "", fmt.Errorf("version: %w", err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<16))
+	if err != nil {
+		return "", fmt.Errorf("version: read: %w", err)
+	}
+	if resp.StatusCode != http.StatusOK {
 		return "", nil
 	}
-	return parseVersionReply(resp.Body()), nil
+	return parseVersionReply(body), nil
 }
 
 // consumerTakesEmbeds says whether the consumer instance b takes an
