@@ -72,6 +72,14 @@ type Config struct {
 	// the user-facing port, so that the user port can be exposed alone.
 	AdminPort int    `json:"admin_port"`
 	AdminHost string `json:"admin_host"`
+	// ClientMediaKeys says what becomes of a cache key a client names for
+	// a media part (its "uuid"): namespace (kept apart per tenant, the
+	// default), refuse (400) or trust (passed unchanged). keys.go says why.
+	ClientMediaKeys string `json:"client_media_keys"`
+	// TenantHeader names the request header that carries the tenant, set
+	// by a gateway that authenticates clients in front of the proxy. Empty:
+	// the tenant is a digest of the request's Authorization header.
+	TenantHeader string `json:"tenant_header"`
 }
 
 // DefaultConfig returns the defaults a JSON document overrides.
@@ -80,6 +88,7 @@ func DefaultConfig() Config {
 		Host: "0.0.0.0", Port: 8000, Retries: 2, ECPort: 14579,
 		EncodeTimeoutS: 60, RequestTimeoutS: 600, HealthIntervalS: 2, FailThreshold: 3, UpstreamIdleTimeoutS: 4,
 		DefaultTTLS: discovery.DefaultTTL.Seconds(), MaxBodyBytes: 256 << 20, MaxBodiesInFlight: 8, AllowRegister: true,
+		ClientMediaKeys: KeysNamespace,
 	}
 }
 
@@ -145,6 +154,10 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: admin_port = %d is the user-facing port; give it a port of its own", ErrInvalid, c.AdminPort)
 	case !validToken(c.RegisterToken):
 		return fmt.Errorf("%w: register_token has whitespace or control characters (it must travel as one HTTP header value; a token file's trailing newline is stripped by the command line)", ErrInvalid)
+	case c.ClientMediaKeys != KeysNamespace && c.ClientMediaKeys != KeysRefuse && c.ClientMediaKeys != KeysTrust:
+		return fmt.Errorf("%w: client_media_keys = %q; want %q, %q or %q", ErrInvalid, c.ClientMediaKeys, KeysNamespace, KeysRefuse, KeysTrust)
+	case c.TenantHeader != "" && !validHeaderName(c.TenantHeader):
+		return fmt.Errorf("%w: tenant_header = %q is not an HTTP header name", ErrInvalid, c.TenantHeader)
 	case c.Retries < 0 || c.Retries > 10:
 		return fmt.Errorf("%w: retries = %d; want [0, 10]", ErrInvalid, c.Retries)
 	case c.ECPort < 1 || c.ECPort > 65535:
@@ -232,4 +245,16 @@ func (c Config) static(role, raw string) (discovery.Registration, error) {
 		return r, fmt.Errorf("%s backend %q: %w", role, raw, err)
 	}
 	return r, nil
+}
+
+// validHeaderName reports whether s is an HTTP field name (RFC 9110 token).
+func validHeaderName(s string) bool {
+	for _, r := range s {
+		switch {
+		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9', strings.ContainsRune("!#$%&'*+-.^_`|~", r):
+		default:
+			return false
+		}
+	}
+	return s != ""
 }

@@ -32,6 +32,12 @@
 // instance gets the same rewritten request with the prefill's
 // kv_transfer_params.
 //
+// # Client-chosen cache keys
+//
+// A content part's "uuid" names its item's cache key in vLLM. Such keys
+// are kept apart per tenant, refused or trusted (Config.ClientMediaKeys;
+// keys.go says why and how), before anything is sent on.
+//
 // # Cancellation
 //
 // Every backend call of a request shares one context. A client that

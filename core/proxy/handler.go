@@ -160,6 +160,9 @@ func (p *Proxy) serveGenerate(ctx *fasthttp.RequestCtx, route string, chat bool,
 	if a := ctx.Request.Header.Peek(fasthttp.HeaderAuthorization); len(a) > 0 {
 		c.auth = append([]byte(nil), a...)
 	}
+	if !p.clientKeys(ctx, c) {
+		return
+	}
 	c.ctx, c.cancel = context.WithTimeout(context.Background(), p.cfg.requestTimeout())
 	stopWatch := watchPeer(ctx.Conn(), func() {
 		c.gone.Store(true)
@@ -366,6 +369,14 @@ func (c *call) attempt(pl *pool, cons *backend, attempt int, last bool) (*answer
 	}
 	top := rawTop(c.req.top)
 	rewritten := false
+	var err error
+	if !c.req.hasMedia() && len(c.req.overrides) > 0 {
+		// No media to encode, but client keys to namespace (embeds parts).
+		if top, rewritten, err = c.req.consumerTop(nil); err != nil {
+			release()
+			return nil, err
+		}
+	}
 	if c.req.hasMedia() {
 		endpoint, err := discovery.RankEndpoint(cons.reg.Consumer, cons.reg.TPSize, rank)
 		if err != nil {
@@ -385,7 +396,6 @@ func (c *call) attempt(pl *pool, cons *backend, attempt int, last bool) (*answer
 		}
 	}
 	var ans *answer
-	var err error
 	if p.split() {
 		ans, err = c.splitCall(pl, cons, rank, top, last)
 	} else {

@@ -23,6 +23,7 @@ type proxyMetrics struct {
 	gone      prometheus.Counter
 	registers *prometheus.CounterVec
 	refusals  *prometheus.CounterVec
+	keys      *prometheus.CounterVec
 }
 
 var latencyBuckets = prometheus.ExponentialBuckets(0.0005, 2, 18) // 0.5 ms .. 65 s
@@ -49,6 +50,9 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 		refusals: metrics.Counters("ecm_proxy_registration_refusals_total",
 			"Register and deregister calls refused, by op and reason: off (no register token, or allow_register false), unauthenticated (no bearer token), bad_token, static (would replace or remove a static backend), invalid (a malformed registration), too_large (a body above 64 KiB).",
 			"op", "reason"),
+		keys: metrics.Counters("ecm_proxy_client_media_keys_total",
+			"Client-chosen media keys (a content part's uuid), by what became of them: namespaced (kept apart per tenant), refused (the request answered 400), trusted (passed unchanged, client_media_keys=trust).",
+			"outcome"),
 	}
 	bodies := []prometheus.Collector{
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ecm_proxy_body_bytes_in_flight",
@@ -65,7 +69,7 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 			func() float64 { return float64(p.bodies.refusedShare()) }),
 	}
 	m.reg.MustRegister(bodies...)
-	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.derived, m.retries, m.redials, m.checks, m.encodes, m.gone, m.registers, m.refusals, backendCollector{p})
+	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.derived, m.retries, m.redials, m.checks, m.encodes, m.gone, m.registers, m.refusals, m.keys, backendCollector{p})
 	m.gatherer = prometheus.Gatherers{m.reg, metrics.Registry()}
 	return m
 }

@@ -138,10 +138,29 @@ func FuzzRewrite(f *testing.F) {
 	f.Add([]byte(`{"messages":"x"}`))
 	f.Add([]byte(`{"messages":[{"content":[{"type":"input_audio"},{"type":"input_audio"}]}]}`))
 	f.Add([]byte(`[]`))
+	f.Add([]byte(`{"messages":[{"content":[{"type":"image_url","image_url":{"url":"x"},"uuid":"k"},{"type":"image_embeds","image_embeds":"AA","\u0075uid":"k"}]}]}`))
 	f.Fuzz(func(t *testing.T, body []byte) {
 		r, err := parseRequest(body, true)
 		if err != nil {
 			return
+		}
+		// Client keys namespaced: each rewritten part is the client's
+		// part with only its uuid changed.
+		if _, err := r.applyKeys(KeysNamespace, "t"); err != nil {
+			require.ErrorIs(t, err, errClientKey)
+			return
+		}
+		for _, k := range r.keyRefs {
+			orig, ok := objectMembers(r.parts[k.msg][k.part])
+			require.True(t, ok)
+			got, ok := objectMembers(r.partBody(k.msg, k.part).bytes())
+			require.True(t, ok, "rewritten part %q", r.partBody(k.msg, k.part).bytes())
+			var key string
+			require.NoError(t, json.Unmarshal(orig["uuid"], &key))
+			require.Equal(t, `"`+namespacedKey("t", key)+`"`, string(got["uuid"]))
+			delete(orig, "uuid")
+			delete(got, "uuid")
+			require.Equal(t, orig, got)
 		}
 		// The parser splits without copying; what it finds is what
 		// encoding/json finds.

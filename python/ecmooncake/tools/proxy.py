@@ -59,6 +59,13 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
     add_options(p, ("--admin-port", 0, "serve /v1/ecm/register, /deregister and /backends on this port only, so that "
                      "--port can be exposed alone; 0: on --port"))
     p.add_argument("--admin-host", default="", help="address of the admin port (default: --host)")
+    p.add_argument("--client-media-keys", default="namespace", choices=["namespace", "refuse", "trust"],
+                   help="what becomes of a cache key a client names for a media part (its \"uuid\"): namespace keeps "
+                   "equal keys of different tenants apart (default; a request with a key and no tenant is refused), "
+                   "refuse answers 400, trust passes keys unchanged (one tenant only)")
+    p.add_argument("--tenant-header", default="", metavar="NAME",
+                   help="request header naming the tenant, set by an authenticating gateway in front of the proxy "
+                   "(default: the tenant is a digest of the request's Authorization header)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
 
 
@@ -75,7 +82,7 @@ def settings_of(args: argparse.Namespace, same: str, **renamed: str) -> dict[str
 
 def proxy_config(args: argparse.Namespace, token: str | None = None) -> dict[str, Any]:
     same = "host port metrics_port encode pd prefill decode retries ec_port fail_threshold admin_port admin_host"
-    same += " max_body_bytes max_bodies_in_flight max_body_bytes_per_client"
+    same += " max_body_bytes max_bodies_in_flight max_body_bytes_per_client client_media_keys tenant_header"
     return settings_of(
         args,
         same,

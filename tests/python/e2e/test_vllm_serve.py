@@ -211,7 +211,23 @@ def _check_transfers(out: dict, proxy_metrics: str, pd_metrics: list[str], items
     assert metric(pd, "ecm_rejected_writes_total") == 0, pd
 
 
-def _mooncake_phase(name, model, logs, requests_, baseline, transport: str) -> None:
+def _check_tenant_keys(url: str, model: Path, proxy_metrics: str, requests_: list[dict], baseline) -> None:
+    """Two clients name the same cache key ("uuid") for different images.
+    The proxy keeps the keys of different tenants (bearer tokens) apart, so
+    the second client is answered about its own image, exactly as without
+    a key, and never with the first one's embeddings."""
+    a, b = requests_[0], requests_[3]  # image a and image b, both not streamed
+    assert a["image"] != b["image"] and not a["stream"] and not b["stream"]
+    tenants = [dict(a, uuid="client-chosen-key", token="tenant-a"), dict(b, uuid="client-chosen-key", token="tenant-b")]
+    out = run_client(_plan(url, model, tenants, [proxy_metrics]))
+    got = _answers(out)
+    assert got[0] == baseline[0], "tenant a: the answer for its own image"
+    assert got[1] == baseline[3], "tenant b got an answer other than its own image's: the first tenant's key served it"
+    proxy = out["metrics"][proxy_metrics]
+    assert metric(proxy, "ecm_proxy_client_media_keys_total", outcome="namespaced") == 2, proxy
+
+
+def _mooncake_phase(name, model, logs, requests_, baseline, transport: str, tenants: bool = False) -> None:
     base = free_port_range(8)
     pd_http, enc_http, proxy_port, proxy_metrics, ec_port, pd_metrics = base, base + 1, base + 2, base + 3, base + 4, base + 5
     consumer = f"tcp://127.0.0.1:{ec_port}"
@@ -240,6 +256,8 @@ def _mooncake_phase(name, model, logs, requests_, baseline, transport: str) -> N
         assert metric(vllm_metrics, "vllm:ec_mooncake_wait_time_seconds_count") >= 1, vllm_metrics[-3000:]
         assert "vllm:ec_mooncake_num_failed_requests_total" in vllm_metrics, vllm_metrics[-3000:]
         assert metric(vllm_metrics, "vllm:ec_mooncake_num_failed_requests_total") == 0, vllm_metrics[-3000:]
+        if tenants:
+            _check_tenant_keys(f"http://127.0.0.1:{proxy_port}", model, proxy_url, requests_, baseline)
     left = _ecm_shm_files() - before
     assert not left, f"{name}: left in /dev/shm after vLLM stopped: {sorted(left)}"
 
@@ -286,7 +304,7 @@ def test_example_connector_epd_matches_one_instance(model, logs, requests_, base
 
 
 def test_mooncake_connector_over_tcp_matches_one_instance(model, logs, requests_, baseline):
-    _mooncake_phase("tcp", model, logs, requests_, baseline, "tcp")
+    _mooncake_phase("tcp", model, logs, requests_, baseline, "tcp", tenants=True)
 
 
 def test_mooncake_connector_over_shm_matches_one_instance(model, logs, requests_, baseline):
