@@ -80,6 +80,14 @@ type Config struct {
 	// by a gateway that authenticates clients in front of the proxy. Empty:
 	// the tenant is a digest of the request's Authorization header.
 	TenantHeader string `json:"tenant_header"`
+	// AffinityEntries bounds the items the proxy remembers the PD of, to
+	// send a repeated image back where it is (affinity.go); 0 turns
+	// routing by affinity off. AffinityTTLS is how long an entry counts,
+	// and AffinitySlack how many more requests in flight than the least
+	// loaded PD its holder may have and still be picked.
+	AffinityEntries int     `json:"affinity_entries"`
+	AffinityTTLS    float64 `json:"affinity_ttl_s"`
+	AffinitySlack   int     `json:"affinity_slack"`
 }
 
 // DefaultConfig returns the defaults a JSON document overrides.
@@ -89,6 +97,7 @@ func DefaultConfig() Config {
 		EncodeTimeoutS: 60, RequestTimeoutS: 600, HealthIntervalS: 2, FailThreshold: 3, UpstreamIdleTimeoutS: 4,
 		DefaultTTLS: discovery.DefaultTTL.Seconds(), MaxBodyBytes: 256 << 20, MaxBodiesInFlight: 8, AllowRegister: true,
 		ClientMediaKeys: KeysNamespace,
+		AffinityEntries: 1 << 16, AffinityTTLS: 300, AffinitySlack: 2,
 	}
 }
 
@@ -156,6 +165,10 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: register_token has whitespace or control characters (it must travel as one HTTP header value; a token file's trailing newline is stripped by the command line)", ErrInvalid)
 	case c.ClientMediaKeys != KeysNamespace && c.ClientMediaKeys != KeysRefuse && c.ClientMediaKeys != KeysTrust:
 		return fmt.Errorf("%w: client_media_keys = %q; want %q, %q or %q", ErrInvalid, c.ClientMediaKeys, KeysNamespace, KeysRefuse, KeysTrust)
+	case c.AffinityEntries < 0 || c.AffinityEntries > 1<<22:
+		return fmt.Errorf("%w: affinity_entries = %d; want [0, %d] (0 turns routing by affinity off)", ErrInvalid, c.AffinityEntries, 1<<22)
+	case c.AffinityTTLS < 0 || c.AffinitySlack < 0:
+		return fmt.Errorf("%w: affinity_ttl_s = %v, affinity_slack = %d; want both >= 0", ErrInvalid, c.AffinityTTLS, c.AffinitySlack)
 	case c.TenantHeader != "" && !validHeaderName(c.TenantHeader):
 		return fmt.Errorf("%w: tenant_header = %q is not an HTTP header name", ErrInvalid, c.TenantHeader)
 	case c.Retries < 0 || c.Retries > 10:

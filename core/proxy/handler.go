@@ -310,23 +310,28 @@ func (c *call) run() (*answer, int, error) {
 	p := c.p
 	exclude := map[*backend]bool{}
 	var last error
+	keys := c.req.itemKeys()
 	for attempt := 0; attempt <= p.cfg.Retries; attempt++ {
 		if attempt > 0 {
 			p.m.retries.WithLabelValues(retryReason(last)).Inc()
 			p.log.Info("retrying with fresh transfer ids", "request_id", c.id, "attempt", attempt, "cause", last)
 		}
 		pl := p.consumers()
-		cons := pl.pick(exclude)
+		cons, reason := pl.pickAffine(exclude, p.aff.holders(keys, time.Now()), int64(p.cfg.AffinitySlack))
 		if cons == nil && len(exclude) > 0 {
 			// Every consumer failed once: try them again rather than give up.
 			clear(exclude)
-			cons = pl.pick(nil)
+			cons, reason = pl.pick(nil), "least_loaded"
 		}
 		if cons == nil {
 			return nil, fasthttp.StatusServiceUnavailable, fmt.Errorf("no healthy %s instance (see %s)", pl.role, discovery.BackendsPath)
 		}
+		if len(keys) > 0 {
+			p.m.routing.WithLabelValues(reason).Inc()
+		}
 		ans, err := c.attempt(pl, cons, attempt, attempt == p.cfg.Retries)
 		if err == nil {
+			p.aff.note(cons.reg.URL, keys, time.Now())
 			return ans, 0, nil
 		}
 		if c.gone.Load() {

@@ -73,6 +73,7 @@ func (r *chatRequest) applyKeys(policy, tenant string) (int, error) {
 	if tenant == "" {
 		return 0, fmt.Errorf("%w: a content part names a \"uuid\", and the request names no tenant (no Authorization header%s); keys are kept apart per tenant (client_media_keys=namespace)", errClientKey, r.tenantHint)
 	}
+	r.tenant = tenant
 	for _, k := range r.keyRefs {
 		var key string
 		if err := json.Unmarshal(k.key, &key); err != nil {

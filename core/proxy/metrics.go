@@ -24,6 +24,7 @@ type proxyMetrics struct {
 	registers *prometheus.CounterVec
 	refusals  *prometheus.CounterVec
 	keys      *prometheus.CounterVec
+	routing   *prometheus.CounterVec
 }
 
 var latencyBuckets = prometheus.ExponentialBuckets(0.0005, 2, 18) // 0.5 ms .. 65 s
@@ -53,8 +54,17 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 		keys: metrics.Counters("ecm_proxy_client_media_keys_total",
 			"Client-chosen media keys (a content part's uuid), by what became of them: namespaced (kept apart per tenant), refused (the request answered 400), trusted (passed unchanged, client_media_keys=trust).",
 			"outcome"),
+		routing: metrics.Counters("ecm_proxy_routing_total",
+			"Consumer picks for requests with media, by the rule that decided: affinity (the PD that served most of the request's items), affinity_overloaded (that PD was more than affinity_slack requests busier than the least loaded, which was picked), least_loaded (no PD known to hold an item).",
+			"reason"),
 	}
 	bodies := []prometheus.Collector{
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ecm_proxy_affinity_entries",
+			Help: "Media items the proxy remembers the PD of (at most affinity_entries)."},
+			func() float64 { n, _ := p.aff.size(); return float64(n) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ecm_proxy_affinity_evictions_total",
+			Help: "Items forgotten to keep the affinity map within affinity_entries (least recently routed first)."},
+			func() float64 { _, e := p.aff.size(); return float64(e) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ecm_proxy_body_bytes_in_flight",
 			Help: "Request-body bytes the proxy holds now, all requests together; at most max_body_bytes × max_bodies_in_flight."},
 			func() float64 { return float64(p.bodies.held()) }),
@@ -69,7 +79,7 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 			func() float64 { return float64(p.bodies.refusedShare()) }),
 	}
 	m.reg.MustRegister(bodies...)
-	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.derived, m.retries, m.redials, m.checks, m.encodes, m.gone, m.registers, m.refusals, m.keys, backendCollector{p})
+	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.derived, m.retries, m.redials, m.checks, m.encodes, m.gone, m.registers, m.refusals, m.keys, m.routing, backendCollector{p})
 	m.gatherer = prometheus.Gatherers{m.reg, metrics.Registry()}
 	return m
 }

@@ -36,6 +36,7 @@ type chatRequest struct {
 	// of the client's choosing; overrides their rewrite (keys.go).
 	keyRefs    []keyRef
 	overrides  map[[2]int]outBody
+	tenant     string // set when keys were namespaced
 	tenantHint string
 }
 

@@ -51,6 +51,11 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
          "once, all requests together; a body that would take it over is answered 503 with Retry-After"),
         ("--max-body-bytes-per-client", 0, "the most of that budget the requests of one client (peer address) hold at "
          "once; past it, 503 with Retry-After; 0: half the budget, never less than --max-body-bytes"),
+        ("--affinity-entries", 1 << 16, "media items whose PD the proxy remembers, to send a repeated image back to the "
+         "PD that holds its encoder output; 0 turns routing by affinity off"),
+        ("--affinity-ttl", 300.0, "seconds a remembered item counts"),
+        ("--affinity-slack", 2, "requests in flight the PD holding a request's images may have beyond the least "
+         "loaded PD and still be picked"),
     )
     p.add_argument("--no-register", action="store_true", help="refuse POST /v1/ecm/register even with a register token (static lists only)")
     add_token_arguments(p, name="register-token", env=REGISTER_TOKEN_ENV, what="the register token", file_help=(
@@ -91,6 +96,9 @@ def proxy_config(args: argparse.Namespace, token: str | None = None) -> dict[str
         health_interval_s="health_interval",
         health_timeout_s="health_timeout",
         upstream_idle_timeout_s="upstream_idle_timeout",
+        affinity_entries="affinity_entries",
+        affinity_ttl_s="affinity_ttl",
+        affinity_slack="affinity_slack",
     ) | {"allow_register": not args.no_register, "register_token": token or ""}
 
 
