@@ -1,9 +1,11 @@
 package proxy
 
 import (
+	"bytes"
 	"container/list"
 	"crypto/sha256"
 	"encoding/json"
+	"fmt"
 	"sync"
 	"time"
 )
@@ -27,6 +29,14 @@ import (
 // holds the item: a wrong guess costs what least-loaded routing costs
 // anyway (the PD receives or encodes the item again), never a wrong answer.
 //
+// An item the picked PD is known to hold, under the identifier an encoder
+// gave it, is not encoded again (Config.AffinityReuse): the PD gets the
+// client's media part with that identifier as its "uuid", which is the
+// key vLLM would compute for it anyway. The PD finds the item in its
+// encoder cache, or, when it was evicted there, encodes it itself, so a
+// wrong guess costs one local encode and never a wrong answer. Reused
+// items are counted (ecm_proxy_media_items_total{outcome="reused"}).
+//
 // A request goes to the healthy PD that served most of its items when that
 // PD has at most Config.AffinitySlack more requests in flight than the
 // least-loaded one; otherwise load wins. Each decision is counted
@@ -49,6 +59,7 @@ type affinity struct {
 type affinityEntry struct {
 	key  itemKey
 	url  string // the PD's base URL, as registered
+	id   string // the item's identifier (mm_hash), when an encoder named it
 	seen time.Time
 }
 
@@ -56,21 +67,29 @@ func newAffinity(entries int, ttl time.Duration) *affinity {
 	return &affinity{cap: entries, ttl: ttl, order: list.New(), byKey: map[itemKey]*list.Element{}}
 }
 
-// note records that url served the items.
-func (a *affinity) note(url string, keys []itemKey, now time.Time) {
+// note records that url served the items; ids[i], when not empty, is item
+// i's identifier.
+func (a *affinity) note(url string, keys []itemKey, ids []string, now time.Time) {
 	if a == nil || a.cap <= 0 {
 		return
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for _, k := range keys {
+	for i, k := range keys {
+		id := ""
+		if i < len(ids) {
+			id = ids[i]
+		}
 		if el, ok := a.byKey[k]; ok {
 			e := el.Value.(*affinityEntry)
+			if e.url != url || id != "" {
+				e.id = id
+			}
 			e.url, e.seen = url, now
 			a.order.MoveToFront(el)
 			continue
 		}
-		a.byKey[k] = a.order.PushFront(&affinityEntry{key: k, url: url, seen: now})
+		a.byKey[k] = a.order.PushFront(&affinityEntry{key: k, url: url, id: id, seen: now})
 		for a.order.Len() > a.cap {
 			last := a.order.Back()
 			a.order.Remove(last)
@@ -104,6 +123,26 @@ func (a *affinity) holders(keys []itemKey, now time.Time) map[string]int {
 		out[e.url]++
 	}
 	return out
+}
+
+// heldAt returns the identifier of an item url served within the age
+// limit, or "" when url is not known to hold it or its identifier is
+// unknown.
+func (a *affinity) heldAt(key itemKey, url string, now time.Time) string {
+	if a == nil || a.cap <= 0 {
+		return ""
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	el, ok := a.byKey[key]
+	if !ok {
+		return ""
+	}
+	e := el.Value.(*affinityEntry)
+	if e.url != url || now.Sub(e.seen) > a.ttl {
+		return ""
+	}
+	return e.id
 }
 
 // size is the number of entries held, and the evictions so far.
@@ -173,4 +212,46 @@ func (p *pool) pickAffine(exclude map[*backend]bool, holders map[string]int, sla
 		return least, "affinity_overloaded"
 	}
 	return best, "affinity"
+}
+
+// reuseAt sends each item with a reuse identifier as the client's media
+// part under that identifier: its "uuid" member set to it (replaced where
+// the part names one, added where it does not), from slices of the body.
+func (r *chatRequest) reuseAt(reuse []string) error {
+	keyOf := map[[2]int]json.RawMessage{}
+	for _, k := range r.keyRefs {
+		keyOf[[2]int{k.msg, k.part}] = k.key
+	}
+	for _, ref := range r.refs {
+		id := reuse[ref.item]
+		if id == "" {
+			continue
+		}
+		value, _ := json.Marshal(id) // a string always encodes
+		at := [2]int{ref.msg, ref.part}
+		part := r.parts[ref.msg][ref.part]
+		var out outBody
+		if key, ok := keyOf[at]; ok {
+			off, ok := subsliceOffset(part, key)
+			if !ok {
+				return fmt.Errorf("reuse of item %d: its key is not inside its part", ref.item)
+			}
+			out = outBody{part[:off], value, part[off+len(key):]}
+		} else {
+			end := bytes.LastIndexByte(part, '}')
+			if end < 0 {
+				return fmt.Errorf("reuse of item %d: its part is not an object", ref.item)
+			}
+			sep := []byte(",")
+			if len(bytes.TrimSpace(part[1:end])) == 0 {
+				sep = nil // an empty object
+			}
+			out = outBody{part[:end], append(append(sep, `"uuid":`...), value...), part[end:]}
+		}
+		if r.overrides == nil {
+			r.overrides = map[[2]int]outBody{}
+		}
+		r.overrides[at] = out
+	}
+	return nil
 }

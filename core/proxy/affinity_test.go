@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"encoding/json"
 	"fmt"
 	"strings"
 	"testing"
@@ -124,18 +125,18 @@ func TestAffinityIsBounded(t *testing.T) {
 	t0 := time.Unix(1000, 0)
 	key := func(i int) itemKey { return itemKey{byte(i)} }
 	for i := range 10 {
-		a.note("http://pd", []itemKey{key(i)}, t0)
+		a.note("http://pd", []itemKey{key(i)}, nil, t0)
 	}
 	n, evicted := a.size()
 	require.Equal(t, 4, n)
 	require.Equal(t, int64(6), evicted)
 	require.Empty(t, a.holders([]itemKey{key(0), key(5)}, t0), "the oldest are forgotten")
 	require.Equal(t, map[string]int{"http://pd": 2}, a.holders([]itemKey{key(6), key(9)}, t0))
-	a.note("http://pd2", []itemKey{key(6)}, t0)
+	a.note("http://pd2", []itemKey{key(6)}, nil, t0)
 	require.Equal(t, map[string]int{"http://pd2": 1}, a.holders([]itemKey{key(6)}, t0), "the latest PD counts")
 	require.Empty(t, a.holders([]itemKey{key(9)}, t0.Add(2*time.Minute)), "an entry past its age counts for nothing")
 	off := newAffinity(0, time.Minute)
-	off.note("http://pd", []itemKey{key(1)}, t0)
+	off.note("http://pd", []itemKey{key(1)}, nil, t0)
 	require.Empty(t, off.holders([]itemKey{key(1)}, t0))
 }
 
@@ -160,4 +161,62 @@ func TestItemKeys(t *testing.T) {
 	t1 := keysOf(`{"model":"m","messages":[{"role":"user","content":[`+keyed+`]}]}`, "tenant-1")
 	require.Equal(t, t1, keysOf(`{"model":"m","messages":[{"role":"user","content":[`+keyed+`]}]}`, "tenant-1"))
 	require.NotEqual(t, t1, keysOf(`{"model":"m","messages":[{"role":"user","content":[`+keyed+`]}]}`, "tenant-2"))
+}
+
+// An image the picked PD already holds is not encoded again: the PD gets
+// the client's media part under the identifier the encoder gave it the
+// first time, which is the key vLLM computes for it anyway.
+func TestRepeatedImageIsNotEncodedAgainAtItsHolder(t *testing.T) {
+	plain := `{"type":"image_url","image_url":{"url":"data:image/png;base64,QUFBQQ=="}}`
+	keyed := `{"type":"image_url","uuid":"mine","image_url":{"url":"data:image/png;base64,QkJCQg=="}}`
+	for _, reuse := range []bool{false, true} {
+		for _, part := range []string{plain, keyed} {
+			t.Run(fmt.Sprintf("reuse=%v/keyed=%v", reuse, part == keyed), func(t *testing.T) {
+				r := newRig(t, rigOpts{encoders: 1, pds: 2, mut: func(c *Config) { c.AffinityEntries, c.AffinityReuse = 1<<10, reuse }})
+				for range 3 {
+					code, body := r.postAs(chatWith(part, part), bearerAuth("t"))
+					require.Equal(t, 200, code, string(body))
+				}
+				enc := r.enc[0].Calls()
+				if !reuse {
+					require.Len(t, enc, 3, "without reuse every request encodes its image")
+					return
+				}
+				require.Len(t, enc, 1, "the image is encoded once")
+				id := partKeys(t, enc[0].Body)
+				var first []string
+				var pds [][]byte
+				for _, pd := range r.pd {
+					for _, c := range pd.Calls() {
+						pds = append(pds, c.Body)
+					}
+				}
+				require.Len(t, pds, 3)
+				first = partKeys(t, pds[0])
+				require.Len(t, first, 2, "the first request: both places are embeds of the pushed item")
+				for _, body := range pds[1:] {
+					var b struct {
+						Messages []struct {
+							Content []json.RawMessage `json:"content"`
+						} `json:"messages"`
+						P json.RawMessage `json:"ec_transfer_params"`
+					}
+					require.NoError(t, json.Unmarshal(body, &b))
+					require.Nil(t, b.P, "nothing to wait for: no push")
+					for _, got := range b.Messages[0].Content[1:] {
+						var want map[string]any
+						require.NoError(t, json.Unmarshal([]byte(part), &want))
+						want["uuid"] = first[0]
+						require.JSONEq(t, mustJSON(t, want), string(got), "the client's media under the pushed item's identifier")
+					}
+				}
+				if part == keyed {
+					require.Equal(t, id, first[:1], "a keyed part's identifier is its namespaced key")
+				}
+				m := metricsText(t, r.url)
+				require.Contains(t, m, `ecm_proxy_media_items_total{outcome="reused"} 2`)
+				require.Contains(t, m, `ecm_proxy_media_items_total{outcome="encoded"} 1`)
+			})
+		}
+	}
 }

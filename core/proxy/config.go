@@ -88,6 +88,9 @@ type Config struct {
 	AffinityEntries int     `json:"affinity_entries"`
 	AffinityTTLS    float64 `json:"affinity_ttl_s"`
 	AffinitySlack   int     `json:"affinity_slack"`
+	// AffinityReuse sends an item the picked PD is known to hold to it
+	// without encoding it again (affinity.go).
+	AffinityReuse bool `json:"affinity_reuse"`
 }
 
 // DefaultConfig returns the defaults a JSON document overrides.
@@ -97,7 +100,7 @@ func DefaultConfig() Config {
 		EncodeTimeoutS: 60, RequestTimeoutS: 600, HealthIntervalS: 2, FailThreshold: 3, UpstreamIdleTimeoutS: 4,
 		DefaultTTLS: discovery.DefaultTTL.Seconds(), MaxBodyBytes: 256 << 20, MaxBodiesInFlight: 8, AllowRegister: true,
 		ClientMediaKeys: KeysNamespace,
-		AffinityEntries: 1 << 16, AffinityTTLS: 300, AffinitySlack: 2,
+		AffinityEntries: 1 << 16, AffinityTTLS: 300, AffinitySlack: 2, AffinityReuse: true,
 	}
 }
 

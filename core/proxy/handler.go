@@ -128,6 +128,10 @@ type call struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 	gone   atomic.Bool
+	// keys name the request's distinct media items (affinity.go); ids are
+	// their identifiers as the last attempt learned or reused them.
+	keys []itemKey
+	ids  []string
 }
 
 // answer is what goes back to the client: a whole body, or a stream whose
@@ -311,6 +315,7 @@ func (c *call) run() (*answer, int, error) {
 	exclude := map[*backend]bool{}
 	var last error
 	keys := c.req.itemKeys()
+	c.keys = keys
 	for attempt := 0; attempt <= p.cfg.Retries; attempt++ {
 		if attempt > 0 {
 			p.m.retries.WithLabelValues(retryReason(last)).Inc()
@@ -331,7 +336,7 @@ func (c *call) run() (*answer, int, error) {
 		}
 		ans, err := c.attempt(pl, cons, attempt, attempt == p.cfg.Retries)
 		if err == nil {
-			p.aff.note(cons.reg.URL, keys, time.Now())
+			p.aff.note(cons.reg.URL, keys, c.ids, time.Now())
 			return ans, 0, nil
 		}
 		if c.gone.Load() {
@@ -389,11 +394,24 @@ func (c *call) attempt(pl *pool, cons *backend, attempt int, last bool) (*answer
 			return nil, err
 		}
 		t0 := time.Now()
-		done := c.encodeAll(endpoint, attempt)
+		reuse := c.reusable(cons)
+		done := c.encodeAll(endpoint, attempt, reuse)
 		p.m.phase.WithLabelValues("encode").Observe(time.Since(t0).Seconds())
 		if err := c.ctx.Err(); err != nil {
 			release()
 			return nil, fmt.Errorf("while encoding: %w", context.Cause(c.ctx))
+		}
+		c.ids = make([]string, len(done))
+		for i, d := range done {
+			if d != nil {
+				c.ids[i] = d.identifier
+			} else {
+				c.ids[i] = reuse[i]
+			}
+		}
+		if err := c.req.reuseAt(reuse); err != nil {
+			release()
+			return nil, err
 		}
 		if top, rewritten, err = c.req.consumerTop(done); err != nil {
 			release()
@@ -570,16 +588,35 @@ func firstLine(b []byte) string {
 	return s
 }
 
+// reusable returns, per distinct item, the identifier under which cons
+// holds it (affinity.go), or "" where it must be encoded.
+func (c *call) reusable(cons *backend) []string {
+	reuse := make([]string, len(c.req.items))
+	if !c.p.cfg.AffinityReuse {
+		return reuse
+	}
+	now := time.Now()
+	for i, k := range c.keys {
+		reuse[i] = c.p.aff.heldAt(k, cons.reg.URL, now)
+	}
+	return reuse
+}
+
 // encodeAll sends every distinct media item to an encoder, concurrently.
 // done[i] is nil where item i could not be encoded; that item falls back
 // to its original media, which the consumer encodes itself.
-func (c *call) encodeAll(consumer string, attempt int) []*encoded {
+// An item with a reuse identifier is not encoded: the consumer holds it.
+func (c *call) encodeAll(consumer string, attempt int, reuse []string) []*encoded {
 	p := c.p
 	n := len(c.req.items)
 	done := make([]*encoded, n)
 	p.m.items.WithLabelValues("duplicate").Add(float64(len(c.req.refs) - n))
 	var wg sync.WaitGroup
 	for i := range n {
+		if reuse[i] != "" {
+			p.m.items.WithLabelValues("reused").Inc()
+			continue
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()

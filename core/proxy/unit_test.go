@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"strings"
@@ -177,6 +178,34 @@ func FuzzRewrite(f *testing.F) {
 			require.NoError(t, json.Compact(&c, p))
 			sum := sha256.Sum256(c.Bytes())
 			require.Equal(t, string(sum[:]), compactSum(p), "the digest of %q is that of its compact form", p)
+		}
+		// Every other item reused under an identifier: each of its places
+		// is the part as namespaced, with that identifier as its uuid.
+		reuse := make([]string, len(r.items))
+		for i := range reuse {
+			if i%2 == 1 {
+				reuse[i] = fmt.Sprintf("id-%d", i)
+			}
+		}
+		before := map[[2]int][]byte{}
+		for _, ref := range r.refs {
+			before[[2]int{ref.msg, ref.part}] = r.partBody(ref.msg, ref.part).bytes()
+		}
+		require.NoError(t, r.reuseAt(reuse))
+		for _, ref := range r.refs {
+			got, ok := objectMembers(r.partBody(ref.msg, ref.part).bytes())
+			require.True(t, ok, "part %q after reuse", r.partBody(ref.msg, ref.part).bytes())
+			want, ok := objectMembers(before[[2]int{ref.msg, ref.part}])
+			require.True(t, ok)
+			if reuse[ref.item] != "" {
+				require.Equal(t, `"`+reuse[ref.item]+`"`, string(got["uuid"]))
+				delete(got, "uuid")
+				delete(want, "uuid")
+			}
+			require.Equal(t, len(want), len(got))
+			for k, v := range want {
+				require.JSONEq(t, string(v), string(got[k]))
+			}
 		}
 		for i := range r.items {
 			eb, err := r.encoderBody(i, "tcp://h:1", "t")

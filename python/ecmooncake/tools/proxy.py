@@ -64,6 +64,9 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
     add_options(p, ("--admin-port", 0, "serve /v1/ecm/register, /deregister and /backends on this port only, so that "
                      "--port can be exposed alone; 0: on --port"))
     p.add_argument("--admin-host", default="", help="address of the admin port (default: --host)")
+    p.add_argument("--no-affinity-reuse", action="store_true",
+                   help="encode every image even when the picked PD already holds it (by default such an image goes "
+                   "to that PD as media under the identifier its encoder gave it, and is not encoded again)")
     p.add_argument("--client-media-keys", default="namespace", choices=["namespace", "refuse", "trust"],
                    help="what becomes of a cache key a client names for a media part (its \"uuid\"): namespace keeps "
                    "equal keys of different tenants apart (default; a request with a key and no tenant is refused), "
@@ -99,7 +102,7 @@ def proxy_config(args: argparse.Namespace, token: str | None = None) -> dict[str
         affinity_entries="affinity_entries",
         affinity_ttl_s="affinity_ttl",
         affinity_slack="affinity_slack",
-    ) | {"allow_register": not args.no_register, "register_token": token or ""}
+    ) | {"affinity_reuse": not args.no_affinity_reuse, "allow_register": not args.no_register, "register_token": token or ""}
 
 
 def add_register_arguments(p: argparse.ArgumentParser) -> None:

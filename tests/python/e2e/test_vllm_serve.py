@@ -189,13 +189,16 @@ def _proxy_argv(port: int, metrics_port: int, encode: str, pd: str, consumer: st
 
 
 def _check_transfers(out: dict, proxy_metrics: str, pd_metrics: list[str], items: int, distinct: int) -> None:
-    """Every item went through the transfer: the proxy encoded each one and
-    none fell back, the PD scheduler saw each distinct image arrive on every
-    shard, and the shard received it."""
+    """Every image went through the transfer once: the proxy encoded each
+    distinct one and none fell back, sent each repeat to the PD that holds
+    it without encoding it again (the requests go one after the other), the
+    PD scheduler saw each distinct image arrive on every shard, and the
+    shard received it."""
     text = out["metrics"]
     proxy = text[proxy_metrics]
     assert metric(proxy, "ecm_proxy_media_items_total", outcome="fallback") == 0, proxy
-    assert metric(proxy, "ecm_proxy_media_items_total", outcome="encoded") == items, proxy
+    assert metric(proxy, "ecm_proxy_media_items_total", outcome="encoded") == distinct, proxy
+    assert metric(proxy, "ecm_proxy_media_items_total", outcome="reused") == items - distinct, proxy
     # Our connector names each item's modality itself, on vLLM 0.32 too.
     assert metric(proxy, "ecm_proxy_derived_fields_total") == 0, proxy
     pd = "\n".join(text[u] for u in pd_metrics)
@@ -296,10 +299,12 @@ def test_example_connector_epd_matches_one_instance(model, logs, requests_, base
         out = run_client(_plan(f"http://127.0.0.1:{proxy_port}", model, requests_, [proxy_url]))
         assert _answers(out) == baseline
         proxy = out["metrics"][proxy_url]
-        assert metric(proxy, "ecm_proxy_media_items_total", outcome="encoded") == len(requests_), proxy
+        distinct = len({r["image"] for r in requests_})
+        assert metric(proxy, "ecm_proxy_media_items_total", outcome="encoded") == distinct, proxy
+        assert metric(proxy, "ecm_proxy_media_items_total", outcome="reused") == len(requests_) - distinct, proxy
         assert metric(proxy, "ecm_proxy_media_items_total", outcome="fallback") == 0, proxy
         # vLLM 0.32's own connector reports no modality: the proxy filled it in.
-        assert metric(proxy, "ecm_proxy_derived_fields_total", field="modality") == len(requests_), proxy
+        assert metric(proxy, "ecm_proxy_derived_fields_total", field="modality") == distinct, proxy
     assert any(store.iterdir()), "the example connector stored nothing"
 
 
