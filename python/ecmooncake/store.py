@@ -648,6 +648,32 @@ def preload_cudart() -> bool:
     return True
 
 
+def master_binary() -> str | None:
+    """The wheel's ``mooncake_master`` beside its ``mooncake`` package
+    (found without importing it), or None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, "mooncake_master")
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def master_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment to start ``mooncake_master`` with: where a wheel
+    before 0.3.13 needs ``libcudart.so.12``, its folder joins
+    LD_LIBRARY_PATH of that one process."""
+    out = dict(os.environ if env is None else env)
+    lib = cudart_dir()
+    if lib is not None:
+        out["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [lib, out.get("LD_LIBRARY_PATH")]))
+    return out
+
+
 class MemoryStore:
     """An in-memory stand-in for ``MooncakeDistributedStore`` with the
     calls the tier uses and the same return codes; ``gate``, when set to a
