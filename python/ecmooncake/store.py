@@ -245,7 +245,7 @@ class _Region:
 class GetResult(NamedTuple):
     """``ok`` when the caller's buffer holds the item; else ``reason`` says
     why the caller falls back (miss, timeout, error, unavailable, busy,
-    not_ready, disabled, too_large, size_mismatch)."""
+    not_ready, disabled, too_large, invalid, size_mismatch)."""
 
     ok: bool
     reason: str
@@ -254,9 +254,9 @@ class GetResult(NamedTuple):
 
 COUNTERS = (
     "get_hit", "get_hit_bytes", "get_miss", "get_timeout", "get_error", "get_size_mismatch",
-    "get_unavailable", "get_busy", "get_not_ready", "get_too_large", "get_late",
+    "get_unavailable", "get_busy", "get_not_ready", "get_too_large", "get_invalid", "get_late",
     "put_ok", "put_bytes", "put_error", "put_timeout", "put_duplicate",
-    "put_dropped_full", "put_dropped_rate", "put_dropped_unavailable", "put_dropped_not_ready",
+    "put_dropped_full", "put_dropped_rate", "put_dropped_unavailable", "put_dropped_not_ready", "put_dropped_invalid",
     "setup_failed", "breaker_trips",
 )
 
@@ -433,12 +433,14 @@ class StoreTier:
         if self._state != "ready":
             return "unavailable"
         now = self._clock()
+        # Puts are kept in the order they started: the oldest first.
         for pid, (key, started) in list(self._puts.items()):
-            if now - started > self.settings.put_timeout_s:
-                # A put still running past its deadline: the master may be gone.
-                del self._puts[pid]
-                self._count("put_timeout")
-                self._trip(f"a put of {key} ran past put_timeout_s")
+            if now - started <= self.settings.put_timeout_s:
+                break
+            # A put still running past its deadline: the master may be gone.
+            del self._puts[pid]
+            self._count("put_timeout")
+            self._trip(f"a put of {key} ran past put_timeout_s")
         if now < self._retry_at:
             return "unavailable"
         return None
@@ -451,6 +453,8 @@ class StoreTier:
         if shorter). Never raises; the caller falls back unless ok."""
         with self._lock:
             why = self._unusable()
+            if why is None and (nbytes <= 0 or not dest):
+                why = "invalid"
             if why is None and self._gets_in_flight >= self.settings.max_gets:
                 why = "busy"
             if why is None and nbytes > self.settings.get_staging_bytes:
@@ -532,6 +536,8 @@ class StoreTier:
         Never raises, never waits."""
         with self._lock:
             why = self._unusable()
+            if why is None and (nbytes <= 0 or not src):
+                why = "invalid"
             if why is None and key in self._recent:
                 self._recent.move_to_end(key)
                 self._count("put_duplicate")

@@ -263,7 +263,8 @@ def test_gets_beyond_max_gets_fall_back_at_once():
 
 def test_a_get_larger_than_staging_falls_back():
     tier, _, _ = open_tier(get_staging_bytes=MiB)
-    assert tier.get_into("k", 0, 2 * MiB) == GetResult(False, "too_large")
+    b, a = buffer(b"\0" * (2 * MiB))
+    assert tier.get_into("k", a, 2 * MiB) == GetResult(False, "too_large")
     assert tier.stats()["get_too_large"] == 1
 
 
@@ -397,3 +398,15 @@ def test_cudart_is_found_beside_the_wheel(tmp_path, monkeypatch):
     (lib / "libcudart.so.12").write_bytes(b"")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert store.cudart_dir() is not None
+
+
+def test_an_empty_or_null_buffer_is_refused_counted():
+    tier, fake, _ = open_tier()
+    b, a = buffer(b"\0" * 64)
+    assert tier.get_into("k", a, 0) == GetResult(False, "invalid")
+    assert tier.get_into("k", 0, 64) == GetResult(False, "invalid")
+    assert tier.put_async("k", a, 0) is False
+    assert tier.put_async("k", 0, 64) is False
+    st = tier.stats()
+    assert (st["get_invalid"], st["put_dropped_invalid"]) == (2, 2)
+    assert not fake.objects
