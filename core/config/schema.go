@@ -157,7 +157,7 @@ var specs = map[string]spec{
 	"enabled":            {kind: KindBool, help: "store: put completed items into Mooncake Store and get missing ones from it"},
 	"master_address":     {kind: KindText, help: "store: mooncake_master's host:port (its --rpc_port)"},
 	"metadata_address":   {kind: KindText, help: "store: the Store's metadata service: http://host:port/metadata (the master's --enable_http_metadata_server), etcd://host:port or P2PHANDSHAKE"},
-	"local_hostname":     {kind: KindHost, help: "store: the address other Store clients reach this process's segment at (empty: Mooncake picks the first interface that is not loopback)"},
+	"local_hostname":     {kind: KindHost, help: "store: the address other Store clients reach this process's segment at; needed when enabled (Mooncake refuses an empty one)"},
 	"segment_bytes":      ints(0, 1<<44).with("store: host memory this process lends to the Store's pool (0: none)"),
 	"local_buffer_bytes": ints(1<<20, 1<<40).with("store: the Store client's own transfer buffer"),
 	"put_inflight_bytes": ints(1<<20, 1<<40).with("store: registered host memory puts are staged in; the bound on bytes of puts in flight (a put beyond it is dropped, counted)"),

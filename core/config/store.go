@@ -66,8 +66,8 @@ func (s Store) Validate() error {
 		secondsIn("put_timeout_s", s.PutTimeoutS),
 		secondsIn("retry_after_s", s.RetryAfterS),
 	}
-	if s.Enabled && (s.MasterAddress == "" || s.MetadataAddress == "") {
-		errs = append(errs, fmt.Errorf("%w: store enabled without master_address and metadata_address; name mooncake_master's host:port and its metadata service", ErrInvalid))
+	if s.Enabled && (s.MasterAddress == "" || s.MetadataAddress == "" || s.LocalHostname == "") {
+		errs = append(errs, fmt.Errorf("%w: store enabled without master_address, metadata_address and local_hostname; name mooncake_master's host:port, its metadata service and this host's address", ErrInvalid))
 	}
 	return first(errs...)
 }

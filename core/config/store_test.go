@@ -15,7 +15,12 @@ func TestStoreIsOffByDefaultAndNeedsItsServicesWhenOn(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalid)
 	require.Contains(t, err.Error(), "master_address")
 
-	on := `{"enabled": true, "master_address": "10.0.0.5:50051", "metadata_address": "http://10.0.0.5:8080/metadata"}`
+	// Mooncake's client refuses an empty local_hostname at setup.
+	_, err = DecodeStore([]byte(`{"enabled": true, "master_address": "10.0.0.5:50051", "metadata_address": "http://10.0.0.5:8080/metadata"}`))
+	require.ErrorIs(t, err, ErrInvalid)
+	require.Contains(t, err.Error(), "local_hostname")
+
+	on := `{"enabled": true, "master_address": "10.0.0.5:50051", "metadata_address": "http://10.0.0.5:8080/metadata", "local_hostname": "10.0.0.7"}`
 	s, err = DecodeStore([]byte(on))
 	require.NoError(t, err)
 	require.Equal(t, "10.0.0.5:50051", s.MasterAddress)

@@ -129,8 +129,10 @@ class StoreSettings:
                 raise ConfigError(
                     f"store.metadata_address = {meta!r}; want http://host:port/metadata, etcd://host:port or P2PHANDSHAKE"
                 )
-        if self.enabled and not (self.master_address and self.metadata_address):
-            raise ConfigError("store.enabled without master_address and metadata_address; name mooncake_master and its metadata service")
+        # Mooncake's client refuses an empty local_hostname at setup.
+        if self.enabled and not (self.master_address and self.metadata_address and self.local_hostname):
+            raise ConfigError("store.enabled without master_address, metadata_address and local_hostname; "
+                              "name mooncake_master, its metadata service and this host's address")
 
 
 # ----------------------------------------------------------------------------

@@ -90,6 +90,7 @@ def test_the_tier_is_off_by_default_and_loads_nothing():
 
 @pytest.mark.parametrize("raw,match", [
     ({"enabled": True}, "master_address"),
+    ({"enabled": True, "master_address": "10.0.0.5:50051", "metadata_address": "P2PHANDSHAKE"}, "local_hostname"),
     ({"master_address": "10.0.0.5"}, "master_address"),
     ({"metadata_address": "redis://10.0.0.5:6379"}, "metadata_address"),
     ({"mooncake_protocol": "carrier-pigeon"}, "mooncake_protocol"),
@@ -143,6 +144,7 @@ class Clock:
 
 def open_tier(**settings) -> tuple[StoreTier, MemoryStore, Clock]:
     raw = {"enabled": True, "master_address": "127.0.0.1:50051", "metadata_address": "http://127.0.0.1:8080/metadata",
+           "local_hostname": "127.0.0.1",
            "put_inflight_bytes": 8 * MiB, "get_staging_bytes": 8 * MiB, "get_timeout_s": 5, "put_timeout_s": 10,
            "retry_after_s": 30}
     raw.update(settings)
@@ -364,7 +366,7 @@ def test_a_setup_that_fails_leaves_every_call_falling_back():
         raise ImportError("libcudart.so.12: cannot open shared object file")
 
     tier = StoreTier(StoreSettings.from_mapping({"enabled": True, "master_address": "127.0.0.1:50051",
-                                                 "metadata_address": "P2PHANDSHAKE"}), factory)
+                                                 "metadata_address": "P2PHANDSHAKE", "local_hostname": "127.0.0.1"}), factory)
     tier.open()
     assert not tier.wait_ready(10)
     assert tier.state == "failed"
