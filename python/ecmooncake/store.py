@@ -264,8 +264,8 @@ COUNTERS = (
 
 
 class _Get:
-    """One get: the caller and the worker settle under the tier's lock who
-    finishes it, so that the caller's buffer is written only while the
+    """One get: the caller and the worker settle under the get's own lock
+    who finishes it, so that the caller's buffer is written only while the
     caller waits."""
 
     __slots__ = ("key", "dest", "nbytes", "off", "lock", "done", "abandoned", "result")
@@ -310,6 +310,10 @@ class StoreTier:
         self._get_q: queue.SimpleQueue = queue.SimpleQueue()
         self._put_q: queue.SimpleQueue = queue.SimpleQueue()
         self._ready = threading.Event()
+        # Calls inside the Store client now; close waits for them, for
+        # closing the client under a call would free what the call uses.
+        self._calls = 0
+        self._idle = threading.Condition(self._lock)
 
     # -- life ---------------------------------------------------------------
 
@@ -355,6 +359,9 @@ class StoreTier:
             return
         with self._lock:
             if self._state != "opening":
+                # Closed while setting up: nobody will use this client.
+                threading.Thread(target=backend.close, name="ecm-store-close", daemon=True).start()
+                self._ready.set()
                 return
             self._backend, self._get_region, self._put_region = backend, get_region, put_region
             self._state = "ready"
@@ -367,15 +374,23 @@ class StoreTier:
     def close(self, timeout: float = 5.0) -> bool:
         """Stops taking calls and closes the client, waiting at most
         timeout (a client whose master is gone takes seconds to close).
-        Whether it closed in time. Never raises."""
+        Whether it closed in time; a client with a call still inside it
+        then is left to the process's exit. Never raises."""
+        end = time.monotonic() + timeout
         with self._lock:
             backend, self._backend = self._backend, None
             self._state = "closing"
+            while self._calls and time.monotonic() < end:
+                self._idle.wait(end - time.monotonic())
+            busy = self._calls
         for _ in range(self.settings.max_gets):
             self._get_q.put(None)
         self._put_q.put(None)
         if backend is None:
             return True
+        if busy:
+            logger.warning("Mooncake Store client left open: %d call(s) still inside it after %.1f s", busy, timeout)
+            return False
         done = threading.Event()
 
         def _close() -> None:
@@ -386,7 +401,21 @@ class StoreTier:
             done.set()
 
         threading.Thread(target=_close, name="ecm-store-close", daemon=True).start()
-        return done.wait(timeout)
+        return done.wait(max(end - time.monotonic(), 0.0))
+
+    def _enter(self) -> bool:
+        """Counts a call into the client; False once the tier is closing."""
+        with self._lock:
+            if self._state != "ready":
+                return False
+            self._calls += 1
+            return True
+
+    def _leave(self) -> None:
+        """Under the lock."""
+        self._calls -= 1
+        if not self._calls:
+            self._idle.notify_all()
 
     def _serve(self, q: queue.SimpleQueue) -> None:
         while True:
@@ -491,10 +520,14 @@ class StoreTier:
         # One byte more than the key implies, so that a larger object
         # shows as one rather than as a hit.
         err = None
-        try:
-            rc = backend.get_into(g.key, region.addr + g.off, g.nbytes + 1)
-        except Exception as exc:  # noqa: BLE001
-            rc, err = None, exc
+        entered = self._enter()
+        if not entered:
+            rc, err = None, "the tier is closing"
+        else:
+            try:
+                rc = backend.get_into(g.key, region.addr + g.off, g.nbytes + 1)
+            except Exception as exc:  # noqa: BLE001
+                rc, err = None, exc
         with g.lock:
             late = g.abandoned
             if late:
@@ -512,6 +545,8 @@ class StoreTier:
                 res = GetResult(False, "error")
             g.result = res
         with self._lock:
+            if entered:
+                self._leave()
             region.extents.free(g.off, g.nbytes + 1)
             self._gets_in_flight -= 1
             if late:
@@ -584,6 +619,8 @@ class StoreTier:
                 logger.exception("Mooncake Store: a put's release callback failed")
         with self._lock:
             gone = self._state != "ready" or self._clock() < self._retry_at
+            if not gone:
+                self._calls += 1
         if gone:
             rc, err = None, "the Store was unavailable when the put's turn came"
         else:
@@ -592,6 +629,8 @@ class StoreTier:
             except Exception as exc:  # noqa: BLE001
                 rc, err = None, str(exc)
         with self._lock:
+            if not gone:
+                self._leave()
             region.extents.free(off, nbytes)
             timed_out = self._puts.pop(pid, None) is None
             if rc == 0:

@@ -412,3 +412,22 @@ def test_an_empty_or_null_buffer_is_refused_counted():
     st = tier.stats()
     assert (st["get_invalid"], st["put_dropped_invalid"]) == (2, 2)
     assert not fake.objects
+
+
+def test_close_never_closes_the_client_under_a_call():
+    tier, fake, _ = open_tier(get_timeout_s=0.05)
+    fake.objects["k"] = b"q" * 64
+    fake.gate = threading.Event()
+    b1, a = buffer(b"\0" * 64)
+    assert tier.get_into("k", a, 64) == GetResult(False, "timeout")
+    # The get is still inside the client: closing it would free what the
+    # call uses, so close leaves it open.
+    assert tier.close(timeout=0.05) is False
+    assert not fake.closed
+    fake.gate.set()
+    for _ in range(1000):
+        if tier.stats()["get_late"]:
+            break
+        threading.Event().wait(0.01)
+    assert tier.stats()["get_late"] == 1
+    assert b1.raw == b"\0" * 64
