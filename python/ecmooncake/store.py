@@ -155,9 +155,11 @@ def item_key(
     keys tell which images it holds); ``variant`` is a digest of what makes
     the bytes valid for a PD: the model (name and revision), the encoder's
     config (anything that changes its output: processor settings, pixel
-    bounds), the dtype, the shape, and the TP layout of the consumer (its
-    size and how the item is laid over its shards). Two PDs that differ in
-    any of these never share an entry."""
+    bounds), the dtype, the shape, and the TP layout of the consumer: how
+    the item is laid over its shards, and, for any layout but
+    ``replicated`` (every shard holds the whole item, as this connector
+    sends it today), the TP size. Two PDs that differ in any of these never
+    share an entry; PDs of different TP sizes share a replicated one."""
     if not isinstance(mm_hash, str) or not mm_hash:
         raise ValueError(f"item_key: mm_hash = {mm_hash!r}; want a non-empty string")
     if not isinstance(model, str) or not model:
@@ -180,8 +182,11 @@ def item_key(
         encoder = encoder_config
     else:
         raise ValueError(f"item_key: encoder_config = {encoder_config!r}; want a mapping or a string")
+    layout = {"tp_layout": tp_layout}
+    if tp_layout != "replicated":
+        layout["tp_size"] = tp_size
     variant = json.dumps(
-        {"model": model, "encoder": encoder, "dtype": dtype, "shape": dims, "tp_size": tp_size, "tp_layout": tp_layout},
+        {"model": model, "encoder": encoder, "dtype": dtype, "shape": dims, **layout},
         sort_keys=True, separators=(",", ":"),
     )
     digest = hashlib.sha256(variant.encode()).hexdigest()[:32]

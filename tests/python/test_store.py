@@ -36,11 +36,17 @@ def test_a_key_names_the_content_and_is_stable():
     {"dtype": "float16"},
     {"shape": (1369, 3585)},
     {"shape": (1368, 3584)},
-    {"tp_size": 4},
     {"tp_layout": "split-hidden"},
 ])
 def test_whatever_changes_the_bytes_a_pd_needs_changes_the_key(change):
     assert item_key("4f2a9c", **dict(BASE, **change)) != item_key("4f2a9c", **BASE)
+
+
+def test_the_tp_size_matters_only_where_the_item_is_split_over_shards():
+    # Every shard holds the whole item: PDs of any TP size read the same bytes.
+    assert item_key("4f2a9c", **dict(BASE, tp_size=4)) == item_key("4f2a9c", **BASE)
+    split = dict(BASE, tp_layout="split-hidden")
+    assert item_key("4f2a9c", **dict(split, tp_size=4)) != item_key("4f2a9c", **dict(split, tp_size=2))
 
 
 def test_another_image_has_another_key():
