@@ -19,7 +19,10 @@ What the tier promises its caller (the connector):
   :meth:`StoreTier.put_async` answers whether the put was taken. Every
   outcome is counted (:meth:`StoreTier.stats`); fallbacks are logged, at
   most once per reason per interval.
-- A get waits at most ``get_timeout_s`` (or the caller's shorter deadline).
+- A get waits at most ``get_timeout_s`` (or the caller's shorter deadline):
+  :meth:`StoreTier.get_into` on a worker thread, or
+  :meth:`StoreTier.start_get` and a ticket polled without waiting (for a
+  scheduler, which never blocks).
   The Store writes into staging memory this tier registered once, never
   into the caller's buffer: the copy into the caller's buffer happens only
   while the caller still waits, so a get that answers late writes nothing
@@ -252,7 +255,7 @@ class _Region:
 class GetResult(NamedTuple):
     """``ok`` when the caller's buffer holds the item; else ``reason`` says
     why the caller falls back (miss, timeout, error, unavailable, busy,
-    not_ready, disabled, too_large, invalid, size_mismatch)."""
+    not_ready, disabled, too_large, invalid, cancelled, size_mismatch)."""
 
     ok: bool
     reason: str
@@ -261,11 +264,46 @@ class GetResult(NamedTuple):
 
 COUNTERS = (
     "get_hit", "get_hit_bytes", "get_miss", "get_timeout", "get_error", "get_size_mismatch",
-    "get_unavailable", "get_busy", "get_not_ready", "get_too_large", "get_invalid", "get_late",
+    "get_unavailable", "get_busy", "get_not_ready", "get_too_large", "get_invalid", "get_cancelled", "get_late",
     "put_ok", "put_bytes", "put_error", "put_timeout", "put_duplicate",
     "put_dropped_full", "put_dropped_rate", "put_dropped_unavailable", "put_dropped_not_ready", "put_dropped_invalid",
     "setup_failed", "breaker_trips",
 )
+
+
+class GetTicket:
+    """A get in flight (see :meth:`StoreTier.start_get`)."""
+
+    def __init__(self, tier: "StoreTier", g: "_Get | None", done: GetResult | None):
+        self._tier, self._g, self._done = tier, g, done
+
+    def remaining(self) -> float:
+        """Seconds until the deadline (0 once passed or answered)."""
+        if self._done is not None or self._g is None:
+            return 0.0
+        return max(self._g.deadline - time.monotonic(), 0.0)
+
+    def result(self, wait: float = 0.0) -> GetResult | None:
+        """The get's result, waiting at most wait seconds (never past the
+        deadline); None while it runs and its deadline has not passed."""
+        if self._done is not None:
+            return self._done
+        g = self._g
+        g.done.wait(min(max(wait, 0.0), self.remaining()))
+        with g.lock:
+            if g.result is not None:
+                self._done = g.result
+                return self._done
+        if time.monotonic() < g.deadline:
+            return None
+        self._done = self._tier._give_up(g, "timeout") or g.result
+        return self._done
+
+    def cancel(self) -> None:
+        """Gives the get up: the caller's buffer is not written after this
+        returns (counted as get_cancelled unless it had already ended)."""
+        if self._done is None and self._g is not None:
+            self._done = self._tier._give_up(self._g, "cancelled") or self._g.result
 
 
 class _Get:
@@ -273,10 +311,10 @@ class _Get:
     who finishes it, so that the caller's buffer is written only while the
     caller waits."""
 
-    __slots__ = ("key", "dest", "nbytes", "off", "lock", "done", "abandoned", "result")
+    __slots__ = ("key", "dest", "nbytes", "off", "deadline", "lock", "done", "abandoned", "result")
 
-    def __init__(self, key: str, dest: int, nbytes: int, off: int):
-        self.key, self.dest, self.nbytes, self.off = key, dest, nbytes, off
+    def __init__(self, key: str, dest: int, nbytes: int, off: int, deadline: float):
+        self.key, self.dest, self.nbytes, self.off, self.deadline = key, dest, nbytes, off, deadline
         # Its own lock, so that the copy into dest holds up no other call.
         self.lock = threading.Lock()
         self.done = threading.Event()
@@ -486,7 +524,17 @@ class StoreTier:
     def get_into(self, key: str, dest: int, nbytes: int, timeout: float | None = None) -> GetResult:
         """Gets the item of key into host memory at address dest, which must
         hold exactly nbytes. Waits at most ``get_timeout_s`` (or timeout,
-        if shorter). Never raises; the caller falls back unless ok."""
+        if shorter): for a worker thread, never the scheduler's (which polls
+        a :meth:`start_get` ticket instead). Never raises; the caller falls
+        back unless ok."""
+        ticket = self.start_get(key, dest, nbytes, timeout)
+        return ticket.result(wait=ticket.remaining())
+
+    def start_get(self, key: str, dest: int, nbytes: int, timeout: float | None = None) -> "GetTicket":
+        """Starts a get and returns at once; the ticket's ``result()``
+        answers None while the get runs, then its result, or a timeout once
+        its deadline (``get_timeout_s``, or timeout if shorter) passed.
+        dest must stay valid until the ticket answers or is cancelled."""
         with self._lock:
             why = self._unusable()
             if why is None and (nbytes <= 0 or not dest):
@@ -504,22 +552,27 @@ class StoreTier:
                 if why != "disabled":
                     self._count(f"get_{why}")
                     self._note(f"get_{why}", "Mooncake Store get of %s falls back: %s", key, why)
-                return GetResult(False, why)
+                return GetTicket(self, None, GetResult(False, why))
             self._gets_in_flight += 1
             region = self._get_region
             backend = self._backend
-        g = _Get(key, dest, nbytes, off)
-        self._get_q.put(lambda: self._run_get(g, backend, region))
         wait = self.settings.get_timeout_s if timeout is None else min(timeout, self.settings.get_timeout_s)
-        g.done.wait(max(wait, 0.0))
+        g = _Get(key, dest, nbytes, off, time.monotonic() + max(wait, 0.0))
+        self._get_q.put(lambda: self._run_get(g, backend, region))
+        return GetTicket(self, g, None)
+
+    def _give_up(self, g: _Get, reason: str) -> GetResult | None:
+        """Abandons g unless it has its result: the Store's answer, when it
+        comes, is then dropped. None when g already had a result."""
         with g.lock:
             if g.result is not None:
-                return g.result
+                return None
             g.abandoned = True
         with self._lock:
-            self._count("get_timeout")
-            self._trip(f"a get of {key} ran past its deadline")
-        return GetResult(False, "timeout")
+            self._count(f"get_{reason}")
+            if reason == "timeout":
+                self._trip(f"a get of {g.key} ran past its deadline")
+        return GetResult(False, reason)
 
     def _run_get(self, g: _Get, backend: Any, region: _Region) -> None:
         # One byte more than the key implies, so that a larger object

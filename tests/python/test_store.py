@@ -437,3 +437,54 @@ def test_close_never_closes_the_client_under_a_call():
         threading.Event().wait(0.01)
     assert tier.stats()["get_late"] == 1
     assert b1.raw == b"\0" * 64
+
+
+def test_a_scheduler_polls_a_ticket_without_waiting():
+    tier, fake, _ = open_tier(get_timeout_s=60)
+    fake.objects["k"] = b"t" * 4096
+    fake.gate = threading.Event()
+    b1, a = buffer(b"\0" * 4096)
+    ticket = tier.start_get("k", a, 4096)
+    assert ticket.result() is None  # running: no answer, no wait
+    fake.gate.set()
+    assert ticket.result(wait=10) == GetResult(True, "hit", 4096)
+    assert ticket.result() == GetResult(True, "hit", 4096)
+    assert b1.raw == b"t" * 4096
+
+
+def test_a_polled_ticket_past_its_deadline_times_out():
+    tier, fake, _ = open_tier(get_timeout_s=0.05)
+    fake.gate = threading.Event()
+    b1, a = buffer(b"\0" * 64)
+    ticket = tier.start_get("k", a, 64)
+    threading.Event().wait(0.1)
+    assert ticket.result() == GetResult(False, "timeout")
+    assert tier.stats()["get_timeout"] == 1
+    fake.gate.set()
+
+
+def test_a_cancelled_ticket_writes_nothing():
+    tier, fake, _ = open_tier(get_timeout_s=60)
+    fake.objects["k"] = b"c" * 64
+    fake.gate = threading.Event()
+    b1, a = buffer(b"\0" * 64)
+    ticket = tier.start_get("k", a, 64)
+    ticket.cancel()
+    assert ticket.result() == GetResult(False, "cancelled")
+    fake.gate.set()
+    for _ in range(1000):
+        if tier.stats()["get_late"]:
+            break
+        threading.Event().wait(0.01)
+    st = tier.stats()
+    assert (st["get_cancelled"], st["get_late"], st["breaker_trips"]) == (1, 1, 0)
+    assert b1.raw == b"\0" * 64
+
+
+def test_a_ticket_of_a_get_that_fell_back_at_once_answers_at_once():
+    tier, _, _ = open_tier(get_staging_bytes=MiB)
+    b1, a = buffer(b"\0" * (2 * MiB))
+    ticket = tier.start_get("k", a, 2 * MiB)
+    assert ticket.result() == GetResult(False, "too_large")
+    ticket.cancel()
+    assert tier.stats()["get_cancelled"] == 0
