@@ -33,8 +33,11 @@ What the tier promises its caller (the connector):
   ``put_inflight_bytes`` and the rate by ``put_rate_bytes_s``: a put beyond
   either is dropped, counted, never queued.
 - After a call fails or runs past its deadline, every call falls back at
-  once for ``retry_after_s`` (the master may be gone); then one call tries
-  again.
+  once for ``retry_after_s`` (the master may be gone); then calls go to the
+  Store again.
+- Buffers are host memory: a PD whose slab is GPU memory gets into host
+  memory and copies to the GPU itself (a CUDA wheel's ``get_into`` of GPU
+  memory is not tested here).
 - Nothing of Mooncake loads until :meth:`StoreTier.open`, which a process
   calls after vLLM forked it (the client starts threads).
 
