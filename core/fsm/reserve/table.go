@@ -813,6 +813,7 @@ func (t *Table) Complete(res ids.ResID, tok ids.Token, now time.Time) error {
 	if err := r.transition(Ready); err != nil {
 		return t.fault(err)
 	}
+	r.landed = nil
 	t.unpend(r)
 	t.setDeadline(r, now.Add(t.cfg.Lease))
 	t.completed++
