@@ -218,10 +218,17 @@ func (k sink) EndWrite(res ids.ResID, ok bool) {
 // frame that leaves every byte landed completes the item, and its Ready
 // events go out before the frame is acknowledged, so no complete_batch
 // follows the bytes.
+//
+// A shard with a one-sided plane beside TCP opened the region's write for
+// a one-sided writer at the grant (direct.go); a frame that brings the
+// completion with the grant's token says its writer chose TCP, so that
+// placeholder write ends here, as the complete would have ended it.
 func (k sink) EndComplete(res ids.ResID, tok ids.Token, off, n uint64) error {
 	s := k.s
 	s.mu.Lock()
-	err := s.table.EndComplete(res, tok, off, n, time.Now())
+	now := time.Now()
+	s.endRemoteLocked(res, tok, true, now)
+	err := s.table.EndComplete(res, tok, off, n, now)
 	s.flushLocked()
 	s.mu.Unlock()
 	if err != nil {
