@@ -143,7 +143,7 @@ var specs = map[string]spec{
 	"push_wait_timeout_s":        {kind: KindSeconds, help: "producer: how long a push waits for its source and its write; scheduler: an expected item not here by then fails"},
 	"tcp_conns":                  ints(1, 64).with("TCP connections from a producer to each consumer shard"),
 	"tcp_chunk_bytes":            ints(64<<10, 1<<30).with("large items are split into chunks of at most this many bytes"),
-	"complete_window":            ints(1, 1<<16).with("completes a producer has out to one shard and unanswered; it never waits for an answer below this, and at it the shard's next completes wait (their deadline still runs)"),
+	"complete_window":            ints(1, 1<<16).with("completes a producer has out to one shard and unanswered, over the planes that complete by message (cuda_ipc, shm, mooncake; TCP completes in-band and sends none); it never waits for an answer below this, and at it the shard's next completes wait (their deadline still runs)"),
 	"local_transport":            {kind: KindEnum, choices: LocalTransports, zeroMeans: DefaultLocalTransport, help: "data plane to shards on this host with a GPU slab; none uses transport everywhere"},
 	"transport_overrides":        {kind: KindMap, help: "shard control endpoint or host identity -> the transport that carries pushes to it"},
 	"mooncake_staging_bytes":     ints(1<<20, 1<<40).with("registered staging memory sources are copied into before a write: host memory, and as much GPU memory of each device sources come from with a CUDA build of the engine"),
