@@ -64,9 +64,16 @@ if [ "$skip_mooncake" != 1 ]; then
     exit 1
   fi
   "$python" -m pip install -q "mooncake-transfer-engine-non-cuda==$mc_newest"
-  if [ ! -d ".mooncake-oldest/mooncake_transfer_engine_non_cuda-$mc_oldest.dist-info" ]; then
+  # The oldest wheel's store.so and mooncake_master link libcudart.so.12
+  # even in the non-CUDA build (0.3.13.post1's do not): PyPI's
+  # nvidia-cuda-runtime-cu12 goes beside it, where ecmooncake.store loads
+  # it into the one process that needs it (no loader path changes).
+  mc_cudart=12.9.79
+  if [ ! -d ".mooncake-oldest/mooncake_transfer_engine_non_cuda-$mc_oldest.dist-info" ] ||
+    [ ! -d ".mooncake-oldest/nvidia_cuda_runtime_cu12-$mc_cudart.dist-info" ]; then
     rm -rf .mooncake-oldest
-    "$python" -m pip install -q --no-deps --target .mooncake-oldest "mooncake-transfer-engine-non-cuda==$mc_oldest"
+    "$python" -m pip install -q --no-deps --target .mooncake-oldest "mooncake-transfer-engine-non-cuda==$mc_oldest" \
+      "nvidia-cuda-runtime-cu12==$mc_cudart"
   fi
 fi
 # The connector's tests run against a real vLLM from PyPI, pinned here.

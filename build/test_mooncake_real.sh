@@ -7,7 +7,10 @@
 # advertises the first interface that is not loopback). Nothing of it can
 # reach this machine's network; ss, sampled inside the namespace while the
 # tests run, must show every socket bound and connected to loopback or the
-# namespace's own address, and the engine listening there.
+# namespace's own address, and the engine listening there. Then the
+# Mooncake Store tests (tests/python/test_store_real.py) against a real
+# mooncake_master of both wheels, which make and check their own
+# namespaces the same way.
 #
 # ECMOONCAKE_REQUIRE_MOONCAKE=1 (test.sh sets it) makes a missing or
 # unsupported wheel a failure; otherwise the run is skipped, saying so.
@@ -133,4 +136,15 @@ fail=0
 for w in "${wheels[@]}"; do
   run_wheel ${w% *} ${w##* } || fail=1
 done
+# Mooncake Store: the tier's client against a real mooncake_master of the
+# installed wheel and of the oldest one in .mooncake-oldest/ (ECMOONCAKE_MOONCAKE_SITES
+# does not apply), each scenario in a network namespace the test creates
+# and checks with ss.
+if [ -z "${ECMOONCAKE_MOONCAKE_RUN:-}" ]; then
+  echo "== pytest, Mooncake Store against a real mooncake_master (in network namespaces)" >&2
+  if ! ECMOONCAKE_REQUIRE_MOONCAKE=$require "$python" -m pytest -q -p no:cacheprovider tests/python/test_store_real.py; then
+    echo "test_mooncake_real: FAIL: the Mooncake Store tests failed" >&2
+    fail=1
+  fi
+fi
 exit $fail

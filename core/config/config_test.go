@@ -145,6 +145,7 @@ func consumer(b []byte) error  { _, err := DecodeConsumer(b); return err }
 func producer(b []byte) error  { _, err := DecodeProducer(b); return err }
 func scheduler(b []byte) error { _, err := DecodeScheduler(b); return err }
 func runtime(b []byte) error   { _, err := DecodeRuntime(b); return err }
+func store(b []byte) error     { _, err := DecodeStore(b); return err }
 
 func TestAuthSettings(t *testing.T) {
 	const secret = "0123456789abcdef-deployment"

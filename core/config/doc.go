@@ -1,6 +1,7 @@
 // Package config decodes and validates the settings that cross the C
 // boundary as JSON: one struct per object (consumer shard, producer,
-// consumer scheduler) plus the process-wide runtime settings.
+// consumer scheduler) plus the process-wide runtime settings, and the
+// settings of the optional second tier in Mooncake Store (store.go).
 //
 // Settings come through these structs and never through environment
 // variables read by Go: a Go runtime inside a Python process sees only the

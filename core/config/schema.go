@@ -143,7 +143,7 @@ var specs = map[string]spec{
 	"push_wait_timeout_s":        {kind: KindSeconds, help: "producer: how long a push waits for its source and its write; scheduler: an expected item not here by then fails"},
 	"tcp_conns":                  ints(1, 64).with("TCP connections from a producer to each consumer shard"),
 	"tcp_chunk_bytes":            ints(64<<10, 1<<30).with("large items are split into chunks of at most this many bytes"),
-	"complete_window":            ints(1, 1<<16).with("completes a producer has out to one shard and unanswered; it never waits for an answer below this, and at it the shard's next completes wait (their deadline still runs)"),
+	"complete_window":            ints(1, 1<<16).with("completes a producer has out to one shard and unanswered, over the planes that complete by message (cuda_ipc, shm, mooncake; TCP completes in-band and sends none); it never waits for an answer below this, and at it the shard's next completes wait (their deadline still runs)"),
 	"local_transport":            {kind: KindEnum, choices: LocalTransports, zeroMeans: DefaultLocalTransport, help: "data plane to shards on this host with a GPU slab; none uses transport everywhere"},
 	"transport_overrides":        {kind: KindMap, help: "shard control endpoint or host identity -> the transport that carries pushes to it"},
 	"mooncake_staging_bytes":     ints(1<<20, 1<<40).with("registered staging memory sources are copied into before a write: host memory, and as much GPU memory of each device sources come from with a CUDA build of the engine"),
@@ -153,6 +153,20 @@ var specs = map[string]spec{
 	"log_level":                  {kind: KindEnum, choices: LogLevels, help: "the library's log level (stderr)"},
 	"metrics_port":               portRange.with("serve Prometheus /metrics of this process here (0: off)"),
 	"metrics_ip":                 {kind: KindHost, help: "address of the metrics port"},
+	// The store object (store.go).
+	"enabled":            {kind: KindBool, help: "store: put completed items into Mooncake Store and get missing ones from it"},
+	"master_address":     {kind: KindText, help: "store: mooncake_master's host:port (its --rpc_port)"},
+	"metadata_address":   {kind: KindText, help: "store: the Store's metadata service: http://host:port/metadata (the master's --enable_http_metadata_server), etcd://host:port or P2PHANDSHAKE"},
+	"local_hostname":     {kind: KindHost, help: "store: the address other Store clients reach this process's segment at; needed when enabled (Mooncake refuses an empty one)"},
+	"segment_bytes":      ints(0, 1<<44).with("store: host memory this process lends to the Store's pool (0: none)"),
+	"local_buffer_bytes": ints(1<<20, 1<<40).with("store: the Store client's own transfer buffer"),
+	"put_inflight_bytes": ints(1<<20, 1<<40).with("store: registered host memory puts are staged in; the bound on bytes of puts in flight (a put beyond it is dropped, counted)"),
+	"put_rate_bytes_s":   ints(0, 1<<40).with("store: bytes put per second (0: no bound); a put beyond it is dropped, counted"),
+	"get_staging_bytes":  ints(1<<20, 1<<40).with("store: registered host memory gets land in before the copy into the caller's buffer; the bound on bytes of gets in flight"),
+	"max_gets":           ints(1, 64).with("store: gets in flight at once; beyond it a get falls back at once, counted"),
+	"get_timeout_s":      {kind: KindSeconds, max: bound(600), help: "store: a get not answered by then falls back to a local encode, counted"},
+	"put_timeout_s":      {kind: KindSeconds, max: bound(3600), help: "store: a put not answered by then counts as failed"},
+	"retry_after_s":      {kind: KindSeconds, max: bound(3600), help: "store: after a call fails or times out, calls fall back at once for this long (the master may be gone)"},
 }
 
 func init() {
@@ -185,6 +199,7 @@ func Schema() ([]Setting, error) {
 		{"producer", DefaultProducer()},
 		{"scheduler", DefaultScheduler()},
 		{"runtime", DefaultRuntime()},
+		{"store", DefaultStore()},
 	}
 	var out []Setting
 	for _, o := range objects {

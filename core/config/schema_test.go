@@ -13,7 +13,7 @@ import (
 var update = flag.Bool("update", false, "rewrite "+SchemaFile+" from Schema()")
 
 func decoderOf(object string) func([]byte) error {
-	return map[string]func([]byte) error{"consumer": consumer, "producer": producer, "scheduler": scheduler, "runtime": runtime}[object]
+	return map[string]func([]byte) error{"consumer": consumer, "producer": producer, "scheduler": scheduler, "runtime": runtime, "store": store}[object]
 }
 
 func schema(t *testing.T) []Setting {
@@ -37,7 +37,7 @@ func TestSchemaCoversEveryFieldAndNothingElse(t *testing.T) {
 	for k := range specs {
 		require.True(t, used[k], "spec %q names no field of any object", k)
 	}
-	for _, o := range []string{"consumer", "producer", "scheduler", "runtime"} {
+	for _, o := range []string{"consumer", "producer", "scheduler", "runtime", "store"} {
 		require.Positive(t, perObject[o], o)
 	}
 }
@@ -75,6 +75,9 @@ func TestSchemaDefaultsAreTheDecodedDefaults(t *testing.T) {
 	r, err := DecodeRuntime(raw("runtime"))
 	require.NoError(t, err)
 	require.Equal(t, DefaultRuntime(), r)
+	st, err := DecodeStore(raw("store"))
+	require.NoError(t, err)
+	require.Equal(t, DefaultStore(), st)
 }
 
 // Every bound the schema lists is the bound Validate enforces: the bound

@@ -11,7 +11,9 @@ import (
 // shm and cuda_ipc: a copy into the producer's mapping of it) never ask
 // the table where a frame may land, so the shard admits the
 // writer itself. A write grant opens one write of the whole region
-// (BeginWrite) and the writer's complete or abandon ends it. Until then
+// (BeginWrite) and the writer's complete or abandon ends it, or, when the
+// writer chose TCP after all, its first frame that carries the item's
+// completion (sink.EndComplete). Until then
 // the region is "being written": a cancel or a lease expiry fails its
 // transfers at once but keeps its memory, as writer grace requires for any
 // transport, because bytes may still arrive.

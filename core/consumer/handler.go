@@ -169,7 +169,10 @@ func (s *Shard) status(b wire.Status) wire.StatusReply {
 // sink lets the data plane ask the table where each frame may land.
 type sink struct{ s *Shard }
 
-var _ transport.RegionSink = sink{}
+var (
+	_ transport.RegionSink   = sink{}
+	_ transport.CompleteSink = sink{}
+)
 
 func (k sink) BeginWrite(res ids.ResID, tok ids.Token, off, n uint64) ([]byte, error) {
 	s := k.s
@@ -211,6 +214,30 @@ func (k sink) EndWrite(res ids.ResID, ok bool) {
 	s.mu.Unlock()
 }
 
+// EndComplete ends a frame that carried its item's completion (TCP): the
+// frame that leaves every byte landed completes the item, and its Ready
+// events go out before the frame is acknowledged, so no complete_batch
+// follows the bytes.
+//
+// A shard with a one-sided plane beside TCP opened the region's write for
+// a one-sided writer at the grant (direct.go); a frame that brings the
+// completion with the grant's token says its writer chose TCP, so that
+// placeholder write ends here, as the complete would have ended it.
+func (k sink) EndComplete(res ids.ResID, tok ids.Token, off, n uint64) error {
+	s := k.s
+	s.mu.Lock()
+	now := time.Now()
+	s.endRemoteLocked(res, tok, true, now)
+	err := s.table.EndComplete(res, tok, off, n, now)
+	s.flushLocked()
+	s.mu.Unlock()
+	if err != nil {
+		s.log.Warn("in-band complete refused", "res", res, "offset", off, "length", n, "cause", err)
+		return refusal(err)
+	}
+	return nil
+}
+
 // refusal tags a table refusal with the data plane's reason, so the writer
 // learns why (and the receiver counts it) without knowing the table.
 func refusal(err error) error {
@@ -222,7 +249,7 @@ func refusal(err error) error {
 		reason = transport.ErrUnknownRes
 	case errors.Is(err, reserve.ErrOutOfBounds):
 		reason = transport.ErrOutOfBounds
-	case errors.Is(err, reserve.ErrGone), errors.Is(err, reserve.ErrNotWritable):
+	case errors.Is(err, reserve.ErrGone), errors.Is(err, reserve.ErrNotWritable), errors.Is(err, reserve.ErrNoWrite):
 		reason = transport.ErrGone
 	default:
 		return err

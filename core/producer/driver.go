@@ -301,9 +301,17 @@ func (p *Producer) notePlaneLocked(dest string, pl plane) {
 func (p *Producer) write(dest, addr string, cached bool, ws []push.Write, items []transport.WriteItem) {
 	start := time.Now()
 	p.handedOff(p.granted, dest, metrics.PhaseWriteHandoff, start)
+	// A plane that completes in-band (TCP) carries each item's completion
+	// in its frames: an item whose every frame was acknowledged is ready
+	// at the shard, and no complete_batch follows. A retry to a moved
+	// plane asks again, of that plane.
+	inBand := transport.InBand(p.writer, addr)
+	for i := range items {
+		items[i].Complete = inBand
+	}
 	errs := p.writeTo(dest, addr, items)
 	if cached {
-		p.retryStale(dest, addr, items, errs)
+		inBand = p.retryStale(dest, addr, items, errs, inBand)
 	}
 	now := time.Now()
 	p.mu.Lock()
@@ -318,9 +326,13 @@ func (p *Producer) write(dest, addr string, cached bool, ws []push.Write, items 
 		}
 		failed = failed || err != nil
 		landed = landed || err == nil
-		p.mgr.WriteDone(w.TransferID, dest, err, now)
+		if inBand {
+			p.mgr.WriteDoneInBand(w.TransferID, dest, err, now)
+		} else {
+			p.mgr.WriteDone(w.TransferID, dest, err, now)
+		}
 	}
-	if _, waiting := p.wrote[dest]; landed && !waiting {
+	if _, waiting := p.wrote[dest]; landed && !waiting && !inBand {
 		p.wrote[dest] = now
 	}
 	if failed {
@@ -354,8 +366,10 @@ func stale(err error) bool {
 }
 
 // retryStale resends, once, the items of a batch that failed as stale when
-// the shard now names another data plane.
-func (p *Producer) retryStale(dest, addr string, items []transport.WriteItem, errs []error) {
+// the shard now names another data plane, and reports whether the batch's
+// items were completed in-band: a batch is sent again whole to one plane
+// or not at all, so that its items' completions are all of one kind.
+func (p *Producer) retryStale(dest, addr string, items []transport.WriteItem, errs []error, inBand bool) bool {
 	var idx []int
 	for i, err := range errs {
 		if i < len(items) && stale(err) {
@@ -363,23 +377,32 @@ func (p *Producer) retryStale(dest, addr string, items []transport.WriteItem, er
 		}
 	}
 	if len(idx) == 0 {
-		return
+		return inBand
 	}
 	pl, err := p.askPlane(-1, dest)
 	if err != nil || pl.addr == addr {
-		return
+		return inBand
+	}
+	if again := transport.InBand(p.writer, pl.addr); again != inBand && len(idx) < len(items) {
+		// Some items landed on the old plane, completed one way; the rest
+		// would be completed the other: they fail as stale, for the
+		// manager to push again.
+		return inBand
 	}
 	p.mu.Lock()
 	p.notePlaneLocked(dest, pl)
 	p.mu.Unlock()
 	p.log.Info("data plane moved; sending the batch again", "peer", dest, "from", addr, "to", pl.addr, "items", len(idx))
+	inBand = transport.InBand(p.writer, pl.addr)
 	again := make([]transport.WriteItem, len(idx))
 	for k, i := range idx {
 		again[k] = items[i]
+		again[k].Complete = inBand
 	}
 	for k, err := range p.writeTo(dest, pl.addr, again) {
 		errs[idx[k]] = err
 	}
+	return inBand
 }
 
 // forgetLocked drops what we learnt about the shard dest and its

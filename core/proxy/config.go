@@ -72,6 +72,25 @@ type Config struct {
 	// the user-facing port, so that the user port can be exposed alone.
 	AdminPort int    `json:"admin_port"`
 	AdminHost string `json:"admin_host"`
+	// ClientMediaKeys says what becomes of a cache key a client names for
+	// a media part (its "uuid"): namespace (kept apart per tenant, the
+	// default), refuse (400) or trust (passed unchanged). keys.go says why.
+	ClientMediaKeys string `json:"client_media_keys"`
+	// TenantHeader names the request header that carries the tenant, set
+	// by a gateway that authenticates clients in front of the proxy. Empty:
+	// the tenant is a digest of the request's Authorization header.
+	TenantHeader string `json:"tenant_header"`
+	// AffinityEntries bounds the items the proxy remembers the PD of, to
+	// send a repeated image back where it is (affinity.go); 0 turns
+	// routing by affinity off. AffinityTTLS is how long an entry counts,
+	// and AffinitySlack how many more requests in flight than the least
+	// loaded PD its holder may have and still be picked.
+	AffinityEntries int     `json:"affinity_entries"`
+	AffinityTTLS    float64 `json:"affinity_ttl_s"`
+	AffinitySlack   int     `json:"affinity_slack"`
+	// AffinityReuse sends an item the picked PD is known to hold to it
+	// without encoding it again (affinity.go).
+	AffinityReuse bool `json:"affinity_reuse"`
 }
 
 // DefaultConfig returns the defaults a JSON document overrides.
@@ -80,6 +99,8 @@ func DefaultConfig() Config {
 		Host: "0.0.0.0", Port: 8000, Retries: 2, ECPort: 14579,
 		EncodeTimeoutS: 60, RequestTimeoutS: 600, HealthIntervalS: 2, FailThreshold: 3, UpstreamIdleTimeoutS: 4,
 		DefaultTTLS: discovery.DefaultTTL.Seconds(), MaxBodyBytes: 256 << 20, MaxBodiesInFlight: 8, AllowRegister: true,
+		ClientMediaKeys: KeysNamespace,
+		AffinityEntries: 1 << 16, AffinityTTLS: 300, AffinitySlack: 2, AffinityReuse: true,
 	}
 }
 
@@ -145,6 +166,14 @@ func (c Config) Validate() error {
 		return fmt.Errorf("%w: admin_port = %d is the user-facing port; give it a port of its own", ErrInvalid, c.AdminPort)
 	case !validToken(c.RegisterToken):
 		return fmt.Errorf("%w: register_token has whitespace or control characters (it must travel as one HTTP header value; a token file's trailing newline is stripped by the command line)", ErrInvalid)
+	case c.ClientMediaKeys != KeysNamespace && c.ClientMediaKeys != KeysRefuse && c.ClientMediaKeys != KeysTrust:
+		return fmt.Errorf("%w: client_media_keys = %q; want %q, %q or %q", ErrInvalid, c.ClientMediaKeys, KeysNamespace, KeysRefuse, KeysTrust)
+	case c.AffinityEntries < 0 || c.AffinityEntries > 1<<22:
+		return fmt.Errorf("%w: affinity_entries = %d; want [0, %d] (0 turns routing by affinity off)", ErrInvalid, c.AffinityEntries, 1<<22)
+	case c.AffinityTTLS < 0 || c.AffinitySlack < 0:
+		return fmt.Errorf("%w: affinity_ttl_s = %v, affinity_slack = %d; want both >= 0", ErrInvalid, c.AffinityTTLS, c.AffinitySlack)
+	case c.TenantHeader != "" && !validHeaderName(c.TenantHeader):
+		return fmt.Errorf("%w: tenant_header = %q is not an HTTP header name", ErrInvalid, c.TenantHeader)
 	case c.Retries < 0 || c.Retries > 10:
 		return fmt.Errorf("%w: retries = %d; want [0, 10]", ErrInvalid, c.Retries)
 	case c.ECPort < 1 || c.ECPort > 65535:
@@ -232,4 +261,16 @@ func (c Config) static(role, raw string) (discovery.Registration, error) {
 		return r, fmt.Errorf("%s backend %q: %w", role, raw, err)
 	}
 	return r, nil
+}
+
+// validHeaderName reports whether s is an HTTP field name (RFC 9110 token).
+func validHeaderName(s string) bool {
+	for _, r := range s {
+		switch {
+		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9', strings.ContainsRune("!#$%&'*+-.^_`|~", r):
+		default:
+			return false
+		}
+	}
+	return s != ""
 }

@@ -6,8 +6,11 @@
 // For POST /v1/chat/completions (and /v1/completions, which carries no
 // media and is forwarded as it is) the proxy:
 //
-//  1. picks the consumer: the healthy PD instance with the fewest requests
-//     in flight, and its least-loaded DP rank, sent as X-data-parallel-rank;
+//  1. picks the consumer: the healthy PD instance that served most of the
+//     request's images (affinity.go) unless it is busier than the least
+//     loaded by more than Config.AffinitySlack, else the one with the
+//     fewest requests in flight; and its least-loaded DP rank, sent as
+//     X-data-parallel-rank;
 //  2. sends each distinct media part (image_url, input_audio, audio_url,
 //     video_url) to the least-loaded encoder, one item per call, all
 //     concurrently, with ec_transfer_params naming the consumer's control
@@ -31,6 +34,12 @@
 // (max_tokens 1, kv_transfer_params.do_remote_decode), then the decode
 // instance gets the same rewritten request with the prefill's
 // kv_transfer_params.
+//
+// # Client-chosen cache keys
+//
+// A content part's "uuid" names its item's cache key in vLLM. Such keys
+// are kept apart per tenant, refused or trusted (Config.ClientMediaKeys;
+// keys.go says why and how), before anything is sent on.
 //
 // # Cancellation
 //

@@ -128,6 +128,10 @@ type call struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 	gone   atomic.Bool
+	// keys name the request's distinct media items (affinity.go); ids are
+	// their identifiers as the last attempt learned or reused them.
+	keys []itemKey
+	ids  []string
 }
 
 // answer is what goes back to the client: a whole body, or a stream whose
@@ -159,6 +163,9 @@ func (p *Proxy) serveGenerate(ctx *fasthttp.RequestCtx, route string, chat bool,
 	c.req = r
 	if a := ctx.Request.Header.Peek(fasthttp.HeaderAuthorization); len(a) > 0 {
 		c.auth = append([]byte(nil), a...)
+	}
+	if !p.clientKeys(ctx, c) {
+		return
 	}
 	c.ctx, c.cancel = context.WithTimeout(context.Background(), p.cfg.requestTimeout())
 	stopWatch := watchPeer(ctx.Conn(), func() {
@@ -307,23 +314,29 @@ func (c *call) run() (*answer, int, error) {
 	p := c.p
 	exclude := map[*backend]bool{}
 	var last error
+	keys := c.req.itemKeys()
+	c.keys = keys
 	for attempt := 0; attempt <= p.cfg.Retries; attempt++ {
 		if attempt > 0 {
 			p.m.retries.WithLabelValues(retryReason(last)).Inc()
 			p.log.Info("retrying with fresh transfer ids", "request_id", c.id, "attempt", attempt, "cause", last)
 		}
 		pl := p.consumers()
-		cons := pl.pick(exclude)
+		cons, reason := pl.pickAffine(exclude, p.aff.holders(keys, time.Now()), int64(p.cfg.AffinitySlack))
 		if cons == nil && len(exclude) > 0 {
 			// Every consumer failed once: try them again rather than give up.
 			clear(exclude)
-			cons = pl.pick(nil)
+			cons, reason = pl.pick(nil), "least_loaded"
 		}
 		if cons == nil {
 			return nil, fasthttp.StatusServiceUnavailable, fmt.Errorf("no healthy %s instance (see %s)", pl.role, discovery.BackendsPath)
 		}
+		if len(keys) > 0 {
+			p.m.routing.WithLabelValues(reason).Inc()
+		}
 		ans, err := c.attempt(pl, cons, attempt, attempt == p.cfg.Retries)
 		if err == nil {
+			p.aff.note(cons.reg.URL, keys, c.ids, time.Now())
 			return ans, 0, nil
 		}
 		if c.gone.Load() {
@@ -366,6 +379,14 @@ func (c *call) attempt(pl *pool, cons *backend, attempt int, last bool) (*answer
 	}
 	top := rawTop(c.req.top)
 	rewritten := false
+	var err error
+	if !c.req.hasMedia() && len(c.req.overrides) > 0 {
+		// No media to encode, but client keys to namespace (embeds parts).
+		if top, rewritten, err = c.req.consumerTop(nil, true); err != nil {
+			release()
+			return nil, err
+		}
+	}
 	if c.req.hasMedia() {
 		endpoint, err := discovery.RankEndpoint(cons.reg.Consumer, cons.reg.TPSize, rank)
 		if err != nil {
@@ -373,20 +394,44 @@ func (c *call) attempt(pl *pool, cons *backend, attempt int, last bool) (*answer
 			return nil, err
 		}
 		t0 := time.Now()
-		done := c.encodeAll(endpoint, attempt)
+		reuse := c.reusable(cons)
+		done := c.encodeAll(endpoint, attempt, reuse)
 		p.m.phase.WithLabelValues("encode").Observe(time.Since(t0).Seconds())
 		if err := c.ctx.Err(); err != nil {
 			release()
 			return nil, fmt.Errorf("while encoding: %w", context.Cause(c.ctx))
 		}
+		c.ids = make([]string, len(done))
+		for i, d := range done {
+			if d != nil {
+				c.ids[i] = d.identifier
+			} else {
+				c.ids[i] = reuse[i]
+			}
+		}
 		embeds := p.consumerTakesEmbeds(c.ctx, cons)
+		at := reuse
+		if !embeds {
+			// vLLM < 0.30 (version.go): the encoded items go as the
+			// client's media too, under the identifier the encoder
+			// reported, so that the consumer names them as the encoder did.
+			at = append([]string(nil), reuse...)
+			for i, d := range done {
+				if d != nil {
+					at[i] = d.identifier
+				}
+			}
+		}
+		if err := c.req.reuseAt(at); err != nil {
+			release()
+			return nil, err
+		}
 		if top, rewritten, err = c.req.consumerTop(done, embeds); err != nil {
 			release()
 			return nil, err
 		}
 	}
 	var ans *answer
-	var err error
 	if p.split() {
 		ans, err = c.splitCall(pl, cons, rank, top, last)
 	} else {
@@ -556,16 +601,35 @@ func firstLine(b []byte) string {
 	return s
 }
 
+// reusable returns, per distinct item, the identifier under which cons
+// holds it (affinity.go), or "" where it must be encoded.
+func (c *call) reusable(cons *backend) []string {
+	reuse := make([]string, len(c.req.items))
+	if !c.p.cfg.AffinityReuse {
+		return reuse
+	}
+	now := time.Now()
+	for i, k := range c.keys {
+		reuse[i] = c.p.aff.heldAt(k, cons.reg.URL, now)
+	}
+	return reuse
+}
+
 // encodeAll sends every distinct media item to an encoder, concurrently.
 // done[i] is nil where item i could not be encoded; that item falls back
 // to its original media, which the consumer encodes itself.
-func (c *call) encodeAll(consumer string, attempt int) []*encoded {
+// An item with a reuse identifier is not encoded: the consumer holds it.
+func (c *call) encodeAll(consumer string, attempt int, reuse []string) []*encoded {
 	p := c.p
 	n := len(c.req.items)
 	done := make([]*encoded, n)
 	p.m.items.WithLabelValues("duplicate").Add(float64(len(c.req.refs) - n))
 	var wg sync.WaitGroup
 	for i := range n {
+		if reuse[i] != "" {
+			p.m.items.WithLabelValues("reused").Inc()
+			continue
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()

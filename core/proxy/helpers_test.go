@@ -75,6 +75,9 @@ func newRig(t *testing.T, o rigOpts) *rig {
 	// keeps a slow check from dropping a live backend.
 	cfg.HealthTimeoutS = 30
 	cfg.EncodeTimeoutS, cfg.RequestTimeoutS = 10, 20
+	// Most tests send the same images again and count encoder calls and
+	// where requests went; affinity_test.go turns affinity on.
+	cfg.AffinityEntries = 0
 	for i := 0; i < o.encoders; i++ {
 		r.enc = append(r.enc, startFake(t, fakevllm.RoleEncode, o.fake))
 		cfg.Encode = append(cfg.Encode, r.enc[i].URL())

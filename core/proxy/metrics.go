@@ -23,6 +23,8 @@ type proxyMetrics struct {
 	gone      prometheus.Counter
 	registers *prometheus.CounterVec
 	refusals  *prometheus.CounterVec
+	keys      *prometheus.CounterVec
+	routing   *prometheus.CounterVec
 }
 
 var latencyBuckets = prometheus.ExponentialBuckets(0.0005, 2, 18) // 0.5 ms .. 65 s
@@ -35,7 +37,7 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 		phase: metrics.Histograms("ecm_proxy_phase_seconds",
 			"Request time by phase: encode (all encoder calls of an attempt), transfer_wait (consumer request sent to its first byte: the consumer waits there for pushed items, then prefills), pd (consumer request sent to its last byte).",
 			latencyBuckets, "phase"),
-		items:   metrics.Counters("ecm_proxy_media_items_total", "Media items, by what became of them: encoded (sent as embeds), fallback (sent as media), duplicate (repeated in one request, encoded once).", "outcome"),
+		items:   metrics.Counters("ecm_proxy_media_items_total", "Media items, by what became of them: encoded (sent as embeds), fallback (sent as media), duplicate (repeated in one request, encoded once), reused (not encoded: the picked PD holds it, and gets the media under its identifier).", "outcome"),
 		derived: metrics.Counters("ecm_proxy_derived_fields_total", "Fields an encoder's answer lacked and the proxy filled in from the request it sent, by field (modality: vLLM before 0.33 reports none).", "field"),
 		retries: metrics.Counters("ecm_proxy_retries_total", "Consumer attempts retried, by reason.", "reason"),
 		redials: metrics.Counters("ecm_proxy_upstream_redials_total",
@@ -49,8 +51,20 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 		refusals: metrics.Counters("ecm_proxy_registration_refusals_total",
 			"Register and deregister calls refused, by op and reason: off (no register token, or allow_register false), unauthenticated (no bearer token), bad_token, static (would replace or remove a static backend), invalid (a malformed registration), too_large (a body above 64 KiB).",
 			"op", "reason"),
+		keys: metrics.Counters("ecm_proxy_client_media_keys_total",
+			"Client-chosen media keys (a content part's uuid), by what became of them: namespaced (kept apart per tenant), refused (the request answered 400), trusted (passed unchanged, client_media_keys=trust).",
+			"outcome"),
+		routing: metrics.Counters("ecm_proxy_routing_total",
+			"Consumer picks for requests with media, by the rule that decided: affinity (the PD that served most of the request's items), affinity_overloaded (that PD was more than affinity_slack requests busier than the least loaded, which was picked), least_loaded (no PD known to hold an item).",
+			"reason"),
 	}
 	bodies := []prometheus.Collector{
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ecm_proxy_affinity_entries",
+			Help: "Media items the proxy remembers the PD of (at most affinity_entries)."},
+			func() float64 { n, _ := p.aff.size(); return float64(n) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ecm_proxy_affinity_evictions_total",
+			Help: "Items forgotten to keep the affinity map within affinity_entries (least recently routed first)."},
+			func() float64 { _, e := p.aff.size(); return float64(e) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ecm_proxy_body_bytes_in_flight",
 			Help: "Request-body bytes the proxy holds now, all requests together; at most max_body_bytes × max_bodies_in_flight."},
 			func() float64 { return float64(p.bodies.held()) }),
@@ -65,7 +79,7 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 			func() float64 { return float64(p.bodies.refusedShare()) }),
 	}
 	m.reg.MustRegister(bodies...)
-	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.derived, m.retries, m.redials, m.checks, m.encodes, m.gone, m.registers, m.refusals, backendCollector{p})
+	m.reg.MustRegister(m.requests, m.latency, m.phase, m.items, m.derived, m.retries, m.redials, m.checks, m.encodes, m.gone, m.registers, m.refusals, m.keys, m.routing, backendCollector{p})
 	m.gatherer = prometheus.Gatherers{m.reg, metrics.Registry()}
 	return m
 }

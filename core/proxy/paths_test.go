@@ -455,6 +455,13 @@ func TestOlderPDGetsMediaWithTheTransfer(t *testing.T) {
 	b := decodePD(t, r.pd[0].Calls()[0])
 	require.Equal(t, []string{"image_url", "image_url"}, partTypes(t, b), "the media, as the client sent it")
 	require.Len(t, b.Params.Items, 2, "and every item's transfer")
+	// Each under the identifier the encoder reported, so that the consumer
+	// names it as the encoder did.
+	var parts []struct {
+		UUID string `json:"uuid"`
+	}
+	require.NoError(t, json.Unmarshal(b.Messages[1].Content, &parts))
+	require.Equal(t, []string{b.Params.Items[0].MMHash, b.Params.Items[1].MMHash}, []string{parts[0].UUID, parts[1].UUID})
 	resp, err := http.Get(r.url + "/metrics")
 	require.NoError(t, err)
 	m := readAll(t, resp)

@@ -33,6 +33,7 @@ type Proxy struct {
 
 	auth    adminAuth
 	bodies  *bodyBudget
+	aff     *affinity
 	refused ratelog.Limiter
 
 	ln         net.Listener
@@ -79,6 +80,7 @@ func Open(cfg Config, log *slog.Logger) (p *Proxy, err error) {
 		cfg: cfg, log: log.With("role", "proxy"), idBase: hex.EncodeToString(idb[:]),
 		stop: make(chan struct{}),
 		auth: newAdminAuth(cfg.RegisterToken), bodies: newBodyBudget(cfg.bodyBudget(), cfg.maxBodyBytesPerClient()),
+		aff: newAffinity(cfg.AffinityEntries, secs(cfg.AffinityTTLS)),
 	}
 	p.m = newProxyMetrics(p)
 	up := upstreamConfig{idleTimeout: cfg.upstreamIdleTimeout(), redialed: func(role string) { p.m.redials.WithLabelValues(role).Inc() }}

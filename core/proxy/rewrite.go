@@ -30,7 +30,14 @@ type chatRequest struct {
 	refs     []mediaRef                // every media part, in prompt order
 	items    []json.RawMessage         // distinct media parts
 	kinds    []string                  // the modality of each distinct part, from its type
+	first    []mediaRef                // where each distinct part first appears
 	stream   bool
+	// keyRefs are the content parts (of any type) that name a cache key
+	// of the client's choosing; overrides their rewrite (keys.go).
+	keyRefs    []keyRef
+	overrides  map[[2]int]outBody
+	tenant     string // set when keys were namespaced
+	tenantHint string
 }
 
 // mediaRef places one media part in the prompt and names its distinct item.
@@ -79,6 +86,13 @@ func parseRequest(body []byte, chat bool) (*chatRequest, error) {
 			continue
 		}
 		for pi, p := range parts {
+			if key, ok := clientKey(p); ok {
+				if r.parts == nil {
+					r.parts = map[int][]json.RawMessage{}
+				}
+				r.parts[mi] = parts
+				r.keyRefs = append(r.keyRefs, keyRef{msg: mi, part: pi, key: key})
+			}
 			var head struct {
 				Type string `json:"type"`
 			}
@@ -99,12 +113,32 @@ func parseRequest(body []byte, chat bool) (*chatRequest, error) {
 				seen[key] = item
 				r.items = append(r.items, p)
 				r.kinds = append(r.kinds, modalityOf[head.Type])
+				r.first = append(r.first, mediaRef{msg: mi, part: pi, item: item})
 			}
 			r.refs = append(r.refs, mediaRef{msg: mi, part: pi, item: item})
 		}
 	}
 	r.messages = decoded
 	return r, nil
+}
+
+// clientKey returns the value of a content part's "uuid" when the part is
+// an object that names one (null names none, as in vLLM).
+func clientKey(part json.RawMessage) (json.RawMessage, bool) {
+	// The common case, decided without splitting the part: a key written
+	// with escapes ("\u0075uid") has a backslash.
+	if !bytes.Contains(part, []byte("uuid")) && bytes.IndexByte(part, '\\') < 0 {
+		return nil, false
+	}
+	m, ok := objectMembers(part)
+	if !ok {
+		return nil, false
+	}
+	v, ok := m["uuid"]
+	if !ok || string(v) == "null" {
+		return nil, false
+	}
+	return v, true
 }
 
 // hasMedia reports whether any part can go to an encoder.
@@ -125,7 +159,7 @@ func (r *chatRequest) encoderBody(item int, consumer, transferID string) (outBod
 	}
 	var msgs jsonWriter
 	msgs.lit(`[{"content":[`)
-	msgs.raw(r.items[item])
+	msgs.body(r.partBody(r.first[item].msg, r.first[item].part))
 	msgs.lit(`],"role":"user"}]`)
 	out["messages"] = msgs.done()
 	out["max_tokens"] = outBody{[]byte("1")}
@@ -219,13 +253,14 @@ func (r *chatRequest) consumerTop(done []*encoded, embeds bool) (map[string]outB
 	for _, d := range done {
 		some = some || d != nil
 	}
-	if !some {
+	if !some && len(r.overrides) == 0 {
 		return top, false, nil
 	}
 	parts := make(map[int][]json.RawMessage, len(r.parts))
 	for mi, ps := range r.parts {
 		parts[mi] = append([]json.RawMessage(nil), ps...)
 	}
+	replaced := map[[2]int]bool{}
 	type ecItem struct {
 		MMHash     string `json:"mm_hash"`
 		TransferID string `json:"transfer_id"`
@@ -244,6 +279,7 @@ func (r *chatRequest) consumerTop(done []*encoded, embeds bool) (map[string]outB
 				return nil, false, fmt.Errorf("encode %s part: %w", typ, err)
 			}
 			parts[ref.msg][ref.part] = part
+			replaced[[2]int{ref.msg, ref.part}] = true
 		}
 		items = append(items, ecItem{MMHash: d.identifier, TransferID: d.transferID})
 		// vLLM's in-tree connector reads the encoder's per-item entries
@@ -270,7 +306,11 @@ func (r *chatRequest) consumerTop(done []*encoded, embeds bool) (map[string]outB
 			if pi > 0 {
 				content.lit(",")
 			}
-			content.raw(part)
+			if replaced[[2]int{mi, pi}] {
+				content.raw(part)
+			} else {
+				content.body(r.partBody(mi, pi))
+			}
 		}
 		content.lit("]")
 		msg := rawTop(m)
@@ -279,6 +319,10 @@ func (r *chatRequest) consumerTop(done []*encoded, embeds bool) (map[string]outB
 	}
 	msgs.lit("]")
 	top["messages"] = msgs.done()
+	if !some {
+		// Only keys were rewritten: nothing to wait for.
+		return top, true, nil
+	}
 	ps, err := json.Marshal(params)
 	if err != nil {
 		return nil, false, err

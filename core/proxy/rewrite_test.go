@@ -29,12 +29,13 @@ func TestRewrittenRequests(t *testing.T) {
 		{"multi image", []map[string]any{img1, text("and"), img2}, []map[string]any{img1, img2}, []int{0, 1}},
 		{"duplicate image", []map[string]any{img1, img2, img1}, []map[string]any{img1, img2}, []int{0, 1, 0}},
 		{"image and audio", []map[string]any{audio, img1}, []map[string]any{audio, img1}, []int{0, 1}},
+		// With client_media_keys=trust; keys_test.go has the other policies.
 		{"client uuid kept", []map[string]any{withUUID}, []map[string]any{withUUID}, []int{0}},
 	}
 	for _, tc := range cases {
 		for _, stream := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%s/stream=%v", tc.name, stream), func(t *testing.T) {
-				r := newRig(t, rigOpts{encoders: 2, pds: 1})
+				r := newRig(t, rigOpts{encoders: 2, pds: 1, mut: func(c *Config) { c.ClientMediaKeys = KeysTrust }})
 				req := chat(stream, tc.parts...)
 				code, body := r.post("/v1/chat/completions", req)
 				require.Equal(t, 200, code, string(body))

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"strings"
@@ -138,10 +139,29 @@ func FuzzRewrite(f *testing.F) {
 	f.Add([]byte(`{"messages":"x"}`))
 	f.Add([]byte(`{"messages":[{"content":[{"type":"input_audio"},{"type":"input_audio"}]}]}`))
 	f.Add([]byte(`[]`))
+	f.Add([]byte(`{"messages":[{"content":[{"type":"image_url","image_url":{"url":"x"},"uuid":"k"},{"type":"image_embeds","image_embeds":"AA","\u0075uid":"k"}]}]}`))
 	f.Fuzz(func(t *testing.T, body []byte) {
 		r, err := parseRequest(body, true)
 		if err != nil {
 			return
+		}
+		// Client keys namespaced: each rewritten part is the client's
+		// part with only its uuid changed.
+		if _, err := r.applyKeys(KeysNamespace, "t"); err != nil {
+			require.ErrorIs(t, err, errClientKey)
+			return
+		}
+		for _, k := range r.keyRefs {
+			orig, ok := objectMembers(r.parts[k.msg][k.part])
+			require.True(t, ok)
+			got, ok := objectMembers(r.partBody(k.msg, k.part).bytes())
+			require.True(t, ok, "rewritten part %q", r.partBody(k.msg, k.part).bytes())
+			var key string
+			require.NoError(t, json.Unmarshal(orig["uuid"], &key))
+			require.Equal(t, `"`+namespacedKey("t", key)+`"`, string(got["uuid"]))
+			delete(orig, "uuid")
+			delete(got, "uuid")
+			require.Equal(t, orig, got)
 		}
 		// The parser splits without copying; what it finds is what
 		// encoding/json finds.
@@ -158,6 +178,34 @@ func FuzzRewrite(f *testing.F) {
 			require.NoError(t, json.Compact(&c, p))
 			sum := sha256.Sum256(c.Bytes())
 			require.Equal(t, string(sum[:]), compactSum(p), "the digest of %q is that of its compact form", p)
+		}
+		// Every other item reused under an identifier: each of its places
+		// is the part as namespaced, with that identifier as its uuid.
+		reuse := make([]string, len(r.items))
+		for i := range reuse {
+			if i%2 == 1 {
+				reuse[i] = fmt.Sprintf("id-%d", i)
+			}
+		}
+		before := map[[2]int][]byte{}
+		for _, ref := range r.refs {
+			before[[2]int{ref.msg, ref.part}] = r.partBody(ref.msg, ref.part).bytes()
+		}
+		require.NoError(t, r.reuseAt(reuse))
+		for _, ref := range r.refs {
+			got, ok := objectMembers(r.partBody(ref.msg, ref.part).bytes())
+			require.True(t, ok, "part %q after reuse", r.partBody(ref.msg, ref.part).bytes())
+			want, ok := objectMembers(before[[2]int{ref.msg, ref.part}])
+			require.True(t, ok)
+			if reuse[ref.item] != "" {
+				require.Equal(t, `"`+reuse[ref.item]+`"`, string(got["uuid"]))
+				delete(got, "uuid")
+				delete(want, "uuid")
+			}
+			require.Equal(t, len(want), len(got))
+			for k, v := range want {
+				require.JSONEq(t, string(v), string(got[k]))
+			}
 		}
 		for i := range r.items {
 			eb, err := r.encoderBody(i, "tcp://h:1", "t")

@@ -48,7 +48,11 @@
 //     the sink is asked.
 //   - EndWrite is called exactly once per successful BeginWrite, after the
 //     transport has stopped touching dst, and before the writer can learn
-//     that the frame landed.
+//     that the frame landed. A frame that carries its item's completion
+//     (WriteItem.Complete, on a writer that InBand says completes in-band)
+//     ends through CompleteSink.EndComplete in its place when it landed
+//     whole, so that the shard completes the item before the writer hears
+//     of its last frame; a sink without it refuses the frame (ErrNoInBand).
 //   - When Write returns, no goroutine of the transport still reads any Src:
 //     the caller may free or reuse its buffers at once, also after a
 //     deadline or a Close.

@@ -15,6 +15,10 @@ import (
 // and faults are injected per destination address. Faults set before a
 // listener exists apply once it does.
 type InmemNetwork struct {
+	// inBand: writers complete items in-band (WriteItem.Complete), as
+	// TCP's do; see SetInBand.
+	inBand bool
+
 	mu        sync.Mutex
 	listeners map[string]*inmemReceiver
 	faults    map[string]*inmemFaults
@@ -43,6 +47,11 @@ func (n *InmemNetwork) faultsFor(addr string) *inmemFaults {
 	}
 	return f
 }
+
+// SetInBand makes the network's writers complete items in-band, as TCP's
+// do (they report InBand and their frames carry WriteItem.Complete); call
+// it before any transfer.
+func (n *InmemNetwork) SetInBand() { n.inBand = true }
 
 // FailNext makes the next frames frames sent to addr fail in transit: the
 // sink never sees them and the writer gets ErrConnLost.
@@ -189,7 +198,7 @@ func (r *inmemReceiver) deliver(it WriteItem, sp Span, tear int) error {
 	if r.closed {
 		return fmt.Errorf("%w: listener closed", ErrUnreachable)
 	}
-	dst, end, err := OpenFrame(r.sink, it.Res, it.Token, it.Off+uint64(sp.Off), uint64(sp.End-sp.Off))
+	dst, end, err := OpenFrame(r.sink, it.Res, it.Token, it.Off+uint64(sp.Off), uint64(sp.End-sp.Off), it.Complete && r.network.inBand)
 	if err != nil {
 		r.stats.Reject(statusOf(err))
 		return err
@@ -261,6 +270,9 @@ func (w *inmemWriter) frame(ctx context.Context, dest string, it WriteItem, sp S
 	}
 	return r.deliver(it, sp, tear)
 }
+
+// InBand implements InBandWriter: as the network was set up.
+func (w *inmemWriter) InBand(string) bool { return w.t.network.inBand }
 
 // Close implements Writer; later writes fail with ErrClosed.
 func (w *inmemWriter) Close() error {

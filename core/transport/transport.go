@@ -50,6 +50,12 @@ type WriteItem struct {
 	// one-sided transport that can check it (shm) refuses an item reaching
 	// past Addr+Size.
 	Size uint64
+	// Complete asks the receiver to complete the reservation in-band: each
+	// frame carries the completion, and the shard marks the item ready
+	// when its last byte lands, so that no complete message follows. Only
+	// a writer that InBand says serves dest honours it; the others ignore
+	// it, and their items are completed by message.
+	Complete bool
 }
 
 // Len is the number of bytes the item writes.
@@ -70,6 +76,41 @@ func (it WriteItem) Len() uint64 {
 type Writer interface {
 	Write(ctx context.Context, dest string, items []WriteItem) []error
 	Close() error
+}
+
+// InBandWriter is a Writer that can complete reservations on the data
+// connection to dest (WriteItem.Complete): a frame that lands and is
+// acknowledged carries its item's completion, so an item whose every
+// frame was acknowledged is complete at the shard.
+type InBandWriter interface {
+	InBand(dest string) bool
+}
+
+// InBand reports whether w completes in-band the items it writes to dest
+// that ask it to.
+func InBand(w Writer, dest string) bool {
+	ib, ok := w.(InBandWriter)
+	return ok && ib.InBand(dest)
+}
+
+// CompleteSink is a Sink that completes reservations in-band. EndComplete
+// ends a frame admitted by BeginWrite, whose n bytes at off all landed and
+// which carried its item's completion, in place of EndWrite(res, true):
+// the sink counts those bytes landed and completes the reservation once
+// every byte of it has. A non-nil error (it must not contain the token)
+// says why the item did not complete and reaches the writer as the
+// frame's refusal. A FrameSink's frames complete in-band when they are
+// CompleteFrames.
+type CompleteSink interface {
+	Sink
+	EndComplete(res ids.ResID, tok ids.Token, off, n uint64) error
+}
+
+// CompleteFrame is a Frame that can end with its item's completion, like
+// CompleteSink.EndComplete, in place of End(true).
+type CompleteFrame interface {
+	Frame
+	EndComplete() error
 }
 
 // Receiver is a listening data-plane endpoint feeding one Sink. After Close
@@ -113,6 +154,9 @@ var (
 	ErrUnknownRes  = rejection("unknown reservation")
 	ErrOutOfBounds = rejection("outside the reservation")
 	ErrGone        = rejection("reservation gone")
+	// ErrNoInBand: a frame asked for its item's completion in-band and
+	// the receiver's sink does not complete in-band.
+	ErrNoInBand = rejection("in-band completion not served")
 
 	// ErrConnLost: the path to the receiver broke before the frame was
 	// acknowledged. Part of the item may have landed; the sink saw
@@ -230,8 +274,11 @@ func errOf(s Status) error {
 
 // OpenFrame runs the checks every transport owes the sink and asks it for
 // the destination bytes, and for the function that ends the frame (called
-// exactly once). The returned error always wraps ErrRejected.
-func OpenFrame(sink Sink, res ids.ResID, tok ids.Token, off, n uint64) ([]byte, func(ok bool) error, error) {
+// exactly once). A frame that carries its item's completion (complete)
+// ends, when every byte arrived, through the sink's in-band completion
+// (CompleteSink, CompleteFrame); a sink without one refuses it with
+// ErrNoInBand. The returned error always wraps ErrRejected.
+func OpenFrame(sink Sink, res ids.ResID, tok ids.Token, off, n uint64, complete bool) ([]byte, func(ok bool) error, error) {
 	if off+n < off {
 		return nil, nil, fmt.Errorf("offset %d + length %d overflows: %w", off, n, ErrOutOfBounds)
 	}
@@ -243,12 +290,38 @@ func OpenFrame(sink Sink, res ids.ResID, tok ids.Token, off, n uint64) ([]byte, 
 			return nil, nil, rejected(err)
 		}
 		dst, end = f.Bytes(), f.End
+		if complete {
+			cf, ok := f.(CompleteFrame)
+			if !ok {
+				_ = f.End(false)
+				return nil, nil, ErrNoInBand
+			}
+			end = func(ok bool) error {
+				if ok {
+					return cf.EndComplete()
+				}
+				return cf.End(false)
+			}
+		}
 	} else {
+		cs, inBand := sink.(CompleteSink)
+		if complete && !inBand {
+			return nil, nil, ErrNoInBand
+		}
 		var err error
 		if dst, err = sink.BeginWrite(res, tok, off, n); err != nil {
 			return nil, nil, rejected(err)
 		}
 		end = func(ok bool) error { sink.EndWrite(res, ok); return nil }
+		if complete {
+			end = func(ok bool) error {
+				if ok {
+					return cs.EndComplete(res, tok, off, n)
+				}
+				sink.EndWrite(res, false)
+				return nil
+			}
+		}
 	}
 	if uint64(len(dst)) != n {
 		// A sink bug must not let a frame write outside what it asked for.

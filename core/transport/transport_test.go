@@ -67,7 +67,7 @@ func TestOpenFrame(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			_, _, err := OpenFrame(c.sink, 1, ids.Token{1}, c.off, c.n)
+			_, _, err := OpenFrame(c.sink, 1, ids.Token{1}, c.off, c.n, false)
 			require.ErrorIs(t, err, c.want)
 			require.ErrorIs(t, err, ErrRejected)
 			require.Equal(t, c.wantStatus, statusOf(err))

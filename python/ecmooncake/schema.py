@@ -18,7 +18,7 @@ from typing import Any
 SCHEMA_FILE = Path(__file__).resolve().with_name("settings.json")
 SCHEMA_VERSION = 1
 # The objects of the schema; "runtime" is what configure() takes.
-OBJECTS = ("consumer", "producer", "scheduler", "runtime")
+OBJECTS = ("consumer", "producer", "scheduler", "runtime", "store")
 
 
 class SchemaError(RuntimeError):

@@ -61,6 +61,7 @@ func (t tappedCaller) Call(ctx context.Context, op wire.Op, body, out any) error
 func TestCompleteAnswerIsOffTheProducersPath(t *testing.T) {
 	answer := make(chan struct{})
 	c := newInmemCluster(t, inmemOption{
+		byMessage: true,
 		// The answers are held for as long as the test needs: the
 		// complete's deadline (control_timeout_s) is a hang bound here.
 		config: func(p *config.Producer) { p.ControlTimeoutS = 60 },
@@ -101,6 +102,7 @@ func TestRefusedCompleteFailsThePushAfterItsSourceWasReleased(t *testing.T) {
 	var tamper atomic.Bool
 	tamper.Store(true)
 	c := newInmemCluster(t, inmemOption{
+		byMessage: true,
 		links: func(l control.Links) control.Links {
 			return completeTap{Links: l, touch: func(b *wire.CompleteBatch) {
 				if tamper.Load() {
@@ -141,8 +143,9 @@ func TestCompletesBeyondTheWindowWaitForAnAnswer(t *testing.T) {
 	const window = 2
 	answer := make(chan struct{})
 	c := newInmemCluster(t, inmemOption{
-		config: func(p *config.Producer) { p.ControlTimeoutS, p.CompleteWindow = 60, window },
-		links:  func(l control.Links) control.Links { return completeTap{Links: l, answer: answer} },
+		byMessage: true,
+		config:    func(p *config.Producer) { p.ControlTimeoutS, p.CompleteWindow = 60, window },
+		links:     func(l control.Links) control.Links { return completeTap{Links: l, answer: answer} },
 	})
 	items := makeItems(304, 4, 1<<10, 64<<10, 0)
 	c.push("req-window", items)
@@ -157,5 +160,28 @@ func TestCompletesBeyondTheWindowWaitForAnAnswer(t *testing.T) {
 	require.ElementsMatch(t, tids(items), out.done)
 	require.ElementsMatch(t, tids(items), out.sched.Available)
 	require.Zero(t, c.prod.Stats().Push.CompletesOut)
+	c.requireReclaimed()
+}
+
+// Over a data plane that completes in-band (TCP, for which the in-memory
+// plane stands in), the last frame of each item completes it at the shard:
+// every item becomes available and every push ends done with no
+// complete_batch sent, and every region is reclaimed.
+func TestInBandCompleteSendsNoCompleteBatch(t *testing.T) {
+	var completes atomic.Int64
+	c := newInmemCluster(t, inmemOption{
+		links: func(l control.Links) control.Links {
+			return completeTap{Links: l, touch: func(b *wire.CompleteBatch) { completes.Add(int64(len(b.Items))) }}
+		},
+	})
+	items := makeItems(305, 6, 1<<10, 64<<10, 0)
+	c.push("req-inband", items)
+	out := c.settle(items)
+	require.ElementsMatch(t, tids(items), out.done)
+	require.ElementsMatch(t, tids(items), out.sched.Available)
+	require.Zero(t, completes.Load(), "no complete_batch follows an item completed in-band")
+	for _, it := range items {
+		c.requireOnEveryShard(it)
+	}
 	c.requireReclaimed()
 }

@@ -75,6 +75,9 @@ func shardName(r int) string { return fmt.Sprintf("shard-%d", r) }
 type inmemOption struct {
 	config func(*config.Producer)
 	links  func(control.Links) control.Links // wraps the producer's control links
+	// byMessage: the data plane completes items by complete_batch, as
+	// cuda_ipc, shm and mooncake do, instead of in-band as TCP does.
+	byMessage bool
 }
 
 func newInmemCluster(t *testing.T, opts ...inmemOption) *inmemCluster {
@@ -82,6 +85,13 @@ func newInmemCluster(t *testing.T, opts ...inmemOption) *inmemCluster {
 	c := &inmemCluster{
 		t: t, log: quietLog(), ctl: control.NewInmemNetwork(), data: transport.NewInmemNetwork(),
 		guard: newWriteGuard(inmemTP),
+	}
+	byMessage := false
+	for _, o := range opts {
+		byMessage = byMessage || o.byMessage
+	}
+	if !byMessage {
+		c.data.SetInBand()
 	}
 	// No real socket is opened: any base port will do.
 	const base = 5000
@@ -305,6 +315,17 @@ func (k guardSink) BeginWrite(res ids.ResID, tok ids.Token, off, n uint64) ([]by
 	at := uint64(uintptr(unsafe.Pointer(&dst[0])) - uintptr(unsafe.Pointer(&k.slab[0])))
 	k.g.landed(k.shard, uint64(res), off, n, at)
 	return dst, nil
+}
+
+// EndComplete passes a frame that carries its item's completion on to the
+// shard, as TCP's receiver does.
+func (k guardSink) EndComplete(res ids.ResID, tok ids.Token, off, n uint64) error {
+	cs, ok := k.Sink.(transport.CompleteSink)
+	if !ok {
+		k.Sink.EndWrite(res, false)
+		return transport.ErrNoInBand
+	}
+	return cs.EndComplete(res, tok, off, n)
 }
 
 // grantTap is a shard's control links that show the write guard every

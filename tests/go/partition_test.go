@@ -28,10 +28,20 @@ func TestInmemClusterSurvivesPartitionsAndDelays(t *testing.T) {
 		// producer too (one that follows it may end done: it had nothing
 		// to write or complete).
 		writersFail bool
+		// byMessage: the data plane completes by complete_batch (the
+		// one-sided planes) rather than in-band (TCP).
+		byMessage bool
 	}{
 		{name: "no fault", want: "available"},
 		{
 			name: "control link producer-shard-1 cut", at: 1,
+			fault: func(c *inmemCluster) { c.ctl.Partition("producer", shardName(1)) },
+			// The grants came before the cut, and the frames complete each
+			// item in-band: the control link is not needed any more.
+			want: "available",
+		},
+		{
+			name: "control link producer-shard-1 cut, completes by message", at: 1, byMessage: true,
 			fault: func(c *inmemCluster) { c.ctl.Partition("producer", shardName(1)) },
 			// The completes to shard 1 are lost: its regions expire, the
 			// scheduler never hears of them.
@@ -75,7 +85,7 @@ func TestInmemClusterSurvivesPartitionsAndDelays(t *testing.T) {
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			c := newInmemCluster(t)
+			c := newInmemCluster(t, inmemOption{byMessage: tc.byMessage})
 			if tc.fault != nil {
 				c.guard.once(tc.at, func() { tc.fault(c) })
 			}

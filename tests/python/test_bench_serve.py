@@ -101,7 +101,7 @@ GOOD = dict(completed=24, encoded=24, fallback=0, bytes_moved=24 * 32768, reject
     (TOPO, _row(**{**GOOD, "completed": 23, "failed": 1}), ["1 requests failed"]),
     (TOPO, _row(**{**GOOD, "completed": 20}), ["20 requests ended of 24 sent"]),
     (TOPO, _row(**{**GOOD, "encoded": 23, "fallback": 1}), ["1 items fell back to the PD's own encoder"]),
-    (TOPO, _row(**{**GOOD, "encoded": 22, "fallback": 1}), ["22 items encoded and 1 fallen back, of 24 sent",
+    (TOPO, _row(**{**GOOD, "encoded": 22, "fallback": 1}), ["22 items encoded, 0 reused and 1 fallen back, of 24 sent",
                                                             "1 items fell back to the PD's own encoder"]),
     # Items encoded but nothing reached a shard: the images were not new.
     (TOPO, _row(**{**GOOD, "bytes_moved": 0}), ["24 items encoded but no byte reached the PD shards"]),
@@ -190,6 +190,40 @@ def test_the_warm_up_image_is_a_png_of_the_asked_size():
     img = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
     assert img.size == (64, 64) and img.mode == "RGB"
     assert len(img.getcolors(maxcolors=1 << 16) or []) > 100
+
+
+REUSE_ON = bench_serve.Phase("reuse 1E2P affinity on", "ecm", (0,), (0, 1), reuse="on")
+REUSE_OFF = bench_serve.Phase("reuse 1E2P affinity off", "ecm", (0,), (0, 1), reuse="off")
+
+
+def test_the_reuse_phases_run_on_two_pds_with_affinity_on_then_off():
+    p = bench_serve.plan(_args("--baselines", "none", "--topologies", "1E1P", "--reuse", "0.8"))
+    assert (p.encoders, p.pds) == (1, 2)
+    assert [(ph.name, ph.pds, ph.reuse) for ph in p.phases][1:] == [
+        ("reuse 1E2P affinity on", (0, 1), "on"), ("reuse 1E2P affinity off", (0, 1), "off")]
+    with pytest.raises(ValueError, match="--reuse"):
+        bench_serve.plan(_args("--reuse", "1.5"))
+    # Reused items count towards the items sent; with affinity off none may be.
+    assert bench_serve.check(REUSE_ON, _row(**{**GOOD, "encoded": 6, "reused": 18}), 24) == []
+    assert bench_serve.check(REUSE_OFF, _row(**{**GOOD, "encoded": 22, "reused": 2}), 24) == ["2 items reused with affinity off"]
+
+
+def test_the_reuse_dataset_repeats_about_the_asked_fraction_of_its_images(tmp_path):
+    path = tmp_path / "d.jsonl"
+    distinct = bench_serve.reuse_dataset(path, 200, 0.8, 16, seed=7)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    urls = [x["content"][0]["image_url"]["url"] for x in lines]
+    assert len(lines) == 200 and len(set(urls)) == distinct
+    assert 20 <= distinct <= 60, distinct  # about 40 new images for 200 requests at 0.8
+    assert all(u.startswith("data:image/png;base64,") for u in urls)
+    assert [x["content"][1] for x in lines] == [{"type": "text", "text": "What is in this image?"}] * 200
+    # The same seed writes the same requests; another seed, other images.
+    again = tmp_path / "e.jsonl"
+    bench_serve.reuse_dataset(again, 200, 0.8, 16, seed=7)
+    assert again.read_text() == path.read_text()
+    other = tmp_path / "f.jsonl"
+    bench_serve.reuse_dataset(other, 200, 0.8, 16, seed=8)
+    assert not set(urls) & {json.loads(x)["content"][0]["image_url"]["url"] for x in other.read_text().splitlines()}
 
 
 def test_the_table_shows_every_row_and_its_errors():

@@ -15,7 +15,7 @@
 // # Flow of one push
 //
 //	Add ─▶ Reserving ─grant write─▶ WaitingInputs ─source, Ready─▶ Writing ─WriteDone─▶ Notifying ─CompleteDone─▶ Done
-//	           └─grant follow/cached─▶ Done
+//	           └─grant follow/cached─▶ Done                             └─WriteDoneInBand─▶ Done
 //
 //	Cancel:   Reserving, WaitingInputs ─▶ Cancelled;  Writing ─▶ CancelPending ─WriteDone─▶ Cancelled
 //	          (not a write that another push of the content follows: it goes on for the follower;
@@ -56,6 +56,12 @@
 // NotifyWait deadline, so that a shard that stopped answering holds a
 // bounded number. A record that ends, by its answer or its deadline, gives
 // its place back.
+//
+// A data plane that completes in-band (TCP: the frames of an item carry
+// its completion and the shard makes it ready as the last byte lands,
+// before acknowledging it) reports its write with WriteDoneInBand: the
+// record ends Done as the write ends, with no complete to send and no
+// place in the window.
 //
 // # Regions on the consumer
 //
@@ -125,7 +131,7 @@
 //	for {
 //		rd := m.Ready(now)
 //		for dest, items := range rd.Reserves { send one reserve_batch; m.Granted(id, dest, grant, now) per reply item }
-//		for dest, ws := range rd.Writes { start the writes; m.WriteDone(id, dest, err, now) as each ends }
+//		for dest, ws := range rd.Writes { start the writes; m.WriteDone (or WriteDoneInBand) (id, dest, err, now) as each ends }
 //		for dest, cs := range rd.Completes { send one complete_batch, go on; m.CompleteDone(id, dest, err, now) as its answer comes }
 //		for dest, cs := range rd.Cancels { send cancels; m.CancelDone(id, dest, now) per item, answered or not }
 //		free rd.Releases; report rd.Failures and rd.Done

@@ -784,7 +784,23 @@ func appendTo[T any](m map[string][]T, dest string, v T) map[string][]T {
 // WriteDone reports the outcome of a write handed out by Ready. It ends the
 // write's hold on its source whatever the record's state, because the
 // record may have failed or been cancelled while the write was in flight.
+// A write that landed moves on to Notifying, whose complete Ready hands
+// out.
 func (m *Manager) WriteDone(transferID, dest string, err error, now time.Time) {
+	m.writeEnded(transferID, dest, err, false, now)
+}
+
+// WriteDoneInBand is WriteDone for a write whose data plane completed it
+// in-band (TCP: each frame carried the completion, and the shard made the
+// item ready as its last byte landed, before acknowledging it): a write
+// that landed ends the record Done, with no complete to send. A write
+// cancelled in flight still ends Cancelled; its region is complete at the
+// shard, which drops a copy no request wants (its scheduler, its lease).
+func (m *Manager) WriteDoneInBand(transferID, dest string, err error, now time.Time) {
+	m.writeEnded(transferID, dest, err, true, now)
+}
+
+func (m *Manager) writeEnded(transferID, dest string, err error, inBand bool, now time.Time) {
 	m.advance(now)
 	r := m.find(transferID, dest)
 	if r == nil || !r.inFlight {
@@ -799,6 +815,8 @@ func (m *Manager) WriteDone(transferID, dest string, err error, now time.Time) {
 		m.markCheck(r.tr.push.MMHash)
 	}
 	switch {
+	case r.state == Writing && err == nil && inBand:
+		m.move(r, Done, now, "")
 	case r.state == Writing && err == nil:
 		m.move(r, Notifying, now, "")
 	case r.state == Writing:

@@ -88,6 +88,30 @@ func TestScenarios(t *testing.T) {
 			pending -> no
 			stats -> transfers=0 tombs=1 sources=0 ended=Done:2
 		`},
+		{"a write completed in-band ends Done with no complete to send", Config{}, toWriting + `
+			landed t1 d1
+			state t1 -> d1=Done
+			ready -> release s11 | done t1
+			pending -> no
+			stats -> transfers=0 tombs=1 sources=0 ended=Done:1
+		`},
+		{"a write completed in-band that failed fails its push and gives the region up", Config{}, toWriting + `
+			landed t1 d1 connection lost
+			state t1 -> d1=Failed
+			ready -> cancel d1:t1 | release s11 | fail t1/d1=write failed: connection lost
+		`},
+		{"a write cancelled in flight and completed in-band ends Cancelled", Config{}, toWriting + `
+			cancel t1
+			state t1 -> d1=CancelPending
+			landed t1 d1
+			state t1 -> d1=Cancelled
+			stats -> ended=Cancelled:1
+		`},
+		{"an in-band report for no write in flight is ignored", Config{}, toWriting + `
+			landed t1 d1
+			landed t1 d1
+			stats -> ignored=1
+		`},
 		{"source before the grant is written when the grant comes", Config{}, `
 			add t1 h1 100 d1
 			source h1 11 100

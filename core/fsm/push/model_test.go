@@ -188,6 +188,11 @@ func (md *model) step(step int) string {
 				err = errors.New("reset")
 			}
 			delete(md.writes, k)
+			// Some planes complete in-band (TCP), the others by message.
+			if inBand := rng.Intn(2) == 0; inBand {
+				m.WriteDoneInBand(k.tid, k.dest, err, md.now)
+				return fmt.Sprintf("step %d: write done in-band %v err=%v", step, k, err)
+			}
 			m.WriteDone(k.tid, k.dest, err, md.now)
 			return fmt.Sprintf("step %d: write done %v err=%v", step, k, err)
 		}

@@ -97,6 +97,8 @@ func runScript(t *testing.T, cfg Config, script string) *Manager {
 			l.ExpectErr(m.SourceReady(a[0], SourceID(l.Uint(1)), l.Uint(2), s.Now), scriptErrs)
 		case "wrote":
 			m.WriteDone(a[0], a[1], errOf(a[2:]), s.Now)
+		case "landed":
+			m.WriteDoneInBand(a[0], a[1], errOf(a[2:]), s.Now)
 		case "completed":
 			m.CompleteDone(a[0], a[1], errOf(a[2:]), s.Now)
 		case "cancel":

@@ -21,7 +21,7 @@ const (
 	// available. → Writing | Cancelled | Failed.
 	WaitingInputs
 	// Writing: the write was handed out and reads the source.
-	// → Notifying | CancelPending | Failed.
+	// → Notifying | Done (completed in-band) | CancelPending | Failed.
 	Writing
 	// Notifying: the bytes landed and the record holds no source; the
 	// complete is out, or waits for a place in its destination's window.
@@ -70,7 +70,7 @@ func (s State) needsSource() bool {
 var legal = machine.NewEdges(numStates, map[State][]State{
 	Reserving:     {WaitingInputs, Done, Cancelled, Failed},
 	WaitingInputs: {Writing, Cancelled, Failed},
-	Writing:       {Notifying, CancelPending, Failed},
+	Writing:       {Notifying, Done, CancelPending, Failed},
 	Notifying:     {Done, Failed},
 	CancelPending: {Cancelled, Failed},
 })

@@ -13,7 +13,7 @@ import (
 const wantEdges = `
 	Reserving     -> WaitingInputs Done Cancelled Failed
 	WaitingInputs -> Writing Cancelled Failed
-	Writing       -> Notifying CancelPending Failed
+	Writing       -> Notifying Done CancelPending Failed
 	Notifying     -> Done Failed
 	CancelPending -> Cancelled Failed
 `

@@ -105,6 +105,16 @@
 // region: Complete then fails with ErrTorn until one write covering the
 // whole region is admitted, or the writer abandons.
 //
+// In-band completion: a data plane whose frames carry the item's
+// completion (TCP) ends them with EndComplete instead of EndWrite, and
+// the end that leaves every byte landed, with no write in flight,
+// completes the region: no complete message follows the bytes. Bytes
+// count once and only from such frames, so a replayed or overlapping frame
+// tears the region instead of standing in for bytes that never came, and a
+// region never completes with a hole; refusals are counted
+// (Stats.InBandRefused). A writer that dies between its frames leaves a
+// Writing region that its lease ends, as before.
+//
 // # Invariants
 //
 // CheckInvariants states them in code; the main ones: the slab's bytes in

@@ -28,6 +28,22 @@ func (t *Table) CheckInvariants() error {
 		}
 	}
 
+	// In-band landed bytes are sorted disjoint runs inside the region,
+	// bounded, and kept only while the region may still be written.
+	for _, r := range t.regions {
+		if len(r.landed) > 0 && r.state == Ready {
+			bad("ready region %d keeps %d landed runs", r.res, len(r.landed))
+		}
+		if len(r.landed) > maxLanded {
+			bad("region %d has %d landed runs, over %d", r.res, len(r.landed), maxLanded)
+		}
+		for i, sp := range r.landed {
+			if sp.off >= sp.end || sp.end > r.nbytes || (i > 0 && r.landed[i-1].end >= sp.off) {
+				bad("region %d: landed run %d [%d,%d) is empty, outside %d bytes or not after the one before", r.res, i, sp.off, sp.end, r.nbytes)
+			}
+		}
+	}
+
 	// Each peer's quota use is what its live records add up to, and
 	// the requesters it counts are those of its records.
 	type use struct {

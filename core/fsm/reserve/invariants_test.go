@@ -49,6 +49,9 @@ func TestCheckInvariantsCatchesCorruption(t *testing.T) {
 		{"lease on a loaded region", func(h *harness, _, r *region) { r.deadline = epoch }},
 		{"tombstones over the bound", func(h *harness, _, _ *region) { h.tab.tomb.max = 1 }},
 		{"cached transfer left live", func(h *harness, w, _ *region) { h.tab.transfers["f"].kind = KindCached }},
+		{"landed runs overlapping", func(h *harness, w, _ *region) { w.landed = []span{{0, 10}, {5, 20}} }},
+		{"landed run past the region", func(h *harness, w, _ *region) { w.landed = []span{{0, 1001}} }},
+		{"landed runs kept once ready", func(h *harness, _, r *region) { r.landed = []span{{0, 10}} }},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -45,7 +45,11 @@ type modelShape struct {
 }
 
 // admitted is a write that BeginWrite accepted and EndWrite has not ended.
-type admitted struct{ res ids.ResID }
+type admitted struct {
+	res    ids.ResID
+	tok    ids.Token
+	off, n uint64
+}
 
 // runModel returns how many of roomFor's checks chose among several
 // residents.
@@ -139,12 +143,24 @@ func runModel(t *testing.T, seed uint64, steps int, shape modelShape) (searches 
 				r := h.tab.regions[g.Res]
 				require.Equal(t, Writing, r.state)
 				require.True(t, slabOff >= r.off && slabOff+n <= r.off+r.nbytes, "step %d: write outside its region", i)
-				inflight = append(inflight, admitted{g.Res})
+				inflight = append(inflight, admitted{g.Res, g.Token, off, n})
 			}
 		case op < 55:
 			if len(inflight) > 0 {
 				k := rng.IntN(len(inflight))
-				h.tab.EndWrite(inflight[k].res, rng.IntN(6) > 0, h.now)
+				w := inflight[k]
+				switch rng.IntN(12) {
+				case 0, 1, 2, 3, 4, 5:
+					// A frame that carries its item's completion (TCP).
+					// It ends its write (the invariants below check the
+					// count) and may complete the region; its refusals
+					// are only these.
+					requireKnown(t, h.tab.EndComplete(w.res, w.tok, w.off, w.n, h.now), ErrGone, ErrTorn)
+				case 6:
+					h.tab.EndWrite(w.res, false, h.now)
+				default:
+					h.tab.EndWrite(w.res, true, h.now)
+				}
 				inflight = append(inflight[:k], inflight[k+1:]...)
 			}
 		case op < 68:

@@ -41,6 +41,8 @@ var (
 	ErrWritesInFlight = errors.New("writes in flight")
 	// ErrTorn: a write failed part way; the region must be rewritten whole.
 	ErrTorn = errors.New("region torn")
+	// ErrNoWrite: an in-band complete that ends no write in flight.
+	ErrNoWrite = errors.New("no write in flight")
 	// ErrNotReady: Acquire of an mm_hash that is still being written.
 	ErrNotReady = errors.New("not ready")
 	// ErrNotPinned: Release of an mm_hash that is not acquired.
@@ -199,6 +201,10 @@ type region struct {
 
 	inflight int
 	torn     bool
+	// landed is what frames that carried the item's completion have
+	// written, as disjoint [off, end) runs in offset order (EndComplete):
+	// the region completes in-band once it covers every byte.
+	landed []span
 	// abandoned: the writer gave up while an expiry was pending, so the
 	// region ends Cancelled rather than Expired.
 	abandoned bool
@@ -254,6 +260,10 @@ type Stats struct {
 	CompletedBytes uint64
 	RejectedWrites Rejections
 	UnmatchedEnds  uint64 // EndWrite calls with no write in flight
+	// InBandRefused counts in-band completes refused (EndComplete): for no
+	// write in flight, a bad token, bytes landing twice or scattered past
+	// maxLanded runs.
+	InBandRefused uint64
 	// OverQuota counts reservations refused for quota, by reason
 	// (QuotaPending, QuotaPendingBytes, QuotaFollowers,
 	// QuotaPeerFollowers, QuotaRequesters).
@@ -286,6 +296,7 @@ type Table struct {
 
 	rejected      Rejections
 	unmatchedEnds uint64
+	inBandRefused uint64
 	cancelled     uint64
 	expired       uint64
 	evictions     uint64
@@ -669,6 +680,7 @@ func (t *Table) BeginWrite(res ids.ResID, tok ids.Token, off, n uint64, now time
 	r.inflight++
 	if off == 0 && n == r.nbytes {
 		r.torn = false
+		r.landed = r.landed[:0]
 	}
 	return r.off + off, nil
 }
@@ -697,6 +709,86 @@ func (t *Table) EndWrite(res ids.ResID, ok bool, now time.Time) {
 	}
 }
 
+// EndComplete ends, like EndWrite(res, true, now), a write admitted by
+// BeginWrite whose frame carried its item's completion (the data plane's
+// in-band complete, so that no complete message follows the bytes): its
+// bytes [off, off+n) count as landed, and the end that leaves every byte of
+// the region landed with no write in flight completes it, as Complete
+// would. A nil error while bytes are still missing means the frame landed
+// and the item waits for the rest.
+//
+// Bytes count once: a frame landing over bytes already landed (a replay)
+// tears the region rather than stand in for bytes that never came, and so
+// does scattering more than maxLanded disjoint runs. A torn region
+// completes only after one write of the whole region (as for Complete).
+// An end for no write in flight, or with a token that is not the
+// region's, completes nothing; the latter ends its write torn. Each
+// refusal is counted (Stats.InBandRefused). The error says why the item
+// did not complete: the writer's frame fails with it.
+func (t *Table) EndComplete(res ids.ResID, tok ids.Token, off, n uint64, now time.Time) error {
+	r, found := t.regions[res]
+	if !found || r.inflight == 0 {
+		t.unmatchedEnds++
+		t.inBandRefused++
+		return fmt.Errorf("in-band complete of region %d: %w", res, ErrNoWrite)
+	}
+	if !tok.Equal(r.token) {
+		t.inBandRefused++
+		t.EndWrite(res, false, now)
+		return fmt.Errorf("in-band complete of region %d: %w", res, ErrBadToken)
+	}
+	if r.state == Writing && !r.torn {
+		var ok bool
+		if r.landed, ok = addLanded(r.landed, off, off+n); !ok {
+			t.inBandRefused++
+			r.torn = true
+		}
+	}
+	t.EndWrite(res, true, now)
+	switch {
+	case r.state != Writing:
+		return fmt.Errorf("in-band complete of region %d (%s): %w: %s", res, r.mmHash, ErrGone, r.state)
+	case r.torn:
+		return fmt.Errorf("in-band complete of region %d (%s): %w: bytes landed twice, scattered or lost; rewrite it whole or abandon", res, r.mmHash, ErrTorn)
+	case r.inflight > 0 || len(r.landed) != 1 || r.landed[0] != (span{0, r.nbytes}):
+		return nil
+	}
+	return t.Complete(res, tok, now)
+}
+
+// span is one run [off, end) of landed bytes.
+type span struct{ off, end uint64 }
+
+// maxLanded bounds the disjoint runs one region's landed bytes may form:
+// a writer's frames land nearly in order (a run per connection at most),
+// so only a hostile one scatters more.
+const maxLanded = 256
+
+// addLanded adds [off, end) to the sorted disjoint runs l, merging
+// neighbours; false when it overlaps a run or would make too many.
+func addLanded(l []span, off, end uint64) ([]span, bool) {
+	i, _ := slices.BinarySearchFunc(l, off, func(s span, o uint64) int { return cmpUint(s.off, o) })
+	if (i > 0 && l[i-1].end > off) || (i < len(l) && l[i].off < end) {
+		return l, false
+	}
+	joinLeft := i > 0 && l[i-1].end == off
+	joinRight := i < len(l) && l[i].off == end
+	switch {
+	case joinLeft && joinRight:
+		l[i-1].end = l[i].end
+		return slices.Delete(l, i, i+1), true
+	case joinLeft:
+		l[i-1].end = end
+		return l, true
+	case joinRight:
+		l[i].off = off
+		return l, true
+	case len(l) >= maxLanded:
+		return l, false
+	}
+	return slices.Insert(l, i, span{off, end}), true
+}
+
 // Complete marks the region written: Ready events go to the writer's
 // transfer and to every follower. A repeated Complete on a Ready region is
 // a no-op; one on a doomed or finished region gets ErrGone.
@@ -721,6 +813,7 @@ func (t *Table) Complete(res ids.ResID, tok ids.Token, now time.Time) error {
 	if err := r.transition(Ready); err != nil {
 		return t.fault(err)
 	}
+	r.landed = nil
 	t.unpend(r)
 	t.setDeadline(r, now.Add(t.cfg.Lease))
 	t.completed++
@@ -958,6 +1051,7 @@ func (t *Table) Stats() Stats {
 		CompletedBytes: t.completedB,
 		RejectedWrites: t.rejected,
 		UnmatchedEnds:  t.unmatchedEnds,
+		InBandRefused:  t.inBandRefused,
 		OverQuota:      maps.Clone(t.overQuota),
 	}
 	for _, r := range t.regions {

@@ -635,7 +635,11 @@ func countParts(raw json.RawMessage, items []ECItem, kvOnly bool) (embeds, media
 			_ = json.Unmarshal(p["uuid"], &uuid)
 			switch {
 			case strings.HasSuffix(typ, "_embeds"):
-				if !known[uuid] && !kvOnly {
+				// A client's own embeddings come as data (a base64 tensor
+				// string); the proxy's references are metadata objects.
+				var data string
+				clientData := json.Unmarshal(p[typ], &data) == nil
+				if !known[uuid] && !kvOnly && !clientData {
 					return 0, 0, fmt.Errorf("%s part %q is metadata only but ec_transfer_params.ec_items does not name it", typ, uuid)
 				}
 				embeds++

@@ -164,6 +164,27 @@ func TestDeviceSourcesLeaveFromGPUStaging(t *testing.T) {
 	require.Equal(t, total+2<<20, p.w.Stats().DeviceBytes)
 }
 
+// A producer whose outputs are all on the GPU registers no host staging:
+// pinning and registering 256 MiB of host memory it never uses would cost
+// the host that memory and the engine its registration.
+func TestDeviceOnlyProducerRegistersNoHostStaging(t *testing.T) {
+	needDouble(t)
+	d := &hostGPU{ordinal: 0}
+	p := newPair(t, 8<<20, testConfig(), testConfig(gpuOn(true), func(c *Config) { c.Devices = devs{d} }))
+	before := double.Stats()
+	it := p.item(1, 0, nil)
+	it.Src, it.Dev = nil, deviceSrc(t, d, pattern(1<<20, 7), nil)
+	require.NoError(t, write(t, p.w, p.recv.Addr(), it)[0])
+	require.True(t, bytes.Equal(pattern(1<<20, 7), p.slab[:1<<20]))
+	require.Equal(t, before.RegisterCalls+1, double.Stats().RegisterCalls, "the GPU staging only")
+
+	// A host source later registers the host staging then, once.
+	require.NoError(t, write(t, p.w, p.recv.Addr(), p.item(2, 2<<20, pattern(4096, 9)))[0])
+	require.NoError(t, write(t, p.w, p.recv.Addr(), p.item(3, 3<<20, pattern(4096, 8)))[0])
+	require.Equal(t, before.RegisterCalls+2, double.Stats().RegisterCalls)
+	require.True(t, bytes.Equal(pattern(4096, 8), p.slab[3<<20:3<<20+4096]))
+}
+
 func TestDeviceSourceReadOnlyAfterItsEvent(t *testing.T) {
 	needDouble(t)
 	d := &hostGPU{ordinal: 0}

@@ -145,7 +145,7 @@ func (w *Writer) Write(ctx context.Context, dest string, items []transport.Write
 	if valid == 0 {
 		return errs
 	}
-	eng, stg, err := w.ensure(p.Segment)
+	eng, err := w.ensure(p.Segment)
 	if err != nil {
 		return failAll(p.Segment, err)
 	}
@@ -155,11 +155,15 @@ func (w *Writer) Write(ctx context.Context, dest string, items []transport.Write
 	}
 	stgs := make([]*staging, len(items))
 	for i, it := range items {
-		stgs[i] = stg
-		if errs[i] != nil || it.Dev == nil {
+		if errs[i] != nil {
 			continue
 		}
-		if stgs[i], err = w.deviceStaging(eng, it.Dev.Ordinal); err != nil {
+		if it.Dev == nil {
+			stgs[i], err = w.hostStaging(eng)
+		} else {
+			stgs[i], err = w.deviceStaging(eng, it.Dev.Ordinal)
+		}
+		if err != nil {
 			errs[i] = transport.ItemErr(Name, p.Segment, it.Res, it.Off, it.Off+it.Len(), err)
 		}
 	}
@@ -178,17 +182,16 @@ func (t *Transport) checkProto(p peer) error {
 	return nil
 }
 
-// ensure makes the engine and the staging slab on first use. A failure is
-// not remembered: the next Write tries again (the metadata server may be
-// up by then).
+// ensure makes the engine on first use. A failure is not remembered: the
+// next Write tries again (the metadata server may be up by then).
 //
 // With no mooncake_host set, the engine advertises the source address of
 // the route towards the first segment written (towards).
-func (w *Writer) ensure(towards string) (*engine, *staging, error) {
+func (w *Writer) ensure(towards string) (*engine, error) {
 	w.initMu.Lock()
 	defer w.initMu.Unlock()
 	if w.eng != nil {
-		return w.eng, w.stg, nil
+		return w.eng, nil
 	}
 	cfg := w.t.cfg
 	host := cfg.Host
@@ -197,22 +200,34 @@ func (w *Writer) ensure(towards string) (*engine, *staging, error) {
 	}
 	eng, err := newEngine(w.t.lib, engineConfig{Metadata: cfg.Metadata, ServerName: cfg.LocalServerName, Host: host, Protocol: cfg.Protocol, Log: w.log})
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
-	stg, err := newStaging(cfg.StagingBytes)
+	w.eng = eng
+	w.log.Info("mooncake engine ready", "segment", eng.segment, "protocol", cfg.Protocol, "gpu_memory", w.t.gpu)
+	return eng, nil
+}
+
+// hostStaging is the registered host staging slab, made and registered on
+// the first host source: a producer whose outputs are all on the GPU never
+// pins it. A failure is not remembered.
+func (w *Writer) hostStaging(eng *engine) (*staging, error) {
+	w.initMu.Lock()
+	defer w.initMu.Unlock()
+	if w.stg != nil {
+		return w.stg, nil
+	}
+	stg, err := newStaging(w.t.cfg.StagingBytes)
 	if err != nil {
-		eng.destroy()
-		return nil, nil, err
+		return nil, err
 	}
+	start := time.Now()
 	if err := eng.register([]region{stg.region()}, location("cpu")); err != nil {
-		eng.destroy()
-		stg.close()
-		return nil, nil, err
+		_ = stg.close()
+		return nil, err
 	}
-	w.eng, w.stg = eng, stg
-	w.log.Info("mooncake engine ready", "segment", eng.segment, "protocol", cfg.Protocol, "staging_bytes", cfg.StagingBytes,
-		"gpu_memory", w.t.gpu)
-	return eng, stg, nil
+	w.stg = stg
+	w.log.Info("mooncake host staging registered", "bytes", w.t.cfg.StagingBytes, "register_ms", time.Since(start).Milliseconds())
+	return stg, nil
 }
 
 // deviceStaging is the registered staging slab on the GPU of ordinal,
@@ -321,8 +336,9 @@ func (w *Writer) Close() error {
 		return nil
 	}
 	err := w.eng.destroy()
-	if w.leaked.Load() == 0 {
+	if w.leaked.Load() == 0 && w.stg != nil {
 		err = errors.Join(err, w.stg.close())
+		w.stg = nil
 	}
 	w.eng = nil
 	if w.leaked.Load() == 0 {

@@ -184,6 +184,13 @@ func (w *writer) writer(name string) (transport.Writer, error) {
 	return tw, nil
 }
 
+// InBand implements transport.InBandWriter: as the plane dest names does.
+func (w *writer) InBand(dest string) bool {
+	name, addr := w.split(dest)
+	tw, err := w.writer(name)
+	return err == nil && transport.InBand(tw, addr)
+}
+
 func (w *writer) Write(ctx context.Context, dest string, items []transport.WriteItem) []error {
 	name, addr := w.split(dest)
 	tw, err := w.writer(name)

@@ -153,7 +153,7 @@ func (s *stagingSink) BeginFrame(res ids.ResID, tok ids.Token, off, n uint64) (t
 		s.inner.EndWrite(res, false)
 		return nil, fmt.Errorf("staged: reservation %d maps to [%d,+%d), outside the %d-byte slab", res, at, n, s.slab.Len)
 	}
-	f := &stagedFrame{s: s, res: res, dst: s.slab.Addr + uintptr(at)}
+	f := &stagedFrame{s: s, res: res, tok: tok, off: off, dst: s.slab.Addr + uintptr(at)}
 	m, err := s.pool.get(context.Background(), s.dev, int(n), false)
 	switch {
 	case m != nil:
@@ -170,6 +170,8 @@ func (s *stagingSink) BeginFrame(res ids.ResID, tok ids.Token, off, n uint64) (t
 type stagedFrame struct {
 	s    *stagingSink
 	res  ids.ResID
+	tok  ids.Token
+	off  uint64 // in the reservation
 	dst  uintptr
 	host gpu.HostMem // nil when buf is pageable
 	buf  []byte
@@ -177,9 +179,38 @@ type stagedFrame struct {
 
 func (f *stagedFrame) Bytes() []byte { return f.buf }
 
+var _ transport.CompleteFrame = (*stagedFrame)(nil)
+
 // End copies a complete frame to the GPU before the shard hears of it, so
 // that nothing is published before its bytes are there.
 func (f *stagedFrame) End(ok bool) error {
+	ok, err := f.copyOut(ok)
+	f.s.inner.EndWrite(f.res, ok)
+	return err
+}
+
+// EndComplete is End(true) for a frame that carries its item's
+// completion: once its bytes are on the GPU, the shard counts them and
+// completes the item when it has every byte.
+func (f *stagedFrame) EndComplete() error {
+	n := uint64(len(f.buf))
+	ok, err := f.copyOut(true)
+	cs, inBand := f.s.inner.(transport.CompleteSink)
+	switch {
+	case !ok:
+		f.s.inner.EndWrite(f.res, false)
+		return err
+	case !inBand:
+		f.s.inner.EndWrite(f.res, false)
+		return transport.ErrNoInBand
+	}
+	return cs.EndComplete(f.res, f.tok, f.off, n)
+}
+
+// copyOut copies a frame that arrived whole to the GPU and gives its
+// staging buffer back; ok is false when it did not arrive or the copy
+// failed (the frame is torn).
+func (f *stagedFrame) copyOut(ok bool) (bool, error) {
 	var err error
 	if ok {
 		if err = f.s.dev.CopyFromHost(f.dst, f.buf); err != nil {
@@ -192,8 +223,7 @@ func (f *stagedFrame) End(ok bool) error {
 		f.s.pool.put(f.host)
 	}
 	f.host, f.buf = nil, nil
-	f.s.inner.EndWrite(f.res, ok)
-	return err
+	return ok, err
 }
 
 // writer stages device sources and passes host ones straight through.
@@ -204,6 +234,10 @@ type writer struct {
 	pool  *pool
 	kind  string
 }
+
+// InBand implements transport.InBandWriter: staged chunks keep their
+// item's Complete, so the inner writer's answer holds.
+func (w *writer) InBand(dest string) bool { return transport.InBand(w.inner, dest) }
 
 func (w *writer) Write(ctx context.Context, dest string, items []transport.WriteItem) []error {
 	errs := make([]error, len(items))

@@ -28,6 +28,16 @@
 // acked. A receiver never waits for the network with acks held back, so a
 // group's acks never wait for a later frame.
 //
+// A frame may carry its item's completion (FlagComplete, set when the
+// item asks: WriteItem.Complete): the receiver then ends it through the
+// sink's in-band completion (transport.CompleteSink), which completes the
+// reservation once every byte of it has landed, before the frame's ack.
+// The writer sets it on every frame of such an item, since the frames
+// travel over several connections and any of them may land last; an
+// item whose every frame was acknowledged is complete at the shard, and
+// no complete message follows it. A sink that does not complete in-band
+// refuses such a frame (transport.ErrNoInBand).
+//
 // A connection whose write fails (deadline, cancel, peer gone) is
 // half-closed: the receiver sees the torn frame end (EndWrite(false)),
 // while acks for the frames sent in full before it still arrive.

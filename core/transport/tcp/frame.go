@@ -12,7 +12,7 @@ import (
 // Wire layout (little-endian). A data frame is a fixed HeaderLen-byte
 // header followed by Length payload bytes:
 //
-//	0  magic "ECMW"   4  version u8   5  flags u8   6  reserved u16
+//	0  magic "ECMW"   4  version u8   5  flags u8 (FlagComplete)   6  reserved u16
 //	8  seq u64        16 res u64      24 token [16]byte
 //	40 offset u64     48 length u64
 //
@@ -36,21 +36,33 @@ const (
 	ackMagic   = "ECMA"
 )
 
-// Header is a decoded data-frame header. Version 1 defines no flags: a
-// frame with any flag or reserved bit set is refused, so that a later
-// version can give those bits meaning without an old receiver misreading it.
+// FlagComplete, in a header's flags, says the frame carries its item's
+// completion: the receiver completes the reservation in-band once every
+// byte of it has landed (see transport.CompleteSink), so no complete
+// message follows the item. It is the one flag defined: a frame with any
+// other flag or reserved bit set is refused, so that a later version can
+// give those bits meaning without a receiver misreading it.
+const FlagComplete = 1
+
+// Header is a decoded data-frame header.
 type Header struct {
 	Seq    uint64
 	Res    ids.ResID
 	Token  ids.Token
 	Offset uint64
 	Length uint64
+	// Complete: FlagComplete is set.
+	Complete bool
 }
 
 // AppendHeader appends h's wire form to b.
 func AppendHeader(b []byte, h Header) []byte {
 	b = append(b, frameMagic...)
-	b = append(b, Version, 0, 0, 0)
+	var flags byte
+	if h.Complete {
+		flags = FlagComplete
+	}
+	b = append(b, Version, flags, 0, 0)
 	b = binary.LittleEndian.AppendUint64(b, h.Seq)
 	b = binary.LittleEndian.AppendUint64(b, uint64(h.Res))
 	b = append(b, h.Token[:]...)
@@ -71,14 +83,15 @@ func DecodeHeader(b []byte) (Header, error) {
 	if b[4] != Version {
 		return Header{}, fmt.Errorf("transport: frame header: version %d, want %d: %w", b[4], Version, transport.ErrBadFrame)
 	}
-	if b[5] != 0 || b[6] != 0 || b[7] != 0 {
+	if b[5]&^FlagComplete != 0 || b[6] != 0 || b[7] != 0 {
 		return Header{}, fmt.Errorf("transport: frame header: flags %#x reserved %#x%02x not zero: %w", b[5], b[7], b[6], transport.ErrBadFrame)
 	}
 	h := Header{
-		Seq:    binary.LittleEndian.Uint64(b[8:]),
-		Res:    ids.ResID(binary.LittleEndian.Uint64(b[16:])),
-		Offset: binary.LittleEndian.Uint64(b[40:]),
-		Length: binary.LittleEndian.Uint64(b[48:]),
+		Seq:      binary.LittleEndian.Uint64(b[8:]),
+		Res:      ids.ResID(binary.LittleEndian.Uint64(b[16:])),
+		Offset:   binary.LittleEndian.Uint64(b[40:]),
+		Length:   binary.LittleEndian.Uint64(b[48:]),
+		Complete: b[5]&FlagComplete != 0,
 	}
 	copy(h.Token[:], b[24:40])
 	if h.Length > MaxFrame {

@@ -25,6 +25,21 @@ func TestHeaderRoundTrip(t *testing.T) {
 	require.Equal(t, h, got)
 }
 
+// A frame that carries its item's completion says so in its flags, and
+// only that flag is taken.
+func TestHeaderCompleteFlag(t *testing.T) {
+	h := sampleHeader()
+	h.Complete = true
+	b := AppendHeader(nil, h)
+	require.Equal(t, byte(FlagComplete), b[5])
+	got, err := DecodeHeader(b)
+	require.NoError(t, err)
+	require.Equal(t, h, got)
+	b[5] |= 2
+	_, err = DecodeHeader(b)
+	require.ErrorIs(t, err, transport.ErrBadFrame, "a flag beside FlagComplete")
+}
+
 func TestDecodeHeaderRefuses(t *testing.T) {
 	good := AppendHeader(nil, sampleHeader())
 	with := func(f func(b []byte)) []byte { return mutated(good, f) }
@@ -107,6 +122,7 @@ func TestDecodeAckRefuses(t *testing.T) {
 func FuzzDecodeHeader(f *testing.F) {
 	f.Add(AppendHeader(nil, sampleHeader()))
 	f.Add(AppendHeader(nil, Header{}))
+	f.Add(AppendHeader(nil, Header{Seq: 1, Res: 2, Length: 3, Complete: true}))
 	f.Add([]byte("ECMW"))
 	f.Add(bytes.Repeat([]byte{0xff}, HeaderLen))
 	f.Fuzz(func(t *testing.T, b []byte) {

@@ -335,7 +335,7 @@ func (rc *rconn) handshake() bool {
 		rc.notAdmitted(err.Error())
 		return false
 	}
-	dst, end, err := transport.OpenFrame(r.sink, h.Res, h.Token, h.Offset, h.Length)
+	dst, end, err := transport.OpenFrame(r.sink, h.Res, h.Token, h.Offset, h.Length, h.Complete)
 	if err != nil {
 		st := transport.StatusOf(err)
 		r.stats.Reject(st)
@@ -538,7 +538,7 @@ func (rc *rconn) frame() bool {
 		rc.linger()
 		return false
 	}
-	dst, end, err := transport.OpenFrame(r.sink, h.Res, h.Token, h.Offset, h.Length)
+	dst, end, err := transport.OpenFrame(r.sink, h.Res, h.Token, h.Offset, h.Length, h.Complete)
 	if err != nil {
 		return rc.refuse(h, err)
 	}

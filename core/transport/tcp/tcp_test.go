@@ -145,7 +145,7 @@ func TestTCPGarbageClosesOnlyThatConnection(t *testing.T) {
 		{"random", randBytes(99, HeaderLen)},
 		{"ack instead of frame", append(AppendAck(nil, Ack{Seq: 1}), make([]byte, HeaderLen-AckHeaderLen)...)},
 		{"future version", mutate(func(b []byte) { b[4] = 9 })},
-		{"flag set", mutate(func(b []byte) { b[5] = 1 })},
+		{"unknown flag set", mutate(func(b []byte) { b[5] = 2 })},
 		{"reserved set", mutate(func(b []byte) { b[6] = 1 })},
 		{"length over MaxFrame", mutate(func(b []byte) { binary.LittleEndian.PutUint64(b[48:], MaxFrame+1) })},
 	}

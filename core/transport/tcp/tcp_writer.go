@@ -106,6 +106,10 @@ func (w *tcpWriter) pool(dest string) (*pool, error) {
 // Write implements Writer. Chunks are dealt round-robin over the pool,
 // continuing where the previous call stopped, so that both one large item
 // and many small ones keep every connection busy.
+// InBand implements transport.InBandWriter: every frame of an item that
+// asks for it carries its completion (FlagComplete).
+func (w *tcpWriter) InBand(string) bool { return true }
+
 func (w *tcpWriter) Write(ctx context.Context, dest string, items []transport.WriteItem) []error {
 	if errs := transport.RefuseDevice("tcp", dest, items); errs != nil {
 		return errs
@@ -489,7 +493,7 @@ func (s *slot) send(g []*chunk) {
 		ch.seq = s.w.seq.Add(1)
 		AppendHeader(ch.hdr[:0], Header{
 			Seq: ch.seq, Res: it.Res, Token: it.Token,
-			Offset: it.Off + uint64(ch.off), Length: uint64(ch.end - ch.off),
+			Offset: it.Off + uint64(ch.off), Length: uint64(ch.end - ch.off), Complete: it.Complete,
 		})
 		s.bufs = append(s.bufs, ch.hdr[:], it.Src[ch.off:ch.end])
 	}

@@ -90,6 +90,9 @@ class Phase:
     encoders: tuple[int, ...] = ()
     pds: tuple[int, ...] = ()
     fault: str = ""
+    # "on" / "off": a repeated-image load (--reuse), with the proxy routing
+    # and reusing by affinity or with affinity off.
+    reuse: str = ""
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,9 @@ class Row:
     e2el_p50_ms: float | None = 0.0
     e2el_p99_ms: float | None = 0.0
     encoded: int | None = None
+    reused: int | None = None
     fallback: int | None = None
+    encode_s: float | None = None  # time requests spent in the proxy's encode phase, all together
     bytes_moved: int | None = None
     wait_mean_ms: float | None = None
     touched: int | None = None
@@ -142,6 +147,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--image-size", type=int, default=224, help="square images of this side (default %(default)s)")
     p.add_argument("--transport", default="tcp", choices=["tcp", "shm"])
+    p.add_argument("--reuse", type=float, default=0.0, metavar="FRACTION",
+                   help="add two 1E2P phases of repeated images (this fraction of requests repeats an earlier "
+                   "image, e.g. 0.8): the proxy routing and reusing by affinity, and with affinity off")
     p.add_argument("--start-timeout", type=float, default=900, help="seconds for the fleet's servers to be ready (default %(default)s)")
     p.add_argument("--run-timeout", type=float, default=900, help="seconds for one client run (default %(default)s)")
     p.add_argument("--workdir", default="", help="logs, results and the tiny model (default: a new temporary directory)")
@@ -175,6 +183,12 @@ def plan(args: argparse.Namespace) -> Plan:
         e, m = _topology(topo)
         phases.append(Phase(f"ecmooncake {topo}", "ecm", tuple(range(e)), tuple(range(m))))
         n_enc, n_pd = max(n_enc, e), max(n_pd, m)
+    if getattr(args, "reuse", 0.0):
+        if not 0 < args.reuse < 1:
+            raise ValueError(f"--reuse: {args.reuse} is not a fraction in (0, 1)")
+        for on in ("on", "off"):
+            phases.append(Phase(f"reuse 1E2P affinity {on}", "ecm", (0,), (0, 1), reuse=on))
+        n_enc, n_pd = max(n_enc, 1), max(n_pd, 2)
     faults = list(dict.fromkeys(args.fault))
     for f in sorted(faults, key=FAULTS.index):
         e = 2 if f == "kill-encoder" else 1
@@ -222,8 +236,11 @@ def check(phase: Phase, row: Row, num_prompts: int) -> list[str]:
         out.append(f"{row.failed} requests failed")
     if phase.kind == "single":
         return out
-    if row.encoded is not None and row.fallback is not None and row.encoded + row.fallback != num_prompts:
-        out.append(f"{row.encoded} items encoded and {row.fallback} fallen back, of {num_prompts} sent")
+    reused = row.reused or 0
+    if phase.reuse == "off" and reused:
+        out.append(f"{reused} items reused with affinity off")
+    if row.encoded is not None and row.fallback is not None and row.encoded + row.fallback + reused != num_prompts:
+        out.append(f"{row.encoded} items encoded, {reused} reused and {row.fallback} fallen back, of {num_prompts} sent")
     if phase.fault == "kill-encoder":
         if row.touched is None or row.fallback is None or row.fallback > row.touched:
             out.append(f"{row.fallback} fallbacks, more than the {row.touched} items the kill touched")
@@ -372,9 +389,14 @@ class Fleet:
             enc, pds = [self.example_encoder], [self.example_pd]
         else:
             enc, pds = [self.encoder_urls[i] for i in phase.encoders], [self.pds[j] for j in phase.pds]
-        return Proxy(self.args.python, enc, pds, log_dir, self.args.start_timeout,
-                     # An encoder call outlasts the time a stopped encoder is held.
-                     extra=("--encode-timeout", "300") if phase.fault == "kill-encoder" else ())
+        extra: tuple[str, ...] = ()
+        if phase.fault == "kill-encoder":
+            extra = ("--encode-timeout", "300")  # an encoder call outlasts the time a stopped encoder is held
+        elif phase.reuse == "off" or (phase.kind in ("ecm", "example") and not phase.reuse):
+            # Only the reuse phases reuse: the others measure each item's
+            # way through the encoder and the transfer.
+            extra = ("--affinity-entries", "0")
+        return Proxy(self.args.python, enc, pds, log_dir, self.args.start_timeout, extra=extra)
 
     def warm_up(self, seed: int) -> int:
         """One request through every instance: each encoder with a PD behind
@@ -438,18 +460,47 @@ class Proxy:
         self.d.stop()
 
 
-def bench_args(args: argparse.Namespace, model: str, url: str, rate: str, result_dir: Path, name: str, seed: int = 0) -> list[str]:
+def reuse_dataset(path: Path, n: int, fraction: float, side: int, seed: int) -> int:
+    """Writes vllm bench serve's custom_image dataset of n requests, one
+    image each, where about fraction of them repeat an image an earlier
+    request sent (a seeded choice) and the others send a new one. Returns
+    the number of distinct images."""
+    import random
+
+    rng = random.Random(seed)
+    images: list[str] = []
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            if not images or rng.random() >= fraction:
+                images.append(_png(seed * 100_003 + len(images) + 1, side))
+                url = images[-1]
+            else:
+                url = rng.choice(images)
+            f.write(json.dumps({"content": [{"type": "image_url", "image_url": {"url": url}},
+                                            {"type": "text", "text": "What is in this image?"}]}) + "\n")
+    return len(images)
+
+
+def bench_args(args: argparse.Namespace, model: str, url: str, rate: str, result_dir: Path, name: str, seed: int = 0,
+               dataset: Path | None = None) -> list[str]:
     """``vllm bench serve``'s arguments; each run gets a seed of its own, so
     that its images are new to the instances (a PD shard keeps earlier runs'
-    items resident, and an item it holds is not moved again)."""
+    items resident, and an item it holds is not moved again). With dataset,
+    the requests are that custom_image file's, in its order."""
     side = args.image_size
+    if dataset is not None:
+        data = ["--dataset-name", "custom_image", "--dataset-path", str(dataset), "--disable-shuffle",
+                "--custom-output-len", str(args.output_len)]
+    else:
+        data = [
+            "--dataset-name", "random-mm",
+            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
+            "--random-mm-base-items-per-request", "1", "--random-mm-num-mm-items-range-ratio", "0",
+            "--random-mm-limit-mm-per-prompt", IMAGE_LIMIT, "--random-mm-bucket-config", f"{{({side}, {side}, 1): 1.0}}",
+        ]
     return [
         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url,
-        "--model", model, "--tokenizer", model,
-        "--dataset-name", "random-mm", "--num-prompts", str(args.num_prompts),
-        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
-        "--random-mm-base-items-per-request", "1", "--random-mm-num-mm-items-range-ratio", "0",
-        "--random-mm-limit-mm-per-prompt", IMAGE_LIMIT, "--random-mm-bucket-config", f"{{({side}, {side}, 1): 1.0}}",
+        "--model", model, "--tokenizer", model, "--num-prompts", str(args.num_prompts), *data,
         "--request-rate", rate, "--ignore-eos", "--temperature", "0", "--seed", str(seed),
         "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,99",
         "--ready-check-timeout-sec", "0", "--disable-tqdm",
@@ -573,7 +624,9 @@ def _fleet_figures(row: Row, f: Fleet, px: Proxy | None, proxy0: str, pd0: str, 
     proxy1 = px.scrape()
     d = lambda a, b, n, **lab: fleet.metric(b, n, **lab) - fleet.metric(a, n, **lab)  # noqa: E731
     row.encoded = int(d(proxy0, proxy1, "ecm_proxy_media_items_total", outcome="encoded"))
+    row.reused = int(d(proxy0, proxy1, "ecm_proxy_media_items_total", outcome="reused"))
     row.fallback = int(d(proxy0, proxy1, "ecm_proxy_media_items_total", outcome="fallback"))
+    row.encode_s = d(proxy0, proxy1, "ecm_proxy_phase_seconds_sum", phase="encode")
     if ecm:
         pd1 = f.pd_scrape()
         row.bytes_moved = int(d(pd0, pd1, "ecm_completed_bytes_total"))
@@ -587,7 +640,11 @@ def run_bench(f: Fleet, phase: Phase, px: Proxy | None, rate: str, log_dir: Path
     url = px.url if px is not None else f.single_url
     name = f"{phase.name.replace(' ', '_')}_{rate}.json"
     proxy0, pd0 = (px.scrape() if px else ""), f.pd_scrape()
-    run = f.client.start(bench_args(args, model, url, rate, log_dir, name, seed))
+    dataset = None
+    if phase.reuse:
+        dataset = log_dir / f"{name}.jsonl"
+        reuse_dataset(dataset, args.num_prompts, args.reuse, args.image_size, seed)
+    run = f.client.start(bench_args(args, model, url, rate, log_dir, name, seed, dataset))
     deadline = time.monotonic() + args.run_timeout
     touched = unrouted = None
     if phase.fault == "kill-encoder" and px is not None:
@@ -684,8 +741,8 @@ COLUMNS = [
     ("e2el_p50_ms", "E2E p50 ms"), ("e2el_p99_ms", "E2E p99 ms"), ("encoded", "encoded"), ("fallback", "fallback"),
     ("bytes_moved", "bytes to PD"), ("wait_mean_ms", "PD wait ms"),
 ]
-# Shown only where a row has them (the fault scenarios).
-OPTIONAL = [("touched", "touched"), ("unrouted_s", "unrouted after s"), ("hung", "hung"), ("dropped", "dropped"),
+# Shown only where a row has them (the reuse and fault scenarios).
+OPTIONAL = [("reused", "reused"), ("encode_s", "encode s"), ("touched", "touched"), ("unrouted_s", "unrouted after s"), ("hung", "hung"), ("dropped", "dropped"),
             ("proxy_exit_s", "proxy exit s")]
 
 

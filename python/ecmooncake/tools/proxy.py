@@ -51,6 +51,11 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
          "once, all requests together; a body that would take it over is answered 503 with Retry-After"),
         ("--max-body-bytes-per-client", 0, "the most of that budget the requests of one client (peer address) hold at "
          "once; past it, 503 with Retry-After; 0: half the budget, never less than --max-body-bytes"),
+        ("--affinity-entries", 1 << 16, "media items whose PD the proxy remembers, to send a repeated image back to the "
+         "PD that holds its encoder output; 0 turns routing by affinity off"),
+        ("--affinity-ttl", 300.0, "seconds a remembered item counts"),
+        ("--affinity-slack", 2, "requests in flight the PD holding a request's images may have beyond the least "
+         "loaded PD and still be picked"),
     )
     p.add_argument("--no-register", action="store_true", help="refuse POST /v1/ecm/register even with a register token (static lists only)")
     add_token_arguments(p, name="register-token", env=REGISTER_TOKEN_ENV, what="the register token", file_help=(
@@ -59,6 +64,16 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
     add_options(p, ("--admin-port", 0, "serve /v1/ecm/register, /deregister and /backends on this port only, so that "
                      "--port can be exposed alone; 0: on --port"))
     p.add_argument("--admin-host", default="", help="address of the admin port (default: --host)")
+    p.add_argument("--no-affinity-reuse", action="store_true",
+                   help="encode every image even when the picked PD already holds it (by default such an image goes "
+                   "to that PD as media under the identifier its encoder gave it, and is not encoded again)")
+    p.add_argument("--client-media-keys", default="namespace", choices=["namespace", "refuse", "trust"],
+                   help="what becomes of a cache key a client names for a media part (its \"uuid\"): namespace keeps "
+                   "equal keys of different tenants apart (default; a request with a key and no tenant is refused), "
+                   "refuse answers 400, trust passes keys unchanged (one tenant only)")
+    p.add_argument("--tenant-header", default="", metavar="NAME",
+                   help="request header naming the tenant, set by an authenticating gateway in front of the proxy "
+                   "(default: the tenant is a digest of the request's Authorization header)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
 
 
@@ -75,7 +90,7 @@ def settings_of(args: argparse.Namespace, same: str, **renamed: str) -> dict[str
 
 def proxy_config(args: argparse.Namespace, token: str | None = None) -> dict[str, Any]:
     same = "host port metrics_port encode pd prefill decode retries ec_port fail_threshold admin_port admin_host"
-    same += " max_body_bytes max_bodies_in_flight max_body_bytes_per_client"
+    same += " max_body_bytes max_bodies_in_flight max_body_bytes_per_client client_media_keys tenant_header"
     return settings_of(
         args,
         same,
@@ -84,7 +99,10 @@ def proxy_config(args: argparse.Namespace, token: str | None = None) -> dict[str
         health_interval_s="health_interval",
         health_timeout_s="health_timeout",
         upstream_idle_timeout_s="upstream_idle_timeout",
-    ) | {"allow_register": not args.no_register, "register_token": token or ""}
+        affinity_entries="affinity_entries",
+        affinity_ttl_s="affinity_ttl",
+        affinity_slack="affinity_slack",
+    ) | {"affinity_reuse": not args.no_affinity_reuse, "allow_register": not args.no_register, "register_token": token or ""}
 
 
 def add_register_arguments(p: argparse.ArgumentParser) -> None:

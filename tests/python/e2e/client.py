@@ -7,7 +7,8 @@ ecmooncake.tools.fleet (itself standard library only) from the vLLM
 environment's install, for the wait until the proxy is healthy.
 
 Plan: {"url": "http://host:port", "model": "...", "requests": [{"image":
-"data:...", "stream": bool, "text": "..."}], "max_tokens": N,
+"data:...", "stream": bool, "text": "...", and optionally "uuid": the
+image part's cache key, "token": a bearer token}], "max_tokens": N,
 "metrics": ["http://host:port/metrics", ...], "timeout_s": T}
 
 Result: {"answers": [{"tokens": [id, ...], "logprobs": [float, ...],
@@ -31,6 +32,9 @@ from ecmooncake.tools import fleet
 
 
 def _body(plan: dict, req: dict) -> dict:
+    image = {"type": "image_url", "image_url": {"url": req["image"]}}
+    if "uuid" in req:
+        image["uuid"] = req["uuid"]  # a cache key of the client's choosing
     return {
         "model": plan["model"],
         "temperature": 0,
@@ -43,10 +47,7 @@ def _body(plan: dict, req: dict) -> dict:
         "messages": [
             {
                 "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": req["image"]}},
-                    {"type": "text", "text": req["text"]},
-                ],
+                "content": [image, {"type": "text", "text": req["text"]}],
             }
         ],
     }
@@ -61,9 +62,10 @@ def _token_id(entry: dict) -> int:
 
 def _answer(plan: dict, req: dict) -> dict:
     data = json.dumps(_body(plan, req)).encode()
-    http = urllib.request.Request(
-        plan["url"] + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json"}
+    if "token" in req:
+        headers["Authorization"] = f"Bearer {req['token']}"  # the client's credential: its tenant at the proxy
+    http = urllib.request.Request(plan["url"] + "/v1/chat/completions", data=data, headers=headers)
     tokens: list[int] = []
     logprobs: list[float] = []
     text = []

@@ -191,13 +191,16 @@ def _proxy_argv(port: int, metrics_port: int, encode: str, pd: str, consumer: st
 
 
 def _check_transfers(out: dict, proxy_metrics: str, pd_metrics: list[str], items: int, distinct: int) -> None:
-    """Every item went through the transfer: the proxy encoded each one and
-    none fell back, the PD scheduler saw each distinct image arrive on every
-    shard, and the shard received it."""
+    """Every image went through the transfer once: the proxy encoded each
+    distinct one and none fell back, sent each repeat to the PD that holds
+    it without encoding it again (the requests go one after the other), the
+    PD scheduler saw each distinct image arrive on every shard, and the
+    shard received it."""
     text = out["metrics"]
     proxy = text[proxy_metrics]
     assert metric(proxy, "ecm_proxy_media_items_total", outcome="fallback") == 0, proxy
-    assert metric(proxy, "ecm_proxy_media_items_total", outcome="encoded") == items, proxy
+    assert metric(proxy, "ecm_proxy_media_items_total", outcome="encoded") == distinct, proxy
+    assert metric(proxy, "ecm_proxy_media_items_total", outcome="reused") == items - distinct, proxy
     # Our connector names each item's modality itself, on vLLM 0.32 too.
     assert metric(proxy, "ecm_proxy_derived_fields_total") == 0, proxy
     pd = "\n".join(text[u] for u in pd_metrics)
@@ -216,7 +219,23 @@ def _check_transfers(out: dict, proxy_metrics: str, pd_metrics: list[str], items
     assert "ecm_local_encodes_total" in pd and metric(pd, "ecm_local_encodes_total") == 0, pd
 
 
-def _mooncake_phase(name, model, logs, requests_, baseline, transport: str) -> None:
+def _check_tenant_keys(url: str, model: Path, proxy_metrics: str, requests_: list[dict], baseline) -> None:
+    """Two clients name the same cache key ("uuid") for different images.
+    The proxy keeps the keys of different tenants (bearer tokens) apart, so
+    the second client is answered about its own image, exactly as without
+    a key, and never with the first one's embeddings."""
+    a, b = requests_[0], requests_[3]  # image a and image b, both not streamed
+    assert a["image"] != b["image"] and not a["stream"] and not b["stream"]
+    tenants = [dict(a, uuid="client-chosen-key", token="tenant-a"), dict(b, uuid="client-chosen-key", token="tenant-b")]
+    out = run_client(_plan(url, model, tenants, [proxy_metrics]))
+    got = _answers(out)
+    assert got[0] == baseline[0], "tenant a: the answer for its own image"
+    assert got[1] == baseline[3], "tenant b got an answer other than its own image's: the first tenant's key served it"
+    proxy = out["metrics"][proxy_metrics]
+    assert metric(proxy, "ecm_proxy_client_media_keys_total", outcome="namespaced") == 2, proxy
+
+
+def _mooncake_phase(name, model, logs, requests_, baseline, transport: str, tenants: bool = False) -> None:
     base = free_port_range(8)
     pd_http, enc_http, proxy_port, proxy_metrics, ec_port, pd_metrics = base, base + 1, base + 2, base + 3, base + 4, base + 5
     consumer = f"tcp://127.0.0.1:{ec_port}"
@@ -247,6 +266,8 @@ def _mooncake_phase(name, model, logs, requests_, baseline, transport: str) -> N
             assert metric(vllm_metrics, "vllm:ec_mooncake_wait_time_seconds_count") >= 1, vllm_metrics[-3000:]
             assert "vllm:ec_mooncake_num_failed_requests_total" in vllm_metrics, vllm_metrics[-3000:]
             assert metric(vllm_metrics, "vllm:ec_mooncake_num_failed_requests_total") == 0, vllm_metrics[-3000:]
+        if tenants:
+            _check_tenant_keys(f"http://127.0.0.1:{proxy_port}", model, proxy_url, requests_, baseline)
     left = _ecm_shm_files() - before
     assert not left, f"{name}: left in /dev/shm after vLLM stopped: {sorted(left)}"
 
@@ -291,15 +312,17 @@ def test_example_connector_epd_matches_one_instance(model, logs, requests_, base
             # instance as media (the deployment still answers alike).
             assert metric(proxy, "ecm_proxy_media_items_total", outcome="fallback") == len(requests_), proxy
             return
-        assert metric(proxy, "ecm_proxy_media_items_total", outcome="encoded") == len(requests_), proxy
+        distinct = len({r["image"] for r in requests_})
+        assert metric(proxy, "ecm_proxy_media_items_total", outcome="encoded") == distinct, proxy
+        assert metric(proxy, "ecm_proxy_media_items_total", outcome="reused") == len(requests_) - distinct, proxy
         assert metric(proxy, "ecm_proxy_media_items_total", outcome="fallback") == 0, proxy
         # vLLM 0.32's own connector reports no modality: the proxy filled it in.
-        assert metric(proxy, "ecm_proxy_derived_fields_total", field="modality") == len(requests_), proxy
+        assert metric(proxy, "ecm_proxy_derived_fields_total", field="modality") == distinct, proxy
     assert any(store.iterdir()), "the example connector stored nothing"
 
 
 def test_mooncake_connector_over_tcp_matches_one_instance(model, logs, requests_, baseline):
-    _mooncake_phase("tcp", model, logs, requests_, baseline, "tcp")
+    _mooncake_phase("tcp", model, logs, requests_, baseline, "tcp", tenants=True)
 
 
 def test_mooncake_connector_over_shm_matches_one_instance(model, logs, requests_, baseline):

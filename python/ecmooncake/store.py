@@ -1,0 +1,837 @@
+"""An optional second tier in Mooncake Store: encoder outputs put there
+after they complete, and got from there by a PD that needs an item no push
+will bring, instead of encoding it again.
+
+Why Python, over the wheel's ``MooncakeDistributedStore``: the Store's
+client is C++ behind a pybind11 module (``mooncake/store.so``) whose calls
+release the GIL; it exports no C API, and binding its C++ classes from Go
+(as the transport's shim does for the TransferEngine) would tie us to the
+client's class layout, which changes between releases. The pybind API
+(``setup``, ``register_buffer``, ``put_from``, ``get_into``) is what vLLM's
+and Mooncake's own connectors use, and is stable across the wheels we
+support. Its calls block (a call to a master that is gone takes about 4 s
+before it fails), so every call runs on a daemon thread of this module and
+the caller waits at most its deadline.
+
+What the tier promises its caller (the connector):
+
+- Nothing raises. :meth:`StoreTier.get_into` answers a :class:`GetResult`;
+  :meth:`StoreTier.put_async` answers whether the put was taken. Every
+  outcome is counted (:meth:`StoreTier.stats`); fallbacks are logged, at
+  most once per reason per interval.
+- A get waits at most ``get_timeout_s`` (or the caller's shorter deadline):
+  :meth:`StoreTier.get_into` on a worker thread, or
+  :meth:`StoreTier.start_get` and a ticket polled without waiting (for a
+  scheduler, which never blocks).
+  The Store writes into staging memory this tier registered once, never
+  into the caller's buffer: the copy into the caller's buffer happens only
+  while the caller still waits, so a get that answers late writes nothing
+  the caller may already have reused.
+- A put copies the caller's bytes into registered staging memory on a
+  worker thread (the caller's ``release`` callback then runs), so the
+  caller's ready path pays no copy. Bytes in flight are bounded by
+  ``put_inflight_bytes`` and the rate by ``put_rate_bytes_s``: a put beyond
+  either is dropped, counted, never queued.
+- After a call fails or runs past its deadline, every call falls back at
+  once for ``retry_after_s`` (the master may be gone); then calls go to the
+  Store again.
+- Buffers are host memory: a PD whose slab is GPU memory gets into host
+  memory and copies to the GPU itself (a CUDA wheel's ``get_into`` of GPU
+  memory is not tested here).
+- Nothing of Mooncake loads until :meth:`StoreTier.open`, which a process
+  calls after vLLM forked it (the client starts threads).
+
+Keys: :func:`item_key` joins the ``mm_hash`` with everything that makes an
+encoder output valid for a PD, so that two PDs share an entry only when the
+bytes would be the same.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import hashlib
+import json
+import logging
+import mmap
+import os
+import queue
+import threading
+import time
+import urllib.parse
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+from . import ec_config, schema
+from .ec_config import ConfigError
+
+logger = logging.getLogger("vllm.ecmooncake.store")
+
+KEY_VERSION = "ecm1"
+# Mooncake's codes (mooncake-store/include/types.h) that the tier tells
+# apart: a miss, and a caller's buffer of the wrong size.
+OBJECT_NOT_FOUND = -704
+BUFFER_OVERFLOW = -600
+# Staging extents are aligned like the consumer's slab.
+ALIGN = 256
+LOG_EVERY_S = 10.0
+RECENT_PUTS = 4096
+
+
+# ----------------------------------------------------------------------------
+# Settings
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """The ``store`` object of ``ec_connector_extra_config``, checked
+    against the library's schema (core/config/store.go)."""
+
+    enabled: bool = False
+    master_address: str = ""
+    metadata_address: str = ""
+    local_hostname: str = ""
+    mooncake_protocol: str = "tcp"
+    segment_bytes: int = 512 << 20
+    local_buffer_bytes: int = 16 << 20
+    put_inflight_bytes: int = 256 << 20
+    put_rate_bytes_s: int = 0
+    get_staging_bytes: int = 256 << 20
+    max_gets: int = 4
+    get_timeout_s: float = 2.0
+    put_timeout_s: float = 10.0
+    retry_after_s: float = 5.0
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> "StoreSettings":
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"store = {raw!r}; want an object of store settings")
+        specs = schema.settings("store")
+        unknown = sorted(set(raw) - set(specs))
+        if unknown:
+            raise ConfigError(f"store: unknown key(s) {', '.join(unknown)}; want some of {', '.join(sorted(specs))}")
+        values = {}
+        for f in fields(cls):
+            spec = specs[f.name]
+            value = raw.get(f.name, spec["default"])
+            values[f.name] = ec_config._check_of(spec)(f"store.{f.name}", value)
+        s = cls(**values)
+        s._check_addresses()
+        return s
+
+    def _check_addresses(self) -> None:
+        if self.master_address:
+            host, sep, port = self.master_address.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"store.master_address = {self.master_address!r}; want host:port of mooncake_master")
+        meta = self.metadata_address
+        if meta and meta != "P2PHANDSHAKE":
+            scheme = meta.split("://", 1)[0] if "://" in meta else ""
+            # Mooncake aborts the process on a metadata scheme its build lacks.
+            if scheme not in ("http", "https", "etcd"):
+                raise ConfigError(
+                    f"store.metadata_address = {meta!r}; want http://host:port/metadata, etcd://host:port or P2PHANDSHAKE"
+                )
+        # Mooncake's client refuses an empty local_hostname at setup.
+        if self.enabled and not (self.master_address and self.metadata_address and self.local_hostname):
+            raise ConfigError("store.enabled without master_address, metadata_address and local_hostname; "
+                              "name mooncake_master, its metadata service and this host's address")
+
+
+# ----------------------------------------------------------------------------
+# Keys
+
+
+def item_key(
+    mm_hash: str,
+    *,
+    model: str,
+    encoder_config: Mapping[str, Any] | str,
+    dtype: str,
+    shape: Sequence[int],
+    tp_size: int = 1,
+    tp_layout: str = "replicated",
+) -> str:
+    """The Store key of one encoder output: ``ecm1/<mm_hash>/<variant>``.
+
+    ``mm_hash`` names the content (readable in the key, so that the Store's
+    keys tell which images it holds); ``variant`` is a digest of what makes
+    the bytes valid for a PD: the model (name and revision), the encoder's
+    config (anything that changes its output: processor settings, pixel
+    bounds), the dtype, the shape, and the TP layout of the consumer: how
+    the item is laid over its shards, and, for any layout but
+    ``replicated`` (every shard holds the whole item, as this connector
+    sends it today), the TP size. Two PDs that differ in any of these never
+    share an entry; PDs of different TP sizes share a replicated one."""
+    if not isinstance(mm_hash, str) or not mm_hash:
+        raise ValueError(f"item_key: mm_hash = {mm_hash!r}; want a non-empty string")
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"item_key: model = {model!r}; want a non-empty string")
+    if not isinstance(dtype, str) or not dtype:
+        raise ValueError(f"item_key: dtype = {dtype!r}; want a non-empty string such as 'bfloat16'")
+    dims = list(shape)
+    if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in dims):
+        raise ValueError(f"item_key: shape = {shape!r}; want positive integers")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"item_key: tp_size = {tp_size!r}; want an integer of at least 1")
+    if not isinstance(tp_layout, str) or not tp_layout:
+        raise ValueError(f"item_key: tp_layout = {tp_layout!r}; want a non-empty string")
+    if isinstance(encoder_config, Mapping):
+        try:
+            encoder = json.dumps(encoder_config, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"item_key: encoder_config is not plain JSON: {exc}") from None
+    elif isinstance(encoder_config, str):
+        encoder = encoder_config
+    else:
+        raise ValueError(f"item_key: encoder_config = {encoder_config!r}; want a mapping or a string")
+    layout = {"tp_layout": tp_layout}
+    if tp_layout != "replicated":
+        layout["tp_size"] = tp_size
+    variant = json.dumps(
+        {"model": model, "encoder": encoder, "dtype": dtype, "shape": dims, **layout},
+        sort_keys=True, separators=(",", ":"),
+    )
+    digest = hashlib.sha256(variant.encode()).hexdigest()[:32]
+    name = urllib.parse.quote(mm_hash, safe="-_.~")
+    if len(name) > 128:
+        name = "sha256-" + hashlib.sha256(mm_hash.encode()).hexdigest()[:40]
+    return f"{KEY_VERSION}/{name}/{digest}"
+
+
+# ----------------------------------------------------------------------------
+# Staging memory
+
+
+class Extents:
+    """First-fit allocation of aligned extents of one region; no I/O."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._free: list[tuple[int, int]] = [(0, size)]  # (offset, length), by offset
+        self.used = 0
+
+    def alloc(self, nbytes: int) -> int | None:
+        need = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        for i, (off, length) in enumerate(self._free):
+            if length >= need:
+                if length == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + need, length - need)
+                self.used += need
+                return off
+        return None
+
+    def free(self, off: int, nbytes: int) -> None:
+        need = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        i = bisect.bisect(self._free, (off, 0))
+        self._free.insert(i, (off, need))
+        self.used -= need
+        # Coalesce with the neighbours.
+        if i + 1 < len(self._free) and off + need == self._free[i + 1][0]:
+            self._free[i] = (off, need + self._free[i + 1][1])
+            del self._free[i + 1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:
+            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
+            del self._free[i]
+
+
+class _Region:
+    """Anonymous page-aligned host memory, registered with the Store once."""
+
+    def __init__(self, size: int):
+        self.map = mmap.mmap(-1, size)
+        self.view = (ctypes.c_char * size).from_buffer(self.map)
+        self.addr = ctypes.addressof(self.view)
+        self.size = size
+        self.extents = Extents(size)
+
+
+# ----------------------------------------------------------------------------
+# The tier
+
+
+class GetResult(NamedTuple):
+    """``ok`` when the caller's buffer holds the item; else ``reason`` says
+    why the caller falls back (miss, timeout, error, unavailable, busy,
+    not_ready, disabled, too_large, invalid, cancelled, size_mismatch)."""
+
+    ok: bool
+    reason: str
+    nbytes: int = 0
+
+
+COUNTERS = (
+    "get_hit", "get_hit_bytes", "get_miss", "get_timeout", "get_error", "get_size_mismatch",
+    "get_unavailable", "get_busy", "get_not_ready", "get_too_large", "get_invalid", "get_cancelled", "get_late",
+    "put_ok", "put_bytes", "put_error", "put_timeout", "put_duplicate",
+    "put_dropped_full", "put_dropped_rate", "put_dropped_unavailable", "put_dropped_not_ready", "put_dropped_invalid",
+    "setup_failed", "breaker_trips",
+)
+
+
+class GetTicket:
+    """A get in flight (see :meth:`StoreTier.start_get`)."""
+
+    def __init__(self, tier: "StoreTier", g: "_Get | None", done: GetResult | None):
+        self._tier, self._g, self._done = tier, g, done
+
+    def remaining(self) -> float:
+        """Seconds until the deadline (0 once passed or answered)."""
+        if self._done is not None or self._g is None:
+            return 0.0
+        return max(self._g.deadline - time.monotonic(), 0.0)
+
+    def result(self, wait: float = 0.0) -> GetResult | None:
+        """The get's result, waiting at most wait seconds (never past the
+        deadline); None while it runs and its deadline has not passed."""
+        if self._done is not None:
+            return self._done
+        g = self._g
+        g.done.wait(min(max(wait, 0.0), self.remaining()))
+        with g.lock:
+            if g.result is not None:
+                self._done = g.result
+                return self._done
+        if time.monotonic() < g.deadline:
+            return None
+        self._done = self._tier._give_up(g, "timeout") or g.result
+        return self._done
+
+    def cancel(self) -> None:
+        """Gives the get up: the caller's buffer is not written after this
+        returns (counted as get_cancelled unless it had already ended)."""
+        if self._done is None and self._g is not None:
+            self._done = self._tier._give_up(self._g, "cancelled") or self._g.result
+
+
+class _Get:
+    """One get: the caller and the worker settle under the get's own lock
+    who finishes it, so that the caller's buffer is written only while the
+    caller waits."""
+
+    __slots__ = ("key", "dest", "nbytes", "off", "deadline", "lock", "done", "abandoned", "result")
+
+    def __init__(self, key: str, dest: int, nbytes: int, off: int, deadline: float):
+        self.key, self.dest, self.nbytes, self.off, self.deadline = key, dest, nbytes, off, deadline
+        # Its own lock, so that the copy into dest holds up no other call.
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.abandoned = False
+        self.result: GetResult | None = None
+
+
+class StoreTier:
+    """The Store client of one process. ``backend_factory`` makes the
+    Store client (default: the wheel's ``MooncakeDistributedStore``); tests
+    pass an in-memory fake (:class:`MemoryStore`)."""
+
+    def __init__(
+        self,
+        settings: StoreSettings,
+        backend_factory: Callable[[], Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.settings = settings
+        self._factory = backend_factory or load_store_class()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._state = "closed"  # closed -> opening -> ready | failed; any -> closing
+        self._backend: Any = None
+        self._get_region: _Region | None = None
+        self._put_region: _Region | None = None
+        self._gets_in_flight = 0
+        self._puts: dict[int, tuple[str, float]] = {}  # put id -> (key, started)
+        self._put_seq = 0
+        self._retry_at = 0.0
+        self._tokens = float(settings.put_rate_bytes_s)
+        self._tokens_at = clock()
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self._logged: dict[str, float] = {}
+        self._get_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._put_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready = threading.Event()
+        # Calls inside the Store client now; close waits for them, for
+        # closing the client under a call would free what the call uses.
+        self._calls = 0
+        self._idle = threading.Condition(self._lock)
+
+    # -- life ---------------------------------------------------------------
+
+    def open(self) -> None:
+        """Starts the client on a thread of its own: until it is set up,
+        gets and puts fall back (not_ready), counted. Never raises."""
+        with self._lock:
+            if self._state != "closed" or not self.settings.enabled:
+                return
+            self._state = "opening"
+        threading.Thread(target=self._setup, name="ecm-store-setup", daemon=True).start()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """For tests and tools: whether setup finished within timeout."""
+        return self._ready.wait(timeout) and self.state == "ready"
+
+    @property
+    def state(self) -> str:
+        with self._lock:
+            return self._state
+
+    def _setup(self) -> None:
+        s = self.settings
+        try:
+            backend = self._factory()
+            rc = backend.setup(s.local_hostname, s.metadata_address, s.segment_bytes, s.local_buffer_bytes,
+                               s.mooncake_protocol, "", s.master_address)
+            if rc != 0:
+                raise RuntimeError(f"setup answered {rc}")
+            get_region, put_region = _Region(s.get_staging_bytes), _Region(s.put_inflight_bytes)
+            for what, region in (("get", get_region), ("put", put_region)):
+                rc = backend.register_buffer(region.addr, region.size)
+                if rc != 0:
+                    raise RuntimeError(f"registering {region.size} bytes of {what} staging answered {rc}")
+        except Exception as exc:  # noqa: BLE001 - a failed setup is a counted fallback, never raised
+            with self._lock:
+                self._counts["setup_failed"] += 1
+                if self._state == "opening":
+                    self._state = "failed"
+            logger.error("Mooncake Store at %s (metadata %s) is not used: %s; every item is encoded locally",
+                         s.master_address, s.metadata_address, exc)
+            self._ready.set()
+            return
+        with self._lock:
+            if self._state != "opening":
+                # Closed while setting up: nobody will use this client.
+                threading.Thread(target=backend.close, name="ecm-store-close", daemon=True).start()
+                self._ready.set()
+                return
+            self._backend, self._get_region, self._put_region = backend, get_region, put_region
+            self._state = "ready"
+        for i in range(s.max_gets):
+            threading.Thread(target=self._serve, args=(self._get_q,), name=f"ecm-store-get-{i}", daemon=True).start()
+        threading.Thread(target=self._serve, args=(self._put_q,), name="ecm-store-put", daemon=True).start()
+        logger.info("Mooncake Store tier ready: master %s, metadata %s, %s", s.master_address, s.metadata_address, s.mooncake_protocol)
+        self._ready.set()
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stops taking calls and closes the client, waiting at most
+        timeout (a client whose master is gone takes seconds to close).
+        Whether it closed in time; a client with a call still inside it
+        then is left to the process's exit. Never raises."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            backend, self._backend = self._backend, None
+            self._state = "closing"
+            while self._calls and time.monotonic() < end:
+                self._idle.wait(end - time.monotonic())
+            busy = self._calls
+        for _ in range(self.settings.max_gets):
+            self._get_q.put(None)
+        self._put_q.put(None)
+        if backend is None:
+            return True
+        if busy:
+            logger.warning("Mooncake Store client left open: %d call(s) still inside it after %.1f s", busy, timeout)
+            return False
+        done = threading.Event()
+
+        def _close() -> None:
+            try:
+                backend.close()
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("closing the Mooncake Store client: %s", exc)
+            done.set()
+
+        threading.Thread(target=_close, name="ecm-store-close", daemon=True).start()
+        return done.wait(max(end - time.monotonic(), 0.0))
+
+    def _enter(self) -> bool:
+        """Counts a call into the client; False once the tier is closing."""
+        with self._lock:
+            if self._state != "ready":
+                return False
+            self._calls += 1
+            return True
+
+    def _leave(self) -> None:
+        """Under the lock."""
+        self._calls -= 1
+        if not self._calls:
+            self._idle.notify_all()
+
+    def _serve(self, q: queue.SimpleQueue) -> None:
+        while True:
+            job = q.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - a job's own failure is counted inside it
+                logger.exception("Mooncake Store worker")
+
+    # -- counting -----------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Every counter, and the bytes of puts and gets in flight."""
+        with self._lock:
+            out = dict(self._counts)
+            out["fallbacks"] = sum(out[k] for k in out if k.startswith("get_") and k not in ("get_hit", "get_hit_bytes", "get_late"))
+            out["put_inflight_bytes"] = self._put_region.extents.used if self._put_region else 0
+            out["get_inflight_bytes"] = self._get_region.extents.used if self._get_region else 0
+            return out
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counts[name] += n
+
+    def _note(self, reason: str, msg: str, *args: Any) -> None:
+        """Logs a fallback, at most once per reason per LOG_EVERY_S."""
+        now = self._clock()
+        if now - self._logged.get(reason, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._logged[reason] = now
+            logger.warning(msg, *args)
+
+    def _trip(self, why: str) -> None:
+        """Calls fall back at once for retry_after_s. Under the lock."""
+        self._retry_at = self._clock() + self.settings.retry_after_s
+        self._count("breaker_trips")
+        self._note("breaker", "Mooncake Store: %s; calls fall back to local encodes for %.1f s",
+                   why, self.settings.retry_after_s)
+
+    def _unusable(self) -> str | None:
+        """Why a call cannot go to the Store now, or None. Under the lock."""
+        if not self.settings.enabled:
+            return "disabled"
+        if self._state in ("closed", "opening"):
+            return "not_ready"
+        if self._state != "ready":
+            return "unavailable"
+        now = self._clock()
+        # Puts are kept in the order they started: the oldest first.
+        for pid, (key, started) in list(self._puts.items()):
+            if now - started <= self.settings.put_timeout_s:
+                break
+            # A put still running past its deadline: the master may be gone.
+            del self._puts[pid]
+            self._count("put_timeout")
+            self._trip(f"a put of {key} ran past put_timeout_s")
+        if now < self._retry_at:
+            return "unavailable"
+        return None
+
+    # -- get ----------------------------------------------------------------
+
+    def get_into(self, key: str, dest: int, nbytes: int, timeout: float | None = None) -> GetResult:
+        """Gets the item of key into host memory at address dest, which must
+        hold exactly nbytes. Waits at most ``get_timeout_s`` (or timeout,
+        if shorter): for a worker thread, never the scheduler's (which polls
+        a :meth:`start_get` ticket instead). Never raises; the caller falls
+        back unless ok."""
+        ticket = self.start_get(key, dest, nbytes, timeout)
+        return ticket.result(wait=ticket.remaining())
+
+    def start_get(self, key: str, dest: int, nbytes: int, timeout: float | None = None) -> "GetTicket":
+        """Starts a get and returns at once; the ticket's ``result()``
+        answers None while the get runs, then its result, or a timeout once
+        its deadline (``get_timeout_s``, or timeout if shorter) passed.
+        dest must stay valid until the ticket answers or is cancelled."""
+        with self._lock:
+            why = self._unusable()
+            if why is None and (nbytes <= 0 or not dest):
+                why = "invalid"
+            if why is None and self._gets_in_flight >= self.settings.max_gets:
+                why = "busy"
+            if why is None and nbytes > self.settings.get_staging_bytes:
+                why = "too_large"
+            off = None
+            if why is None:
+                off = self._get_region.extents.alloc(nbytes + 1)
+                if off is None:
+                    why = "busy"
+            if why is not None:
+                if why != "disabled":
+                    self._count(f"get_{why}")
+                    self._note(f"get_{why}", "Mooncake Store get of %s falls back: %s", key, why)
+                return GetTicket(self, None, GetResult(False, why))
+            self._gets_in_flight += 1
+            region = self._get_region
+            backend = self._backend
+        wait = self.settings.get_timeout_s if timeout is None else min(timeout, self.settings.get_timeout_s)
+        g = _Get(key, dest, nbytes, off, time.monotonic() + max(wait, 0.0))
+        self._get_q.put(lambda: self._run_get(g, backend, region))
+        return GetTicket(self, g, None)
+
+    def _give_up(self, g: _Get, reason: str) -> GetResult | None:
+        """Abandons g unless it has its result: the Store's answer, when it
+        comes, is then dropped. None when g already had a result."""
+        with g.lock:
+            if g.result is not None:
+                return None
+            g.abandoned = True
+        with self._lock:
+            self._count(f"get_{reason}")
+            if reason == "timeout":
+                self._trip(f"a get of {g.key} ran past its deadline")
+        return GetResult(False, reason)
+
+    def _run_get(self, g: _Get, backend: Any, region: _Region) -> None:
+        # One byte more than the key implies, so that a larger object
+        # shows as one rather than as a hit.
+        err = None
+        entered = self._enter()
+        if not entered:
+            rc, err = None, "the tier is closing"
+        else:
+            try:
+                rc = backend.get_into(g.key, region.addr + g.off, g.nbytes + 1)
+            except Exception as exc:  # noqa: BLE001
+                rc, err = None, exc
+        with g.lock:
+            late = g.abandoned
+            if late:
+                res = None
+            elif err is not None or not isinstance(rc, int):
+                res = GetResult(False, "error")
+            elif rc == OBJECT_NOT_FOUND:
+                res = GetResult(False, "miss")
+            elif rc == g.nbytes:
+                ctypes.memmove(g.dest, region.addr + g.off, g.nbytes)
+                res = GetResult(True, "hit", g.nbytes)
+            elif rc >= 0 or rc == BUFFER_OVERFLOW:
+                res = GetResult(False, "size_mismatch")
+            else:
+                res = GetResult(False, "error")
+            g.result = res
+        with self._lock:
+            if entered:
+                self._leave()
+            region.extents.free(g.off, g.nbytes + 1)
+            self._gets_in_flight -= 1
+            if late:
+                self._count("get_late")
+            elif res.ok:
+                self._count("get_hit")
+                self._count("get_hit_bytes", g.nbytes)
+            else:
+                self._count(f"get_{res.reason}")
+                if res.reason == "error":
+                    self._trip(f"a get of {g.key} failed: {err if err is not None else rc}")
+                elif res.reason == "size_mismatch":
+                    self._note("get_size_mismatch", "Mooncake Store holds %s with %s bytes, not the %d its key implies",
+                               g.key, rc if rc >= 0 else "more", g.nbytes)
+        g.done.set()
+
+    # -- put ----------------------------------------------------------------
+
+    def put_async(self, key: str, src: int, nbytes: int, release: Callable[[], None] | None = None) -> bool:
+        """Takes a put of nbytes at host address src, or drops it (counted).
+        Taken, src must stay valid until release() is called, which a
+        worker does once the bytes are copied (or the put is given up);
+        dropped, release is not called and src is the caller's again.
+        Never raises, never waits."""
+        with self._lock:
+            why = self._unusable()
+            if why is None and (nbytes <= 0 or not src):
+                why = "invalid"
+            if why is None and key in self._recent:
+                self._recent.move_to_end(key)
+                self._count("put_duplicate")
+                return False
+            if why is None and self.settings.put_rate_bytes_s:
+                now = self._clock()
+                rate = self.settings.put_rate_bytes_s
+                self._tokens = min(float(rate), self._tokens + (now - self._tokens_at) * rate)
+                self._tokens_at = now
+                # An item larger than a second's worth passes on a full bucket.
+                if self._tokens < min(nbytes, rate):
+                    why = "rate"
+            off = None
+            if why is None:
+                off = self._put_region.extents.alloc(nbytes) if nbytes <= self._put_region.size else None
+                if off is None:
+                    why = "full"
+            if why is not None:
+                if why != "disabled":
+                    self._count(f"put_dropped_{why}")
+                    self._note(f"put_{why}", "Mooncake Store put of %s dropped: %s", key, why)
+                return False
+            if self.settings.put_rate_bytes_s:
+                self._tokens -= nbytes
+            self._put_seq += 1
+            pid = self._put_seq
+            self._puts[pid] = (key, self._clock())
+            self._recent[key] = None
+            while len(self._recent) > RECENT_PUTS:
+                self._recent.popitem(last=False)
+            backend, region = self._backend, self._put_region
+        self._put_q.put(lambda: self._run_put(pid, key, src, nbytes, off, release, backend, region))
+        return True
+
+    def _run_put(self, pid: int, key: str, src: int, nbytes: int, off: int,
+                 release: Callable[[], None] | None, backend: Any, region: _Region) -> None:
+        ctypes.memmove(region.addr + off, src, nbytes)
+        if release is not None:
+            try:
+                release()
+            except Exception:  # noqa: BLE001
+                logger.exception("Mooncake Store: a put's release callback failed")
+        with self._lock:
+            gone = self._state != "ready" or self._clock() < self._retry_at
+            if not gone:
+                self._calls += 1
+        if gone:
+            rc, err = None, "the Store was unavailable when the put's turn came"
+        else:
+            try:
+                rc, err = backend.put_from(key, region.addr + off, nbytes), None
+            except Exception as exc:  # noqa: BLE001
+                rc, err = None, str(exc)
+        with self._lock:
+            if not gone:
+                self._leave()
+            region.extents.free(off, nbytes)
+            timed_out = self._puts.pop(pid, None) is None
+            if rc == 0:
+                self._count("put_ok")
+                self._count("put_bytes", nbytes)
+                return
+            self._recent.pop(key, None)
+            if gone:
+                self._count("put_dropped_unavailable")
+                return
+            if not timed_out:  # a put past its deadline was counted then
+                self._count("put_error")
+                self._trip(f"a put of {key} failed: {err if err else rc}")
+
+
+# ----------------------------------------------------------------------------
+# The wheel's client, and a fake of it
+
+
+def load_store_class() -> Callable[[], Any]:
+    """The wheel's ``MooncakeDistributedStore``, imported on first use.
+    Wheels before 0.3.13 link ``libcudart.so.12`` even in their non-CUDA
+    build; it is loaded from PyPI's ``nvidia-cuda-runtime-cu12`` (beside
+    the wheel or on sys.path) into this process only, so no loader path of
+    the process changes."""
+
+    def factory() -> Any:
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            if "libcudart.so.12" not in str(exc) or not preload_cudart():
+                raise
+            from mooncake.store import MooncakeDistributedStore
+        return MooncakeDistributedStore()
+
+    return factory
+
+
+def cudart_dir() -> str | None:
+    """The folder of ``libcudart.so.12`` that PyPI's nvidia-cuda-runtime-cu12
+    installs, looked up beside the mooncake package and on sys.path."""
+    import importlib.util
+    import sys
+
+    roots = []
+    spec = importlib.util.find_spec("mooncake")
+    if spec is not None and spec.submodule_search_locations:
+        roots += [os.path.dirname(p) for p in spec.submodule_search_locations]
+    roots += [p for p in sys.path if p]
+    for root in roots:
+        lib = os.path.join(root, "nvidia", "cuda_runtime", "lib")
+        if os.path.isfile(os.path.join(lib, "libcudart.so.12")):
+            return lib
+    return None
+
+
+def preload_cudart() -> bool:
+    lib = cudart_dir()
+    if lib is None:
+        return False
+    ctypes.CDLL(os.path.join(lib, "libcudart.so.12"), mode=ctypes.RTLD_GLOBAL)
+    return True
+
+
+def master_binary() -> str | None:
+    """The wheel's ``mooncake_master`` beside its ``mooncake`` package
+    (found without importing it), or None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, "mooncake_master")
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def master_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment to start ``mooncake_master`` with: where a wheel
+    before 0.3.13 needs ``libcudart.so.12``, its folder joins
+    LD_LIBRARY_PATH of that one process."""
+    out = dict(os.environ if env is None else env)
+    lib = cudart_dir()
+    if lib is not None:
+        out["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [lib, out.get("LD_LIBRARY_PATH")]))
+    return out
+
+
+class MemoryStore:
+    """An in-memory stand-in for ``MooncakeDistributedStore`` with the
+    calls the tier uses and the same return codes; ``gate``, when set to a
+    threading.Event, holds every get and put until it is set (a master that
+    does not answer), and ``fail`` makes calls answer that code."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.registered: list[tuple[int, int]] = []
+        self.gate: threading.Event | None = None
+        self.fail: int | None = None
+        self.closed = False
+        self.setup_args: tuple = ()
+
+    def setup(self, *args: Any) -> int:
+        self.setup_args = args
+        return 0
+
+    def register_buffer(self, addr: int, size: int) -> int:
+        self.registered.append((addr, size))
+        return 0
+
+    def _registered(self, addr: int, size: int) -> bool:
+        return any(a <= addr and addr + size <= a + n for a, n in self.registered)
+
+    def _wait(self) -> None:
+        if self.gate is not None:
+            self.gate.wait()
+
+    def put_from(self, key: str, addr: int, size: int) -> int:
+        self._wait()
+        if self.fail is not None:
+            return self.fail
+        assert self._registered(addr, size), "put_from of memory that was not registered"
+        self.objects[key] = ctypes.string_at(addr, size)
+        return 0
+
+    def get_into(self, key: str, addr: int, size: int) -> int:
+        self._wait()
+        if self.fail is not None:
+            return self.fail
+        assert self._registered(addr, size), "get_into of memory that was not registered"
+        data = self.objects.get(key)
+        if data is None:
+            return OBJECT_NOT_FOUND
+        if len(data) > size:
+            return BUFFER_OVERFLOW
+        ctypes.memmove(addr, data, len(data))
+        return len(data)
+
+    def close(self) -> int:
+        self.closed = True
+        return 0
