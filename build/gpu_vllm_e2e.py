@@ -8,7 +8,8 @@ run there, and the checks (build/gpu_vllm_e2e.sh drives it).
 CPython 3.12 as of its release, leaves out what the GPU host has, trims the
 vLLM wheel and writes the two pieces carried to the host: piece 1 is vLLM's
 core op library (xz) and the tiny model, piece 2 every other file of the
-folder that goes first on PYTHONPATH (one tar.xz) and our wheel.
+folder that goes first on PYTHONPATH (one tar.xz) and our wheel's files
+(another).
 
 ``run`` (on the GPU host, the pieces unpacked into DIR) starts, side by
 side on the one GPU, a baseline ``vllm serve`` and an EPD pair (an
@@ -154,8 +155,44 @@ def pins(compiled: str, host: set[str]) -> list[str]:
     return out
 
 
+HOST_ENV = {"python_version": PYTHON_VERSION, "python_full_version": PYTHON_VERSION + ".3", "sys_platform": "linux",
+            "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix", "implementation_name": "cpython",
+            "platform_python_implementation": "CPython", "extra": ""}
+
+
+def unmet(metadatas: dict[str, str], host: set[str]) -> list[str]:
+    """Each requirement (no extras, markers as on the GPU host) of the
+    carried distributions that neither they nor the host provide; the
+    kernel packages left out on purpose are not counted."""
+    from packaging.requirements import Requirement
+
+    have = {norm(n) for n in metadatas} | host | set(TORCH_FAMILY)
+    out = []
+    for dist, text in sorted(metadatas.items()):
+        for raw in Parser().parsestr(text).get_all("Requires-Dist") or []:
+            req = Requirement(raw)
+            if req.marker is not None and not req.marker.evaluate(HOST_ENV):
+                continue
+            name = norm(req.name)
+            if name not in have and name not in NOT_NEEDED:
+                out.append(f"{dist} needs {raw}")
+    return out
+
+
+def wheel_metadata(whl: Path) -> tuple[str, str]:
+    with zipfile.ZipFile(whl) as z:
+        name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+        text = z.read(name).decode()
+    return Parser().parsestr(text)["Name"], text
+
+
 def keep_in_vllm(name: str) -> bool:
     return not any(p.match(name) for p in WHEEL_DROPS)
+
+
+def keep_of_ours(name: str) -> bool:
+    """Our wheel less the TCP ceiling tool, which the run does not use."""
+    return name != "ecmooncake/ecm-ceiling"
 
 
 def _install_target(name: str) -> str | None:
@@ -282,6 +319,10 @@ def pack(args: argparse.Namespace) -> int:
     if missing:
         _pip_download(cache / "wheels", missing)
     dep_wheels = [_wheel_for(cache / "wheels", p) for p in wanted]
+    gaps = unmet(dict(wheel_metadata(w) for w in [vllm_whl, *dep_wheels]), host_packages(HOST_PACKAGES.read_text()))
+    if gaps:
+        print("requirements neither carried nor on the host:\n  " + "\n  ".join(gaps), file=sys.stderr)
+        return 1
     print(f"== {len(dep_wheels)} dependency wheels for cp312 (the host's packages left out)", file=sys.stderr)
 
     out1, out2 = Path(args.out1), Path(args.out2)
@@ -315,10 +356,18 @@ def pack(args: argparse.Namespace) -> int:
     model = Path(args.model)
     with tarfile.open(out1 / "model.tar", "w") as t:
         t.add(model, arcname="model")
-    # piece 2: the rest of the folder, our wheel
+    # piece 2: the rest of the folder, and our wheel installed (xz packs
+    # its Go library tighter than the wheel's zip, and the run needs no
+    # ecm-ceiling: 14 MB -> about 6 MB)
     shutil.copyfile(site_tar, out2 / "site.tar.xz")
-    shutil.copyfile(args.wheel, out2 / Path(args.wheel).name)
-    pack_id = _digest([out1 / "core.so.xz", out1 / "model.tar", out2 / "site.tar.xz", out2 / Path(args.wheel).name])
+    ours = cache / "ours-stage"
+    shutil.rmtree(ours, ignore_errors=True)
+    left = unpack_wheel(Path(args.wheel), ours / "site", keep_of_ours)
+    print(f"== {Path(args.wheel).name}: left out {', '.join(left)}", file=sys.stderr)
+    _tar_xz(out2 / "ecmooncake.tar.xz", ours, ["site"])
+    shutil.rmtree(ours, ignore_errors=True)
+    (out2 / "wheel.txt").write_text(Path(args.wheel).name + "\n")
+    pack_id = _digest([out1 / "core.so.xz", out1 / "model.tar", out2 / "site.tar.xz", out2 / "ecmooncake.tar.xz"])
     for n, d in ((1, out1), (2, out2)):
         files = {p.name: p.stat().st_size for p in sorted(d.iterdir())}
         (d / "manifest.json").write_text(json.dumps({"piece": n, "pack_id": pack_id, "vllm": VLLM_VERSION, "files": files}, indent=1) + "\n")

@@ -10,7 +10,8 @@
 #                                          and .gpu-e2e-2/ (the rest of the
 #                                          trimmed vLLM 0.26.0 wheel and its
 #                                          dependencies for cp312 as one
-#                                          tar.xz, our manylinux wheel);
+#                                          tar.xz, the files of our
+#                                          manylinux wheel as another);
 #                                          downloads are cached under
 #                                          $ECM_GPU_E2E_CACHE (default
 #                                          ~/.cache/ecm-gpu-e2e)
@@ -23,14 +24,14 @@
 #                                          only while held), carrying
 #                                          .gpu-e2e-2: checks that piece 1 of
 #                                          the same pack is there, unpacks
-#                                          piece 2 beside it, installs our
-#                                          wheel into the same folder (first
-#                                          on PYTHONPATH) and runs the test;
+#                                          piece 2 into the same folder
+#                                          (first on PYTHONPATH) and runs
+#                                          the test;
 #                                          logs and summary.json go to DIR
 #                                          (default /tmp/ecm-gpu-e2e-out).
 #
 # Each piece stays under 58 MiB, so that the working tree and one piece fit
-# one call of 64 MiB. The host needs python3 3.12 with pip, PyTorch 2.11
+# one call of 64 MiB. The host needs python3 3.12, PyTorch 2.11
 # (CUDA), numpy, transformers and pillow (the host's image has them), glibc
 # 2.35 or newer, and no network. Exit status: 0 when every check passed.
 set -uo pipefail
@@ -105,12 +106,10 @@ run() {
 	host_info
 	echo "== unpacking piece 2 ($id2) into $ROOT"
 	tar -C "$ROOT" -xJf "$P2/site.tar.xz" || die "unpacking $P2/site.tar.xz into $ROOT failed ($(df -h --output=avail "$ROOT" | tail -1) free)"
-	local wheels=("$P2"/ecmooncake-*.whl)
-	[ -f "${wheels[0]}" ] && [ "${#wheels[@]}" = 1 ] || die "piece 2 needs exactly one ecmooncake wheel: ${wheels[*]}"
-	python3 -m pip install -q --no-index --no-deps --upgrade --target "$ROOT/site" "${wheels[0]}" 2>&1 | grep -v "already exists" | tail -5
-	[ -f "$ROOT/site/ecmooncake/libecmooncake.so" ] || die "${wheels[0]##*/} did not install into $ROOT/site"
+	tar -C "$ROOT" -xJf "$P2/ecmooncake.tar.xz" || die "unpacking $P2/ecmooncake.tar.xz into $ROOT failed"
+	[ -f "$ROOT/site/ecmooncake/libecmooncake.so" ] || die "$P2/ecmooncake.tar.xz holds no site/ecmooncake/libecmooncake.so"
 	export PYTHONPATH="$ROOT/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-	echo "== installed ${wheels[0]##*/}; $ROOT: $(du -sh "$ROOT" | cut -f1)"
+	echo "== unpacked $(cat "$P2/wheel.txt" 2>/dev/null); $ROOT: $(du -sh "$ROOT" | cut -f1)"
 	if ldd "$ROOT/site/ecmooncake/libecmooncake.so" | grep "not found"; then die "libecmooncake.so misses the libraries above"; fi
 	# What the instances will import, first, so that a missing package is
 	# named here rather than in three logs.

@@ -387,3 +387,21 @@ def test_the_instances_argv_and_connector_configs():
     env = e2e.server_env(REPO / "site", REPO / "cache")
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     assert env["ECMOONCAKE_ITEM_TRACE"] == "1" and env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO / "site")
+
+
+def test_our_wheel_goes_without_the_ceiling_tool_only():
+    assert not e2e.keep_of_ours("ecmooncake/ecm-ceiling")
+    for name in ("ecmooncake/libecmooncake.so", "ecmooncake.libs/libzmq-98f0defc.so.5.2.4", "ecmooncake/connector/trace.py",
+                 "ecmooncake/libecmooncake_mooncake.so", "ecmooncake-0.1.0.dist-info/METADATA"):
+        assert e2e.keep_of_ours(name), name
+
+
+def test_a_requirement_neither_carried_nor_on_the_host_is_named():
+    carried = {
+        "vllm": "Name: vllm\nRequires-Dist: regex\nRequires-Dist: blake3\nRequires-Dist: torch==2.11.0\n"
+        "Requires-Dist: flashinfer-python==0.6.14\nRequires-Dist: pytest; extra == \"test\"\n"
+        "Requires-Dist: pywin32; sys_platform == \"win32\"\nRequires-Dist: six>=1.16.0; python_version > \"3.11\"\n",
+        "blake3": "Name: blake3\n",
+    }
+    assert e2e.unmet(carried, {"regex"}) == ["vllm needs six>=1.16.0; python_version > \"3.11\""]
+    assert e2e.unmet(carried, {"regex", "six"}) == []
