@@ -41,7 +41,7 @@ P2=${ECM_GPU_E2E_PIECE2:-$PWD/.gpu-e2e-2}
 ROOT=${ECM_GPU_E2E_ROOT:-/tmp/ecm-gpu-e2e}
 CACHE=${ECM_GPU_E2E_CACHE:-$HOME/.cache/ecm-gpu-e2e}
 # The run's own bound; the call that runs it has 600 s.
-RUN_TIMEOUT_S=${ECM_GPU_E2E_TIMEOUT_S:-540}
+RUN_TIMEOUT_S=${ECM_GPU_E2E_TIMEOUT_S:-560}
 
 die() { echo "gpu_vllm_e2e: $*" >&2; exit 1; }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 
 import pytest
 
@@ -29,6 +30,7 @@ H = "ab" * 32
 
 _spec = importlib.util.spec_from_file_location("gpu_vllm_e2e_for_trace", REPO / "build" / "gpu_vllm_e2e.py")
 e2e = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = e2e  # its dataclasses look their module up
 _spec.loader.exec_module(e2e)
 
 

@@ -405,3 +405,12 @@ def test_a_requirement_neither_carried_nor_on_the_host_is_named():
     }
     assert e2e.unmet(carried, {"regex"}) == ["vllm needs six>=1.16.0; python_version > \"3.11\""]
     assert e2e.unmet(carried, {"regex", "six"}) == []
+
+
+def test_the_cpu_dry_run_turns_an_instance_into_vllm_cpus():
+    argv = e2e.vllm_gpu_argv("/m", 2, ec=e2e.ec_config("ec_consumer", 5, 7), encoder=False, gpu_util=0.12, kv_bytes=1 << 30)
+    cpu = e2e.on_cpu(argv)
+    assert "--gpu-memory-utilization" not in cpu and "--kv-cache-memory-bytes" not in cpu and str(1 << 30) not in cpu
+    assert cpu[cpu.index("--dtype") + 1] == "float32" and "--enforce-eager" in cpu
+    cfg = json.loads(cpu[cpu.index("--ec-transfer-config") + 1])
+    assert cfg["ec_buffer_device"] == "cpu" and cfg["ec_role"] == "ec_consumer"
