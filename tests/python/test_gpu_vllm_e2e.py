@@ -345,6 +345,7 @@ def test_leftovers_of_ours_or_on_the_gpu_fail():
 def test_the_plan_sends_distinct_images_of_several_sizes_then_a_burst():
     rows = e2e.plan_requests()
     assert [r["index"] for r in rows] == list(range(len(rows)))
+    assert rows[0]["phase"] == "warmup" and all(r["phase"] != "warmup" for r in rows[1:])
     sizes = [r for r in rows if r["phase"] == "sizes"]
     assert len({r["size"] for r in sizes}) == len(sizes) >= 4
     assert len([r for r in rows if r["phase"] == "burst"]) == e2e.BURST
@@ -358,8 +359,10 @@ def test_the_summary_holds_the_per_request_figures_and_fails_on_any_check(tmp_pa
     ]
     items = [{"mm_hash": "aaa", "save_ns": 1, "put_ns": 2_500_001, "connector_ms": 2.5},
              {"mm_hash": "bbb", "save_ns": 3, "put_ns": 1_000_003, "connector_ms": 1.0}]
-    s = e2e.summarize([e2e.Check("x", True, "fine")], rows, items, {"vllm": "0.26.0"})
+    warm = {"index": 2, "phase": "warmup", "size": "112x112", "base_ttft_ms": 9000.0, "epd_ttft_ms": 9000.0, "items": []}
+    s = e2e.summarize([e2e.Check("x", True, "fine")], rows + [warm], items, {"vllm": "0.26.0"})
     assert s["passed"] and s["ttft_ms"]["epd"]["n"] == 1 and s["connector_ms"]["all"]["max"] == 2.5
+    assert s["ttft_ms"]["baseline"]["max"] == 25.0, "the warm-up is left out of the TTFT figures"
     assert s["connector_ms"]["burst_unassigned"]["n"] == 1
     json.dumps(s)
     buf = io.StringIO()
