@@ -113,7 +113,7 @@ run() {
 	if ldd "$ROOT/site/ecmooncake/libecmooncake.so" | grep "not found"; then die "libecmooncake.so misses the libraries above"; fi
 	# What the instances will import, first, so that a missing package is
 	# named here rather than in three logs.
-	python3 -c 'import vllm, ecmooncake, vllm._C_stable_libtorch; from ecmooncake import gpu_info; print("vllm", vllm.__version__, "from", vllm.__file__); print("ecmooncake", gpu_info())' \
+	python3 -c 'import torch, vllm, ecmooncake; import vllm._C_stable_libtorch; from ecmooncake import gpu_info; print("vllm", vllm.__version__, "from", vllm.__file__); print("ecmooncake", gpu_info())' \
 		2>&1 | tee "$out/preflight.log" | tail -20
 	[ "${PIPESTATUS[0]}" = 0 ] || die "the unpacked folder does not import (above; $out/preflight.log)"
 	timeout -k 15 "$RUN_TIMEOUT_S" python3 build/gpu_vllm_e2e.py run --root "$ROOT" --out "$out" 2>&1 | tee "$out/run.log"
