@@ -420,3 +420,19 @@ def test_the_cpu_dry_run_turns_an_instance_into_vllm_cpus():
     assert cpu[cpu.index("--dtype") + 1] == "float32" and "--enforce-eager" in cpu
     cfg = json.loads(cpu[cpu.index("--ec-transfer-config") + 1])
     assert cfg["ec_buffer_device"] == "cpu" and cfg["ec_role"] == "ec_consumer"
+
+
+def test_the_tiny_model_is_written_in_bf16_for_the_gpu(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    import struct
+
+    from ecmooncake.tools import tiny_model
+
+    out = tiny_model.build(tmp_path / "m", dtype="bfloat16")
+    raw = (out / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    dtypes = {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    assert dtypes == {"BF16"}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
