@@ -916,7 +916,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         producer_log = servers["encoder"].log_text() if "encoder" in servers else ""
         consumer_log = servers["pd"].log_text() if "pd" in servers else ""
-        tails = d.logs()
+        tails = "\n".join(f"----- {srv.name} ({srv.log_path}), last lines -----\n" + "\n".join(line[:400] for line in srv.tail(30).splitlines())
+                          for srv in d.servers)
         d.stop()
     if failure:
         checks.append(Check("the run itself", False, failure))
@@ -937,9 +938,10 @@ def run(args: argparse.Namespace) -> int:
         r.pop("wh", None)
     summary = summarize(checks, rows, item_rows, extra)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print_summary(summary)
     if not summary["passed"]:
+        # Before the summary, so that the summary ends the output.
         print("\n== the servers' last lines (full logs in " + str(out / "logs") + ")\n" + tails)
+    print_summary(summary)
     print(f"summary: {out / 'summary.json'}")
     return 0 if summary["passed"] else 1
 
