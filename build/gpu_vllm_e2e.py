@@ -728,11 +728,6 @@ def vllm_gpu_argv(model: Path, port: int, *, ec: dict | None, encoder: bool, gpu
     ]
     if encoder:
         argv += ["--enforce-eager", "--no-enable-prefix-caching"]
-    if ec is not None and ec["ec_role"] == "ec_consumer":
-        # The proxy hands the PD instance each image as embeddings; vLLM
-        # 0.26's consumer does not accept them unless told (later releases
-        # turn this on for an EC consumer themselves).
-        argv += ["--enable-mm-embeds"]
     if ec is not None:
         argv += ["--ec-transfer-config", json.dumps(ec)]
     return argv
