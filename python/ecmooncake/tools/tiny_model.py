@@ -1,9 +1,9 @@
 """A tiny Qwen2-VL checkpoint with random weights, built locally.
 
-    python -m ecmooncake tiny-model DIR [--seed N]
+    python -m ecmooncake tiny-model DIR [--seed N] [--dtype bfloat16]
 
 Writes a complete checkpoint that ``vllm serve DIR`` loads on a CPU: the
-model config and random float32 weights (LM hidden size 128, 2 layers; a
+model config and random weights (float32, or bfloat16 for a GPU) (LM hidden size 128, 2 layers; a
 vision tower of width 64 and 2 blocks), a byte-level BPE tokenizer trained
 here with the ``tokenizers`` library plus Qwen2-VL's special tokens, the
 chat template, and the image processor's config. Nothing is downloaded; the
@@ -114,8 +114,12 @@ def build_tokenizer():
     return fast
 
 
-def build(out: Path | str, seed: int = 0) -> Path:
-    """Writes the checkpoint into out (created) and returns its path."""
+DTYPES = ("float32", "bfloat16")
+
+
+def build(out: Path | str, seed: int = 0, dtype: str = "float32") -> Path:
+    """Writes the checkpoint into out (created) and returns its path; the
+    weights are drawn in float32 from seed, then cast to dtype."""
     import torch
     from transformers import (
         Qwen2VLConfig,
@@ -172,6 +176,9 @@ def build(out: Path | str, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+        model.config.dtype = dtype
     model.save_pretrained(out, safe_serialization=True)
     image_processor = Qwen2VLImageProcessor(
         min_pixels=MIN_PIXELS,
@@ -200,11 +207,12 @@ def build(out: Path | str, seed: int = 0) -> Path:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="directory to write the checkpoint into (created)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the weights' type (default %(default)s)")
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        path = build(args.dir, seed=args.seed)
+        path = build(args.dir, seed=args.seed, dtype=args.dtype)
     except ImportError as exc:
         print(f"ecmooncake tiny-model: needs torch, transformers and tokenizers ({exc})", file=sys.stderr)
         return 2
