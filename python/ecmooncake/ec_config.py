@@ -220,6 +220,16 @@ def _natives(targets: tuple[str, ...], only_if_set: bool = False, **meanings: st
     return {key: _native(key, targets, meaning, only_if_set) for key, meaning in meanings.items()}
 
 
+def _store(key: str, value: Any) -> Any:
+    """The ``store`` object, checked against the library's schema."""
+    from .store import StoreSettings  # store imports this module
+
+    try:
+        return StoreSettings.from_mapping(value)
+    except ConfigError as exc:
+        raise ConfigError(f"ECMooncakeConnector: {key}: {exc}") from None
+
+
 # Where a consumer's slab lives when ec_buffer_device is cuda (see
 # buffer_memory below).
 BUFFER_MEMORY = ("auto", "device", "pinned_host")
@@ -354,6 +364,13 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         "and a consumer beyond loopback does not start",
         only_if_set=True,
     ),
+    # The connector's own: the Store tier runs in Python (ecmooncake.store).
+    "store": ExtraKey(
+        None, lambda k, v: _store(k, v), (),
+        "the optional second tier in Mooncake Store (an object of `store` settings, off by default): an encoder "
+        "puts each output it hands over there, asynchronously and bounded (CPU outputs; CUDA outputs are counted "
+        "as not put)",
+    ),
     "mooncake_staging_bytes": _native(
         "mooncake_staging_bytes", ("producer",),
         "registered staging memory the producer copies encoder outputs into before a write: host memory, and as much "
@@ -390,6 +407,15 @@ class ECMooncakeConfig:
 
     def value(self, key: str) -> Any:
         return self.extra.get(key, EXTRA_KEYS[key].default)
+
+    @property
+    def store(self) -> Any:
+        """The Store tier's settings (a disabled StoreSettings when unset)."""
+        if self.extra.get("store") is not None:
+            return self.extra["store"]
+        from .store import StoreSettings
+
+        return StoreSettings()
 
     @property
     def slab_memory(self) -> str:
