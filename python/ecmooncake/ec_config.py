@@ -368,8 +368,8 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
     "store": ExtraKey(
         None, lambda k, v: _store(k, v), (),
         "the optional second tier in Mooncake Store (an object of `store` settings, off by default): an encoder "
-        "puts each output it hands over there, asynchronously and bounded (CPU outputs; CUDA outputs are counted "
-        "as not put)",
+        "puts each output it hands over there, asynchronously and bounded (a CUDA output through a pinned pool "
+        "copied into on a stream of the tier's own)",
     ),
     "mooncake_staging_bytes": _native(
         "mooncake_staging_bytes", ("producer",),

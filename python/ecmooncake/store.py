@@ -626,6 +626,23 @@ class StoreTier:
 
     # -- put ----------------------------------------------------------------
 
+    def admit(self, key: str) -> bool:
+        """Whether a put of key now would be taken as far as the tier can
+        tell without its bytes (enabled, ready, no breaker, not put
+        lately), so that a caller skips copying out bytes the tier would
+        drop; when not, the drop is counted as put_async would count it.
+        Never raises, never waits."""
+        with self._lock:
+            why = self._unusable()
+            if why is None and key in self._recent:
+                self._recent.move_to_end(key)
+                self._count("put_duplicate")
+                return False
+            if why is not None and why != "disabled":
+                self._count(f"put_dropped_{why}")
+                self._note(f"put_{why}", "Mooncake Store put of %s dropped: %s", key, why)
+            return why is None
+
     def put_async(self, key: str, src: int, nbytes: int, release: Callable[[], None] | None = None) -> bool:
         """Takes a put of nbytes at host address src, or drops it (counted).
         Taken, src must stay valid until release() is called, which a

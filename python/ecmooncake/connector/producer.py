@@ -13,7 +13,8 @@ through page-locked host buffers for ``tcp``, ``shm`` and a non-CUDA
 
 With ``store`` on, each output handed over is also offered to Mooncake
 Store (:mod:`.tier`): a CPU output is copied by the tier's own thread after
-the hand-over, a CUDA output is not put (counted)."""
+the hand-over, a CUDA output first into the tier's pinned pool on a stream
+of its own ordered after the output's."""
 
 from __future__ import annotations
 
@@ -205,7 +206,7 @@ class _ProducerWorker:
             if any(p.submitted for p in pushes if p not in wrong) or late:
                 sources.append((h, tensor if tensor.is_contiguous() else tensor.contiguous(), stream))
             if self._tier is not None:
-                self._tier.put(h, tensor)
+                self._tier.put(h, tensor, stream)
         self._submit_locked(late)
         # One call per producing stream (in practice one per step), so that
         # each output's reads are ordered after its own stream's work. The
