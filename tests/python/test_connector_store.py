@@ -282,3 +282,18 @@ def test_store_counters_on_vllms_prometheus_logger(model_dir):
     assert value("vllm:ec_mooncake_store_events_total", "put_skipped_device") == 1
     assert value("vllm:ec_mooncake_store_bytes_total", "put") == 3 * MiB
     assert value("vllm:ec_mooncake_store_events_total", "fallbacks") is None, "a sum of other series is no series"
+
+
+class _Broken(_Cuda):
+    """An output whose bytes cannot be reached (as a CUDA error would)."""
+
+    class device:
+        type = "cpu"
+
+    def is_contiguous(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_put_that_fails_to_queue_is_counted_and_raises_nothing(deployment, fake):
+    deployment.tier.put("a1b3" * 8, _Broken())
+    assert deployment.tier.stats()["put_skipped_error"] == 1 and fake.objects == {}

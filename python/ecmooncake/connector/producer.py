@@ -188,6 +188,7 @@ class _ProducerWorker:
             # Shut down: nobody to hand the outputs to.
             return
         sources = []
+        puts: list[tuple[str, Any, Any]] = []
         late: list[_Push] = []
         for h, tensor in ready.items():
             stream = self._streams.pop(h, None)
@@ -206,7 +207,7 @@ class _ProducerWorker:
             if any(p.submitted for p in pushes if p not in wrong) or late:
                 sources.append((h, tensor if tensor.is_contiguous() else tensor.contiguous(), stream))
             if self._tier is not None:
-                self._tier.put(h, tensor, stream)
+                puts.append((h, tensor, stream))
         self._submit_locked(late)
         # One call per producing stream (in practice one per step), so that
         # each output's reads are ordered after its own stream's work. The
@@ -224,6 +225,9 @@ class _ProducerWorker:
                 # The library fails the pushes it could not source and reports
                 # them through poll; the ones it took are already on their way.
                 throttle.warn("sources", "ecmooncake: encoder outputs refused by the producer: %s", exc)
+        # After the pushes: the Store is a second copy, never ahead of them.
+        for h, tensor, stream in puts:
+            self._tier.put(h, tensor, stream)
 
     def _fail_locked(self, tid: str, reason: str) -> None:
         push = self._pushes.pop(tid, None)

@@ -38,6 +38,7 @@ OWN_COUNTERS = (
     "put_skipped_key",  # no key could be made for the output
     "put_dropped_pinned_full",  # the pinned pool held no room for a GPU output
     "put_device_copy_timeout",  # a GPU output's copy to the pool did not complete within put_timeout_s
+    "put_skipped_error",  # queuing the put failed (a CUDA error, say); logged
 )
 # How often the copy thread asks its pending copies whether they completed.
 COPY_POLL_S = 0.001
@@ -111,14 +112,14 @@ class _DeviceStaging:
         side = self._streams.get(device.index)
         if side is None:
             side = self._streams[device.index] = torch.cuda.Stream(device=device)
-        src = tensor if tensor.is_contiguous() else tensor.contiguous()
         with torch.cuda.stream(side):
             # After every kernel queued so far on the output's stream.
             side.wait_stream(stream if stream is not None else torch.cuda.current_stream(device))
+            src = tensor if tensor.is_contiguous() else tensor.contiguous()
             self._pool[off:off + nbytes].copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
-            # The caching allocator must not hand src's memory out again
-            # before this copy has read it.
-            src.record_stream(side)
+            # The caching allocator must not hand the output's memory out
+            # again before this stream has read it.
+            tensor.record_stream(side)
             done = torch.cuda.Event()
             done.record(side)
         self._q.put((key, off, nbytes, done, time.monotonic()))
@@ -212,6 +213,13 @@ class _Tier:
         waits. A CPU tensor is kept referenced until the tier copied it; a
         CUDA one (produced on stream) is copied into the pinned pool first,
         or, without a pool, counted as put_skipped_device."""
+        try:
+            self._put(mm_hash, tensor, stream)
+        except Exception as exc:  # noqa: BLE001 - a put is never worth an encoder output's push
+            self._count("put_skipped_error")
+            throttle.warn("store-put", "ecmooncake: Mooncake Store put of %s not made: %s: %s", mm_hash, type(exc).__name__, exc)
+
+    def _put(self, mm_hash: str, tensor: Any, stream: Any) -> None:
         device = tensor.device.type
         if device != "cpu" and (device != "cuda" or self._device is None):
             self._count("put_skipped_device")
