@@ -61,8 +61,13 @@ def output_on(stream, rows: int, seed: int) -> torch.Tensor:
 
 
 def test_a_cuda_output_is_put_byte_exact_without_the_caller_waiting(tier, fake):
+    # The first use of each kernel loads it, which synchronizes the device.
+    warm = torch.cuda.Stream()
+    output_on(warm, 1, 0)
+    warm.synchronize()
     stream = torch.cuda.Stream()
     out = output_on(stream, 700, 1)
+    assert not stream.query(), "the output's stream is still busy (a precondition of this test)"
     tier.put("a" * 64, out, stream)
     # The copy is queued behind the output's kernels, not waited for.
     assert not stream.query(), "put waited for the output's stream"
