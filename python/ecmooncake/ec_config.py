@@ -20,8 +20,8 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping
 
 from . import schema
 
@@ -220,6 +220,72 @@ def _natives(targets: tuple[str, ...], only_if_set: bool = False, **meanings: st
     return {key: _native(key, targets, meaning, only_if_set) for key, meaning in meanings.items()}
 
 
+@dataclass(frozen=True)
+class StoreSettings:
+    """The ``store`` object of ``ec_connector_extra_config``, checked
+    against the library's schema (core/config/store.go)."""
+
+    enabled: bool = False
+    master_address: str = ""
+    metadata_address: str = ""
+    local_hostname: str = ""
+    mooncake_protocol: str = "tcp"
+    segment_bytes: int = 512 << 20
+    local_buffer_bytes: int = 16 << 20
+    put_inflight_bytes: int = 256 << 20
+    put_rate_bytes_s: int = 0
+    get_staging_bytes: int = 256 << 20
+    max_gets: int = 4
+    get_timeout_s: float = 2.0
+    put_timeout_s: float = 10.0
+    retry_after_s: float = 5.0
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> "StoreSettings":
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"store = {raw!r}; want an object of store settings")
+        specs = schema.settings("store")
+        unknown = sorted(set(raw) - set(specs))
+        if unknown:
+            raise ConfigError(f"store: unknown key(s) {', '.join(unknown)}; want some of {', '.join(sorted(specs))}")
+        values = {}
+        for f in fields(cls):
+            spec = specs[f.name]
+            value = raw.get(f.name, spec["default"])
+            values[f.name] = _check_of(spec)(f"store.{f.name}", value)
+        s = cls(**values)
+        s._check_addresses()
+        return s
+
+    def _check_addresses(self) -> None:
+        if self.master_address:
+            host, sep, port = self.master_address.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"store.master_address = {self.master_address!r}; want host:port of mooncake_master")
+        meta = self.metadata_address
+        if meta and meta != "P2PHANDSHAKE":
+            scheme = meta.split("://", 1)[0] if "://" in meta else ""
+            # Mooncake aborts the process on a metadata scheme its build lacks.
+            if scheme not in ("http", "https", "etcd"):
+                raise ConfigError(
+                    f"store.metadata_address = {meta!r}; want http://host:port/metadata, etcd://host:port or P2PHANDSHAKE"
+                )
+        # Mooncake's client refuses an empty local_hostname at setup.
+        if self.enabled and not (self.master_address and self.metadata_address and self.local_hostname):
+            raise ConfigError("store.enabled without master_address, metadata_address and local_hostname; "
+                              "name mooncake_master, its metadata service and this host's address")
+
+
+def _store(key: str, value: Any) -> Any:
+    """The ``store`` object, checked against the library's schema."""
+    try:
+        return StoreSettings.from_mapping(value)
+    except ConfigError as exc:
+        raise ConfigError(f"ECMooncakeConnector: {key}: {exc}") from None
+
+
 # Where a consumer's slab lives when ec_buffer_device is cuda (see
 # buffer_memory below).
 BUFFER_MEMORY = ("auto", "device", "pinned_host")
@@ -354,6 +420,13 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         "and a consumer beyond loopback does not start",
         only_if_set=True,
     ),
+    # The connector's own: the Store tier runs in Python (ecmooncake.store).
+    "store": ExtraKey(
+        None, lambda k, v: _store(k, v), (),
+        "the optional second tier in Mooncake Store (an object of `store` settings, off by default): an encoder "
+        "puts each output it hands over there, asynchronously and bounded (a CUDA output through a pinned pool "
+        "copied into on a stream of the tier's own)",
+    ),
     "mooncake_staging_bytes": _native(
         "mooncake_staging_bytes", ("producer",),
         "registered staging memory the producer copies encoder outputs into before a write: host memory, and as much "
@@ -390,6 +463,13 @@ class ECMooncakeConfig:
 
     def value(self, key: str) -> Any:
         return self.extra.get(key, EXTRA_KEYS[key].default)
+
+    @property
+    def store(self) -> Any:
+        """The Store tier's settings (a disabled StoreSettings when unset)."""
+        if self.extra.get("store") is not None:
+            return self.extra["store"]
+        return StoreSettings()
 
     @property
     def slab_memory(self) -> str:

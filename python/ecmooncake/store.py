@@ -60,11 +60,9 @@ import threading
 import time
 import urllib.parse
 from collections import OrderedDict
-from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-from . import ec_config, schema
-from .ec_config import ConfigError
+from .ec_config import ConfigError, StoreSettings  # noqa: F401 - re-exported
 
 logger = logging.getLogger("vllm.ecmooncake.store")
 
@@ -83,62 +81,8 @@ RECENT_PUTS = 4096
 # Settings
 
 
-@dataclass(frozen=True)
-class StoreSettings:
-    """The ``store`` object of ``ec_connector_extra_config``, checked
-    against the library's schema (core/config/store.go)."""
-
-    enabled: bool = False
-    master_address: str = ""
-    metadata_address: str = ""
-    local_hostname: str = ""
-    mooncake_protocol: str = "tcp"
-    segment_bytes: int = 512 << 20
-    local_buffer_bytes: int = 16 << 20
-    put_inflight_bytes: int = 256 << 20
-    put_rate_bytes_s: int = 0
-    get_staging_bytes: int = 256 << 20
-    max_gets: int = 4
-    get_timeout_s: float = 2.0
-    put_timeout_s: float = 10.0
-    retry_after_s: float = 5.0
-
-    @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any] | None) -> "StoreSettings":
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"store = {raw!r}; want an object of store settings")
-        specs = schema.settings("store")
-        unknown = sorted(set(raw) - set(specs))
-        if unknown:
-            raise ConfigError(f"store: unknown key(s) {', '.join(unknown)}; want some of {', '.join(sorted(specs))}")
-        values = {}
-        for f in fields(cls):
-            spec = specs[f.name]
-            value = raw.get(f.name, spec["default"])
-            values[f.name] = ec_config._check_of(spec)(f"store.{f.name}", value)
-        s = cls(**values)
-        s._check_addresses()
-        return s
-
-    def _check_addresses(self) -> None:
-        if self.master_address:
-            host, sep, port = self.master_address.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"store.master_address = {self.master_address!r}; want host:port of mooncake_master")
-        meta = self.metadata_address
-        if meta and meta != "P2PHANDSHAKE":
-            scheme = meta.split("://", 1)[0] if "://" in meta else ""
-            # Mooncake aborts the process on a metadata scheme its build lacks.
-            if scheme not in ("http", "https", "etcd"):
-                raise ConfigError(
-                    f"store.metadata_address = {meta!r}; want http://host:port/metadata, etcd://host:port or P2PHANDSHAKE"
-                )
-        # Mooncake's client refuses an empty local_hostname at setup.
-        if self.enabled and not (self.master_address and self.metadata_address and self.local_hostname):
-            raise ConfigError("store.enabled without master_address, metadata_address and local_hostname; "
-                              "name mooncake_master, its metadata service and this host's address")
+# StoreSettings lives in ec_config, beside the connector's other settings
+# (which check the ``store`` object without importing this module).
 
 
 # ----------------------------------------------------------------------------
@@ -625,6 +569,23 @@ class StoreTier:
         g.done.set()
 
     # -- put ----------------------------------------------------------------
+
+    def admit(self, key: str) -> bool:
+        """Whether a put of key now would be taken as far as the tier can
+        tell without its bytes (enabled, ready, no breaker, not put
+        lately), so that a caller skips copying out bytes the tier would
+        drop; when not, the drop is counted as put_async would count it.
+        Never raises, never waits."""
+        with self._lock:
+            why = self._unusable()
+            if why is None and key in self._recent:
+                self._recent.move_to_end(key)
+                self._count("put_duplicate")
+                return False
+            if why is not None and why != "disabled":
+                self._count(f"put_dropped_{why}")
+                self._note(f"put_{why}", "Mooncake Store put of %s dropped: %s", key, why)
+            return why is None
 
     def put_async(self, key: str, src: int, nbytes: int, release: Callable[[], None] | None = None) -> bool:
         """Takes a put of nbytes at host address src, or drops it (counted).

@@ -488,3 +488,21 @@ def test_a_ticket_of_a_get_that_fell_back_at_once_answers_at_once():
     assert ticket.result() == GetResult(False, "too_large")
     ticket.cancel()
     assert tier.stats()["get_cancelled"] == 0
+
+
+def test_admit_says_whether_a_put_would_be_taken_and_counts_a_drop():
+    tier, fake, _ = open_tier()
+    src, addr = buffer(b"x" * 64)
+    assert tier.admit("k1")
+    assert tier.stats()["put_duplicate"] == 0, "admitting counts nothing of its own"
+    assert tier.put_async("k1", addr, 64)
+    drain_puts(tier)
+    assert not tier.admit("k1"), "put lately"
+    assert tier.stats()["put_duplicate"] == 1
+    fake.fail = -1
+    assert tier.put_async("k2", addr, 64)
+    drain_puts(tier)
+    assert tier.stats()["put_error"] == 1
+    assert not tier.admit("k3"), "the breaker is open"
+    assert tier.stats()["put_dropped_unavailable"] == 1
+    assert tier.close()

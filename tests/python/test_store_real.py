@@ -51,6 +51,7 @@ INNER = [
     "test_put_and_get_byte_exact_across_processes_inside_the_namespace",
     "test_a_miss_and_a_get_past_its_deadline_inside_the_namespace",
     "test_master_killed_mid_run_inside_the_namespace",
+    "test_the_connectors_put_is_got_by_a_pd_key_inside_the_namespace",
 ]
 inside = pytest.mark.skipif(os.environ.get(NETNS_ENV) != "1", reason="runs inside the namespace the outer test creates")
 
@@ -329,3 +330,33 @@ def test_master_killed_mid_run_inside_the_namespace(master):
     # The client of a gone master closes within its bound or is left
     # behind; the process does not hang on it.
     tier.close(5)
+
+
+@inside
+def test_the_connectors_put_is_got_by_a_pd_key_inside_the_namespace(master):
+    """The connector's tier (what an encoder's worker runs) puts an encoder
+    output; a PD's tier gets it under the key the PD makes from its own
+    model config, byte-exact."""
+    import types
+
+    torch = pytest.importorskip("torch")
+    from ecmooncake.connector import tier as ctier
+
+    model = types.SimpleNamespace(model="Qwen/Qwen2-VL-2B-Instruct", revision="r1", hf_overrides={},
+                                  multimodal_config=types.SimpleNamespace(mm_processor_kwargs={"max_pixels": 200704}))
+    vllm_config = types.SimpleNamespace(model_config=model)
+    encoder = ctier._Tier(types.SimpleNamespace(store=_settings(master)), vllm_config)
+    encoder.open()
+    assert encoder.tier.wait_ready(60), encoder.stats()
+    output = torch.randn(1369, 1536, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    encoder.put("9f" * 32, output)
+    _wait(lambda: encoder.stats()["put_ok"] == 1, f"the put answered: {encoder.stats()}")
+    pd = _tier(_settings(master, segment_bytes=0))
+    model_id, encoder_config = ctier.identity(vllm_config)
+    pd_key = store.item_key("9f" * 32, model=model_id, encoder_config=encoder_config, dtype="bfloat16", shape=(1369, 1536))
+    n = output.numel() * 2
+    dest = torch.empty(n, dtype=torch.uint8)
+    assert pd.get_into(pd_key, dest.data_ptr(), n) == GetResult(True, "hit", n), pd.stats()
+    assert torch.equal(dest, output.view(-1).view(torch.uint8))
+    assert pd.close(30)
+    encoder.close()

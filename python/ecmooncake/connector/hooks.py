@@ -152,7 +152,7 @@ class _Connector:
             if self._cfg.is_consumer:
                 self._consumer_worker = _ConsumerWorker(self._cfg, vllm_config)
             if self._cfg.is_producer:
-                self._producer_worker = _ProducerWorker(self._cfg)
+                self._producer_worker = _ProducerWorker(self._cfg, vllm_config)
             if not self._hooks.get("start_worker_services", True):
                 # Nothing else would start the shards before the first
                 # step, and an encoder reserving space before then would
@@ -360,6 +360,8 @@ class _Connector:
         """This step's transfers, for vLLM's /metrics and its log line
         (None when nothing happened, so that vLLM sends nothing)."""
         stats = self._stats_cls()
+        if self._producer_worker is not None:
+            self._recorder.store(self._producer_worker.store_increments())
         recorders = [self._recorder] + [p.recorder for p in (self._producer_worker, self._consumer_sched) if p is not None]
         for recorder in recorders:
             recorder.drain_into(stats)

@@ -9,7 +9,12 @@ device with ``cuda_ipc`` into a GPU slab on this host, and for the network
 transports stages it in the library: through a registered GPU staging slab
 for ``mooncake`` with an engine that registers GPU memory (a CUDA build),
 through page-locked host buffers for ``tcp``, ``shm`` and a non-CUDA
-``mooncake`` engine. Python copies no encoder output anywhere."""
+``mooncake`` engine. Python copies no encoder output anywhere.
+
+With ``store`` on, each output handed over is also offered to Mooncake
+Store (:mod:`.tier`): a CPU output is copied by the tier's own thread after
+the hand-over, a CUDA output first into the tier's pinned pool on a stream
+of its own ordered after the output's."""
 
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from .lifecycle import close_bounded, configure_process
 from .log import logger, throttle
 from .metadata import PushSpec, _WorkerReport
 from .stats import _Recorder
+from .tier import make as make_tier
 
 # --- worker side: producer ---------------------------------------------------
 
@@ -49,8 +55,10 @@ MAX_ENDED_PUSHES = 1 << 16
 class _ProducerWorker:
     """The encoder's worker: reserve before encoding, write once encoded."""
 
-    def __init__(self, cfg: ec_config.ECMooncakeConfig):
+    def __init__(self, cfg: ec_config.ECMooncakeConfig, vllm_config: Any = None):
         self._cfg = cfg
+        # Opened in start, after vLLM forked this worker.
+        self._tier = make_tier(cfg, vllm_config)
         self._native: Producer | None = None
         # Guards the native producer and everything below. Held only for
         # non-blocking native calls.
@@ -81,6 +89,8 @@ class _ProducerWorker:
             if self._native is None:
                 configure_process(self._cfg, worker=True)
                 self._native = Producer(self._cfg.producer_settings())
+                if self._tier is not None:
+                    self._tier.open()
 
     def announce(self, pushes: list[PushSpec], encoder_cache: dict[str, Any] | None) -> None:
         self.start()
@@ -178,6 +188,7 @@ class _ProducerWorker:
             # Shut down: nobody to hand the outputs to.
             return
         sources = []
+        puts: list[tuple[str, Any, Any]] = []
         late: list[_Push] = []
         for h, tensor in ready.items():
             stream = self._streams.pop(h, None)
@@ -195,6 +206,8 @@ class _ProducerWorker:
                     late.append(p)
             if any(p.submitted for p in pushes if p not in wrong) or late:
                 sources.append((h, tensor if tensor.is_contiguous() else tensor.contiguous(), stream))
+            if self._tier is not None:
+                puts.append((h, tensor, stream))
         self._submit_locked(late)
         # One call per producing stream (in practice one per step), so that
         # each output's reads are ordered after its own stream's work. The
@@ -212,6 +225,9 @@ class _ProducerWorker:
                 # The library fails the pushes it could not source and reports
                 # them through poll; the ones it took are already on their way.
                 throttle.warn("sources", "ecmooncake: encoder outputs refused by the producer: %s", exc)
+        # After the pushes: the Store is a second copy, never ahead of them.
+        for h, tensor, stream in puts:
+            self._tier.put(h, tensor, stream)
 
     def _fail_locked(self, tid: str, reason: str) -> None:
         push = self._pushes.pop(tid, None)
@@ -295,7 +311,14 @@ class _ProducerWorker:
             self._done, self._failed = set(), {}
 
     def stats(self) -> dict[str, Any]:
-        return self._native.stats() if self._native is not None else {}
+        out = self._native.stats() if self._native is not None else {}
+        if self._tier is not None:
+            out = {**out, "store": self._tier.stats()}
+        return out
+
+    def store_increments(self) -> dict[str, int]:
+        """The Store tier's counters that moved since the last call."""
+        return self._tier.increments() if self._tier is not None else {}
 
     def close(self) -> None:
         self.flush()
@@ -304,3 +327,5 @@ class _ProducerWorker:
             self._closed = True
         if native is not None:
             close_bounded(native)
+        if self._tier is not None:
+            self._tier.close()

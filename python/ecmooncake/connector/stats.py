@@ -34,6 +34,9 @@ def _empty_stats() -> dict[str, Any]:
         "load_failures": [],
         "wait_seconds": [],  # per item: the request first asking for it, to its load handed to the workers
         "failed_requests": 0,  # requests failed for items that never arrived or never left
+        # The Store tier's counters (ecmooncake.store.COUNTERS and
+        # connector.tier.OWN_COUNTERS) that moved, by how much; TP ranks add up.
+        "store": {},
     }
 
 
@@ -67,6 +70,8 @@ class _Stats:
         for key in ("push_failures", "failed_requests"):
             d[key] += int(data.get(key) or 0)
         d["load_bytes"].update(data.get("load_bytes") or {})
+        for key, n in (data.get("store") or {}).items():
+            d["store"][key] = d["store"].get(key, 0) + int(n)
         known = set(d["load_failures"])
         d["load_failures"].extend(t for t in data.get("load_failures") or () if t not in known)
 
@@ -105,6 +110,13 @@ class _Stats:
             out["P90 wait (ms)"] = _ms(d["wait_seconds"], 0.9)
         if d["failed_requests"]:
             out["Num failed requests"] = d["failed_requests"]
+        store = d["store"]
+        if store:
+            puts = store.get("put_ok", 0)
+            out["Store puts"] = puts
+            out["Store put MiB"] = round(store.get("put_bytes", 0) / _MiB, 3)
+            not_put = sum(n for k, n in store.items() if k.startswith(("put_dropped", "put_skipped")) or k in ("put_error", "put_timeout"))
+            out["Store puts not made"] = not_put
         return out
 
 
@@ -126,6 +138,9 @@ class _Recorder:
                 slot = self._data[key]
                 if isinstance(slot, list):
                     slot.append(value)
+                elif key == "store":
+                    for k, n in value.items():
+                        slot[k] = slot.get(k, 0) + n
                 elif isinstance(slot, dict):
                     slot.update(value)
                 else:
@@ -145,6 +160,10 @@ class _Recorder:
 
     def waited(self, seconds: float) -> None:
         self._note(wait_seconds=seconds)
+
+    def store(self, increments: dict[str, int]) -> None:
+        if increments:
+            self._note(store=increments)
 
     def requests_failed(self, count: int) -> None:
         if count:
@@ -194,6 +213,19 @@ class _PromMetrics:
         self.failed_requests = counter(
             "num_failed_requests", "Requests failed (retryable) because an encoder output did not arrive or could not be pushed."
         )
+        # Labelled by event too, so kept as families and labelled when observed.
+        self._labelvalues = per_engine_labelvalues
+        self.store_events = self._counter_cls(
+            name=PROM_PREFIX + "store_events",
+            documentation="Mooncake Store tier: puts and gets by outcome (put_ok, put_dropped_full, put_skipped_device, "
+            "get_hit, get_miss, get_timeout, ...; see docs/operations.md).",
+            labelnames=labelnames + ["event"],
+        )
+        self.store_bytes = self._counter_cls(
+            name=PROM_PREFIX + "store_bytes",
+            documentation="Mooncake Store tier: bytes put (event put) and got (event get_hit).",
+            labelnames=labelnames + ["event"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         stats = _Stats(transfer_stats_data)
@@ -209,3 +241,13 @@ class _PromMetrics:
         self.failed_pushes[engine_idx].inc(d["push_failures"])
         self.failed_loads[engine_idx].inc(len(d["load_failures"]))
         self.failed_requests[engine_idx].inc(d["failed_requests"])
+        values = self._labelvalues.get(engine_idx)
+        if values is None:
+            return
+        for event, n in d["store"].items():
+            if n <= 0 or event == "fallbacks":
+                continue
+            if event in ("put_bytes", "get_hit_bytes"):
+                self.store_bytes.labels(*values, "put" if event == "put_bytes" else "get_hit").inc(n)
+            else:
+                self.store_events.labels(*values, event).inc(n)
