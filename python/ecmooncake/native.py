@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _ffi
+from . import _ffi, trace as _trace
 from .buffers import _EMPTY, _is_tensor, buffer_of, memory_of, shared_slab  # noqa: F401  (re-exported)
 from .environment import (  # noqa: F401  (re-exported)
     METADATA_TOKEN_ENV,
@@ -129,6 +129,17 @@ def mooncake_info(library: str | None = None, engine: str | None = None) -> dict
     return _call(
         "ecm_mooncake_info", _encode({"library": library or "", "engine": engine or ""}, "mooncake_info"), out=True
     )
+
+
+def trace(capacity: int | None = None, drain: bool = False) -> dict:
+    """This process's ring of Go ready-path stamps (ecm_trace): ``capacity``
+    starts a fresh ring of that many entries (0 turns it off), ``drain``
+    takes the stamps since the last drain as [hop, mm_hash, ns] lists.
+    ecmooncake.trace reads it beside Python's own ring."""
+    request: dict[str, Any] = {"drain": bool(drain)}
+    if capacity is not None:
+        request["capacity"] = int(capacity)
+    return _call("ecm_trace", _encode(request, "trace"), out=True)
 
 
 class _Region:
@@ -277,6 +288,7 @@ class Producer(_Handle):
         and optionally meta) in one call; per-item dicts carry transfer_id,
         and error when that push was refused."""
         pushes = list(pushes)
+        _trace.stamp_all("submit", (p.get("mm_hash") for p in pushes))
         body = pack_pushes(pushes)
         reasons = _call("ecm_producer_submit_packed", self.handle, len(pushes), body, len(body), out=True, optional=True)
         if reasons is None:
@@ -308,6 +320,7 @@ class Producer(_Handle):
         are still held until :meth:`poll` reports them released.
         """
         items = list(items)
+        _trace.stamp_all("hand_over", (h for h, _ in items))
         n = len(items)
         if n == 0:
             return []

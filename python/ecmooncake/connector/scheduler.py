@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import ec_config
+from .. import ec_config, trace
 from ..errors import EcmError
 from ..native import Scheduler
 from .dtypes import DTYPES, dtype_name
@@ -121,6 +121,7 @@ class _ConsumerScheduler:
                 self._has[identifier] = found
         if found:
             self._said_yes.add(identifier)
+            trace.stamp_first("available", identifier)
         return found
 
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
@@ -154,7 +155,11 @@ class _ConsumerScheduler:
                 )
             self._unavailable.add(rid)
             return False
-        return all(has.get(h) for h in remaining)
+        ok = all(has.get(h) for h in remaining)
+        if ok and trace.enabled():
+            for h in remaining:
+                trace.stamp_first("available", h)
+        return ok
 
     def _register(self, rid: str, items: list[_Expected]) -> bool:
         """Registers a new request and learns its answer in one native step.
