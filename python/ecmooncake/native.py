@@ -142,6 +142,27 @@ def trace(capacity: int | None = None, drain: bool = False) -> dict:
     return _call("ecm_trace", _encode(request, "trace"), out=True)
 
 
+def trace_enable(capacity: int) -> None:
+    """Starts fresh rings of ready-path stamps in this process, Python's
+    (ecmooncake.trace) and the library's, of ``capacity`` entries each (0:
+    off)."""
+    _trace.enable(capacity)
+    trace(capacity=max(0, int(capacity)))
+
+
+def trace_drain() -> dict:
+    """This process's stamps since the last drain, Python's and the
+    library's together, sorted by time: {"capacity", "dropped", "stamps":
+    [[hop, mm_hash, CLOCK_MONOTONIC ns], ...]}."""
+    out = _trace.drain()
+    got = trace(drain=True)
+    out["capacity"] = max(out["capacity"], int(got.get("capacity") or 0))
+    out["dropped"] += int(got.get("dropped") or 0)
+    out["stamps"] += got.get("stamps") or []
+    out["stamps"].sort(key=lambda s: s[2])
+    return out
+
+
 class _Region:
     """Exposes raw memory to numpy while holding its owner alive."""
 

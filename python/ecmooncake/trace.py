@@ -7,7 +7,8 @@ sees (``save_caches``, ``submit``, ``hand_over``, ``available``,
 ``loaded``), and the library's (core/trace, read through ``ecm_trace``)
 for the hops Go sees. CLOCK_MONOTONIC is one clock for every process of a
 host, so the stamps of an encoder, a shard and a PD scheduler on one host
-compare; :func:`table` turns them into p50/p99 per hop, which the
+compare; ``ecmooncake.native.trace_enable`` and ``trace_drain`` handle
+both rings of a process, and :func:`table` turns them into p50/p99 per hop, which the
 benchmarks print beside the floors of the same run.
 
 Off by default: :func:`stamp` is then one global load and a return. Turn it
@@ -149,32 +150,19 @@ def stamp_first(hop: str, key: str) -> None:
         ring.add_first(hop, key, time.monotonic_ns())
 
 
-def enable(capacity: int = DEFAULT_CAPACITY, native: bool = True) -> None:
-    """Starts fresh rings of ``capacity`` entries in this process (0: off),
-    Python's and, with ``native``, the library's."""
+def enable(capacity: int = DEFAULT_CAPACITY) -> None:
+    """Starts a fresh Python ring of ``capacity`` entries in this process
+    (0: off). ecmooncake.native.trace_enable starts the library's too."""
     global _ring
     _ring = Ring(capacity) if capacity > 0 else None
-    if native:
-        from . import native as _native
-
-        _native.trace(capacity=max(0, int(capacity)))
 
 
-def drain(native: bool = True) -> dict:
-    """This process's stamps since the last drain, Python's and (with
-    ``native``) the library's together: {"capacity", "dropped", "stamps":
-    [[hop, key, ns], ...]}, sorted by time."""
+def drain() -> dict:
+    """Python's stamps since the last drain: {"capacity", "dropped",
+    "stamps": [[hop, key, ns], ...]}. ecmooncake.native.trace_drain adds
+    the library's."""
     ring = _ring
-    out = ring.drain() if ring is not None else {"capacity": 0, "dropped": 0, "stamps": []}
-    if native:
-        from . import native as _native
-
-        got = _native.trace(drain=True)
-        out["capacity"] = max(out["capacity"], int(got.get("capacity") or 0))
-        out["dropped"] += int(got.get("dropped") or 0)
-        out["stamps"] += got.get("stamps") or []
-    out["stamps"].sort(key=lambda s: s[2])
-    return out
+    return ring.drain() if ring is not None else {"capacity": 0, "dropped": 0, "stamps": []}
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -17,23 +17,23 @@ IP = "127.0.0.1"
 @pytest.fixture
 def python_ring():
     """Python's ring alone, on for the test and off after it."""
-    trace.enable(8, native=False)
+    trace.enable(8)
     yield
-    trace.enable(0, native=False)
+    trace.enable(0)
 
 
 def test_off_records_nothing():
-    trace.enable(0, native=False)
+    trace.enable(0)
     trace.stamp("ready", "a")
     trace.stamp_all("hand_over", ["a", "b"])
     trace.stamp_first("available", "a")
     assert not trace.enabled()
-    assert trace.drain(native=False) == {"capacity": 0, "dropped": 0, "stamps": []}
+    assert trace.drain() == {"capacity": 0, "dropped": 0, "stamps": []}
 
 
 def test_off_evaluates_no_keys():
     # The hot paths pass generators: off, nothing iterates them.
-    trace.enable(0, native=False)
+    trace.enable(0)
 
     def keys():
         raise AssertionError("a key was computed with tracing off")
@@ -46,13 +46,13 @@ def test_off_evaluates_no_keys():
 def test_ring_is_bounded_wraps_and_counts_what_it_overwrote():
     for i in range(20):
         trace.stamp("ready", str(i))
-    got = trace.drain(native=False)
+    got = trace.drain()
     assert got["capacity"] == 8 and got["dropped"] == 12
     assert [s[1] for s in got["stamps"]] == [str(i) for i in range(12, 20)]
     assert all(a[2] <= b[2] for a, b in zip(got["stamps"], got["stamps"][1:]))
     # Drained: the next drain has only what came after, and counts anew.
     trace.stamp("ready", "x")
-    again = trace.drain(native=False)
+    again = trace.drain()
     assert again["dropped"] == 0 and [s[:2] for s in again["stamps"]] == [["ready", "x"]]
 
 
@@ -61,13 +61,13 @@ def test_stamp_first_keeps_the_first_answer_only():
     for _ in range(5):
         trace.stamp_first("available", "h")
     trace.stamp_first("available", "g")
-    got = trace.drain(native=False)["stamps"]
+    got = trace.drain()["stamps"]
     assert [(s[0], s[1]) for s in got] == [("available", "h"), ("available", "g")]
 
 
 def test_concurrent_writers_lose_nothing_within_capacity():
     writers, each = 8, 500
-    trace.enable(writers * each, native=False)
+    trace.enable(writers * each)
     try:
         def write(w: int) -> None:
             for i in range(each):
@@ -78,12 +78,12 @@ def test_concurrent_writers_lose_nothing_within_capacity():
             t.start()
         for t in threads:
             t.join()
-        got = trace.drain(native=False)
+        got = trace.drain()
         keys = [s[1] for s in got["stamps"]]
         assert got["dropped"] == 0
         assert sorted(keys) == sorted(f"{w}-{i}" for w in range(writers) for i in range(each))
     finally:
-        trace.enable(0, native=False)
+        trace.enable(0)
 
 
 @pytest.mark.parametrize("value, capacity", [(None, 0), ("", 0), ("0", 0), ("x", 0), ("-2", 0), ("1", trace.DEFAULT_CAPACITY), ("300", 300)])
@@ -147,6 +147,7 @@ CHAINS = {
 @pytest.mark.usefixtures("library")
 @pytest.mark.parametrize("plane", sorted(CHAINS))
 def test_a_real_producer_and_shard_stamp_every_hop_once_in_order(workers, plane):
+    from ecmooncake import native
     from ecmooncake.native import Scheduler
 
     chains, absent = CHAINS[plane]
@@ -163,7 +164,7 @@ def test_a_real_producer_and_shard_stamp_every_hop_once_in_order(workers, plane)
         w.wait_ready(60)
     address = f"tcp://{IP}:{port}"
     items = [{"transfer_id": f"t{i}", "mm_hash": f"{plane}-item-{i}", "nbytes": 4096 * (i + 1), "seed": i} for i in range(3)]
-    trace.enable(1024)  # this process: the PD scheduler's hops
+    native.trace_enable(1024)  # this process: the PD scheduler's hops
     try:
         with Scheduler({"ec_ip": IP, "ec_port": port, "tp_size": 1, "dp_rank": 0, "push_wait_timeout_s": 20, "load_timeout_s": 10}) as sched:
             out = sched.step({"expect": [{"request_id": "r", "items": [{"transfer_id": it["transfer_id"], "mm_hash": it["mm_hash"]} for it in items]}]})
@@ -172,9 +173,9 @@ def test_a_real_producer_and_shard_stamp_every_hop_once_in_order(workers, plane)
             assert pushed["failed"] == {} and pushed["timed_out"] == [], pushed
             waited = sched.wait([it["transfer_id"] for it in items], 20_000)
             assert sorted(waited["available"]) == sorted(it["transfer_id"] for it in items), waited
-            rings = [producer.call("trace", 30), shard.call("trace", 30), trace.drain()]
+            rings = [producer.call("trace", 30), shard.call("trace", 30), native.trace_drain()]
     finally:
-        trace.enable(0)
+        native.trace_enable(0)
     stamps = [s for r in rings for s in r["stamps"]]
     assert all(r["dropped"] == 0 for r in rings)
     want = {h for chain in chains for h in chain}

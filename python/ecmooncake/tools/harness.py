@@ -18,9 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import trace as trace_rings
 from ..buffers import shared_slab
-from ..native import Consumer, Producer, Scheduler, configure
+from ..native import Consumer, Producer, Scheduler, configure, trace_drain, trace_enable
 from .worker import Worker as _Worker
 from .worker import WorkerError, stop_all
 
@@ -104,7 +103,7 @@ class ConsumerHost:
         if settings:
             configure(**settings)
         if trace:
-            trace_rings.enable(trace)
+            trace_enable(trace)
         if config.get("transport") == "shm":
             # The shard hands the slab's memfd to producers on this host,
             # which map it and copy into it.
@@ -128,7 +127,7 @@ class ConsumerHost:
 
     def op_trace(self) -> dict:
         """This process's ready-path stamps since the last call (ecmooncake.trace)."""
-        return trace_rings.drain()
+        return trace_drain()
 
     def op_acquire(self, mm_hashes: list[str]) -> list[dict]:
         return self.consumer.acquire(mm_hashes)
@@ -210,7 +209,7 @@ class ProducerHost:
         if settings:
             configure(**settings)
         if trace:
-            trace_rings.enable(trace)
+            trace_enable(trace)
         self.producer = Producer(config)
         self._filler = np.zeros(0, dtype=np.uint8)
 
@@ -222,7 +221,7 @@ class ProducerHost:
 
     def op_trace(self) -> dict:
         """This process's ready-path stamps since the last call (ecmooncake.trace)."""
-        return trace_rings.drain()
+        return trace_drain()
 
     def op_submit(self, pushes: list[dict]) -> list[dict]:
         return self.producer.submit(pushes)
