@@ -4,7 +4,7 @@ output to the PD's ``encoder_cache``, stamped with CLOCK_MONOTONIC
 
 Each process holds two bounded rings: this module's, for the hops Python
 sees (``save_caches``, ``submit``, ``hand_over``, ``available``,
-``loaded``), and the library's (core/trace, read through ``ecm_trace``)
+``encoder_cache``), and the library's (core/trace, read through ``ecm_trace``)
 for the hops Go sees. CLOCK_MONOTONIC is one clock for every process of a
 host, so the stamps of an encoder, a shard and a PD scheduler on one host
 compare; ``ecmooncake.native.trace_enable`` and ``trace_drain`` handle
@@ -16,17 +16,26 @@ on in a process's environment with ``ECMOONCAKE_TRACE=N`` (N entries per
 ring; ``1`` for the default 65,536), which both rings read at start, or
 with :func:`enable`. A full ring overwrites its oldest stamps and counts
 them (``dropped``), so a process left tracing holds bounded memory.
+
+Where nobody can drain a process (a ``vllm serve`` instance),
+``ECMOONCAKE_TRACE_LOG=1`` also logs each Python stamp as one line,
+"ecmooncake item-trace HOP mm_hash=H t_ns=N", on the ``vllm.ecmooncake``
+logger: the encoder's ``save_caches`` and the PD's ``encoder_cache`` lines
+of an mm_hash give its time from the encoder's output to the PD's cache.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections import deque
 from typing import Any, Iterable
 
 ENV = "ECMOONCAKE_TRACE"
+LOG_ENV = "ECMOONCAKE_TRACE_LOG"
+LOG_PREFIX = "ecmooncake item-trace"
 DEFAULT_CAPACITY = 1 << 16
 MAX_CAPACITY = 1 << 22
 
@@ -49,7 +58,7 @@ HOPS: tuple[tuple[str, str, str], ...] = (
     ("complete_answered", "producer, Go", "complete_batch answered"),
     ("event_delivered", "PD scheduler, Go", "the shard's ready event applied"),
     ("available", "PD scheduler, Python", "has_cache_item / ensure_cache_available first true"),
-    ("loaded", "PD worker, Python", "encoder_cache filled"),
+    ("encoder_cache", "PD worker, Python", "the item's view put into vLLM's encoder_cache"),
 )
 HOP_NAMES = tuple(h for h, _, _ in HOPS)
 PROCESS = {h: p for h, p, _ in HOPS}
@@ -116,10 +125,22 @@ def capacity_from_env(value: str | None) -> int:
     return DEFAULT_CAPACITY if n == 1 else min(n, MAX_CAPACITY)
 
 
-_ring: Ring | None = None
-_env_capacity = capacity_from_env(os.environ.get(ENV))
-if _env_capacity:
-    _ring = Ring(_env_capacity)
+class _LoggedRing(Ring):
+    """A ring that also logs each stamp (ECMOONCAKE_TRACE_LOG=1)."""
+
+    def add(self, hop: str, key: str, ns: int) -> None:
+        super().add(hop, key, ns)
+        logging.getLogger("vllm.ecmooncake").info("%s %s mm_hash=%s t_ns=%d", LOG_PREFIX, hop, key, ns)
+
+
+def _ring_of(capacity: int) -> Ring | None:
+    if capacity <= 0:
+        return None
+    return _LoggedRing(capacity) if os.environ.get(LOG_ENV) == "1" else Ring(capacity)
+
+
+# ECMOONCAKE_TRACE_LOG=1 alone turns tracing on, at the default capacity.
+_ring: Ring | None = _ring_of(capacity_from_env(os.environ.get(ENV)) or (DEFAULT_CAPACITY if os.environ.get(LOG_ENV) == "1" else 0))
 
 
 def enabled() -> bool:
@@ -154,7 +175,7 @@ def enable(capacity: int = DEFAULT_CAPACITY) -> None:
     """Starts a fresh Python ring of ``capacity`` entries in this process
     (0: off). ecmooncake.native.trace_enable starts the library's too."""
     global _ring
-    _ring = Ring(capacity) if capacity > 0 else None
+    _ring = _ring_of(capacity)
 
 
 def drain() -> dict:

@@ -191,3 +191,17 @@ def test_a_real_producer_and_shard_stamp_every_hop_once_in_order(workers, plane)
     t = trace.table(stamps, [it["mm_hash"] for it in items])
     assert t["items"] == 3 and {r["hop"] for r in t["rows"]} == want
     assert all(r["count"] == 3 for r in t["rows"])
+
+
+def test_trace_log_writes_one_line_per_python_stamp(monkeypatch, caplog):
+    # A vllm serve instance nobody drains: its stamps go to its log too.
+    monkeypatch.setenv(trace.LOG_ENV, "1")
+    trace.enable(4)
+    try:
+        with caplog.at_level("INFO", logger="vllm.ecmooncake"):
+            trace.stamp("save_caches", "h1")
+        got = trace.drain()
+    finally:
+        trace.enable(0)
+    (ns,) = [s[2] for s in got["stamps"]]
+    assert [r.getMessage() for r in caplog.records] == [f"ecmooncake item-trace save_caches mm_hash=h1 t_ns={ns}"]

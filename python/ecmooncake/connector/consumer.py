@@ -192,7 +192,7 @@ class _ConsumerWorker:
                 self._fail(spec, encoder_cache, f"bad item description {item.get('meta')!r}: {type(exc).__name__}: {exc}")
                 continue
             encoder_cache[spec.mm_hash] = tensor
-            trace.stamp("loaded", spec.mm_hash)
+            trace.stamp("encoder_cache", spec.mm_hash)
             self._held.add(spec.mm_hash)
             if spec.error:
                 # The shard had it although the scheduler could not name a
