@@ -22,7 +22,7 @@ the bytes went over ``cuda_ipc``, and that nothing is left on the GPU or in
 /dev/shm once the instances stopped. It prints per request the baseline's
 and EPD's time to first token and the connector's time from save_caches on
 the encoder to the tensor in the PD instance's encoder cache
-(ECMOONCAKE_ITEM_TRACE's stamps), and writes every log and summary.json
+(ECMOONCAKE_TRACE_LOG's stamps), and writes every log and summary.json
 into the out folder.
 
 The checks are functions of text and numbers (tests/python/test_gpu_vllm_e2e.py
@@ -786,7 +786,7 @@ def server_env(site: Path, cache: Path) -> dict[str, str]:
         # With an EC connector vLLM 0.26 takes its V1 model runner; the
         # baseline must run the same one to answer token for token alike.
         "VLLM_USE_V2_MODEL_RUNNER": "0",
-        "ECMOONCAKE_ITEM_TRACE": "1",
+        "ECMOONCAKE_TRACE_LOG": "1",
         # Each instance compiles into a cache of its own: they start together.
         "VLLM_CACHE_ROOT": str(cache),
     })

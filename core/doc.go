@@ -21,6 +21,8 @@
 //     interfaces, errors, stats, the in-memory fake) and each plane has a
 //     folder of its own below it (tcp, shm, cudaipc, mooncake), with
 //     staged and route composing them; cuda and gpu are the GPUs.
+//   - trace stamps each hop of an item's ready path with CLOCK_MONOTONIC
+//     into a bounded ring per process, off unless asked for.
 //   - metadata serves Mooncake's metadata store, metrics the counters;
 //     ids are the identities and tokens that every plane checks, and the
 //     host identity both roles compare to pick a same-host plane.

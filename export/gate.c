@@ -84,6 +84,7 @@ GATED(gpu_info, (char **out_json, char **err), (out_json, err))
 GATED(mooncake_info, (const char *config_json, char **out_json, char **err), (IN(config_json), out_json, err))
 GATED(stats, (ecm_handle_t h, char **out_json, char **err), (h, out_json, err))
 GATED(close, (ecm_handle_t h, char **err), (h, err))
+GATED(trace, (const char *in_json, char **out_json, char **err), (IN(in_json), out_json, err))
 
 GATED(consumer_open, (const char *config_json, void *slab, uint64_t slab_len, ecm_handle_t *out, char **err),
       (IN(config_json), slab, slab_len, out, err))

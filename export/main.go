@@ -125,6 +125,11 @@ func ecmgo_stats(h C.uint64_t, out **C.char, errOut **C.char) C.int {
 	return finishJSON(errOut, "ecm_stats", out, func() ([]byte, error) { return capi.Stats(uint64(h)) })
 }
 
+//export ecmgo_trace
+func ecmgo_trace(in *C.char, out **C.char, errOut **C.char) C.int {
+	return finishJSON(errOut, "ecm_trace", out, func() ([]byte, error) { return capi.Trace(goBytes(in)) })
+}
+
 //export ecmgo_close
 func ecmgo_close(h C.uint64_t, errOut **C.char) C.int {
 	return finish(errOut, func() error { return capi.Close(uint64(h)) })

@@ -80,6 +80,13 @@ int ecm_mooncake_info(const char *config_json, char **out_json, char **err);
 int ecm_stats(ecm_handle_t h, char **out_json, char **err);
 /* Closes any object; closing twice is ECM_ERR_HANDLE. */
 int ecm_close(ecm_handle_t h, char **err);
+/* This process's ring of ready-path stamps (docs/design.md lists the hops;
+ * off unless $ECMOONCAKE_TRACE or a capacity turned it on).
+ * In: {"capacity": N} starts a fresh ring of N entries (0: off);
+ * {"drain": true} takes the stamps recorded since the last drain.
+ * Out: {"enabled", "capacity", "dropped" (overwritten before a drain),
+ * "stamps": [[hop, mm_hash, CLOCK_MONOTONIC ns], ...] oldest first}. */
+int ecm_trace(const char *in_json, char **out_json, char **err);
 
 /* Consumer shard (one per TP rank of a consumer instance): owns the receive
  * slab [slab, slab+slab_len) given by the caller, the control server at

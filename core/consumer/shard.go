@@ -18,6 +18,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/internal/due"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
+	"github.com/ecmooncake/ecmooncake/core/trace"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
@@ -380,6 +381,8 @@ func (s *Shard) sendEventsLocked() {
 		}
 		if e.Gone {
 			evs[i].Kind = wire.EventGone
+		} else if e.Ready {
+			trace.Stamp(trace.Ready, e.MMHash)
 		}
 	}
 	s.events.Send(evs...)

@@ -9,6 +9,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/fsm/push"
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
+	"github.com/ecmooncake/ecmooncake/core/trace"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
@@ -225,7 +226,9 @@ func (p *Producer) reserve(dest string, items []push.ReserveItem) {
 	}
 	var rep wire.ReserveBatchReply
 	start := time.Now()
+	trace.StampAll(trace.ReserveSent, items, reserveKey)
 	err := p.call(dest, wire.OpReserveBatch, req, &rep)
+	trace.StampAll(trace.ReserveAnswered, items, reserveKey)
 	if err == nil {
 		metrics.Phase(metrics.PhaseReserveRTT, time.Since(start))
 	}
@@ -309,10 +312,12 @@ func (p *Producer) write(dest, addr string, cached bool, ws []push.Write, items 
 	for i := range items {
 		items[i].Complete = inBand
 	}
+	trace.StampAll(trace.WriteEnqueued, ws, writeKey)
 	errs := p.writeTo(dest, addr, items)
 	if cached {
 		inBand = p.retryStale(dest, addr, items, errs, inBand)
 	}
+	trace.StampAll(trace.WriteEnded, ws, writeKey)
 	now := time.Now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -456,7 +461,9 @@ func (p *Producer) complete(dest string, cs []push.Complete) {
 	start := time.Now()
 	p.handedOff(p.wrote, dest, metrics.PhaseCompleteHandoff, start)
 	var rep wire.CompleteBatchReply
+	trace.StampAll(trace.CompleteSent, cs, completeKey)
 	err := p.call(dest, wire.OpCompleteBatch, req, &rep)
+	trace.StampAll(trace.CompleteAnswered, cs, completeKey)
 	if err == nil {
 		metrics.Phase(metrics.PhaseCompleteRTT, time.Since(start))
 	}
@@ -474,6 +481,12 @@ func (p *Producer) complete(dest string, cs []push.Complete) {
 		p.mgr.CompleteDone(c.TransferID, dest, e, now)
 	}
 }
+
+// The item of each traced hop: its mm_hash, the key every process of the
+// path knows it by.
+func reserveKey(it push.ReserveItem) string { return it.MMHash }
+func writeKey(w push.Write) string          { return w.MMHash }
+func completeKey(c push.Complete) string    { return c.MMHash }
 
 // cancel tells the shard to drop reservations: an abandon for the ones we
 // were granted a write for (followers fail at once), a plain cancel for

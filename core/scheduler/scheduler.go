@@ -14,6 +14,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
 	"github.com/ecmooncake/ecmooncake/core/internal/due"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
+	"github.com/ecmooncake/ecmooncake/core/trace"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
 
@@ -198,6 +199,9 @@ func (s *Scheduler) apply(evs ...wire.Event) {
 		in[i] = sched.Event{Shard: ev.Shard, TransferID: ev.TransferID, MMHash: ev.MMHash, Ready: ev.Ready,
 			NBytes: ev.NBytes, Reason: ev.Reason, Gone: ev.Kind == wire.EventGone}
 		ids[i] = ev.TransferID
+		if ev.Ready && ev.Kind != wire.EventGone {
+			trace.Stamp(trace.EventDelivered, ev.MMHash)
+		}
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()

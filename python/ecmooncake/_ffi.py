@@ -46,6 +46,7 @@ PROTOTYPES: dict[str, tuple[object, tuple[object, ...]]] = {
     "ecm_mooncake_info": (c_int, (c_char_p, c_str_out, c_str_out)),
     "ecm_stats": (c_int, (ecm_handle_t, c_str_out, c_str_out)),
     "ecm_close": (c_int, (ecm_handle_t, c_str_out)),
+    "ecm_trace": (c_int, (c_char_p, c_str_out, c_str_out)),
     "ecm_consumer_open": (
         c_int,
         (c_char_p, c_void_p, c_uint64, POINTER(ecm_handle_t), c_str_out),

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _ffi
+from . import _ffi, trace as _trace
 from .buffers import _EMPTY, _is_tensor, buffer_of, memory_of, shared_slab  # noqa: F401  (re-exported)
 from .environment import (  # noqa: F401  (re-exported)
     METADATA_TOKEN_ENV,
@@ -129,6 +129,38 @@ def mooncake_info(library: str | None = None, engine: str | None = None) -> dict
     return _call(
         "ecm_mooncake_info", _encode({"library": library or "", "engine": engine or ""}, "mooncake_info"), out=True
     )
+
+
+def trace(capacity: int | None = None, drain: bool = False) -> dict:
+    """This process's ring of Go ready-path stamps (ecm_trace): ``capacity``
+    starts a fresh ring of that many entries (0 turns it off), ``drain``
+    takes the stamps since the last drain as [hop, mm_hash, ns] lists.
+    ecmooncake.trace reads it beside Python's own ring."""
+    request: dict[str, Any] = {"drain": bool(drain)}
+    if capacity is not None:
+        request["capacity"] = int(capacity)
+    return _call("ecm_trace", _encode(request, "trace"), out=True)
+
+
+def trace_enable(capacity: int) -> None:
+    """Starts fresh rings of ready-path stamps in this process, Python's
+    (ecmooncake.trace) and the library's, of ``capacity`` entries each (0:
+    off)."""
+    _trace.enable(capacity)
+    trace(capacity=max(0, int(capacity)))
+
+
+def trace_drain() -> dict:
+    """This process's stamps since the last drain, Python's and the
+    library's together, sorted by time: {"capacity", "dropped", "stamps":
+    [[hop, mm_hash, CLOCK_MONOTONIC ns], ...]}."""
+    out = _trace.drain()
+    got = trace(drain=True)
+    out["capacity"] = max(out["capacity"], int(got.get("capacity") or 0))
+    out["dropped"] += int(got.get("dropped") or 0)
+    out["stamps"] += got.get("stamps") or []
+    out["stamps"].sort(key=lambda s: s[2])
+    return out
 
 
 class _Region:
@@ -277,6 +309,7 @@ class Producer(_Handle):
         and optionally meta) in one call; per-item dicts carry transfer_id,
         and error when that push was refused."""
         pushes = list(pushes)
+        _trace.stamp_all("submit", (p.get("mm_hash") for p in pushes))
         body = pack_pushes(pushes)
         reasons = _call("ecm_producer_submit_packed", self.handle, len(pushes), body, len(body), out=True, optional=True)
         if reasons is None:
@@ -308,6 +341,7 @@ class Producer(_Handle):
         are still held until :meth:`poll` reports them released.
         """
         items = list(items)
+        _trace.stamp_all("hand_over", (h for h, _ in items))
         n = len(items)
         if n == 0:
             return []

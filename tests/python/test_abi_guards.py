@@ -74,6 +74,7 @@ def test_metadata_server_open_with_null_out_opens_nothing():
         ("ecm_gpu_info", (None,)),
         ("ecm_mooncake_info", (b"{}", None)),
         ("ecm_stats", (1, None)),
+        ("ecm_trace", (b"{}", None)),
         ("ecm_consumer_info", (1, None)),
         ("ecm_consumer_acquire", (1, b"{}", None)),
         ("ecm_consumer_release", (1, b"{}", None)),

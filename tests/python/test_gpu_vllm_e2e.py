@@ -180,23 +180,23 @@ def test_run_refuses_pieces_of_two_packs(tmp_path):
 
 
 def test_trace_lines_the_connector_writes_are_read_back(monkeypatch, caplog):
-    from ecmooncake.connector import trace
+    from ecmooncake import trace
 
-    monkeypatch.setattr(trace, "_enabled", True)
+    monkeypatch.setattr(trace, "_ring", trace._LoggedRing(64))
     with caplog.at_level(logging.INFO, logger="vllm.ecmooncake"):
-        trace.stamp(trace.SAVE, "h1")
-        trace.stamp(trace.PUT, "h1")
+        trace.stamp("save_caches", "h1")
+        trace.stamp("encoder_cache", "h1")
     parsed = e2e.parse_trace(caplog.text)
     assert set(parsed) == {"h1"} and set(parsed["h1"]) == {"save_caches", "encoder_cache"}
     assert parsed["h1"]["encoder_cache"] >= parsed["h1"]["save_caches"]
 
 
 def test_trace_is_silent_when_off(monkeypatch, caplog):
-    from ecmooncake.connector import trace
+    from ecmooncake import trace
 
-    monkeypatch.setattr(trace, "_enabled", False)
+    monkeypatch.setattr(trace, "_ring", None)
     with caplog.at_level(logging.DEBUG, logger="vllm.ecmooncake"):
-        trace.stamp(trace.SAVE, "h1")
+        trace.stamp("save_caches", "h1")
     assert caplog.text == ""
 
 
@@ -393,12 +393,12 @@ def test_the_instances_argv_and_connector_configs():
     assert pd["ec_connector_extra_config"]["metrics_port"] == 7
     env = e2e.server_env(REPO / "site", REPO / "cache")
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
-    assert env["ECMOONCAKE_ITEM_TRACE"] == "1" and env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO / "site")
+    assert env["ECMOONCAKE_TRACE_LOG"] == "1" and env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO / "site")
 
 
 def test_our_wheel_goes_without_the_ceiling_tool_only():
     assert not e2e.keep_of_ours("ecmooncake/ecm-ceiling")
-    for name in ("ecmooncake/libecmooncake.so", "ecmooncake.libs/libzmq-98f0defc.so.5.2.4", "ecmooncake/connector/trace.py",
+    for name in ("ecmooncake/libecmooncake.so", "ecmooncake.libs/libzmq-98f0defc.so.5.2.4", "ecmooncake/trace.py",
                  "ecmooncake/libecmooncake_mooncake.so", "ecmooncake-0.1.0.dist-info/METADATA"):
         assert e2e.keep_of_ours(name), name
 

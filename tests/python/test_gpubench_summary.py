@@ -40,3 +40,21 @@ def test_summary_reports_the_ready_path_and_the_targets():
     assert "copy 150 (2), event_delivery 30 (16)" in text
     assert "MISSED" in text and "result OK" in text
     assert "TCP ceiling: raw Go TCP 5.00 GB/s (1 sender + 1 receiver process" in text
+
+
+def test_summary_prints_each_phase_per_hop_trace_beside_its_floor():
+    from ecmooncake import trace
+
+    stamps = []
+    for i in range(8):
+        k = f"ipc-32m-0-0-{i}"
+        stamps += [["hand_over", k, 0], ["write_enqueued", k, 20_000], ["write_ended", k, 190_000], ["ready", k, 230_000],
+                   ["event_delivered", k, 290_000]]
+    phase = {**_phase("ipc-32m", "cuda_ipc", 32, 1, 0.55, 120.0), "trace": {**trace.table(stamps), "dropped": 0}}
+    untraced = _phase("ipc-4m", "cuda_ipc", 4, 1, 0.5, 100.0)
+    lines = gpubench.trace_lines([phase, untraced])
+    # 8 x 32 MiB at the phase's ceiling (1e12 B/s): 268.4 us.
+    assert lines[0] == "  ipc-32m per-hop trace of 8 items, us (a batch's bytes take 268.4 us at its ceiling's rate)"
+    assert [line.split()[0] for line in lines[2:]] == ["hand_over", "write_enqueued", "write_ended", "ready", "event_delivered"]
+    assert lines[4].split()[4:] == ["170.0", "170.0", "190.0", "190.0"]
+    assert not any("ipc-4m" in line for line in lines)

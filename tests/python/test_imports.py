@@ -23,7 +23,7 @@ PACKAGE = "ecmooncake"
 LIBRARY = {"ecmooncake", "ecmooncake._ffi", "ecmooncake.native", "ecmooncake.ec_config", "ecmooncake.plugin",
            "ecmooncake.tokens", "ecmooncake.proxy", "ecmooncake.schema",
            "ecmooncake.errors", "ecmooncake.buffers", "ecmooncake.environment", "ecmooncake.auth",
-           "ecmooncake.packed", "ecmooncake.store"}
+           "ecmooncake.packed", "ecmooncake.store", "ecmooncake.trace"}
 
 
 def modules(root: Path) -> dict[str, Path]:

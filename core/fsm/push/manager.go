@@ -108,6 +108,7 @@ type Complete struct {
 	TransferID string
 	Res        ids.ResID
 	Token      ids.Token
+	MMHash     string // the content, for the trace of its path (core/trace)
 }
 
 // Cancel tells a shard to free a region.
@@ -719,7 +720,7 @@ func (m *Manager) Ready(now time.Time) Effects {
 		default:
 			r.completeOut = true
 			m.completesOut[r.dest]++
-			out.Completes = appendTo(out.Completes, r.dest, Complete{r.tr.push.TransferID, r.grant.Res, r.grant.Token})
+			out.Completes = appendTo(out.Completes, r.dest, Complete{r.tr.push.TransferID, r.grant.Res, r.grant.Token, r.tr.push.MMHash})
 		}
 	}
 	clear(m.completeQ[len(waiting):])

@@ -15,14 +15,13 @@ import json
 import math
 from typing import Any
 
-from .. import ec_config
+from .. import ec_config, trace
 from ..buffers import shared_slab
 from ..errors import EcmError
 from ..native import Consumer
 from .dtypes import DTYPES, dtype_name, import_torch
 from .lifecycle import configure_process
 from .log import logger, throttle
-from . import trace
 from .metadata import LoadSpec, _StepMetadata, _WorkerReport
 from .stats import _Recorder
 
@@ -193,7 +192,7 @@ class _ConsumerWorker:
                 self._fail(spec, encoder_cache, f"bad item description {item.get('meta')!r}: {type(exc).__name__}: {exc}")
                 continue
             encoder_cache[spec.mm_hash] = tensor
-            trace.stamp(trace.PUT, spec.mm_hash)
+            trace.stamp("encoder_cache", spec.mm_hash)
             self._held.add(spec.mm_hash)
             if spec.error:
                 # The shard had it although the scheduler could not name a

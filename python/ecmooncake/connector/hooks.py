@@ -9,7 +9,6 @@ import logging
 from typing import Any, Callable
 
 from .. import ec_config
-from . import trace
 from .consumer import _ConsumerWorker
 from .log import logger, throttle
 from .metadata import _StepMetadata, _WorkerReport
@@ -325,7 +324,6 @@ class _Connector:
     def save_caches(self, encoder_cache: dict[str, Any], mm_hash: str, **kwargs: Any) -> None:
         if self._producer_worker is None or not self._producer_worker.wants(mm_hash):
             return
-        trace.stamp(trace.SAVE, mm_hash)
         tensor = encoder_cache.get(mm_hash)
         if tensor is not None:
             self._producer_worker.capture(mm_hash, tensor)

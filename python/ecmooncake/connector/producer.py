@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import ec_config
+from .. import ec_config, trace
 from ..errors import EcmError
 from ..native import Producer
 from .dtypes import DTYPES, dtype_name, import_torch
@@ -144,6 +144,7 @@ class _ProducerWorker:
         """Takes the encoder output of mm_hash for every push that wants it."""
         if not self.wants(mm_hash):
             return
+        trace.stamp("save_caches", mm_hash)
         device = tensor.device.type
         with self._lock:
             if device not in ("cpu", "cuda"):

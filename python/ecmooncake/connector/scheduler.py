@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import ec_config
+from .. import ec_config, trace
 from ..errors import EcmError
 from ..native import Scheduler
 from .dtypes import DTYPES, dtype_name
@@ -133,6 +133,7 @@ class _ConsumerScheduler:
                 self._has[identifier] = found
         if found:
             self._said_yes.add(identifier)
+            trace.stamp_first("available", identifier)
         return found
 
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
@@ -168,7 +169,11 @@ class _ConsumerScheduler:
                 )
             self._unavailable.add(rid)
             return self._give_up(request) if not self._can_fail else False
-        return all(has.get(h) for h in remaining)
+        ok = all(has.get(h) for h in remaining)
+        if ok and trace.enabled():
+            for h in remaining:
+                trace.stamp_first("available", h)
+        return ok
 
     def _give_up(self, request: Any) -> bool:
         """Lets a request whose items will not arrive be scheduled without

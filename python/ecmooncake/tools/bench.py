@@ -21,6 +21,7 @@ import secrets
 import sys
 
 from . import ceiling as ceilings
+from .. import trace
 from ..native import configure
 from . import harness
 from .cli import add_options, option_values
@@ -43,6 +44,10 @@ PLANES = {
     "shm": {"transport": "shm"},
 }
 TCP_PLANES = ("tcp", "mooncake")
+
+# Stamps each worker's rings hold (ecmooncake.trace): a phase's timed
+# items, about eight hops each, fit with room to spare.
+TRACE_CAPACITY = 1 << 18
 
 
 def planes_error(planes: tuple[str, ...]) -> str | None:
@@ -69,13 +74,14 @@ def _plane_workers(plane: str, ip: str, port: int, slab_bytes: int, settings: di
         config={"ec_ip": ip, "ec_port": port, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, **extra},
         slab_bytes=slab_bytes,
         settings=settings,
+        trace=TRACE_CAPACITY,
     )
     producer_config = {**extra}
     if plane == "tcp":
         producer_config["tcp_conns"] = tcp_conns
     elif plane == "mooncake":
         producer_config["mooncake_host"] = ip
-    producer = Worker("producer", f"producer-{plane}", config=producer_config, settings=settings)
+    producer = Worker("producer", f"producer-{plane}", config=producer_config, settings=settings, trace=TRACE_CAPACITY)
     return [consumer, producer]
 
 
@@ -194,7 +200,27 @@ def format_summary(s: dict) -> str:
         ]
         for phase in (large, small):
             lines += [f"  failed: {plane}: {f}" for f in phase["failures"]]
+        lines += trace_lines(plane, phases, (ceiling.get("gb_per_s") or 0) * GB)
     return summary_text(s, lines, result_at=17)
+
+
+def trace_lines(plane: str, phases: dict, ceiling_bps: float) -> list[str]:
+    """Each phase's per-hop table, under the time its items' bytes take at
+    the ceiling's rate (the floor of the same run)."""
+    lines = []
+    for label, phase in phases.items():
+        t = phase.get("trace")
+        if not t or not t.get("rows"):
+            continue
+        data_us = phase["item_bytes"] * phase["batch"] / ceiling_bps * 1e6 if ceiling_bps else 0.0
+        size = f"{phase['item_bytes'] // MiB} MiB" if phase["item_bytes"] >= MiB else f"{phase['item_bytes'] // KiB} KiB"
+        dropped = f"; {t['dropped']} stamps overwritten" if t.get("dropped") else ""
+        lines.append(
+            f"  {plane} {label} ({size} x {phase['batch']}): per-hop trace of {t['items']} items, us "
+            f"(a batch's bytes take {data_us:.1f} us at the ceiling's rate{dropped})"
+        )
+        lines += trace.format_table(t, indent="    ")
+    return lines
 
 
 # The sizes of the large and small phases: options, and run()'s keywords.

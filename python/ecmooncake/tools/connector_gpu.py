@@ -26,6 +26,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import trace
 from ..connector.hooks import _Connector
 from ..connector.metadata import _WorkerReport
 from ..connector.names import OPTIONAL_HOOKS
@@ -171,9 +172,13 @@ def bit_equal(got: Any, want: Any) -> bool:
 class EncoderHost:
     """The encoder's model runner: one worker-role connector on a GPU."""
 
-    def __init__(self, config: bytes, device: str):
+    def __init__(self, config: bytes, device: str, trace: int = 0):
         import torch
 
+        from ..native import trace_enable
+
+        if trace:
+            trace_enable(trace)
         self.torch = torch
         torch.cuda.set_device(torch.device(device))
         self.device = torch.device(device)
@@ -226,6 +231,12 @@ class EncoderHost:
     def op_stats(self) -> dict:
         return self.connector.native_stats()
 
+    def op_trace(self) -> dict:
+        """This process's ready-path stamps since the last call (ecmooncake.trace)."""
+        from ..native import trace_drain
+
+        return trace_drain()
+
     def close(self) -> None:
         self.connector.shutdown()
 
@@ -234,9 +245,13 @@ class PDHost:
     """One PD TP rank's model runner: a worker-role connector whose slab
     lives on this rank's GPU (vLLM sets the current device per rank)."""
 
-    def __init__(self, config: bytes, device: str, rank: int):
+    def __init__(self, config: bytes, device: str, rank: int, trace: int = 0):
         import torch
 
+        from ..native import trace_enable
+
+        if trace:
+            trace_enable(trace)
         self.torch = torch
         torch.cuda.set_device(torch.device(device))
         self.device = torch.device(device)
@@ -304,6 +319,12 @@ class PDHost:
     def op_stats(self) -> dict:
         return self.connector.native_stats()
 
+    def op_trace(self) -> dict:
+        """This process's ready-path stamps since the last call (ecmooncake.trace)."""
+        from ..native import trace_drain
+
+        return trace_drain()
+
     def close(self) -> None:
         self.connector.shutdown()
 
@@ -324,13 +345,18 @@ class Deployment:
     held: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, *, port: int, tp_size: int = 1, encoder_device: str = "cuda:0", pd_devices: list[str] | None = None, extra: dict | None = None, pd_extra: dict | None = None, enc_extra: dict | None = None, buffer_size: int = 1 << 30, width: int = 2048) -> "Deployment":
+    def start(cls, *, port: int, tp_size: int = 1, encoder_device: str = "cuda:0", pd_devices: list[str] | None = None, extra: dict | None = None, pd_extra: dict | None = None, enc_extra: dict | None = None, buffer_size: int = 1 << 30, width: int = 2048, trace: int = 0) -> "Deployment":
         base = {"push_wait_timeout_s": 60, "log_level": "info", **(extra or {})}
         pd_cfg = vllm_config("ec_consumer", port=port, tp_size=tp_size, buffer_size=buffer_size, extra={**base, **(pd_extra or {})})
         enc_cfg = vllm_config("ec_producer", port=port, extra={**base, **(enc_extra or {})})
         pd_devices = pd_devices or [f"cuda:{r}" for r in range(tp_size)]
-        ranks = [Worker(PDHost, f"pd-rank{r}", timeout=120, config=pickle.dumps(pd_cfg), device=pd_devices[r], rank=r) for r in range(tp_size)]
-        encoder = Worker(EncoderHost, "encoder", timeout=120, config=pickle.dumps(enc_cfg), device=encoder_device)
+        ranks = [Worker(PDHost, f"pd-rank{r}", timeout=120, config=pickle.dumps(pd_cfg), device=pd_devices[r], rank=r, trace=trace) for r in range(tp_size)]
+        encoder = Worker(EncoderHost, "encoder", timeout=120, config=pickle.dumps(enc_cfg), device=encoder_device, trace=trace)
+        if trace:
+            # The scheduler roles run here: the PD scheduler's hops.
+            from ..native import trace_enable
+
+            trace_enable(trace)
         try:
             for w in [*ranks, encoder]:
                 w.wait_ready(180)
@@ -389,6 +415,14 @@ class Deployment:
             time.sleep(0.001)
         failed = s.take_unavailable_requests()
         return {**first, "params": params, "failed": failed}
+
+    def trace(self) -> list:
+        """Every process's stamps since the last call: the encoder's, each
+        rank's and this one's (the scheduler roles)."""
+        from ..native import trace_drain
+
+        rings = [w.call("trace", 30) for w in (self.encoder, *self.ranks)] + [trace_drain()]
+        return [s for r in rings for s in r["stamps"]]
 
     def _enc_output(self, out: dict) -> None:
         report = pickle.loads(out["report"])
@@ -484,6 +518,11 @@ def select_paths(name: str) -> list[tuple[str, dict, dict]]:
     return [p for p in PATHS if name == p[0] or name == "all" and p[0] != "mooncake"]
 
 
+# Stamps per ring (ecmooncake.trace): one size and batch's reps, about a
+# dozen hops per item, with room to spare.
+TRACE_CAPACITY = 1 << 16
+
+
 def bench(args: argparse.Namespace) -> dict:
     """From save_caches to the tensor in the PD's encoder_cache, per item,
     for each size and batch, against torch's device copy of the same bytes."""
@@ -497,15 +536,19 @@ def bench(args: argparse.Namespace) -> dict:
             width=2048,
             extra={"log_level": "warn", "max_resident_bytes": 1 << 20, **common},
             pd_extra=pd_extra,
+            trace=TRACE_CAPACITY,
         )
         try:
             for mib in args.sizes:
                 for batch in args.batches:
                     num_embeds = mib * MiB // (2048 * 2)
                     times = []
+                    timed: list[str] = []
                     for rep in range(args.warmup + args.reps):
                         tag = f"{path.replace(' ', '')}-{mib}m-b{batch}-r{rep}"
                         items = [Item(f"{tag}-i{i}", num_embeds, 2048) for i in range(batch)]
+                        if rep == args.warmup:
+                            dep.trace()  # the warm-up's stamps are not the timed items'
                         pd: dict[str, Any] = {}
 
                         def load_while_encoding(tag=tag, items=items, rep=rep, pd=pd):
@@ -526,6 +569,7 @@ def bench(args: argparse.Namespace) -> dict:
                             raise RuntimeError(f"{tag}: loads are not views of the PD's GPU slab: {copies}")
                         if rep >= args.warmup:
                             times.append(max(r["loaded"] for r in results) - sent["t0"])
+                            timed += [it.identifier for it in items]
                         dep.free(req)
                     copy = dep.ranks[0].call("device_copy", nbytes=mib * MiB, batch=batch, reps=args.reps)
                     median = statistics.median(times)
@@ -534,8 +578,11 @@ def bench(args: argparse.Namespace) -> dict:
                     row["slab"] = dep.ranks[0].call("slab")
                     if path == "mooncake" and not str(row["slab"].get("device", "")).startswith("cuda"):
                         raise RuntimeError(f"mooncake: the PD's slab is {row['slab']}, not GPU memory")
+                    row["trace"] = trace.table(dep.trace(), timed)
                     rows.append(row)
                     print(f"{path:<11} {mib:>4} MiB x {batch}: {median * 1e3:8.2f} ms per batch, {median / batch * 1e3:8.2f} ms per item; device copy {copy * 1e3:7.3f} ms; {row['ratio']:.3f} of it", flush=True)
+                    print(f"  per-hop trace of {row['trace']['items']} items, us (the device copy of the batch: {copy * 1e6:.1f} us, same run)", flush=True)
+                    print("\n".join(trace.format_table(row["trace"], indent="    ")), flush=True)
         finally:
             dep.close()
     return {"rows": rows}

@@ -32,7 +32,8 @@ import time
 from typing import Any
 
 from . import ceiling as ceilings
-from ..native import Consumer, Producer, Scheduler, configure
+from .. import trace
+from ..native import Consumer, Producer, Scheduler, configure, trace_drain, trace_enable
 from . import harness
 from .harness import ConsumerHost, ProducerHost, Worker, await_available
 from .plot import size_label
@@ -62,10 +63,13 @@ def gpu_payload(seed: int, nbytes: int, device: str) -> Any:
 class GPUConsumerHost(ConsumerHost):
     """A consumer shard whose receive slab is on a CUDA device."""
 
-    def __init__(self, config: dict, slab_bytes: int, device: str = "cuda:0", settings: dict | None = None):
+    def __init__(self, config: dict, slab_bytes: int, device: str = "cuda:0", settings: dict | None = None,
+                 trace: int = 0):
         torch = _torch()
         if settings:
             configure(**settings)
+        if trace:
+            trace_enable(trace)
         torch.cuda.set_device(device)
         self.device = device
         # Zeroed, so that a region reserved but never written cannot pass.
@@ -106,10 +110,12 @@ class GPUConsumerHost(ConsumerHost):
 class GPUProducerHost(ProducerHost):
     """A producer whose encoder outputs are on a CUDA device."""
 
-    def __init__(self, config: dict, device: str = "cuda:0", settings: dict | None = None):
+    def __init__(self, config: dict, device: str = "cuda:0", settings: dict | None = None, trace: int = 0):
         torch = _torch()
         if settings:
             configure(**settings)
+        if trace:
+            trace_enable(trace)
         torch.cuda.set_device(device)
         self.device = device
         self.producer = Producer(config)
@@ -319,9 +325,14 @@ def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, p
     steps = {"submit": 0.0, "hand_over": 0.0, "producer_done": 0.0, "available": 0.0}
     failures: list[str] = []
     totals_before: dict = {}
+    timed: list[str] = []
     for r in range(-1, p["rounds"]):
         if r == 0:
             totals_before = _phase_totals(producer, sched)
+            # The warm-up's stamps, and an earlier phase's, are not this phase's.
+            for worker in (producer, consumer):
+                worker.call("trace", 30)
+            trace_drain()
         batches = [
             [{"transfer_id": f"{p['name']}-{r}-{k}-{i}", "mm_hash": f"{p['name']}-{r}-{k}-{i}", "nbytes": nbytes} for i in range(batch)]
             for k in range(inflight)
@@ -337,6 +348,7 @@ def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, p
         available, unavailable = await_available(sched, tids, timeout + 5)
         pushed = producer.result(timeout + 30)
         if r >= 0:
+            timed += tids
             if available:
                 t_avail = max(available.values())
                 # An announced batch is timed from its hand-over, which is
@@ -353,6 +365,11 @@ def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, p
             failures += [f"{t}: {why}" for t, why in unavailable.items()]
         _finish(sched, consumer, tids, available)
     ready_path = _phase_means(totals_before, _phase_totals(producer, sched))
+    # The hops of the timed items (ecmooncake.trace): the producer's and the
+    # shard's stamps, and the scheduler's of this process; transfer_id is
+    # mm_hash here.
+    rings = [producer.call("trace", 30), consumer.call("trace", 30), trace_drain()]
+    hops = {**trace.table([s for ring in rings for s in ring["stamps"]], timed), "dropped": sum(r["dropped"] for r in rings)}
     count = batch * inflight * p["rounds"]
     return {
         "name": p["name"],
@@ -367,6 +384,7 @@ def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, p
         "us_per_item": seconds / count * 1e6 if count else 0.0,
         "us_per_batch": {k: v / p["rounds"] * 1e6 for k, v in steps.items()} if inflight == 1 else {},
         "ready_path_us": ready_path,
+        "trace": hops,
         "failures": failures,
     }
 
@@ -393,6 +411,11 @@ PHASES = [
 ]
 
 
+# Stamps per ring (ecmooncake.trace): a phase's timed items, about eight
+# hops each, with room to spare (tcp-64k times 2,048 items).
+TRACE_CAPACITY = 1 << 18
+
+
 def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progress: bool = True,
         phases: list[dict] | None = None) -> dict:
     torch = _torch()
@@ -409,12 +432,16 @@ def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progre
     port = harness.free_port_range(1, ip)
     address = f"tcp://{ip}:{port}"
     shard = {"ec_ip": ip, "ec_port": port, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "transport": "tcp"}
-    consumer = Worker("gpu_consumer", "consumer", config=shard, slab_bytes=slab_bytes, device=consumer_device, settings=settings)
+    consumer = Worker("gpu_consumer", "consumer", config=shard, slab_bytes=slab_bytes, device=consumer_device, settings=settings,
+                      trace=TRACE_CAPACITY)
     producers = {
-        "cuda_ipc": Worker("gpu_producer", "producer-ipc", config={}, device=producer_device, settings=settings),
+        "cuda_ipc": Worker("gpu_producer", "producer-ipc", config={}, device=producer_device, settings=settings,
+                           trace=TRACE_CAPACITY),
         "tcp": Worker("gpu_producer", "producer-tcp", config={"local_transport": "none", "tcp_conns": tcp_conns},
-                      device=producer_device, settings=settings),
+                      device=producer_device, settings=settings, trace=TRACE_CAPACITY),
     }
+    # This process runs the PD scheduler: its hop (event_delivered) too.
+    trace_enable(TRACE_CAPACITY)
     sizes = sorted({_nbytes(p) for p in phases})
     copy_books = {
         n: ceilings.Ceiling("PyTorch device copy", {"src": producer_device, "dst": consumer_device, "bytes": n}, primary="copy_")
@@ -446,6 +473,7 @@ def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progre
         measure_ceilings(ceilings.AFTER)
     finally:
         harness.stop_all(workers)
+        trace_enable(0)
 
     tcp_cap = min(d2h.value(), tcp.book.value())
     for r in results:
@@ -542,9 +570,28 @@ def format_summary(s: dict) -> str:
         if r.get("ready_path_us"):
             parts = ", ".join(f"{k} {v['us']:.0f} ({v['count']})" for k, v in r["ready_path_us"].items())
             lines.append(f"  {r['name']:<17}{parts}")
+    lines += trace_lines(s["phases"])
     for t in s.get("targets", []):
         lines.append(f"  target {t['name']:<24}{t['phase']:<17}{t['value']:>9.2f} {t['bound']:<9}{'met' if t['met'] else 'MISSED'}")
     return summary_text(s, lines, result_at=9)
+
+
+def trace_lines(phases: list[dict]) -> list[str]:
+    """Each phase's per-hop trace (ecmooncake.trace), under the time one
+    batch's bytes take at its ceiling's rate (the device copy for cuda_ipc)
+    measured in the same run."""
+    lines = []
+    for r in phases:
+        t = r.get("trace")
+        if not t or not t.get("rows"):
+            continue
+        cap = r.get("ceiling_bytes_per_sec") or 0
+        floor = r["item_bytes"] * r["batch"] / cap * 1e6 if cap else 0.0
+        dropped = f"; {t['dropped']} stamps overwritten" if t.get("dropped") else ""
+        lines.append(f"  {r['name']} per-hop trace of {t['items']} items, us (a batch's bytes take {floor:.1f} us "
+                     f"at its ceiling's rate{dropped})")
+        lines += trace.format_table(t, indent="    ")
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..buffers import shared_slab
-from ..native import Consumer, Producer, Scheduler, configure
+from ..native import Consumer, Producer, Scheduler, configure, trace_drain, trace_enable
 from .worker import Worker as _Worker
 from .worker import WorkerError, stop_all
 
@@ -117,9 +117,11 @@ def percentile(values: list[float], q: float) -> float | None:
 class ConsumerHost:
     """One consumer shard inside a worker: its slab and its Consumer."""
 
-    def __init__(self, config: dict, slab_bytes: int, settings: dict | None = None):
+    def __init__(self, config: dict, slab_bytes: int, settings: dict | None = None, trace: int = 0):
         if settings:
             configure(**settings)
+        if trace:
+            trace_enable(trace)
         if config.get("transport") == "shm":
             # The shard hands the slab's memfd to producers on this host,
             # which map it and copy into it.
@@ -140,6 +142,10 @@ class ConsumerHost:
 
     def op_stats(self) -> dict:
         return self.consumer.stats()
+
+    def op_trace(self) -> dict:
+        """This process's ready-path stamps since the last call (ecmooncake.trace)."""
+        return trace_drain()
 
     def op_acquire(self, mm_hashes: list[str]) -> list[dict]:
         return self.consumer.acquire(mm_hashes)
@@ -217,9 +223,11 @@ class ConsumerHost:
 class ProducerHost:
     """A producer inside a worker, with payloads it generates itself."""
 
-    def __init__(self, config: dict, settings: dict | None = None):
+    def __init__(self, config: dict, settings: dict | None = None, trace: int = 0):
         if settings:
             configure(**settings)
+        if trace:
+            trace_enable(trace)
         self.producer = Producer(config)
         self._filler = np.zeros(0, dtype=np.uint8)
 
@@ -228,6 +236,10 @@ class ProducerHost:
 
     def op_stats(self) -> dict:
         return self.producer.stats()
+
+    def op_trace(self) -> dict:
+        """This process's ready-path stamps since the last call (ecmooncake.trace)."""
+        return trace_drain()
 
     def op_submit(self, pushes: list[dict]) -> list[dict]:
         return self.producer.submit(pushes)

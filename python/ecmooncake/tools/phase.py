@@ -6,6 +6,7 @@ imports the other.
 
 from __future__ import annotations
 
+from .. import trace
 from . import harness
 from .harness import Worker
 from .report import MiB
@@ -39,9 +40,13 @@ def run_phase(
     # push done: with batches of one, an item's latency.
     latencies: list[float] = []
     stats_before = None
+    timed: list[str] = []
     for b in range(-1, batches):
         if b == 0:
             stats_before = producer.call("stats", 30)
+            # The warm-up's stamps are not the timed items'.
+            for worker in (producer, consumer):
+                worker.call("trace", 30)
         items = [
             {"transfer_id": f"bench-{name}-{b}-{i}", "mm_hash": f"bench-{name}-{b}-{i}", "nbytes": nbytes}
             for i in range(batch)
@@ -49,12 +54,14 @@ def run_phase(
         timeout = 30 + batch * nbytes / (50 * MiB)
         out = producer.call("push", timeout + 30, items=items, consumer=address, timeout_s=timeout, fill="zeros")
         if b >= 0:
+            timed += [it["mm_hash"] for it in items]
             seconds += out["t_done"] - out["t_submit"]
             latencies += [(t - out["t_submit"]) * 1e6 for t in out["done"].values()]
             failures += [f"{tid}: {why}" for tid, why in out["failed"].items()]
             failures += [f"{tid}: timed out" for tid in out["timed_out"]]
         consumer.call("drain", 60, mm_hashes=[it["mm_hash"] for it in items])
     deltas = _numeric_deltas(stats_before or {}, producer.call("stats", 30))
+    rings = [worker.call("trace", 30) for worker in (producer, consumer)]
     trips = deltas.get("control_round_trips")
     count = batch * batches
     return {
@@ -71,5 +78,11 @@ def run_phase(
             "p99": harness.percentile(latencies, 99),
         },
         "producer_stat_deltas": deltas,
+        # Per hop of the timed items' path (ecmooncake.trace), when the
+        # workers trace: the producer's and the shard's stamps together.
+        "trace": {
+            **trace.table([s for r in rings for s in r["stamps"]], timed),
+            "dropped": sum(r["dropped"] for r in rings),
+        },
         "failures": failures,
     }
