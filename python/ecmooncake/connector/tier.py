@@ -11,7 +11,8 @@ on a stream of its own, and a thread hands it to the tier once the copy
 completed), and the counters handed to vLLM's stats as the increments
 since vLLM last asked.
 
-Today the encoder side puts; a PD does not get yet (see docs/operations.md,
+The encoder side puts each output and its index; a PD gets the items the
+proxy says come from the Store (:mod:`.fetch`; docs/operations.md,
 "Mooncake Store beside an EPD fleet").
 """
 
@@ -40,6 +41,13 @@ OWN_COUNTERS = (
     "put_dropped_pinned_full",  # the pinned pool held no room for a GPU output
     "put_device_copy_timeout",  # a GPU output's copy to the pool did not complete within put_timeout_s
     "put_skipped_error",  # queuing the put failed (a CUDA error, say); logged
+    # A PD's fetches (connector.fetch): each that did not arrive is also
+    # counted by the tier's get_* counter of its get, when it got that far.
+    "fetch_pushed",  # an item got from the Store arrived in this instance's shards
+    "fetch_queue_full",  # the scheduler handed over more fetches than fetch.MAX_QUEUED
+    "fetch_expired",  # a fetch waited in the queue past its deadline
+    "fetch_get_failed",  # the Store's get fell back (the tier's get_* counter says why)
+    "fetch_push_failed",  # the push to this instance's own shards failed or ran past fetch.PUSH_WAIT_S
 )
 # How often the copy thread asks its pending copies whether they completed.
 COPY_POLL_S = 0.001
@@ -184,12 +192,12 @@ class _Tier:
         self.tier = StoreTier(self.settings, factory)
         self._device: _DeviceStaging | None = None
 
-    def open(self) -> None:
-        """Starts the Store client, and, where this process sees a GPU, the
-        pinned pool GPU outputs are copied into (startup, not the engine
-        loop: pinning memory takes time)."""
+    def open(self, puts: bool = True) -> None:
+        """Starts the Store client, and, for a process that puts (puts)
+        and sees a GPU, the pinned pool GPU outputs are copied into
+        (startup, not the engine loop: pinning memory takes time)."""
         self.tier.open()
-        if self._device is not None:
+        if self._device is not None or not puts:
             return
         try:
             torch = import_torch()
