@@ -170,7 +170,7 @@ class _ConsumerScheduler:
         if rid not in self._registered:
             if not self._register(rid, items):
                 return False
-            if self._fetcher is not None:
+            if self._ensure_hook:
                 self._start_fetches(rid, [it for it in items if it.store and it.mm_hash in remaining])
         elif self._counter.value != self._at:
             self._take(self._native.step({"snapshot": True}))
@@ -227,6 +227,10 @@ class _ConsumerScheduler:
         fetcher (never waits); one it cannot take is lost at once."""
         if not items:
             return
+        if self._fetcher is None:
+            self._store_deadline[rid] = time.monotonic()
+            self._store_lost[rid] = "this instance gets nothing from Mooncake Store (its store setting is off)"
+            return
         deadline = time.monotonic() + self._fetcher.deadline_s
         self._store_deadline[rid] = deadline
         for it in items:
@@ -239,13 +243,13 @@ class _ConsumerScheduler:
         """Why an item of rid from the Store will not come (empty: none
         lost yet): a fetch that failed, or the request's Store deadline
         passed with items still missing."""
-        for tid, why in self._fetcher.take_failed().items():
+        for tid, why in (self._fetcher.take_failed() if self._fetcher is not None else {}).items():
             owner = self._fetching.pop(tid, None)
             if owner is not None:
                 self._store_lost.setdefault(owner[0], f"the fetch of {owner[1]} from Mooncake Store failed: {why}")
         lost = self._store_lost.pop(rid, "")
         if not lost and missing and time.monotonic() >= self._store_deadline[rid]:
-            lost = f"items from Mooncake Store did not arrive within {self._fetcher.deadline_s:.1f} s"
+            lost = "items from Mooncake Store did not arrive within their deadline"
         if not missing:
             self._store_deadline.pop(rid, None)
         return lost
