@@ -99,6 +99,16 @@ def encoder_tier(pd):
     t.close()
 
 
+def local_encodes() -> float:
+    """ecm_local_encodes_total of this process's library (the PD's scheduler)."""
+    from ecmooncake.proxy import metrics_text
+
+    for line in metrics_text().splitlines():
+        if line.startswith("ecm_local_encodes_total "):
+            return float(line.split()[1])
+    raise AssertionError("no ecm_local_encodes_total in the library's metrics")
+
+
 def put_as_encoder(t: ctier._Tier, pd: PD, item: Item) -> None:
     t.put(item.identifier, encoder_output(item.identifier, item.shape))
     wait_until(lambda: t.stats()["index_put_ok"] + t.stats()["put_duplicate"] >= 1 and t.index_key(item.identifier) in pd.fake.objects,
@@ -136,9 +146,10 @@ def test_an_item_from_the_store_arrives_in_every_shard_as_a_push_would(pd, encod
 
 def test_a_miss_ends_the_wait_at_once_and_the_engine_encodes_the_item(pd):
     item = Item("5a02" * 8, 64, WIDTH)
-    before = dict(pd.store_stats)
+    before, encodes = dict(pd.store_stats), local_encodes()
     rid = from_store(pd, item)
     served(pd, rid)  # within 60 s: never push_wait_timeout_s (600 s)
+    assert local_encodes() == encodes + 1
     assert item.identifier in pd.engine.encoded_log, "encoded locally from the request's media"
     assert item.identifier not in pd.engine.loads_log
     after = pd.store_stats

@@ -151,12 +151,21 @@ class _StoreFetcher:
         array = np.frombuffer(got.data, dtype=np.uint8)
         push = {"transfer_id": job.transfer_id, "mm_hash": job.mm_hash, "nbytes": got.index.nbytes,
                 "consumer": self._cfg.consumer_endpoint, "meta": _description(got.index.dtype, got.index.shape)}
+        submitted = False
         try:
             answer = self._native.submit([push])[0]
             if answer.get("error"):
                 raise EcmError(answer["error"])
+            submitted = True
             self._native.sources([(job.mm_hash, array)])
         except EcmError as exc:
+            if submitted:
+                # Announced but given no bytes: free its reservations now
+                # rather than at the library's deadline.
+                try:
+                    self._native.cancel([job.transfer_id])
+                except EcmError as cancel_exc:
+                    logger.warning("ecmooncake: cancelling Store push %s: %s", job.transfer_id, cancel_exc)
             self._fail(job.transfer_id, job.mm_hash, "fetch_push_failed", f"the push to this instance failed: {exc}")
             return
         pushing[job.transfer_id] = _Pushing(job.mm_hash, time.monotonic() + PUSH_WAIT_S)

@@ -84,7 +84,15 @@ class _ConsumerScheduler:
         configure_process(cfg, worker=False)
         self._native = Scheduler(cfg.scheduler_settings())
         if self._fetcher is not None:
-            self._fetcher.start()
+            try:
+                self._fetcher.start()
+            except EcmError as exc:
+                # The PD serves without it: items from the Store are encoded
+                # by the engine (logged with each, counted as local encodes).
+                logger.error("ecmooncake: consumer %s gets nothing from Mooncake Store: its fetcher did not start: %s",
+                             cfg.consumer_endpoint, exc)
+                self._fetcher.close()
+                self._fetcher = None
         self._requests: dict[str, list[_Expected]] = {}
         self._registered: set[str] = set()
         self._refused: set[str] = set()
@@ -229,7 +237,7 @@ class _ConsumerScheduler:
             return
         if self._fetcher is None:
             self._store_deadline[rid] = time.monotonic()
-            self._store_lost[rid] = "this instance gets nothing from Mooncake Store (its store setting is off)"
+            self._store_lost[rid] = "this instance gets nothing from Mooncake Store (its store setting is off, or its fetcher did not start)"
             return
         deadline = time.monotonic() + self._fetcher.deadline_s
         self._store_deadline[rid] = deadline
