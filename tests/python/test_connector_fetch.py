@@ -144,6 +144,21 @@ def test_an_item_from_the_store_arrives_in_every_shard_as_a_push_would(pd, encod
     assert after["get_hit"] - before["get_hit"] == 2  # the index, then the item
 
 
+def test_an_image_twice_in_a_request_is_fetched_once(pd, encoder_tier):
+    item = Item("5a06" * 8, 80, WIDTH)
+    put_as_encoder(encoder_tier, pd, item)
+    before = dict(pd.store_stats)
+    rid = f"pd-{next(_ids)}"
+    entry = {"mm_hash": item.identifier, "transfer_id": f"st-{rid}", "source": "store"}
+    pd.engine.add(make_request(rid, [item, item], {"ec_items": [entry, entry]}), {item.identifier: item.width})
+    served(pd, rid)
+    assert item.identifier not in pd.engine.encoded_log
+    after = pd.store_stats
+    assert after["fetch_pushed"] - before["fetch_pushed"] == 1
+    assert after["get_hit"] - before["get_hit"] == 2, "one index and one item got, not two of each"
+    assert after["fetch_push_failed"] == before["fetch_push_failed"]
+
+
 def test_a_miss_ends_the_wait_at_once_and_the_engine_encodes_the_item(pd):
     item = Item("5a02" * 8, 64, WIDTH)
     before, encodes = dict(pd.store_stats), local_encodes()

@@ -178,8 +178,7 @@ class _ConsumerScheduler:
         if rid not in self._registered:
             if not self._register(rid, items):
                 return False
-            if self._ensure_hook:
-                self._start_fetches(rid, [it for it in items if it.store and it.mm_hash in remaining])
+            self._start_fetches(rid, [it for it in items if it.store and it.mm_hash in remaining])
         elif self._counter.value != self._at:
             self._take(self._native.step({"snapshot": True}))
         has = self._has
@@ -241,7 +240,8 @@ class _ConsumerScheduler:
             return
         deadline = time.monotonic() + self._fetcher.deadline_s
         self._store_deadline[rid] = deadline
-        for it in items:
+        # An image twice in one request is one transfer: one fetch.
+        for it in {it.transfer_id: it for it in items}.values():
             if self._fetcher.fetch(it.transfer_id, it.mm_hash, deadline):
                 self._fetching[it.transfer_id] = (rid, it.mm_hash)
             else:
@@ -256,10 +256,12 @@ class _ConsumerScheduler:
             if owner is not None:
                 self._store_lost.setdefault(owner[0], f"the fetch of {owner[1]} from Mooncake Store failed: {why}")
         lost = self._store_lost.pop(rid, "")
-        if not lost and missing and time.monotonic() >= self._store_deadline[rid]:
-            lost = "items from Mooncake Store did not arrive within their deadline"
         if not missing:
+            # Every item is here (a push of the same image may have brought one).
             self._store_deadline.pop(rid, None)
+            return ""
+        if not lost and time.monotonic() >= self._store_deadline[rid]:
+            lost = "items from Mooncake Store did not arrive within their deadline"
         return lost
 
     def _register(self, rid: str, items: list[_Expected]) -> bool:
