@@ -43,7 +43,10 @@ What the tier promises its caller (the connector):
 
 Keys: :func:`item_key` joins the ``mm_hash`` with everything that makes an
 encoder output valid for a PD, so that two PDs share an entry only when the
-bytes would be the same.
+bytes would be the same. A PD knows no dtype or shape ahead, so each output
+has an index beside it (:func:`index_key`, :func:`encode_index`), which the
+PD gets first (:meth:`StoreTier.fetch`) and checks as untrusted input
+(:func:`decode_index`).
 """
 
 from __future__ import annotations
@@ -327,6 +330,7 @@ COUNTERS = (
     "get_index_invalid",
     "put_ok", "put_bytes", "put_error", "put_timeout", "put_duplicate",
     "put_dropped_full", "put_dropped_rate", "put_dropped_unavailable", "put_dropped_not_ready", "put_dropped_invalid",
+    # Index objects (put_async's index), apart so that put_ok counts outputs.
     "index_put_ok", "index_put_failed",
     "setup_failed", "breaker_trips",
 )
