@@ -37,6 +37,17 @@ import (
 // wrong guess costs one local encode and never a wrong answer. Reused
 // items are counted (ecm_proxy_media_items_total{outcome="reused"}).
 //
+// An item an encoder encoded before, sent to a PD that is not known to
+// hold it (its holder was over the slack, or is gone), is not encoded
+// again either when Config.StoreReuse is on and the PD takes embeddings
+// (vLLM >= 0.30): the PD gets the client's media part under the item's
+// identifier, and its ec_items entry names a fresh transfer id and
+// "source": "store", so that the PD's connector gets the item from
+// Mooncake Store into its own slab (the encoder put it there). A PD that
+// does not find it there encodes it itself from the media: a wrong guess
+// costs one Store get and one local encode. Counted as
+// ecm_proxy_media_items_total{outcome="store"}.
+//
 // A request goes to the healthy PD that served most of its items when that
 // PD has at most Config.AffinitySlack more requests in flight than the
 // least-loaded one; otherwise load wins. Each decision is counted
@@ -140,6 +151,25 @@ func (a *affinity) heldAt(key itemKey, url string, now time.Time) string {
 	}
 	e := el.Value.(*affinityEntry)
 	if e.url != url || now.Sub(e.seen) > a.ttl {
+		return ""
+	}
+	return e.id
+}
+
+// encodedAs returns the identifier an encoder gave an item that some PD
+// served within the age limit, or "" when none is known.
+func (a *affinity) encodedAs(key itemKey, now time.Time) string {
+	if a == nil || a.cap <= 0 {
+		return ""
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	el, ok := a.byKey[key]
+	if !ok {
+		return ""
+	}
+	e := el.Value.(*affinityEntry)
+	if now.Sub(e.seen) > a.ttl {
 		return ""
 	}
 	return e.id

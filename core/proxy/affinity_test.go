@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/ecmooncake/ecmooncake/core/discovery"
+	"github.com/ecmooncake/ecmooncake/core/proxy/fakevllm"
 )
 
 // Which PD each of the requests went to, by index into r.pd.
@@ -218,5 +219,85 @@ func TestRepeatedImageIsNotEncodedAgainAtItsHolder(t *testing.T) {
 				require.Contains(t, m, `ecm_proxy_media_items_total{outcome="encoded"} 1`)
 			})
 		}
+	}
+}
+
+// An image encoded before whose holder is busier than the slack allows is
+// sent to the least-loaded PD as an item that PD gets from Mooncake Store
+// itself (store_reuse): no encoder call, the client's media under the
+// item's identifier (to encode it with should the Store not hold it), and
+// an ec_items entry with a fresh transfer id and "source": "store". Off,
+// or for a PD older than vLLM 0.30, the image is encoded again.
+func TestRepeatedImageAtAnotherPDComesFromTheStore(t *testing.T) {
+	img := `{"type":"image_url","image_url":{"url":"data:image/png;base64,QUFBQQ=="}}`
+	for _, tc := range []struct {
+		name    string
+		store   bool
+		version string
+		want    bool
+	}{
+		{"store_reuse", true, "0.33.0", true},
+		{"store_reuse off", false, "0.33.0", false},
+		{"vLLM 0.29 PD", true, "0.29.0", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newRig(t, rigOpts{encoders: 1, pds: 2, fake: fakevllm.Config{Version: tc.version}, mut: func(c *Config) {
+				c.AffinityEntries, c.AffinitySlack, c.StoreReuse = 1<<10, 0, tc.store
+			}})
+			code, body := r.postAs(chatWith(img), nil)
+			require.Equal(t, 200, code, string(body))
+			first := pdOf(t, r)
+			require.Len(t, first, 1)
+			var holder *backend
+			for _, b := range r.p.consumers().list {
+				if b.reg.URL == r.pd[first[0]].URL() {
+					holder = b
+				}
+			}
+			require.NotNil(t, holder)
+			// The holder is busy: one request in flight, over a slack of 0.
+			holder.inflight.Add(1)
+			defer holder.inflight.Add(-1)
+			code, body = r.postAs(chatWith(img), nil)
+			require.Equal(t, 200, code, string(body))
+			other := r.pd[1-first[0]].Calls()
+			require.Len(t, other, 1, "the repeat goes to the least-loaded PD")
+			m := metricsText(t, r.url)
+			require.Contains(t, m, `ecm_proxy_routing_total{reason="affinity_overloaded"} 1`)
+			if !tc.want {
+				require.Len(t, r.enc[0].Calls(), 2, "the image is encoded again")
+				require.NotContains(t, m, `outcome="store"`)
+				return
+			}
+			require.Len(t, r.enc[0].Calls(), 1, "no encoder call for the repeat")
+			id := partKeys(t, r.pd[first[0]].Calls()[0].Body) // the embeds part of the pushed item
+			require.Len(t, id, 1)
+			var b struct {
+				Messages []struct {
+					Content []json.RawMessage `json:"content"`
+				} `json:"messages"`
+				P struct {
+					Items []map[string]string `json:"ec_items"`
+				} `json:"ec_transfer_params"`
+			}
+			require.NoError(t, json.Unmarshal(other[0].Body, &b))
+			var want map[string]any
+			require.NoError(t, json.Unmarshal([]byte(img), &want))
+			want["uuid"] = id[0]
+			require.JSONEq(t, mustJSON(t, want), string(b.Messages[0].Content[1]), "the client's media under the item's identifier")
+			require.Len(t, b.P.Items, 1)
+			item := b.P.Items[0]
+			require.Equal(t, id[0], item["mm_hash"])
+			require.Equal(t, "store", item["source"])
+			require.NotEmpty(t, item["transfer_id"])
+			require.Contains(t, m, `ecm_proxy_media_items_total{outcome="store"} 1`)
+			require.Contains(t, m, `ecm_proxy_media_items_total{outcome="encoded"} 1`)
+			// The PD that got it is its holder now: a third request goes
+			// there (the first holder is still busy) as a plain reuse.
+			code, body = r.postAs(chatWith(img), nil)
+			require.Equal(t, 200, code, string(body))
+			require.Len(t, r.enc[0].Calls(), 1)
+			require.Contains(t, metricsText(t, r.url), `ecm_proxy_media_items_total{outcome="reused"} 1`)
+		})
 	}
 }

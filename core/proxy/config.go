@@ -91,6 +91,12 @@ type Config struct {
 	// AffinityReuse sends an item the picked PD is known to hold to it
 	// without encoding it again (affinity.go).
 	AffinityReuse bool `json:"affinity_reuse"`
+	// StoreReuse sends an item an encoder encoded before (the affinity
+	// table knows its identifier) to a picked PD that is not known to hold
+	// it as an item the PD gets from Mooncake Store itself, with no encoder
+	// call (affinity.go). Off by default: it needs the PD's "store"
+	// setting, and an encoder that puts into the same Store.
+	StoreReuse bool `json:"store_reuse"`
 }
 
 // DefaultConfig returns the defaults a JSON document overrides.

@@ -23,6 +23,11 @@
 //     each place);
 //  4. streams the consumer's answer back unchanged.
 //
+// An item the picked PD is known to hold is not encoded (AffinityReuse);
+// nor, with StoreReuse, one encoded before that the PD gets from Mooncake
+// Store itself: its media part stays, under the item's identifier, and its
+// ec_items entry says "source": "store" (affinity.go).
+//
 // An item the encoder could not serve keeps its original media part (the
 // consumer encodes it itself). A consumer that fails before the first
 // output byte — unreachable, a 5xx answer, or an SSE error event before

@@ -395,7 +395,8 @@ func (c *call) attempt(pl *pool, cons *backend, attempt int, last bool) (*answer
 		}
 		t0 := time.Now()
 		reuse := c.reusable(cons)
-		done := c.encodeAll(endpoint, attempt, reuse)
+		embeds := p.consumerTakesEmbeds(c.ctx, cons)
+		done := c.encodeAll(endpoint, attempt, reuse, c.fromStore(cons, reuse, embeds))
 		p.m.phase.WithLabelValues("encode").Observe(time.Since(t0).Seconds())
 		if err := c.ctx.Err(); err != nil {
 			release()
@@ -409,17 +410,14 @@ func (c *call) attempt(pl *pool, cons *backend, attempt int, last bool) (*answer
 				c.ids[i] = reuse[i]
 			}
 		}
-		embeds := p.consumerTakesEmbeds(c.ctx, cons)
-		at := reuse
-		if !embeds {
-			// vLLM < 0.30 (version.go): the encoded items go as the
-			// client's media too, under the identifier the encoder
-			// reported, so that the consumer names them as the encoder did.
-			at = append([]string(nil), reuse...)
-			for i, d := range done {
-				if d != nil {
-					at[i] = d.identifier
-				}
+		// Items from the Store, and on vLLM < 0.30 (version.go) every
+		// encoded item, go as the client's media too, under the identifier
+		// the encoder reported, so that the consumer names them as the
+		// encoder did (and can encode them itself).
+		at := append([]string(nil), reuse...)
+		for i, d := range done {
+			if d != nil && (d.store || !embeds) {
+				at[i] = d.identifier
 			}
 		}
 		if err := c.req.reuseAt(at); err != nil {
@@ -615,11 +613,34 @@ func (c *call) reusable(cons *backend) []string {
 	return reuse
 }
 
+// fromStore returns, per distinct item, the item as cons gets it from
+// Mooncake Store itself (Config.StoreReuse, affinity.go), or nil: one an
+// encoder encoded before (the affinity table knows its identifier) that
+// cons is not known to hold, when cons takes embeddings (vLLM >= 0.30,
+// whose connector gets items from the Store).
+func (c *call) fromStore(cons *backend, reuse []string, embeds bool) []*encoded {
+	out := make([]*encoded, len(c.req.items))
+	if !c.p.cfg.StoreReuse || !embeds {
+		return out
+	}
+	now := time.Now()
+	for i, k := range c.keys {
+		if reuse[i] != "" {
+			continue
+		}
+		if id := c.p.aff.encodedAs(k, now); id != "" {
+			out[i] = &encoded{identifier: id, modality: c.req.modality(i), transferID: newTransferID(), store: true}
+		}
+	}
+	return out
+}
+
 // encodeAll sends every distinct media item to an encoder, concurrently.
 // done[i] is nil where item i could not be encoded; that item falls back
 // to its original media, which the consumer encodes itself.
-// An item with a reuse identifier is not encoded: the consumer holds it.
-func (c *call) encodeAll(consumer string, attempt int, reuse []string) []*encoded {
+// An item with a reuse identifier is not encoded: the consumer holds it;
+// nor is one from the Store (store[i]): done[i] is store[i].
+func (c *call) encodeAll(consumer string, attempt int, reuse []string, store []*encoded) []*encoded {
 	p := c.p
 	n := len(c.req.items)
 	done := make([]*encoded, n)
@@ -628,6 +649,12 @@ func (c *call) encodeAll(consumer string, attempt int, reuse []string) []*encode
 	for i := range n {
 		if reuse[i] != "" {
 			p.m.items.WithLabelValues("reused").Inc()
+			continue
+		}
+		if store[i] != nil {
+			p.m.items.WithLabelValues("store").Inc()
+			p.log.Debug("media item from Mooncake Store", "request_id", c.id, "attempt", attempt, "item", i, "transfer_id", store[i].transferID)
+			done[i] = store[i]
 			continue
 		}
 		wg.Add(1)

@@ -37,7 +37,7 @@ func newProxyMetrics(p *Proxy) *proxyMetrics {
 		phase: metrics.Histograms("ecm_proxy_phase_seconds",
 			"Request time by phase: encode (all encoder calls of an attempt), transfer_wait (consumer request sent to its first byte: the consumer waits there for pushed items, then prefills), pd (consumer request sent to its last byte).",
 			latencyBuckets, "phase"),
-		items:   metrics.Counters("ecm_proxy_media_items_total", "Media items, by what became of them: encoded (sent as embeds), fallback (sent as media), duplicate (repeated in one request, encoded once), reused (not encoded: the picked PD holds it, and gets the media under its identifier).", "outcome"),
+		items:   metrics.Counters("ecm_proxy_media_items_total", "Media items, by what became of them: encoded (sent as embeds), fallback (sent as media), duplicate (repeated in one request, encoded once), reused (not encoded: the picked PD holds it, and gets the media under its identifier), store (not encoded: the picked PD gets it from Mooncake Store, with the media under its identifier to fall back on; store_reuse).", "outcome"),
 		derived: metrics.Counters("ecm_proxy_derived_fields_total", "Fields an encoder's answer lacked and the proxy filled in from the request it sent, by field (modality: vLLM before 0.33 reports none).", "field"),
 		retries: metrics.Counters("ecm_proxy_retries_total", "Consumer attempts retried, by reason.", "reason"),
 		redials: metrics.Counters("ecm_proxy_upstream_redials_total",

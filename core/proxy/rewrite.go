@@ -178,12 +178,20 @@ func (r *chatRequest) encoderBody(item int, consumer, transferID string) (outBod
 }
 
 // encoded is what an encoder reported for one item.
+// sourceStore marks an ec_items entry whose item the consumer gets from
+// Mooncake Store (the connector's request.SOURCE_STORE).
+const sourceStore = "store"
+
 type encoded struct {
 	identifier string
 	modality   string
 	metadata   json.RawMessage
 	entry      json.RawMessage // the encoder's whole per-item entry
 	transferID string
+	// store: no encoder pushes this item; the consumer gets it from
+	// Mooncake Store itself, and gets the client's media under identifier
+	// to encode it with when the Store does not hold it.
+	store bool
 	// derived names the fields the encoder left out and the proxy filled
 	// in from what it sent (vLLM 0.32 reports no modality).
 	derived []string
@@ -264,12 +272,19 @@ func (r *chatRequest) consumerTop(done []*encoded, embeds bool) (map[string]outB
 	type ecItem struct {
 		MMHash     string `json:"mm_hash"`
 		TransferID string `json:"transfer_id"`
+		Source     string `json:"source,omitempty"`
 	}
 	params := map[string]any{}
 	var items []ecItem
 	for _, ref := range r.refs {
 		d := done[ref.item]
 		if d == nil {
+			continue
+		}
+		if d.store {
+			// The media stays (reuseAt set its uuid): the consumer encodes
+			// from it when the Store does not hold the item.
+			items = append(items, ecItem{MMHash: d.identifier, TransferID: d.transferID, Source: sourceStore})
 			continue
 		}
 		if embeds {

@@ -425,7 +425,8 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         None, lambda k, v: _store(k, v), (),
         "the optional second tier in Mooncake Store (an object of `store` settings, off by default): an encoder "
         "puts each output it hands over there, asynchronously and bounded (a CUDA output through a pinned pool "
-        "copied into on a stream of the tier's own)",
+        "copied into on a stream of the tier's own), with a small index; a PD gets the items a proxy with "
+        "store_reuse says come from the Store, and encodes them itself when they do not",
     ),
     "mooncake_staging_bytes": _native(
         "mooncake_staging_bytes", ("producer",),

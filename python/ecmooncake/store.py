@@ -43,7 +43,10 @@ What the tier promises its caller (the connector):
 
 Keys: :func:`item_key` joins the ``mm_hash`` with everything that makes an
 encoder output valid for a PD, so that two PDs share an entry only when the
-bytes would be the same.
+bytes would be the same. A PD knows no dtype or shape ahead, so each output
+has an index beside it (:func:`index_key`, :func:`encode_index`), which the
+PD gets first (:meth:`StoreTier.fetch`) and checks as untrusted input
+(:func:`decode_index`).
 """
 
 from __future__ import annotations
@@ -67,6 +70,16 @@ from .ec_config import ConfigError, StoreSettings  # noqa: F401 - re-exported
 logger = logging.getLogger("vllm.ecmooncake.store")
 
 KEY_VERSION = "ecm1"
+INDEX_KEY_VERSION = "ecm1i"
+INDEX_FORMAT = 1
+# An index is a few dozen bytes; what the Store answers beyond this is refused unread.
+INDEX_MAX_BYTES = 512
+INDEX_MAX_DIMS = 4
+# Bytes per element of each dtype an index may name (the connector's DTYPES).
+ITEMSIZES = {
+    "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8,
+}
 # Mooncake's codes (mooncake-store/include/types.h) that the tier tells
 # apart: a miss, and a caller's buffer of the wrong size.
 OBJECT_NOT_FOUND = -704
@@ -87,6 +100,43 @@ RECENT_PUTS = 4096
 
 # ----------------------------------------------------------------------------
 # Keys
+
+
+def _check_common(what: str, mm_hash: Any, model: Any, tp_size: Any, tp_layout: Any) -> None:
+    if not isinstance(mm_hash, str) or not mm_hash:
+        raise ValueError(f"{what}: mm_hash = {mm_hash!r}; want a non-empty string")
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"{what}: model = {model!r}; want a non-empty string")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"{what}: tp_size = {tp_size!r}; want an integer of at least 1")
+    if not isinstance(tp_layout, str) or not tp_layout:
+        raise ValueError(f"{what}: tp_layout = {tp_layout!r}; want a non-empty string")
+
+
+def _encoder_text(what: str, encoder_config: Any) -> str:
+    if isinstance(encoder_config, Mapping):
+        try:
+            return json.dumps(encoder_config, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{what}: encoder_config is not plain JSON: {exc}") from None
+    if isinstance(encoder_config, str):
+        return encoder_config
+    raise ValueError(f"{what}: encoder_config = {encoder_config!r}; want a mapping or a string")
+
+
+def _key(prefix: str, mm_hash: str, variant: dict[str, Any]) -> str:
+    digest = hashlib.sha256(json.dumps(variant, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+    name = urllib.parse.quote(mm_hash, safe="-_.~")
+    if len(name) > 128:
+        name = "sha256-" + hashlib.sha256(mm_hash.encode()).hexdigest()[:40]
+    return f"{prefix}/{name}/{digest}"
+
+
+def _layout(tp_size: int, tp_layout: str) -> dict[str, Any]:
+    layout: dict[str, Any] = {"tp_layout": tp_layout}
+    if tp_layout != "replicated":
+        layout["tp_size"] = tp_size
+    return layout
 
 
 def item_key(
@@ -110,40 +160,105 @@ def item_key(
     ``replicated`` (every shard holds the whole item, as this connector
     sends it today), the TP size. Two PDs that differ in any of these never
     share an entry; PDs of different TP sizes share a replicated one."""
-    if not isinstance(mm_hash, str) or not mm_hash:
-        raise ValueError(f"item_key: mm_hash = {mm_hash!r}; want a non-empty string")
-    if not isinstance(model, str) or not model:
-        raise ValueError(f"item_key: model = {model!r}; want a non-empty string")
+    _check_common("item_key", mm_hash, model, tp_size, tp_layout)
     if not isinstance(dtype, str) or not dtype:
         raise ValueError(f"item_key: dtype = {dtype!r}; want a non-empty string such as 'bfloat16'")
     dims = list(shape)
     if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in dims):
         raise ValueError(f"item_key: shape = {shape!r}; want positive integers")
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"item_key: tp_size = {tp_size!r}; want an integer of at least 1")
-    if not isinstance(tp_layout, str) or not tp_layout:
-        raise ValueError(f"item_key: tp_layout = {tp_layout!r}; want a non-empty string")
-    if isinstance(encoder_config, Mapping):
-        try:
-            encoder = json.dumps(encoder_config, sort_keys=True, separators=(",", ":"), allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"item_key: encoder_config is not plain JSON: {exc}") from None
-    elif isinstance(encoder_config, str):
-        encoder = encoder_config
-    else:
-        raise ValueError(f"item_key: encoder_config = {encoder_config!r}; want a mapping or a string")
-    layout = {"tp_layout": tp_layout}
-    if tp_layout != "replicated":
-        layout["tp_size"] = tp_size
-    variant = json.dumps(
-        {"model": model, "encoder": encoder, "dtype": dtype, "shape": dims, **layout},
-        sort_keys=True, separators=(",", ":"),
-    )
-    digest = hashlib.sha256(variant.encode()).hexdigest()[:32]
-    name = urllib.parse.quote(mm_hash, safe="-_.~")
-    if len(name) > 128:
-        name = "sha256-" + hashlib.sha256(mm_hash.encode()).hexdigest()[:40]
-    return f"{KEY_VERSION}/{name}/{digest}"
+    encoder = _encoder_text("item_key", encoder_config)
+    variant = {"model": model, "encoder": encoder, "dtype": dtype, "shape": dims, **_layout(tp_size, tp_layout)}
+    return _key(KEY_VERSION, mm_hash, variant)
+
+
+def index_key(
+    mm_hash: str,
+    *,
+    model: str,
+    encoder_config: Mapping[str, Any] | str,
+    tp_size: int = 1,
+    tp_layout: str = "replicated",
+) -> str:
+    """The Store key of an output's index: ``ecm1i/<mm_hash>/<variant>``,
+    named from what a PD knows before the output exists (no dtype, no
+    shape, which only the encoder learns). Its value
+    (:func:`encode_index`) tells the dtype and shape, from which the PD
+    makes the output's :func:`item_key` itself: an index never names a key
+    of its own, so that what the Store answers can point a PD at no other
+    image's bytes and no other model's."""
+    _check_common("index_key", mm_hash, model, tp_size, tp_layout)
+    encoder = _encoder_text("index_key", encoder_config)
+    return _key(INDEX_KEY_VERSION, mm_hash, {"model": model, "encoder": encoder, **_layout(tp_size, tp_layout)})
+
+
+class ItemIndex(NamedTuple):
+    """What an index object tells: the output's dtype, shape and size."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class BadIndex(ValueError):
+    """An index object from the Store that is not one this module wrote."""
+
+
+def encode_index(dtype: str, shape: Sequence[int], nbytes: int) -> bytes:
+    """The value of an index object: ``{"v":1,"dtype":..,"shape":[..],"nbytes":..}``."""
+    index = _check_index(dtype, list(shape), nbytes, max_nbytes=None)
+    raw = json.dumps({"v": INDEX_FORMAT, "dtype": index.dtype, "shape": list(index.shape), "nbytes": index.nbytes},
+                     separators=(",", ":")).encode()
+    if len(raw) > INDEX_MAX_BYTES:
+        raise ValueError(f"encode_index: {len(raw)} bytes; an index holds at most {INDEX_MAX_BYTES}")
+    return raw
+
+
+def decode_index(raw: bytes, *, max_nbytes: int) -> ItemIndex:
+    """An index object's value as the Store answered it, checked: the Store
+    is shared, so its answer is untrusted. Raises :class:`BadIndex` for
+    anything :func:`encode_index` would not have written, and for an
+    output larger than max_nbytes (the caller's staging bound)."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise BadIndex(f"index is {type(raw).__name__}, not bytes")
+    if len(raw) > INDEX_MAX_BYTES:
+        raise BadIndex(f"index of {len(raw)} bytes; at most {INDEX_MAX_BYTES}")
+    try:
+        value = json.loads(bytes(raw).decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise BadIndex(f"index is not JSON: {str(exc)[:80]}") from None
+    if not isinstance(value, dict) or set(value) != {"v", "dtype", "shape", "nbytes"}:
+        raise BadIndex(f"index is not an object of v, dtype, shape and nbytes: {str(value)[:80]!r}")
+    if value["v"] != INDEX_FORMAT or isinstance(value["v"], bool):
+        raise BadIndex(f"index format {str(value['v'])[:20]!r}; this build reads {INDEX_FORMAT}")
+    try:
+        return _check_index(value["dtype"], value["shape"], value["nbytes"], max_nbytes=max_nbytes)
+    except ValueError as exc:
+        raise BadIndex(str(exc)) from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _check_index(dtype: Any, shape: Any, nbytes: Any, max_nbytes: int | None) -> ItemIndex:
+    size = ITEMSIZES.get(dtype) if isinstance(dtype, str) else None
+    if size is None:
+        raise ValueError(f"index dtype {str(dtype)[:40]!r} is none of {sorted(ITEMSIZES)}")
+    if (not isinstance(shape, list) or not 1 <= len(shape) <= INDEX_MAX_DIMS
+            or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape)):
+        raise ValueError(f"index shape {str(shape)[:80]!r}; want 1 to {INDEX_MAX_DIMS} positive integers")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"index nbytes {str(nbytes)[:40]!r}; want a positive integer")
+    if max_nbytes is not None and nbytes > max_nbytes:
+        raise ValueError(f"index nbytes {nbytes} exceeds the {max_nbytes} bytes this PD stages")
+    elements = 1
+    for d in shape:
+        elements *= d
+        if elements * size > nbytes:
+            break
+    if elements * size != nbytes:
+        raise ValueError(f"index nbytes {nbytes} is not shape {shape} of {dtype}")
+    return ItemIndex(dtype, tuple(shape), nbytes)
 
 
 # ----------------------------------------------------------------------------
@@ -212,10 +327,26 @@ class GetResult(NamedTuple):
 COUNTERS = (
     "get_hit", "get_hit_bytes", "get_miss", "get_timeout", "get_error", "get_size_mismatch",
     "get_unavailable", "get_busy", "get_not_ready", "get_too_large", "get_invalid", "get_cancelled", "get_late",
+    "get_index_invalid",
     "put_ok", "put_bytes", "put_error", "put_timeout", "put_duplicate",
     "put_dropped_full", "put_dropped_rate", "put_dropped_unavailable", "put_dropped_not_ready", "put_dropped_invalid",
+    # Index objects (put_async's index), apart so that put_ok counts outputs.
+    "index_put_ok", "index_put_failed",
     "setup_failed", "breaker_trips",
 )
+
+
+class Fetched(NamedTuple):
+    """What :meth:`StoreTier.fetch` got: ``ok`` with the output's index
+    and bytes, or ``reason`` (a :class:`GetResult` reason, or
+    ``index_invalid``) and ``stage`` (``index`` or ``item``): which get
+    fell back."""
+
+    ok: bool
+    reason: str
+    stage: str = ""
+    index: "ItemIndex | None" = None
+    data: bytearray | None = None
 
 
 class GetTicket:
@@ -258,10 +389,11 @@ class _Get:
     who finishes it, so that the caller's buffer is written only while the
     caller waits."""
 
-    __slots__ = ("key", "dest", "nbytes", "off", "deadline", "lock", "done", "abandoned", "result")
+    __slots__ = ("key", "dest", "nbytes", "off", "deadline", "exact", "lock", "done", "abandoned", "result")
 
-    def __init__(self, key: str, dest: int, nbytes: int, off: int, deadline: float):
+    def __init__(self, key: str, dest: int, nbytes: int, off: int, deadline: float, exact: bool = True):
         self.key, self.dest, self.nbytes, self.off, self.deadline = key, dest, nbytes, off, deadline
+        self.exact = exact
         # Its own lock, so that the copy into dest holds up no other call.
         self.lock = threading.Lock()
         self.done = threading.Event()
@@ -468,16 +600,18 @@ class StoreTier:
 
     # -- get ----------------------------------------------------------------
 
-    def get_into(self, key: str, dest: int, nbytes: int, timeout: float | None = None) -> GetResult:
+    def get_into(self, key: str, dest: int, nbytes: int, timeout: float | None = None, exact: bool = True) -> GetResult:
         """Gets the item of key into host memory at address dest, which must
-        hold exactly nbytes. Waits at most ``get_timeout_s`` (or timeout,
+        hold exactly nbytes (or, not exact, at most nbytes: the result's
+        nbytes tells how many came). Waits at most ``get_timeout_s`` (or timeout,
         if shorter): for a worker thread, never the scheduler's (which polls
         a :meth:`start_get` ticket instead). Never raises; the caller falls
         back unless ok."""
-        ticket = self.start_get(key, dest, nbytes, timeout)
+        ticket = self.start_get(key, dest, nbytes, timeout, exact)
         return ticket.result(wait=ticket.remaining())
 
-    def start_get(self, key: str, dest: int, nbytes: int, timeout: float | None = None) -> "GetTicket":
+    def start_get(self, key: str, dest: int, nbytes: int, timeout: float | None = None,
+                  exact: bool = True) -> "GetTicket":
         """Starts a get and returns at once; the ticket's ``result()``
         answers None while the get runs, then its result, or a timeout once
         its deadline (``get_timeout_s``, or timeout if shorter) passed.
@@ -504,7 +638,7 @@ class StoreTier:
             region = self._get_region
             backend = self._backend
         wait = self.settings.get_timeout_s if timeout is None else min(timeout, self.settings.get_timeout_s)
-        g = _Get(key, dest, nbytes, off, time.monotonic() + max(wait, 0.0))
+        g = _Get(key, dest, nbytes, off, time.monotonic() + max(wait, 0.0), exact)
         self._get_q.put(lambda: self._run_get(g, backend, region))
         return GetTicket(self, g, None)
 
@@ -541,9 +675,9 @@ class StoreTier:
                 res = GetResult(False, "error")
             elif rc == OBJECT_NOT_FOUND:
                 res = GetResult(False, "miss")
-            elif rc == g.nbytes:
-                ctypes.memmove(g.dest, region.addr + g.off, g.nbytes)
-                res = GetResult(True, "hit", g.nbytes)
+            elif rc == g.nbytes or (not g.exact and 0 < rc <= g.nbytes):
+                ctypes.memmove(g.dest, region.addr + g.off, rc)
+                res = GetResult(True, "hit", rc)
             elif rc >= 0 or rc == BUFFER_OVERFLOW:
                 res = GetResult(False, "size_mismatch")
             else:
@@ -558,7 +692,7 @@ class StoreTier:
                 self._count("get_late")
             elif res.ok:
                 self._count("get_hit")
-                self._count("get_hit_bytes", g.nbytes)
+                self._count("get_hit_bytes", res.nbytes)
             else:
                 self._count(f"get_{res.reason}")
                 if res.reason == "error":
@@ -567,6 +701,37 @@ class StoreTier:
                     self._note("get_size_mismatch", "Mooncake Store holds %s with %s bytes, not the %d its key implies",
                                g.key, rc if rc >= 0 else "more", g.nbytes)
         g.done.set()
+
+    def fetch(self, index: str, item_key_of: Callable[["ItemIndex"], str], timeout: float | None = None) -> Fetched:
+        """Gets an output named only by its index key: the index first (at
+        most INDEX_MAX_BYTES, checked by :func:`decode_index`, its size
+        bounded by ``get_staging_bytes``), then the output under the key
+        item_key_of makes from the index, into host memory of this call.
+        Both gets together wait at most ``get_timeout_s`` (or timeout, if
+        shorter): for a worker thread, never a scheduler's. Never raises;
+        every fallback is counted (an index that is not one is
+        get_index_invalid, logged)."""
+        wait = self.settings.get_timeout_s if timeout is None else min(timeout, self.settings.get_timeout_s)
+        deadline = time.monotonic() + max(wait, 0.0)
+        buf = (ctypes.c_char * INDEX_MAX_BYTES)()
+        got = self.get_into(index, ctypes.addressof(buf), INDEX_MAX_BYTES, timeout=wait, exact=False)
+        if not got.ok:
+            return Fetched(False, got.reason, "index")
+        try:
+            idx = decode_index(buf.raw[:got.nbytes], max_nbytes=self.settings.get_staging_bytes)
+            key = item_key_of(idx)
+        except ValueError as exc:
+            with self._lock:
+                self._count("get_index_invalid")
+                self._note("get_index_invalid", "Mooncake Store index %s refused: %s", index, exc)
+            return Fetched(False, "index_invalid", "index")
+        data = bytearray(idx.nbytes)
+        dest = (ctypes.c_char * idx.nbytes).from_buffer(data)
+        got = self.get_into(key, ctypes.addressof(dest), idx.nbytes, timeout=max(deadline - time.monotonic(), 0.0))
+        del dest  # the bytearray may be resized (handed on) only without a view into it
+        if not got.ok:
+            return Fetched(False, got.reason, "item", idx)
+        return Fetched(True, "hit", "item", idx, data)
 
     # -- put ----------------------------------------------------------------
 
@@ -587,12 +752,17 @@ class StoreTier:
                 self._note(f"put_{why}", "Mooncake Store put of %s dropped: %s", key, why)
             return why is None
 
-    def put_async(self, key: str, src: int, nbytes: int, release: Callable[[], None] | None = None) -> bool:
+    def put_async(self, key: str, src: int, nbytes: int, release: Callable[[], None] | None = None,
+                  index: bool = False) -> bool:
         """Takes a put of nbytes at host address src, or drops it (counted).
         Taken, src must stay valid until release() is called, which a
         worker does once the bytes are copied (or the put is given up);
         dropped, release is not called and src is the caller's again.
+        An index object (index) is counted apart (index_put_ok,
+        index_put_failed), so that the put counters count outputs.
         Never raises, never waits."""
+        if index:
+            return self._put_index(key, src, nbytes, release)
         with self._lock:
             why = self._unusable()
             if why is None and (nbytes <= 0 or not src):
@@ -631,8 +801,34 @@ class StoreTier:
         self._put_q.put(lambda: self._run_put(pid, key, src, nbytes, off, release, backend, region))
         return True
 
+    def _put_index(self, key: str, src: int, nbytes: int, release: Callable[[], None] | None) -> bool:
+        """An index object's put: after the output's own put on the one put
+        thread (so that a PD that finds the index finds the output unless
+        that put failed), outside the rate (it is tens of bytes), and not
+        remembered as put lately (a second output of the same image under
+        another shape must be able to replace it)."""
+        with self._lock:
+            why = self._unusable()
+            if why is None and not 0 < nbytes <= INDEX_MAX_BYTES:
+                why = "invalid"
+            off = None
+            if why is None:
+                off = self._put_region.extents.alloc(nbytes)
+                if off is None:
+                    why = "full"
+            if why is not None:
+                if why != "disabled":
+                    self._count("index_put_failed")
+                return False
+            self._put_seq += 1
+            pid = self._put_seq
+            self._puts[pid] = (key, self._clock())
+            backend, region = self._backend, self._put_region
+        self._put_q.put(lambda: self._run_put(pid, key, src, nbytes, off, release, backend, region, index=True))
+        return True
+
     def _run_put(self, pid: int, key: str, src: int, nbytes: int, off: int,
-                 release: Callable[[], None] | None, backend: Any, region: _Region) -> None:
+                 release: Callable[[], None] | None, backend: Any, region: _Region, index: bool = False) -> None:
         ctypes.memmove(region.addr + off, src, nbytes)
         if release is not None:
             try:
@@ -655,6 +851,11 @@ class StoreTier:
                 self._leave()
             region.extents.free(off, nbytes)
             timed_out = self._puts.pop(pid, None) is None
+            if index:
+                self._count("index_put_ok" if rc == 0 else "index_put_failed")
+                if rc != 0 and not gone and not timed_out:
+                    self._trip(f"a put of {key} failed: {err if err else rc}")
+                return
             if rc == 0:
                 self._count("put_ok")
                 self._count("put_bytes", nbytes)

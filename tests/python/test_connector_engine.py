@@ -334,3 +334,20 @@ def test_transfer_stats_reach_vllms_metrics(deployment):
     assert pd_series["num_failed_requests_total"] == 1
     assert pd_series["push_bytes_count"] == 0
     assert "Num loads=2" in pd_log and "Num failed requests=1" in pd_log, pd_log
+
+
+def test_an_item_from_the_store_at_a_pd_without_store_is_encoded_there_at_once(deployment):
+    # A proxy with store_reuse in front of a PD whose store setting is off:
+    # no push will come and nothing gets the item, so the engine encodes it
+    # itself from the request's media at once, rather than failing the
+    # request at push_wait_timeout_s.
+    d = deployment
+    item = Item("5b01" * 8, 256, WIDTH)
+    pd = prefill(d, [item], [{"mm_hash": item.identifier, "transfer_id": f"st-{next(_ids)}", "source": "store"}])
+    run_until([d.pd], lambda: pd in d.pd.outcomes, PUSH_WAIT_S + 30, "the request")
+    outcome = d.pd.outcomes[pd]
+    assert outcome.status == "done", outcome
+    assert item.identifier in d.pd.encoded_log
+    assert outcome.gathered == {item.identifier: "ok,ok"}
+    assert outcome.steps_waited == 0, "given up when first asked"
+    settle(d)

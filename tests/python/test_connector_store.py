@@ -186,6 +186,31 @@ def test_each_output_handed_over_is_put_byte_exact_and_counted(deployment, fake)
     assert again is None or not again.data["store"], "increments are handed over once"
 
 
+def test_each_output_is_indexed_so_that_a_pd_finds_it_knowing_only_its_hash(deployment, fake, model_dir):
+    items = [Item("b2d2" * 8, 300, WIDTH), Item("b2d3" * 8, 77, WIDTH)]
+    deployment.push(items, ["idx-a", "idx-b"])
+    stats = lambda: deployment.producer_worker.native_stats()["producer"]["store"]  # noqa: E731
+    wait_until(lambda: stats()["index_put_ok"] == 2, 10, interval=0.01, what="both indexes put")
+    assert stats()["put_ok"] == 2, "an index is no output of its own"
+    # A PD of the same deployment (another TP size: the layout is
+    # replicated) names the index from the hash alone.
+    pd_cfg = ec_config.from_vllm_config(make_config("ec_consumer", model_dir=model_dir, port=30000, tp_size=2,
+                                                    extra=dict(EXTRA, store=STORE)))
+    pd = ctier.make(pd_cfg, make_config("ec_consumer", model_dir=model_dir, port=30000, tp_size=2))
+    pd.open()
+    try:
+        assert pd.tier.wait_ready(10)
+        for it in items:
+            got = pd.fetch(it.identifier)
+            assert got.ok, got
+            assert (got.index.dtype, got.index.shape) == ("bfloat16", tuple(it.shape))
+            assert bytes(got.data) == tensor_for(it).view(torch.uint8).numpy().tobytes()
+        miss = pd.fetch("f00d" * 8)
+        assert (miss.ok, miss.reason, miss.stage) == (False, "miss", "index")
+    finally:
+        pd.close()
+
+
 def test_a_non_contiguous_output_is_put_as_its_contiguous_bytes(deployment, fake):
     item = Item("c0d1" * 8, 64, WIDTH)
     wide = torch.randn(WIDTH, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).t()

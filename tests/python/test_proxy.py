@@ -177,6 +177,7 @@ def test_body_budget_reaches_the_config(library):
     assert (cfg["max_body_bytes"], cfg["max_bodies_in_flight"], cfg["max_body_bytes_per_client"]) == (256 << 20, 8, 0)
     assert (cfg["client_media_keys"], cfg["tenant_header"]) == ("namespace", "")
     assert (cfg["affinity_entries"], cfg["affinity_ttl_s"], cfg["affinity_slack"], cfg["affinity_reuse"]) == (1 << 16, 300, 2, True)
+    assert cfg["store_reuse"] is False and proxy_config(p.parse_args(["--store-reuse"]))["store_reuse"] is True
     assert proxy_config(p.parse_args(["--client-media-keys", "refuse", "--tenant-header", "X-Tenant"]))["tenant_header"] == "X-Tenant"
     cfg = proxy_config(p.parse_args(["--pd", "http://127.0.0.1:1", "--host", "127.0.0.1", "--port", "0",
                                      "--max-body-bytes", str(1 << 20), "--max-bodies-in-flight", "3",

@@ -506,3 +506,176 @@ def test_admit_says_whether_a_put_would_be_taken_and_counts_a_drop():
     assert not tier.admit("k3"), "the breaker is open"
     assert tier.stats()["put_dropped_unavailable"] == 1
     assert tier.close()
+
+
+# -- the index: naming an output without its dtype and shape --------------
+
+IDX = dict(model=BASE["model"], encoder_config=BASE["encoder_config"], tp_layout="replicated")
+
+
+def item_key_of(mm_hash: str):
+    return lambda idx: item_key(mm_hash, **IDX, dtype=idx.dtype, shape=idx.shape)
+
+
+def put_output(tier: StoreTier, mm_hash: str, data: bytes, dtype: str, shape: tuple[int, ...]) -> None:
+    """What an encoder puts: the output, then its index."""
+    keep = []
+    for key, raw, index in ((item_key(mm_hash, **IDX, dtype=dtype, shape=shape), data, False),
+                            (store.index_key(mm_hash, **IDX), store.encode_index(dtype, shape, len(data)), True)):
+        buf, addr = buffer(raw)
+        keep.append(buf)
+        assert tier.put_async(key, addr, len(raw), release=lambda: None, index=index)
+    drain_puts(tier)
+
+
+def test_an_index_key_names_the_image_and_deployment_but_no_dtype_or_shape():
+    k = store.index_key("4f2a9c", **IDX)
+    assert k.startswith("ecm1i/4f2a9c/") and k == store.index_key("4f2a9c", **IDX)
+    assert k != store.index_key("4f2a9d", **IDX)
+    assert k != store.index_key("4f2a9c", **dict(IDX, model="other@1"))
+    assert k != store.index_key("4f2a9c", **dict(IDX, encoder_config={"max_pixels": 1}))
+    assert not k.startswith("ecm1/")  # never an output's key
+    with pytest.raises(ValueError, match="index_key"):
+        store.index_key("", **IDX)
+
+
+def test_an_index_round_trips():
+    raw = store.encode_index("bfloat16", (1369, 3584), 1369 * 3584 * 2)
+    assert len(raw) <= store.INDEX_MAX_BYTES
+    assert store.decode_index(raw, max_nbytes=16 * MiB) == store.ItemIndex("bfloat16", (1369, 3584), 1369 * 3584 * 2)
+
+
+def test_the_index_knows_every_dtype_the_connector_carries():
+    torch = pytest.importorskip("torch")
+    from ecmooncake.connector.dtypes import DTYPES
+
+    assert set(store.ITEMSIZES) == set(DTYPES)
+    assert all(getattr(torch, d).itemsize == n for d, n in store.ITEMSIZES.items())
+
+
+GOOD = {"v": 1, "dtype": "float16", "shape": [4, 8], "nbytes": 64}
+
+
+def encoded(**change) -> bytes:
+    import json
+
+    value = dict(GOOD, **change)
+    return json.dumps({k: v for k, v in value.items() if v is not ...}).encode()
+
+
+@pytest.mark.parametrize("raw, match", [
+    (b"", "not JSON"), (b"\xff\xfe", "not JSON"), (b"{", "not JSON"), (b"[" * 250 + b"]" * 250, "not an object"),
+    (b"x" * 513, "at most 512"), (b"null", "not an object"), (b"[1,2]", "not an object"),
+    (encoded(extra=1), "not an object"), (encoded(nbytes=...), "not an object"),
+    (encoded(v=2), "format"), (encoded(v=True), "format"), (encoded(v="1"), "format"),
+    (encoded(dtype="complex128"), "dtype"), (encoded(dtype=None), "dtype"), (encoded(dtype=["float16"]), "dtype"),
+    (encoded(shape=[]), "shape"), (encoded(shape=[4, 0]), "shape"), (encoded(shape=[4, -8]), "shape"),
+    (encoded(shape=[4, 8.0]), "shape"), (encoded(shape=[True, 64]), "shape"), (encoded(shape="4,8"), "shape"),
+    (encoded(shape=[1, 1, 1, 1, 64]), "shape"),
+    (encoded(nbytes=63), "is not shape"), (encoded(nbytes=65), "is not shape"), (encoded(nbytes=0), "nbytes"),
+    (encoded(nbytes=True), "nbytes"), (encoded(nbytes=64.0), "nbytes"), (encoded(nbytes="64"), "nbytes"),
+    (b'{"v":1,"dtype":"float16","shape":[4,8],"nbytes":NaN}', "not JSON"),
+    (encoded(shape=[1 << 40, 1 << 40], nbytes=1 << 81), "exceeds"),
+    (encoded(shape=[10 ** 30, 10 ** 30], nbytes=64), "is not shape"),
+])
+def test_an_index_that_this_module_did_not_write_is_refused(raw, match):
+    with pytest.raises(store.BadIndex, match=match):
+        store.decode_index(raw, max_nbytes=1 << 40)
+
+
+def test_an_index_larger_than_what_the_pd_stages_is_refused():
+    raw = store.encode_index("float16", (4, 8), 64)
+    assert store.decode_index(raw, max_nbytes=64).nbytes == 64
+    with pytest.raises(store.BadIndex, match="exceeds the 63 bytes"):
+        store.decode_index(raw, max_nbytes=63)
+
+
+def test_the_index_decoder_answers_an_index_or_bad_index_for_any_bytes():
+    """Fuzz-style: random bytes, and mutations of a good index, never
+    raise anything but BadIndex, and what passes is self-consistent."""
+    import random
+
+    rng = random.Random(36)
+    good = store.encode_index("bfloat16", (17, 64), 17 * 64 * 2)
+    alphabet = b'{}[]",:0123456789-+.eE truefalsn\\u\xff\x00vdtypeshapenbytes'
+    for i in range(20000):
+        if i % 2:
+            raw = bytes(rng.choice(alphabet) for _ in range(rng.randrange(0, 80)))
+        else:
+            raw = bytearray(good)
+            for _ in range(rng.randrange(1, 4)):
+                op = rng.randrange(3)
+                pos = rng.randrange(len(raw) + 1)
+                if op == 0 and raw:
+                    del raw[min(pos, len(raw) - 1)]
+                elif op == 1:
+                    raw.insert(pos, rng.choice(alphabet))
+                elif raw:
+                    raw[min(pos, len(raw) - 1)] = rng.choice(alphabet)
+            raw = bytes(raw)
+        try:
+            idx = store.decode_index(raw, max_nbytes=1 << 20)
+        except store.BadIndex:
+            continue
+        n = store.ITEMSIZES[idx.dtype]
+        for d in idx.shape:
+            n *= d
+        assert n == idx.nbytes <= 1 << 20 and len(idx.shape) <= store.INDEX_MAX_DIMS
+
+
+def test_a_fetch_finds_an_output_by_its_index_byte_exact():
+    tier, fake, _ = open_tier()
+    data = os.urandom(2 * 3 * 640)
+    put_output(tier, "img1", data, "bfloat16", (3, 640))
+    st = tier.stats()
+    assert (st["put_ok"], st["index_put_ok"]) == (1, 1)  # the index is no output of its own
+    got = tier.fetch(store.index_key("img1", **IDX), item_key_of("img1"))
+    assert got.ok and got.index == store.ItemIndex("bfloat16", (3, 640), len(data))
+    assert bytes(got.data) == data
+    assert tier.stats()["get_hit"] == 2
+
+
+def test_a_fetch_of_an_image_never_put_is_a_miss_at_the_index():
+    tier, _, _ = open_tier()
+    got = tier.fetch(store.index_key("nope", **IDX), item_key_of("nope"))
+    assert (got.ok, got.reason, got.stage, got.data) == (False, "miss", "index", None)
+    assert tier.stats()["get_miss"] == 1
+
+
+def test_a_fetch_whose_output_is_gone_is_a_miss_at_the_item():
+    tier, fake, _ = open_tier()
+    put_output(tier, "img1", b"\1" * 64, "float16", (4, 8))
+    del fake.objects[item_key("img1", **IDX, dtype="float16", shape=(4, 8))]
+    got = tier.fetch(store.index_key("img1", **IDX), item_key_of("img1"))
+    assert (got.ok, got.reason, got.stage) == (False, "miss", "item")
+
+
+@pytest.mark.parametrize("garbage", [b"\x00" * 64, b'{"v":1}', b"x" * 4096,
+                                     b'{"v":1,"dtype":"float16","shape":[4096,4096],"nbytes":33554432}'])
+def test_a_fetch_refuses_a_garbage_index_counted(garbage):
+    # A Store shared with others may hold anything under an index key:
+    # bytes of no index, an oversized object, an output beyond staging.
+    tier, fake, _ = open_tier()
+    fake.objects[store.index_key("img1", **IDX)] = garbage
+    got = tier.fetch(store.index_key("img1", **IDX), item_key_of("img1"))
+    assert not got.ok and got.stage == "index" and got.reason in ("index_invalid", "size_mismatch")
+    st = tier.stats()
+    assert st["get_index_invalid"] + st["get_size_mismatch"] == 1
+    assert st["fallbacks"] == 2  # and open_tier's get before open
+
+
+def test_a_fetch_that_runs_past_its_deadline_falls_back():
+    tier, fake, _ = open_tier(get_timeout_s=0.05)
+    put_output(tier, "img1", b"\1" * 64, "float16", (4, 8))
+    fake.gate = threading.Event()
+    got = tier.fetch(store.index_key("img1", **IDX), item_key_of("img1"))
+    assert (got.ok, got.reason) == (False, "timeout")
+    fake.gate.set()
+    assert tier.stats()["get_timeout"] == 1
+
+
+def test_an_index_put_is_refused_when_it_is_too_large():
+    tier, fake, _ = open_tier()
+    buf, addr = buffer(b"x" * 600)
+    assert not tier.put_async("ecm1i/x/1", addr, 600, index=True)
+    assert tier.stats()["index_put_failed"] == 1 and not fake.objects

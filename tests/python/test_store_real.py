@@ -342,7 +342,7 @@ def test_master_killed_mid_run_inside_the_namespace(master):
 def test_the_connectors_put_is_got_by_a_pd_key_inside_the_namespace(master):
     """The connector's tier (what an encoder's worker runs) puts an encoder
     output; a PD's tier gets it under the key the PD makes from its own
-    model config, byte-exact."""
+    model config, byte-exact, and through its index from the hash alone."""
     import types
 
     torch = pytest.importorskip("torch")
@@ -365,4 +365,14 @@ def test_the_connectors_put_is_got_by_a_pd_key_inside_the_namespace(master):
     assert pd.get_into(pd_key, dest.data_ptr(), n) == GetResult(True, "hit", n), pd.stats()
     assert torch.equal(dest, output.view(-1).view(torch.uint8))
     assert pd.close(30)
+    # A PD that knows only the image's hash finds it through its index.
+    _wait(lambda: encoder.stats()["index_put_ok"] == 1, f"the index put answered: {encoder.stats()}")
+    fetcher = ctier._Tier(types.SimpleNamespace(store=_settings(master, segment_bytes=0)), vllm_config)
+    fetcher.open(puts=False)
+    assert fetcher.tier.wait_ready(60), fetcher.stats()
+    got = fetcher.fetch("9f" * 32)
+    assert got.ok and (got.index.dtype, got.index.shape) == ("bfloat16", (1369, 1536)), (got.reason, fetcher.stats())
+    assert bytes(got.data) == output.view(-1).view(torch.uint8).numpy().tobytes()
+    assert fetcher.fetch("9e" * 32).reason == "miss"
+    fetcher.close()
     encoder.close()

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from .. import ec_config
 from .consumer import _ConsumerWorker
+from .fetch import make as make_fetcher
 from .log import logger, throttle
 from .metadata import _StepMetadata, _WorkerReport
 from .names import OPTIONAL_HOOKS
@@ -144,6 +145,7 @@ class _Connector:
                     ensure_hook=self._hooks.get("ensure_cache_available", True),
                     outcomes=self._outcomes(),
                     can_fail=self._hooks.get("take_unavailable_requests", True),
+                    fetcher=make_fetcher(self._cfg, vllm_config),
                 )
             if self._cfg.is_producer:
                 self._producer_sched = _ProducerScheduler(self._cfg, vllm_config)
@@ -360,6 +362,8 @@ class _Connector:
         stats = self._stats_cls()
         if self._producer_worker is not None:
             self._recorder.store(self._producer_worker.store_increments())
+        if self._consumer_sched is not None:
+            self._recorder.store(self._consumer_sched.store_increments())
         recorders = [self._recorder] + [p.recorder for p in (self._producer_worker, self._consumer_sched) if p is not None]
         for recorder in recorders:
             recorder.drain_into(stats)

@@ -20,8 +20,9 @@ def consumer_address(params: Any) -> str | None:
     return raw if "://" in raw else "tcp://" + raw
 
 
-def transfer_ids(request: Any) -> list[str | None]:
-    """The transfer id of each multimodal item of a request, or None.
+def item_entries(request: Any) -> list[dict[str, Any] | None]:
+    """The ``ec_transfer_params`` entry of each multimodal item of a
+    request that names a transfer id, or None.
 
     ``ec_transfer_params["ec_items"][i]`` belongs to item i when it names no
     mm_hash or the item's own; otherwise the entry naming the item's mm_hash
@@ -34,21 +35,38 @@ def transfer_ids(request: Any) -> list[str | None]:
         return [None] * len(features)
     items = params.get("ec_items")
     items = [it for it in items if isinstance(it, dict)] if isinstance(items, list) else []
-    by_hash = {str(it["mm_hash"]): it["transfer_id"] for it in items if it.get("mm_hash") and it.get("transfer_id")}
-    out: list[str | None] = []
+    by_hash = {str(it["mm_hash"]): it for it in items if it.get("mm_hash") and it.get("transfer_id")}
+    out: list[dict[str, Any] | None] = []
     for index, feature in enumerate(features):
         ident = feature.identifier
-        tid = None
+        entry = None
         if index < len(items):
             it = items[index]
             if it.get("mm_hash") in (None, "", ident) and it.get("transfer_id"):
-                tid = it["transfer_id"]
-        if tid is None:
-            tid = by_hash.get(ident)
-        if tid is None and isinstance(params.get(ident), dict):
-            tid = params[ident].get("transfer_id")
-        out.append(str(tid) if tid else None)
+                entry = it
+        if entry is None:
+            entry = by_hash.get(ident)
+        if entry is None and isinstance(params.get(ident), dict) and params[ident].get("transfer_id"):
+            entry = params[ident]
+        out.append(entry)
     return out
+
+
+def transfer_ids(request: Any) -> list[str | None]:
+    """The transfer id of each multimodal item of a request, or None
+    (see :func:`item_entries`)."""
+    return [str(e["transfer_id"]) if e is not None else None for e in item_entries(request)]
+
+
+# What an ec_items entry says of an item the PD gets from Mooncake Store
+# itself: no encoder pushes it (the proxy's store_reuse).
+SOURCE_STORE = "store"
+
+
+def from_store(request: Any) -> list[bool]:
+    """Whether each multimodal item of a request comes from the Store: its
+    entry names a transfer id and ``"source": "store"``."""
+    return [e is not None and e.get("source") == SOURCE_STORE for e in item_entries(request)]
 
 
 def num_embeds_of(request: Any, index: int) -> int:

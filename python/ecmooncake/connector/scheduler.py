@@ -19,7 +19,7 @@ from .dtypes import DTYPES, dtype_name
 from .lifecycle import close_bounded, configure_process
 from .log import logger, throttle
 from .metadata import LoadSpec, PushSpec, _StepMetadata, _WorkerReport
-from .request import consumer_address, num_embeds_of, transfer_ids, unconsumed
+from .request import consumer_address, from_store, num_embeds_of, transfer_ids, unconsumed
 from .stats import _Recorder
 
 # --- scheduler side: consumer ------------------------------------------------
@@ -30,6 +30,9 @@ class _Expected:
     index: int
     transfer_id: str
     mm_hash: str
+    # The proxy said the item comes from Mooncake Store: this instance gets
+    # it itself (.fetch), no encoder pushes it.
+    store: bool = False
 
 
 @dataclass
@@ -49,8 +52,19 @@ class _Inflight:
 class _ConsumerScheduler:
     """Consumer instance, engine core: what may load, from Go-side state."""
 
-    def __init__(self, cfg: ec_config.ECMooncakeConfig, ensure_hook: bool, outcomes: bool = True, can_fail: bool = True):
+    def __init__(self, cfg: ec_config.ECMooncakeConfig, ensure_hook: bool, outcomes: bool = True, can_fail: bool = True,
+                 fetcher: Any = None):
         self._cfg = cfg
+        # Gets items from Mooncake Store (.fetch._StoreFetcher), or None.
+        # Its fetches start from ensure_cache_available: without that hook
+        # (vLLM < 0.26) an item from the Store is encoded by the engine.
+        self._fetcher = fetcher if ensure_hook else None
+        # transfer id -> (request id, mm_hash) of fetches not yet ended.
+        self._fetching: dict[str, tuple[str, str]] = {}
+        # request id -> when its items from the Store are given up.
+        self._store_deadline: dict[str, float] = {}
+        # request id -> why one of its items from the Store will not come.
+        self._store_lost: dict[str, str] = {}
         # Without ensure_cache_available (older vLLM) expectations are
         # registered from update_state_after_alloc instead.
         self._ensure_hook = ensure_hook
@@ -69,6 +83,16 @@ class _ConsumerScheduler:
         self._load_timeout_s = float(cfg.value("load_timeout_s"))
         configure_process(cfg, worker=False)
         self._native = Scheduler(cfg.scheduler_settings())
+        if self._fetcher is not None:
+            try:
+                self._fetcher.start()
+            except EcmError as exc:
+                # The PD serves without it: items from the Store are encoded
+                # by the engine (logged with each, counted as local encodes).
+                logger.error("ecmooncake: consumer %s gets nothing from Mooncake Store: its fetcher did not start: %s",
+                             cfg.consumer_endpoint, exc)
+                self._fetcher.close()
+                self._fetcher = None
         self._requests: dict[str, list[_Expected]] = {}
         self._registered: set[str] = set()
         self._refused: set[str] = set()
@@ -109,8 +133,9 @@ class _ConsumerScheduler:
         rid = request.request_id
         items = self._requests.get(rid)
         if items is None:
+            store = from_store(request)
             items = [
-                _Expected(i, tid, request.mm_features[i].identifier)
+                _Expected(i, tid, request.mm_features[i].identifier, store[i])
                 for i, tid in enumerate(transfer_ids(request))
                 if tid is not None
             ]
@@ -153,9 +178,14 @@ class _ConsumerScheduler:
         if rid not in self._registered:
             if not self._register(rid, items):
                 return False
+            self._start_fetches(rid, [it for it in items if it.store and it.mm_hash in remaining])
         elif self._counter.value != self._at:
             self._take(self._native.step({"snapshot": True}))
         has = self._has
+        if rid in self._store_deadline:
+            lost = self._store_lost_for(rid, [h for h in remaining if not has.get(h)])
+            if lost:
+                return self._give_up(request, lost)
         failed = [f for f in self._failed.get(rid) or () if f.get("mm_hash") in remaining and not has.get(f.get("mm_hash"))]
         if failed:
             for f in failed:
@@ -175,26 +205,64 @@ class _ConsumerScheduler:
                 trace.stamp_first("available", h)
         return ok
 
-    def _give_up(self, request: Any) -> bool:
+    def _give_up(self, request: Any, why: str = "") -> bool:
         """Lets a request whose items will not arrive be scheduled without
-        them (no take_unavailable_requests to fail it): has_cache_item says
-        no for each, so the engine encodes them itself. True, for
-        ensure_cache_available to answer."""
+        them: has_cache_item says no for each, so the engine encodes them
+        itself from the request's media (counted: ecm_local_encodes_total).
+        For an item from the Store (why) on any vLLM; for a push, where
+        there is no take_unavailable_requests to fail the request. True,
+        for ensure_cache_available to answer."""
         rid = request.request_id
         self._unavailable.discard(rid)
         self._given_up.add(rid)
+        self._store_deadline.pop(rid, None)
         missing = sorted({it.mm_hash for it in self._requests.get(rid) or () if not self._native.has(it.mm_hash)})
         for h in missing:
             self._has[h] = False
         self._local_encodes += missing
         logger.warning(
-            "ecmooncake: request %s: items %s will not arrive at consumer %s; this vLLM cannot fail the request "
-            "(no take_unavailable_requests), so the engine encodes them itself",
+            "ecmooncake: request %s: items %s will not arrive at consumer %s; %s, so the engine encodes them itself",
             rid,
             missing,
             self.endpoints,
+            why or "this vLLM cannot fail the request (no take_unavailable_requests)",
         )
         return True
+
+    def _start_fetches(self, rid: str, items: list[_Expected]) -> None:
+        """Hands a newly registered request's items from the Store to the
+        fetcher (never waits); one it cannot take is lost at once."""
+        if not items:
+            return
+        if self._fetcher is None:
+            self._store_deadline[rid] = time.monotonic()
+            self._store_lost[rid] = "this instance gets nothing from Mooncake Store (its store setting is off, or its fetcher did not start)"
+            return
+        deadline = time.monotonic() + self._fetcher.deadline_s
+        self._store_deadline[rid] = deadline
+        # An image twice in one request is one transfer: one fetch.
+        for it in {it.transfer_id: it for it in items}.values():
+            if self._fetcher.fetch(it.transfer_id, it.mm_hash, deadline):
+                self._fetching[it.transfer_id] = (rid, it.mm_hash)
+            else:
+                self._store_lost.setdefault(rid, f"the fetch of {it.mm_hash} from Mooncake Store was not taken")
+
+    def _store_lost_for(self, rid: str, missing: list[str]) -> str:
+        """Why an item of rid from the Store will not come (empty: none
+        lost yet): a fetch that failed, or the request's Store deadline
+        passed with items still missing."""
+        for tid, why in (self._fetcher.take_failed() if self._fetcher is not None else {}).items():
+            owner = self._fetching.pop(tid, None)
+            if owner is not None:
+                self._store_lost.setdefault(owner[0], f"the fetch of {owner[1]} from Mooncake Store failed: {why}")
+        lost = self._store_lost.pop(rid, "")
+        if not missing:
+            # Every item is here (a push of the same image may have brought one).
+            self._store_deadline.pop(rid, None)
+            return ""
+        if not lost and time.monotonic() >= self._store_deadline[rid]:
+            lost = "items from Mooncake Store did not arrive within their deadline"
+        return lost
 
     def _register(self, rid: str, items: list[_Expected]) -> bool:
         """Registers a new request and learns its answer in one native step.
@@ -357,8 +425,12 @@ class _ConsumerScheduler:
         rid = request.request_id
         for it in self._requests.pop(rid, None) or ():
             self._asked_at.pop(it.mm_hash, None)
+            if it.store:
+                self._fetching.pop(it.transfer_id, None)
         self._to_register.pop(rid, None)
         self._given_up.discard(rid)
+        self._store_deadline.pop(rid, None)
+        self._store_lost.pop(rid, None)
         self._refused.discard(rid)
         self._unavailable.discard(rid)
         if rid in self._registered:
@@ -382,11 +454,21 @@ class _ConsumerScheduler:
         return bool(self._reports or self._freed or self._finished or self._to_register or self._local_encodes)
 
     def stats(self) -> dict[str, Any]:
-        return self._native.stats()
+        out = self._native.stats()
+        if self._fetcher is not None:
+            out = {**out, "store": self._fetcher.stats()}
+        return out
+
+    def store_increments(self) -> dict[str, int]:
+        """The Store counters of this instance's fetches that moved since
+        the last call."""
+        return self._fetcher.increments() if self._fetcher is not None else {}
 
     def close(self) -> None:
         # The counter stops once closed: no remembered answer outlives it.
         self._at, self._has, self._failed = -1, {}, {}
+        if self._fetcher is not None:
+            self._fetcher.close()
         close_bounded(self._native)
 
 

@@ -11,12 +11,14 @@ on a stream of its own, and a thread hands it to the tier once the copy
 completed), and the counters handed to vLLM's stats as the increments
 since vLLM last asked.
 
-Today the encoder side puts; a PD does not get yet (see docs/operations.md,
+The encoder side puts each output and its index; a PD gets the items the
+proxy says come from the Store (:mod:`.fetch`; docs/operations.md,
 "Mooncake Store beside an EPD fleet").
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import queue
 import threading
@@ -24,7 +26,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from .. import ec_config
-from ..store import Extents, StoreTier, item_key, load_store_class
+from ..store import Extents, Fetched, StoreTier, encode_index, index_key, item_key, load_store_class
 from .dtypes import dtype_name, import_torch
 from .log import logger, throttle
 
@@ -39,6 +41,13 @@ OWN_COUNTERS = (
     "put_dropped_pinned_full",  # the pinned pool held no room for a GPU output
     "put_device_copy_timeout",  # a GPU output's copy to the pool did not complete within put_timeout_s
     "put_skipped_error",  # queuing the put failed (a CUDA error, say); logged
+    # A PD's fetches (connector.fetch): each that did not arrive is also
+    # counted by the tier's get_* counter of its get, when it got that far.
+    "fetch_pushed",  # an item got from the Store arrived in this instance's shards
+    "fetch_queue_full",  # the scheduler handed over more fetches than fetch.MAX_QUEUED
+    "fetch_expired",  # a fetch waited in the queue past its deadline
+    "fetch_get_failed",  # the Store's get fell back (the tier's get_* counter says why)
+    "fetch_push_failed",  # the push to this instance's own shards failed or ran past fetch.PUSH_WAIT_S
 )
 # How often the copy thread asks its pending copies whether they completed.
 COPY_POLL_S = 0.001
@@ -99,7 +108,7 @@ class _DeviceStaging:
         self._thread = threading.Thread(target=self._run, name="ecm-store-d2h", daemon=True)
         self._thread.start()
 
-    def put(self, key: str, tensor: Any, stream: Any) -> None:
+    def put(self, key: str, tensor: Any, stream: Any, index: tuple[str, bytes] | None = None) -> None:
         torch = import_torch()
         nbytes = tensor.numel() * tensor.element_size()
         with self._lock:
@@ -122,14 +131,14 @@ class _DeviceStaging:
             tensor.record_stream(side)
             done = torch.cuda.Event()
             done.record(side)
-        self._q.put((key, off, nbytes, done, time.monotonic()))
+        self._q.put((key, off, nbytes, done, time.monotonic(), index))
 
     def _free(self, off: int, nbytes: int) -> None:
         with self._lock:
             self._extents.free(off, nbytes)
 
     def _run(self) -> None:
-        pending: list[tuple[str, int, int, Any, float, bool]] = []
+        pending: list[tuple[str, int, int, Any, float, Any, bool]] = []
         while True:
             try:
                 job = self._q.get(timeout=None if not pending else COPY_POLL_S)
@@ -141,7 +150,7 @@ class _DeviceStaging:
                 pending.append((*job, False))
             still = []
             limit = self._tier.settings.put_timeout_s
-            for key, off, nbytes, event, started, late in pending:
+            for key, off, nbytes, event, started, index, late in pending:
                 try:
                     finished = event.query()
                 except Exception as exc:  # noqa: BLE001 - a failed copy is a dropped put
@@ -152,13 +161,15 @@ class _DeviceStaging:
                     if not late and time.monotonic() - started > limit:
                         self._tier._count("put_device_copy_timeout")
                         late = True
-                    still.append((key, off, nbytes, event, started, late))
+                    still.append((key, off, nbytes, event, started, index, late))
                     continue
                 if late:
                     self._free(off, nbytes)
                     continue
                 addr = self._pool.data_ptr() + off
-                if not self._tier.tier.put_async(key, addr, nbytes, release=lambda o=off, n=nbytes: self._free(o, n)):
+                if self._tier.tier.put_async(key, addr, nbytes, release=lambda o=off, n=nbytes: self._free(o, n)):
+                    self._tier.put_index(index)
+                else:
                     self._free(off, nbytes)
             pending = still
 
@@ -181,12 +192,12 @@ class _Tier:
         self.tier = StoreTier(self.settings, factory)
         self._device: _DeviceStaging | None = None
 
-    def open(self) -> None:
-        """Starts the Store client, and, where this process sees a GPU, the
-        pinned pool GPU outputs are copied into (startup, not the engine
-        loop: pinning memory takes time)."""
+    def open(self, puts: bool = True) -> None:
+        """Starts the Store client, and, for a process that puts (puts)
+        and sees a GPU, the pinned pool GPU outputs are copied into
+        (startup, not the engine loop: pinning memory takes time)."""
         self.tier.open()
-        if self._device is not None:
+        if self._device is not None or not puts:
             return
         try:
             torch = import_torch()
@@ -203,6 +214,26 @@ class _Tier:
     def key(self, mm_hash: str, dtype: str, shape: tuple[int, ...]) -> str:
         return item_key(mm_hash, model=self._model, encoder_config=self._encoder, dtype=dtype, shape=shape,
                         tp_layout="replicated")
+
+    def index_key(self, mm_hash: str) -> str:
+        """The key of mm_hash's index: what a PD, which knows no dtype or
+        shape ahead, gets first (:func:`ecmooncake.store.index_key`)."""
+        return index_key(mm_hash, model=self._model, encoder_config=self._encoder, tp_layout="replicated")
+
+    def put_index(self, index: tuple[str, bytes] | None) -> None:
+        """Puts an index object (key, value) after its output's put was
+        taken; its bytes live in the put's release callback until copied."""
+        if index is None:
+            return
+        key, raw = index
+        buf = ctypes.create_string_buffer(raw, len(raw))
+        self.tier.put_async(key, ctypes.addressof(buf), len(raw), release=lambda: buf, index=True)
+
+    def fetch(self, mm_hash: str, timeout: float | None = None) -> Fetched:
+        """Gets mm_hash's output as an encoder of this deployment put it:
+        its index, then its bytes (:meth:`ecmooncake.store.StoreTier.fetch`).
+        Blocks at most get_timeout_s: for a thread of its own."""
+        return self.tier.fetch(self.index_key(mm_hash), lambda idx: self.key(mm_hash, idx.dtype, idx.shape), timeout)
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -227,19 +258,22 @@ class _Tier:
                           "(no pinned pool in this process; counted as put_skipped_device)", tensor.device)
             return
         try:
-            key = self.key(mm_hash, dtype_name(tensor.dtype), tuple(int(d) for d in tensor.shape))
+            dtype, shape = dtype_name(tensor.dtype), tuple(int(d) for d in tensor.shape)
+            key = self.key(mm_hash, dtype, shape)
+            index = (self.index_key(mm_hash), encode_index(dtype, shape, tensor.numel() * tensor.element_size()))
         except (ValueError, KeyError, TypeError) as exc:
             self._count("put_skipped_key")
             throttle.warn("store-key", "ecmooncake: no Store key for %s: %s", mm_hash, exc)
             return
         if device == "cuda":
             if self.tier.admit(key):
-                self._device.put(key, tensor, stream)
+                self._device.put(key, tensor, stream, index)
             return
         src = tensor if tensor.is_contiguous() else tensor.contiguous()
         # Bound to the callback, the tensor lives until the tier's put
         # thread has copied it; a dropped put leaves it to the caller.
-        self.tier.put_async(key, src.data_ptr(), src.numel() * src.element_size(), release=lambda: src)
+        if self.tier.put_async(key, src.data_ptr(), src.numel() * src.element_size(), release=lambda: src):
+            self.put_index(index)
 
     def stats(self) -> dict[str, int]:
         """The tier's counters and this module's, since the process started."""

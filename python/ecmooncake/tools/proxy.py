@@ -67,6 +67,10 @@ def add_proxy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-affinity-reuse", action="store_true",
                    help="encode every image even when the picked PD already holds it (by default such an image goes "
                    "to that PD as media under the identifier its encoder gave it, and is not encoded again)")
+    p.add_argument("--store-reuse", action="store_true",
+                   help="send an image encoded before to a picked PD that does not hold it (its holder is too busy, or "
+                   "gone) as an item that PD gets from Mooncake Store, with no encoder call (needs the PD's and the "
+                   "encoders' store setting, and vLLM >= 0.30 on the PD; off by default)")
     p.add_argument("--client-media-keys", default="namespace", choices=["namespace", "refuse", "trust"],
                    help="what becomes of a cache key a client names for a media part (its \"uuid\"): namespace keeps "
                    "equal keys of different tenants apart (default; a request with a key and no tenant is refused), "
@@ -102,7 +106,7 @@ def proxy_config(args: argparse.Namespace, token: str | None = None) -> dict[str
         affinity_entries="affinity_entries",
         affinity_ttl_s="affinity_ttl",
         affinity_slack="affinity_slack",
-    ) | {"affinity_reuse": not args.no_affinity_reuse, "allow_register": not args.no_register, "register_token": token or ""}
+    ) | {"affinity_reuse": not args.no_affinity_reuse, "store_reuse": args.store_reuse, "allow_register": not args.no_register, "register_token": token or ""}
 
 
 def add_register_arguments(p: argparse.ArgumentParser) -> None:
