@@ -14,7 +14,13 @@ logprobs, streamed and not) go to:
 6. the same over ``mooncake``: Mooncake's real engine (PyPI's wheel,
    through the package's shim) with its ``tcp`` protocol. It skips without
    the wheel in the CPU vLLM environment, and fails instead when
-   ECMOONCAKE_REQUIRE_MOONCAKE=1.
+   ECMOONCAKE_REQUIRE_MOONCAKE=1;
+7. Mooncake Store: a real ``mooncake_master`` of the environment's wheel,
+   an encoder and two PD instances with ``store`` on, the proxy with
+   ``--store-reuse``, all in a network namespace: a repeated image reaches
+   the second PD from the Store (no encoder call, no local encode), then,
+   with the master killed, by a local encode, counted (vLLM 0.30 and
+   later; it skips on 0.26).
 
 Every answer must carry the baseline's token ids and logprobs bit for bit;
 every image must have gone through the transfer (the proxy encoded each
@@ -517,7 +523,8 @@ def test_store_serves_a_repeated_image_to_a_second_pd_and_survives_the_master(re
     why = namespaces_available()
     if why is None:
         version = vllm_calls()["version"]
-        if tuple(int(x) for x in version.split(".")[:2]) < (0, 30):
+        major_minor = tuple(int(x) if x.isdigit() else 0 for x in (version.split(".") + ["0", "0"])[:2])
+        if major_minor < (0, 30):
             pytest.skip(f"vLLM {version}: the proxy sends Store items only to vLLM 0.30 or later")
         found = _store_master("")
         why = found if isinstance(found, str) else None
