@@ -595,6 +595,15 @@ def test_store_serves_a_repeated_image_to_a_second_pd_and_survives_the_master(re
                 m = out["metrics"]
                 return _answers(out), m[proxy_url], m[pds[pd]["vllm"]], "\n".join(m[u] for u in pds[pd]["ecm"])
 
+            ours = _addresses(ns.pd)
+
+            def sockets_inside() -> None:
+                """Every socket of the namespace (the master's, the Store
+                clients', the shards') is on its loopback or its address."""
+                for line in run_in(ns.pd, ["ss", "-Htan"]).splitlines():
+                    local, peer = (_plain(a).rpartition(":")[0].split("%")[0] for a in line.split()[-2:])
+                    assert local in ours and peer in ours, f"a socket is not on an address of the namespace ({sorted(ours)}): {line}"
+
             def events(vllm_text: str, event: str) -> float:
                 return metric(vllm_text, "vllm:ec_mooncake_store_events_total", event=event)
 
@@ -616,6 +625,7 @@ def test_store_serves_a_repeated_image_to_a_second_pd_and_survives_the_master(re
             assert events(vllm_b, "fetch_pushed") == 2, vllm_b[-4000:]
             assert events(vllm_b, "get_hit") >= 2, vllm_b[-4000:]
             assert "ecm_local_encodes_total" in ecm_b and metric(ecm_b, "ecm_local_encodes_total") == 0, ecm_b
+            sockets_inside()  # the master and every Store client still up
             # 3. Two new images, encoded for PD b; then the master is killed.
             fresh = [{"image": _png(3, (112, 112)), "stream": False, "text": requests_[0]["text"]},
                      {"image": _png(4, (84, 140)), "stream": True, "text": requests_[0]["text"]}]
@@ -635,10 +645,6 @@ def test_store_serves_a_repeated_image_to_a_second_pd_and_survives_the_master(re
             assert metric(ecm_a, "ecm_local_encodes_total") == 2, ecm_a
             failed = sum(events(vllm_a, e) for e in ("fetch_get_failed", "fetch_expired", "fetch_queue_full", "fetch_push_failed"))
             assert failed == 2 and events(vllm_a, "fetch_pushed") == 0, vllm_a[-4000:]
-            sockets = run_in(ns.pd, ["ss", "-Htan"])
-            ours = _addresses(ns.pd)
-            for line in sockets.splitlines():
-                local, peer = (_plain(a).rpartition(":")[0].split("%")[0] for a in line.split()[-2:])
-                assert local in ours and peer in ours, f"a socket is not on an address of the namespace ({sorted(ours)}): {line}"
+            sockets_inside()
     finally:
         ns.destroy()
