@@ -78,4 +78,10 @@ fi
 # own two dependencies only, so that the copy's packaging and pygments are
 # not shadowed by other versions.
 "$base/bin/uv" pip install -q --python "$venv/bin/python" --no-deps pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
+# libcudart.so.12, which Mooncake's wheel before 0.3.13 (the copy's
+# 0.3.12.post1) links even in its non-CUDA build: its store.so and
+# mooncake_master, which the Store phase of the end-to-end test runs
+# (ecmooncake.store loads it into the one process that needs it). The
+# same version build/setup.sh puts beside the oldest wheel.
+"$base/bin/uv" pip install -q --python "$venv/bin/python" --no-deps nvidia-cuda-runtime-cu12==12.9.79
 echo "setup: vLLM $("$venv/bin/python" -c 'import vllm; print(vllm.__version__)') (CPU) in $venv (over $base)" >&2

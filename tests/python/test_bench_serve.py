@@ -208,6 +208,27 @@ def test_the_reuse_phases_run_on_two_pds_with_affinity_on_then_off():
     assert bench_serve.check(REUSE_OFF, _row(**{**GOOD, "encoded": 22, "reused": 2}), 24) == ["2 items reused with affinity off"]
 
 
+REUSE_STORE = bench_serve.Phase("reuse 1E2P affinity on + store", "ecm", (0,), (0, 1), reuse="store")
+
+
+def test_store_host_adds_a_third_reuse_phase_with_the_proxys_store_reuse():
+    p = bench_serve.plan(_args("--baselines", "none", "--topologies", "1E1P", "--reuse", "0.8", "--store-host", "10.231.0.1"))
+    assert [(ph.name, ph.pds, ph.reuse) for ph in p.phases][1:] == [
+        ("reuse 1E2P affinity on", (0, 1), "on"), ("reuse 1E2P affinity off", (0, 1), "off"),
+        ("reuse 1E2P affinity on + store", (0, 1), "store")]
+    with pytest.raises(ValueError, match="--store-host"):
+        bench_serve.plan(_args("--store-host", "10.231.0.1"))
+    # Items from the Store count towards the items sent; only the Store
+    # phase may send any, and there no PD may encode an item itself.
+    ok = {**GOOD, "encoded": 6, "reused": 12, "store": 6, "fetched": 6, "local": 0}
+    assert bench_serve.check(REUSE_STORE, _row(**ok), 24) == []
+    assert bench_serve.check(REUSE_STORE, _row(**{**ok, "local": 2}), 24) == [
+        "2 items encoded by the PDs themselves (a Store fetch that failed)"]
+    assert bench_serve.check(REUSE_ON, _row(**ok), 24) == ["6 items sent from the Store without --store-reuse"]
+    assert bench_serve.check(REUSE_STORE, _row(**{**ok, "store": 4}), 24) == [
+        "6 items encoded, 12 reused, 4 from the Store and 0 fallen back, of 24 sent"]
+
+
 def test_the_reuse_dataset_repeats_about_the_asked_fraction_of_its_images(tmp_path):
     path = tmp_path / "d.jsonl"
     distinct = bench_serve.reuse_dataset(path, 200, 0.8, 16, seed=7)

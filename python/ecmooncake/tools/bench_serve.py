@@ -27,6 +27,18 @@ on a loaded CPU), so no phase restarts vLLM:
   by the other encoder or falls back to the PD's own encoder, so
   ``fallback`` is at most ``touched``; the CI test (tests/python/e2e) splits
   the two exactly. It runs last: the fleet has one encoder fewer after it.
+- ``--reuse FRACTION``: two 1E2P phases of repeated images, the proxy
+  routing and reusing by affinity, then with affinity off; with
+  ``--store-host IP``, a third: affinity and ``--store-reuse``, a repeated
+  image whose holder is too busy going to the other PD from Mooncake Store.
+  The tool then starts the wheel's ``mooncake_master`` on IP and every
+  instance of the fleet with ``store`` on (the encoder lends the pool, the
+  PDs only read), so the affinity phases run on the same fleet and the
+  encoder puts in each; ``store`` counts the items the proxy sent from the
+  Store, ``fetched`` the PDs' fetches pushed into their own shards, and
+  ``local`` the items the PDs encoded themselves. Mooncake listens on every
+  interface: give an address of a network namespace the tool runs in
+  (docs/operations.md shows one), never the machine's.
 
 Instances keep what they saw between phases (vLLM's encoder cache, the PD
 shard's resident items), so every client run gets a seed of its own and
@@ -78,6 +90,8 @@ LEASE_S = 60
 PUSH_WAIT_S = 50
 # vLLM closes an idle keep-alive connection after 5 s.
 IDLE_PAUSE_S = 7.0
+# What mooncake_master logs once its RPC and metadata servers listen.
+MASTER_READY = "HTTP metadata server started successfully"
 
 
 @dataclass(frozen=True)
@@ -91,7 +105,8 @@ class Phase:
     pds: tuple[int, ...] = ()
     fault: str = ""
     # "on" / "off": a repeated-image load (--reuse), with the proxy routing
-    # and reusing by affinity or with affinity off.
+    # and reusing by affinity or with affinity off; "store": affinity and
+    # the proxy's --store-reuse (--store-host).
     reuse: str = ""
 
 
@@ -117,6 +132,9 @@ class Row:
     e2el_p99_ms: float | None = 0.0
     encoded: int | None = None
     reused: int | None = None
+    store: int | None = None  # items the proxy sent as coming from Mooncake Store
+    fetched: int | None = None  # Store fetches the PDs pushed into their own shards
+    local: int | None = None  # items the PDs encoded themselves
     fallback: int | None = None
     encode_s: float | None = None  # time requests spent in the proxy's encode phase, all together
     bytes_moved: int | None = None
@@ -150,6 +168,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reuse", type=float, default=0.0, metavar="FRACTION",
                    help="add two 1E2P phases of repeated images (this fraction of requests repeats an earlier "
                    "image, e.g. 0.8): the proxy routing and reusing by affinity, and with affinity off")
+    p.add_argument("--store-host", default="", metavar="IP",
+                   help="with --reuse, a third phase: affinity and the proxy's --store-reuse, with a mooncake_master "
+                   "(of --python's Mooncake wheel) started on IP and Mooncake Store on in every instance; IP must be "
+                   "an address of a network namespace this runs in (Mooncake listens on every interface)")
     p.add_argument("--start-timeout", type=float, default=900, help="seconds for the fleet's servers to be ready (default %(default)s)")
     p.add_argument("--run-timeout", type=float, default=900, help="seconds for one client run (default %(default)s)")
     p.add_argument("--workdir", default="", help="logs, results and the tiny model (default: a new temporary directory)")
@@ -188,7 +210,11 @@ def plan(args: argparse.Namespace) -> Plan:
             raise ValueError(f"--reuse: {args.reuse} is not a fraction in (0, 1)")
         for on in ("on", "off"):
             phases.append(Phase(f"reuse 1E2P affinity {on}", "ecm", (0,), (0, 1), reuse=on))
+        if getattr(args, "store_host", ""):
+            phases.append(Phase("reuse 1E2P affinity on + store", "ecm", (0,), (0, 1), reuse="store"))
         n_enc, n_pd = max(n_enc, 1), max(n_pd, 2)
+    elif getattr(args, "store_host", ""):
+        raise ValueError("--store-host: only with --reuse (the Store phase is a repeated-image load)")
     faults = list(dict.fromkeys(args.fault))
     for f in sorted(faults, key=FAULTS.index):
         e = 2 if f == "kill-encoder" else 1
@@ -236,11 +262,18 @@ def check(phase: Phase, row: Row, num_prompts: int) -> list[str]:
         out.append(f"{row.failed} requests failed")
     if phase.kind == "single":
         return out
-    reused = row.reused or 0
+    reused, store = row.reused or 0, row.store or 0
     if phase.reuse == "off" and reused:
         out.append(f"{reused} items reused with affinity off")
-    if row.encoded is not None and row.fallback is not None and row.encoded + row.fallback + reused != num_prompts:
-        out.append(f"{row.encoded} items encoded, {reused} reused and {row.fallback} fallen back, of {num_prompts} sent")
+    if phase.reuse != "store" and store:
+        out.append(f"{store} items sent from the Store without --store-reuse")
+    if phase.reuse == "store" and row.local:
+        # Every fetch is from a live master, within its deadline: a local
+        # encode here is a fetch that failed.
+        out.append(f"{row.local} items encoded by the PDs themselves (a Store fetch that failed)")
+    if row.encoded is not None and row.fallback is not None and row.encoded + row.fallback + reused + store != num_prompts:
+        from_store = f", {store} from the Store" if row.store is not None else ""
+        out.append(f"{row.encoded} items encoded, {reused} reused{from_store} and {row.fallback} fallen back, of {num_prompts} sent")
     if phase.fault == "kill-encoder":
         if row.touched is None or row.fallback is None or row.fallback > row.touched:
             out.append(f"{row.fallback} fallbacks, more than the {row.touched} items the kill touched")
@@ -348,18 +381,43 @@ class Fleet:
         self.example_encoder = ""
         self.example_pd: tuple[str, str] = ("", "")
         self.client: Client | None = None
+        self.store_host: str = getattr(args, "store_host", "")
 
     def _vllm(self, port: int, ec: dict | None) -> list[str]:
         return fleet.vllm_argv(self.args.python, self.model, port, ec=ec) + self.args.vllm_arg
 
+    def _store(self, base: int) -> tuple[dict, dict]:
+        """Starts the wheel's mooncake_master on --store-host (ports base and
+        base + 1) and returns the encoder's and the PDs' store settings."""
+        probe = "from ecmooncake import store; print(store.master_binary() or ''); print(store.cudart_dir() or '')"
+        done = subprocess.run([self.args.python, "-c", probe], capture_output=True, text=True, timeout=120, env=fleet.vllm_env())
+        lines = done.stdout.splitlines()
+        if done.returncode != 0 or len(lines) < 2 or not lines[-2]:
+            raise fleet.ServerError(f"no mooncake_master in {self.args.python}'s Mooncake wheel: {done.stderr[-2000:]}")
+        binary, cudart = lines[-2], lines[-1]
+        ip, env = self.store_host, fleet.vllm_env()
+        if cudart:
+            # The wheel before 0.3.13 links libcudart.so.12 even without CUDA.
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [cudart, env.get("LD_LIBRARY_PATH")]))
+        self.d.start("mooncake-master", [
+            binary, f"--rpc_address={ip}", f"--rpc_port={base}", "--enable_http_metadata_server=true",
+            f"--http_metadata_server_host={ip}", f"--http_metadata_server_port={base + 1}",
+            f"--metrics_port={base + 2}", "--enable_metric_reporting=false"], ready=MASTER_READY, env=env)
+        common = {"enabled": True, "master_address": f"{ip}:{base}", "metadata_address": f"http://{ip}:{base + 1}/metadata",
+                  "local_hostname": ip}
+        # The encoder lends the Store its pool; the PDs only read.
+        return ({**common, "segment_bytes": 512 << 20, "put_inflight_bytes": 64 << 20, "get_staging_bytes": 16 << 20},
+                {**common, "segment_bytes": 0, "put_inflight_bytes": 4 << 20, "get_staging_bytes": 64 << 20})
+
     def start(self) -> None:
         p, env = self.plan, fleet.vllm_env()
-        base = _free_ports(4 * p.pds + p.encoders + 3)
+        base = _free_ports(4 * p.pds + p.encoders + 6)
+        enc_store, pd_store = self._store(base + 4 * p.pds + p.encoders + 3) if self.store_host else ({}, {})
         for j in range(p.pds):
             http, ec_port, metrics_port = base + 4 * j, base + 4 * j + 1, base + 4 * j + 2
             ec = fleet.ecm_config("ec_consumer", "127.0.0.1", ec_port, {
                 "transport": self.args.transport, "metrics_port": metrics_port,
-                "push_wait_timeout_s": PUSH_WAIT_S, "lease_s": LEASE_S})
+                "push_wait_timeout_s": PUSH_WAIT_S, "lease_s": LEASE_S, **({"store": pd_store} if pd_store else {})})
             # The engine core serves the series at metrics_port, its worker
             # at the next port, where they are two processes.
             self.pd_metrics.append([f"http://127.0.0.1:{metrics_port}/metrics", f"http://127.0.0.1:{metrics_port + 1}/metrics"])
@@ -368,7 +426,8 @@ class Fleet:
         for i in range(p.encoders):
             port = base + 4 * p.pds + i
             # The consumer to push to comes with each request from the proxy.
-            ec = fleet.ecm_config("ec_producer", "127.0.0.1", base + 1, {"transport": self.args.transport})
+            ec = fleet.ecm_config("ec_producer", "127.0.0.1", base + 1, {
+                "transport": self.args.transport, **({"store": enc_store} if enc_store else {})})
             self.encoders.append(self.d.start(f"encoder{i}", self._vllm(port, ec), ready=fleet.VLLM_READY, env=env))
             self.encoder_urls.append(f"http://127.0.0.1:{port}")
         extra = base + 4 * p.pds + p.encoders
@@ -392,6 +451,8 @@ class Fleet:
         extra: tuple[str, ...] = ()
         if phase.fault == "kill-encoder":
             extra = ("--encode-timeout", "300")  # an encoder call outlasts the time a stopped encoder is held
+        elif phase.reuse == "store":
+            extra = ("--store-reuse",)
         elif phase.reuse == "off" or (phase.kind in ("ecm", "example") and not phase.reuse):
             # Only the reuse phases reuse: the others measure each item's
             # way through the encoder and the transfer.
@@ -427,6 +488,11 @@ class Fleet:
 
     def pd_scrape(self) -> str:
         return "\n".join(fleet.scrape(u) for urls in self.pd_metrics for u in urls)
+
+    def pd_vllm_scrape(self) -> str:
+        """The PD instances' own vLLM /metrics (the connector's Store
+        counters reach them through vLLM's stats hooks)."""
+        return "\n".join(fleet.scrape(url + "/metrics") for url, _ in self.pds)
 
     def pending(self) -> float:
         """Writes, cancels and expiries the PD shards still have pending.
@@ -618,18 +684,24 @@ def _row_from_result(name: str, rate: str, res: dict) -> Row:
     )
 
 
-def _fleet_figures(row: Row, f: Fleet, px: Proxy | None, proxy0: str, pd0: str, ecm: bool) -> None:
+def _fleet_figures(row: Row, f: Fleet, px: Proxy | None, proxy0: str, pd0: str, vllm0: str, ecm: bool) -> None:
     if px is None:
         return
     proxy1 = px.scrape()
     d = lambda a, b, n, **lab: fleet.metric(b, n, **lab) - fleet.metric(a, n, **lab)  # noqa: E731
     row.encoded = int(d(proxy0, proxy1, "ecm_proxy_media_items_total", outcome="encoded"))
     row.reused = int(d(proxy0, proxy1, "ecm_proxy_media_items_total", outcome="reused"))
+    if f.store_host:
+        row.store = int(d(proxy0, proxy1, "ecm_proxy_media_items_total", outcome="store"))
+        vllm1 = f.pd_vllm_scrape()
+        row.fetched = int(d(vllm0, vllm1, "vllm:ec_mooncake_store_events_total", event="fetch_pushed"))
     row.fallback = int(d(proxy0, proxy1, "ecm_proxy_media_items_total", outcome="fallback"))
     row.encode_s = d(proxy0, proxy1, "ecm_proxy_phase_seconds_sum", phase="encode")
     if ecm:
         pd1 = f.pd_scrape()
         row.bytes_moved = int(d(pd0, pd1, "ecm_completed_bytes_total"))
+        if f.store_host:
+            row.local = int(d(pd0, pd1, "ecm_local_encodes_total"))
         row.rejected = int(d(pd0, pd1, "ecm_rejected_writes_total"))
         n = d(pd0, pd1, "ecm_transfer_wait_seconds_count")
         row.wait_mean_ms = 1000 * d(pd0, pd1, "ecm_transfer_wait_seconds_sum") / n if n else 0.0
@@ -640,6 +712,7 @@ def run_bench(f: Fleet, phase: Phase, px: Proxy | None, rate: str, log_dir: Path
     url = px.url if px is not None else f.single_url
     name = f"{phase.name.replace(' ', '_')}_{rate}.json"
     proxy0, pd0 = (px.scrape() if px else ""), f.pd_scrape()
+    vllm0 = f.pd_vllm_scrape() if f.store_host else ""
     dataset = None
     if phase.reuse:
         dataset = log_dir / f"{name}.jsonl"
@@ -656,7 +729,7 @@ def run_bench(f: Fleet, phase: Phase, px: Proxy | None, rate: str, log_dir: Path
         raise fleet.ServerError(f"{phase.name} at rate {rate}: vllm bench serve: {why} (log {f.client.log_path})")
     row = _row_from_result(phase.name, rate, json.loads((log_dir / name).read_text()))
     row.touched, row.unrouted_s = touched, unrouted
-    _fleet_figures(row, f, px, proxy0, pd0, phase.kind == "ecm")
+    _fleet_figures(row, f, px, proxy0, pd0, vllm0, phase.kind == "ecm")
     return row
 
 
@@ -742,7 +815,7 @@ COLUMNS = [
     ("bytes_moved", "bytes to PD"), ("wait_mean_ms", "PD wait ms"),
 ]
 # Shown only where a row has them (the reuse and fault scenarios).
-OPTIONAL = [("reused", "reused"), ("encode_s", "encode s"), ("touched", "touched"), ("unrouted_s", "unrouted after s"), ("hung", "hung"), ("dropped", "dropped"),
+OPTIONAL = [("reused", "reused"), ("store", "store"), ("fetched", "fetched"), ("local", "local"), ("encode_s", "encode s"), ("touched", "touched"), ("unrouted_s", "unrouted after s"), ("hung", "hung"), ("dropped", "dropped"),
             ("proxy_exit_s", "proxy exit s")]
 
 

@@ -14,7 +14,13 @@ logprobs, streamed and not) go to:
 6. the same over ``mooncake``: Mooncake's real engine (PyPI's wheel,
    through the package's shim) with its ``tcp`` protocol. It skips without
    the wheel in the CPU vLLM environment, and fails instead when
-   ECMOONCAKE_REQUIRE_MOONCAKE=1.
+   ECMOONCAKE_REQUIRE_MOONCAKE=1;
+7. Mooncake Store: a real ``mooncake_master`` of the environment's wheel,
+   an encoder and two PD instances with ``store`` on, the proxy with
+   ``--store-reuse``, all in a network namespace: a repeated image reaches
+   the second PD from the Store (no encoder call, no local encode), then,
+   with the master killed, by a local encode, counted (vLLM 0.30 and
+   later; it skips on 0.26).
 
 Every answer must carry the baseline's token ids and logprobs bit for bit;
 every image must have gone through the transfer (the proxy encoded each
@@ -29,6 +35,7 @@ import base64
 import io
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -460,5 +467,184 @@ def test_mooncake_connector_between_two_hosts_matches_one_instance(plane, reques
             assert any(p.startswith(ns.pd_ip + ":") and p != f"{ns.pd_ip}:{ec_port}" for p in outbound), (
                 "no data-plane connection from the encoder to the PD host: " + conns
             )
+    finally:
+        ns.destroy()
+
+
+# -- Mooncake Store: a repeated image served to a second PD from the Store ---
+
+MiB = 1 << 20
+REGISTER_TOKEN = "ECMOONCAKE_REGISTER_TOKEN"
+MASTER_READY = "HTTP metadata server started successfully"
+
+
+def _store_master(netns: str) -> tuple[str, str] | str:
+    """The CPU vLLM environment's mooncake_master and the folder of the
+    libcudart.so.12 its wheel (0.3.12.post1) links, or why there is none."""
+    probe = "from ecmooncake import store; print(store.master_binary() or ''); print(store.cudart_dir() or '')"
+    try:
+        binary, cudart = run_in(None, [str(PYTHON), "-c", probe], timeout_s=120, env=child_env()).splitlines()[-2:]
+    except Exception as exc:  # noqa: BLE001 - any failure is the reason
+        return f"asking {PYTHON} for its mooncake_master failed: {exc}"
+    if not binary:
+        return f"no mooncake_master in {VENV} (pip install mooncake-transfer-engine-non-cuda into it)"
+    return binary, cudart
+
+
+def _register(netns: str, proxy: str, op: str, body: dict, token: str) -> None:
+    """One register or deregister call to the proxy's discovery API, from
+    inside the namespace, the token in the environment only."""
+    script = (
+        "import json, os, sys, urllib.request\n"
+        "req = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode(), method='POST',\n"
+        "    headers={'Content-Type': 'application/json', 'Authorization': 'Bearer ' + os.environ['" + REGISTER_TOKEN + "']})\n"
+        "with urllib.request.urlopen(req, timeout=30) as r:\n"
+        "    assert r.status == 200, r.status\n"
+    )
+    run_in(netns, [str(PYTHON), "-c", script, f"{proxy}/v1/ecm/{op}", json.dumps(body)], env=child_env(**{REGISTER_TOKEN: token}))
+
+
+def test_store_serves_a_repeated_image_to_a_second_pd_and_survives_the_master(request):
+    """Mooncake Store beside an EPD fleet, with a real mooncake_master:
+    one encoder and two PD instances with ``store`` on, behind a proxy
+    with affinity and ``--store-reuse``, all in one network namespace.
+
+    The PDs register with the proxy (its discovery API), so the test
+    decides where a repeat goes: PD a serves both images first (the
+    encoder encodes and puts each into the Store), then PD a leaves and PD
+    b joins, so the repeats' holder is gone and the proxy sends each to PD
+    b as ``"source": "store"`` with no encoder call. PD b fetches both from
+    the Store (``fetch_pushed``) and encodes nothing itself; the answers
+    are the single instance's bit for bit. Then two new images are served
+    by PD b, the master is killed, PD a comes back in PD b's place, and
+    the repeats of those go to PD a from the Store again: each fetch
+    fails, PD a encodes the item itself, counted, and the answers are
+    those PD b gave."""
+    why = namespaces_available()
+    if why is None:
+        version = vllm_calls()["version"]
+        major_minor = tuple(int(x) if x.isdigit() else 0 for x in (version.split(".") + ["0", "0"])[:2])
+        if major_minor < (0, 30):
+            pytest.skip(f"vLLM {version}: the proxy sends Store items only to vLLM 0.30 or later")
+        found = _store_master("")
+        why = found if isinstance(found, str) else None
+    if why is not None:
+        if os.environ.get("ECMOONCAKE_REQUIRE_MOONCAKE") == "1" or os.environ.get("ECMOONCAKE_REQUIRE_VLLM") == "1":
+            pytest.fail(f"the Store phase cannot run: {why}")
+        pytest.skip(why)
+    master_bin, cudart = found
+    model, logs, requests_, baseline = (request.getfixturevalue(n) for n in ("model", "logs", "requests_", "baseline"))
+    ns = Namespaces(f"s{os.getpid() % 10000}", subnet="198.18.4")
+    ns.create()
+    ip = ns.pd_ip
+    try:
+        enc_http, pd_a_http, pd_b_http, proxy_port, proxy_metrics = 8101, 8100, 8200, 8000, 9000
+        ec_a, ec_b, enc_metrics, pd_a_metrics, pd_b_metrics = 14579, 14679, 9300, 9100, 9200
+        rpc, meta = 50051, 8080
+        token = "reg-" + os.urandom(16).hex()
+        # The shards listen beyond loopback (the namespace's address, the
+        # Store's transfers need one): a shared secret authenticates them.
+        env = child_env(ECMOONCAKE_SECRET="e2e-" + os.urandom(16).hex())
+        store = {
+            "enabled": True, "master_address": f"{ip}:{rpc}", "metadata_address": f"http://{ip}:{meta}/metadata",
+            "local_hostname": ip, "get_timeout_s": 5, "put_timeout_s": 10, "retry_after_s": 30,
+        }
+        # The encoder lends the Store its pool; a PD that only reads lends none.
+        enc_store = {**store, "segment_bytes": 128 * MiB, "put_inflight_bytes": 32 * MiB, "get_staging_bytes": 16 * MiB}
+        pd_store = {**store, "segment_bytes": 0, "put_inflight_bytes": 4 * MiB, "get_staging_bytes": 32 * MiB}
+        with Phase("store", logs) as ph:
+            master = ph.d.start(
+                "mooncake-master",
+                [master_bin, f"--rpc_address={ip}", f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
+                 f"--http_metadata_server_host={ip}", f"--http_metadata_server_port={meta}",
+                 "--metrics_port=9003", "--enable_metric_reporting=false"],
+                ready=MASTER_READY, netns=ns.pd, env={**env, "LD_LIBRARY_PATH": cudart},
+            )
+            ph.ready()
+            pds = {}
+            for name, http, ec_port, metrics_port in (("a", pd_a_http, ec_a, pd_a_metrics), ("b", pd_b_http, ec_b, pd_b_metrics)):
+                cfg = ecm_config("ec_consumer", ip, ec_port, {"transport": "tcp", "metrics_port": metrics_port,
+                                                             "push_wait_timeout_s": 120, "store": pd_store})
+                ph.d.start(f"pd-{name}", vllm_argv(model, http, host=ip, ec=cfg), ready=VLLM_READY, netns=ns.pd, env=env)
+                pds[name] = {
+                    "url": f"http://{ip}:{http}", "consumer": f"tcp://{ip}:{ec_port}",
+                    "ecm": [f"http://{ip}:{metrics_port}/metrics", f"http://{ip}:{metrics_port + 1}/metrics"],
+                    "vllm": f"http://{ip}:{http}/metrics",
+                }
+            enc_ec = ecm_config("ec_producer", ip, ec_a, {"transport": "tcp", "metrics_port": enc_metrics, "store": enc_store})
+            ph.d.start("encoder", vllm_argv(model, enc_http, host=ip, ec=enc_ec), ready=VLLM_READY, netns=ns.pd, env=env)
+            ph.ready()
+            ph.d.start(
+                "proxy",
+                [str(PYTHON), "-m", "ecmooncake", "proxy", "--host", "127.0.0.1", "--port", str(proxy_port),
+                 "--metrics-port", str(proxy_metrics), "--encode", f"http://{ip}:{enc_http}", "--store-reuse"],
+                ready=PROXY_READY, netns=ns.pd, env={**env, REGISTER_TOKEN: token},
+            )
+            ph.ready()
+            proxy = f"http://127.0.0.1:{proxy_port}"
+            proxy_url = f"http://127.0.0.1:{proxy_metrics}/metrics"
+
+            def join(name: str) -> None:
+                _register(ns.pd, proxy, "register", {"role": "pd", "url": pds[name]["url"], "consumer": pds[name]["consumer"], "ttl_s": 3600}, token)
+
+            def leave(name: str) -> None:
+                _register(ns.pd, proxy, "deregister", {"role": "pd", "url": pds[name]["url"]}, token)
+
+            def send(reqs: list[dict], pd: str) -> tuple[list, str, str, str]:
+                out = run_client(_plan(proxy, model, reqs, [proxy_url, pds[pd]["vllm"]] + pds[pd]["ecm"]), netns=ns.pd)
+                m = out["metrics"]
+                return _answers(out), m[proxy_url], m[pds[pd]["vllm"]], "\n".join(m[u] for u in pds[pd]["ecm"])
+
+            ours = _addresses(ns.pd)
+
+            def sockets_inside() -> None:
+                """Every socket of the namespace (the master's, the Store
+                clients', the shards') is on its loopback or its address."""
+                for line in run_in(ns.pd, ["ss", "-Htan"]).splitlines():
+                    local, peer = (_plain(a).rpartition(":")[0].split("%")[0] for a in line.split()[-2:])
+                    assert local in ours and peer in ours, f"a socket is not on an address of the namespace ({sorted(ours)}): {line}"
+
+            def events(vllm_text: str, event: str) -> float:
+                return metric(vllm_text, "vllm:ec_mooncake_store_events_total", event=event)
+
+            # 1. PD a alone: both images encoded (and put into the Store).
+            join("a")
+            got, prx, _, ecm_a = send(requests_, "a")
+            assert got == baseline, "PD a: tokens or logprobs differ from the single instance"
+            assert metric(prx, "ecm_proxy_media_items_total", outcome="encoded") == 2, prx
+            assert metric(prx, "ecm_proxy_media_items_total", outcome="store") == 0, prx
+            assert metric(ecm_a, "ecm_local_encodes_total") == 0, ecm_a
+            # 2. PD a leaves, PD b joins: the repeats go to PD b from the Store.
+            join("b")
+            leave("a")
+            got, prx, vllm_b, ecm_b = send(requests_, "b")
+            assert got == baseline, "PD b (items from the Store): tokens or logprobs differ from the single instance"
+            assert metric(prx, "ecm_proxy_media_items_total", outcome="store") == 2, prx
+            assert metric(prx, "ecm_proxy_media_items_total", outcome="encoded") == 2, "the encoder was called again: " + prx
+            assert metric(prx, "ecm_proxy_media_items_total", outcome="fallback") == 0, prx
+            assert events(vllm_b, "fetch_pushed") == 2, vllm_b[-4000:]
+            assert events(vllm_b, "get_hit") >= 2, vllm_b[-4000:]
+            assert "ecm_local_encodes_total" in ecm_b and metric(ecm_b, "ecm_local_encodes_total") == 0, ecm_b
+            sockets_inside()  # the master and every Store client still up
+            # 3. Two new images, encoded for PD b; then the master is killed.
+            fresh = [{"image": _png(3, (112, 112)), "stream": False, "text": requests_[0]["text"]},
+                     {"image": _png(4, (84, 140)), "stream": True, "text": requests_[0]["text"]}]
+            first, prx, _, _ = send(fresh, "b")
+            assert metric(prx, "ecm_proxy_media_items_total", outcome="encoded") == 4, prx
+            assert first[0] != first[1]
+            master.signal_group(signal.SIGKILL)
+            master.proc.wait(10)
+            # 4. PD a in PD b's place: the repeats go to PD a as Store items;
+            # each fetch fails, and PD a encodes the item itself, counted.
+            join("a")
+            leave("b")
+            got, prx, vllm_a, ecm_a = send(fresh, "a")
+            assert got == first, "PD a (master gone, local encode): the answers differ from PD b's"
+            assert metric(prx, "ecm_proxy_media_items_total", outcome="store") == 4, prx
+            assert metric(prx, "ecm_proxy_media_items_total", outcome="encoded") == 4, prx
+            assert metric(ecm_a, "ecm_local_encodes_total") == 2, ecm_a
+            failed = sum(events(vllm_a, e) for e in ("fetch_get_failed", "fetch_expired", "fetch_queue_full", "fetch_push_failed"))
+            assert failed == 2 and events(vllm_a, "fetch_pushed") == 0, vllm_a[-4000:]
+            sockets_inside()
     finally:
         ns.destroy()
