@@ -140,25 +140,18 @@ func (a *affinity) holders(keys []itemKey, now time.Time) map[string]int {
 // limit, or "" when url is not known to hold it or its identifier is
 // unknown.
 func (a *affinity) heldAt(key itemKey, url string, now time.Time) string {
-	if a == nil || a.cap <= 0 {
-		return ""
-	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	el, ok := a.byKey[key]
-	if !ok {
-		return ""
-	}
-	e := el.Value.(*affinityEntry)
-	if e.url != url || now.Sub(e.seen) > a.ttl {
-		return ""
-	}
-	return e.id
+	return a.identifier(key, now, func(e *affinityEntry) bool { return e.url == url })
 }
 
 // encodedAs returns the identifier an encoder gave an item that some PD
 // served within the age limit, or "" when none is known.
 func (a *affinity) encodedAs(key itemKey, now time.Time) string {
+	return a.identifier(key, now, func(*affinityEntry) bool { return true })
+}
+
+// identifier is the entry's identifier when the item is known, seen within
+// the age limit and accepted by match; else "".
+func (a *affinity) identifier(key itemKey, now time.Time, match func(*affinityEntry) bool) string {
 	if a == nil || a.cap <= 0 {
 		return ""
 	}
@@ -169,7 +162,7 @@ func (a *affinity) encodedAs(key itemKey, now time.Time) string {
 		return ""
 	}
 	e := el.Value.(*affinityEntry)
-	if now.Sub(e.seen) > a.ttl {
+	if !match(e) || now.Sub(e.seen) > a.ttl {
 		return ""
 	}
 	return e.id
