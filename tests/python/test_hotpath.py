@@ -18,7 +18,7 @@ def test_a_short_run_reports_wall_and_cpu_figures():
     report = hotpath.run(parser.parse_args(["--batches", "6", "--warmup", "2", "--batch", "3"]))
     for key in ("figures", "cpu_figures"):
         figures = report[key]
-        assert set(figures) == {"floor", "submit", "hand_over"}
+        assert set(figures) == {"floor", "submit", "hand_over", "gil_released"}
         for fig in figures.values():
             assert 0 < fig["p50_us"] <= fig["p99_us"] <= fig["max_us"]
         assert figures["floor"]["p50_per_floor"] == pytest.approx(1.0)
