@@ -7,10 +7,11 @@
 // protocol of core/fsm) and hands each effect it holds (reserve, write,
 // complete and cancel batches, one of each per destination shard at a
 // time) to a goroutine that performs the I/O and reports the outcome back
-// through the manager. Submit and each batch's goroutine
-// as it ends take the step themselves, so the next batch starts without a
-// hand-off; one goroutine, the driver, takes it when a deadline falls due
-// or when woken (by Sources). So per batch the
+// through the manager. Submit, Sources and each batch's goroutine as it
+// ends take the step themselves, so the next batch starts without a
+// hand-off (the goroutine launched for the batch is the one thread wake-up
+// a call costs); one goroutine, the driver, takes it when a deadline falls
+// due or when woken (by Cancel, or a step that failed). So per batch the
 // control plane costs two round trips (reserve_batch, complete_batch) plus
 // one peers lookup per consumer for its lifetime, whatever the item count.
 //

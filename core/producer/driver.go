@@ -15,8 +15,8 @@ import (
 )
 
 // driver is the goroutine that takes the manager's step when a deadline
-// falls due or when woken (by Sources, say); Submit and each ending batch
-// take it themselves (see advance). It never does I/O itself: each batch runs on
+// falls due or when woken (by Cancel, say); Submit, Sources and each
+// ending batch take it themselves (see advance). It never does I/O itself: each batch runs on
 // its own goroutine and reports back through the manager.
 func (p *Producer) driver() {
 	defer p.wg.Done()
@@ -46,8 +46,8 @@ func (p *Producer) advance() {
 	p.advanceLocked()
 }
 
-// advanceLocked is advance for a caller that holds mu (Submit, whose
-// pushes the step sends on at once). The driver is woken
+// advanceLocked is advance for a caller that holds mu (Submit and
+// Sources, whose pushes and sources the step sends on at once). The driver is woken
 // only when the step left a deadline before the one it waits for, or when
 // the step failed, for the driver to take it again.
 func (p *Producer) advanceLocked() {

@@ -389,7 +389,7 @@ type Source struct {
 }
 
 // Sources hands over encoder outputs under one lock, so that the writes
-// they unblock leave as one batch per destination. Each mem must stay
+// they unblock leave as one batch per destination, launched by this call. Each mem must stay
 // valid until Poll reports its id released; ids[i] is 0 where errs[i] is
 // set.
 func (p *Producer) Sources(srcs []Source) (ids []push.SourceID, errs []error) {
@@ -422,7 +422,10 @@ func (p *Producer) Sources(srcs []Source) (ids []push.SourceID, errs []error) {
 		}
 		ids[i] = id
 	}
-	p.kick()
+	// The step runs here, as Submit's does: the writes these sources
+	// unblock start on their batch goroutines now, without a hand-off to
+	// the driver goroutine first (a thread wake-up more per batch).
+	p.advanceLocked()
 	return ids, errs
 }
 
