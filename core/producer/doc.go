@@ -21,7 +21,8 @@
 // the process that reserved room for them, and the batch after an idle
 // restart goes through. A new epoch, or a control call that got no
 // answer, drops the consumer's cached lookup. No I/O ever happens under
-// the producer's lock (control clients are dialled outside it), every
+// the producer's lock (control clients are dialled outside it, and what is
+// logged under it is queued for a goroutine that writes it), every
 // goroutine recovers and reports a panic as the error of its work, and
 // every channel a goroutine waits on closes on every path.
 //

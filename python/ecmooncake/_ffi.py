@@ -26,11 +26,9 @@ whether the calling thread lets go of the GIL while the library runs.
   calls decode their records, hand them to the producer under its lock
   (never held across I/O; the network work runs on the library's own
   threads) and return; recording a CUDA event queues it on the stream and
-  does not wait for the stream. One wait remains possible: a push that
-  fails at a step is logged to stderr under that lock, and a write to
-  stderr waits when fd 2 is a pipe that no one drains. The other Python
-  threads of this process then wait with the call; none of them is needed
-  for it to end unless one of them drains this process's own stderr pipe.
+  does not wait for the stream. What the producer logs under its lock is
+  queued for a goroutine of its own to write (core/producer's logQueue),
+  so that a stderr pipe that no one drains holds up neither.
 
 :func:`function` returns a function through the handle its name calls for;
 :func:`lib` is the CDLL, with every function, for callers that must not
