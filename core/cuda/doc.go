@@ -36,6 +36,16 @@
 // concurrent writers queue one after the other (a mutex held only while
 // queueing), and then each waits for its own event.
 //
+// # Recorded events
+//
+// RecordEvent records an event on a caller's stream (an encoder's output
+// is read only after it). A closed one goes back to its device and is
+// recorded again by a later RecordEvent instead of a new cuEventCreate:
+// re-recording overwrites what the event captured, and no one waits on a
+// closed event (a stream that waited took its state when the wait was
+// queued). A device keeps at most maxRecorded closed events; one closed
+// past that is destroyed.
+//
 // Devices, their contexts and streams live for the life of the process:
 // a library loaded into a vLLM worker never unloads.
 package cuda

@@ -144,7 +144,16 @@ type Device struct {
 
 	done  freeList[C.ecm_CUevent]    // events for waiting on copies
 	timed freeList[[2]C.ecm_CUevent] // (start, done) pairs with timing enabled
+	// recorded keeps the events RecordEvent hands out once they are
+	// closed, up to maxRecorded of them: an encoder's hand-over records
+	// one a batch, and a cuEventCreate each was most of its cost.
+	recorded freeList[C.ecm_CUevent]
 }
+
+// maxRecorded bounds the closed events a device keeps for RecordEvent;
+// one closed past it is destroyed. Events in flight are not bounded by
+// it: they are the sources the producer holds.
+const maxRecorded = 64
 
 // freeList keeps events for reuse; its zero value is empty and ready.
 type freeList[T any] struct {
@@ -169,6 +178,18 @@ func (l *freeList[T]) put(v T) {
 	l.mu.Lock()
 	l.free = append(l.free, v)
 	l.mu.Unlock()
+}
+
+// keep is put for a list of at most max values: it reports false, keeping
+// nothing, when the list is full, for the caller to destroy v.
+func (l *freeList[T]) keep(v T, max int) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.free) >= max {
+		return false
+	}
+	l.free = append(l.free, v)
+	return true
 }
 
 func newDevice(ordinal int) (*Device, error) {
@@ -258,6 +279,10 @@ func copyErr(what string, failed *C.char, r C.ecm_CUresult) error {
 }
 
 // event is an event this package created, recorded on a caller's stream.
+// Closing it hands the CUDA event back to its device for the next
+// RecordEvent (a closed event is waited on by no one: a stream that
+// waits on it took its state when the wait was queued), or destroys it
+// when the device keeps maxRecorded already.
 type event struct {
 	d    *Device
 	ev   C.ecm_CUevent
@@ -267,6 +292,9 @@ type event struct {
 func (e *event) Close() error {
 	var err error
 	e.once.Do(func() {
+		if e.d.recorded.keep(e.ev, maxRecorded) {
+			return
+		}
 		err = e.d.with(func() error { return check("cuEventDestroy", C.ecm_cuEventDestroy(e.ev)) })
 	})
 	return err
@@ -283,17 +311,30 @@ func handleOf(ev gpu.Event) (C.ecm_CUevent, error) {
 	return e.ev, nil
 }
 
-// RecordEvent implements gpu.Device.
+// newRecorded creates an event for RecordEvent: no timing, so that
+// recording and waiting on it cost the least. The caller holds the thread
+// with the context current.
+func newRecorded() (C.ecm_CUevent, error) {
+	var ev C.ecm_CUevent
+	err := check("cuEventCreate", C.ecm_cuEventCreate(&ev, C.ECM_CU_EVENT_DISABLE_TIMING))
+	return ev, err
+}
+
+// RecordEvent implements gpu.Device: the event comes from the device's
+// closed ones when it keeps any, else from cuEventCreate.
 func (d *Device) RecordEvent(stream uintptr) (gpu.Event, error) {
 	e := &event{d: d}
 	err := d.with(func() error {
-		if err := check("cuEventCreate", C.ecm_cuEventCreate(&e.ev, C.ECM_CU_EVENT_DISABLE_TIMING)); err != nil {
+		ev, err := d.recorded.get(newRecorded)
+		if err != nil {
 			return err
 		}
-		if err := check("cuEventRecord", C.ecm_cuEventRecordOn(e.ev, C.uintptr_t(stream))); err != nil {
-			C.ecm_cuEventDestroy(e.ev)
+		if err := check("cuEventRecord", C.ecm_cuEventRecordOn(ev, C.uintptr_t(stream))); err != nil {
+			// Not kept: the failure may be the event's own.
+			C.ecm_cuEventDestroy(ev)
 			return err
 		}
+		e.ev = ev
 		return nil
 	})
 	if err != nil {

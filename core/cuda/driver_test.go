@@ -222,3 +222,62 @@ func TestAllocDeviceHoldsWhatIsCopiedIn(t *testing.T) {
 	_, err = dev.AllocDevice(0)
 	require.Error(t, err)
 }
+
+// The closed events a device keeps are bounded: past the bound, keep
+// refuses and the caller destroys the event.
+func TestFreeListKeepsAtMostItsBound(t *testing.T) {
+	var l freeList[int]
+	for i := range 3 {
+		require.True(t, l.keep(i, 3), "value %d fits under the bound", i)
+	}
+	require.False(t, l.keep(3, 3), "a fourth value is past the bound")
+	created := 0
+	create := func() (int, error) { created++; return 100 + created, nil }
+	for want := 2; want >= 0; want-- {
+		v, err := l.get(create)
+		require.NoError(t, err)
+		require.Equal(t, want, v, "kept values come back last in, first out")
+	}
+	v, err := l.get(create)
+	require.NoError(t, err)
+	require.Equal(t, 101, v, "an empty list creates")
+	require.True(t, l.keep(v, 3), "room again once values were taken")
+}
+
+// A closed recorded event is recorded again by the next RecordEvent, not
+// created anew; one closed past the bound is destroyed, not kept. A
+// second Close of one handle keeps nothing twice.
+func TestRecordEventReusesClosedEventsUpToTheBound(t *testing.T) {
+	dev := gpuDevice(t)
+	first, err := dev.RecordEvent(0)
+	require.NoError(t, err)
+	h, err := handleOf(first)
+	require.NoError(t, err)
+	require.NoError(t, first.Close())
+	require.NoError(t, first.Close())
+	again, err := dev.RecordEvent(0)
+	require.NoError(t, err)
+	h2, err := handleOf(again)
+	require.NoError(t, err)
+	require.Equal(t, h, h2, "the closed event is recorded again")
+	other, err := dev.RecordEvent(0)
+	require.NoError(t, err)
+	h3, err := handleOf(other)
+	require.NoError(t, err)
+	require.NotEqual(t, h2, h3, "an event in use is not handed out twice")
+	require.NoError(t, again.Close())
+	require.NoError(t, other.Close())
+
+	open := make([]gpu.Event, maxRecorded+4)
+	for i := range open {
+		open[i], err = dev.RecordEvent(0)
+		require.NoError(t, err)
+	}
+	for _, ev := range open {
+		require.NoError(t, ev.Close())
+	}
+	dev.recorded.mu.Lock()
+	kept := len(dev.recorded.free)
+	dev.recorded.mu.Unlock()
+	require.Equal(t, maxRecorded, kept)
+}

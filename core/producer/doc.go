@@ -7,10 +7,11 @@
 // protocol of core/fsm) and hands each effect it holds (reserve, write,
 // complete and cancel batches, one of each per destination shard at a
 // time) to a goroutine that performs the I/O and reports the outcome back
-// through the manager. Submit and each batch's goroutine
-// as it ends take the step themselves, so the next batch starts without a
-// hand-off; one goroutine, the driver, takes it when a deadline falls due
-// or when woken (by Sources). So per batch the
+// through the manager. Submit, Sources and each batch's goroutine as it
+// ends take the step themselves, so the next batch starts without a
+// hand-off (the goroutine launched for the batch is the one thread wake-up
+// a call costs); one goroutine, the driver, takes it when a deadline falls
+// due or when woken (by Cancel, or a step that failed). So per batch the
 // control plane costs two round trips (reserve_batch, complete_batch) plus
 // one peers lookup per consumer for its lifetime, whatever the item count.
 //
@@ -20,7 +21,8 @@
 // the process that reserved room for them, and the batch after an idle
 // restart goes through. A new epoch, or a control call that got no
 // answer, drops the consumer's cached lookup. No I/O ever happens under
-// the producer's lock (control clients are dialled outside it), every
+// the producer's lock (control clients are dialled outside it, and what is
+// logged under it is queued for a goroutine that writes it), every
 // goroutine recovers and reports a panic as the error of its work, and
 // every channel a goroutine waits on closes on every path.
 //

@@ -15,8 +15,8 @@ import (
 )
 
 // driver is the goroutine that takes the manager's step when a deadline
-// falls due or when woken (by Sources, say); Submit and each ending batch
-// take it themselves (see advance). It never does I/O itself: each batch runs on
+// falls due or when woken (by Cancel, say); Submit, Sources and each
+// ending batch take it themselves (see advance). It never does I/O itself: each batch runs on
 // its own goroutine and reports back through the manager.
 func (p *Producer) driver() {
 	defer p.wg.Done()
@@ -46,8 +46,8 @@ func (p *Producer) advance() {
 	p.advanceLocked()
 }
 
-// advanceLocked is advance for a caller that holds mu (Submit, whose
-// pushes the step sends on at once). The driver is woken
+// advanceLocked is advance for a caller that holds mu (Submit and
+// Sources, whose pushes and sources the step sends on at once). The driver is woken
 // only when the step left a deadline before the one it waits for, or when
 // the step failed, for the driver to take it again.
 func (p *Producer) advanceLocked() {
@@ -72,7 +72,7 @@ func (p *Producer) applyLocked(r push.Effects) {
 		return
 	}
 	for dest, items := range r.Reserves {
-		p.launch("reserve_batch to "+dest, func() { p.reserve(dest, items) }, func(err error) {
+		p.launch("reserve_batch", dest, func() { p.reserve(dest, items) }, func(err error) {
 			for _, it := range items {
 				p.mgr.Granted(it.TransferID, dest, push.Grant{Err: err.Error()}, time.Now())
 			}
@@ -103,18 +103,20 @@ func (p *Producer) applyLocked(r push.Effects) {
 				continue
 			}
 		}
-		for key, idx := range groupByPlane(ws, p.planes[dest].addr) {
+		cached := p.planes[dest].addr
+		if key, ok := onePlane(ws, cached); ok {
+			// The common batch: every grant from one incarnation, so the
+			// batch is the group, without a map and copies to find it.
+			p.launchWrite(dest, key, ws, items)
+			continue
+		}
+		for key, idx := range groupByPlane(ws, cached) {
 			gws, gitems := pickIndexes(ws, items, idx)
-			p.batches++
-			p.launch("write to "+dest, func() { p.write(dest, key.addr, key.cached, gws, gitems) }, func(err error) {
-				for _, w := range gws {
-					p.mgr.WriteDone(w.TransferID, dest, err, time.Now())
-				}
-			})
+			p.launchWrite(dest, key, gws, gitems)
 		}
 	}
 	for dest, cs := range r.Completes {
-		p.launch("complete_batch to "+dest, func() { p.complete(dest, cs) }, func(err error) {
+		p.launch("complete_batch", dest, func() { p.complete(dest, cs) }, func(err error) {
 			for _, c := range cs {
 				p.mgr.CompleteDone(c.TransferID, dest, err, time.Now())
 			}
@@ -129,7 +131,7 @@ func (p *Producer) applyLocked(r push.Effects) {
 				p.mgr.CancelDone(c.TransferID, dest, now)
 			}
 		}
-		p.launch("cancel to "+dest, func() { p.cancel(dest, cs); p.mu.Lock(); defer p.mu.Unlock(); answered() }, func(error) { answered() })
+		p.launch("cancel", dest, func() { p.cancel(dest, cs); p.mu.Lock(); defer p.mu.Unlock(); answered() }, func(error) { answered() })
 	}
 	for _, id := range r.Releases {
 		p.releaseSourceLocked(id)
@@ -142,6 +144,33 @@ func (p *Producer) applyLocked(r push.Effects) {
 	if len(r.Releases)+len(r.Done) > 0 {
 		p.signalLocked()
 	}
+}
+
+// launchWrite starts one write batch to dest's data plane at key.
+func (p *Producer) launchWrite(dest string, key planeKey, ws []push.Write, items []transport.WriteItem) {
+	p.batches++
+	p.launch("write", dest, func() { p.write(dest, key.addr, key.cached, ws, items) }, func(err error) {
+		for _, w := range ws {
+			p.mgr.WriteDone(w.TransferID, dest, err, time.Now())
+		}
+	})
+}
+
+// onePlane is the plane of every write of ws when they share one.
+func onePlane(ws []push.Write, cached string) (planeKey, bool) {
+	key := func(w push.Write) planeKey {
+		if w.Plane == "" {
+			return planeKey{addr: cached, cached: true}
+		}
+		return planeKey{addr: w.Plane}
+	}
+	first := key(ws[0])
+	for _, w := range ws[1:] {
+		if key(w) != first {
+			return planeKey{}, false
+		}
+	}
+	return first, true
 }
 
 // planeKey is where one group of writes goes: the data plane of the
@@ -196,7 +225,9 @@ func dropIndexes(ws []push.Write, items []transport.WriteItem, drop []int) ([]pu
 // through failed (under the lock) as the error of every item of the batch,
 // so that they fail now rather than at their deadlines; the manager ignores
 // reports for items the batch had already settled.
-func (p *Producer) launch(what string, f func(), failed func(err error)) {
+// op and dest name the batch ("write", "shard-0") only if it panics: the
+// name is not built for every batch.
+func (p *Producer) launch(op, dest string, f func(), failed func(err error)) {
 	p.wg.Add(1)
 	go func() {
 		defer p.wg.Done()
@@ -206,6 +237,7 @@ func (p *Producer) launch(what string, f func(), failed func(err error)) {
 			if r == nil {
 				return
 			}
+			what := op + " to " + dest
 			err := p.panicked(what, r)
 			if failed == nil {
 				return

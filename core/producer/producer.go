@@ -88,7 +88,9 @@ type consumerInfo struct {
 // Producer is safe for concurrent use.
 type Producer struct {
 	cfg config.Producer
-	log *slog.Logger
+	// log never waits on its writer (logQueue): it is written to under mu.
+	log  *slog.Logger
+	logs *logQueue
 	// requester is this producer's identity on the wire (128 random bits,
 	// hex): shards hand a write grant's token only to the requester that
 	// made it, and count quotas per requester.
@@ -97,7 +99,7 @@ type Producer struct {
 	writer    transport.Writer
 	links     control.Links
 
-	mu        sync.Mutex // guards everything below; never held across I/O
+	mu        sync.Mutex // guards everything below; never held across I/O, logging included (see log)
 	mgr       *push.Manager
 	sources   map[push.SourceID]Source
 	nextSrc   push.SourceID
@@ -150,8 +152,10 @@ func Open(cfg config.Producer, opt Options) (_ *Producer, err error) {
 		return nil, err
 	}
 	wait := cfg.PushWait()
+	logs := newLogQueue()
 	p := &Producer{
-		cfg: cfg, log: opt.Log.With("role", "producer"), tr: opt.Transport, writer: opt.Transport.NewWriter(), links: links,
+		cfg: cfg, log: slog.New(queuedHandler{opt.Log.Handler(), logs}).With("role", "producer"), logs: logs,
+		tr: opt.Transport, writer: opt.Transport.NewWriter(), links: links,
 		requester: requester,
 		mgr: push.New(push.Config{
 			ReserveWait: cfg.ControlTimeout() + wait, SourceWait: wait, WriteWait: wait, NotifyWait: cfg.ControlTimeout(),
@@ -389,7 +393,7 @@ type Source struct {
 }
 
 // Sources hands over encoder outputs under one lock, so that the writes
-// they unblock leave as one batch per destination. Each mem must stay
+// they unblock leave as one batch per destination, launched by this call. Each mem must stay
 // valid until Poll reports its id released; ids[i] is 0 where errs[i] is
 // set.
 func (p *Producer) Sources(srcs []Source) (ids []push.SourceID, errs []error) {
@@ -422,7 +426,10 @@ func (p *Producer) Sources(srcs []Source) (ids []push.SourceID, errs []error) {
 		}
 		ids[i] = id
 	}
-	p.kick()
+	// The step runs here, as Submit's does: the writes these sources
+	// unblock start on their batch goroutines now, without a hand-off to
+	// the driver goroutine first (a thread wake-up more per batch).
+	p.advanceLocked()
 	return ids, errs
 }
 
@@ -530,6 +537,7 @@ func (p *Producer) Close() error {
 	}
 	p.mu.Unlock()
 	errs = append(errs, p.links.Close())
+	p.logs.close()
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("producer: close: %w", err)
 	}

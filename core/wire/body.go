@@ -59,13 +59,13 @@ func (p PeersReply) Validate() error {
 			return fmt.Errorf("%w: shards[%d].rank: %d listed twice", ErrInvalid, i, s.Rank)
 		}
 		seen[s.Rank] = true
-		if err := checkID(fmt.Sprintf("shards[%d].control", i), s.Control); err != nil {
+		if err := checkIDAt("shards", i, "control", s.Control); err != nil {
 			return err
 		}
 		if err := checkOffer(fmt.Sprintf("shards[%d].data", i), s.Data); err != nil {
 			return err
 		}
-		if err := checkOptional(fmt.Sprintf("shards[%d].epoch", i), s.Epoch); err != nil {
+		if err := checkOptionalAt("shards", i, "epoch", s.Epoch); err != nil {
 			return err
 		}
 	}
@@ -142,10 +142,10 @@ func (b ReserveBatch) Validate() error {
 
 func (b ReserveBatch) checkItems() error {
 	return checkItems(b.Items, func(i int, it ReserveItem) error {
-		if err := checkID(fmt.Sprintf("items[%d].transfer_id", i), it.TransferID); err != nil {
+		if err := checkIDAt("items", i, "transfer_id", it.TransferID); err != nil {
 			return err
 		}
-		if err := checkID(fmt.Sprintf("items[%d].mm_hash", i), it.MMHash); err != nil {
+		if err := checkIDAt("items", i, "mm_hash", it.MMHash); err != nil {
 			return err
 		}
 		if it.NBytes == 0 {
@@ -214,7 +214,7 @@ func (r ReserveBatchReply) Validate() error {
 		return err
 	}
 	for i, g := range r.Grants {
-		if err := checkID(fmt.Sprintf("grants[%d].transfer_id", i), g.TransferID); err != nil {
+		if err := checkIDAt("grants", i, "transfer_id", g.TransferID); err != nil {
 			return err
 		}
 		if g.Err != "" {
@@ -258,7 +258,7 @@ type CompleteBatch struct {
 // Validate requires 1..MaxItems items with transfer ids.
 func (b CompleteBatch) Validate() error {
 	return checkItems(b.Items, func(i int, it CompleteItem) error {
-		return checkID(fmt.Sprintf("items[%d].transfer_id", i), it.TransferID)
+		return checkIDAt("items", i, "transfer_id", it.TransferID)
 	})
 }
 
@@ -279,7 +279,7 @@ func (r CompleteBatchReply) Validate() error {
 		return fmt.Errorf("%w: results: %d entries, limit %d", ErrInvalid, len(r.Results), MaxItems)
 	}
 	for i, it := range r.Results {
-		if err := checkID(fmt.Sprintf("results[%d].transfer_id", i), it.TransferID); err != nil {
+		if err := checkIDAt("results", i, "transfer_id", it.TransferID); err != nil {
 			return err
 		}
 	}
@@ -352,13 +352,13 @@ func (r StatusReply) Validate() error {
 		return err
 	}
 	for i, it := range r.Items {
-		if err := checkID(fmt.Sprintf("items[%d].transfer_id", i), it.TransferID); err != nil {
+		if err := checkIDAt("items", i, "transfer_id", it.TransferID); err != nil {
 			return err
 		}
 		if !it.Known {
 			continue
 		}
-		if err := checkID(fmt.Sprintf("items[%d].mm_hash", i), it.MMHash); err != nil {
+		if err := checkIDAt("items", i, "mm_hash", it.MMHash); err != nil {
 			return err
 		}
 		if it.State == "" {
@@ -447,6 +447,25 @@ func checkID(field, s string) error {
 	return nil
 }
 
+// checkIDAt is checkID of list[i].field, naming it only when it fails:
+// a control message checks every item's ids, and a name built for each
+// would cost more than the checks.
+func checkIDAt(list string, i int, field, s string) error {
+	if s != "" && len(s) <= MaxIDLen {
+		return nil
+	}
+	return checkID(fmt.Sprintf("%s[%d].%s", list, i, field), s)
+}
+
+// checkOptionalAt is checkOptional of list[i].field, named only when it
+// fails.
+func checkOptionalAt(list string, i int, field, s string) error {
+	if len(s) <= MaxIDLen {
+		return nil
+	}
+	return checkOptional(fmt.Sprintf("%s[%d].%s", list, i, field), s)
+}
+
 // checkOptional bounds a field that may be empty.
 func checkOptional(field, s string) error {
 	if len(s) > MaxIDLen {
@@ -499,6 +518,9 @@ func checkList(field string, ss []string) error {
 		return fmt.Errorf("%w: %s: %d entries, limit %d", ErrInvalid, field, len(ss), MaxItems)
 	}
 	for i, s := range ss {
+		if s != "" && len(s) <= MaxIDLen {
+			continue // named only when it fails
+		}
 		if err := checkID(fmt.Sprintf("%s[%d]", field, i), s); err != nil {
 			return err
 		}

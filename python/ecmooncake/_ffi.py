@@ -8,6 +8,31 @@ Out-parameters that receive strings from the library (``out_json``, ``err``)
 are declared as ``void **`` rather than ``char **`` so that the caller keeps
 the raw pointer and can hand it back to ``ecm_free``; ctypes would otherwise
 copy the text into a Python bytes object and lose the pointer.
+
+Two handles of the one library: which a function is called through decides
+whether the calling thread lets go of the GIL while the library runs.
+
+- ``ctypes.CDLL`` releases the GIL for the call and takes it back after.
+  Taking it back waits for whichever Python thread took it meanwhile to
+  reach its switch interval (5 ms by default): behind a busy Python thread
+  a call of one microsecond takes milliseconds. Every call that can wait
+  (a poll or a scheduler wait with a timeout, opens that dial or resolve,
+  close, anything that reads a socket or takes a lock held across I/O)
+  goes through it, so that the other Python threads run meanwhile.
+- ``ctypes.PyDLL`` keeps the GIL. Only the functions of :data:`HOLD_GIL`
+  go through it: each returns in microseconds without waiting on I/O, on
+  another thread, or on a lock that anything holds across I/O, so that no
+  Python thread can be left waiting on them. The encoder's two per-batch
+  calls decode their records, hand them to the producer under its lock
+  (never held across I/O; the network work runs on the library's own
+  threads) and return; recording a CUDA event queues it on the stream and
+  does not wait for the stream. What the producer logs under its lock is
+  queued for a goroutine of its own to write (core/producer's logQueue),
+  so that a stderr pipe that no one drains holds up neither.
+
+:func:`function` returns a function through the handle its name calls for;
+:func:`lib` is the CDLL, with every function, for callers that must not
+hold the GIL whatever they call (tests, tools).
 """
 
 from __future__ import annotations
@@ -17,6 +42,7 @@ import os
 import threading
 from ctypes import POINTER, c_char_p, c_int, c_int32, c_uint64, c_void_p
 from pathlib import Path
+from typing import Any
 
 ABI_VERSION = 3
 
@@ -88,12 +114,27 @@ PROTOTYPES: dict[str, tuple[object, tuple[object, ...]]] = {
 }
 
 
+# The functions called with the GIL held (see the module's docstring): each
+# returns without waiting on I/O, on another thread or on a lock held across
+# I/O. Every other function releases the GIL while it runs.
+HOLD_GIL: frozenset[str] = frozenset(
+    {
+        "ecm_free",
+        "ecm_noop",
+        "ecm_producer_submit_packed",
+        "ecm_producer_sources_packed",
+    }
+)
+
+
 class LibraryError(OSError):
     """The library could not be found, loaded, or is of the wrong ABI."""
 
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+# Every function of PROTOTYPES by name, through the handle HOLD_GIL picks.
+_functions: dict[str, Any] = {}
 # The process that loaded the library. A Go runtime does not survive
 # fork (its threads stay in the parent), so a child must not call in.
 _pid: int | None = None
@@ -155,6 +196,14 @@ def lib() -> ctypes.CDLL:
         return _lib  # type: ignore[return-value]
 
 
+def function(name: str) -> Any:
+    """The library's function ``name``, through the PyDLL handle when it is
+    in :data:`HOLD_GIL`, else through the CDLL; loads the library on first
+    use and refuses a forked child as :func:`lib` does."""
+    lib()
+    return _functions[name]
+
+
 def _load() -> None:
     global _lib, _pid
     path = find()
@@ -167,16 +216,27 @@ def _load() -> None:
         )
     try:
         dll = ctypes.CDLL(str(path))
+        # The same library (dlopen hands back the loaded one), called
+        # without releasing the GIL.
+        held = ctypes.PyDLL(str(path))
     except OSError as exc:
         raise LibraryError(f"cannot load {path}: {exc}") from exc
     missing = [name for name in PROTOTYPES if not hasattr(dll, name)]
     if missing:
         raise LibraryError(f"{path} lacks {', '.join(missing)}: library and package differ")
+    functions = {}
     for name, (restype, argtypes) in PROTOTYPES.items():
         fn = getattr(dll, name)
         fn.restype = restype
         fn.argtypes = list(argtypes)
+        functions[name] = fn
+        if name in HOLD_GIL:
+            fn = functions[name] = getattr(held, name)
+            fn.restype = restype
+            fn.argtypes = list(argtypes)
     _check_abi(dll, path)
+    _functions.clear()
+    _functions.update(functions)
     _pid = os.getpid()
     _lib = dll
 
@@ -202,5 +262,7 @@ def take_string(dll: ctypes.CDLL, ptr: c_void_p) -> str | None:
     try:
         return ctypes.string_at(ptr.value).decode("utf-8", errors="replace")
     finally:
-        dll.ecm_free(ptr.value)
+        # The loaded library's ecm_free keeps the GIL (HOLD_GIL).
+        free = _functions["ecm_free"] if dll is _lib else dll.ecm_free
+        free(ptr.value)
         ptr.value = None

@@ -74,15 +74,16 @@ def _call(name: str, *args: Any, out: bool = False, optional: bool = False) -> A
     Raises the EcmError for the status, with the library's message prefixed
     by the function name.
     """
+    fn = _ffi.function(name)
     dll = _ffi.lib()
     err = c_void_p()
     text = None
     if out:
         out_json = c_void_p()
-        rc = getattr(dll, name)(*args, byref(out_json), byref(err))
+        rc = fn(*args, byref(out_json), byref(err))
         text = _ffi.take_string(dll, out_json)
     else:
-        rc = getattr(dll, name)(*args, byref(err))
+        rc = fn(*args, byref(err))
     message = _ffi.take_string(dll, err) if err.value else None
     if rc != _ffi.ECM_OK:
         message = message or f"failed with status {rc}"

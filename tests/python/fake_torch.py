@@ -36,6 +36,14 @@ class FakeTensor:
     def data_ptr(self):
         return self._ptr
 
+    def get_device(self):
+        # torch's answer: the CUDA ordinal, -1 for host memory.
+        return -1 if self.device.type == "cpu" else int(self.device.index or 0)
+
+    @property
+    def nbytes(self):
+        return self._numel * self._size
+
     def reshape(self, *shape):
         return self
 

@@ -12,15 +12,19 @@ from ecmooncake.tools import hotpath
 pytestmark = pytest.mark.usefixtures("library")
 
 
-def test_a_short_run_reports_wall_and_cpu_figures():
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_short_run_reports_wall_and_cpu_figures(busy):
     parser = argparse.ArgumentParser()
     hotpath.add_arguments(parser)
-    report = hotpath.run(parser.parse_args(["--batches", "6", "--warmup", "2", "--batch", "3"]))
+    report = hotpath.run(parser.parse_args(["--batches", "6", "--warmup", "2", "--batch", "3"] + (["--busy-thread"] if busy else [])))
+    assert report["busy_thread"] is busy
+    assert report["floor_holds_gil"], "the floor crosses as the packed calls do"
     for key in ("figures", "cpu_figures"):
         figures = report[key]
-        assert set(figures) == {"floor", "submit", "hand_over"}
+        assert set(figures) == {"floor", "submit", "hand_over", "gil_released"}
         for fig in figures.values():
             assert 0 < fig["p50_us"] <= fig["p99_us"] <= fig["max_us"]
         assert figures["floor"]["p50_per_floor"] == pytest.approx(1.0)
     text = hotpath.summary(report)
     assert "submit cpu" in text and "hand_over cpu" in text
+    assert ("a busy Python thread" in text) is busy

@@ -181,3 +181,74 @@ def test_the_layout_cache_is_bounded():
     for k in range(3 * packed._MAX_SOURCE_LAYOUTS):
         packed._sources_layout((k,))
     assert 0 < len(packed._SOURCE_LAYOUTS) <= packed._MAX_SOURCE_LAYOUTS
+
+
+def _unpack_pushes(body: bytes) -> list[tuple]:
+    records, offset = [], 0
+    while offset < len(body):
+        nbytes, *lengths = packed.PUSH_HEAD.unpack_from(body, offset)
+        offset += packed.PUSH_HEAD.size
+        strings = []
+        for n in lengths:
+            strings.append(body[offset : offset + n].decode("utf-8"))
+            offset += n
+        records.append((nbytes, *strings))
+    return records
+
+
+@pytest.mark.parametrize("missing_in_the_middle", [False, True])
+def test_each_push_packs_its_own_strings(missing_in_the_middle):
+    """A push's consumer and meta are encoded again only when they differ
+    from the push before's: each record still carries its own, through the
+    one-pass packing and through the checked one a missing field falls back
+    to (which packs that field empty)."""
+    meta = '{"dtype":"uint8","shape":[1,8]}'
+    pushes = [
+        {"transfer_id": "t-0", "mm_hash": "a" * 64, "nbytes": 8, "consumer": "tcp://a:1", "meta": meta},
+        {"transfer_id": "t-é", "mm_hash": "b" * 64, "nbytes": 9, "consumer": "tcp://a:1", "meta": None},
+        {"transfer_id": "t-2", "mm_hash": "c" * 64, "nbytes": 10, "consumer": "tcp://b:2"},
+        {"transfer_id": "t-3", "mm_hash": "d" * 64, "nbytes": 11, "consumer": "tcp://a:1", "meta": ""},
+        {"transfer_id": "t-4", "mm_hash": "e" * 64, "nbytes": 12, "consumer": "tcp://a:1", "meta": meta + " "},
+        {"transfer_id": "t-5", "mm_hash": "f" * 64, "nbytes": 13, "consumer": "".join(["tcp://a", ":1"]), "meta": meta},
+    ]
+    if missing_in_the_middle:
+        del pushes[2]["consumer"]
+    want = [(p["nbytes"], p["transfer_id"], p["mm_hash"], p.get("consumer", ""), p.get("meta") or "") for p in pushes]
+    assert _unpack_pushes(packed.pack_pushes(pushes)) == want
+    assert packed.pack_pushes(pushes) == packed._pack_pushes_checked(pushes)
+
+
+def test_a_cuda_tensor_packs_its_pointer_device_and_current_stream(monkeypatch):
+    """The tensor fast path gives memory_of's answer, and the device's
+    current stream is torch's raw handle when torch offers one, else the
+    Stream object's."""
+    import sys
+    import types
+
+    import fake_torch
+
+    fake_torch.install(monkeypatch)
+    torch = sys.modules["torch"]
+    asked = []
+    torch.cuda = types.SimpleNamespace(current_stream=lambda device: asked.append(("stream", device)) or types.SimpleNamespace(cuda_stream=0x5000))
+    tensors = [fake_torch.FakeTensor(device="cuda", index=1, numel=64, element_size=2, ptr=0x7000 + k * 128) for k in range(3)]
+    items = [(f"h{k}", t) for k, t in enumerate(tensors)]
+
+    def records(body):
+        out, offset = [], 0
+        for mm_hash, _ in items:
+            out.append(packed.SOURCE_HEAD.unpack_from(body, offset))
+            offset += packed.SOURCE_HEAD.size + len(mm_hash)
+        return out
+
+    for ptr, nbytes, stream, device, _ in records(packed.pack_sources(items)):
+        assert (nbytes, stream, device) == (128, 0x5000, 1)
+    assert asked == [("stream", 1)], "one lookup a device a batch"
+    assert [r[0] for r in records(packed.pack_sources(items))] == [t.data_ptr() for t in tensors]
+    assert [packed.memory_of(t) for t in tensors] == [(r[0], r[1], r[3]) for r in records(packed.pack_sources(items))]
+
+    asked.clear()
+    torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda device: asked.append(("raw", device)) or 0x6000)
+    assert {r[2] for r in records(packed.pack_sources(items))} == {0x6000}
+    assert asked == [("raw", 1)]
+    assert {r[2] for r in records(packed.pack_sources(items, stream=0x77))} == {0x77}

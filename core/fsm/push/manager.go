@@ -234,6 +234,32 @@ type transfer struct {
 	inFlight int    // records whose write is out
 }
 
+// soloTransfer is a push to one destination (a consumer of one shard,
+// the common case) with its record, record list and destination list:
+// one allocation a push instead of four.
+type soloTransfer struct {
+	tr    transfer
+	rec   [1]rec
+	recs  [1]*rec
+	dests [1]string
+}
+
+// newTransfer returns p's transfer, holding its own copy of p.Dests, with
+// no records yet, and the zeroed records to fill (one per destination).
+func newTransfer(p Push) (*transfer, []rec) {
+	if len(p.Dests) == 1 {
+		s := &soloTransfer{}
+		s.dests[0] = p.Dests[0]
+		p.Dests = s.dests[:]
+		s.tr = transfer{push: p, live: 1, recs: s.recs[:0]}
+		return &s.tr, s.rec[:]
+	}
+	p.Dests = slices.Clone(p.Dests)
+	tr := &transfer{push: p, live: len(p.Dests), recs: make([]*rec, 0, len(p.Dests))}
+	// One allocation for the records of a push, not one each.
+	return tr, make([]rec, len(p.Dests))
+}
+
 type rec struct {
 	tr       *transfer
 	dest     string
@@ -343,10 +369,8 @@ func (m *Manager) Add(p Push, now time.Time) error {
 		c = &content{}
 		m.contents[p.MMHash] = c
 	}
-	p.Dests = slices.Clone(p.Dests)
-	tr := &transfer{push: p, live: len(p.Dests), recs: make([]*rec, 0, len(p.Dests))}
-	// One allocation for the records of a push, not one each.
-	block := make([]rec, len(p.Dests))
+	tr, block := newTransfer(p)
+	p = tr.push
 	for i, d := range p.Dests {
 		r := &block[i]
 		*r = rec{tr: tr, dest: d, state: Reserving}
@@ -661,6 +685,9 @@ func (m *Manager) queueWrite(r *rec) {
 	}
 }
 
+// maxKeptCheck bounds the check list a step keeps for the next.
+const maxKeptCheck = 1024
+
 func (m *Manager) markCheck(mmHash string) {
 	if _, ok := m.checkSet[mmHash]; !ok {
 		m.checkSet[mmHash] = struct{}{}
@@ -742,7 +769,13 @@ func (m *Manager) Ready(now time.Time) Effects {
 			m.dropContent(h)
 		}
 	}
-	m.check = nil
+	// Kept for the next step (a handful of hashes a batch), unless a
+	// burst grew it.
+	clear(m.check)
+	m.check = m.check[:0]
+	if cap(m.check) > maxKeptCheck {
+		m.check = nil
+	}
 	out.Releases, m.releases = m.releases, nil
 	out.Failures, m.failures = m.failures, nil
 	out.Done, m.done = m.done, nil

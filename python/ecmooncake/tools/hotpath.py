@@ -20,15 +20,24 @@ same call is printed (``time.thread_time_ns``, its ratio to the floor's
 CPU time): on a loaded machine the wall clock mostly measures the waits
 for a core, while the CPU time is what the call itself costs the engine's
 thread. The work it hands to the library's other threads is in neither.
+
+``--busy-thread`` runs a second Python thread that spins in bytecode the
+whole time, as an engine's other Python threads do. A call that releases
+the GIL then waits to take it back from that thread (up to the
+interpreter's switch interval, 5 ms by default): the figures show what a
+crossing costs when the GIL is contended, not just when it is free.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
 import platform
+import sys
+import threading
 import time
 from typing import Any
 
@@ -44,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=50, help="untimed batches first (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=60, help="seconds one batch may take to finish (default %(default)s)")
     parser.add_argument("--device", default="cpu", help="where the encoder outputs are: cpu, or cuda[:N] (needs torch) (default %(default)s)")
+    parser.add_argument("--busy-thread", action="store_true", help="run a Python thread that spins beside the calls, holding the GIL whenever they let go of it")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -61,10 +71,13 @@ def percentiles(ns: list[int]) -> dict[str, float]:
 
 class _Floor:
     """One ctypes call of ecm_noop, argument for argument as the packed
-    calls pass theirs. A library from before ABI 3 has none: its floor is
-    ecm_abi_version (two arguments), and the report says so."""
+    calls pass theirs, through the handle they use: the one that keeps the
+    GIL (_ffi.HOLD_GIL), unless ``release_gil``, which calls it through the
+    CDLL as every call that can wait is made. A library from before ABI 3
+    has none: its floor is ecm_abi_version (two arguments), and the report
+    says so."""
 
-    def __init__(self) -> None:
+    def __init__(self, release_gil: bool = False) -> None:
         from .. import _ffi
 
         dll = _ffi.lib()
@@ -72,8 +85,11 @@ class _Floor:
         self._version = ctypes.c_int32()
         self._body = b"\0" * 64
         self.name = "ecm_noop" if hasattr(dll, "ecm_noop") else "ecm_abi_version"
+        # A package from before the GIL split has no _ffi.function: every
+        # call released the GIL.
+        self.holds_gil = not release_gil and hasattr(_ffi, "function") and self.name in _ffi.HOLD_GIL
         if self.name == "ecm_noop":
-            fn = dll.ecm_noop
+            fn = _ffi.function("ecm_noop") if self.holds_gil else dll.ecm_noop
             if not fn.argtypes:
                 fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64,
                                                          ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_void_p)]
@@ -92,6 +108,31 @@ class _Floor:
         self._fn(*args)
         wall = time.perf_counter_ns() - start
         return wall, time.thread_time_ns() - cpu
+
+
+class _Busy:
+    """A Python thread that runs bytecode until stopped: it holds the GIL
+    whenever the timed thread lets go of it, as an engine's other Python
+    threads (a tokenizer, an HTTP server) do."""
+
+    def __init__(self) -> None:
+        self._stop = False
+        self.spins = 0
+        self._thread = threading.Thread(target=self._spin, name="hotpath-busy", daemon=True)
+
+    def _spin(self) -> None:
+        n = 0
+        while not self._stop:
+            n += 1
+        self.spins = n
+
+    def __enter__(self) -> "_Busy":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._thread.join()
 
 
 def _finish(producer: Any, tids: set[str], timeout_s: float) -> None:
@@ -137,10 +178,11 @@ def run(args: argparse.Namespace) -> dict:
             data = [torch.from_numpy(d).to(args.device) for d in data]
             torch.cuda.synchronize()
         meta = json.dumps({"dtype": "uint8", "shape": [1, nbytes]}, separators=(",", ":"))
-        floor = _Floor()
-        times: dict[str, list[int]] = {"floor": [], "submit": [], "hand_over": []}
-        cpu: dict[str, list[int]] = {"floor": [], "submit": [], "hand_over": []}
-        with Producer({"transport": "tcp", "control_timeout_s": 10}) as producer:
+        floor, released = _Floor(), _Floor(release_gil=True)
+        times: dict[str, list[int]] = {"floor": [], "submit": [], "hand_over": [], "gil_released": []}
+        cpu: dict[str, list[int]] = {"floor": [], "submit": [], "hand_over": [], "gil_released": []}
+        busy = _Busy() if args.busy_thread else contextlib.nullcontext()
+        with busy, Producer({"transport": "tcp", "control_timeout_s": 10}) as producer:
             for b in range(total):
                 pushes = [
                     {"transfer_id": f"hp-{b}-{i}", "mm_hash": f"{b:032x}{i:032x}", "nbytes": nbytes, "consumer": address, "meta": meta}
@@ -160,7 +202,10 @@ def run(args: argparse.Namespace) -> dict:
                 if refused:
                     raise RuntimeError(f"pushes refused: {refused[:4]}")
                 f, f_cpu = floor()
+                r, r_cpu = released()
                 if b >= args.warmup:
+                    times["gil_released"].append(r)
+                    cpu["gil_released"].append(r_cpu)
                     times["submit"].append(t1 - t0)
                     times["hand_over"].append(t3 - t2)
                     times["floor"].append(f)
@@ -176,7 +221,10 @@ def run(args: argparse.Namespace) -> dict:
         "item_bytes": nbytes,
         "batches": args.batches,
         "device": args.device,
+        "busy_thread": bool(args.busy_thread),
+        "switch_interval_us": sys.getswitchinterval() * 1e6,
         "floor": floor.name,
+        "floor_holds_gil": floor.holds_gil,
         "cpus": os.cpu_count(),
         "load_avg": [round(x, 2) for x in os.getloadavg()],
         "host": platform.node(),
@@ -199,7 +247,8 @@ def _ratios(times: dict[str, list[int]]) -> dict[str, dict[str, float]]:
 def summary(report: dict) -> str:
     lines = [
         f"Python's hot path: {report['batches']} batches of {report['batch']} × {report['item_bytes']} B on {report['device']}, "
-        f"loopback TCP to a consumer process; {report['cpus']} CPUs, load average {report['load_avg'][0]}",
+        f"loopback TCP to a consumer process; {report['cpus']} CPUs, load average {report['load_avg'][0]}"
+        + (f"; a busy Python thread beside the calls (switch interval {report['switch_interval_us']:.0f} µs)" if report.get("busy_thread") else ""),
         f"  {'call':<14} {'p50 µs':>8} {'p99 µs':>8} {'max µs':>9} {'p50/floor':>10} {'p99/floor':>10}",
     ]
     blocks = [("", report["figures"])]
@@ -212,8 +261,10 @@ def summary(report: dict) -> str:
                 f"{fig['p50_per_floor']:10.1f} {fig['p99_per_floor']:10.1f}"
             )
     what = "with the packed calls' 6 arguments" if report["floor"] == "ecm_noop" else "(this library has no ecm_noop)"
+    gil = "keeping the GIL, as the packed calls do" if report.get("floor_holds_gil") else "releasing the GIL"
     lines.append(
-        f"  (floor = one ctypes call of {report['floor']} {what}; submit and hand_over per batch, "
+        f"  (floor = one ctypes call of {report['floor']} {what}, {gil}; gil_released = the same call through "
+        "the CDLL handle, which releases the GIL and takes it back; submit and hand_over per batch, "
         "timed around Producer.submit and Producer.sources; the cpu rows are the calling thread's CPU time "
         "for the same calls, each ratio to the floor's)"
     )
