@@ -24,6 +24,12 @@ const (
 	CompleteAnswered                // producer: complete_batch answered
 	Ready                           // shard: region READY, readiness published
 	EventDelivered                  // PD scheduler: the shard's ready event applied
+	// ReadyWordSeen is the shard seeing a cuda_ipc write's ready word
+	// (the word the producer's GPU stored after the copies), just before
+	// it marks the region READY: it comes between WriteEnqueued and Ready,
+	// and such a write sends no complete. Numbered last, so that the
+	// hops before it keep their numbers.
+	ReadyWordSeen
 	hopEnd
 )
 
@@ -36,6 +42,7 @@ var names = [...]string{
 	CompleteAnswered: "complete_answered",
 	Ready:            "ready",
 	EventDelivered:   "event_delivered",
+	ReadyWordSeen:    "ready_word_seen",
 }
 
 func (h Hop) String() string {
