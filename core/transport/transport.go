@@ -148,13 +148,15 @@ type Receiver interface {
 // receiver closed or refused to protect itself, by reason (over the
 // connection cap, idle, a frame that stalled, a peer of another user).
 // Writes of a one-sided receiver never pass through it; Attached counts the
-// writers it handed its slab to instead.
+// writers it handed its slab to instead, and Completed the items it
+// completed in-band for them (cuda_ipc's ready words).
 type RecvStats struct {
 	Frames, Bytes uint64
 	Rejected      map[string]uint64
 	BadConns      uint64
 	Closed        map[string]uint64 `json:",omitempty"`
 	Attached      uint64            `json:",omitempty"`
+	Completed     uint64            `json:",omitempty"`
 }
 
 // Transport is one way of moving bytes into remote reservations.
