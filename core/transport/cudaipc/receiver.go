@@ -71,6 +71,7 @@ type receiver struct {
 	gens atomic.Uint32 // the last generation handed out
 
 	requests, attached, badConns, completed atomic.Uint64
+	live                                    atomic.Int64 // attachments being served
 	rejected, closedBy                      serve.Counts
 
 	conns     *serve.Conns[*net.UnixConn]
@@ -240,6 +241,7 @@ func (r *receiver) greet(c *net.UnixConn) (*watcher, error) {
 		}
 		return nil, err
 	}
+	r.live.Add(1)
 	go a.watch()
 	return a, nil
 }
@@ -419,4 +421,5 @@ func (a *watcher) close() {
 			a.r.log.Warn("cudaipc: unmapping a ready-word region failed", "cause", err)
 		}
 	}
+	a.r.live.Add(-1)
 }
