@@ -13,8 +13,10 @@ import (
 type Hop uint8
 
 // The Go hops, in the order an item meets them on a plane that completes
-// by message (shm, cuda_ipc, mooncake). Over TCP the item is ready at the
-// shard before the producer sees its write end, and no complete is sent.
+// by message (shm, mooncake). Over TCP the item is ready at the shard
+// before the producer sees its write end, and no complete is sent; over
+// cuda_ipc the shard sees the item's ready word (ReadyWordSeen) and marks
+// it ready, and no complete is sent either.
 const (
 	ReserveSent      Hop = iota + 1 // producer: reserve_batch sent for the item
 	ReserveAnswered                 // producer: its grant came back
