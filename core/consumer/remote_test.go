@@ -12,6 +12,7 @@ import (
 
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
+	"github.com/ecmooncake/ecmooncake/core/fsm/reserve"
 	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/transport"
@@ -96,4 +97,45 @@ func TestRemoteCompleteIsReadyOnce(t *testing.T) {
 	// The shard publishes before it answers: a second event would be
 	// counted by now.
 	require.EqualValues(t, 1, shard.Stats().Events.Sent, "readiness published once")
+}
+
+// TestRemoteWriteWithoutItsWordEndsByTheGrace: a one-sided write whose
+// ready word never comes (its producer died after announcing it) is not
+// completed, nor is its region reused, until the shard's writer grace
+// ends it; then it can no longer be watched nor completed.
+func TestRemoteWriteWithoutItsWordEndsByTheGrace(t *testing.T) {
+	ctl := control.NewInmemNetwork()
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	cfg := config.DefaultConsumer()
+	cfg.AllowUnauthenticated = true
+	cfg.LeaseS = 0.05
+	plane := &oneSided{}
+	shard, err := Open(cfg, slab.HostMemory(make([]byte, 1<<20)), Options{Transport: plane, Log: log, Links: ctl.Links("shard-0")})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, shard.Close()) })
+	caller, err := ctl.Links("producer").Dial(shard.Info().Control, log)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = caller.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), hang)
+	defer cancel()
+	var grants wire.ReserveBatchReply
+	require.NoError(t, caller.Call(ctx, wire.OpReserveBatch, wire.ReserveBatch{Requester: fmt.Sprintf("%032x", 1),
+		Items: []wire.ReserveItem{{TransferID: "t0", MMHash: "h0", NBytes: 4096}}}, &grants))
+	g := grants.Grants[0]
+	rs := plane.sink.(transport.RemoteSink)
+	res := ids.ResID(g.Res)
+	_, err = rs.WatchRemote(res, g.Token)
+	require.NoError(t, err)
+	// The region's lease runs out first: it stays, being written, for
+	// bytes that may still land.
+	require.Eventually(t, func() bool { return shard.Stats().Table.Regions[reserve.ExpirePending] == 1 }, hang, time.Millisecond)
+	// Then the writer grace ends the write and the memory returns.
+	require.Eventually(t, func() bool {
+		r := shard.Stats().Table.Regions
+		return r[reserve.ExpirePending] == 0 && r[reserve.Writing] == 0
+	}, hang, time.Millisecond)
+	_, err = rs.WatchRemote(res, g.Token)
+	require.ErrorIs(t, err, transport.ErrUnknownRes, "a receiver stops watching it")
+	require.Error(t, rs.CompleteRemote(res, g.Token))
+	require.Zero(t, shard.Stats().Table.Completed)
 }
