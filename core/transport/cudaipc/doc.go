@@ -67,7 +67,9 @@
 // shard stores 0 there) and completes the item through the sink
 // (RemoteSink.CompleteRemote: WRITING → READY, readiness published, once).
 // Everything refused is counted in RecvStats.Rejected by reason and
-// logged rate-limited, and marks nothing ready. An entry is dropped when
+// logged rate-limited, and marks nothing ready; an entry the sink refused
+// (its write gone, say cancelled meanwhile) is still watched, only to
+// store the 0 that frees its slot when the producer's word lands. An entry is dropped when
 // the shard gives up on its write (two leases) or when the connection
 // ends; its region then ends the way every one-sided write a producer
 // walked away from ends, after the writer grace.

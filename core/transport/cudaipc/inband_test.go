@@ -203,10 +203,15 @@ func TestShardRefusesWhatAnnouncementsDoNotEarn(t *testing.T) {
 	settled(t, s, 4)
 	require.Equal(t, uint64(1), s.recv.Stats().Rejected[refusedStaleValue], "another attachment's generation")
 
-	// Nothing above is watched: storing what they named completes nothing.
+	// Storing what they named completes nothing. The entries the sink
+	// refused are watched only to free their slots (a 0 once the value
+	// lands, so that the producer may take them again); one of another
+	// generation is not watched at all.
 	p.words.store(1, p.word(2))
 	p.words.store(2, p.word(3))
 	p.words.store(3, word(p.hello.Generation+1, 4))
+	require.Eventually(t, func() bool { return p.words.load(1) == 0 && p.words.load(2) == 0 }, within, 50*time.Microsecond)
+	require.Zero(t, s.recv.Stats().Completed)
 
 	// A good one on slot 5, then one on the same slot while it is
 	// watched, then a replayed sequence.
@@ -237,7 +242,11 @@ func TestShardRefusesWhatAnnouncementsDoNotEarn(t *testing.T) {
 	p.announce(announcement{Res: uint64(it.Res), Token: it.Token, Slot: 8, Value: p.word(8)})
 	settled(t, s, 7)
 	require.Equal(t, uint64(1), s.recv.Stats().Rejected[refusedGone])
+	p.words.store(8, p.word(8))
+	require.Eventually(t, func() bool { return p.words.load(8) == 0 }, within, 50*time.Microsecond, "its slot is freed")
 	require.Equal(t, 2, s.regions.Completions())
+	require.Equal(t, uint64(2), s.recv.Stats().Completed)
+	require.Equal(t, word(p.hello.Generation+1, 4), p.words.load(3), "a word no announcement earned is left alone")
 }
 
 // TestGarbageEndsTheConnection: bytes that are not an announcement end the

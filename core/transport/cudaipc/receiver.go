@@ -252,7 +252,9 @@ type watched struct {
 	tok   ids.Token
 	slot  uint32
 	value uint64
-	until time.Time // the shard's end of the write
+	until time.Time // the shard's end of the write; zero: until the connection ends
+	// freeOnly: the entry was refused; its word only frees the slot
+	freeOnly bool
 }
 
 // watcher is the shard's side of one attachment: its ready-word region
@@ -281,24 +283,23 @@ func (a *watcher) announce(as []announcement) {
 		}
 		return
 	}
-	took := false
 	for _, e := range as {
 		if reason := a.accept(e); reason != "" {
 			a.r.refuse(reason, "res", e.Res, "slot", e.Slot)
-			continue
 		}
-		took = true
 	}
-	if took {
-		select {
-		case a.wake <- struct{}{}:
-		default:
-		}
+	select {
+	case a.wake <- struct{}{}:
+	default:
 	}
 }
 
 // accept checks one entry against the layout's rules (words.go) and the
 // sink, and queues it for watch; it returns the reason of a refusal.
+// An entry refused by the sink (its write ended, or was never this
+// token's) is still watched, to complete nothing: only to store the 0
+// that frees its slot once the producer's word lands there, since a slot
+// that keeps its value is one the producer never takes again.
 func (a *watcher) accept(e announcement) string {
 	if e.Slot >= wordSlots {
 		return refusedSlotRange
@@ -314,20 +315,25 @@ func (a *watcher) accept(e announcement) string {
 	if busy {
 		return refusedSlotBusy
 	}
+	reason := ""
 	until, err := a.r.sink.WatchRemote(ids.ResID(e.Res), e.Token)
 	switch {
 	case errors.Is(err, transport.ErrBadToken):
-		return refusedBadToken
+		reason = refusedBadToken
 	case errors.Is(err, transport.ErrUnknownRes):
-		return refusedUnknownRes
+		reason = refusedUnknownRes
 	case err != nil:
-		return refusedGone
+		reason = refusedGone
+	}
+	w := watched{res: ids.ResID(e.Res), tok: e.Token, slot: e.Slot, value: e.Value, until: until, freeOnly: reason != ""}
+	if w.freeOnly {
+		w.until = time.Time{}
 	}
 	a.mu.Lock()
 	a.busy[e.Slot] = true
-	a.incoming = append(a.incoming, watched{res: ids.ResID(e.Res), tok: e.Token, slot: e.Slot, value: e.Value, until: until})
+	a.incoming = append(a.incoming, w)
 	a.mu.Unlock()
-	return ""
+	return reason
 }
 
 // watch scans the watched words until the connection ends: spinning for
@@ -389,12 +395,15 @@ func (a *watcher) scan(list []watched, now time.Time) []watched {
 			// reuse it: an announcement of it may follow that 0 at once.
 			a.free(e.slot)
 			a.words.store(e.slot, 0)
+			if e.freeOnly {
+				continue
+			}
 			if err := a.r.sink.CompleteRemote(e.res, e.tok); err != nil {
 				a.r.refuse(refusedComplete, "res", e.res, "cause", err)
 				continue
 			}
 			a.r.completed.Add(1)
-		case now.After(e.until):
+		case !e.until.IsZero() && now.After(e.until):
 			a.free(e.slot)
 			a.r.refuse(wordNeverCame, "res", e.res, "slot", e.slot)
 		default:

@@ -39,9 +39,12 @@ import (
 //     that it is not watching, with this attachment's generation and a
 //     sequence above every one it accepted before on it.
 //   - The shard stores 0 into a slot after it saw the announced value
-//     there, and before it marks the item ready; the producer reuses a
-//     slot only when it holds 0 and no write of its own is pending on it.
-//     A slot whose write failed is not reused on that attachment.
+//     there, and before it marks the item ready; it does so too for an
+//     entry it refused because its write was gone or not that token's
+//     (the producer's word still lands), and never for one of another
+//     generation or an old sequence. The producer reuses a slot only when
+//     it holds 0 and no write of its own is pending on it. A slot whose
+//     write failed is not reused on that attachment.
 //   - The shard trusts nothing it reads: a value other than the one
 //     announced leaves the item waiting; nothing but the announced value
 //     completes it, and only while the shard still holds its write open.
