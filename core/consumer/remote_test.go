@@ -24,7 +24,7 @@ import (
 // ready word appears.
 type oneSided struct{ sink transport.Sink }
 
-func (o *oneSided) Name() string               { return "one_sided" }
+func (o *oneSided) Name() string                { return "one_sided" }
 func (o *oneSided) NewWriter() transport.Writer { return nil }
 func (o *oneSided) Listen(_ string, sink transport.Sink) (transport.Receiver, error) {
 	o.sink = sink
