@@ -28,7 +28,7 @@ type shard struct {
 	recv    *receiver
 }
 
-func listenShard(t *testing.T, host *gpu.FakeHost, ordinal int, at string) *shard {
+func listenShard(t testing.TB, host *gpu.FakeHost, ordinal int, at string) *shard {
 	t.Helper()
 	dev, err := host.Device(ordinal)
 	require.NoError(t, err)

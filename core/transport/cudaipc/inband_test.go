@@ -125,13 +125,13 @@ func TestSinkWithoutInBandCompletesByMessage(t *testing.T) {
 
 // rawProducer speaks the protocol by hand: a producer that may lie.
 type rawProducer struct {
-	t     *testing.T
+	t     testing.TB
 	conn  *net.UnixConn
 	hello hello
 	words words
 }
 
-func dialRaw(t *testing.T, s *shard) *rawProducer {
+func dialRaw(t testing.TB, s *shard) *rawProducer {
 	t.Helper()
 	p, err := parseAddr(s.recv.Addr())
 	require.NoError(t, err)

@@ -27,12 +27,15 @@ import (
 
 // How the shard watches the ready words of one attachment: it scans them
 // back to back (yielding the thread between scans) for spinFor after the
-// last announcement, since a copy usually ends within that; then it naps
+// last announcement, since a copy often ends within that; then it naps
 // between scans, each nap twice the last, from minNap to maxNap, so that
 // an item whose copy waits behind a long encoder costs little CPU and is
-// still seen within maxNap.
+// still seen within maxNap. The spin stays short because a goroutine that
+// yields but never blocks keeps its P from polling the network: the
+// shard's other sockets (its Unix control path, these announcements)
+// wait for the spin to end.
 const (
-	spinFor = 250 * time.Microsecond
+	spinFor = 100 * time.Microsecond
 	minNap  = 10 * time.Microsecond
 	maxNap  = time.Millisecond
 )
@@ -71,7 +74,8 @@ type receiver struct {
 	gens atomic.Uint32 // the last generation handed out
 
 	requests, attached, badConns, completed atomic.Uint64
-	live                                    atomic.Int64 // attachments being served
+	live                                    atomic.Int64  // attachments being served
+	accepted                                atomic.Uint64 // announced entries watched
 	rejected, closedBy                      serve.Counts
 
 	conns     *serve.Conns[*net.UnixConn]
@@ -333,6 +337,7 @@ func (a *watcher) accept(e announcement) string {
 	a.busy[e.Slot] = true
 	a.incoming = append(a.incoming, w)
 	a.mu.Unlock()
+	a.r.accepted.Add(1)
 	return reason
 }
 
