@@ -410,6 +410,7 @@ func (w *writer) registration(a *attachment, dev gpu.Device) gpu.HostRegistratio
 	}
 	if err != nil {
 		a.noReg[ord] = err
+		metrics.Fallback(Name, "no_device_words")
 		w.warn.Log(w.log, "no_ready_words", "cudaipc: the device cannot store ready words; the writer stores them after each copy's event", "on", dev.Name(), "cause", err)
 		return nil
 	}
@@ -534,6 +535,7 @@ func (w *writer) decideInBand(a *attachment, socket string, fd int) {
 		return
 	}
 	w.byMessage.Add(1)
+	metrics.Fallback(Name, "complete_by_message")
 	w.warn.Log(w.log, "by_message", "cudaipc: items to this shard complete by message, not through ready words", "dest", "@"+socket, "why", why)
 }
 
