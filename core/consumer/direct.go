@@ -1,10 +1,13 @@
 package consumer
 
 import (
+	"fmt"
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/fsm/reserve"
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/trace"
+	"github.com/ecmooncake/ecmooncake/core/transport"
 )
 
 // One-sided data planes (mooncake: RDMA writes straight into the slab;
@@ -27,17 +30,19 @@ const remoteGrace = 2
 
 // remoteWrite is a region admitted for a one-sided writer.
 type remoteWrite struct {
-	tok ids.Token
-	end time.Time // when the shard gives up on the writer
+	tok    ids.Token
+	end    time.Time // when the shard gives up on the writer
+	mmHash string    // names the item in trace stamps
 }
 
 // admitRemoteLocked opens the region's write for each new write grant.
 // A grant repeated for a producer that lost the reply is already open.
-func (s *Shard) admitRemoteLocked(grants []reserve.Grant, now time.Time) {
+// grants answer items, one for one.
+func (s *Shard) admitRemoteLocked(grants []reserve.Grant, items []reserve.Item, now time.Time) {
 	if s.direct == nil {
 		return
 	}
-	for _, g := range grants {
+	for i, g := range grants {
 		if g.Err != nil || g.Kind != reserve.KindWrite {
 			continue
 		}
@@ -50,7 +55,11 @@ func (s *Shard) admitRemoteLocked(grants []reserve.Grant, now time.Time) {
 			s.log.Error("consumer: cannot admit a one-sided writer to its own grant", "res", g.Res, "cause", err)
 			continue
 		}
-		s.remote[g.Res] = remoteWrite{tok: g.Token, end: now.Add(remoteGrace * s.cfg.Lease())}
+		rw := remoteWrite{tok: g.Token, end: now.Add(remoteGrace * s.cfg.Lease())}
+		if i < len(items) {
+			rw.mmHash = items[i].MMHash
+		}
+		s.remote[g.Res] = rw
 	}
 }
 
@@ -71,6 +80,57 @@ func (s *Shard) endRemoteLocked(res ids.ResID, tok ids.Token, landed bool, now t
 	}
 	delete(s.remote, res)
 	s.table.EndWrite(res, landed, now)
+}
+
+// WatchRemote implements transport.RemoteSink: res must be a one-sided
+// write this shard opened at its grant, tok its token. A receiver that
+// completes in-band (cuda_ipc's ready words) watches for it until the
+// shard gives up on the writer.
+func (k sink) WatchRemote(res ids.ResID, tok ids.Token) (time.Time, error) {
+	s := k.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	rw, err := s.openRemoteLocked(res, tok)
+	if err != nil {
+		return time.Time{}, err
+	}
+	return rw.end, nil
+}
+
+// CompleteRemote implements transport.RemoteSink: it ends the one-sided
+// write landed and completes the reservation, as a complete message
+// would, and publishes readiness before it returns. The write is no
+// longer open afterwards, so a second call is refused and nothing is
+// published twice.
+func (k sink) CompleteRemote(res ids.ResID, tok ids.Token) error {
+	s := k.s
+	s.mu.Lock()
+	now := time.Now()
+	rw, err := s.openRemoteLocked(res, tok)
+	if err == nil {
+		trace.Stamp(trace.ReadyWordSeen, rw.mmHash)
+		s.endRemoteLocked(res, tok, true, now)
+		err = s.table.Complete(res, tok, now)
+		s.flushLocked()
+	}
+	s.mu.Unlock()
+	if err != nil {
+		s.log.Warn("in-band complete of a one-sided write refused", "res", res, "cause", err)
+		return refusal(err)
+	}
+	return nil
+}
+
+// openRemoteLocked is res's open one-sided write, when tok is its token.
+func (s *Shard) openRemoteLocked(res ids.ResID, tok ids.Token) (remoteWrite, error) {
+	rw, open := s.remote[res]
+	switch {
+	case !open:
+		return rw, fmt.Errorf("region %d has no open one-sided write: %w", res, transport.ErrUnknownRes)
+	case !rw.tok.Equal(tok):
+		return rw, fmt.Errorf("one-sided write of region %d: %w", res, transport.ErrBadToken)
+	}
+	return rw, nil
 }
 
 // expireRemoteLocked ends the writes whose writer never came back.

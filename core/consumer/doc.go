@@ -41,5 +41,8 @@
 // cuda_ipc is one-sided (transport.DirectOf finds it next to TCP), so
 // every write grant admits its region for a one-sided writer and carries
 // its address; a producer over TCP ignores the address and its frames are
-// admitted alongside, as before.
+// admitted alongside, as before. cuda_ipc completes such a write in-band:
+// its receiver watches the ready word the producer's GPU stores after the
+// copies and calls the sink's CompleteRemote (direct.go), which ends the
+// write landed and completes the item once, as a complete message would.
 package consumer

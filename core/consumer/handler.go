@@ -78,7 +78,7 @@ func (s *Shard) reserve(peer string, b wire.ReserveBatch) wire.ReserveBatchReply
 	s.mu.Lock()
 	now := time.Now()
 	grants := s.table.Reserve(items, now)
-	s.admitRemoteLocked(grants, now)
+	s.admitRemoteLocked(grants, items, now)
 	s.flushLocked()
 	s.mu.Unlock()
 	out := wire.ReserveBatchReply{Grants: make([]wire.Grant, len(grants)), Epoch: s.epoch, Host: s.host, Data: transport.Offer(s.recv, s.cfg.Transport)}
@@ -172,6 +172,7 @@ type sink struct{ s *Shard }
 var (
 	_ transport.RegionSink   = sink{}
 	_ transport.CompleteSink = sink{}
+	_ transport.RemoteSink   = sink{}
 )
 
 func (k sink) BeginWrite(res ids.ResID, tok ids.Token, off, n uint64) ([]byte, error) {

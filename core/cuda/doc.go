@@ -4,8 +4,9 @@
 // Open fails with an error that wraps gpu.ErrUnavailable and says why.
 //
 // It covers what the transports need and nothing more: primary contexts,
-// streams, events, copies, pointer attributes, page-locked host memory
-// and IPC memory handles.
+// streams, events, copies, pointer attributes, page-locked host memory,
+// IPC memory handles, and words a stream stores into registered host
+// memory after a batch's copies.
 //
 // # Threads and contexts
 //
@@ -45,6 +46,20 @@
 // closed event (a stream that waited took its state when the wait was
 // queued). A device keeps at most maxRecorded closed events; one closed
 // past that is destroyed.
+//
+// # Ready words
+//
+// CopyDeviceThen (gpu.ValueWriter) queues, after a batch's copies and
+// before its done event, one cuStreamWriteValue64 per word (flags 0, so a
+// memory barrier orders the copies' bytes before the word) into host
+// memory registered with RegisterHost: cuMemHostRegister with DEVICEMAP in
+// the device's context, then cuMemHostGetDevicePointer, undone by
+// cuMemHostUnregister. cuda_ipc's producer uses it to tell the shard that
+// the copies landed. Every one of these symbols is optional: the _v2
+// entry points where the driver has them; the v1 cuStreamWriteValue64
+// only on a device whose CAN_USE_STREAM_MEM_OPS_V1 and
+// CAN_USE_64_BIT_STREAM_MEM_OPS_V1 attributes are set. Without them
+// RegisterHost fails, touching nothing, and cuda_ipc completes by message.
 //
 // Devices, their contexts and streams live for the life of the process:
 // a library loaded into a vLLM worker never unloads.

@@ -135,6 +135,7 @@ func check(what string, r C.ecm_CUresult) error {
 type Device struct {
 	ordinal int
 	model   string
+	cd      C.ecm_CUdevice
 	ctx     C.ecm_CUcontext
 	// d2x carries device-to-host and device-to-device copies, h2d the
 	// other direction, so that the two PCIe directions overlap.
@@ -197,7 +198,7 @@ func newDevice(ordinal int) (*Device, error) {
 	if r := C.ecm_cuDeviceGet(&cd, C.int(ordinal)); r != C.ECM_CUDA_SUCCESS {
 		return nil, fmt.Errorf("cuda: %s: cuDeviceGet: %w", gpu.Name(ordinal), resultErr(r))
 	}
-	dev := &Device{ordinal: ordinal}
+	dev := &Device{ordinal: ordinal, cd: cd}
 	var name [256]C.char
 	if C.ecm_cuDeviceGetName(&name[0], C.int(len(name)), cd) == C.ECM_CUDA_SUCCESS {
 		dev.model = C.GoString(&name[0])
@@ -356,10 +357,17 @@ func (d *Device) CopyDevice(ops []gpu.DeviceCopy) error {
 // sources are ready (they are normally the outputs of one model step, one
 // event), and the GPU's own time is told apart from the host's wait.
 func (d *Device) CopyDeviceTimed(ops []gpu.DeviceCopy) (gpu.CopyTiming, error) {
-	if len(ops) == 0 {
+	return d.CopyDeviceThen(ops, nil)
+}
+
+// CopyDeviceThen implements gpu.ValueWriter: CopyDeviceTimed with one
+// cuStreamWriteValue64 per word queued after the copies and before the
+// done event, in the same driver call. Words need a RegisterHost first.
+func (d *Device) CopyDeviceThen(ops []gpu.DeviceCopy, then []gpu.ValueWrite) (gpu.CopyTiming, error) {
+	if len(ops) == 0 && len(then) == 0 {
 		return gpu.CopyTiming{}, nil
 	}
-	cops := make([]C.ecm_copy, len(ops))
+	cops := make([]C.ecm_copy, len(ops)+1) // never empty: &cops[0] is passed
 	waited := map[C.ecm_CUevent]bool{}
 	for i, op := range ops {
 		after, err := handleOf(op.After)
@@ -374,6 +382,10 @@ func (d *Device) CopyDeviceTimed(ops []gpu.DeviceCopy) (gpu.CopyTiming, error) {
 		}
 		cops[i] = C.ecm_copy{dst: C.ecm_CUdeviceptr(op.Dst), src: C.ecm_CUdeviceptr(op.Src), n: C.uint64_t(op.N), after: after}
 	}
+	words := make([]C.ecm_value_write, len(then)+1)
+	for i, w := range then {
+		words[i] = C.ecm_value_write{addr: C.ecm_CUdeviceptr(w.Addr), value: C.uint64_t(w.Value)}
+	}
 	var queueNS, waitNS C.int64_t
 	var gpuMS C.float
 	err := d.with(func() error {
@@ -385,7 +397,7 @@ func (d *Device) CopyDeviceTimed(ops []gpu.DeviceCopy) (gpu.CopyTiming, error) {
 		// Batches from concurrent writers queue one after the other, so
 		// that each one's start and done events bracket its own copies.
 		d.queueMu.Lock()
-		r := C.ecm_cu_copy_batch_queue(d.d2x, evs[0], evs[1], &cops[0], C.int(len(cops)), &queueNS, &failed)
+		r := C.ecm_cu_copy_batch_queue(d.d2x, evs[0], evs[1], &cops[0], C.int(len(ops)), &words[0], C.int(len(then)), &queueNS, &failed)
 		d.queueMu.Unlock()
 		if r == C.ECM_CUDA_SUCCESS {
 			r = C.ecm_cu_wait_timed(evs[0], evs[1], &waitNS, &gpuMS, &failed)
@@ -395,7 +407,7 @@ func (d *Device) CopyDeviceTimed(ops []gpu.DeviceCopy) (gpu.CopyTiming, error) {
 			// ones are cheaper than finding out.
 			C.ecm_cuEventDestroy(evs[0])
 			C.ecm_cuEventDestroy(evs[1])
-			return copyErr(fmt.Sprintf("%s: %d device copies", d.Name(), len(ops)), failed, r)
+			return copyErr(fmt.Sprintf("%s: %d device copies, %d ready words", d.Name(), len(ops), len(then)), failed, r)
 		}
 		d.timed.put(evs)
 		return nil
@@ -408,6 +420,52 @@ func (d *Device) CopyDeviceTimed(ops []gpu.DeviceCopy) (gpu.CopyTiming, error) {
 		out.GPU = time.Duration(float64(gpuMS) * float64(time.Millisecond))
 	}
 	return out, nil
+}
+
+// hostReg is host memory registered with one device's context.
+type hostReg struct {
+	d    *Device
+	p    unsafe.Pointer
+	dev  uintptr
+	once sync.Once
+}
+
+func (r *hostReg) DevAddr() uintptr { return r.dev }
+
+func (r *hostReg) Close() error {
+	var err error
+	r.once.Do(func() {
+		err = r.d.with(func() error { return check("cuMemHostUnregister", C.ecm_cu_host_unregister(r.p)) })
+	})
+	return err
+}
+
+// RegisterHost implements gpu.ValueWriter: cuMemHostRegister(DEVICEMAP)
+// in this device's context, then cuMemHostGetDevicePointer. It fails,
+// touching nothing, when the driver or the device cannot store words from
+// a stream (no cuStreamWriteValue64_v2, and v1's attributes off).
+func (d *Device) RegisterHost(mem []byte) (gpu.HostRegistration, error) {
+	if len(mem) == 0 {
+		return nil, fmt.Errorf("cuda: %s: register 0 bytes of host memory", d.Name())
+	}
+	var why *C.char
+	if C.ecm_cu_value_writes(d.cd, &why) == 0 {
+		return nil, fmt.Errorf("cuda: %s: no stream memory operations: %s", d.Name(), C.GoString(why))
+	}
+	r := &hostReg{d: d, p: unsafe.Pointer(unsafe.SliceData(mem))}
+	err := d.with(func() error {
+		var dev C.ecm_CUdeviceptr
+		var failed *C.char
+		if rc := C.ecm_cu_host_register(r.p, C.size_t(len(mem)), &dev, &failed); rc != C.ECM_CUDA_SUCCESS {
+			return copyErr("register host memory", failed, rc)
+		}
+		r.dev = uintptr(dev)
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("cuda: %s: %d bytes at %p: %w", d.Name(), len(mem), r.p, err)
+	}
+	return r, nil
 }
 
 // CopyToHost implements gpu.Device.
@@ -577,6 +635,7 @@ var (
 	_ gpu.Device          = (*Device)(nil)
 	_ gpu.TimedCopier     = (*Device)(nil)
 	_ gpu.DeviceAllocator = (*Device)(nil)
+	_ gpu.ValueWriter     = (*Device)(nil)
 )
 
 // deviceMem is memory from cuMemAlloc.

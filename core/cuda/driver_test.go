@@ -2,6 +2,8 @@ package cuda
 
 import (
 	"bytes"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"unsafe"
 
@@ -280,4 +282,34 @@ func TestRecordEventReusesClosedEventsUpToTheBound(t *testing.T) {
 	kept := len(dev.recorded.free)
 	dev.recorded.mu.Unlock()
 	require.Equal(t, maxRecorded, kept)
+}
+
+// TestReadyWordFollowsTheCopy: a word stored from the copy stream into
+// registered host memory (a shared mapping, as a shard's ready-word
+// region is) holds its value once the batch returns, and the bytes of the
+// copy before it are in place.
+func TestReadyWordFollowsTheCopy(t *testing.T) {
+	dev := gpuDevice(t)
+	mem, err := syscall.Mmap(-1, 0, 4096, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED|syscall.MAP_ANONYMOUS)
+	require.NoError(t, err)
+	defer syscall.Munmap(mem)
+	reg, err := dev.RegisterHost(mem)
+	if err != nil {
+		t.Skipf("no ready words on this driver: %v", err)
+	}
+	defer func() { require.NoError(t, reg.Close()) }()
+	src, err := dev.memAlloc(1 << 20)
+	require.NoError(t, err)
+	defer dev.memFree(src)
+	dst, err := dev.memAlloc(1 << 20)
+	require.NoError(t, err)
+	defer dev.memFree(dst)
+	want := bytes.Repeat([]byte{0x5a}, 1<<20)
+	require.NoError(t, dev.CopyFromHost(src, want))
+	_, err = dev.CopyDeviceThen([]gpu.DeviceCopy{{Dst: dst, Src: src, N: 1 << 20}}, []gpu.ValueWrite{{Addr: reg.DevAddr() + 64, Value: 0x1_0000_0007}})
+	require.NoError(t, err)
+	require.Equal(t, uint64(0x1_0000_0007), atomic.LoadUint64((*uint64)(unsafe.Pointer(&mem[64]))))
+	got := make([]byte, 1<<20)
+	require.NoError(t, dev.CopyToHost(got, dst, nil))
+	require.Equal(t, want, got)
 }

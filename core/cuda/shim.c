@@ -37,9 +37,22 @@ struct cu_table {
 	ecm_CUresult (*cuGetErrorString)(ecm_CUresult, const char **);
 	/* Optional: NULL when the driver lacks it (timings then say so). */
 	ecm_CUresult (*cuEventElapsedTime)(float *, ecm_CUevent, ecm_CUevent);
+	/* Optional: ready words (see ecm_cu_value_writes). */
+	ecm_CUresult (*cuDeviceGetAttribute)(int *, int, ecm_CUdevice);
+	ecm_CUresult (*cuMemHostRegister)(void *, size_t, unsigned);
+	ecm_CUresult (*cuMemHostUnregister)(void *);
+	ecm_CUresult (*cuMemHostGetDevicePointer)(ecm_CUdeviceptr *, void *, unsigned);
+	ecm_CUresult (*cuStreamWriteValue64)(ecm_CUstream, ecm_CUdeviceptr, uint64_t, unsigned);
+	/* The v1 entry point, used only when the driver has no _v2: it needs
+	 * the device attributes that say stream memory operations are on. */
+	ecm_CUresult (*cuStreamWriteValue64V1)(ecm_CUstream, ecm_CUdeviceptr, uint64_t, unsigned);
 };
 
 static struct cu_table cu;
+
+/* The stream value write ecm_cu_value_writes chose: _v2 where the driver
+ * has it, else v1 on a device whose attributes allow it. */
+static ecm_CUresult (*write_value64)(ecm_CUstream, ecm_CUdeviceptr, uint64_t, unsigned);
 
 /* The exported names: where cuda.h maps a name to a _v2 entry point, the
  * _v2 symbol is the one with the signature above. */
@@ -84,6 +97,12 @@ static const struct {
 	size_t offset;
 } optional_symbols[] = {
 	{{"cuEventElapsedTime_v2", "cuEventElapsedTime"}, offsetof(struct cu_table, cuEventElapsedTime)},
+	{{"cuDeviceGetAttribute", NULL}, offsetof(struct cu_table, cuDeviceGetAttribute)},
+	{{"cuMemHostRegister_v2", "cuMemHostRegister"}, offsetof(struct cu_table, cuMemHostRegister)},
+	{{"cuMemHostUnregister", NULL}, offsetof(struct cu_table, cuMemHostUnregister)},
+	{{"cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"}, offsetof(struct cu_table, cuMemHostGetDevicePointer)},
+	{{"cuStreamWriteValue64_v2", NULL}, offsetof(struct cu_table, cuStreamWriteValue64)},
+	{{"cuStreamWriteValue64", NULL}, offsetof(struct cu_table, cuStreamWriteValue64V1)},
 };
 
 int ecm_cu_load(const char *path, char *err, size_t errlen) {
@@ -200,7 +219,7 @@ static ecm_CUresult wait_done(ecm_CUevent done) {
 }
 
 ecm_CUresult ecm_cu_copy_batch_queue(ecm_CUstream s, ecm_CUevent start, ecm_CUevent done, const ecm_copy *ops, int n,
-                                     int64_t *queue_ns, const char **failed) {
+                                     const ecm_value_write *writes, int nw, int64_t *queue_ns, const char **failed) {
 	int64_t t0 = now_ns();
 	*queue_ns = 0;
 	for (int i = 0; i < n; i++) {
@@ -211,6 +230,15 @@ ecm_CUresult ecm_cu_copy_batch_queue(ecm_CUstream s, ecm_CUevent start, ecm_CUev
 	TRY(cu.cuEventRecord(start, s), "cuEventRecord");
 	for (int i = 0; i < n; i++) {
 		TRY(cu.cuMemcpyAsync(ops[i].dst, ops[i].src, (size_t)ops[i].n, s), "cuMemcpyAsync");
+	}
+	/* Flags 0: the store waits for the copies before it on the stream and
+	 * a memory barrier orders their bytes before the word. */
+	for (int i = 0; i < nw; i++) {
+		if (write_value64 == NULL) {
+			*failed = "cuStreamWriteValue64 (missing)";
+			return ECM_CUDA_ERROR_NOT_SUPPORTED;
+		}
+		TRY(write_value64(s, writes[i].addr, writes[i].value, 0), "cuStreamWriteValue64");
 	}
 	TRY(cu.cuEventRecord(done, s), "cuEventRecord");
 	*queue_ns = now_ns() - t0;
@@ -231,6 +259,48 @@ ecm_CUresult ecm_cu_wait_timed(ecm_CUevent start, ecm_CUevent done, int64_t *wai
 	}
 	return ECM_CUDA_SUCCESS;
 }
+
+int ecm_cu_value_writes(ecm_CUdevice d, const char **why) {
+	if (cu.cuMemHostRegister == NULL || cu.cuMemHostUnregister == NULL || cu.cuMemHostGetDevicePointer == NULL) {
+		*why = "the driver lacks cuMemHostRegister, cuMemHostUnregister or cuMemHostGetDevicePointer";
+		return 0;
+	}
+	if (cu.cuStreamWriteValue64 != NULL) {
+		write_value64 = cu.cuStreamWriteValue64;
+		return 1;
+	}
+	if (cu.cuStreamWriteValue64V1 == NULL) {
+		*why = "the driver lacks cuStreamWriteValue64";
+		return 0;
+	}
+	int on = 0, wide = 0;
+	if (cu.cuDeviceGetAttribute == NULL ||
+	    cu.cuDeviceGetAttribute(&on, ECM_CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1, d) != ECM_CUDA_SUCCESS ||
+	    cu.cuDeviceGetAttribute(&wide, ECM_CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS_V1, d) != ECM_CUDA_SUCCESS) {
+		*why = "cannot read the device's stream memory operation attributes";
+		return 0;
+	}
+	if (!on || !wide) {
+		*why = "the device does not offer 64-bit stream memory operations (CAN_USE_STREAM_MEM_OPS_V1 and CAN_USE_64_BIT_STREAM_MEM_OPS_V1)";
+		return 0;
+	}
+	write_value64 = cu.cuStreamWriteValue64V1;
+	return 1;
+}
+
+ecm_CUresult ecm_cu_host_register(void *p, size_t n, ecm_CUdeviceptr *dev, const char **failed) {
+	*dev = 0;
+	TRY(cu.cuMemHostRegister(p, n, ECM_CU_MEMHOSTREGISTER_DEVICEMAP), "cuMemHostRegister");
+	ecm_CUresult r = cu.cuMemHostGetDevicePointer(dev, p, 0);
+	if (r != ECM_CUDA_SUCCESS) {
+		cu.cuMemHostUnregister(p);
+		*failed = "cuMemHostGetDevicePointer";
+		return r;
+	}
+	return ECM_CUDA_SUCCESS;
+}
+
+ecm_CUresult ecm_cu_host_unregister(void *p) { return cu.cuMemHostUnregister(p); }
 
 ecm_CUresult ecm_cu_copy_dtoh(ecm_CUstream s, ecm_CUevent done, ecm_CUevent after, void *dst, ecm_CUdeviceptr src, size_t n, const char **failed) {
 	if (after != NULL) {

@@ -23,6 +23,10 @@ typedef struct {
 
 #define ECM_CUDA_SUCCESS 0
 #define ECM_CUDA_ERROR_NOT_READY 600
+#define ECM_CUDA_ERROR_NOT_SUPPORTED 801
+#define ECM_CU_MEMHOSTREGISTER_DEVICEMAP 0x2
+#define ECM_CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1 92
+#define ECM_CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS_V1 93
 #define ECM_CU_STREAM_NON_BLOCKING 0x1
 #define ECM_CU_EVENT_BLOCKING_SYNC 0x1
 #define ECM_CU_EVENT_DISABLE_TIMING 0x2
@@ -77,6 +81,24 @@ typedef struct {
 	ecm_CUevent after; /* NULL: no wait */
 } ecm_copy;
 
+/* One ready word of a batch: an 8-byte store of value at addr (a device
+ * pointer of registered host memory), queued after the batch's copies. */
+typedef struct {
+	ecm_CUdeviceptr addr;
+	uint64_t value;
+} ecm_value_write;
+
+/* Whether this driver and device d can store ready words: 1, or 0 with
+ * *why saying what is missing. Picks cuStreamWriteValue64_v2, else the v1
+ * entry point where d's attributes allow it. Call before any batch that
+ * carries writes. */
+int ecm_cu_value_writes(ecm_CUdevice d, const char **why);
+/* Registers [p, p+n) (page-aligned) with the current context, mapped for
+ * the device (CU_MEMHOSTREGISTER_DEVICEMAP), and returns the device's
+ * address of p; undone on failure. */
+ecm_CUresult ecm_cu_host_register(void *p, size_t n, ecm_CUdeviceptr *dev, const char **failed);
+ecm_CUresult ecm_cu_host_unregister(void *p);
+
 /* The copy helpers queue their work on stream s behind the events they
  * are given, record done on s, and wait for done, all in one call: host
  * memory is touched only while the call runs. On failure *failed names
@@ -86,11 +108,12 @@ typedef struct {
  * queued and waited for in two calls, so that the caller can keep other
  * batches from interleaving with its queueing: ecm_cu_copy_batch_queue
  * queues every wait first, then records start, the copies and done (both
- * events keep time), and says how long queueing took; ecm_cu_wait_timed
+ * events keep time), with the nw ready words stored after the copies and
+ * before done (flags 0: fenced after them), and says how long queueing took; ecm_cu_wait_timed
  * waits for done and reports the wait and the GPU's milliseconds from
  * start to done (negative when the driver cannot say). */
 ecm_CUresult ecm_cu_copy_batch_queue(ecm_CUstream s, ecm_CUevent start, ecm_CUevent done, const ecm_copy *ops, int n,
-                                     int64_t *queue_ns, const char **failed);
+                                     const ecm_value_write *writes, int nw, int64_t *queue_ns, const char **failed);
 ecm_CUresult ecm_cu_wait_timed(ecm_CUevent start, ecm_CUevent done, int64_t *wait_ns, float *gpu_ms, const char **failed);
 ecm_CUresult ecm_cu_copy_dtoh(ecm_CUstream s, ecm_CUevent done, ecm_CUevent after, void *dst, ecm_CUdeviceptr src, size_t n, const char **failed);
 ecm_CUresult ecm_cu_copy_htod(ecm_CUstream s, ecm_CUevent done, ecm_CUdeviceptr dst, const void *src, size_t n, const char **failed);

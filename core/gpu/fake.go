@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
+	"unsafe"
 )
 
 // FakeHost is one host with fake GPUs, for tests: device memory is Go
@@ -24,6 +26,11 @@ type FakeHost struct {
 	streams  map[uintptr]*FakeStream
 	failNext []error
 	failOpen []error
+	// value writes: how many of the next ones to skip, and why
+	// registration fails (nil: it works)
+	skipWords   int
+	refuseHost  error
+	wordsStored int
 
 	// counters read by tests
 	mappings, events, hostBufs int
@@ -429,8 +436,83 @@ func (d *fakeDevice) OpenIPC(h IPCHandle) (Mapping, error) {
 	return &fakeMapping{h: d.h, a: m}, nil
 }
 
+// SkipNextValueWrites makes the next n value writes of CopyDeviceThen
+// vanish, as if the word never reached host memory: the copies still
+// land and the batch still succeeds.
+func (h *FakeHost) SkipNextValueWrites(n int) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.skipWords += n
+}
+
+// RefuseHostRegister makes RegisterHost fail with err (nil: it works
+// again), as on a driver without stream memory operations.
+func (h *FakeHost) RefuseHostRegister(err error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.refuseHost = err
+}
+
+// WordsStored counts value writes stored.
+func (h *FakeHost) WordsStored() int { return h.read(&h.wordsStored) }
+
+type fakeRegistration struct {
+	h    *FakeHost
+	a    *fakeAlloc
+	done bool
+}
+
+func (r *fakeRegistration) DevAddr() uintptr { return r.a.base }
+
+func (r *fakeRegistration) Close() error {
+	var unused int
+	return r.h.release(&r.done, &unused, "unregister host memory", func() { r.a.freed = true })
+}
+
+// RegisterHost implements ValueWriter: the device sees mem at a fake
+// address of its own.
+func (d *fakeDevice) RegisterHost(mem []byte) (HostRegistration, error) {
+	d.h.mu.Lock()
+	defer d.h.mu.Unlock()
+	if d.h.refuseHost != nil {
+		return nil, d.h.refuseHost
+	}
+	if len(mem) == 0 || uintptr(unsafe.Pointer(unsafe.SliceData(mem)))%8 != 0 {
+		return nil, fmt.Errorf("gpu: fake register host memory: %d bytes, not 8-byte aligned or empty", len(mem))
+	}
+	return &fakeRegistration{h: d.h, a: d.h.addLocked(mem, -1, false)}, nil
+}
+
+// CopyDeviceThen implements ValueWriter: the copies, then each word
+// stored atomically (another process may be reading it), unless skipped.
+func (d *fakeDevice) CopyDeviceThen(ops []DeviceCopy, then []ValueWrite) (CopyTiming, error) {
+	tm, err := d.CopyDeviceTimed(ops)
+	if err != nil {
+		return tm, err
+	}
+	d.h.mu.Lock()
+	defer d.h.mu.Unlock()
+	for _, w := range then {
+		_, mem, err := d.h.resolveLocked("value write", w.Addr, 8)
+		if err != nil {
+			return tm, err
+		}
+		if w.Addr%8 != 0 {
+			return tm, fmt.Errorf("gpu: fake value write at %#x: not 8-byte aligned", w.Addr)
+		}
+		if d.h.skipWords > 0 {
+			d.h.skipWords--
+			continue
+		}
+		atomic.StoreUint64((*uint64)(unsafe.Pointer(unsafe.SliceData(mem))), w.Value)
+		d.h.wordsStored++
+	}
+	return tm, nil
+}
+
 var (
 	_ Devices     = (*FakeHost)(nil)
 	_ Device      = (*fakeDevice)(nil)
 	_ TimedCopier = (*fakeDevice)(nil)
+	_ ValueWriter = (*fakeDevice)(nil)
 )

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/stretchr/testify/require"
 )
@@ -137,4 +138,38 @@ func TestFakeTimedCopiesReportTheirParts(t *testing.T) {
 	h.FailNextCopies(errors.New("boom"))
 	_, err = tc.CopyDeviceTimed([]DeviceCopy{{Dst: b, Src: a, N: 5}})
 	require.ErrorContains(t, err, "boom")
+}
+
+// TestFakeValueWritesFollowTheCopies: the words land after the copies, in
+// the registered memory; a skipped word leaves the memory as it was; an
+// unregistered address is refused; a refused registration says why.
+func TestFakeValueWritesFollowTheCopies(t *testing.T) {
+	h := NewFakeHost(1)
+	d, _ := h.Device(0)
+	vw := d.(ValueWriter)
+	a, aw := h.Alloc(0, 64)
+	b, bw := h.Alloc(0, 64)
+	copy(aw, "bytes")
+	words := make([]uint64, 4)
+	mem := unsafe.Slice((*byte)(unsafe.Pointer(&words[0])), 32)
+	reg, err := vw.RegisterHost(mem)
+	require.NoError(t, err)
+	_, err = vw.CopyDeviceThen([]DeviceCopy{{Dst: b, Src: a, N: 5}}, []ValueWrite{{Addr: reg.DevAddr() + 8, Value: 7}, {Addr: reg.DevAddr() + 16, Value: 9}})
+	require.NoError(t, err)
+	require.Equal(t, []byte("bytes"), bw[:5])
+	require.Equal(t, []uint64{0, 7, 9, 0}, words)
+
+	h.SkipNextValueWrites(1)
+	_, err = vw.CopyDeviceThen(nil, []ValueWrite{{Addr: reg.DevAddr(), Value: 1}, {Addr: reg.DevAddr() + 24, Value: 2}})
+	require.NoError(t, err)
+	require.Equal(t, []uint64{0, 7, 9, 2}, words, "the first word was skipped")
+	require.Equal(t, 3, h.WordsStored())
+
+	require.NoError(t, reg.Close())
+	_, err = vw.CopyDeviceThen(nil, []ValueWrite{{Addr: reg.DevAddr(), Value: 1}})
+	require.ErrorContains(t, err, "no live allocation", "an unregistered address is refused")
+
+	h.RefuseHostRegister(errors.New("no stream memory operations"))
+	_, err = vw.RegisterHost(mem)
+	require.ErrorContains(t, err, "no stream memory operations")
 }

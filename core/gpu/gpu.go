@@ -191,3 +191,34 @@ func Base(ev Event) Event {
 	}
 	return ev
 }
+
+// ValueWrite is one 8-byte store that a device makes, on its copy
+// stream, into host memory registered with it (HostRegistration): Value
+// at the device address Addr.
+type ValueWrite struct {
+	Addr  uintptr
+	Value uint64
+}
+
+// HostRegistration is host memory that a device may store into; DevAddr
+// is where the device sees its first byte. Close unregisters it.
+type HostRegistration interface {
+	DevAddr() uintptr
+	Close() error
+}
+
+// ValueWriter is a Device whose copy stream can store words into
+// registered host memory after a batch's copies (cuStreamWriteValue64):
+// a word written that way says that every copy queued before it on the
+// stream has landed, since the store waits for them and is fenced after
+// them. A device that cannot (a driver without stream memory operations)
+// fails RegisterHost.
+type ValueWriter interface {
+	// RegisterHost lets the device store into mem, which must be
+	// page-aligned and stay mapped until Close.
+	RegisterHost(mem []byte) (HostRegistration, error)
+	// CopyDeviceThen is CopyDeviceTimed, with the writes queued after the
+	// copies and before the event the host waits for: when it returns
+	// without error, every copy has landed and every word is stored.
+	CopyDeviceThen(ops []DeviceCopy, then []ValueWrite) (CopyTiming, error)
+}

@@ -30,6 +30,7 @@ func TestEventsAppearInText(t *testing.T) {
 	WriteBatch(tr, 2*time.Millisecond, nil)
 	WriteBatch(tr, time.Millisecond, errors.New("reset"))
 	Failed("unit", tr)
+	Fallback("unit", tr)
 	RoundTrip(op, time.Millisecond, nil)
 	TransferWait(time.Millisecond)
 	text := scrape(t)
@@ -39,6 +40,7 @@ func TestEventsAppearInText(t *testing.T) {
 		fmt.Sprintf(`ecm_transfer_item_bytes_count{transport="%s"} 1`, tr),
 		fmt.Sprintf(`ecm_transfer_write_seconds_count{outcome="error",transport="%s"} 1`, tr),
 		fmt.Sprintf(`ecm_failures_total{component="unit",reason="%s"} 1`, tr),
+		fmt.Sprintf(`ecm_fallbacks_total{component="unit",reason="%s"} 1`, tr),
 		fmt.Sprintf(`ecm_control_round_trips_total{op="%s",outcome="ok"} 1`, op),
 		`ecm_transfer_wait_seconds_count`,
 		`go_goroutines`,

@@ -22,7 +22,7 @@ func newRegistry() *prometheus.Registry {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		transferBytes, transferItems, itemBytes, writeSeconds,
-		failures, roundTrips, roundTripSeconds, transferWait, localEncodes, phaseSeconds,
+		failures, fallbacks, roundTrips, roundTripSeconds, transferWait, localEncodes, phaseSeconds,
 		probes,
 	)
 	return r
@@ -46,6 +46,7 @@ var (
 	itemBytes        = Histograms("ecm_transfer_item_bytes", "Size of each encoder output written, by transport.", sizeBuckets, "transport")
 	writeSeconds     = Histograms("ecm_transfer_write_seconds", "Duration of each data-plane write batch (one per consumer shard and model step), by transport and outcome.", latencyBuckets, "transport", "outcome")
 	failures         = Counters("ecm_failures_total", "Items that failed, by the component that gave up and a short reason.", "component", "reason")
+	fallbacks        = Counters("ecm_fallbacks_total", "Times a path could not serve and an older one was used in its place, by component and a short reason.", "component", "reason")
 	roundTrips       = Counters("ecm_control_round_trips_total", "Control-plane round trips, by op and outcome.", "op", "outcome")
 	roundTripSeconds = Histograms("ecm_control_round_trip_seconds", "Duration of control-plane round trips, by op.", latencyBuckets, "op")
 	localEncodes     = prometheus.NewCounter(prometheus.CounterOpts{
@@ -86,6 +87,13 @@ func WriteBatch(transport string, d time.Duration, err error) {
 // (a label value per distinct text would grow without bound).
 func Failed(component, reason string) {
 	failures.WithLabelValues(component, reason).Inc()
+}
+
+// Fallback counts one use of an older path where the new one could not
+// serve (cuda_ipc completing by message where ready words cannot be
+// stored). reason must come from a small fixed set.
+func Fallback(component, reason string) {
+	fallbacks.WithLabelValues(component, reason).Inc()
 }
 
 // RoundTrip observes one control round trip.

@@ -13,8 +13,10 @@ import (
 type Hop uint8
 
 // The Go hops, in the order an item meets them on a plane that completes
-// by message (shm, cuda_ipc, mooncake). Over TCP the item is ready at the
-// shard before the producer sees its write end, and no complete is sent.
+// by message (shm, mooncake). Over TCP the item is ready at the shard
+// before the producer sees its write end, and no complete is sent; over
+// cuda_ipc the shard sees the item's ready word (ReadyWordSeen) and marks
+// it ready, and no complete is sent either.
 const (
 	ReserveSent      Hop = iota + 1 // producer: reserve_batch sent for the item
 	ReserveAnswered                 // producer: its grant came back
@@ -24,6 +26,12 @@ const (
 	CompleteAnswered                // producer: complete_batch answered
 	Ready                           // shard: region READY, readiness published
 	EventDelivered                  // PD scheduler: the shard's ready event applied
+	// ReadyWordSeen is the shard seeing a cuda_ipc write's ready word
+	// (the word the producer's GPU stored after the copies), just before
+	// it marks the region READY: it comes between WriteEnqueued and Ready,
+	// and such a write sends no complete. Numbered last, so that the
+	// hops before it keep their numbers.
+	ReadyWordSeen
 	hopEnd
 )
 
@@ -36,6 +44,7 @@ var names = [...]string{
 	CompleteAnswered: "complete_answered",
 	Ready:            "ready",
 	EventDelivered:   "event_delivered",
+	ReadyWordSeen:    "ready_word_seen",
 }
 
 func (h Hop) String() string {

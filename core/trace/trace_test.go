@@ -2,6 +2,8 @@ package trace
 
 import (
 	"fmt"
+	"os"
+	"strings"
 	"sync"
 	"testing"
 
@@ -171,5 +173,19 @@ func BenchmarkStampOn(b *testing.B) {
 	defer Enable(0)
 	for i := 0; i < b.N; i++ {
 		Stamp(Ready, "h")
+	}
+}
+
+// TestHopsKnownToPython: every Go hop is one of python/ecmooncake/trace.py's
+// HOPS, which orders and describes the stamps ecm_trace returns by name.
+func TestHopsKnownToPython(t *testing.T) {
+	src, err := os.ReadFile("../../python/ecmooncake/trace.py")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for h := Hop(1); h < hopEnd; h++ {
+		if !strings.Contains(string(src), `("`+h.String()+`", "`) {
+			t.Errorf("hop %s is missing from python/ecmooncake/trace.py HOPS", h)
+		}
 	}
 }

@@ -19,6 +19,8 @@
 //     memcpy into a slab file in /dev/shm on the same host; package
 //     cudaipc, a device copy into a CUDA IPC mapping of a GPU slab); the
 //     sink's owner then admits the writer per region (see Direct, DirectOf).
+//     A RemoteSink lets the receiver of a one-sided plane complete such a
+//     write in-band (cudaipc, when the writer's ready word appears).
 //
 // # Consumer side
 //
@@ -71,9 +73,10 @@
 // reaches the others only through these: tcp (the embedded default, with
 // its frame codec, handshake and ceiling), shm, cudaipc and mooncake. The
 // accept loop and the capped connection set that tcp, shm and cudaipc
-// run are in internal/serve, which imports nothing of this tree, so no
-// plane reaches back up for a helper (layout_test.go holds the tree to
-// that).
+// run are in internal/serve, and the SO_PEERCRED admission and SCM_RIGHTS
+// descriptors of the same-host planes (shm, cudaipc) in internal/unixfd;
+// neither imports anything of this tree, so no plane reaches back up for
+// a helper (layout_test.go holds the tree to that).
 //
 // # GPU memory
 //

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
 )
@@ -106,6 +107,25 @@ type CompleteSink interface {
 	EndComplete(res ids.ResID, tok ids.Token, off, n uint64) error
 }
 
+// RemoteSink is a Sink whose one-sided writes (see Direct) a receiver
+// can complete in-band: cuda_ipc's shard watches the ready word that the
+// writer's GPU stores after its copies, and completes the write when the
+// word appears, so that no complete message follows the bytes.
+type RemoteSink interface {
+	Sink
+	// WatchRemote checks that res is a one-sided write of this shard that
+	// is open and that tok authorises, and returns when the shard gives up
+	// on it (its writer grace): a receiver stops watching for it then.
+	// The error (without the token) wraps ErrUnknownRes, ErrBadToken or
+	// ErrGone.
+	WatchRemote(res ids.ResID, tok ids.Token) (until time.Time, err error)
+	// CompleteRemote ends that write landed and completes its
+	// reservation: the region becomes ready and its readiness is
+	// published, once. A write no longer open (completed, abandoned,
+	// given up on) is refused, and nothing is marked ready.
+	CompleteRemote(res ids.ResID, tok ids.Token) error
+}
+
 // CompleteFrame is a Frame that can end with its item's completion, like
 // CompleteSink.EndComplete, in place of End(true).
 type CompleteFrame interface {
@@ -128,13 +148,15 @@ type Receiver interface {
 // receiver closed or refused to protect itself, by reason (over the
 // connection cap, idle, a frame that stalled, a peer of another user).
 // Writes of a one-sided receiver never pass through it; Attached counts the
-// writers it handed its slab to instead.
+// writers it handed its slab to instead, and Completed the items it
+// completed in-band for them (cuda_ipc's ready words).
 type RecvStats struct {
 	Frames, Bytes uint64
 	Rejected      map[string]uint64
 	BadConns      uint64
 	Closed        map[string]uint64 `json:",omitempty"`
 	Attached      uint64            `json:",omitempty"`
+	Completed     uint64            `json:",omitempty"`
 }
 
 // Transport is one way of moving bytes into remote reservations.

@@ -54,6 +54,7 @@ HOPS: tuple[tuple[str, str, str], ...] = (
     ("write_enqueued", "producer, Go", "the write (copy) handed to the data plane"),
     ("write_ended", "producer, Go", "the data plane says the write ended (host side; cuda_ipc: its copy's event completed)"),
     ("complete_sent", "producer, Go", "complete_batch sent"),
+    ("ready_word_seen", "shard, Go", "cuda_ipc: the ready word the producer's GPU stored after the copies seen"),
     ("ready", "shard, Go", "region READY, readiness published"),
     ("complete_answered", "producer, Go", "complete_batch answered"),
     ("event_delivered", "PD scheduler, Go", "the shard's ready event applied"),

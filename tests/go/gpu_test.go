@@ -171,6 +171,12 @@ func TestGPUSlabsOverEachPlane(t *testing.T) {
 				require.Zero(t, planes["tcp"].Frames, "shard %d: a producer on the same host uses cuda_ipc", r)
 				require.Equal(t, len(c.shards), c.host.OpenMappings(), "the producer mapped every shard's slab")
 				require.Equal(t, uint64(1), planes[cudaipc.Name].Attached, "shard %d handed its slab to the producer once", r)
+				writes := map[string]bool{}
+				for _, it := range items {
+					writes[it.hash] = true
+				}
+				require.Equal(t, uint64(len(writes)), planes[cudaipc.Name].Completed, "shard %d completed every write (one per content) by its ready word", r)
+				require.Empty(t, planes[cudaipc.Name].Rejected, "shard %d refused no announcement", r)
 			} else {
 				require.Positive(t, planes["tcp"].Frames, "shard %d: tcp carried the tcp pushes (%v)", r, planes)
 			}
@@ -183,11 +189,13 @@ func TestGPUSlabsOverEachPlane(t *testing.T) {
 	require.Zero(t, c.host.OpenMappings(), "closing the producer closes its mappings of the shards' slabs")
 }
 
-// TestGPUBatchCostsTwoRoundTripsPerShard counts the producer's control
-// round trips: over cuda_ipc a batch costs one reserve_batch and one
-// complete_batch per shard and nothing else, the data plane included
-// (the grant names the region; the copy needs no exchange).
-func TestGPUBatchCostsTwoRoundTripsPerShard(t *testing.T) {
+// TestGPUBatchCostsOneRoundTripPerShard counts the producer's control
+// round trips: over cuda_ipc a batch costs one reserve_batch per shard
+// and nothing else: the grant names the region, the copy needs no
+// exchange, and the item completes by the ready word its GPU stores after
+// the copy (one one-way announcement on the data connection), so no
+// complete_batch follows.
+func TestGPUBatchCostsOneRoundTripPerShard(t *testing.T) {
 	const tp = 2
 	c := newGPUCluster(t, tp, 32<<20)
 	p := c.prods[cudaipc.Name]
@@ -196,15 +204,16 @@ func TestGPUBatchCostsTwoRoundTripsPerShard(t *testing.T) {
 		before := p.Stats().RoundTrips
 		items := makeItems(uint64(61+b), 4, 1<<10, 64<<10, 0)
 		c.push(cudaipc.Name, fmt.Sprintf("req-count-%d", b), items, 0)
-		require.Equal(t, uint64(2*tp), p.Stats().RoundTrips-before, "batch %d: reserve + complete per shard", b)
 		require.Len(t, c.wait(tids(items), 10*time.Second).Available, len(items))
+		require.Equal(t, uint64(tp), p.Stats().RoundTrips-before, "batch %d: one reserve per shard, no complete", b)
 	}
 }
 
 // TestGPUReadyPathIsTimedByPhase: a batch over cuda_ipc leaves one
 // observation of every phase of its readiness path, on the side that can
-// time it (the producer: copies, write, complete hand-off and round trip;
-// the scheduler: the event's delivery), for a benchmark to break down.
+// time it (the producer: copies and write, and no complete, which the
+// ready words made needless; the scheduler: the event's delivery), for a
+// benchmark to break down.
 func TestGPUReadyPathIsTimedByPhase(t *testing.T) {
 	c := newGPUCluster(t, 1, 32<<20)
 	p := c.prods[cudaipc.Name]
@@ -214,9 +223,11 @@ func TestGPUReadyPathIsTimedByPhase(t *testing.T) {
 	c.push(cudaipc.Name, "req-phase", items, 0)
 	require.Len(t, c.wait(tids(items), 10*time.Second).Available, len(items))
 	after := p.Stats().Phases
-	for _, ph := range []string{metrics.PhaseReserveRTT, metrics.PhaseWriteHandoff, metrics.PhaseCopyQueue, metrics.PhaseWrite,
-		metrics.PhaseCompleteHandoff, metrics.PhaseCompleteRTT} {
+	for _, ph := range []string{metrics.PhaseReserveRTT, metrics.PhaseWriteHandoff, metrics.PhaseCopyQueue, metrics.PhaseWrite} {
 		require.Equal(t, uint64(1), after[ph].Count-before[ph].Count, "phase %s: once per batch", ph)
+	}
+	for _, ph := range []string{metrics.PhaseCompleteHandoff, metrics.PhaseCompleteRTT} {
+		require.Zero(t, after[ph].Count-before[ph].Count, "phase %s: no complete over cuda_ipc", ph)
 	}
 	require.Eventually(t, func() bool {
 		return c.sched.Stats().Phases[metrics.PhaseEventDelivery].Count >= before[metrics.PhaseEventDelivery].Count+uint64(len(items))

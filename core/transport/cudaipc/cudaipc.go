@@ -64,15 +64,17 @@ func New(cfg Config) *Transport { return &Transport{cfg: cfg.withDefaults()} }
 // Name implements transport.Transport.
 func (t *Transport) Name() string { return Name }
 
-// Listen exports the slab once and greets producers at addr (a loopback
-// or host address; port 0 picks one). The receiver is a transport.Direct:
-// the shard that owns sink admits each writer per region at its grant,
-// since no write passes through the receiver.
-func (t *Transport) Listen(addr string, _ transport.Sink) (transport.Receiver, error) {
+// Listen exports the slab once and greets producers on a new abstract
+// Unix socket; addr only names the shard's other planes and is not used.
+// The receiver is a transport.Direct: the shard that owns sink admits
+// each writer per region at its grant, since no write passes through the
+// receiver. When sink is a transport.RemoteSink, each producer gets a
+// ready-word region and its items complete in-band (words.go).
+func (t *Transport) Listen(_ string, sink transport.Sink) (transport.Receiver, error) {
 	if t.cfg.SlabDevice == nil {
 		return nil, errors.New("cudaipc: listen needs a slab in GPU memory")
 	}
-	return t.listen(addr)
+	return t.listen(sink)
 }
 
 // NewWriter returns a writer with its own connections and mappings.

@@ -1,78 +1,115 @@
 // Package cudaipc is the same-host data plane for GPU memory: the
 // producer copies device to device straight into the consumer's GPU slab,
 // through a CUDA IPC mapping of it, over NVLink or PCIe peer access or
-// within one GPU. It is one-sided, like mooncake and shm: a batch costs no
-// exchange of its own, only the control plane's reserve and complete.
+// within one GPU. It is one-sided, like mooncake and shm, but it completes
+// in-band: the producer's GPU stores a ready word into memory the shard
+// reads after the copies, and the shard marks the item ready when it sees
+// the word. A batch costs the control plane's reserve and nothing else.
 //
 // # Protocol
 //
 // The consumer shard exports its slab's IPC handle once, when it starts
-// listening, and publishes its address on the control plane:
+// listening on a new abstract Unix socket, and publishes its address on
+// the control plane:
 //
-//	host:port?nonce=<32 hex digits>
+//	@ecmooncake-cudaipc-<pid>-<16 hex digits>?nonce=<32 hex digits>
 //
-// The nonce is new for every Listen, so a shard that restarts on the same
-// port publishes a new address, and a reserve reply (which names the data
-// plane of the incarnation that granted) tells the producer which
-// incarnation's slab its grants are in. The socket serves one exchange per
-// producer, the hello (see wire.go): the producer presents the nonce and
-// gets the handle, the slab's offset into its allocation, and the slab's
-// address and size in the shard's process. The handle goes only to a peer
-// that knows the nonce, and the nonce only ever travels on the
-// authenticated control plane. The connection then stays open and idle:
-// its end is how each side learns that the other is gone. The socket holds
-// at most Config.MaxConns connections at once (the shard's max_data_conns,
-// like the other data planes); one past the cap is closed at once and
-// counted in RecvStats.Closed under transport.ClosedLimit.
+// The nonce is new for every Listen, so a shard that restarts publishes a
+// new address, and a reserve reply (which names the data plane of the
+// incarnation that granted) tells the producer which incarnation's slab
+// its grants are in. A connection is admitted only from a process of the
+// shard's uid (SO_PEERCRED, core/transport/internal/unixfd). Its first
+// exchange is the hello (see wire.go): the producer presents the nonce
+// and gets the handle, the slab's offset into its allocation, the slab's
+// address and size in the shard's process and, when the shard's sink can
+// complete in-band (transport.RemoteSink), a ready-word region of its own:
+// a sealed memfd passed with SCM_RIGHTS, of which the shard keeps its own
+// mapping (layout and invariants in words.go). The handle and the region
+// go only to a peer that knows the nonce, and the nonce only ever travels
+// on the authenticated control plane. The connection then stays open: it
+// carries the producer's announcements, and its end is how each side
+// learns that the other is gone. The socket holds at most Config.MaxConns
+// connections at once (the shard's max_data_conns, like the other data
+// planes); one past the cap is closed at once and counted in
+// RecvStats.Closed under transport.ClosedLimit.
 //
 // # One Write
 //
 // The receiver is a transport.Direct. A write grant carries the region's
 // address (RemoteAddr: the slab's address plus the region's offset) and
 // its size, and the shard admits the region's write at the grant and ends
-// it at the producer's complete or abandon (package consumer, direct.go),
-// so the region is not reused while a copy into it may still land. The
-// writer checks every item against its grant (inside [Addr, Addr+Size))
-// and the grant against the slab of the incarnation it mapped (inside
-// [Base, Base+Size) of its hello), and refuses anything else before
-// copying a byte (transport.ErrWriteBounds, transport.ErrStaleAddr). The
-// shard's checks stay: only a write grant, which needs the reservation's
-// token, makes it hold a region for a writer, and only the producer that
-// holds the token can complete it.
+// it when the write completes or is abandoned (package consumer,
+// direct.go), so the region is not reused while a copy into it may still
+// land. The writer checks every item against its grant (inside [Addr,
+// Addr+Size)) and the grant against the slab of the incarnation it mapped
+// (inside [Base, Base+Size) of its hello), and refuses anything else
+// before copying a byte (transport.ErrWriteBounds, transport.ErrStaleAddr).
 //
+// Items that complete in-band (WriteItem.Complete, asked for when
+// InBand(dest) is true) each take a free slot of the region and the next
+// sequence, and the writer sends one message naming, per item, the
+// reservation, its token, the slot and the value it will store there,
+// before it queues any copy, so that the shard's wake overlaps the copy.
 // Then it queues the batch's copies on one stream of the source's device,
-// behind each source's readiness event, records an event after them and
-// waits for it (gpu.TimedCopier, which also says how long the GPU took and
-// how long waking for the event cost, observed as metrics phases). Write
-// returns only after that event completed. As for any one-sided plane, a
-// shard whose writer neither completes nor abandons ends the write after
-// two leases; a copy still queued then (behind a source whose stream has
-// been stuck for that long) could land in a reused region, which is why
-// the producer's write deadline (push_wait_timeout_s, 60 s by default)
-// should stay far shorter than a lease (lease_s, 300 s by default).
+// behind each source's readiness event, one cuStreamWriteValue64 per item
+// after them (flags 0: a memory barrier first), records an event after
+// those and waits for it (gpu.ValueWriter; the timings are observed as
+// metrics phases). Write returns only after that event completed, so the
+// source goes back to the encoder as before; no complete message follows.
+//
+// The shard checks each announced entry (slot inside the region and not
+// watched already, the attachment's generation and a sequence above every
+// earlier one, and through the sink an open one-sided write of this shard
+// with that token) and watches the slot: one goroutine per attachment
+// scans its watched words back to back for a short while after each
+// announcement, then naps between scans, longer each time up to a
+// millisecond. A word equal to its announced value frees the slot (the
+// shard stores 0 there) and completes the item through the sink
+// (RemoteSink.CompleteRemote: WRITING → READY, readiness published, once).
+// Everything refused is counted in RecvStats.Rejected by reason and
+// logged rate-limited, and marks nothing ready; an entry the sink refused
+// (its write gone, say cancelled meanwhile) is still watched, only to
+// store the 0 that frees its slot when the producer's word lands. An entry is dropped when
+// the shard gives up on its write (two leases) or when the connection
+// ends; its region then ends the way every one-sided write a producer
+// walked away from ends, after the writer grace.
+//
+// Where the new path cannot serve, the items complete by message as
+// before (the producer's complete_batch): a shard whose sink cannot
+// complete in-band offers no region, and a device that cannot store words
+// from a stream (no cuStreamWriteValue64, or registration of the region
+// fails) makes the writer's InBand false for that attachment; both are
+// logged once and counted (WriterStats.ByMessage). A host source, and a
+// device of an in-band attachment that cannot register the region, get
+// their word stored by the writer itself after the copy completed
+// (WriterStats.HostWords), which keeps the word's promise.
 //
 // # Ordering
 //
-// The shard publishes an item when the producer's complete arrives, and
-// the producer sends it only after Write returned, that is after the
-// copy's completion event was seen complete on the host. An event
-// completes only once every copy queued before it on its stream has
-// finished writing device memory, the mapped slab included, so by the
-// time the complete can exist the bytes are in the slab; whatever the
-// consumer then launches to read them (the engine's kernels, ordered after
-// the readiness event reached the host) reads the finished bytes.
+// The word is stored after the copies on the same stream, and the store
+// is fenced after them: a slot holding the announced value means every
+// byte of the item is in the slab. The shard marks the item ready only
+// after it read that value, and publishes readiness after that; whatever
+// the consumer then launches to read the bytes (the engine's kernels,
+// ordered after the readiness event reached the host) reads the finished
+// bytes. A value left in a slot by an earlier use never equals a fresh
+// one (the sequence only grows on an attachment, and the generation tells
+// attachments apart), and a slot is reused only once the shard stored 0
+// in it, so a stale word completes nothing.
 //
 // # Mappings
 //
-// The producer opens the handle once per shard incarnation and device and
-// keeps the mapping while the hello's connection lives. When it ends (the
-// shard closed or died) the mapping is closed at once, after the copies in
-// flight (a mapping keeps the exporter's memory alive, even after the
-// exporter exits). A write naming a new nonce greets the new incarnation
-// and closes the old mapping; one naming a nonce the shard no longer
-// knows fails with transport.ErrUnreachable. Writes to one shard copy
-// concurrently, so a busy encoder keeps several batches in flight. Close
-// closes every connection and mapping.
+// The producer opens the handle once per shard incarnation and device,
+// maps the ready-word region once per attachment and registers it once
+// per device (cuMemHostRegister, DEVICEMAP), and keeps all of it while the
+// hello's connection lives. When it ends (the shard closed or died) the
+// mapping, the registrations and the region are released at once, after
+// the copies in flight (a mapping keeps the exporter's memory alive, even
+// after the exporter exits). A write naming a new nonce greets the new
+// incarnation; one naming a nonce the shard no longer knows fails with
+// transport.ErrUnreachable. Writes to one shard copy concurrently, so a
+// busy encoder keeps several batches in flight. Close closes every
+// connection, region and mapping.
 //
 // A handle that cannot be opened here (another host's, or a GPU this
 // process cannot reach) fails the batch with transport.ErrUnsupported,

@@ -278,6 +278,7 @@ func (m *multi) Stats() transport.RecvStats {
 		out.Bytes += s.Bytes
 		out.BadConns += s.BadConns
 		out.Attached += s.Attached
+		out.Completed += s.Completed
 		for k, v := range s.Rejected {
 			out.Rejected[k] += v
 		}

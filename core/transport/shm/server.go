@@ -39,7 +39,7 @@ type receiver struct {
 	fd   int // our duplicate of the slab's memfd; closed by Close
 	ln   *net.UnixListener
 	log  *slog.Logger
-	once warnOnce
+	once serve.WarnOnce
 
 	handed atomic.Uint64
 	closed serve.Counts
@@ -59,7 +59,7 @@ func newReceiver(p peer, fd int, ln *net.UnixListener, max int, log *slog.Logger
 			})
 		},
 		Failed: func(err error, retryIn time.Duration) {
-			r.once.log(r.log, "accept", "shm: accept failed", "cause", err, "retry_in", retryIn)
+			r.once.Log(r.log, "accept", "shm: accept failed", "cause", err, "retry_in", retryIn)
 		},
 		Done: r.conns.Done(),
 		Log:  r.log,
@@ -91,7 +91,7 @@ func (r *receiver) refuseWith(c *net.UnixConn, reason string, cause error, answe
 	if answer != nil {
 		_, _ = c.Write(answer)
 	}
-	r.once.log(r.log, reason, "shm: refused a producer connection", "cause", cause)
+	r.once.Log(r.log, reason, "shm: refused a producer connection", "cause", cause)
 	_ = c.Close()
 }
 
@@ -148,7 +148,7 @@ func (r *receiver) handOver(c *net.UnixConn) bool {
 		return false
 	}
 	if _, _, err := c.WriteMsgUnix(appendGrant(nil, grant{Status: grantOK, Len: r.p.Len}), syscall.UnixRights(r.fd), nil); err != nil {
-		r.once.log(r.log, "send", "shm: sending the slab descriptor failed", "cause", err)
+		r.once.Log(r.log, "send", "shm: sending the slab descriptor failed", "cause", err)
 		return false
 	}
 	r.handed.Add(1)

@@ -11,7 +11,6 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"sync"
 
 	"golang.org/x/sys/unix"
 
@@ -239,30 +238,6 @@ func randomHex(n int) string {
 	b := make([]byte, n)
 	_, _ = rand.Read(b) // crypto/rand never fails on Linux
 	return hex.EncodeToString(b)
-}
-
-// warnOnce logs the first event of each kind at Warn and the rest at
-// Debug: a peer that keeps knocking must not flood the log, and the
-// counters say how often it knocked.
-type warnOnce struct {
-	mu   sync.Mutex
-	seen map[string]bool
-}
-
-func (w *warnOnce) log(log *slog.Logger, kind, msg string, args ...any) {
-	w.mu.Lock()
-	first := !w.seen[kind]
-	if w.seen == nil {
-		w.seen = map[string]bool{}
-	}
-	w.seen[kind] = true
-	w.mu.Unlock()
-	args = append(args, "reason", kind)
-	if first {
-		log.Warn(msg, append(args, "note", "later ones of this reason are logged at debug level; see the counters")...)
-		return
-	}
-	log.Debug(msg, args...)
 }
 
 var errNoAddr = errors.New("the grant carries no slab address (is the consumer's transport shm?)")

@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ecmooncake/ecmooncake/core/transport"
+	"github.com/ecmooncake/ecmooncake/core/transport/internal/serve"
 )
 
 // WriterStats counts a Writer's work since it was made. Refused counts
@@ -33,7 +34,7 @@ type WriterStats struct {
 // mapping to end.
 type Writer struct {
 	t    *Transport
-	once warnOnce
+	once serve.WarnOnce
 
 	mu     sync.RWMutex
 	closed bool
@@ -150,7 +151,7 @@ func place(p peer, m *mapping, it transport.WriteItem) (uint64, error) {
 
 func (w *Writer) refuse(reason string, cause error) {
 	w.refused.Add(1)
-	w.once.log(w.t.log, reason, "shm: refused a consumer's slab", "cause", cause)
+	w.once.Log(w.t.log, reason, "shm: refused a consumer's slab", "cause", cause)
 }
 
 // attach fetches p's slab descriptor, checks it and maps it, then

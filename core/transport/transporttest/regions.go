@@ -3,6 +3,7 @@ package transporttest
 import (
 	"fmt"
 	"sync"
+	"time"
 
 	"go.uber.org/atomic"
 
@@ -25,6 +26,8 @@ type Regions struct {
 	regions map[ids.ResID]*region
 	begun   int
 	ended   int
+	// completed counts CompleteRemote's completions
+	completed int
 }
 
 type region struct {
@@ -33,6 +36,7 @@ type region struct {
 	inflight int
 	torn     bool
 	gone     bool
+	done     bool // completed by CompleteRemote
 }
 
 var tables atomic.Uint32
@@ -49,6 +53,7 @@ func NewDevice(size uint64) *Regions {
 }
 
 var (
+	_ transport.RemoteSink = (*Regions)(nil)
 	_ transport.RegionSink = (*Regions)(nil)
 	_ transport.Sink       = (*Regions)(nil)
 )
@@ -164,4 +169,59 @@ func (r *Regions) EndWrite(res ids.ResID, ok bool) {
 	if !ok {
 		g.torn = true
 	}
+}
+
+// RemoteGrace is how long after WatchRemote a one-sided write stays open
+// in this table (a shard's writer grace).
+const RemoteGrace = time.Minute
+
+// WatchRemote implements transport.RemoteSink: every region that is not
+// gone nor completed is an open one-sided write.
+func (r *Regions) WatchRemote(res ids.ResID, tok ids.Token) (time.Time, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if _, err := r.openRemote(res, tok); err != nil {
+		return time.Time{}, err
+	}
+	return time.Now().Add(RemoteGrace), nil
+}
+
+// CompleteRemote implements transport.RemoteSink.
+func (r *Regions) CompleteRemote(res ids.ResID, tok ids.Token) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	g, err := r.openRemote(res, tok)
+	if err != nil {
+		return err
+	}
+	g.done = true
+	r.completed++
+	return nil
+}
+
+func (r *Regions) openRemote(res ids.ResID, tok ids.Token) (*region, error) {
+	g, ok := r.regions[res]
+	switch {
+	case !ok:
+		return nil, fmt.Errorf("region %d: %w", res, transport.ErrUnknownRes)
+	case !tok.Equal(g.tok):
+		return nil, fmt.Errorf("region %d: %w", res, transport.ErrBadToken)
+	case g.gone || g.done:
+		return nil, fmt.Errorf("region %d: %w", res, transport.ErrGone)
+	}
+	return g, nil
+}
+
+// Completed reports whether CompleteRemote completed the region.
+func (r *Regions) Completed(res ids.ResID) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.regions[res].done
+}
+
+// Completions counts the regions CompleteRemote completed.
+func (r *Regions) Completions() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.completed
 }

@@ -1,0 +1,88 @@
+package unixfd
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// ErrBadRights is wrapped by every error about a message's descriptors.
+var ErrBadRights = errors.New("bad descriptor message")
+
+// TakeRights returns the single descriptor that oob (a control message
+// buffer read with a message) carries. Every descriptor it received is
+// either returned or closed, also on error.
+func TakeRights(oob []byte, flags int) (int, error) {
+	fds, err := ParseRights(oob, flags)
+	if err != nil {
+		for _, fd := range fds {
+			if fd >= 0 {
+				syscall.Close(fd)
+			}
+		}
+		return -1, err
+	}
+	return fds[0], nil
+}
+
+// ParseRights decodes the descriptors in oob; the error is nil only when
+// there is exactly one, in one message, none cut off (MSG_CTRUNC).
+func ParseRights(oob []byte, flags int) ([]int, error) {
+	msgs, err := syscall.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, fmt.Errorf("control message: %v: %w", err, ErrBadRights)
+	}
+	var fds []int
+	for i := range msgs {
+		// ParseUnixRights panics on data that is not whole descriptors;
+		// the kernel never sends such, but the check costs nothing.
+		if len(msgs[i].Data)%4 != 0 {
+			return fds, fmt.Errorf("control message of %d bytes: %w", len(msgs[i].Data), ErrBadRights)
+		}
+		if got, err := syscall.ParseUnixRights(&msgs[i]); err == nil {
+			fds = append(fds, got...)
+		}
+	}
+	if len(fds) == 1 && len(msgs) == 1 && fds[0] >= 0 && flags&syscall.MSG_CTRUNC == 0 {
+		return fds, nil
+	}
+	return fds, fmt.Errorf("message carries %d descriptors in %d control messages (truncated: %t), want exactly one: %w",
+		len(fds), len(msgs), flags&syscall.MSG_CTRUNC != 0, ErrBadRights)
+}
+
+// PeerUID is the uid of the process at the other end of c, as the kernel
+// recorded it when the connection was made (SO_PEERCRED): a peer cannot
+// claim another.
+func PeerUID(c *net.UnixConn) (uint32, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var cred *unix.Ucred
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, serr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return 0, err
+	}
+	if serr != nil {
+		return 0, fmt.Errorf("SO_PEERCRED: %w", serr)
+	}
+	return cred.Uid, nil
+}
+
+// SameUser checks that c's peer runs as this process's uid.
+func SameUser(c *net.UnixConn) error {
+	uid, err := PeerUID(c)
+	if err != nil {
+		return err
+	}
+	if me := uint32(os.Getuid()); uid != me {
+		return fmt.Errorf("peer runs as uid %d, this process as %d", uid, me)
+	}
+	return nil
+}
