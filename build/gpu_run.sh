@@ -66,6 +66,7 @@ pack() {
 	rm -rf "$SITE" "$ART/mooncake-site"
 	bash build/wheel.sh "$ART" >/dev/null
 	CGO_ENABLED=1 go test -c -o "$ART/cuda.test" ./core/cuda
+	CGO_ENABLED=1 go test -c -o "$ART/cudaipc.test" ./core/transport/cudaipc
 	ls -l "$ART"
 }
 
@@ -116,6 +117,16 @@ run() {
 	(cd core/cuda && "$ART/cuda.test" -test.v -test.count=1) 2>&1 | tee "$log"
 	local go_rc=${PIPESTATUS[0]}
 	record "go test core/cuda" "$([ "$go_rc" = 0 ] && echo PASS || echo FAIL)" \
+		"$(grep -c -- '^--- PASS' "$log") passed, $(grep -c -- '^--- SKIP' "$log") skipped, $(grep -c -- '^--- FAIL' "$log") failed"
+	[ "$go_rc" = 0 ] || rc=1
+
+	# cuda_ipc's ready words on the real driver: a shard in a child
+	# process, the producer's GPU storing each word after its copies.
+	echo "== go: cuda_ipc ready words against the driver"
+	log="$out/go_cudaipc.log"
+	(cd core/transport/cudaipc && ECM_TEST_REAL_GPU=1 "$ART/cudaipc.test" -test.v -test.count=1 -test.run RealGPU) 2>&1 | tee "$log"
+	go_rc=${PIPESTATUS[0]}
+	record "go test cudaipc (real GPU)" "$([ "$go_rc" = 0 ] && grep -q -- '^--- PASS' "$log" && echo PASS || echo FAIL)" \
 		"$(grep -c -- '^--- PASS' "$log") passed, $(grep -c -- '^--- SKIP' "$log") skipped, $(grep -c -- '^--- FAIL' "$log") failed"
 	[ "$go_rc" = 0 ] || rc=1
 
