@@ -197,4 +197,3 @@ func TestNoCreditWhereItCannotServe(t *testing.T) {
 	require.Nil(t, newCreditRig(t, 0, true).window(t, 1<<20), "off at the shard")
 	require.Nil(t, newCreditRig(t, 1<<20, true).window(t, 0), "not asked")
 }
-
