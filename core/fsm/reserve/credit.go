@@ -18,7 +18,7 @@ import (
 // window with no message, writes the bytes, and names them in one Claim
 // per item; Claim checks the claim against the window and files the region
 // already written (Ready). The window is renewed (lease extended, topped up
-// from free slab room, never by evicting) whenever its owner is answered
+// from free room or resident copies, never from regions in use) whenever its owner is answered
 // anyway (Credit), so credit costs no message of its own. An expired lease
 // (Tick) or a dropped window (DropCredit) returns the room; a new window
 // gets a new generation and token, so a claim against the old one is
@@ -126,7 +126,7 @@ func (w *window) credit() Credit {
 
 // Credit grants or renews the window of owner on peer, asking want bytes
 // (capped at Config.CreditWindowBytes): the lease restarts and the window
-// is topped up from free slab room, without evicting anything. ok is false
+// is topped up (windowRoom). ok is false
 // when no credit is granted (off, nothing asked, or the peer holds windows
 // of MaxOwnersPerPeer requesters). A window whose lease ended is replaced
 // by a new generation. A window may hold less than asked, or nothing, when
@@ -158,16 +158,41 @@ func (t *Table) Credit(peer, owner string, want uint64, now time.Time) (Credit, 
 	}
 	w.want = want
 	w.deadline = now.Add(t.cfg.CreditLease)
-	// What free room there is, up to what is missing, in one piece: a
-	// full slab is backpressure, never a reason to evict.
 	if held := w.bytes(); held < want && len(w.pieces) < maxWindowPieces {
-		if off, err := t.slab.Alloc(min(want-held, t.slab.LargestFree())); err == nil {
+		if off, ok := t.windowRoom(want - held); ok {
 			n, _ := t.slab.Len(off)
 			i, _ := slices.BinarySearchFunc(w.pieces, off, func(p Extent, o uint64) int { return cmpUint(p.Off, o) })
 			w.pieces = slices.Insert(w.pieces, i, Extent{off, n})
 		}
 	}
 	return w.credit(), true
+}
+
+// windowRoom allocates up to n bytes in one piece for a window: n when a
+// free extent holds them, or when evicting resident copies opens one (as
+// the reservation the room stands for would), else the largest free
+// extent. Room held by regions being written, pinned or not yet loaded is
+// never taken: a slab full of those is backpressure, and the window holds
+// less, or nothing.
+func (t *Table) windowRoom(n uint64) (uint64, bool) {
+	off, err := t.slab.Alloc(n)
+	if err == nil {
+		return off, true
+	}
+	if victims := t.roomFor(n); victims != nil {
+		for _, r := range victims {
+			t.evict(r)
+		}
+		if off, err = t.slab.Alloc(n); err == nil {
+			return off, true
+		}
+	}
+	if lf := t.slab.LargestFree(); lf > 0 {
+		if off, err = t.slab.Alloc(lf); err == nil {
+			return off, true
+		}
+	}
+	return 0, false
 }
 
 // DropCredit returns owner's window on peer to the slab (its connection

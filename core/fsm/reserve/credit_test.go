@@ -1,6 +1,7 @@
 package reserve
 
 import (
+	"fmt"
 	"testing"
 	"time"
 
@@ -285,8 +286,9 @@ func TestClaimAfterShardRestart(t *testing.T) {
 	require.NoError(t, restarted.CheckInvariants())
 }
 
-// A full slab is backpressure: the window holds what free room there is,
-// possibly nothing, and never evicts a resident copy; off, or asked for
+// A slab held by items in use is backpressure: the window holds what free
+// room there is, possibly nothing; resident copies make room for it as
+// they would for the reservations it stands for. Off, or asked for
 // nothing, there is no window.
 func TestCreditIsBackpressured(t *testing.T) {
 	tab := newGrantTable(1<<20, Config{})
@@ -296,24 +298,65 @@ func TestCreditIsBackpressured(t *testing.T) {
 	tab = newGrantTable(256<<10, Config{CreditWindowBytes: creditWindow, MaxPendingBytesPerOwner: 1 << 30})
 	_, ok = tab.Credit("conn-p", "p", 0, epoch)
 	require.False(t, ok, "nothing asked")
-	g := tab.Reserve([]Item{owned("r", "t1", "h1", 224<<10)}, epoch)[0]
-	require.NoError(t, g.Err)
-	require.NoError(t, tab.Complete(g.Res, g.Token, epoch))
+	pinned := tab.Reserve([]Item{owned("r", "t1", "h1", 160<<10)}, epoch)[0]
+	require.NoError(t, pinned.Err)
+	require.NoError(t, tab.Complete(pinned.Res, pinned.Token, epoch))
 	_, _, err := tab.Acquire("h1", epoch)
 	require.NoError(t, err)
-	require.NoError(t, tab.Release("h1", epoch))
+	resident := tab.Reserve([]Item{owned("r", "t2", "h2", 64<<10)}, epoch)[0]
+	require.NoError(t, resident.Err)
+	require.NoError(t, tab.Complete(resident.Res, resident.Token, epoch))
+	_, _, err = tab.Acquire("h2", epoch)
+	require.NoError(t, err)
+	require.NoError(t, tab.Release("h2", epoch))
 
 	c, ok := tab.Credit("conn-p", "p", creditWindow, epoch)
 	require.True(t, ok)
-	require.Equal(t, uint64(32<<10), c.Bytes(), "only the free room, the resident stays")
-	require.Equal(t, 1, tab.Stats().Residents)
-
-	// A reservation that needs the room evicts the resident around the
-	// window, never into it.
-	g = tab.Reserve([]Item{owned("r", "t2", "h2", 200<<10)}, epoch)[0]
-	require.NoError(t, g.Err)
+	require.Equal(t, uint64(creditWindow), c.Bytes(), "the resident went for the window, the pinned item stays")
+	require.Zero(t, tab.Stats().Residents)
+	require.Equal(t, uint64(1), tab.Stats().Evictions)
 	require.NoError(t, tab.CheckInvariants())
-	require.ErrorIs(t, tab.Reserve([]Item{owned("r", "t3", "h3", 64<<10)}, epoch)[0].Err, ErrPoolFull)
+
+	// What is left goes to the next window, then nothing.
+	part, ok := tab.Credit("conn-q", "q", creditWindow, epoch)
+	require.True(t, ok)
+	require.Equal(t, uint64(32<<10), part.Bytes())
+	empty, ok := tab.Credit("conn-s", "s", creditWindow, epoch)
+	require.True(t, ok)
+	require.Zero(t, empty.Bytes())
+	require.NoError(t, tab.CheckInvariants())
+}
+
+// A reservation that needs room evicts resident copies around a window,
+// never into it: the window's room cuts the slab like a region in use.
+func TestEvictionForAReservationSparesWindows(t *testing.T) {
+	tab := newGrantTable(256<<10, Config{CreditWindowBytes: creditWindow, MaxPendingBytesPerOwner: 1 << 30})
+	// Residents [0,64K) [64K,128K), then the window [128K,192K), then a
+	// resident [192K,256K): 128K contiguous only on the left.
+	for i, n := range []uint64{64 << 10, 64 << 10} {
+		g := tab.Reserve([]Item{owned("r", fmt.Sprint("t", i), fmt.Sprint("h", i), n)}, epoch)[0]
+		require.NoError(t, g.Err)
+		require.NoError(t, tab.Complete(g.Res, g.Token, epoch))
+	}
+	c, ok := tab.Credit("conn-p", "p", creditWindow, epoch)
+	require.True(t, ok)
+	require.Equal(t, uint64(128<<10), c.Extents[0].Off)
+	g := tab.Reserve([]Item{owned("r", "t9", "h9", 64<<10)}, epoch)[0]
+	require.NoError(t, g.Err)
+	require.NoError(t, tab.Complete(g.Res, g.Token, epoch))
+	for _, h := range []string{"h0", "h1", "h9"} {
+		_, _, err := tab.Acquire(h, epoch)
+		require.NoError(t, err)
+		require.NoError(t, tab.Release(h, epoch))
+	}
+	// The oldest residents h0 and h1 are adjacent; h9 is alone past the
+	// window. 128K fits only by evicting h0 and h1.
+	g = tab.Reserve([]Item{owned("r", "big", "hbig", 128<<10)}, epoch)[0]
+	require.NoError(t, g.Err)
+	require.Zero(t, g.Offset)
+	require.NoError(t, tab.CheckInvariants())
+	// 192K cannot fit anywhere without the window's room: refused.
+	require.ErrorIs(t, tab.Reserve([]Item{owned("r", "huge", "hhuge", 192<<10)}, epoch)[0].Err, ErrPoolFull)
 	require.NoError(t, tab.CheckInvariants())
 }
 
