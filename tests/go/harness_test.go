@@ -60,6 +60,8 @@ type clusterOpts struct {
 	shm bool
 	// credit turns the standing credit on at both ends (credit_window_bytes).
 	credit uint64
+	// maxResident caps each shard's resident copies (max_resident_bytes).
+	maxResident uint64
 	// secret is every end's auth_secret; producerSecret, when set,
 	// overrides the producer's.
 	secret         string
@@ -182,7 +184,7 @@ func (c *cluster) openShard(r int) ([]byte, *node.Consumer) {
 	mem := c.o.slab(c.o.slabBytes)
 	cfg := config.DefaultConsumer()
 	cfg.Port, cfg.TPSize, cfg.TPRank, cfg.LeaseS = c.base, c.o.tp, r, c.o.lease.Seconds()
-	cfg.CreditWindowBytes = c.o.credit
+	cfg.CreditWindowBytes, cfg.MaxResidentBytes = c.o.credit, c.o.maxResident
 	cfg.Secret = config.Secret(c.o.secret)
 	cfg.ControlUnix = c.o.unix
 	var tr transport.Transport
