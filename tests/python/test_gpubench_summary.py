@@ -58,3 +58,16 @@ def test_summary_prints_each_phase_per_hop_trace_beside_its_floor():
     assert [line.split()[0] for line in lines[2:]] == ["hand_over", "write_enqueued", "write_ended", "ready", "event_delivered"]
     assert lines[4].split()[4:] == ["170.0", "170.0", "190.0", "190.0"]
     assert not any("ipc-4m" in line for line in lines)
+
+
+def test_every_credit_phase_runs_beside_its_namesake_on_a_producer_of_its_own():
+    by = {p["name"]: p for p in gpubench.PHASES}
+    credit = [p for p in gpubench.PHASES if p.get("credit")]
+    assert {p["name"] for p in credit} >= {"ipc-4m-credit", "ipc-32m-credit"}
+    for p in credit:
+        twin = by[p["name"].removesuffix("-credit")]
+        assert not twin.get("credit")
+        same = ("plane", "mib", "batch", "rounds", "encode_ms", "inflight")
+        assert {k: p.get(k) for k in same} == {k: twin.get(k) for k in same}, p["name"]
+        assert gpubench._producer_key(p) != gpubench._producer_key(twin)
+    assert [p["name"] for p in gpubench._phases("ipc-32m,ipc-32m-credit")] == ["ipc-32m", "ipc-32m-credit"]

@@ -369,11 +369,15 @@ def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, p
     # shard's stamps, and the scheduler's of this process; transfer_id is
     # mm_hash here.
     rings = [producer.call("trace", 30), consumer.call("trace", 30), trace_drain()]
+    # How many of the producer's batches took credit and how many reserved
+    # (since it started: a credit phase's warm-up round reserves).
+    credit = (producer.call("stats", 30) or {}).get("credit") if p.get("credit") else None
     hops = {**trace.table([s for ring in rings for s in ring["stamps"]], timed), "dropped": sum(r["dropped"] for r in rings)}
     count = batch * inflight * p["rounds"]
     return {
         "name": p["name"],
         "transport": p["plane"],
+        "credit": credit,
         "encode_ms": p.get("encode_ms", 0),
         "item_bytes": nbytes,
         "batch": batch,
@@ -392,13 +396,21 @@ def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, p
 # Serial phases send one batch and wait for it (latency-bound: what one
 # request sees); stream phases keep `inflight` batches going at once (what
 # a busy encoder sees).
+#
+# A "credit" phase runs beside its namesake on a producer with the standing
+# credit on (credit_window_bytes, both ends): its batches take their
+# regions from the shard's window, with no reserve round trip, and name
+# them in one claim_batch (its warm-up round brings the window).
 PHASES = [
     {"name": "ipc-4m", "plane": "cuda_ipc", "mib": 4, "batch": 8, "rounds": 16},
+    {"name": "ipc-4m-credit", "plane": "cuda_ipc", "credit": True, "mib": 4, "batch": 8, "rounds": 16},
     {"name": "ipc-32m", "plane": "cuda_ipc", "mib": 32, "batch": 8, "rounds": 8},
+    {"name": "ipc-32m-credit", "plane": "cuda_ipc", "credit": True, "mib": 32, "batch": 8, "rounds": 8},
     {"name": "ipc-128m", "plane": "cuda_ipc", "mib": 128, "batch": 8, "rounds": 6},
     # Announced 5 ms before the hand-over (an encoder step's time), timed
     # from the hand-over: the path a request waits on in vLLM.
     {"name": "ipc-32m-announced", "plane": "cuda_ipc", "mib": 32, "batch": 8, "rounds": 8, "encode_ms": 5},
+    {"name": "ipc-32m-announced-credit", "plane": "cuda_ipc", "credit": True, "mib": 32, "batch": 8, "rounds": 8, "encode_ms": 5},
     {"name": "ipc-128m-announced", "plane": "cuda_ipc", "mib": 128, "batch": 8, "rounds": 6, "encode_ms": 5},
     {"name": "ipc-32m-stream", "plane": "cuda_ipc", "mib": 32, "batch": 8, "inflight": 32, "rounds": 2},
     {"name": "ipc-128m-stream", "plane": "cuda_ipc", "mib": 128, "batch": 8, "inflight": 12, "rounds": 2},
@@ -409,6 +421,16 @@ PHASES = [
     # 15 us per item above the data time).
     {"name": "tcp-64k", "plane": "tcp", "mib": 1 / 16, "batch": 256, "rounds": 8},
 ]
+
+
+# The credit window a credit phase's producer asks for, and the most the
+# shard grants (it caps it at a quarter of its slab): two 8 x 32 MiB batches.
+CREDIT_WINDOW = 512 * MiB
+
+
+def _producer_key(p: dict) -> str:
+    """Which producer worker runs phase p."""
+    return p["plane"] + ("+credit" if p.get("credit") else "")
 
 
 # Stamps per ring (ecmooncake.trace): a phase's timed items, about eight
@@ -432,6 +454,11 @@ def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progre
     port = harness.free_port_range(1, ip)
     address = f"tcp://{ip}:{port}"
     shard = {"ec_ip": ip, "ec_port": port, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "transport": "tcp"}
+    credit = any(p.get("credit") for p in phases)
+    if credit:
+        # A producer that asks for none (every phase but the credit ones)
+        # is served as before.
+        shard["credit_window_bytes"] = CREDIT_WINDOW
     consumer = Worker("gpu_consumer", "consumer", config=shard, slab_bytes=slab_bytes, device=consumer_device, settings=settings,
                       trace=TRACE_CAPACITY)
     producers = {
@@ -440,6 +467,9 @@ def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progre
         "tcp": Worker("gpu_producer", "producer-tcp", config={"local_transport": "none", "tcp_conns": tcp_conns},
                       device=producer_device, settings=settings, trace=TRACE_CAPACITY),
     }
+    if credit:
+        producers["cuda_ipc+credit"] = Worker("gpu_producer", "producer-ipc-credit", config={"credit_window_bytes": CREDIT_WINDOW},
+                                              device=producer_device, settings=settings, trace=TRACE_CAPACITY)
     # This process runs the PD scheduler: its hop (event_delivered) too.
     trace_enable(TRACE_CAPACITY)
     sizes = sorted({_nbytes(p) for p in phases})
@@ -468,7 +498,7 @@ def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progre
                 if progress:
                     print(f"gpubench: {p['name']}: {p['rounds']} rounds of {p.get('inflight', 1)} batches of "
                           f"{p['batch']} x {size_label(_nbytes(p))} over {p['plane']}", file=sys.stderr, flush=True)
-                results.append(_phase(sched, consumer, producers[p["plane"]], address, p))
+                results.append(_phase(sched, consumer, producers[_producer_key(p)], address, p))
         planes = consumer.call("stats", 30).get("data_planes") or {}
         measure_ceilings(ceilings.AFTER)
     finally:
