@@ -1,7 +1,9 @@
 package consumer
 
 import (
+	"cmp"
 	"errors"
+	"slices"
 	"time"
 
 	"github.com/ecmooncake/ecmooncake/core/fsm/reserve"
@@ -27,14 +29,28 @@ func (s *Shard) creditLocked(peer, requester string, want uint64, now time.Time)
 		return nil
 	}
 	g := &wire.CreditGrant{
-		Gen: c.Gen, Token: c.Token, Base: s.direct.RemoteAddr(0),
+		Gen: c.Gen, Version: c.Version, Token: c.Token, Base: s.direct.RemoteAddr(0),
 		LeaseMs: uint64(max(c.Deadline.Sub(now), 0) / time.Millisecond),
-		Extents: make([]wire.CreditExtent, len(c.Extents)),
+		Extents: make([]wire.CreditExtent, 0, min(len(c.Extents), wire.MaxCreditExtents)),
 	}
-	for i, e := range c.Extents {
-		g.Extents[i] = wire.CreditExtent{Off: e.Off, Len: e.Len}
+	for _, e := range largest(c.Extents, wire.MaxCreditExtents) {
+		g.Extents = append(g.Extents, wire.CreditExtent{Off: e.Off, Len: e.Len})
 	}
 	return g
+}
+
+// largest is the n largest of extents, in offset order: a window cut in
+// more pieces than a reply carries is told of its largest ones, and the
+// room of the others waits unused until claims and top-ups join it.
+func largest(extents []reserve.Extent, n int) []reserve.Extent {
+	if len(extents) <= n {
+		return extents
+	}
+	by := slices.Clone(extents)
+	slices.SortStableFunc(by, func(a, b reserve.Extent) int { return cmp.Compare(b.Len, a.Len) })
+	by = by[:n]
+	slices.SortFunc(by, func(a, b reserve.Extent) int { return cmp.Compare(a.Off, b.Off) })
+	return by
 }
 
 // claim files a batch a producer wrote into its window, and renews the

@@ -46,8 +46,16 @@ type creditWindow struct {
 	base   uint64
 	plane  string    // the data plane of the incarnation that granted it
 	usable time.Time // carve only before
-	seq    uint64    // the request whose reply set it
 	free   []wire.CreditExtent
+}
+
+// creditSeen is the newest window state applied from a shard: its
+// generation and version. It outlives a dropped window, so that a reply
+// that crossed a newer one (or the drop) is never applied.
+type creditSeen struct{ gen, version uint64 }
+
+func (a creditSeen) newer(b creditSeen) bool {
+	return a.gen > b.gen || (a.gen == b.gen && a.version > b.version)
 }
 
 // carved is an item that took its region from a window: what its claim
@@ -57,6 +65,9 @@ type carved struct {
 	gen   uint64
 	token ids.Token
 	item  wire.ClaimItem
+	// writing: a write of it was launched; cancelled: its push was
+	// cancelled meanwhile, so the write's end claims nothing.
+	writing, cancelled bool
 }
 
 func (c carved) extent() wire.CreditExtent {
@@ -77,31 +88,40 @@ type CreditStats struct {
 	Wasted    uint64 `json:"claims_wasted"`    // claimed items the shard already held or was receiving
 }
 
-// creditSeqLocked numbers a request that may bring a window.
-func (p *Producer) creditSeqLocked() uint64 {
-	p.creditSeq++
-	return p.creditSeq
-}
-
-// noteCreditLocked applies the window a reply of request seq, sent at
-// sent, brought from dest; nil drops the window (the shard grants none).
-func (p *Producer) noteCreditLocked(dest string, c *wire.CreditGrant, seq uint64, sent time.Time, plane string) {
-	old := p.credit[dest]
-	if old != nil && old.seq > seq {
-		return // a newer reply was applied already
-	}
+// noteCreditLocked applies the window a reply of dest brought, sent at
+// sent; nil drops the window (the shard grants none). A reply no newer
+// than what was applied is stale: another crossed it.
+func (p *Producer) noteCreditLocked(dest string, c *wire.CreditGrant, sent time.Time, plane string) {
 	if c == nil {
 		delete(p.credit, dest)
 		return
 	}
-	w := &creditWindow{gen: c.Gen, token: c.Token, base: c.Base, plane: plane, seq: seq,
+	seen := creditSeen{c.Gen, c.Version}
+	if last, ok := p.credSeen[dest]; ok && !seen.newer(last) {
+		return
+	}
+	p.credSeen[dest] = seen
+	w := &creditWindow{gen: c.Gen, token: c.Token, base: c.Base, plane: plane,
 		usable: sent.Add(time.Duration(c.LeaseMs) * time.Millisecond / 2), free: slices.Clone(c.Extents)}
+	// Room carved here and not yet claimed there is still free in the
+	// reply: not for another item.
 	for _, k := range p.carves {
 		if k.dest == dest {
 			w.free = subtract(w.free, k.extent())
 		}
 	}
 	p.credit[dest] = w
+}
+
+// noteWritingLocked marks the carved items among ws as written from now
+// on, so that a cancel lets their write end before their room is free.
+func (p *Producer) noteWritingLocked(ws []push.Write) {
+	for _, w := range ws {
+		if k, ok := p.carves[w.Res]; ok {
+			k.writing = true
+			p.carves[w.Res] = k
+		}
+	}
 }
 
 // creditTakeLocked grants the batch items to dest from its window, all of
@@ -114,6 +134,12 @@ func (p *Producer) creditTakeLocked(dest string, items []push.ReserveItem, now t
 	if w == nil || !now.Before(w.usable) {
 		p.creditStats.Fallbacks++
 		return false
+	}
+	for _, it := range items {
+		if p.mgr.Shared(it.MMHash) {
+			p.creditStats.Fallbacks++
+			return false
+		}
 	}
 	free := slices.Clone(w.free)
 	offs := make([]uint64, len(items))
@@ -134,7 +160,7 @@ func (p *Producer) creditTakeLocked(dest string, items []push.ReserveItem, now t
 		p.carves[res] = carved{dest: dest, gen: w.gen, token: w.token,
 			item: wire.ClaimItem{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Meta: it.Meta, Offset: offs[i]}}
 		p.mgr.Granted(it.TransferID, dest, push.Grant{Kind: push.KindWrite, Res: res, Token: w.token, NBytes: it.NBytes,
-			Addr: w.base + offs[i], Plane: w.plane}, now)
+			Addr: w.base + offs[i], Plane: w.plane, Provisional: true}, now)
 	}
 	p.creditAgain = true
 	return true
@@ -142,16 +168,24 @@ func (p *Producer) creditTakeLocked(dest string, items []push.ReserveItem, now t
 
 // dropCreditCancelsLocked answers, with no message, the cancels of carved
 // items: nothing was claimed, so the shard holds nothing of theirs (their
-// room stays in the window). It returns the other cancels.
+// room stays in the window). An item whose write is out keeps its room
+// until the write ends (claimWritten), so that no other item is carved
+// where it may still land. It returns the other cancels.
 func (p *Producer) dropCreditCancelsLocked(dest string, cs []push.Cancel, now time.Time) []push.Cancel {
 	out := cs[:0:0]
 	for _, c := range cs {
-		if _, ok := p.carves[c.Res]; ok {
-			delete(p.carves, c.Res)
-			p.mgr.CancelDone(c.TransferID, dest, now)
+		k, ok := p.carves[c.Res]
+		if !ok {
+			out = append(out, c)
 			continue
 		}
-		out = append(out, c)
+		if k.writing {
+			k.cancelled = true
+			p.carves[c.Res] = k
+		} else {
+			delete(p.carves, c.Res)
+		}
+		p.mgr.CancelDone(c.TransferID, dest, now)
 	}
 	return out
 }
@@ -170,6 +204,12 @@ func (p *Producer) claimWritten(dest, addr string, ws []push.Write, items []tran
 	for i, w := range ws {
 		k, ok := p.carves[w.Res]
 		if !ok {
+			continue
+		}
+		if k.cancelled {
+			// Its push went away: its write ended, and its room is free
+			// again; the caller reports the write as for any other.
+			delete(p.carves, w.Res)
 			continue
 		}
 		metas[i] = k.item.Meta
@@ -232,11 +272,11 @@ func (p *Producer) claim(dest string, ws []push.Write, idx []int) (again []int) 
 	p.mu.Lock()
 	req := wire.ClaimBatch{Requester: p.requester, CreditBytes: p.cfg.CreditWindowBytes}
 	for _, i := range idx {
+		// Only claimWritten ends these carves: they are all here.
 		k := p.carves[ws[i].Res]
 		req.Gen, req.Token = k.gen, k.token
 		req.Items = append(req.Items, k.item)
 	}
-	seq := p.creditSeqLocked()
 	plane := ""
 	if w := p.credit[dest]; w != nil {
 		plane = w.plane
@@ -266,9 +306,13 @@ func (p *Producer) claim(dest string, ws []push.Write, idx []int) (again []int) 
 		p.creditStats.Refused += uint64(len(idx))
 		return idx
 	}
-	p.noteCreditLocked(dest, rep.Credit, seq, start, plane)
+	p.noteCreditLocked(dest, rep.Credit, start, plane)
+	now := time.Now()
 	for k, g := range rep.Grants {
 		switch {
+		case g.Err == "" && g.Kind == wire.KindFollow:
+			p.creditStats.Wasted++
+			p.mgr.FollowsAt(ws[idx[k]].TransferID, dest, now)
 		case g.Err == "" && g.Kind != wire.KindWrite:
 			p.creditStats.Wasted++
 		case g.Err != "":

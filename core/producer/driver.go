@@ -111,6 +111,7 @@ func (p *Producer) applyLocked(r push.Effects) {
 				continue
 			}
 		}
+		p.noteWritingLocked(ws)
 		for key, idx := range groupByPlane(ws, p.planes[dest].addr) {
 			gws, gitems := pickIndexes(ws, items, idx)
 			p.batches++
@@ -232,9 +233,6 @@ func (p *Producer) launch(what string, f func(), failed func(err error)) {
 
 func (p *Producer) reserve(dest string, items []push.ReserveItem) {
 	req := wire.ReserveBatch{Requester: p.requester, Items: make([]wire.ReserveItem, len(items)), CreditBytes: p.cfg.CreditWindowBytes}
-	p.mu.Lock()
-	seq := p.creditSeqLocked()
-	p.mu.Unlock()
 	for i, it := range items {
 		req.Items[i] = wire.ReserveItem{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Meta: it.Meta}
 	}
@@ -259,7 +257,7 @@ func (p *Producer) reserve(dest string, items []push.ReserveItem) {
 	if err == nil {
 		p.notePlaneLocked(dest, pl)
 		if p.cfg.CreditWindowBytes > 0 {
-			p.noteCreditLocked(dest, rep.Credit, seq, start, pl.addr)
+			p.noteCreditLocked(dest, rep.Credit, start, pl.addr)
 		}
 		if _, waiting := p.granted[dest]; !waiting {
 			p.granted[dest] = now
@@ -310,6 +308,7 @@ func (p *Producer) notePlaneLocked(dest string, pl plane) {
 			"old_epoch", old.epoch, "epoch", pl.epoch, "data", pl.addr)
 		p.forgetConsumerLocked(dest)
 		delete(p.credit, dest)
+		delete(p.credSeen, dest) // the new incarnation counts its windows afresh
 	}
 	p.planes[dest] = pl
 }

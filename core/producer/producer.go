@@ -125,7 +125,7 @@ type Producer struct {
 	credit      map[string]*creditWindow
 	carves      map[ids.ResID]carved
 	creditRes   ids.ResID
-	creditSeq   uint64
+	credSeen    map[string]creditSeen
 	creditAgain bool // a step granted from a window: take the manager's Ready again
 	creditStats CreditStats
 
@@ -176,6 +176,7 @@ func Open(cfg config.Producer, opt Options) (_ *Producer, err error) {
 		planes:    map[string]plane{},
 		credit:    map[string]*creditWindow{},
 		carves:    map[ids.ResID]carved{},
+		credSeen:  map[string]creditSeen{},
 		granted:   map[string]time.Time{},
 		wrote:     map[string]time.Time{},
 		outReady:  make(chan struct{}),

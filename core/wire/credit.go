@@ -23,11 +23,16 @@ type CreditExtent struct {
 }
 
 // CreditGrant is a producer's window on one shard, as of this reply:
-// its generation and token (which every claim presents), how long its
-// lease still runs, its free room, and Base, the one-sided data plane's
-// address of slab offset 0 (a write to offset o targets Base+o).
+// its generation and token (which every claim presents), the version of
+// its room (a producer applies only a reply newer than the last it
+// applied: replies of pipelined calls may cross), how long its lease
+// still runs, its free room (at most MaxCreditExtents extents, the
+// largest: room left out is simply not used), and Base, the one-sided
+// data plane's address of slab offset 0 (a write to offset o targets
+// Base+o).
 type CreditGrant struct {
 	Gen     uint64         `json:"gen"`
+	Version uint64         `json:"version,omitempty"`
 	Token   ids.Token      `json:"token"`
 	LeaseMs uint64         `json:"lease_ms"`
 	Base    uint64         `json:"base,omitempty"`

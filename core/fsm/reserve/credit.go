@@ -44,8 +44,9 @@ const (
 	ClaimInvalid   = "invalid"
 )
 
-// maxWindowPieces bounds the extents one window holds: top-ups add one
-// piece each, and carving splits at most one into two.
+// maxWindowPieces stops top-ups of a window cut into this many pieces:
+// a top-up adds one piece, and carving a claim splits at most one in two,
+// so a window stays within its bytes over Align pieces.
 const maxWindowPieces = 64
 
 // Extent is [Off, Off+Len) of the slab.
@@ -56,7 +57,11 @@ func (e Extent) end() uint64 { return e.Off + e.Len }
 // Credit is what a requester learns of its window: generation, token,
 // lease end and the free extents it may carve. Extents is a copy.
 type Credit struct {
-	Gen      uint64
+	Gen uint64
+	// Version counts the changes of the window's room in this generation:
+	// a requester applies what a reply says only when it is newer than
+	// what it applied, since replies of pipelined calls may cross.
+	Version  uint64
 	Token    ids.Token
 	Deadline time.Time
 	Extents  []Extent
@@ -107,6 +112,7 @@ type window struct {
 	gen      uint64
 	token    ids.Token
 	deadline time.Time
+	version  uint64 // changes of its room (Credit.Version)
 	want     uint64 // the room it is topped up to
 	// pieces are slab allocations the window owns, sorted by offset.
 	pieces []Extent
@@ -121,7 +127,7 @@ func (w *window) bytes() uint64 {
 }
 
 func (w *window) credit() Credit {
-	return Credit{Gen: w.gen, Token: w.token, Deadline: w.deadline, Extents: slices.Clone(w.pieces)}
+	return Credit{Gen: w.gen, Version: w.version, Token: w.token, Deadline: w.deadline, Extents: slices.Clone(w.pieces)}
 }
 
 // Credit grants or renews the window of owner on peer, asking want bytes
@@ -163,6 +169,7 @@ func (t *Table) Credit(peer, owner string, want uint64, now time.Time) (Credit, 
 			n, _ := t.slab.Len(off)
 			i, _ := slices.BinarySearchFunc(w.pieces, off, func(p Extent, o uint64) int { return cmpUint(p.Off, o) })
 			w.pieces = slices.Insert(w.pieces, i, Extent{off, n})
+			w.version++
 		}
 	}
 	return w.credit(), true
@@ -383,6 +390,7 @@ func (t *Table) carve(w *window, i int, off, n uint64) error {
 		left = append(left, Extent{end, p.end() - end})
 	}
 	w.pieces = slices.Replace(w.pieces, i, i+1, left...)
+	w.version++
 	return nil
 }
 
@@ -404,8 +412,8 @@ func (t *Table) checkWindows(bad func(string, ...any)) (bytes uint64, pieces int
 		if w.key != k || w.gen == 0 || w.gen > t.gens || w.deadline.IsZero() {
 			bad("credit window of %q/%q: key %v, generation %d of %d, deadline %v", k.peer, k.owner, w.key, w.gen, t.gens, w.deadline)
 		}
-		if len(w.pieces) > maxWindowPieces {
-			bad("credit window %d holds %d pieces, over %d", w.gen, len(w.pieces), maxWindowPieces)
+		if uint64(len(w.pieces)) > w.want/slab.Align+1 {
+			bad("credit window %d holds %d pieces for %d bytes", w.gen, len(w.pieces), w.want)
 		}
 		for i, p := range w.pieces {
 			if n, ok := t.slab.Len(p.Off); !ok || n != p.Len {
