@@ -33,10 +33,18 @@ import (
 // lease the shard last gave, counted from when it sent the request that
 // brought it, and the shard keeps the room for the whole lease, so a write
 // in flight lands in room the shard still holds for it unless the write
-// itself outlasts half the lease. A reply applies only when it is newer
-// than the last one applied (replies of pipelined calls may cross), and
-// the room of items carved and not yet claimed is taken out of whatever a
-// reply says, so two batches never carve the same bytes.
+// itself outlasts half the lease. A reply applies only when its window
+// version is newer than the last one applied (replies of pipelined calls
+// may cross; a dropped window keeps its floor), and the room of items
+// carved and not yet claimed (a cancelled one's until its write ended) is
+// taken out of whatever a reply says, so two items never share bytes.
+//
+// Dedup: content that more than one live push carries is reserved, so
+// that the manager learns from the grants which write each follows. A
+// carved item's grant is provisional in the manager until its claim is
+// answered: a write of its content it may be made to follow is not given
+// up meanwhile, and a claim answered follower marks that write followed
+// (push.Manager.FollowsAt), as a follow grant would.
 
 // creditWindow is this producer's window on one shard, as the shard last
 // told it, less what was carved since.
