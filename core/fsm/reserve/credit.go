@@ -212,15 +212,6 @@ func (t *Table) DropCredit(peer, owner string) {
 	}
 }
 
-// DropPeerCredit drops every window of peer (its connection closed).
-func (t *Table) DropPeerCredit(peer string) {
-	for _, k := range slices.Collect(maps.Keys(t.windows)) {
-		if k.peer == peer {
-			t.DropCredit(k.peer, k.owner)
-		}
-	}
-}
-
 func (t *Table) peerWindows(peer string) int {
 	n := 0
 	for k := range t.windows {
