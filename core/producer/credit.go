@@ -139,7 +139,11 @@ func (p *Producer) creditTakeLocked(dest string, items []push.ReserveItem, now t
 		return false
 	}
 	w := p.credit[dest]
-	if w == nil || !now.Before(w.usable) {
+	// A plane whose frames pass the shard's receiver (TCP, completing
+	// in-band) admits bytes only into regions that exist: a window is of
+	// no use over it, as to a producer on another host of a shard that
+	// also serves a one-sided plane.
+	if w == nil || !now.Before(w.usable) || transport.InBand(p.writer, w.plane) {
 		p.creditStats.Fallbacks++
 		return false
 	}
