@@ -901,6 +901,11 @@ func (s *soak) report(wall time.Duration) {
 	s.prodMu.Lock()
 	s.t.Logf("soak: producer: %d pushes done, failed by reason %v; %d waits for a source extended for a push that follows",
 		s.prodDone, s.prodFail, s.c.prod.Stats().Push.WaitsExtended)
+	if s.c.o.credit > 0 {
+		cs := s.c.prod.Stats().Credit
+		s.t.Logf("soak: credit: %d batches took their regions from a window, %d reserved; %d claims refused (reserved again), %d wasted",
+			cs.Batches, cs.Fallbacks, cs.Refused, cs.Wasted)
+	}
 	for _, k := range sortedKeys(s.prodEg) {
 		s.t.Logf("soak:   %s, e.g. %q", k, s.prodEg[k])
 	}
