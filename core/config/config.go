@@ -81,6 +81,10 @@ type Consumer struct {
 	Host string `json:"host"`
 	// MaxResidentBytes caps resident copies; 0 means the slab is the cap.
 	MaxResidentBytes uint64 `json:"max_resident_bytes"`
+	// CreditWindowBytes is the most slab room the shard grants one
+	// producer ahead as a standing credit window (capped at a quarter of
+	// the slab); 0 grants none and every batch reserves.
+	CreditWindowBytes uint64 `json:"credit_window_bytes"`
 	// SlabFD is the descriptor, in this process, of the sealed memfd the
 	// slab is mapped from; the shm transport hands it to producers on this
 	// host. -1 means none.
@@ -150,6 +154,11 @@ type Producer struct {
 	// CompleteWindow bounds the completes a producer has out to one shard
 	// and unanswered; it never waits for an answer below it.
 	CompleteWindow int `json:"complete_window"`
+	// CreditWindowBytes is the standing credit window the producer asks
+	// each shard for, on the one-sided planes (cuda_ipc, shm, mooncake):
+	// a batch that fits its window writes with no reserve round trip and
+	// one claim_batch; 0 asks for none.
+	CreditWindowBytes uint64 `json:"credit_window_bytes"`
 	Deadlines
 	Mooncake
 	GPU
@@ -291,6 +300,7 @@ func (c Consumer) Validate() error {
 		positive("data_frame_timeout_s", c.DataFrameTimeoutS),
 		optionalHost("host", c.Host),
 		inRange("max_resident_bytes", c.MaxResidentBytes),
+		inRange("credit_window_bytes", c.CreditWindowBytes),
 		secondsIn("data_handshake_timeout_s", c.DataHandshakeTimeoutS),
 		slabFD(c.Transport, c.SlabFD, c.SlabPath),
 		c.Mooncake.validate(),
@@ -308,6 +318,7 @@ func (p Producer) Validate() error {
 		inRange("tcp_conns", p.TCPConns),
 		inRange("tcp_chunk_bytes", p.TCPChunkBytes),
 		inRange("complete_window", p.CompleteWindow),
+		inRange("credit_window_bytes", p.CreditWindowBytes),
 		optionalHost("host", p.Host),
 		p.Mooncake.validate(),
 		inRange("mooncake_staging_bytes", p.MooncakeStagingBytes),

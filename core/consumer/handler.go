@@ -28,6 +28,8 @@ func (h handler) Handle(req wire.Request) wire.Reply {
 		return wire.OKReply(req.ID, wire.EventPortReply{Endpoint: s.events.Endpoint(), Epoch: s.epoch})
 	case wire.OpReserveBatch:
 		return answer(req, func(b wire.ReserveBatch) wire.ReserveBatchReply { return s.reserve(req.Peer, b) })
+	case wire.OpClaimBatch:
+		return answer(req, func(b wire.ClaimBatch) wire.ClaimBatchReply { return s.claim(req.Peer, b) })
 	case wire.OpCompleteBatch:
 		return answer(req, s.complete)
 	case wire.OpCancel:
@@ -79,9 +81,10 @@ func (s *Shard) reserve(peer string, b wire.ReserveBatch) wire.ReserveBatchReply
 	now := time.Now()
 	grants := s.table.Reserve(items, now)
 	s.admitRemoteLocked(grants, items, now)
+	credit := s.creditLocked(peer, b.Requester, b.CreditBytes, now)
 	s.flushLocked()
 	s.mu.Unlock()
-	out := wire.ReserveBatchReply{Grants: make([]wire.Grant, len(grants)), Epoch: s.epoch, Host: s.host, Data: transport.Offer(s.recv, s.cfg.Transport)}
+	out := wire.ReserveBatchReply{Grants: make([]wire.Grant, len(grants)), Epoch: s.epoch, Host: s.host, Data: transport.Offer(s.recv, s.cfg.Transport), Credit: credit}
 	for i, g := range grants {
 		w := wire.Grant{TransferID: g.TransferID, Kind: g.Kind.String(), NBytes: g.NBytes}
 		if g.Err != nil {

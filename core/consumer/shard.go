@@ -97,7 +97,8 @@ func Open(cfg config.Consumer, mem slab.Memory, opt Options) (s *Shard, err erro
 		done:  make(chan struct{}),
 	}
 	s.slab = slab.NewSlab(mem)
-	s.table = reserve.New(s.slab, reserve.Config{Lease: cfg.Lease(), MaxResidentBytes: cfg.MaxResidentBytes}, opt.Tokens)
+	s.table = reserve.New(s.slab, reserve.Config{Lease: cfg.Lease(), MaxResidentBytes: cfg.MaxResidentBytes, CreditWindowBytes: cfg.CreditWindowBytes,
+		CreditLease: min(reserve.DefaultCreditLease, cfg.Lease())}, opt.Tokens)
 
 	s.links = opt.Links
 	// The shard, not s: a failing return sets s to nil before this runs.

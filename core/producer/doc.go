@@ -14,6 +14,10 @@
 // due or when woken (by Cancel, or a step that failed). So per batch the
 // control plane costs two round trips (reserve_batch, complete_batch) plus
 // one peers lookup per consumer for its lifetime, whatever the item count.
+// With the standing credit (credit_window_bytes, credit.go) a batch over
+// a one-sided plane that fits the shard's window costs one: it takes its
+// regions from the window, with no reserve_batch, and one claim_batch
+// names them; a batch that does not fit reserves, counted.
 //
 // Shards restart. Every reserve reply names the incarnation that issued
 // its grants (an epoch) and where that incarnation's data plane listens;

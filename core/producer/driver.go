@@ -34,6 +34,11 @@ func (p *Producer) stepLocked() {
 	now := time.Now()
 	p.mgr.Tick(now)
 	p.applyLocked(p.mgr.Ready(now))
+	// A batch granted from a credit window (credit.go) can write now.
+	for p.creditAgain {
+		p.creditAgain = false
+		p.applyLocked(p.mgr.Ready(now))
+	}
 }
 
 // advance takes the driver's step on a batch's goroutine as the batch
@@ -72,6 +77,9 @@ func (p *Producer) applyLocked(r push.Effects) {
 		return
 	}
 	for dest, items := range r.Reserves {
+		if p.creditTakeLocked(dest, items, time.Now()) {
+			continue
+		}
 		p.launch("reserve_batch", dest, func() { p.reserve(dest, items) }, func(err error) {
 			for _, it := range items {
 				p.mgr.Granted(it.TransferID, dest, push.Grant{Err: err.Error()}, time.Now())
@@ -103,6 +111,7 @@ func (p *Producer) applyLocked(r push.Effects) {
 				continue
 			}
 		}
+		p.noteWritingLocked(ws)
 		cached := p.planes[dest].addr
 		if key, ok := onePlane(ws, cached); ok {
 			// The common batch: every grant from one incarnation, so the
@@ -123,6 +132,9 @@ func (p *Producer) applyLocked(r push.Effects) {
 		})
 	}
 	for dest, cs := range r.Cancels {
+		if cs = p.dropCreditCancelsLocked(dest, cs, time.Now()); len(cs) == 0 {
+			continue
+		}
 		// Answered or not, each cancel is reported: the manager holds the
 		// reservations of its content to this shard back until then.
 		answered := func() {
@@ -252,7 +264,7 @@ func (p *Producer) launch(op, dest string, f func(), failed func(err error)) {
 }
 
 func (p *Producer) reserve(dest string, items []push.ReserveItem) {
-	req := wire.ReserveBatch{Requester: p.requester, Items: make([]wire.ReserveItem, len(items))}
+	req := wire.ReserveBatch{Requester: p.requester, Items: make([]wire.ReserveItem, len(items)), CreditBytes: p.cfg.CreditWindowBytes}
 	for i, it := range items {
 		req.Items[i] = wire.ReserveItem{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Meta: it.Meta}
 	}
@@ -276,6 +288,9 @@ func (p *Producer) reserve(dest string, items []push.ReserveItem) {
 	defer p.mu.Unlock()
 	if err == nil {
 		p.notePlaneLocked(dest, pl)
+		if p.cfg.CreditWindowBytes > 0 {
+			p.noteCreditLocked(dest, rep.Credit, start, pl.addr)
+		}
 		if _, waiting := p.granted[dest]; !waiting {
 			p.granted[dest] = now
 		}
@@ -324,6 +339,8 @@ func (p *Producer) notePlaneLocked(dest string, pl plane) {
 		p.log.Info("consumer shard restarted; writing to its new data plane", "peer", dest,
 			"old_epoch", old.epoch, "epoch", pl.epoch, "data", pl.addr)
 		p.forgetConsumerLocked(dest)
+		delete(p.credit, dest)
+		delete(p.credSeen, dest) // the new incarnation counts its windows afresh
 	}
 	p.planes[dest] = pl
 }
@@ -350,11 +367,15 @@ func (p *Producer) write(dest, addr string, cached bool, ws []push.Write, items 
 		inBand = p.retryStale(dest, addr, items, errs, inBand)
 	}
 	trace.StampAll(trace.WriteEnded, ws, writeKey)
+	claimed := p.claimWritten(dest, addr, ws, items, errs)
 	now := time.Now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	failed, landed := false, false
 	for i, w := range ws {
+		if claimed[i] {
+			continue
+		}
 		var err error
 		if i < len(errs) {
 			err = errs[i]

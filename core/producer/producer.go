@@ -13,6 +13,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/config"
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/fsm/push"
+	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/internal/due"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/transport"
@@ -120,6 +121,15 @@ type Producer struct {
 	outReady       chan struct{} // closed and replaced when out gains something
 	roundTrip      uint64
 	batches        uint64
+	// The standing credit (credit.go): each shard's window, the items
+	// carved from one and not yet claimed (by their local ids), and the
+	// counters.
+	credit      map[string]*creditWindow
+	carves      map[ids.ResID]carved
+	creditRes   ids.ResID
+	credSeen    map[string]creditSeen
+	creditAgain bool // a step granted from a window: take the manager's Ready again
+	creditStats CreditStats
 
 	steps *due.Loop // the driver's (see advance)
 	// life ends at Close: it stops the driver, and control calls and
@@ -168,6 +178,9 @@ func Open(cfg config.Producer, opt Options) (_ *Producer, err error) {
 		clients:   map[string]control.Caller{},
 		dialing:   map[string]*dialing{},
 		planes:    map[string]plane{},
+		credit:    map[string]*creditWindow{},
+		carves:    map[ids.ResID]carved{},
+		credSeen:  map[string]creditSeen{},
 		granted:   map[string]time.Time{},
 		wrote:     map[string]time.Time{},
 		outReady:  make(chan struct{}),
@@ -482,6 +495,9 @@ type Stats struct {
 	// security handshakes, by reason; a producer without the deployment's
 	// auth_secret sees them grow.
 	ControlRefused map[string]uint64 `json:"control_refused,omitempty"`
+	// Credit counts batches that took their regions from a credit window
+	// and those that reserved, and refused or wasted claims.
+	Credit CreditStats `json:"credit"`
 	// Phases are this process's timings of the readiness path (package
 	// metrics): the copies and their event wait, write batches, and each
 	// complete's hand-off and round trip.
@@ -493,7 +509,8 @@ func (p *Producer) Stats() Stats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	st := Stats{Push: p.mgr.Stats(), Sources: len(p.sources), RoundTrips: p.roundTrip, Batches: p.batches,
-		Consumers: len(p.consumers), Pending: p.mgr.Pending(), ClientsOpened: len(p.clients), Phases: metrics.Phases()}
+		Consumers: len(p.consumers), Pending: p.mgr.Pending(), ClientsOpened: len(p.clients), Phases: metrics.Phases(),
+		Credit: p.creditStats}
 	for _, m := range p.sources {
 		st.SourceBytes += m.size()
 	}

@@ -126,6 +126,9 @@ type ReserveBatch struct {
 	// that predates it is refused with a reply that says so.
 	Requester string        `json:"requester"`
 	Items     []ReserveItem `json:"items"`
+	// CreditBytes asks the shard for a standing credit window of that
+	// many bytes (credit.go); 0 asks for none. The reply carries it.
+	CreditBytes uint64 `json:"credit_bytes,omitempty"`
 }
 
 // RequesterLen is the length of ReserveBatch.Requester: 16 bytes in hex.
@@ -141,21 +144,24 @@ func (b ReserveBatch) Validate() error {
 }
 
 func (b ReserveBatch) checkItems() error {
-	return checkItems(b.Items, func(i int, it ReserveItem) error {
-		if err := checkIDAt("items", i, "transfer_id", it.TransferID); err != nil {
-			return err
-		}
-		if err := checkIDAt("items", i, "mm_hash", it.MMHash); err != nil {
-			return err
-		}
-		if it.NBytes == 0 {
-			return fmt.Errorf("%w: items[%d].nbytes: must be positive", ErrInvalid, i)
-		}
-		if len(it.Meta) > MaxMetaLen {
-			return fmt.Errorf("%w: items[%d].meta: %d bytes, at most %d", ErrInvalid, i, len(it.Meta), MaxMetaLen)
-		}
-		return nil
-	})
+	return checkItems(b.Items, func(i int, it ReserveItem) error { return it.check(i) })
+}
+
+// check validates item i of a batch.
+func (it ReserveItem) check(i int) error {
+	if err := checkIDAt("items", i, "transfer_id", it.TransferID); err != nil {
+		return err
+	}
+	if err := checkIDAt("items", i, "mm_hash", it.MMHash); err != nil {
+		return err
+	}
+	if it.NBytes == 0 {
+		return fmt.Errorf("%w: items[%d].nbytes: must be positive", ErrInvalid, i)
+	}
+	if len(it.Meta) > MaxMetaLen {
+		return fmt.Errorf("%w: items[%d].meta: %d bytes, at most %d", ErrInvalid, i, len(it.Meta), MaxMetaLen)
+	}
+	return nil
 }
 
 // Grant answers one ReserveItem. Err, when set, refuses the item and the
@@ -196,14 +202,14 @@ type ReserveBatchReply struct {
 	Epoch string            `json:"epoch,omitempty"`
 	Host  string            `json:"host,omitempty"`
 	Data  map[string]string `json:"data,omitempty"`
+	// Credit is the requester's credit window, when it asked for one and
+	// the shard granted it.
+	Credit *CreditGrant `json:"credit,omitempty"`
 }
 
 // Validate requires every accepted grant to say what to do, and a write
 // grant to carry the reservation and token the write will present.
 func (r ReserveBatchReply) Validate() error {
-	if len(r.Grants) > MaxItems {
-		return fmt.Errorf("%w: grants: %d entries, limit %d", ErrInvalid, len(r.Grants), MaxItems)
-	}
 	if err := checkOptional("epoch", r.Epoch); err != nil {
 		return err
 	}
@@ -213,7 +219,19 @@ func (r ReserveBatchReply) Validate() error {
 	if err := checkOffer("data", r.Data); err != nil {
 		return err
 	}
-	for i, g := range r.Grants {
+	if err := r.Credit.validate(); err != nil {
+		return err
+	}
+	return checkGrants(r.Grants)
+}
+
+// checkGrants is the check of a reply's grants (ReserveBatchReply,
+// ClaimBatchReply).
+func checkGrants(grants []Grant) error {
+	if len(grants) > MaxItems {
+		return fmt.Errorf("%w: grants: %d entries, limit %d", ErrInvalid, len(grants), MaxItems)
+	}
+	for i, g := range grants {
 		if err := checkIDAt("grants", i, "transfer_id", g.TransferID); err != nil {
 			return err
 		}

@@ -105,6 +105,16 @@ func FuzzDecodeCompleteBatch(f *testing.F) {
 	fuzzBodyOf[CompleteBatch](f, `{"items":[{"transfer_id":"t","token":"00000000000000000000000000000000"}]}`)
 }
 
+func FuzzDecodeClaimBatch(f *testing.F) {
+	fuzzBodyOf[ClaimBatch](f, `{"requester":"00112233445566778899aabbccddeeff","gen":1,"token":"00000000000000000000000000000001","items":[{"transfer_id":"t","mm_hash":"h","nbytes":1,"offset":18446744073709551615}]}`,
+		`{"gen":0,"items":[]}`)
+}
+
+func FuzzDecodeClaimBatchReply(f *testing.F) {
+	fuzzBodyOf[ClaimBatchReply](f, `{"grants":[],"credit":{"gen":1,"token":"00000000000000000000000000000001","lease_ms":1,"base":18446744073709551615,"extents":[{"off":0,"len":1}]}}`,
+		`{"grants":[],"credit":null}`, `{"grants":[],"credit":{"gen":1,"token":"00000000000000000000000000000001","extents":null}}`)
+}
+
 func FuzzDecodeCancel(f *testing.F) {
 	fuzzBodyOf[Cancel](f, `{"transfer_ids":["a","a"]}`, `{"transfer_ids":[]}`, `{"transfer_ids":null}`, `{"transfer_ids":["\u0000"]}`)
 }

@@ -31,12 +31,13 @@ const (
 	OpCompleteBatch Op = "complete_batch" // CompleteBatch → CompleteBatchReply
 	OpCancel        Op = "cancel"         // Cancel → CancelReply
 	OpStatus        Op = "status"         // Status → StatusReply
+	OpClaimBatch    Op = "claim_batch"    // ClaimBatch → ClaimBatchReply (credit.go)
 )
 
 // Known reports whether this build serves o.
 func (o Op) Known() bool {
 	switch o {
-	case OpPeers, OpEventPort, OpReserveBatch, OpCompleteBatch, OpCancel, OpStatus:
+	case OpPeers, OpEventPort, OpReserveBatch, OpCompleteBatch, OpCancel, OpStatus, OpClaimBatch:
 		return true
 	}
 	return false

@@ -59,6 +59,21 @@ func bodies() []struct {
 		{"complete_batch", OpCompleteBatch,
 			CompleteBatch{Items: []CompleteItem{{TransferID: "t1", Res: 7, Token: testToken}, {TransferID: "t2", Res: 8, Token: testToken, Abandon: true, Reason: "encoder failed"}}},
 			CompleteBatchReply{Results: []ItemResult{{TransferID: "t1"}, {TransferID: "t2", Err: "unknown reservation"}}}},
+		{"reserve_batch_with_credit", OpReserveBatch,
+			ReserveBatch{Requester: testRequester, Items: []ReserveItem{{TransferID: "t1", MMHash: "h1", NBytes: 1}}, CreditBytes: 1 << 30},
+			ReserveBatchReply{Grants: []Grant{{TransferID: "t1", Kind: KindCached, NBytes: 1}},
+				Credit: &CreditGrant{Gen: 3, Token: testToken, LeaseMs: 30000, Base: 1 << 40, Extents: []CreditExtent{{Off: 0, Len: 1 << 20}, {Off: 4 << 20, Len: 256}}}}},
+		{"claim_batch", OpClaimBatch,
+			ClaimBatch{Requester: testRequester, Gen: 3, Token: testToken, CreditBytes: 1 << 30, Items: []ClaimItem{
+				{TransferID: "t1", MMHash: "h1", NBytes: 19 << 20, Offset: 0, Meta: "bf16"}, {TransferID: "t2", MMHash: "h2", NBytes: 5, Offset: 19 << 20}}},
+			ClaimBatchReply{Grants: []Grant{
+				{TransferID: "t1", Kind: KindWrite, Res: 9, Token: testToken, NBytes: 19 << 20},
+				{TransferID: "t2", Kind: KindCached, NBytes: 5},
+				{TransferID: "t3", Err: "stale credit", Code: GrantCreditRefused},
+			}, Credit: &CreditGrant{Gen: 3, Token: testToken, LeaseMs: 1, Extents: []CreditExtent{}}, Epoch: "18c2f-9a0b1c2d"}},
+		{"claim_batch_window_gone", OpClaimBatch,
+			ClaimBatch{Requester: testRequester, Gen: 1, Token: testToken, Items: []ClaimItem{{TransferID: "t1", MMHash: "h1", NBytes: 1}}},
+			ClaimBatchReply{Grants: []Grant{{TransferID: "t1", Err: "no credit window", Code: GrantCreditRefused}}}},
 		{"cancel", OpCancel, Cancel{TransferIDs: []string{"t1", "t2"}}, CancelReply{Cancelled: 2}},
 		{"status", OpStatus, Status{TransferIDs: []string{"t1"}},
 			StatusReply{Items: []ItemStatus{{TransferID: "t1", MMHash: "h1", State: "READY", NBytes: 5, Known: true, Done: true}, {TransferID: "t9"}}}},
@@ -248,6 +263,20 @@ func TestBodyRejects(t *testing.T) {
 		{"grant write without res", ReserveBatchReply{Grants: []Grant{{TransferID: "t", Kind: KindWrite, Token: testToken, NBytes: 1}}}, "grants[0].res"},
 		{"grant write without token", ReserveBatchReply{Grants: []Grant{{TransferID: "t", Kind: KindWrite, Res: 1, NBytes: 1}}}, "grants[0].token"},
 		{"grant zero nbytes", ReserveBatchReply{Grants: []Grant{{TransferID: "t", Kind: KindFollow, Res: 1}}}, "grants[0].nbytes"},
+		{"claim without requester", ClaimBatch{Gen: 1, Token: testToken, Items: []ClaimItem{{TransferID: "t", MMHash: "h", NBytes: 1}}}, "requester"},
+		{"claim without generation", ClaimBatch{Requester: testRequester, Token: testToken, Items: []ClaimItem{{TransferID: "t", MMHash: "h", NBytes: 1}}}, "gen"},
+		{"claim without token", ClaimBatch{Requester: testRequester, Gen: 1, Items: []ClaimItem{{TransferID: "t", MMHash: "h", NBytes: 1}}}, "token"},
+		{"claim empty", ClaimBatch{Requester: testRequester, Gen: 1, Token: testToken}, "items"},
+		{"claim zero nbytes", ClaimBatch{Requester: testRequester, Gen: 1, Token: testToken, Items: []ClaimItem{{TransferID: "t", MMHash: "h"}}}, "items[0].nbytes"},
+		{"claim no mm hash", ClaimBatch{Requester: testRequester, Gen: 1, Token: testToken, Items: []ClaimItem{{TransferID: "t", NBytes: 1}}}, "items[0].mm_hash"},
+		{"claim long meta", ClaimBatch{Requester: testRequester, Gen: 1, Token: testToken, Items: []ClaimItem{{TransferID: "t", MMHash: "h", NBytes: 1, Meta: strings.Repeat("m", MaxMetaLen+1)}}}, "items[0].meta"},
+		{"claim grant write without token", ClaimBatchReply{Grants: []Grant{{TransferID: "t", Kind: KindWrite, Res: 1, NBytes: 1}}}, "grants[0].token"},
+		{"credit without generation", ClaimBatchReply{Credit: &CreditGrant{Token: testToken}}, "credit.gen"},
+		{"credit without token", ReserveBatchReply{Credit: &CreditGrant{Gen: 1}}, "credit.token"},
+		{"credit empty extent", ReserveBatchReply{Credit: &CreditGrant{Gen: 1, Token: testToken, Extents: []CreditExtent{{Off: 1}}}}, "credit.extents[0]"},
+		{"credit extent wraps", ReserveBatchReply{Credit: &CreditGrant{Gen: 1, Token: testToken, Extents: []CreditExtent{{Off: 1 << 63, Len: 1 << 63}}}}, "credit.extents[0]"},
+		{"credit extent wraps past base", ClaimBatchReply{Credit: &CreditGrant{Gen: 1, Token: testToken, Base: 1 << 63, Extents: []CreditExtent{{Off: 1 << 62, Len: 1 << 62}}}}, "credit.extents[0]"},
+		{"credit too many extents", ClaimBatchReply{Credit: &CreditGrant{Gen: 1, Token: testToken, Extents: make([]CreditExtent, MaxCreditExtents+1)}}, "credit.extents"},
 		{"complete empty", CompleteBatch{}, "items"},
 		{"complete no transfer id", CompleteBatch{Items: []CompleteItem{{Res: 1}}}, "items[0].transfer_id"},
 		{"complete result no transfer id", CompleteBatchReply{Results: []ItemResult{{Err: "x"}}}, "results[0].transfer_id"},
@@ -403,7 +432,7 @@ func TestOpKnown(t *testing.T) {
 		want bool
 	}{
 		{OpPeers, true}, {OpEventPort, true}, {OpReserveBatch, true}, {OpCompleteBatch, true},
-		{OpCancel, true}, {OpStatus, true}, {"", false}, {"PEERS", false}, {"reserve", false},
+		{OpCancel, true}, {OpStatus, true}, {OpClaimBatch, true}, {"", false}, {"PEERS", false}, {"reserve", false},
 	} {
 		require.Equal(t, tc.want, tc.op.Known(), "%q", tc.op)
 	}

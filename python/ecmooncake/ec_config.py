@@ -340,6 +340,11 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
         "complete_window", ("producer",),
         "completes the producer has out to one shard and unanswered; below it the producer never waits for an answer",
     ),
+    "credit_window_bytes": _native(
+        "credit_window_bytes", _BOTH,
+        "standing credit (0: off): the slab room each PD shard grants an encoder ahead, and the window the encoder asks each shard for; set on both, a batch over cuda_ipc, shm or mooncake moves with no reserve round trip",
+        only_if_set=True,
+    ),
     "tcp_chunk_bytes": _native(
         "tcp_chunk_bytes", ("producer",),
         "large items are split into chunks of at most this many bytes, spread over the connections",

@@ -58,6 +58,10 @@ type clusterOpts struct {
 	// shm puts each slab in a sealed memfd and moves the bytes over the
 	// shm data plane (see shmPlane); it overrides the three above.
 	shm bool
+	// credit turns the standing credit on at both ends (credit_window_bytes).
+	credit uint64
+	// maxResident caps each shard's resident copies (max_resident_bytes).
+	maxResident uint64
 	// secret is every end's auth_secret; producerSecret, when set,
 	// overrides the producer's.
 	secret         string
@@ -145,6 +149,7 @@ func newCluster(t *testing.T, o clusterOpts) *cluster {
 	pcfg := config.DefaultProducer()
 	pcfg.PushWaitS = o.pushWait.Seconds()
 	pcfg.ControlTimeoutS = 5
+	pcfg.CreditWindowBytes = o.credit
 	pcfg.Secret = config.Secret(o.secret)
 	pcfg.ControlUnix = o.unix
 	if o.producerSecret != nil {
@@ -179,6 +184,7 @@ func (c *cluster) openShard(r int) ([]byte, *node.Consumer) {
 	mem := c.o.slab(c.o.slabBytes)
 	cfg := config.DefaultConsumer()
 	cfg.Port, cfg.TPSize, cfg.TPRank, cfg.LeaseS = c.base, c.o.tp, r, c.o.lease.Seconds()
+	cfg.CreditWindowBytes, cfg.MaxResidentBytes = c.o.credit, c.o.maxResident
 	cfg.Secret = config.Secret(c.o.secret)
 	cfg.ControlUnix = c.o.unix
 	var tr transport.Transport

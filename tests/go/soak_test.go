@@ -33,6 +33,8 @@ var (
 	soakN       = flag.Int("soak.n", envInt("ECM_SOAK_N", 2000), "requests the soak drives (env ECM_SOAK_N)")
 	soakMax     = flag.Int("soak.max", envInt("ECM_SOAK_MAX", 256<<10), "largest item in bytes; the smallest is 4 KiB (env ECM_SOAK_MAX)")
 	soakSqueeze = flag.Float64("soak.squeeze", 1, "divides the slab, sized for every distinct byte of the run, by this (evictions above 1)")
+	soakShm     = flag.Bool("soak.shm", os.Getenv("ECM_SOAK_SHM") != "", "over the shm data plane (env ECM_SOAK_SHM)")
+	soakCredit  = flag.Bool("soak.credit", os.Getenv("ECM_SOAK_CREDIT") != "", "over shm with the standing credit on at both ends (env ECM_SOAK_CREDIT)")
 	soakSeed    = flag.Uint64("soak.seed", uint64(envInt("ECM_SOAK_SEED", 0)), "seed of the soak's choices; 0 picks one and logs it (env ECM_SOAK_SEED)")
 )
 
@@ -89,7 +91,12 @@ func TestSoak(t *testing.T) {
 	t.Logf("soak: seed %d, %d requests, items %d B to %d B, slab %d MiB per shard (-soak.seed=%d repeats this run)",
 		seed, cfg.requests, cfg.minBytes, cfg.maxBytes, slabBytes>>20, seed)
 
-	c := newCluster(t, clusterOpts{tp: 2, slabBytes: slabBytes, lease: cfg.lease, pushWait: cfg.pushWait, quiet: true})
+	o := clusterOpts{tp: 2, slabBytes: slabBytes, lease: cfg.lease, pushWait: cfg.pushWait, quiet: true}
+	o.shm = *soakShm || *soakCredit // the standing credit rides only the one-sided planes
+	if *soakCredit {
+		o.credit = uint64(slabBytes / 8)
+	}
+	c := newCluster(t, o)
 	s := newSoak(t, c, cfg, seed)
 	start := time.Now()
 	s.run()
@@ -894,6 +901,11 @@ func (s *soak) report(wall time.Duration) {
 	s.prodMu.Lock()
 	s.t.Logf("soak: producer: %d pushes done, failed by reason %v; %d waits for a source extended for a push that follows",
 		s.prodDone, s.prodFail, s.c.prod.Stats().Push.WaitsExtended)
+	if s.c.o.credit > 0 {
+		cs := s.c.prod.Stats().Credit
+		s.t.Logf("soak: credit: %d batches took their regions from a window, %d reserved; %d claims refused (reserved again), %d wasted",
+			cs.Batches, cs.Fallbacks, cs.Refused, cs.Wasted)
+	}
 	for _, k := range sortedKeys(s.prodEg) {
 		s.t.Logf("soak:   %s, e.g. %q", k, s.prodEg[k])
 	}
@@ -933,7 +945,7 @@ func (s *soak) checkEnd() {
 		require.Zero(t, tb.WritesInFlight, "shard %d: writes in flight", r)
 		require.Zero(t, tb.Pinned, "shard %d: pinned regions", r)
 		require.Equal(t, tb.Residents, tb.Regions[reserve.Ready], "shard %d: ready regions that are not resident copies", r)
-		require.Equal(t, tb.ResidentBytes, st.InUse, "shard %d: slab bytes in use beyond the resident copies", r)
+		require.Equal(t, tb.ResidentBytes+tb.Credit.WindowBytes, st.InUse, "shard %d: slab bytes in use beyond the resident copies and the credit windows", r)
 		require.LessOrEqual(t, tb.Transfers, tb.Residents, "shard %d: transfers beyond the resident copies' writers", r)
 	}
 	offered := 0

@@ -77,6 +77,11 @@ type Grant struct {
 	// bytes go to that process and no other.
 	Plane string
 	Err   string
+	// Provisional: the runtime granted the region itself, from a shard's
+	// standing credit, and the shard rules on it only when the bytes are
+	// claimed: until this record's write ends the shard may yet make it
+	// follow another push's write, so that write is not given up.
+	Provisional bool
 }
 
 // SourceID names one encoder output buffer held by the runtime. Zero is
@@ -578,6 +583,9 @@ func (m *Manager) awaitedAt(r *rec) bool {
 	}
 	for _, x := range m.peers(r) {
 		if x.state == Reserving && !x.cancelWanted {
+			return true
+		}
+		if x.hasGrant && x.grant.Provisional && !x.cancelWanted {
 			return true
 		}
 	}
@@ -1153,7 +1161,7 @@ func (m *Manager) move(r *rec, to State, now time.Time, reason string) {
 	default:
 		m.end(r, reason)
 	}
-	if from == Reserving {
+	if from == Reserving || (r.hasGrant && r.grant.Provisional && r.state.Terminal()) {
 		// r has its answer and one fewer push waits for a grant from r's
 		// shard: a cancel that waited for either may now take effect, and
 		// a write whose wait ran out while r's reservation was out fails

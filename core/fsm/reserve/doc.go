@@ -115,10 +115,25 @@
 // (Stats.InBandRefused). A writer that dies between its frames leaves a
 // Writing region that its lease ends, as before.
 //
+// # Standing credit
+//
+// Credit (credit.go) grants a requester a window of slab room ahead,
+// under a generation, a token and a lease, and renews it; Claim files
+// items the requester wrote into its window as regions already Ready,
+// after checking each against the window (generation, token, lease, the
+// extent inside the window's free room); a claim of content held or being
+// received is answered cached or follower and its extent stays in the
+// window. A window's room is slab allocations the table holds for it
+// (slab.Split carves a claimed extent into an allocation of its own), so
+// nothing else allocates it; eviction for a reservation treats it as a
+// region in use. Tick ends windows whose lease ran out, and their room
+// returns to the slab.
+//
 // # Invariants
 //
 // CheckInvariants states them in code; the main ones: the slab's bytes in
-// use equal the sum of the live regions' allocations; every live transfer
+// use equal the sum of the live regions' allocations and the credit
+// windows' room; every live transfer
 // names a live region that knows it; a pending region has writes in
 // flight; a pinned region is Ready; residents are exactly the Ready,
 // acquired, unpinned regions; only Writing and Ready regions can be joined,

@@ -151,8 +151,10 @@ func (t *Table) CheckInvariants() error {
 			}
 		}
 	}
-	if inUse != t.slab.InUse() || len(t.regions) != t.slab.Allocations() {
-		bad("slab has %d bytes in %d allocations, live regions %d bytes in %d", t.slab.InUse(), t.slab.Allocations(), inUse, len(t.regions))
+	windowBytes, pieces := t.checkWindows(bad)
+	if inUse+windowBytes != t.slab.InUse() || len(t.regions)+pieces != t.slab.Allocations() {
+		bad("slab has %d bytes in %d allocations, live regions %d bytes in %d, credit windows %d bytes in %d",
+			t.slab.InUse(), t.slab.Allocations(), inUse, len(t.regions), windowBytes, pieces)
 	}
 	if residents != t.residents.Len() || residentBytes != t.residentBytes {
 		bad("resident LRU holds %d regions / %d bytes, regions say %d / %d", t.residents.Len(), t.residentBytes, residents, residentBytes)

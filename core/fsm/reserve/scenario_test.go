@@ -548,6 +548,9 @@ func TestConfigDefaults(t *testing.T) {
 	require.Equal(t, DefaultMaxFollowersPerOwner, c.MaxFollowersPerOwner)
 	require.Equal(t, uint64(3<<18), c.MaxPendingBytesPerOwner, "three quarters of the slab")
 	require.Equal(t, DefaultMaxOwnersPerPeer, c.MaxOwnersPerPeer)
-	set := Config{Lease: time.Second, MaxTombstones: 3, MaxResidentBytes: 7, MaxFollowers: 2, MaxPendingPerOwner: 5, MaxPendingBytesPerOwner: 9, MaxFollowersPerOwner: 4, MaxOwnersPerPeer: 2}
+	require.Equal(t, DefaultCreditLease, c.CreditLease)
+	require.Zero(t, c.CreditWindowBytes, "credit is off by default")
+	set := Config{Lease: time.Second, MaxTombstones: 3, MaxResidentBytes: 7, MaxFollowers: 2, MaxPendingPerOwner: 5, MaxPendingBytesPerOwner: 9, MaxFollowersPerOwner: 4, MaxOwnersPerPeer: 2,
+		CreditWindowBytes: 4096, CreditLease: time.Minute}
 	require.Equal(t, set, set.withDefaults(1<<20))
 }

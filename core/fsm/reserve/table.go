@@ -86,6 +86,10 @@ const (
 	// DefaultMaxOwnersPerPeer bounds the requesters one connection holds
 	// records for: a producer sends under one.
 	DefaultMaxOwnersPerPeer = 4
+	// DefaultCreditLease outlives the gap between a busy producer's
+	// batches by far; an idle producer's window goes back to the slab
+	// and its next batch reserves (and is granted a window again).
+	DefaultCreditLease = 30 * time.Second
 )
 
 // Config tunes a Table; zero fields take the defaults.
@@ -112,8 +116,14 @@ type Config struct {
 	MaxFollowersPerOwner    int
 	// MaxOwnersPerPeer bounds the requesters one peer holds records for
 	// at once; one more is refused (ErrOverQuota, counted as
-	// QuotaRequesters).
+	// QuotaRequesters). It bounds a peer's credit windows too.
 	MaxOwnersPerPeer int
+	// CreditWindowBytes is the most slab room one requester's credit
+	// window may hold (credit.go); 0 grants no credit. It is capped at a
+	// quarter of the slab, so that windows never starve reservations.
+	CreditWindowBytes uint64
+	// CreditLease is how long a window lives past its last renewal.
+	CreditLease time.Duration
 }
 
 func (c Config) withDefaults(slabSize uint64) Config {
@@ -123,6 +133,8 @@ func (c Config) withDefaults(slabSize uint64) Config {
 	defaults.Positive(&c.MaxPendingPerOwner, DefaultMaxPendingPerOwner)
 	defaults.Positive(&c.MaxFollowersPerOwner, DefaultMaxFollowersPerOwner)
 	defaults.Positive(&c.MaxOwnersPerPeer, DefaultMaxOwnersPerPeer)
+	defaults.Positive(&c.CreditLease, DefaultCreditLease)
+	c.CreditWindowBytes = min(c.CreditWindowBytes, slabSize/4) &^ (slab.Align - 1)
 	if c.MaxPendingBytesPerOwner == 0 {
 		c.MaxPendingBytesPerOwner = max(slabSize/4*3, 1)
 	}
@@ -268,6 +280,8 @@ type Stats struct {
 	// (QuotaPending, QuotaPendingBytes, QuotaFollowers,
 	// QuotaPeerFollowers, QuotaRequesters).
 	OverQuota map[string]uint64
+	// Credit is the standing credit: windows, claims and their refusals.
+	Credit CreditStats
 }
 
 // Table is the reservation table of one consumer shard. It is not safe for
@@ -309,6 +323,10 @@ type Table struct {
 	// overQuota counts quota refusals by reason (Quota* names).
 	overQuota map[string]uint64
 
+	// windows are the standing credit of each requester (credit.go).
+	windows map[creditKey]*window
+	gens    uint64 // the last window generation issued
+	credit  CreditStats
 	// broken records the first internal inconsistency (an illegal
 	// transition or a refused free); CheckInvariants reports it.
 	broken error
@@ -327,6 +345,7 @@ func New(s *slab.Slab, cfg Config, tokens ids.TokenSource) *Table {
 		transfers: make(map[string]*transfer),
 		peers:     make(map[string]*peerUse),
 		overQuota: make(map[string]uint64),
+		windows:   make(map[creditKey]*window),
 		residents: list.New(),
 		tomb:      newTombstones(cfg.MaxTombstones),
 	}
@@ -434,6 +453,12 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 		t.refuse(it, err)
 		return fail(err)
 	}
+	return grantFor(t.newRegion(it, off, tok, now))
+}
+
+// newRegion files a Writing region for it over the slab allocation at off,
+// and its writer's transfer.
+func (t *Table) newRegion(it Item, off uint64, tok ids.Token, now time.Time) *transfer {
 	alloc, _ := t.slab.Len(off)
 	res := t.resIDs.Next()
 	t.lastRes = res
@@ -453,7 +478,7 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 	t.fileByOff(r)
 	t.byHash[it.MMHash] = r
 	t.transfers[tr.id] = tr
-	return grantFor(tr)
+	return tr
 }
 
 func sameItem(it Item, mmHash string, nbytes uint64) error {
@@ -579,15 +604,26 @@ func (t *Table) roomForScan(need uint64) []*region {
 			}
 		}
 	}
+	// A credit window's room is no region, but it cuts the slab like a
+	// region that cannot go: evicting around it opens nothing across it.
+	cuts := t.windowPieces()
 	var run []*region
 	lo := uint64(0)
 	for _, r := range all {
+		for len(cuts) > 0 && cuts[0].Off < r.off {
+			consider(run, lo, cuts[0].Off)
+			run, lo, cuts = nil, cuts[0].end(), cuts[1:]
+		}
 		if r.lru != nil {
 			run = append(run, r)
 			continue
 		}
 		consider(run, lo, r.off)
 		run, lo = nil, r.off+r.alloc
+	}
+	for _, c := range cuts {
+		consider(run, lo, c.Off)
+		run, lo = nil, c.end()
 	}
 	consider(run, lo, t.slab.Size())
 	return slices.Clone(best)
@@ -902,6 +938,7 @@ func (t *Table) Detach(transferID string, now time.Time) error {
 
 // Tick ends the leases that have run out by now.
 func (t *Table) Tick(now time.Time) {
+	t.expireWindows(now)
 	for {
 		r := t.dueRegion(now)
 		if r == nil {
@@ -914,10 +951,11 @@ func (t *Table) Tick(now time.Time) {
 // NextDeadline is the earliest time at which Tick would change something.
 func (t *Table) NextDeadline() (time.Time, bool) {
 	t.dropStaleDeadlines()
-	if len(t.deadlines) == 0 {
-		return time.Time{}, false
+	at, ok := t.nextWindowDeadline()
+	if len(t.deadlines) > 0 && (!ok || t.deadlines[0].at.Before(at)) {
+		at, ok = t.deadlines[0].at, true
 	}
-	return t.deadlines[0].at, true
+	return at, ok
 }
 
 // Meta returns the description the writer gave the bytes of mmHash's
@@ -1053,6 +1091,7 @@ func (t *Table) Stats() Stats {
 		UnmatchedEnds:  t.unmatchedEnds,
 		InBandRefused:  t.inBandRefused,
 		OverQuota:      maps.Clone(t.overQuota),
+		Credit:         t.creditStats(),
 	}
 	for _, r := range t.regions {
 		s.Regions[r.state]++

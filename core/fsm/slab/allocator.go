@@ -138,3 +138,21 @@ func (a *Allocator) allocated(off, n uint64) bool {
 }
 
 func roundUp(n uint64) uint64 { return (n + Align - 1) &^ (Align - 1) }
+
+// Split cuts the live allocation that starts at off in two at at: [off, at)
+// and [at, end) become two allocations that are freed apart. at must be a
+// multiple of Align strictly inside the allocation. It moves no byte and
+// changes neither InUse nor any free extent: the reservation table uses it
+// to turn part of a producer's credit window into a region of its own.
+func (a *Allocator) Split(off, at uint64) error {
+	n, ok := a.live[off]
+	switch {
+	case !ok:
+		return fmt.Errorf("slab: split offset %d: %w", off, ErrNotAllocated)
+	case at%Align != 0 || at <= off || at >= off+n:
+		return fmt.Errorf("slab: split [%d,+%d) at %d: %w", off, n, at, ErrNotAllocated)
+	}
+	a.live[off] = at - off
+	a.live[at] = off + n - at
+	return nil
+}

@@ -71,6 +71,15 @@ func (s *Slab) Alloc(n uint64) (off uint64, err error) {
 	return s.alloc.Alloc(n)
 }
 
+// Split cuts the allocation at off in two at at (Allocator.Split); a
+// Closing slab splits too, since no byte changes hands.
+func (s *Slab) Split(off, at uint64) error {
+	if s.state == Closed {
+		return fmt.Errorf("slab: split offset %d: %w", off, ErrClosed)
+	}
+	return s.alloc.Split(off, at)
+}
+
 // Free returns an allocation. A Closing slab becomes Closed with its last Free.
 func (s *Slab) Free(off uint64) error {
 	if s.state == Closed {
