@@ -102,7 +102,11 @@
 // The producer opens the handle once per shard incarnation and device,
 // maps the ready-word region once per attachment and registers it once
 // per device (cuMemHostRegister, DEVICEMAP), and keeps all of it while the
-// hello's connection lives. When it ends (the shard closed or died) the
+// hello's connection lives. Registering ends with a probe: the device
+// stores one word into the producer's own slot and the producer reads it
+// back; a word that does not arrive makes the attachment complete by
+// message (logged, counted as a fallback), so that no item ever waits on
+// a word a driver drops. When it ends (the shard closed or died) the
 // mapping, the registrations and the region are released at once, after
 // the copies in flight (a mapping keeps the exporter's memory alive, even
 // after the exporter exits). A write naming a new nonce greets the new

@@ -47,7 +47,7 @@ func TestReadyWordCompletesTheItem(t *testing.T) {
 	require.Equal(t, data, s.region(a))
 	require.Equal(t, datb, s.region(b))
 	require.Equal(t, uint64(2), s.recv.Stats().Completed)
-	require.Equal(t, 2, host.WordsStored(), "the GPU stored both words")
+	require.Equal(t, 1+2, host.WordsStored(), "the GPU stored the registration's probe word and both items' words")
 	st := w.(*writer).Stats()
 	require.Equal(t, WriterStats{InBand: 1, Announced: 2, Regions: 1}, st)
 
@@ -76,6 +76,7 @@ func TestLostWordCompletesNothing(t *testing.T) {
 	host := gpu.NewFakeHost(1)
 	s := listenShard(t, host, 0, "127.0.0.1:0")
 	w := newWriter(t, host)
+	require.True(t, transport.InBand(w, s.recv.Addr()), "attached, its probe word landed")
 	lost, data := inBandItem(s, 4096, 1)
 	host.SkipNextValueWrites(1)
 	require.NoError(t, write(w, s.recv.Addr(), lost)[0])
@@ -103,6 +104,25 @@ func TestNoRegisterCompletesByMessage(t *testing.T) {
 	require.NoError(t, write(w, s.recv.Addr(), it)[0])
 	require.Equal(t, data, s.region(it))
 	require.False(t, s.regions.Completed(it.Res), "completed by the producer's message, not by the receiver")
+}
+
+// TestWordsThatDoNotLandCompleteByMessage: a device that registers the
+// region but whose stream's stores do not reach it (a driver that
+// accepts the calls and drops the words) would leave every item waiting
+// for a word; the writer's probe at registration sees the word missing
+// and the attachment completes by message instead, counted.
+func TestWordsThatDoNotLandCompleteByMessage(t *testing.T) {
+	host := gpu.NewFakeHost(1)
+	s := listenShard(t, host, 0, "127.0.0.1:0")
+	w := newWriter(t, host)
+	host.SkipNextValueWrites(1)
+	require.False(t, transport.InBand(w, s.recv.Addr()), "the probe word did not land")
+	require.Equal(t, uint64(1), w.(*writer).Stats().ByMessage)
+	it, data := inBandItem(s, 512, 1)
+	it.Complete = false
+	require.NoError(t, write(w, s.recv.Addr(), it)[0])
+	require.Equal(t, data, s.region(it))
+	require.False(t, s.regions.Completed(it.Res), "left to the producer's complete message")
 }
 
 // plainSink hides the RemoteSink of a table: a shard that cannot

@@ -45,6 +45,11 @@ import (
 //     generation or an old sequence. The producer reuses a slot only when
 //     it holds 0 and no write of its own is pending on it. A slot whose
 //     write failed is not reused on that attachment.
+//   - The producer never announces slot probeSlot: when it registers the
+//     region with a device it has that device store word(generation, 0)
+//     there and reads it back, so a driver whose stream stores do not
+//     reach the region is found before any item waits on one; it stores
+//     0 there afterwards.
 //   - The shard trusts nothing it reads: a value other than the one
 //     announced leaves the item waiting; nothing but the announced value
 //     completes it, and only while the shard still holds its write open.
@@ -52,6 +57,11 @@ const (
 	wordSize  = 8
 	wordSlots = 4096
 	wordsLen  = wordSize * wordSlots // 32 KiB: whole pages
+
+	// probeSlot is the producer's own: it stores a probe word there when
+	// it registers the region with a device (writer.go, probe) and never
+	// announces an item in it.
+	probeSlot = wordSlots - 1
 
 	// maxSequence is the last sequence an attachment announces; the
 	// writer greets the shard again for a fresh region after it.

@@ -407,6 +407,11 @@ func (w *writer) registration(a *attachment, dev gpu.Device) gpu.HostRegistratio
 	var r gpu.HostRegistration
 	if ok {
 		r, err = vw.RegisterHost(a.words.mem)
+		if err == nil {
+			if err = probe(vw, r, a.words, a.hello.Generation); err != nil {
+				_ = r.Close()
+			}
+		}
 	}
 	if err != nil {
 		a.noReg[ord] = err
@@ -416,6 +421,25 @@ func (w *writer) registration(a *attachment, dev gpu.Device) gpu.HostRegistratio
 	}
 	a.regs[ord] = r
 	return r
+}
+
+// probe has the device store one word into probeSlot through r and reads
+// it back once the stream passed it: a driver that takes the calls but
+// whose stores do not reach the region would otherwise leave every item
+// waiting for its word until the shard gives up on the write. The slot is
+// zero again afterwards.
+func probe(vw gpu.ValueWriter, r gpu.HostRegistration, ws words, gen uint32) error {
+	want := word(gen, 0) // sequence 0 is never announced
+	_, err := vw.CopyDeviceThen(nil, []gpu.ValueWrite{{Addr: r.DevAddr() + probeSlot*wordSize, Value: want}})
+	got := ws.load(probeSlot)
+	ws.store(probeSlot, 0)
+	switch {
+	case err != nil:
+		return fmt.Errorf("storing a probe word: %w", err)
+	case got != want:
+		return fmt.Errorf("a probe word stored from the stream did not reach the region (read %#x, want %#x)", got, want)
+	}
+	return nil
 }
 
 // copyTimed runs one batch of device copies, with its ready words after
@@ -487,6 +511,7 @@ func (w *writer) connect(ctx context.Context, d *dest, nonce [nonceLen]byte) err
 		return err
 	}
 	a := &attachment{hello: h, conn: conn, maps: map[int]gpu.Mapping{}, regs: map[int]gpu.HostRegistration{}, noReg: map[int]error{}}
+	a.lost[probeSlot] = true // registration's probe word goes there, never an item's
 	w.decideInBand(a, d.socket, fd)
 	d.mu.Lock()
 	if w.isClosed() {
