@@ -4,6 +4,8 @@ import (
 	"encoding/hex"
 	"fmt"
 	"strings"
+
+	"github.com/ecmooncake/ecmooncake/core/transport/internal/unixfd"
 )
 
 // nonceLen is the size of the nonce that names one incarnation of a
@@ -65,13 +67,5 @@ func parseAddr(s string) (peerAddr, error) {
 // checkSocketName accepts only the names Listen makes: the project's
 // prefix, then lower-case letters, digits and dashes.
 func checkSocketName(name string) error {
-	if !strings.HasPrefix(name, socketPrefix) || len(name) == len(socketPrefix) || len(name) > maxSocket {
-		return fmt.Errorf("socket name %q is not %s... of at most %d characters", name, socketPrefix, maxSocket)
-	}
-	for _, r := range name {
-		if !(r == '-' || r >= '0' && r <= '9' || r >= 'a' && r <= 'z') {
-			return fmt.Errorf("socket name %q has a character other than a-z, 0-9 and -", name)
-		}
-	}
-	return nil
+	return unixfd.CheckSocketName(name, socketPrefix, maxSocket)
 }

@@ -6,6 +6,8 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+
+	"github.com/ecmooncake/ecmooncake/core/transport/internal/unixfd"
 )
 
 // peer is what a consumer shard publishes as its shm data-plane address:
@@ -80,15 +82,7 @@ func parsePeer(s string) (peer, error) {
 // checkSocketName accepts only the names Listen makes: the project's
 // prefix, then lower-case letters, digits and dashes.
 func checkSocketName(name string) error {
-	if !strings.HasPrefix(name, socketPrefix) || len(name) == len(socketPrefix) || len(name) > maxSocket {
-		return fmt.Errorf("socket name %q is not %s... of at most %d characters", name, socketPrefix, maxSocket)
-	}
-	for _, r := range name {
-		if !(r == '-' || r >= '0' && r <= '9' || r >= 'a' && r <= 'z') {
-			return fmt.Errorf("socket name %q has a character other than a-z, 0-9 and -", name)
-		}
-	}
-	return nil
+	return unixfd.CheckSocketName(name, socketPrefix, maxSocket)
 }
 
 // maxLen keeps a mapping's length an int on every platform Go runs on.

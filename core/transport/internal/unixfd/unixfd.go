@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"strings"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -83,6 +84,22 @@ func SameUser(c *net.UnixConn) error {
 	}
 	if me := uint32(os.Getuid()); uid != me {
 		return fmt.Errorf("peer runs as uid %d, this process as %d", uid, me)
+	}
+	return nil
+}
+
+// CheckSocketName accepts only the abstract socket names the same-host
+// planes make: prefix, then lower-case letters, digits and dashes, at
+// most max bytes in all. A peer's address names a socket this process
+// dials, so anything else is refused before it is used.
+func CheckSocketName(name, prefix string, max int) error {
+	if !strings.HasPrefix(name, prefix) || len(name) == len(prefix) || len(name) > max {
+		return fmt.Errorf("socket name %q is not %s... of at most %d characters", name, prefix, max)
+	}
+	for _, r := range name {
+		if !(r == '-' || r >= '0' && r <= '9' || r >= 'a' && r <= 'z') {
+			return fmt.Errorf("socket name %q has a character other than a-z, 0-9 and -", name)
+		}
 	}
 	return nil
 }
