@@ -122,7 +122,7 @@ var specs = map[string]spec{
 	"data_handshake_timeout_s":   {kind: KindSeconds, max: bound(60), help: "a new data-plane connection must prove itself within this; until then it holds a place among the unproven ones"},
 	"host":                       {kind: KindHost, help: "this machine's identity, to pick a same-host transport (empty: the hostname)"},
 	"max_resident_bytes":         ints(0, 1<<50).with("bytes of a shard's slab kept as resident copies after the engine freed them (0: the slab is the cap)"),
-	"credit_window_bytes":        ints(0, 1<<40).with("standing credit: the slab room a shard grants each producer ahead (consumer; capped at a quarter of the slab), or asks each shard for (producer), so that a batch on a one-sided plane (cuda_ipc, shm, mooncake) moves with no reserve round trip and one claim per shard; both ends must set it (0: off, every batch reserves)"),
+	"credit_window_bytes":        ints(0, 1<<40).with("standing credit: the slab room a shard grants each producer ahead (consumer; capped at a quarter of the slab), or asks each shard for (producer), so that a batch over shm or mooncake moves with no reserve round trip and one claim per shard (cuda_ipc and tcp complete in-band and keep reserving); both ends must set it (0: off, every batch reserves)"),
 	"slab_fd":                    {kind: KindInt, help: "with shm: the descriptor of the sealed memfd the slab is mapped from (-1: none)"},
 	"slab_path":                  {kind: KindRemoved, help: "refused: producers no longer map a file a consumer names; pass slab_fd"},
 	"mooncake_library":           {kind: KindText, help: "path of libtransfer_engine.so (empty: the loader's search path)"},

@@ -342,7 +342,7 @@ EXTRA_KEYS: dict[str, ExtraKey] = {
     ),
     "credit_window_bytes": _native(
         "credit_window_bytes", _BOTH,
-        "standing credit (0: off): the slab room each PD shard grants an encoder ahead, and the window the encoder asks each shard for; set on both, a batch over cuda_ipc, shm or mooncake moves with no reserve round trip",
+        "standing credit (0: off): the slab room each PD shard grants an encoder ahead, and the window the encoder asks each shard for; set on both, a batch over shm or mooncake moves with no reserve round trip (cuda_ipc and tcp complete in-band and keep it)",
         only_if_set=True,
     ),
     "tcp_chunk_bytes": _native(
