@@ -205,7 +205,7 @@ func (w *writer) Write(ctx context.Context, addr string, items []transport.Write
 			inBand = append(inBand, i)
 		}
 	}
-	slots := w.announce(a, items, inBand, fail)
+	slots := w.announce(ctx, a, items, inBand, fail)
 	for i, it := range items {
 		if errs[i] != nil {
 			continue
@@ -249,7 +249,7 @@ type slot struct {
 // announcement, one message, before any of their copies is queued, so
 // that the shard's wake overlaps the copy. An item that gets no slot, or
 // whose announcement cannot be sent, fails.
-func (w *writer) announce(a *attachment, items []transport.WriteItem, idx []int, fail func(int, error)) []slot {
+func (w *writer) announce(ctx context.Context, a *attachment, items []transport.WriteItem, idx []int, fail func(int, error)) []slot {
 	slots := make([]slot, len(items))
 	if len(idx) == 0 {
 		return slots
@@ -278,7 +278,20 @@ func (w *writer) announce(a *attachment, items []transport.WriteItem, idx []int,
 	if len(msg) == 0 {
 		return slots
 	}
-	if _, err := a.conn.Write(appendAnnounce(nil, msg)); err != nil {
+	// A shard that stops reading must not hold this write, and every later
+	// one to it, for ever: the write's deadline, or the dial timeout where
+	// the write has none, bounds it.
+	deadline := time.Now().Add(w.cfg.DialTimeout)
+	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
+		deadline = dl
+	}
+	_ = a.conn.SetWriteDeadline(deadline)
+	_, err := a.conn.Write(appendAnnounce(nil, msg))
+	_ = a.conn.SetWriteDeadline(time.Time{})
+	if err != nil {
+		// A write cut mid-message leaves the stream unparseable: ending
+		// the connection makes the next write greet the shard again.
+		_ = a.conn.CloseRead()
 		for _, i := range sent {
 			a.pending[slots[i].index] = false
 			a.lost[slots[i].index] = true
