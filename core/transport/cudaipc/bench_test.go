@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/transport/transporttest"
@@ -26,9 +28,18 @@ func (n notifySink) CompleteRemote(res ids.ResID, tok ids.Token) error {
 // word stored into a watched slot to the item completed through the
 // sink, against the ceiling of the path it replaces, a thread woken by a
 // message on a Unix socket (the complete_batch's first hop), measured in
-// the same run. Each item is announced first and the word stored once the
-// shard watches it, as when a copy ends within the watcher's spin.
+// the same run. Each item is announced first and its word stored once the
+// shard watches it: at once ("copy_0"), 400 µs later ("copy_400us", as
+// when a 256 MiB batch's copies end on an H100: with a 100 µs spin this
+// cost a nap, ~1 ms where Go's sub-millisecond timers round up), or after
+// the spin ("copy_3ms": a nap's cost).
 func BenchmarkReadyWordSeen(b *testing.B) {
+	b.Run("copy_0", func(b *testing.B) { benchWordSeen(b, 0) })
+	b.Run("copy_400us", func(b *testing.B) { benchWordSeen(b, 400*time.Microsecond) })
+	b.Run("copy_3ms", func(b *testing.B) { benchWordSeen(b, 3*time.Millisecond) })
+}
+
+func benchWordSeen(b *testing.B, after time.Duration) {
 	host := gpu.NewFakeHost(1)
 	s := listenShard(b, host, 0, "")
 	done := make(chan ids.ResID, 1)
@@ -43,6 +54,13 @@ func BenchmarkReadyWordSeen(b *testing.B) {
 		p.announce(announcement{Res: uint64(it.Res), Token: it.Token, Slot: uint32(i % wordSlots), Value: p.word(uint32(i + 1))})
 		for s.recv.accepted.Load() < uint64(i+1) {
 			time.Sleep(time.Microsecond) // blocks: the shard's poller runs
+		}
+		if after > 0 {
+			// A blocking sleep in the kernel, as a copy on a GPU is: it
+			// keeps none of this process's threads busy, so the watcher's
+			// naps run as they do in an otherwise idle shard.
+			ts := unix.NsecToTimespec(after.Nanoseconds())
+			_ = unix.Nanosleep(&ts, nil)
 		}
 		start := time.Now()
 		p.words.store(uint32(i%wordSlots), p.word(uint32(i+1)))
