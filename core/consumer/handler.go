@@ -9,6 +9,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/fsm/reserve"
 	"github.com/ecmooncake/ecmooncake/core/ids"
+	"github.com/ecmooncake/ecmooncake/core/trace"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
@@ -73,6 +74,8 @@ func (s *Shard) peers() wire.PeersReply {
 // connection is proven (by the secret, or by the kernel's peer
 // credentials).
 func (s *Shard) reserve(peer string, b wire.ReserveBatch) wire.ReserveBatchReply {
+	trace.StampAll(trace.ReserveReceived, b.Items, reserveItemKey)
+	defer trace.StampAll(trace.ReserveReplied, b.Items, reserveItemKey)
 	items := make([]reserve.Item, len(b.Items))
 	for i, it := range b.Items {
 		items[i] = reserve.Item{TransferID: it.TransferID, MMHash: it.MMHash, NBytes: it.NBytes, Meta: it.Meta, Owner: b.Requester, Peer: peer}
@@ -260,3 +263,5 @@ func refusal(err error) error {
 	}
 	return fmt.Errorf("%w: %w", reason, err)
 }
+
+func reserveItemKey(it wire.ReserveItem) string { return it.MMHash }

@@ -32,6 +32,12 @@ const (
 	// and such a write sends no complete. Numbered last, so that the
 	// hops before it keep their numbers.
 	ReadyWordSeen
+	// ReserveReceived and ReserveReplied are the shard's handler of a
+	// reserve_batch: taken, and its grants made with the reply about to
+	// go. They split the producer's reserve round trip into the way in,
+	// the handling and the way back.
+	ReserveReceived
+	ReserveReplied
 	hopEnd
 )
 
@@ -45,6 +51,8 @@ var names = [...]string{
 	Ready:            "ready",
 	EventDelivered:   "event_delivered",
 	ReadyWordSeen:    "ready_word_seen",
+	ReserveReceived:  "reserve_received",
+	ReserveReplied:   "reserve_replied",
 }
 
 func (h Hop) String() string {

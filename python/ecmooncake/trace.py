@@ -49,6 +49,8 @@ HOPS: tuple[tuple[str, str, str], ...] = (
     ("save_caches", "producer, Python", "vLLM hands the connector an encoder output"),
     ("submit", "producer, Python", "Producer.submit entered: the push announced"),
     ("reserve_sent", "producer, Go", "reserve_batch sent"),
+    ("reserve_received", "shard, Go", "reserve_batch taken by the shard's handler"),
+    ("reserve_replied", "shard, Go", "its grants made, the reply about to go"),
     ("reserve_answered", "producer, Go", "its grant back"),
     ("hand_over", "producer, Python", "Producer.sources entered: the output handed to the library"),
     ("write_enqueued", "producer, Go", "the write (copy) handed to the data plane"),

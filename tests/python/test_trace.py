@@ -127,7 +127,7 @@ def test_table_of_nothing():
 CHAINS = {
     "tcp": (
         [
-            ["submit", "reserve_sent", "reserve_answered", "write_enqueued", "ready", "write_ended"],
+            ["submit", "reserve_sent", "reserve_received", "reserve_replied", "reserve_answered", "write_enqueued", "ready", "write_ended"],
             ["hand_over", "write_enqueued"],
             ["ready", "event_delivered"],
         ],
@@ -135,7 +135,7 @@ CHAINS = {
     ),
     "shm": (
         [
-            ["submit", "reserve_sent", "reserve_answered", "write_enqueued", "write_ended", "complete_sent", "ready", "complete_answered"],
+            ["submit", "reserve_sent", "reserve_received", "reserve_replied", "reserve_answered", "write_enqueued", "write_ended", "complete_sent", "ready", "complete_answered"],
             ["hand_over", "write_enqueued"],
             ["ready", "event_delivered"],
         ],
