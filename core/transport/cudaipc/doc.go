@@ -61,9 +61,10 @@
 // watched already, the attachment's generation and a sequence above every
 // earlier one, and through the sink an open one-sided write of this shard
 // with that token) and watches the slot: one goroutine per attachment
-// scans its watched words back to back for a short while after each
-// announcement, then naps between scans, longer each time up to a
-// millisecond. A word equal to its announced value frees the slot (the
+// scans its watched words back to back for 2 ms after each announcement
+// (a batch's copies end within that), then naps between scans, longer each
+// time up to a millisecond (receiver.go says why the spin is that long:
+// a Go nap under a millisecond can take a whole one). A word equal to its announced value frees the slot (the
 // shard stores 0 there) and completes the item through the sink
 // (RemoteSink.CompleteRemote: WRITING → READY, readiness published, once).
 // Everything refused is counted in RecvStats.Rejected by reason and
