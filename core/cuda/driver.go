@@ -360,19 +360,26 @@ func (d *Device) CopyDeviceTimed(ops []gpu.DeviceCopy) (gpu.CopyTiming, error) {
 	return d.CopyDeviceThen(ops, nil)
 }
 
-// CopyDeviceThen implements gpu.ValueWriter: CopyDeviceTimed with one
-// cuStreamWriteValue64 per word queued after the copies and before the
-// done event, in the same driver call. Words need a RegisterHost first.
+// CopyDeviceThen queues a batch with its words (QueueCopyThen) and waits
+// for it.
 func (d *Device) CopyDeviceThen(ops []gpu.DeviceCopy, then []gpu.ValueWrite) (gpu.CopyTiming, error) {
+	return gpu.CopyThen(d, ops, then)
+}
+
+// QueueCopyThen implements gpu.ValueWriter: the stream waits for every
+// source's event, then runs the copies between two timing events, with
+// one cuStreamWriteValue64 per word after the copies and before the done
+// event, in one driver call; the host's wait is the Pending's.
+func (d *Device) QueueCopyThen(ops []gpu.DeviceCopy, then []gpu.ValueWrite) (gpu.Pending, error) {
 	if len(ops) == 0 && len(then) == 0 {
-		return gpu.CopyTiming{}, nil
+		return &pending{d: d}, nil
 	}
 	cops := make([]C.ecm_copy, len(ops)+1) // never empty: &cops[0] is passed
 	waited := map[C.ecm_CUevent]bool{}
 	for i, op := range ops {
 		after, err := handleOf(op.After)
 		if err != nil {
-			return gpu.CopyTiming{}, err
+			return nil, err
 		}
 		// The stream waits once per event, however many copies follow it.
 		if waited[after] {
@@ -386,8 +393,8 @@ func (d *Device) CopyDeviceThen(ops []gpu.DeviceCopy, then []gpu.ValueWrite) (gp
 	for i, w := range then {
 		words[i] = C.ecm_value_write{addr: C.ecm_CUdeviceptr(w.Addr), value: C.uint64_t(w.Value)}
 	}
-	var queueNS, waitNS C.int64_t
-	var gpuMS C.float
+	p := &pending{d: d, what: fmt.Sprintf("%s: %d device copies, %d ready words", d.Name(), len(ops), len(then)), queued: true}
+	var queueNS C.int64_t
 	err := d.with(func() error {
 		evs, err := d.getTimed()
 		if err != nil {
@@ -399,27 +406,63 @@ func (d *Device) CopyDeviceThen(ops []gpu.DeviceCopy, then []gpu.ValueWrite) (gp
 		d.queueMu.Lock()
 		r := C.ecm_cu_copy_batch_queue(d.d2x, evs[0], evs[1], &cops[0], C.int(len(ops)), &words[0], C.int(len(then)), &queueNS, &failed)
 		d.queueMu.Unlock()
-		if r == C.ECM_CUDA_SUCCESS {
-			r = C.ecm_cu_wait_timed(evs[0], evs[1], &waitNS, &gpuMS, &failed)
-		}
 		if r != C.ECM_CUDA_SUCCESS {
 			// A failed copy can leave the events recorded or not; fresh
 			// ones are cheaper than finding out.
 			C.ecm_cuEventDestroy(evs[0])
 			C.ecm_cuEventDestroy(evs[1])
-			return copyErr(fmt.Sprintf("%s: %d device copies, %d ready words", d.Name(), len(ops), len(then)), failed, r)
+			return copyErr(p.what, failed, r)
 		}
-		d.timed.put(evs)
+		p.evs = evs
 		return nil
 	})
 	if err != nil {
-		return gpu.CopyTiming{}, err
+		return nil, err
 	}
-	out := gpu.CopyTiming{Queue: time.Duration(queueNS), Wait: time.Duration(waitNS)}
-	if gpuMS >= 0 {
-		out.GPU = time.Duration(float64(gpuMS) * float64(time.Millisecond))
-	}
-	return out, nil
+	p.queue = time.Duration(queueNS)
+	return p, nil
+}
+
+// pending is a batch queued by QueueCopyThen: its timing events, taken
+// back into the device's pool once waited for.
+type pending struct {
+	d      *Device
+	what   string
+	queued bool // false: an empty batch
+	evs    [2]C.ecm_CUevent
+	queue  time.Duration
+	once   sync.Once
+	tm     gpu.CopyTiming
+	err    error
+}
+
+// Wait implements gpu.Pending. A second call returns the first's answer.
+func (p *pending) Wait() (gpu.CopyTiming, error) {
+	p.once.Do(func() {
+		if !p.queued {
+			return
+		}
+		var waitNS C.int64_t
+		var gpuMS C.float
+		p.err = p.d.with(func() error {
+			var failed *C.char
+			if r := C.ecm_cu_wait_timed(p.evs[0], p.evs[1], &waitNS, &gpuMS, &failed); r != C.ECM_CUDA_SUCCESS {
+				C.ecm_cuEventDestroy(p.evs[0])
+				C.ecm_cuEventDestroy(p.evs[1])
+				return copyErr(p.what, failed, r)
+			}
+			p.d.timed.put(p.evs)
+			return nil
+		})
+		if p.err != nil {
+			return
+		}
+		p.tm = gpu.CopyTiming{Queue: p.queue, Wait: time.Duration(waitNS)}
+		if gpuMS >= 0 {
+			p.tm.GPU = time.Duration(float64(gpuMS) * float64(time.Millisecond))
+		}
+	})
+	return p.tm, p.err
 }
 
 // hostReg is host memory registered with one device's context.

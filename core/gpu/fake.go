@@ -31,6 +31,8 @@ type FakeHost struct {
 	skipWords   int
 	refuseHost  error
 	wordsStored int
+	// batches queued by QueueCopyThen, and those of them waited for
+	queued, waited int
 
 	// counters read by tests
 	mappings, events, hostBufs int
@@ -483,7 +485,49 @@ func (d *fakeDevice) RegisterHost(mem []byte) (HostRegistration, error) {
 	return &fakeRegistration{h: d.h, a: d.h.addLocked(mem, -1, false)}, nil
 }
 
-// CopyDeviceThen implements ValueWriter: the copies, then each word
+// QueueCopyThen implements ValueWriter: as a GPU's stream does, the fake
+// runs the batch on its own (a goroutine: it waits for the sources'
+// events, copies, then stores the words) while the caller goes on, and
+// its Pending waits for that.
+func (d *fakeDevice) QueueCopyThen(ops []DeviceCopy, then []ValueWrite) (Pending, error) {
+	d.h.mu.Lock()
+	d.h.queued++
+	d.h.mu.Unlock()
+	p := &fakePending{h: d.h, done: make(chan struct{})}
+	go func() {
+		defer close(p.done)
+		p.tm, p.err = d.CopyDeviceThen(ops, then)
+	}()
+	return p, nil
+}
+
+type fakePending struct {
+	h    *FakeHost
+	done chan struct{}
+	once sync.Once
+	tm   CopyTiming
+	err  error
+}
+
+func (p *fakePending) Wait() (CopyTiming, error) {
+	<-p.done
+	p.once.Do(func() {
+		p.h.mu.Lock()
+		p.h.waited++
+		p.h.mu.Unlock()
+	})
+	return p.tm, p.err
+}
+
+// QueuedBatches counts the batches QueueCopyThen queued, and those of
+// them not waited for yet.
+func (h *FakeHost) QueuedBatches() (queued, unwaited int) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.queued, h.queued - h.waited
+}
+
+// CopyDeviceThen runs a batch: the copies, then each word
 // stored atomically (another process may be reading it), unless skipped.
 func (d *fakeDevice) CopyDeviceThen(ops []DeviceCopy, then []ValueWrite) (CopyTiming, error) {
 	tm, err := d.CopyDeviceTimed(ops)

@@ -154,19 +154,19 @@ func TestFakeValueWritesFollowTheCopies(t *testing.T) {
 	mem := unsafe.Slice((*byte)(unsafe.Pointer(&words[0])), 32)
 	reg, err := vw.RegisterHost(mem)
 	require.NoError(t, err)
-	_, err = vw.CopyDeviceThen([]DeviceCopy{{Dst: b, Src: a, N: 5}}, []ValueWrite{{Addr: reg.DevAddr() + 8, Value: 7}, {Addr: reg.DevAddr() + 16, Value: 9}})
+	_, err = CopyThen(vw, []DeviceCopy{{Dst: b, Src: a, N: 5}}, []ValueWrite{{Addr: reg.DevAddr() + 8, Value: 7}, {Addr: reg.DevAddr() + 16, Value: 9}})
 	require.NoError(t, err)
 	require.Equal(t, []byte("bytes"), bw[:5])
 	require.Equal(t, []uint64{0, 7, 9, 0}, words)
 
 	h.SkipNextValueWrites(1)
-	_, err = vw.CopyDeviceThen(nil, []ValueWrite{{Addr: reg.DevAddr(), Value: 1}, {Addr: reg.DevAddr() + 24, Value: 2}})
+	_, err = CopyThen(vw, nil, []ValueWrite{{Addr: reg.DevAddr(), Value: 1}, {Addr: reg.DevAddr() + 24, Value: 2}})
 	require.NoError(t, err)
 	require.Equal(t, []uint64{0, 7, 9, 2}, words, "the first word was skipped")
 	require.Equal(t, 3, h.WordsStored())
 
 	require.NoError(t, reg.Close())
-	_, err = vw.CopyDeviceThen(nil, []ValueWrite{{Addr: reg.DevAddr(), Value: 1}})
+	_, err = CopyThen(vw, nil, []ValueWrite{{Addr: reg.DevAddr(), Value: 1}})
 	require.ErrorContains(t, err, "no live allocation", "an unregistered address is refused")
 
 	h.RefuseHostRegister(errors.New("no stream memory operations"))

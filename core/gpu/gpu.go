@@ -108,9 +108,11 @@ type CopyTiming struct {
 	// GPU is the copies' own time on the GPU, from the first copy's start
 	// to the last one's end (timing events); 0 when the device cannot say.
 	GPU time.Duration
-	// Wait is the host time from the last copy queued until its
+	// Wait is the host time from the start of the wait (right after the
+	// queueing, or when a Pending's Wait was called) until the batch's
 	// completion was seen. Wait less GPU is what waking for the event
-	// cost, plus any queueing ahead of the copies.
+	// cost, plus any queueing ahead of the copies; 0 when the batch had
+	// ended before the wait began.
 	Wait time.Duration
 }
 
@@ -217,8 +219,26 @@ type ValueWriter interface {
 	// RegisterHost lets the device store into mem, which must be
 	// page-aligned and stay mapped until Close.
 	RegisterHost(mem []byte) (HostRegistration, error)
-	// CopyDeviceThen is CopyDeviceTimed, with the writes queued after the
-	// copies and before the event the host waits for: when it returns
-	// without error, every copy has landed and every word is stored.
-	CopyDeviceThen(ops []DeviceCopy, then []ValueWrite) (CopyTiming, error)
+	// QueueCopyThen queues what CopyDeviceTimed runs, with the writes
+	// after the copies and before the event the host waits for, and
+	// returns without waiting: the caller's thread is free while the GPU
+	// copies, and the batch's Pending, waited for exactly once, says when
+	// every copy has landed and every word is stored.
+	QueueCopyThen(ops []DeviceCopy, then []ValueWrite) (Pending, error)
+}
+
+// Pending is a batch queued on a device.
+type Pending interface {
+	// Wait returns once the batch completed, with its timing, or why it
+	// failed. It is called once.
+	Wait() (CopyTiming, error)
+}
+
+// CopyThen queues a batch with its words on vw and waits for it.
+func CopyThen(vw ValueWriter, ops []DeviceCopy, then []ValueWrite) (CopyTiming, error) {
+	p, err := vw.QueueCopyThen(ops, then)
+	if err != nil {
+		return CopyTiming{}, err
+	}
+	return p.Wait()
 }

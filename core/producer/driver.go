@@ -161,7 +161,8 @@ func (p *Producer) applyLocked(r push.Effects) {
 // launchWrite starts one write batch to dest's data plane at key.
 func (p *Producer) launchWrite(dest string, key planeKey, ws []push.Write, items []transport.WriteItem) {
 	p.batches++
-	p.launch("write", dest, func() { p.write(dest, key.addr, key.cached, ws, items) }, func(err error) {
+	started := p.startWriteLocked(dest, key.addr, ws, items)
+	p.launch("write", dest, func() { p.write(dest, key.addr, key.cached, ws, items, started) }, func(err error) {
 		for _, w := range ws {
 			p.mgr.WriteDone(w.TransferID, dest, err, time.Now())
 		}
@@ -339,6 +340,7 @@ func (p *Producer) notePlaneLocked(dest string, pl plane) {
 		p.log.Info("consumer shard restarted; writing to its new data plane", "peer", dest,
 			"old_epoch", old.epoch, "epoch", pl.epoch, "data", pl.addr)
 		p.forgetConsumerLocked(dest)
+		delete(p.greeted, old.addr)
 		delete(p.credit, dest)
 		delete(p.credSeen, dest) // the new incarnation counts its windows afresh
 	}
@@ -350,19 +352,29 @@ func (p *Producer) notePlaneLocked(dest string, pl plane) {
 // a slab that does not hold its regions, is sent once more to the address
 // the shard gives now, when that differs: the shard restarted on a new
 // data plane after granting.
-func (p *Producer) write(dest, addr string, cached bool, ws []push.Write, items []transport.WriteItem) {
-	start := time.Now()
-	p.handedOff(p.granted, dest, metrics.PhaseWriteHandoff, start)
-	// A plane that completes in-band (TCP) carries each item's completion
-	// in its frames: an item whose every frame was acknowledged is ready
-	// at the shard, and no complete_batch follows. A retry to a moved
-	// plane asks again, of that plane.
-	inBand := transport.InBand(p.writer, addr)
-	for i := range items {
-		items[i].Complete = inBand
+func (p *Producer) write(dest, addr string, cached bool, ws []push.Write, items []transport.WriteItem, started *startedWrite) {
+	var errs []error
+	var inBand bool
+	if started != nil {
+		inBand = started.inBand
+		errs = started.finish()
+	} else {
+		start := time.Now()
+		p.handedOff(p.granted, dest, metrics.PhaseWriteHandoff, start)
+		// A plane that completes in-band (TCP) carries each item's completion
+		// in its frames: an item whose every frame was acknowledged is ready
+		// at the shard, and no complete_batch follows. A retry to a moved
+		// plane asks again, of that plane.
+		inBand = transport.InBand(p.writer, addr)
+		for i := range items {
+			items[i].Complete = inBand
+		}
+		trace.StampAll(trace.WriteEnqueued, ws, writeKey)
+		errs = p.writeTo(dest, addr, items)
+		p.mu.Lock()
+		p.greeted[addr] = true
+		p.mu.Unlock()
 	}
-	trace.StampAll(trace.WriteEnqueued, ws, writeKey)
-	errs := p.writeTo(dest, addr, items)
 	if cached {
 		inBand = p.retryStale(dest, addr, items, errs, inBand)
 	}
@@ -396,6 +408,52 @@ func (p *Producer) write(dest, addr string, cached bool, ws []push.Write, items 
 	if failed {
 		p.forgetLocked(dest)
 	}
+}
+
+// startedWrite is a batch begun in the step (startWriteLocked), whose
+// write goroutine only finishes it.
+type startedWrite struct {
+	inBand bool
+	finish func() []error
+}
+
+// startWriteLocked begins the batch's write here, on the thread that took
+// the step (for Sources, the encoder's thread calling hand_over), where
+// the data plane can do so without waiting (transport.Starter: cuda_ipc
+// announces the items and queues their copies and ready words): the
+// batch's goroutine then only waits for the copies, and the copy no
+// longer waits for that goroutine to be woken and run (~200 µs of
+// hand_over -> write_enqueued on an H100 host). It returns nil where the
+// write goes to its goroutine whole: a plane that cannot start, or one not
+// written to yet (whose first write greets the shard, which waits).
+func (p *Producer) startWriteLocked(dest, addr string, ws []push.Write, items []transport.WriteItem) *startedWrite {
+	st, ok := p.writer.(transport.Starter)
+	if !ok || addr == "" || !p.greeted[addr] {
+		return nil
+	}
+	inBand := transport.InBand(p.writer, addr)
+	for i := range items {
+		items[i].Complete = inBand
+	}
+	now := time.Now()
+	if t, ok := p.granted[dest]; ok {
+		delete(p.granted, dest)
+		metrics.Phase(metrics.PhaseWriteHandoff, now.Sub(t))
+	}
+	trace.StampAll(trace.WriteEnqueued, ws, writeKey)
+	ctx, cancel := context.WithTimeout(p.life, p.cfg.PushWait())
+	finish, ok := st.Start(ctx, addr, items)
+	if !ok {
+		cancel()
+		return nil
+	}
+	return &startedWrite{inBand: inBand, finish: func() []error {
+		defer cancel()
+		errs := finish()
+		metrics.Phase(metrics.PhaseWrite, time.Since(now))
+		p.observeWrite(planeName(addr, p.tr.Name()), now, items, errs)
+		return errs
+	}}
 }
 
 func (p *Producer) writeTo(dest, addr string, items []transport.WriteItem) []error {
@@ -467,6 +525,8 @@ func (p *Producer) retryStale(dest, addr string, items []transport.WriteItem, er
 // consumer, so that the next push looks it up again: a shard that
 // restarted listens on a new data-plane address.
 func (p *Producer) forgetLocked(dest string) {
+	// The next batch greets it again, from its goroutine.
+	delete(p.greeted, p.planes[dest].addr)
 	delete(p.planes, dest)
 	p.forgetConsumerLocked(dest)
 }

@@ -87,6 +87,17 @@ type InBandWriter interface {
 	InBand(dest string) bool
 }
 
+// Starter is a Writer that can begin a batch on the caller's thread and
+// finish it elsewhere: Start does what must come first (cuda_ipc: the
+// announcement, and the copies queued on the GPU) without waiting for the
+// transfer, and finish waits for it and returns what Write would. ok is
+// false, with nothing done, when starting would have to wait (no
+// connection to dest yet): the caller then calls Write. finish is called
+// exactly once.
+type Starter interface {
+	Start(ctx context.Context, dest string, items []WriteItem) (finish func() []error, ok bool)
+}
+
 // InBand reports whether w completes in-band the items it writes to dest
 // that ask it to.
 func InBand(w Writer, dest string) bool {

@@ -305,3 +305,65 @@ func benchGPUBatches(b *testing.B, n int) {
 
 func BenchmarkGPUBatch8(b *testing.B)  { benchGPUBatches(b, 8) }
 func BenchmarkGPUBatch64(b *testing.B) { benchGPUBatches(b, 64) }
+
+// TestGPUHandOverQueuesTheCopies: over cuda_ipc, to a shard the producer
+// has written to before, a batch whose grants are in when its outputs are
+// handed over has its copies (and their ready words) queued on the GPU by
+// the hand-over itself, before Sources returns: the copy does not wait
+// for a goroutine to be woken. The encoder's stream is held, so the
+// queued batch cannot have completed; once it is let go, the items arrive
+// whole.
+func TestGPUHandOverQueuesTheCopies(t *testing.T) {
+	c := newGPUCluster(t, 1, 32<<20)
+	p := c.prods[cudaipc.Name]
+	c.push(cudaipc.Name, "req-queue-warm", makeItems(80, 2, 1<<10, 64<<10, 0), 0)
+
+	items := makeItems(81, 3, 1<<10, 64<<10, 0)
+	exp := make([]sched.Expected, len(items))
+	pushes := make([]producer.Push, len(items))
+	for i, it := range items {
+		exp[i] = sched.Expected{TransferID: it.tid, MMHash: it.hash}
+		pushes[i] = producer.Push{TransferID: it.tid, MMHash: it.hash, NBytes: uint64(len(it.data)), Consumer: c.consumer}
+	}
+	require.Empty(t, c.sched.Step(scheduler.StepIn{Expect: []scheduler.ExpectIn{{RequestID: "req-queue", Items: exp}}}).ExpectErrors)
+	before := p.Stats().RoundTrips
+	for _, err := range p.Submit(pushes) {
+		require.NoError(t, err)
+	}
+	require.Eventually(t, func() bool { return p.Stats().RoundTrips > before }, hang, time.Millisecond, "the reserve is answered")
+
+	stream := c.host.NewStream()
+	stream.Hold()
+	dev, err := c.host.Device(0)
+	require.NoError(t, err)
+	var srcs []producer.Source
+	for _, it := range items {
+		addr, window := c.host.Alloc(0, len(it.data))
+		copy(window, it.data)
+		ready, err := dev.RecordEvent(stream.Handle())
+		require.NoError(t, err)
+		srcs = append(srcs, producer.Source{MMHash: it.hash, Dev: &transport.DeviceSrc{Addr: addr, Len: uint64(len(it.data)), Ready: ready}})
+	}
+	queuedBefore, _ := c.host.QueuedBatches()
+	_, errs := p.Sources(srcs)
+	queued, unwaited := c.host.QueuedBatches()
+	for _, err := range errs {
+		require.NoError(t, err)
+	}
+	require.Equal(t, queuedBefore+1, queued, "the hand-over queued the batch's copies itself")
+	require.Equal(t, 1, unwaited, "the batch waits for the encoder's stream")
+
+	stream.Release()
+	require.Len(t, c.wait(tids(items), 10*time.Second).Available, len(items))
+	// The fake GPU's copies are Go writes, ordered before the reads below
+	// (for the race detector) by the producer's Done, not by the ready
+	// words, which reach the shard through another mapping of the region.
+	done := 0
+	for deadline := time.Now().Add(hang); done < len(items) && time.Now().Before(deadline); {
+		o := p.Poll(200 * time.Millisecond)
+		require.Empty(t, o.Failed)
+		done += len(o.Done)
+	}
+	require.Equal(t, len(items), done)
+	c.verify(items)
+}

@@ -56,6 +56,12 @@
 // those and waits for it (gpu.ValueWriter; the timings are observed as
 // metrics phases). Write returns only after that event completed, so the
 // source goes back to the encoder as before; no complete message follows.
+// Start (transport.Starter) is Write cut at the wait: on a shard already
+// greeted it announces and queues on the caller's thread and leaves the
+// wait to the finish it returns, so that the producer queues a batch's
+// copies in the hand-over itself and only the wait runs on the batch's
+// goroutine (package producer, startWriteLocked). The slab's mapping is
+// held (read-locked) from the start until the finish.
 //
 // The shard checks each announced entry (slot inside the region and not
 // watched already, the attachment's generation and a sequence above every

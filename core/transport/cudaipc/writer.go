@@ -3,6 +3,7 @@ package cudaipc
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -132,7 +133,7 @@ func (w *writer) InBand(addr string) bool {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), w.cfg.DialTimeout)
 	defer cancel()
-	a, err := w.attach(ctx, d, p.nonce)
+	a, err := w.attach(ctx, d, p.nonce, true)
 	if err != nil {
 		return false
 	}
@@ -149,42 +150,71 @@ func (w *writer) InBand(addr string) bool {
 // refused, with nothing copied, unless it lies inside the region its
 // grant reserved and that region inside the slab this incarnation
 // exported.
-func (w *writer) Write(ctx context.Context, addr string, items []transport.WriteItem) (errs []error) {
-	errs = make([]error, len(items))
+func (w *writer) Write(ctx context.Context, addr string, items []transport.WriteItem) []error {
+	finish, _ := w.start(ctx, addr, items, true)
+	return finish()
+}
+
+// Start implements transport.Starter: Write's work up to the copies
+// queued on the GPU (announcement, placement, copies and words queued),
+// on the caller's thread, and finish for the rest (the wait for the
+// copies' event, then the slots settled). ok is false, with nothing
+// done, when the shard that addr names is not greeted yet: greeting it
+// waits for the shard, which Write does.
+func (w *writer) Start(ctx context.Context, addr string, items []transport.WriteItem) (finish func() []error, ok bool) {
+	return w.start(ctx, addr, items, false)
+}
+
+// start is Write up to its wait; greet says whether it may greet the
+// shard first. d.mu stays read-locked from the attachment until finish
+// returns, so that the mapping under the copies stays.
+func (w *writer) start(ctx context.Context, addr string, items []transport.WriteItem, greet bool) (finish func() []error, ok bool) {
+	errs := make([]error, len(items))
 	fail := func(i int, cause error) {
 		it := items[i]
 		errs[i] = transport.ItemErr(Name, addr, it.Res, it.Off, it.Off+it.Len(), cause)
 	}
-	failAll := func(cause error) []error {
+	failAll := func(cause error) {
 		for i := range items {
 			if errs[i] == nil {
 				fail(i, cause)
 			}
 		}
-		return errs
 	}
+	done := func() []error { return errs }
 	if len(items) == 0 {
-		return errs
+		return done, true
 	}
 	p, err := parseAddr(addr)
 	if err != nil {
-		return failAll(err)
+		failAll(err)
+		return done, true
 	}
 	d, err := w.dest(p.socket)
 	if err != nil {
-		return failAll(err)
+		failAll(err)
+		return done, true
 	}
+	locked := false
 	defer func() {
 		if r := recover(); r != nil {
 			serve.LogPanic(w.log, r, "cudaipc: panic in write", "dest", addr)
-			errs = failAll(fmt.Errorf("%w: panic: %v", transport.ErrConnLost, r))
+			if locked {
+				d.mu.RUnlock()
+			}
+			failAll(fmt.Errorf("%w: panic: %v", transport.ErrConnLost, r))
+			finish, ok = done, true
 		}
 	}()
-	a, err := w.attach(ctx, d, p.nonce)
-	if err != nil {
-		return failAll(err)
+	a, err := w.attach(ctx, d, p.nonce, greet)
+	if errors.Is(err, errNotGreeted) {
+		return nil, false
 	}
-	defer d.mu.RUnlock()
+	if err != nil {
+		failAll(err)
+		return done, true
+	}
+	locked = true
 
 	// Place every item, then copy them grouped by the device whose
 	// context runs the copy: one batch, one event per device.
@@ -216,6 +246,7 @@ func (w *writer) Write(ctx context.Context, addr string, items []transport.Write
 		}
 		byDev[ord] = append(byDev[ord], i)
 	}
+	var waits []func()
 	for ord, idx := range byDev {
 		if err := ctx.Err(); err != nil {
 			for _, i := range idx {
@@ -230,11 +261,30 @@ func (w *writer) Write(ctx context.Context, addr string, items []transport.Write
 			}
 			continue
 		}
-		w.copyGroup(a, dev, m.Addr()+uintptr(a.hello.Export.Offset), items, idx, dsts, slots, fail)
+		if wait := w.copyGroup(a, dev, m.Addr()+uintptr(a.hello.Export.Offset), items, idx, dsts, slots, fail); wait != nil {
+			waits = append(waits, wait)
+		}
 	}
-	w.settle(a, slots, errs)
-	return errs
+	locked = false
+	return func() (out []error) {
+		defer d.mu.RUnlock()
+		defer func() {
+			if r := recover(); r != nil {
+				serve.LogPanic(w.log, r, "cudaipc: panic waiting for a write", "dest", addr)
+				failAll(fmt.Errorf("%w: panic: %v", transport.ErrConnLost, r))
+				out = errs
+			}
+		}()
+		for _, wait := range waits {
+			wait()
+		}
+		w.settle(a, slots, errs)
+		return errs
+	}, true
 }
+
+// errNotGreeted: Start found the shard not greeted (Write greets it).
+var errNotGreeted = errors.New("cudaipc: the shard is not greeted yet")
 
 var errNotInBand = fmt.Errorf("%w: asked to complete in-band on a shard attachment that completes by message", transport.ErrRefusedByWriter)
 
@@ -347,8 +397,10 @@ func (w *writer) settle(a *attachment, slots []slot, errs []error) {
 // copyGroup copies the items idx of one device. Device sources go in one
 // batch whose ready words the device stores after the copies; where it
 // cannot, and for host sources, the writer stores each word itself once
-// the copy's completion was seen, which keeps the word's promise.
-func (w *writer) copyGroup(a *attachment, dev gpu.Device, base uintptr, items []transport.WriteItem, idx []int, dsts []uint64, slots []slot, fail func(int, error)) {
+// the copy's completion was seen, which keeps the word's promise. On a
+// device that queues (gpu.ValueWriter) it returns once the batch is
+// queued, with the wait for it (nil when nothing waits).
+func (w *writer) copyGroup(a *attachment, dev gpu.Device, base uintptr, items []transport.WriteItem, idx []int, dsts []uint64, slots []slot, fail func(int, error)) (wait func()) {
 	var ops []gpu.DeviceCopy
 	var opItems []int
 	for _, i := range idx {
@@ -366,7 +418,26 @@ func (w *writer) copyGroup(a *attachment, dev gpu.Device, base uintptr, items []
 		opItems = append(opItems, i)
 	}
 	if len(ops) == 0 {
-		return
+		return nil
+	}
+	failOps := func(err error) {
+		for _, i := range opItems {
+			fail(i, err)
+		}
+	}
+	hostWords := func() {
+		for _, i := range opItems {
+			w.storeWord(a, slots[i])
+		}
+	}
+	vw, ok := dev.(gpu.ValueWriter)
+	if !ok {
+		if err := copyTimed(dev, ops); err != nil {
+			failOps(err)
+			return nil
+		}
+		hostWords()
+		return nil
 	}
 	var then []gpu.ValueWrite
 	reg := w.registration(a, dev)
@@ -377,15 +448,20 @@ func (w *writer) copyGroup(a *attachment, dev gpu.Device, base uintptr, items []
 			}
 		}
 	}
-	if err := copyTimed(dev, ops, then); err != nil {
-		for _, i := range opItems {
-			fail(i, err)
-		}
-		return
+	pend, err := vw.QueueCopyThen(ops, then)
+	if err != nil {
+		failOps(err)
+		return nil
 	}
-	if reg == nil {
-		for _, i := range opItems {
-			w.storeWord(a, slots[i])
+	return func() {
+		tm, err := pend.Wait()
+		if err != nil {
+			failOps(err)
+			return
+		}
+		observeCopy(tm)
+		if reg == nil {
+			hostWords()
 		}
 	}
 }
@@ -443,7 +519,7 @@ func (w *writer) registration(a *attachment, dev gpu.Device) gpu.HostRegistratio
 // zero again afterwards.
 func probe(vw gpu.ValueWriter, r gpu.HostRegistration, ws words, gen uint32) error {
 	want := word(gen, 0) // sequence 0 is never announced
-	_, err := vw.CopyDeviceThen(nil, []gpu.ValueWrite{{Addr: r.DevAddr() + probeSlot*wordSize, Value: want}})
+	_, err := gpu.CopyThen(vw, nil, []gpu.ValueWrite{{Addr: r.DevAddr() + probeSlot*wordSize, Value: want}})
 	got := ws.load(probeSlot)
 	ws.store(probeSlot, 0)
 	switch {
@@ -455,27 +531,29 @@ func probe(vw gpu.ValueWriter, r gpu.HostRegistration, ws words, gen uint32) err
 	return nil
 }
 
-// copyTimed runs one batch of device copies, with its ready words after
-// them when then is not empty, and observes its phases.
-func copyTimed(dev gpu.Device, ops []gpu.DeviceCopy, then []gpu.ValueWrite) error {
-	var tm gpu.CopyTiming
-	var err error
-	if vw, ok := dev.(gpu.ValueWriter); ok && len(then) > 0 {
-		tm, err = vw.CopyDeviceThen(ops, then)
-	} else if tc, ok := dev.(gpu.TimedCopier); ok {
-		tm, err = tc.CopyDeviceTimed(ops)
-	} else {
+// copyTimed runs one batch of device copies on a device that cannot queue
+// words (no gpu.ValueWriter), and observes its phases.
+func copyTimed(dev gpu.Device, ops []gpu.DeviceCopy) error {
+	tc, ok := dev.(gpu.TimedCopier)
+	if !ok {
 		return dev.CopyDevice(ops)
 	}
+	tm, err := tc.CopyDeviceTimed(ops)
 	if err != nil {
 		return err
 	}
+	observeCopy(tm)
+	return nil
+}
+
+// observeCopy records a batch's phases: its queueing, its time on the
+// GPU and the host's wait beyond that.
+func observeCopy(tm gpu.CopyTiming) {
 	metrics.Phase(metrics.PhaseCopyQueue, tm.Queue)
 	if tm.GPU > 0 {
 		metrics.Phase(metrics.PhaseCopy, tm.GPU)
 		metrics.Phase(metrics.PhaseEventWait, max(0, tm.Wait-tm.GPU))
 	}
-	return nil
 }
 
 // place is where item it lands, as an offset into the slab, after every
@@ -492,13 +570,16 @@ var errNoAddr = fmt.Errorf("%w: the grant carries no slab address (is the shard'
 
 // attach returns the attachment for nonce with d.mu read-locked, greeting
 // the shard first when the writer has none for that incarnation.
-func (w *writer) attach(ctx context.Context, d *dest, nonce [nonceLen]byte) (*attachment, error) {
+func (w *writer) attach(ctx context.Context, d *dest, nonce [nonceLen]byte, greet bool) (*attachment, error) {
 	for tries := 0; ; tries++ {
 		d.mu.RLock()
 		if a := d.cur; a != nil && a.hello.Nonce == nonce {
 			return a, nil
 		}
 		d.mu.RUnlock()
+		if !greet {
+			return nil, errNotGreeted
+		}
 		if tries > 0 {
 			return nil, fmt.Errorf("%w: the shard at @%s went while this write began", transport.ErrUnreachable, d.socket)
 		}

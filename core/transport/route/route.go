@@ -191,6 +191,25 @@ func (w *writer) InBand(dest string) bool {
 	return err == nil && transport.InBand(tw, addr)
 }
 
+// Start implements transport.Starter for the planes that do; the others
+// say not ok, and the caller calls Write.
+func (w *writer) Start(ctx context.Context, dest string, items []transport.WriteItem) (func() []error, bool) {
+	name, addr := w.split(dest)
+	tw, err := w.writer(name)
+	if err != nil {
+		return nil, false
+	}
+	st, ok := tw.(transport.Starter)
+	if !ok {
+		return nil, false
+	}
+	finish, ok := st.Start(ctx, addr, items)
+	if !ok {
+		return nil, false
+	}
+	return func() []error { return w.noteUnsupported(name, dest, finish()) }, true
+}
+
 func (w *writer) Write(ctx context.Context, dest string, items []transport.WriteItem) []error {
 	name, addr := w.split(dest)
 	tw, err := w.writer(name)
@@ -201,7 +220,12 @@ func (w *writer) Write(ctx context.Context, dest string, items []transport.Write
 		}
 		return errs
 	}
-	errs := tw.Write(ctx, addr, items)
+	return w.noteUnsupported(name, dest, tw.Write(ctx, addr, items))
+}
+
+// noteUnsupported marks dest broken for the same-host plane when its
+// write found that plane cannot reach the shard, and returns errs.
+func (w *writer) noteUnsupported(name, dest string, errs []error) []error {
 	if w.t.cfg.Local != nil && name == w.t.cfg.Local.Name() {
 		for _, err := range errs {
 			if errors.Is(err, transport.ErrUnsupported) {
