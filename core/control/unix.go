@@ -6,15 +6,11 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"os"
-	"runtime"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"go.uber.org/atomic"
-	"golang.org/x/sys/unix"
 
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/wire"
@@ -41,9 +37,6 @@ const (
 	// unixRetry is how long a client that could not reach the Unix path
 	// uses ZeroMQ before it tries again.
 	unixRetry = time.Second
-	// unixReplySpin bounds how long a client's reader stays awake, polling
-	// its socket, for the reply of a call in flight (see awaitFrame).
-	unixReplySpin = 2 * time.Millisecond
 )
 
 // UnixName is the abstract Unix socket name of the control server that
@@ -93,31 +86,12 @@ type unixOptions struct {
 	eventQueue int
 	// handshakeTimeout bounds a server's admission of one connection.
 	handshakeTimeout time.Duration
-	// replySpin is how long a client's reader stays awake for a reply
-	// (awaitFrame); 0: it sleeps in the poller.
-	replySpin time.Duration
 }
 
 func defaultUnixOptions() unixOptions {
 	return unixOptions{allowed: sameUser, uidOf: peerUID, maxConns: UnixMaxConns, maxPerUID: UnixMaxConnsPerUID,
-		writeTimeout: unixWriteTimeout, eventQueue: EventQueue, handshakeTimeout: unixHandshakeTimeout,
-		replySpin: defaultReplySpin(runtime.NumCPU())}
+		writeTimeout: unixWriteTimeout, eventQueue: EventQueue, handshakeTimeout: unixHandshakeTimeout}
 }
-
-// defaultReplySpin keeps a reader awake for replies only on a host with
-// cores to spare: on the 2-core machine a polling reader took the CPU the
-// server needed (a call's p99 went from 260 µs to 1.5 ms), where a GPU
-// host's 16 cores leave the server its own.
-func defaultReplySpin(cpus int) time.Duration {
-	if cpus < minSpinCPUs {
-		return 0
-	}
-	return unixReplySpin
-}
-
-// minSpinCPUs is the fewest CPUs on which a client's reader polls for its
-// replies.
-const minSpinCPUs = 8
 
 // serialHandler calls h one request at a time for every server sharing
 // it, keeping Handler's contract when ZeroMQ and Unix serve one shard.
@@ -245,12 +219,6 @@ type unixConn struct {
 	calls callTable  // closed once the connection is lost
 	last  atomic.Int64
 	done  chan struct{}
-
-	// idleMu orders a call's kick with the reader going to sleep: idle is
-	// set while the reader waits in the poller, kicked once a call cut
-	// that wait short (awaitFrame).
-	idleMu       sync.Mutex
-	idle, kicked bool
 }
 
 // errNotSent marks a call that never reached the server: the caller may
@@ -337,9 +305,6 @@ func (u *UnixClient) call(ctx context.Context, op wire.Op, body, out any) error 
 	_, err = cn.c.Write(frame)
 	cn.wmu.Unlock()
 	cn.last.Store(time.Now().UnixNano())
-	if err == nil && u.opt.replySpin > 0 {
-		cn.kick()
-	}
 	if err != nil {
 		// Maybe part of it went: never resend it elsewhere.
 		cn.lose(fmt.Errorf("write: %w", err))
@@ -437,16 +402,9 @@ func (cn *unixConn) lose(err error) {
 // read matches replies to calls until the connection is lost.
 func (u *UnixClient) read(cn *unixConn) {
 	defer close(cn.done)
-	rc, err := cn.c.SyscallConn()
-	if err != nil {
-		cn.lose(err)
-		return
-	}
 	for {
-		if err := cn.awaitFrame(rc, u.opt.replySpin); err != nil {
-			cn.lose(err)
-			return
-		}
+		// The idle bound of a connection nobody uses; calls bound their own waits.
+		_ = cn.c.SetReadDeadline(time.Now().Add(unixServerIdle))
 		frame, err := readUnixFrame(cn.c)
 		if err != nil {
 			cn.lose(err)
@@ -465,88 +423,6 @@ func (u *UnixClient) read(cn *unixConn) {
 			u.late.Add(1)
 		}
 	}
-}
-
-// awaitFrame returns once the socket has bytes to read (or an error or
-// hang-up to report). While a call sent less than spin ago waits
-// for its reply, the reader stays awake and polls the socket, yielding
-// between polls; else it sleeps in Go's poller, with the idle bound of a
-// connection nobody uses as its deadline, and a call made meanwhile cuts
-// that sleep short (kick) so that the reader polls for its reply.
-//
-// Why awake: a reply to a sleeping reader costs a wake of its thread by
-// the kernel and then of the caller by the reader, 150-175 µs each way on
-// an idle H100 host (the reserve_batch trace, BENCHMARKS.md) and 2.2-2.5x
-// a bare Unix round trip on the 2-core machine; a kick is a goroutine made
-// runnable on the caller's own thread, which runs the reader as soon as
-// the caller waits, and a thread that polls sees the reply at once. The
-// cost is one thread kept busy for at most spin per call, which only a
-// host with cores to spare pays (defaultReplySpin).
-func (cn *unixConn) awaitFrame(rc syscall.RawConn, spin time.Duration) error {
-	for {
-		for cn.calls.size() > 0 && cn.sentWithin(spin) {
-			if readable(rc) {
-				return nil
-			}
-			runtime.Gosched()
-		}
-		cn.idleMu.Lock()
-		if cn.calls.size() > 0 && cn.sentWithin(spin) {
-			cn.idleMu.Unlock() // a call came between the poll and the lock
-			continue
-		}
-		cn.idle = true
-		_ = cn.c.SetReadDeadline(time.Now().Add(unixServerIdle))
-		cn.idleMu.Unlock()
-		err := rc.Read(func(fd uintptr) bool { return pollIn(int(fd)) })
-		cn.idleMu.Lock()
-		kicked := cn.kicked
-		cn.idle, cn.kicked = false, false
-		_ = cn.c.SetReadDeadline(time.Now().Add(unixServerIdle))
-		cn.idleMu.Unlock()
-		switch {
-		case err == nil:
-			return nil
-		case kicked && errors.Is(err, os.ErrDeadlineExceeded):
-			continue
-		default:
-			return err
-		}
-	}
-}
-
-// kick wakes a reader asleep in the poller for a call just written: a
-// deadline already past ends its wait at once (and one set before the wait
-// begins ends it as it begins).
-func (cn *unixConn) kick() {
-	cn.idleMu.Lock()
-	defer cn.idleMu.Unlock()
-	if cn.idle && !cn.kicked {
-		cn.kicked = true
-		_ = cn.c.SetReadDeadline(time.Unix(1, 0))
-	}
-}
-
-func (cn *unixConn) sentWithin(d time.Duration) bool {
-	return time.Since(time.Unix(0, cn.last.Load())) < d
-}
-
-// readable reports whether the socket has something to read now, without
-// reading it or waiting.
-func readable(rc syscall.RawConn) bool {
-	ok := false
-	if err := rc.Control(func(fd uintptr) { ok = pollIn(int(fd)) }); err != nil {
-		return true // the read that follows reports the error
-	}
-	return ok
-}
-
-// pollIn polls fd once, without waiting: true when it has bytes, an error
-// or a hang-up to report.
-func pollIn(fd int) bool {
-	fds := [1]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-	n, err := unix.Poll(fds[:], 0)
-	return err != nil || (n > 0 && fds[0].Revents != 0)
 }
 
 func (cn *unixConn) deliver(id uint64, r result, trips *atomic.Uint64) bool {

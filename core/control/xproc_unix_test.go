@@ -85,10 +85,7 @@ func TestCrossProcessUnixServer(t *testing.T) {
 // BenchmarkUnixFloors times one status call to a server in another
 // process over the Unix path (UnixClient) and over ZeroMQ (Client) beside
 // the floors of the same process pair: a bare Unix-socket round trip of
-// the same frame, the same with a caller that polls the socket awake until
-// the reply is there (bare-unix-awake: the floor of UnixClient, whose
-// reader stays awake while a call is in flight), and a bare libzmq
-// REQ/REP. The five are taken in turn,
+// the same frame and a bare libzmq REQ/REP. The four are taken in turn,
 // call by call, so that they share the machine's load; back to back
 // (gap=0) and with every caller idle between calls (gap=1ms), when the
 // threads on both sides have gone to sleep:
@@ -112,8 +109,6 @@ func BenchmarkUnixFloors(b *testing.B) {
 	bare, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: eps["bare-unix"], Net: "unix"})
 	require.NoError(b, err)
 	defer bare.Close()
-	bareRaw, err := bare.SyscallConn()
-	require.NoError(b, err)
 	req, err := zctx.NewSocket(zmq.REQ)
 	require.NoError(b, err)
 	require.NoError(b, req.SetLinger(0))
@@ -132,17 +127,6 @@ func BenchmarkUnixFloors(b *testing.B) {
 		{"bare-unix", func() error {
 			if _, err := bare.Write(framed); err != nil {
 				return err
-			}
-			_, err := readUnixFrame(bare)
-			return err
-		}},
-		// The floor of a caller that stays awake: it polls the socket
-		// until the reply is there, then reads it.
-		{"bare-unix-awake", func() error {
-			if _, err := bare.Write(framed); err != nil {
-				return err
-			}
-			for !readable(bareRaw) {
 			}
 			_, err := readUnixFrame(bare)
 			return err
