@@ -49,7 +49,7 @@ func TestAnnouncingToAShardThatStopsReadingEnds(t *testing.T) {
 	var failed error
 	for round := 0; failed == nil && round < wordSlots/len(items); round++ {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		w.announce(ctx, a, items, idx, func(_ int, err error) { failed = err })
+		w.announce(ctx, a, items, idx, w.cfg.DialTimeout, func(_ int, err error) { failed = err })
 		cancel()
 		a.pending = [wordSlots]bool{} // as if every write settled
 	}

@@ -235,7 +235,14 @@ func (w *writer) start(ctx context.Context, addr string, items []transport.Write
 			inBand = append(inBand, i)
 		}
 	}
-	slots := w.announce(ctx, a, items, inBand, fail)
+	bound := w.cfg.DialTimeout
+	if !greet {
+		// Start runs on the caller's thread (the encoder's, in a
+		// hand-over): a shard whose socket is full does not hold it for
+		// the dial timeout.
+		bound = min(bound, startAnnounceBound)
+	}
+	slots := w.announce(ctx, a, items, inBand, bound, fail)
 	for i, it := range items {
 		if errs[i] != nil {
 			continue
@@ -283,6 +290,11 @@ func (w *writer) start(ctx context.Context, addr string, items []transport.Write
 	}, true
 }
 
+// startAnnounceBound bounds Start's announcement write: an announcement
+// is ~40 bytes an item, so a socket that takes none of it for this long
+// belongs to a shard that stopped reading thousands of items ago.
+const startAnnounceBound = 20 * time.Millisecond
+
 // errNotGreeted: Start found the shard not greeted (Write greets it).
 var errNotGreeted = errors.New("cudaipc: the shard is not greeted yet")
 
@@ -299,7 +311,7 @@ type slot struct {
 // announcement, one message, before any of their copies is queued, so
 // that the shard's wake overlaps the copy. An item that gets no slot, or
 // whose announcement cannot be sent, fails.
-func (w *writer) announce(ctx context.Context, a *attachment, items []transport.WriteItem, idx []int, fail func(int, error)) []slot {
+func (w *writer) announce(ctx context.Context, a *attachment, items []transport.WriteItem, idx []int, bound time.Duration, fail func(int, error)) []slot {
 	slots := make([]slot, len(items))
 	if len(idx) == 0 {
 		return slots
@@ -329,9 +341,9 @@ func (w *writer) announce(ctx context.Context, a *attachment, items []transport.
 		return slots
 	}
 	// A shard that stops reading must not hold this write, and every later
-	// one to it, for ever: the write's deadline, or the dial timeout where
-	// the write has none, bounds it.
-	deadline := time.Now().Add(w.cfg.DialTimeout)
+	// one to it, for ever: the write's deadline, or bound (the dial
+	// timeout; less in Start) where that is later, bounds it.
+	deadline := time.Now().Add(bound)
 	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
 		deadline = dl
 	}
