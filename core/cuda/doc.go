@@ -49,13 +49,15 @@
 //
 // # Ready words
 //
-// CopyDeviceThen (gpu.ValueWriter) queues, after a batch's copies and
+// QueueCopyThen (gpu.ValueWriter) queues, after a batch's copies and
 // before its done event, one cuStreamWriteValue64 per word (flags 0, so a
 // memory barrier orders the copies' bytes before the word) into host
 // memory registered with RegisterHost: cuMemHostRegister with DEVICEMAP in
 // the device's context, then cuMemHostGetDevicePointer, undone by
 // cuMemHostUnregister. cuda_ipc's producer uses it to tell the shard that
-// the copies landed. Every one of these symbols is optional: the _v2
+// the copies landed. It returns once the batch is queued; the host's wait
+// for its done event is the returned Pending's (CopyDeviceThen does both),
+// so that the thread that queued it need not be the one that waits. Every one of these symbols is optional: the _v2
 // entry points where the driver has them; the v1 cuStreamWriteValue64
 // only on a device whose CAN_USE_STREAM_MEM_OPS_V1 and
 // CAN_USE_64_BIT_STREAM_MEM_OPS_V1 attributes are set. Without them
