@@ -340,7 +340,6 @@ func (p *Producer) notePlaneLocked(dest string, pl plane) {
 		p.log.Info("consumer shard restarted; writing to its new data plane", "peer", dest,
 			"old_epoch", old.epoch, "epoch", pl.epoch, "data", pl.addr)
 		p.forgetConsumerLocked(dest)
-		delete(p.greeted, old.addr)
 		delete(p.credit, dest)
 		delete(p.credSeen, dest) // the new incarnation counts its windows afresh
 	}
@@ -371,9 +370,6 @@ func (p *Producer) write(dest, addr string, cached bool, ws []push.Write, items 
 		}
 		trace.StampAll(trace.WriteEnqueued, ws, writeKey)
 		errs = p.writeTo(dest, addr, items)
-		p.mu.Lock()
-		p.greeted[addr] = true
-		p.mu.Unlock()
 	}
 	if cached {
 		inBand = p.retryStale(dest, addr, items, errs, inBand)
@@ -424,11 +420,11 @@ type startedWrite struct {
 // batch's goroutine then only waits for the copies, and the copy no
 // longer waits for that goroutine to be woken and run (~200 µs of
 // hand_over -> write_enqueued on an H100 host). It returns nil where the
-// write goes to its goroutine whole: a plane that cannot start, or one not
-// written to yet (whose first write greets the shard, which waits).
+// write goes to its goroutine whole: a plane that cannot start, or one
+// whose shard is not greeted yet (the first write greets it, which waits).
 func (p *Producer) startWriteLocked(dest, addr string, ws []push.Write, items []transport.WriteItem) *startedWrite {
 	st, ok := p.writer.(transport.Starter)
-	if !ok || addr == "" || !p.greeted[addr] {
+	if !ok || addr == "" || !st.CanStart(addr) {
 		return nil
 	}
 	inBand := transport.InBand(p.writer, addr)
@@ -525,8 +521,6 @@ func (p *Producer) retryStale(dest, addr string, items []transport.WriteItem, er
 // consumer, so that the next push looks it up again: a shard that
 // restarted listens on a new data-plane address.
 func (p *Producer) forgetLocked(dest string) {
-	// The next batch greets it again, from its goroutine.
-	delete(p.greeted, p.planes[dest].addr)
 	delete(p.planes, dest)
 	p.forgetConsumerLocked(dest)
 }

@@ -113,9 +113,6 @@ type Producer struct {
 	clients   map[string]control.Caller // by shard control endpoint
 	dialing   map[string]*dialing       // clients being opened, by shard control endpoint
 	planes    map[string]plane          // by shard control endpoint
-	// greeted holds the data-plane addresses written to once: a batch to
-	// one of them can begin in the step (startWriteLocked).
-	greeted map[string]bool
 	// granted and wrote are when the oldest reserve reply (write batch)
 	// from each shard whose write (complete) has not left yet arrived
 	// (ended), for timing the driver's hand-offs.
@@ -181,7 +178,6 @@ func Open(cfg config.Producer, opt Options) (_ *Producer, err error) {
 		clients:   map[string]control.Caller{},
 		dialing:   map[string]*dialing{},
 		planes:    map[string]plane{},
-		greeted:   map[string]bool{},
 		credit:    map[string]*creditWindow{},
 		carves:    map[ids.ResID]carved{},
 		credSeen:  map[string]creditSeen{},

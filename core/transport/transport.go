@@ -93,8 +93,10 @@ type InBandWriter interface {
 // transfer, and finish waits for it and returns what Write would. ok is
 // false, with nothing done, when starting would have to wait (no
 // connection to dest yet): the caller then calls Write. finish is called
-// exactly once.
+// exactly once. CanStart says, without side effects, whether Start would
+// start a batch to dest now.
 type Starter interface {
+	CanStart(dest string) bool
 	Start(ctx context.Context, dest string, items []WriteItem) (finish func() []error, ok bool)
 }
 

@@ -16,6 +16,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/node"
 	"github.com/ecmooncake/ecmooncake/core/producer"
 	"github.com/ecmooncake/ecmooncake/core/scheduler"
+	"github.com/ecmooncake/ecmooncake/core/trace"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/cudaipc"
 )
@@ -366,4 +367,28 @@ func TestGPUHandOverQueuesTheCopies(t *testing.T) {
 	}
 	require.Equal(t, len(items), done)
 	c.verify(items)
+}
+
+// A plane that cannot start a batch in the hand-over (TCP, staged) has
+// its write stamped once, by the goroutine that writes it: the step does
+// not stamp write_enqueued (nor spend the write hand-off's timing) for a
+// batch it then gives to that goroutine.
+func TestHandOverStampsAWriteOnce(t *testing.T) {
+	c := newGPUCluster(t, 1, 32<<20)
+	trace.Enable(1 << 12)
+	t.Cleanup(func() { trace.Enable(0) })
+	c.push("tcp", "req-stamp-warm", makeItems(90, 2, 1<<10, 64<<10, 0), 0)
+	items := makeItems(91, 3, 1<<10, 64<<10, 0)
+	c.push("tcp", "req-stamp", items, 0)
+	c.verify(items)
+
+	stamped := map[string]int{}
+	for _, e := range trace.Drain().Entries {
+		if e.Hop == trace.WriteEnqueued {
+			stamped[e.Key]++
+		}
+	}
+	for _, it := range items {
+		require.Equal(t, 1, stamped[it.hash], "write_enqueued of %s", it.hash)
+	}
 }

@@ -155,6 +155,24 @@ func (w *writer) Write(ctx context.Context, addr string, items []transport.Write
 	return finish()
 }
 
+// CanStart implements transport.Starter: the incarnation that addr names
+// is greeted (its attachment is current), so Start need not wait.
+func (w *writer) CanStart(addr string) bool {
+	p, err := parseAddr(addr)
+	if err != nil {
+		return false
+	}
+	w.mu.Lock()
+	d := w.dests[p.socket]
+	w.mu.Unlock()
+	if d == nil {
+		return false
+	}
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	return d.cur != nil && d.cur.hello.Nonce == p.nonce
+}
+
 // Start implements transport.Starter: Write's work up to the copies
 // queued on the GPU (announcement, placement, copies and words queued),
 // on the caller's thread, and finish for the rest (the wait for the

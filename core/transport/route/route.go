@@ -191,6 +191,17 @@ func (w *writer) InBand(dest string) bool {
 	return err == nil && transport.InBand(tw, addr)
 }
 
+// CanStart implements transport.Starter: as the plane dest names does.
+func (w *writer) CanStart(dest string) bool {
+	name, addr := w.split(dest)
+	tw, err := w.writer(name)
+	if err != nil {
+		return false
+	}
+	st, ok := tw.(transport.Starter)
+	return ok && st.CanStart(addr)
+}
+
 // Start implements transport.Starter for the planes that do; the others
 // say not ok, and the caller calls Write.
 func (w *writer) Start(ctx context.Context, dest string, items []transport.WriteItem) (func() []error, bool) {
