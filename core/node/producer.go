@@ -10,6 +10,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/gpu"
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/producer"
+	"github.com/ecmooncake/ecmooncake/core/trace"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/transport/cudaipc"
 	"github.com/ecmooncake/ecmooncake/core/transport/mooncake"
@@ -129,6 +130,7 @@ type DeviceSource struct {
 // item i was refused; the error names every refused item, and wraps
 // ErrUnavailable when each was refused for want of a GPU.
 func (p *Producer) SourcesDevice(srcs []DeviceSource) ([]push.SourceID, error) {
+	trace.StampAll(trace.SourcesEntered, srcs, sourceKey)
 	ids := make([]push.SourceID, len(srcs))
 	var ready []gpu.Event
 	var bad []error
@@ -138,6 +140,7 @@ func (p *Producer) SourcesDevice(srcs []DeviceSource) ([]push.SourceID, error) {
 	if slices.ContainsFunc(srcs, func(s DeviceSource) bool { return s.Ordinal >= 0 }) {
 		ready, bad, unavailable = p.readyEvents(srcs)
 	}
+	trace.StampAll(trace.SourcesChecked, srcs, sourceKey)
 	in := make([]producer.Source, 0, len(srcs))
 	at := make([]int, 0, len(srcs)) // index in srcs of each entry of in
 	for i, s := range srcs {
@@ -168,6 +171,8 @@ func (p *Producer) SourcesDevice(srcs []DeviceSource) ([]push.SourceID, error) {
 	}
 	return ids, kindf(kind, "%d of %d sources refused: %v", len(bad), len(srcs), errors.Join(bad...))
 }
+
+func sourceKey(s DeviceSource) string { return s.MMHash }
 
 // readyEvents checks every GPU source and records one event per (device,
 // stream), shared by that stream's sources: ready[i] is source i's handle,

@@ -38,6 +38,13 @@ const (
 	// the handling and the way back.
 	ReserveReceived
 	ReserveReplied
+	// SourcesEntered and SourcesChecked are the producer's hand-over in
+	// the library: its batch decoded, then its GPU sources checked and
+	// their readiness events recorded. They split Python's hand_over ->
+	// WriteEnqueued into the crossing, the driver's checks and the
+	// producer's step.
+	SourcesEntered
+	SourcesChecked
 	hopEnd
 )
 
@@ -53,6 +60,8 @@ var names = [...]string{
 	ReadyWordSeen:    "ready_word_seen",
 	ReserveReceived:  "reserve_received",
 	ReserveReplied:   "reserve_replied",
+	SourcesEntered:   "sources_entered",
+	SourcesChecked:   "sources_checked",
 }
 
 func (h Hop) String() string {

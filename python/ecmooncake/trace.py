@@ -53,6 +53,8 @@ HOPS: tuple[tuple[str, str, str], ...] = (
     ("reserve_replied", "shard, Go", "its grants made, the reply about to go"),
     ("reserve_answered", "producer, Go", "its grant back"),
     ("hand_over", "producer, Python", "Producer.sources entered: the output handed to the library"),
+    ("sources_entered", "producer, Go", "the hand-over's batch decoded in the library"),
+    ("sources_checked", "producer, Go", "its GPU sources checked, their readiness events recorded"),
     ("write_enqueued", "producer, Go", "the write (copy) handed to the data plane"),
     ("write_ended", "producer, Go", "the data plane says the write ended (host side; cuda_ipc: its copy's event completed)"),
     ("complete_sent", "producer, Go", "complete_batch sent"),

@@ -128,7 +128,7 @@ CHAINS = {
     "tcp": (
         [
             ["submit", "reserve_sent", "reserve_received", "reserve_replied", "reserve_answered", "write_enqueued", "ready", "write_ended"],
-            ["hand_over", "write_enqueued"],
+            ["hand_over", "sources_entered", "sources_checked", "write_enqueued"],
             ["ready", "event_delivered"],
         ],
         {"complete_sent", "complete_answered"},
@@ -136,7 +136,7 @@ CHAINS = {
     "shm": (
         [
             ["submit", "reserve_sent", "reserve_received", "reserve_replied", "reserve_answered", "write_enqueued", "write_ended", "complete_sent", "ready", "complete_answered"],
-            ["hand_over", "write_enqueued"],
+            ["hand_over", "sources_entered", "sources_checked", "write_enqueued"],
             ["ready", "event_delivered"],
         ],
         set(),
