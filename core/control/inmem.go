@@ -499,10 +499,10 @@ func (p *inmemPub) pump() {
 				p.dropped.Add(uint64(m.events))
 				continue
 			}
-			if s.deliver(m.frame, p.quit) {
+			s.deliver(m.frame, p.quit, func() {
 				p.sent.Add(uint64(m.events))
 				p.messages.Add(1)
-			}
+			})
 		}
 	}
 }
@@ -568,30 +568,32 @@ func (s *inmemSub) Stats() SubStats {
 	return SubStats{Received: s.received.Load(), Messages: s.messages.Load(), Bad: s.bad.Load(), Legacy: s.legacy.Load()}
 }
 
-// deliver decodes a message and hands its events to the reader, waiting while the
-// reader is behind; false when the subscriber or the publisher closed.
-func (s *inmemSub) deliver(frame []byte, pubQuit <-chan struct{}) bool {
+// deliver decodes a message and hands its events to the reader, waiting
+// while the reader is behind, until the subscriber or the publisher closes.
+// handed runs once the frame is known to be deliverable, before the reader
+// can have it, so that the publisher counts it sent as libzmq's does: a
+// reader that has an event finds it counted on both sides.
+func (s *inmemSub) deliver(frame []byte, pubQuit <-chan struct{}, handed func()) {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	if s.closed {
-		return false
+		return
 	}
 	evs, err := wire.DecodeEvents(frame)
 	if err != nil {
 		badEvent(s.log, &s.bad, &s.legacy, err)
-		return false
+		return
 	}
 	// Counted before the hand-over, as the real subscribers count it, so
 	// that a reader that has an event finds it counted.
 	s.received.Add(uint64(len(evs)))
 	s.messages.Add(1)
+	handed()
 	select {
 	case s.out <- evs:
-		return true
 	case <-s.quit:
 	case <-pubQuit:
 	}
-	return false
 }
 
 // Close unsubscribes, then closes Events once no publisher is handing an
