@@ -98,10 +98,17 @@ func TestCheckAndExport(t *testing.T) {
 	const n = 4 << 20
 	a := devMem(t, dev, n)
 
-	require.NoError(t, dev.CheckDevice(a+4096, n-4096))
-	require.ErrorContains(t, dev.CheckDevice(a+4096, n), "runs past its allocation")
+	require.NoError(t, gpu.CheckDevice(dev, a+4096, n-4096))
+	require.ErrorContains(t, gpu.CheckDevice(dev, a+4096, n), "runs past its allocation")
 	pinned := pinnedMem(t, dev, 4096)
-	require.Error(t, dev.CheckDevice(hostAddr(pinned.Bytes()), 4096), "page-locked host memory is not device memory")
+	require.Error(t, gpu.CheckDevice(dev, hostAddr(pinned.Bytes()), 4096), "page-locked host memory is not device memory")
+	// A batch is checked span by span in one call.
+	errs := dev.CheckDevices([]gpu.Span{{Addr: a, N: n}, {Addr: a + 4096, N: n}, {Addr: hostAddr(pinned.Bytes()), N: 4096}, {Addr: a + n - 1, N: 1}})
+	require.Len(t, errs, 4)
+	require.NoError(t, errs[0])
+	require.ErrorContains(t, errs[1], "runs past its allocation")
+	require.Error(t, errs[2], "page-locked host memory is not device memory")
+	require.NoError(t, errs[3])
 
 	whole, err := dev.ExportIPC(a, n)
 	require.NoError(t, err)
@@ -179,7 +186,7 @@ func BenchmarkCopyToPinnedHost32MiB(b *testing.B) {
 
 func BenchmarkRecordEventAndCheck(b *testing.B) {
 	benchCopy(b, 1<<20, func(dev *Device, dst, _ uintptr, _ []byte) error {
-		if err := dev.CheckDevice(dst, 1<<20); err != nil {
+		if err := gpu.CheckDevice(dev, dst, 1<<20); err != nil {
 			return err
 		}
 		ev, err := dev.RecordEvent(0)
@@ -212,7 +219,7 @@ func TestAllocDeviceHoldsWhatIsCopiedIn(t *testing.T) {
 	m, err := dev.AllocDevice(n)
 	require.NoError(t, err)
 	require.EqualValues(t, n, m.Len())
-	require.NoError(t, dev.CheckDevice(m.Addr(), n))
+	require.NoError(t, gpu.CheckDevice(dev, m.Addr(), n))
 	src := devMem(t, dev, n)
 	want := pattern(n, 9)
 	require.NoError(t, dev.CopyFromHost(src, want))
@@ -315,9 +322,61 @@ func TestReadyWordFollowsTheCopy(t *testing.T) {
 	require.Equal(t, want, got)
 }
 
+// TestBatchPastTheDriversChunks: a batch of more copies than one
+// cuMemcpyBatchAsync call takes (with an empty one among them) and more
+// words than one cuStreamBatchMemOp call takes lands every byte and every
+// word.
+func TestBatchPastTheDriversChunks(t *testing.T) {
+	dev := gpuDevice(t)
+	const copies, words, item = 70, 300, 4096
+	mem, err := syscall.Mmap(-1, 0, 8*words, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED|syscall.MAP_ANONYMOUS)
+	require.NoError(t, err)
+	defer syscall.Munmap(mem)
+	reg, err := dev.RegisterHost(mem)
+	if err != nil {
+		t.Skipf("no ready words on this driver: %v", err)
+	}
+	defer func() { require.NoError(t, reg.Close()) }()
+	src, err := dev.memAlloc(copies * item)
+	require.NoError(t, err)
+	defer dev.memFree(src)
+	dst, err := dev.memAlloc(copies * item)
+	require.NoError(t, err)
+	defer dev.memFree(dst)
+	want := make([]byte, copies*item)
+	for i := range want {
+		want[i] = byte(i*7 + i/item)
+	}
+	require.NoError(t, dev.CopyFromHost(src, want))
+	require.NoError(t, dev.CopyFromHost(dst, make([]byte, copies*item)))
+	var ops []gpu.DeviceCopy
+	for i := range copies {
+		off := uintptr(i * item)
+		n := uint64(item)
+		if i == 5 {
+			n = 0 // left as zeros
+		}
+		ops = append(ops, gpu.DeviceCopy{Dst: dst + off, Src: src + off, N: n})
+	}
+	then := make([]gpu.ValueWrite, words)
+	for i := range then {
+		then[i] = gpu.ValueWrite{Addr: reg.DevAddr() + uintptr(8*i), Value: uint64(i)<<32 | 0x5a}
+	}
+	_, err = dev.CopyDeviceThen(ops, then)
+	require.NoError(t, err)
+	for i := range words {
+		require.Equal(t, uint64(i)<<32|0x5a, atomic.LoadUint64((*uint64)(unsafe.Pointer(&mem[8*i]))), "word %d", i)
+	}
+	got := make([]byte, copies*item)
+	require.NoError(t, dev.CopyToHost(got, dst, nil))
+	clear(want[5*item : 6*item])
+	require.Equal(t, want, got)
+}
+
 // The cost of ready words on the copy path: 8 × 32 MiB timed, with and
 // without a word stored after the copies for each item (b.ReportMetric
-// gives the GPU's time and the host's wait per batch).
+// gives the host's time to queue the batch, the GPU's time and the host's
+// wait per batch).
 func BenchmarkCopy8x32MiBTimed(b *testing.B) { benchWords(b, false) }
 
 func BenchmarkCopy8x32MiBThenWords(b *testing.B) { benchWords(b, true) }
@@ -325,7 +384,7 @@ func BenchmarkCopy8x32MiBThenWords(b *testing.B) { benchWords(b, true) }
 func benchWords(b *testing.B, withWords bool) {
 	const item, n = 32 << 20, 8
 	var then []gpu.ValueWrite
-	var gpuNS, waitNS time.Duration
+	var gpuNS, waitNS, queueNS time.Duration
 	benchCopy(b, item*n, func(dev *Device, dst, src uintptr, _ []byte) error {
 		if withWords && then == nil {
 			mem, err := syscall.Mmap(-1, 0, 4096, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED|syscall.MAP_ANONYMOUS)
@@ -347,8 +406,10 @@ func benchWords(b *testing.B, withWords bool) {
 		tm, err := dev.CopyDeviceThen(ops, then)
 		gpuNS += tm.GPU
 		waitNS += tm.Wait
+		queueNS += tm.Queue
 		return err
 	})
+	b.ReportMetric(float64(queueNS.Nanoseconds())/1e3/float64(b.N+1), "queue-us/op")
 	b.ReportMetric(float64(gpuNS.Microseconds())/float64(b.N+1), "gpu-us/op")
 	b.ReportMetric(float64(waitNS.Microseconds())/float64(b.N+1), "wait-us/op")
 }

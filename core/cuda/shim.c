@@ -6,6 +6,32 @@
 #include <string.h>
 #include <time.h>
 
+/* CUstreamBatchMemOpParams (cuda.h), its writeValue member: the union is
+ * 48 bytes, operation at 0, address at 8, value64 at 16, flags at 24. */
+struct mem_op {
+	unsigned operation;
+	ecm_CUdeviceptr address;
+	uint64_t value64;
+	unsigned flags;
+	ecm_CUdeviceptr alias;
+	uint64_t pad;
+};
+_Static_assert(sizeof(struct mem_op) == 48, "CUstreamBatchMemOpParams is 48 bytes");
+#define ECM_CU_STREAM_MEM_OP_WRITE_VALUE_64 5
+/* cuStreamBatchMemOp takes fewer than 256 operations a call. */
+#define ECM_MEM_OPS_PER_CALL 255
+
+/* CUmemcpyAttributes (cuda.h): srcAccessOrder, two CUmemLocation hints
+ * (type, id), flags. */
+struct memcpy_attrs {
+	int src_access_order;
+	int src_loc_type, src_loc_id;
+	int dst_loc_type, dst_loc_id;
+	unsigned flags;
+};
+_Static_assert(sizeof(struct memcpy_attrs) == 24, "CUmemcpyAttributes is 24 bytes");
+#define ECM_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM 1
+
 struct cu_table {
 	ecm_CUresult (*cuInit)(unsigned);
 	ecm_CUresult (*cuDriverGetVersion)(int *);
@@ -46,13 +72,22 @@ struct cu_table {
 	/* The v1 entry point, used only when the driver has no _v2: it needs
 	 * the device attributes that say stream memory operations are on. */
 	ecm_CUresult (*cuStreamWriteValue64V1)(ecm_CUstream, ecm_CUdeviceptr, uint64_t, unsigned);
+	/* Optional: a batch's words in one call, with the same _v2 / v1 choice. */
+	ecm_CUresult (*cuStreamBatchMemOp)(ecm_CUstream, unsigned, struct mem_op *, unsigned);
+	ecm_CUresult (*cuStreamBatchMemOpV1)(ecm_CUstream, unsigned, struct mem_op *, unsigned);
+	/* Optional (CUDA 12.8+): a batch's copies in one call. The unversioned
+	 * symbol keeps 12.8's signature, failIdx included, on later drivers. */
+	ecm_CUresult (*cuMemcpyBatchAsync)(ecm_CUdeviceptr *, ecm_CUdeviceptr *, size_t *, size_t, struct memcpy_attrs *, size_t *,
+	                                   size_t, size_t *, ecm_CUstream);
 };
 
 static struct cu_table cu;
 
-/* The stream value write ecm_cu_value_writes chose: _v2 where the driver
- * has it, else v1 on a device whose attributes allow it. */
+/* The stream value writes ecm_cu_value_writes chose: _v2 where the driver
+ * has it, else v1 on a device whose attributes allow it; batch_mem_op is
+ * NULL where the driver has no batch entry point of that version. */
 static ecm_CUresult (*write_value64)(ecm_CUstream, ecm_CUdeviceptr, uint64_t, unsigned);
+static ecm_CUresult (*batch_mem_op)(ecm_CUstream, unsigned, struct mem_op *, unsigned);
 
 /* The exported names: where cuda.h maps a name to a _v2 entry point, the
  * _v2 symbol is the one with the signature above. */
@@ -103,6 +138,9 @@ static const struct {
 	{{"cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"}, offsetof(struct cu_table, cuMemHostGetDevicePointer)},
 	{{"cuStreamWriteValue64_v2", NULL}, offsetof(struct cu_table, cuStreamWriteValue64)},
 	{{"cuStreamWriteValue64", NULL}, offsetof(struct cu_table, cuStreamWriteValue64V1)},
+	{{"cuStreamBatchMemOp_v2", NULL}, offsetof(struct cu_table, cuStreamBatchMemOp)},
+	{{"cuStreamBatchMemOp", NULL}, offsetof(struct cu_table, cuStreamBatchMemOpV1)},
+	{{"cuMemcpyBatchAsync", NULL}, offsetof(struct cu_table, cuMemcpyBatchAsync)},
 };
 
 int ecm_cu_load(const char *path, char *err, size_t errlen) {
@@ -164,6 +202,11 @@ ecm_CUresult ecm_cu_pointer_info(ecm_CUdeviceptr p, unsigned *mem_type, int *ord
 	*size = 0;
 	return cu.cuPointerGetAttributes(4, attrs, data, p);
 }
+void ecm_cu_pointers_info(ecm_pointer_info *ps, int n) {
+	for (int i = 0; i < n; i++) {
+		ps[i].status = ecm_cu_pointer_info(ps[i].p, &ps[i].mem_type, &ps[i].ordinal, &ps[i].base, &ps[i].size);
+	}
+}
 ecm_CUresult ecm_cuIpcGetMemHandle(ecm_CUipcMemHandle *h, ecm_CUdeviceptr p) { return cu.cuIpcGetMemHandle(h, p); }
 ecm_CUresult ecm_cuIpcOpenMemHandle(ecm_CUdeviceptr *p, const ecm_CUipcMemHandle *h, unsigned f) { return cu.cuIpcOpenMemHandle(p, *h, f); }
 ecm_CUresult ecm_cuIpcCloseMemHandle(ecm_CUdeviceptr p) { return cu.cuIpcCloseMemHandle(p); }
@@ -218,6 +261,71 @@ static ecm_CUresult wait_done(ecm_CUevent done) {
 	return cu.cuEventSynchronize(done);
 }
 
+/* queue_copies queues n device copies on s: one cuMemcpyBatchAsync where
+ * the driver has it (one driver entry instead of n), read in stream order
+ * so that the waits queued before still hold; else one cuMemcpyAsync each. */
+#define ECM_COPIES_PER_BATCH 64
+static ecm_CUresult queue_copies(ecm_CUstream s, const ecm_copy *ops, int n, const char **failed) {
+	if (cu.cuMemcpyBatchAsync == NULL || n < 2) {
+		for (int i = 0; i < n; i++) {
+			TRY(cu.cuMemcpyAsync(ops[i].dst, ops[i].src, (size_t)ops[i].n, s), "cuMemcpyAsync");
+		}
+		return ECM_CUDA_SUCCESS;
+	}
+	ecm_CUdeviceptr dsts[ECM_COPIES_PER_BATCH], srcs[ECM_COPIES_PER_BATCH];
+	size_t sizes[ECM_COPIES_PER_BATCH];
+	struct memcpy_attrs attrs = {.src_access_order = ECM_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM};
+	size_t attrs_at = 0;
+	for (int i = 0; i < n;) {
+		size_t k = 0;
+		for (; i < n && k < ECM_COPIES_PER_BATCH; i++) {
+			if (ops[i].n == 0) {
+				continue; /* a batch copy must move a byte */
+			}
+			dsts[k] = ops[i].dst;
+			srcs[k] = ops[i].src;
+			sizes[k] = (size_t)ops[i].n;
+			k++;
+		}
+		if (k == 0) {
+			continue;
+		}
+		size_t fail_at = 0;
+		TRY(cu.cuMemcpyBatchAsync(dsts, srcs, sizes, k, &attrs, &attrs_at, 1, &fail_at, s), "cuMemcpyBatchAsync");
+	}
+	return ECM_CUDA_SUCCESS;
+}
+
+/* queue_words stores nw words on s after what is queued there: one
+ * cuStreamBatchMemOp per 255 where the driver has it, else one
+ * cuStreamWriteValue64 each. Flags 0 on every word: each store waits for
+ * the work before it on the stream, and a memory barrier orders the
+ * copies' bytes before the word. */
+static ecm_CUresult queue_words(ecm_CUstream s, const ecm_value_write *writes, int nw, const char **failed) {
+	if (nw > 0 && write_value64 == NULL) {
+		*failed = "cuStreamWriteValue64 (missing)";
+		return ECM_CUDA_ERROR_NOT_SUPPORTED;
+	}
+	if (batch_mem_op == NULL || nw < 2) {
+		for (int i = 0; i < nw; i++) {
+			TRY(write_value64(s, writes[i].addr, writes[i].value, 0), "cuStreamWriteValue64");
+		}
+		return ECM_CUDA_SUCCESS;
+	}
+	struct mem_op ops[ECM_MEM_OPS_PER_CALL];
+	for (int i = 0; i < nw;) {
+		unsigned k = 0;
+		for (; i < nw && k < ECM_MEM_OPS_PER_CALL; i++, k++) {
+			memset(&ops[k], 0, sizeof ops[k]);
+			ops[k].operation = ECM_CU_STREAM_MEM_OP_WRITE_VALUE_64;
+			ops[k].address = writes[i].addr;
+			ops[k].value64 = writes[i].value;
+		}
+		TRY(batch_mem_op(s, k, ops, 0), "cuStreamBatchMemOp");
+	}
+	return ECM_CUDA_SUCCESS;
+}
+
 ecm_CUresult ecm_cu_copy_batch_queue(ecm_CUstream s, ecm_CUevent start, ecm_CUevent done, const ecm_copy *ops, int n,
                                      const ecm_value_write *writes, int nw, int64_t *queue_ns, const char **failed) {
 	int64_t t0 = now_ns();
@@ -228,17 +336,13 @@ ecm_CUresult ecm_cu_copy_batch_queue(ecm_CUstream s, ecm_CUevent start, ecm_CUev
 		}
 	}
 	TRY(cu.cuEventRecord(start, s), "cuEventRecord");
-	for (int i = 0; i < n; i++) {
-		TRY(cu.cuMemcpyAsync(ops[i].dst, ops[i].src, (size_t)ops[i].n, s), "cuMemcpyAsync");
+	ecm_CUresult r = queue_copies(s, ops, n, failed);
+	if (r != ECM_CUDA_SUCCESS) {
+		return r;
 	}
-	/* Flags 0: the store waits for the copies before it on the stream and
-	 * a memory barrier orders their bytes before the word. */
-	for (int i = 0; i < nw; i++) {
-		if (write_value64 == NULL) {
-			*failed = "cuStreamWriteValue64 (missing)";
-			return ECM_CUDA_ERROR_NOT_SUPPORTED;
-		}
-		TRY(write_value64(s, writes[i].addr, writes[i].value, 0), "cuStreamWriteValue64");
+	r = queue_words(s, writes, nw, failed);
+	if (r != ECM_CUDA_SUCCESS) {
+		return r;
 	}
 	TRY(cu.cuEventRecord(done, s), "cuEventRecord");
 	*queue_ns = now_ns() - t0;
@@ -267,6 +371,7 @@ int ecm_cu_value_writes(ecm_CUdevice d, const char **why) {
 	}
 	if (cu.cuStreamWriteValue64 != NULL) {
 		write_value64 = cu.cuStreamWriteValue64;
+		batch_mem_op = cu.cuStreamBatchMemOp;
 		return 1;
 	}
 	if (cu.cuStreamWriteValue64V1 == NULL) {
@@ -285,6 +390,7 @@ int ecm_cu_value_writes(ecm_CUdevice d, const char **why) {
 		return 0;
 	}
 	write_value64 = cu.cuStreamWriteValue64V1;
+	batch_mem_op = cu.cuStreamBatchMemOpV1;
 	return 1;
 }
 

@@ -64,6 +64,18 @@ ecm_CUresult ecm_cuMemGetAddressRange(ecm_CUdeviceptr *base, size_t *size, ecm_C
  * holds p, in one driver call. Host memory the driver does not know reads
  * as memory type 0. */
 ecm_CUresult ecm_cu_pointer_info(ecm_CUdeviceptr p, unsigned *mem_type, int *ordinal, ecm_CUdeviceptr *base, size_t *size);
+/* One pointer's attributes, as ecm_cu_pointer_info reads them. */
+typedef struct {
+	ecm_CUdeviceptr p;
+	unsigned mem_type;
+	int ordinal;
+	ecm_CUdeviceptr base;
+	size_t size;
+	ecm_CUresult status;
+} ecm_pointer_info;
+/* ecm_cu_pointer_info for n pointers in one call: a batch's sources are
+ * checked with one crossing from Go. */
+void ecm_cu_pointers_info(ecm_pointer_info *ps, int n);
 ecm_CUresult ecm_cuIpcGetMemHandle(ecm_CUipcMemHandle *h, ecm_CUdeviceptr p);
 ecm_CUresult ecm_cuIpcOpenMemHandle(ecm_CUdeviceptr *p, const ecm_CUipcMemHandle *h, unsigned flags);
 ecm_CUresult ecm_cuIpcCloseMemHandle(ecm_CUdeviceptr p);

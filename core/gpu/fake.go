@@ -36,7 +36,7 @@ type FakeHost struct {
 
 	// counters read by tests
 	mappings, events, hostBufs int
-	copies, recorded           int
+	copies, recorded, checks   int
 }
 
 type fakeAlloc struct {
@@ -129,6 +129,9 @@ func (h *FakeHost) HostBuffers() int { return h.read(&h.hostBufs) }
 
 // Copies counts copies performed.
 func (h *FakeHost) Copies() int { return h.read(&h.copies) }
+
+// Checks counts CheckDevices calls (each checks a batch of spans).
+func (h *FakeHost) Checks() int { return h.read(&h.checks) }
 
 // release marks a handle released and takes it off counter, under h.mu,
 // then runs also (when not nil); releasing it again is an error.
@@ -278,9 +281,18 @@ type fakeDevice struct {
 func (d *fakeDevice) Name() string { return Name(d.ordinal) }
 func (d *fakeDevice) Ordinal() int { return d.ordinal }
 
-func (d *fakeDevice) CheckDevice(addr uintptr, n uint64) error {
+func (d *fakeDevice) CheckDevices(spans []Span) []error {
 	d.h.mu.Lock()
 	defer d.h.mu.Unlock()
+	d.h.checks++
+	errs := make([]error, len(spans))
+	for i, sp := range spans {
+		errs[i] = d.checkLocked(sp.Addr, sp.N)
+	}
+	return errs
+}
+
+func (d *fakeDevice) checkLocked(addr uintptr, n uint64) error {
 	a, _, err := d.h.resolveLocked("check", addr, n)
 	if err != nil {
 		return err

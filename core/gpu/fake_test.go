@@ -27,9 +27,15 @@ func TestFakeCopiesCheckBothEnds(t *testing.T) {
 	require.NoError(t, d0.CopyToHost(got, b+10, nil))
 	require.Equal(t, []byte("hello"), got)
 
-	require.NoError(t, d0.CheckDevice(a, 100))
-	require.ErrorContains(t, d0.CheckDevice(b, 100), "memory of cuda:1")
-	require.Error(t, d0.CheckDevice(a, 101))
+	require.NoError(t, CheckDevice(d0, a, 100))
+	require.ErrorContains(t, CheckDevice(d0, b, 100), "memory of cuda:1")
+	require.Error(t, CheckDevice(d0, a, 101))
+	errs := d0.CheckDevices([]Span{{Addr: a, N: 100}, {Addr: b, N: 100}, {Addr: a + 50, N: 51}, {Addr: a + 99, N: 1}})
+	require.Len(t, errs, 4)
+	require.NoError(t, errs[0])
+	require.ErrorContains(t, errs[1], "memory of cuda:1")
+	require.ErrorContains(t, errs[2], "runs past its allocation")
+	require.NoError(t, errs[3])
 }
 
 func TestFakeIPC(t *testing.T) {

@@ -63,6 +63,17 @@ type Mapping interface {
 	Close() error
 }
 
+// Span is N bytes of device memory at Addr.
+type Span struct {
+	Addr uintptr
+	N    uint64
+}
+
+// CheckDevice checks one span (Device.CheckDevices).
+func CheckDevice(d Device, addr uintptr, n uint64) error {
+	return d.CheckDevices([]Span{{Addr: addr, N: n}})[0]
+}
+
 // DeviceCopy is one device-to-device copy of N bytes from Src to Dst, both
 // addresses this device can reach (its own memory, a peer's, a Mapping),
 // ordered after After when that is not nil.
@@ -78,9 +89,10 @@ type Device interface {
 	// Name is "cuda:N", N being Ordinal.
 	Name() string
 	Ordinal() int
-	// CheckDevice fails unless [addr, addr+n) is device memory of this
-	// device inside one allocation.
-	CheckDevice(addr uintptr, n uint64) error
+	// CheckDevices checks a batch of spans at once: errs[i] is nil when
+	// span i is device memory of this device inside one allocation, else
+	// says why not.
+	CheckDevices(spans []Span) (errs []error)
 	// RecordEvent records an event on a stream this process created
 	// elsewhere (0 is the legacy default stream): it completes once the
 	// work queued there so far has.

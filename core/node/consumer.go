@@ -75,7 +75,7 @@ func OpenConsumerDevice(cfg config.Consumer, addr uintptr, n uint64, ordinal int
 	if err != nil {
 		return nil, err
 	}
-	if err := dev.CheckDevice(addr, n); err != nil {
+	if err := gpu.CheckDevice(dev, addr, n); err != nil {
 		return nil, kindf(config.ErrInvalid, "consumer: receive slab of %d bytes at %#x: %v", n, addr, err)
 	}
 	mem := slab.DeviceMemory(addr, n, dev.Name())

@@ -124,6 +124,33 @@ func TestSourcesDeviceSaysWhyItRefuses(t *testing.T) {
 	require.Equal(t, 1, host.RecordedEvents(), "one event per stream, shared by its sources")
 	require.Eventually(t, func() bool { return host.OpenEvents() == 0 }, 30*time.Second, time.Millisecond,
 		"sources no push waits for are released, and their event closed with the last")
+	require.Equal(t, 1, host.Checks(), "one check call for the device's sources")
+
+	// A batch over two devices: one check call each, and a span past its
+	// allocation is refused alone.
+	two := gpu.NewFakeHost(2)
+	p3, err := OpenProducer(config.DefaultProducer(), inmem(two))
+	require.NoError(t, err)
+	defer p3.Close()
+	a0, _ := two.Alloc(0, 64)
+	a1, _ := two.Alloc(1, 64)
+	ids, err = p3.SourcesDevice([]DeviceSource{
+		{MMHash: "d0-a", Addr: a0, N: 32, Ordinal: 0},
+		{MMHash: "d1-a", Addr: a1, N: 64, Ordinal: 1},
+		{MMHash: "d0-past", Addr: a0 + 32, N: 64, Ordinal: 0},
+		{MMHash: "d0-b", Addr: a0 + 32, N: 32, Ordinal: 0},
+		{MMHash: "d1-wrong-device", Addr: a0, N: 16, Ordinal: 1},
+	})
+	require.ErrorContains(t, err, "2 of 5 sources refused")
+	require.ErrorContains(t, err, "item 2 (d0-past)")
+	require.ErrorContains(t, err, "item 4 (d1-wrong-device)")
+	require.NotZero(t, ids[0])
+	require.NotZero(t, ids[1])
+	require.Zero(t, ids[2])
+	require.NotZero(t, ids[3])
+	require.Zero(t, ids[4])
+	require.Equal(t, 2, two.Checks(), "one check call a device")
+	require.Equal(t, 2, two.RecordedEvents(), "one event a (device, stream)")
 }
 
 // The test serves through a Metrics of its own, not the process's, so

@@ -192,19 +192,48 @@ func (p *Producer) readyEvents(srcs []DeviceSource) (ready []gpu.Event, bad []er
 		}
 		bad = append(bad, fmt.Errorf("item %d (%s): %w", i, srcs[i].MMHash, err))
 	}
+	// Each device's sources are checked in one call (one crossing into the
+	// driver for the batch, not one a source).
+	type checks struct {
+		dev   gpu.Device
+		spans []gpu.Span
+		at    []int // index in srcs of each span
+	}
+	var devices []*checks
+	byOrdinal := map[int]*checks{}
 	for i, s := range srcs {
 		if s.Ordinal < 0 {
 			continue
 		}
-		dev, err := p.devs.Device(s.Ordinal)
-		if err == nil && (s.Addr == 0 || s.N == 0) {
-			err = fmt.Errorf("empty source on %s", dev.Name())
+		c := byOrdinal[s.Ordinal]
+		if c == nil {
+			dev, err := p.devs.Device(s.Ordinal)
+			if err != nil {
+				refuse(i, err)
+				continue
+			}
+			c = &checks{dev: dev}
+			byOrdinal[s.Ordinal] = c
+			devices = append(devices, c)
 		}
-		if err == nil {
-			err = dev.CheckDevice(s.Addr, s.N)
+		if s.Addr == 0 || s.N == 0 {
+			refuse(i, fmt.Errorf("empty source on %s", c.dev.Name()))
+			continue
 		}
-		if err != nil {
-			refuse(i, err)
+		c.spans, c.at = append(c.spans, gpu.Span{Addr: s.Addr, N: s.N}), append(c.at, i)
+	}
+	checked := make([]bool, len(srcs))
+	for _, c := range devices {
+		for j, err := range c.dev.CheckDevices(c.spans) {
+			if err != nil {
+				refuse(c.at[j], err)
+			} else {
+				checked[c.at[j]] = true
+			}
+		}
+	}
+	for i, s := range srcs {
+		if !checked[i] {
 			continue
 		}
 		k := stream{s.Ordinal, s.Stream}
