@@ -347,14 +347,17 @@ class Producer(_Handle):
         if n == 0:
             return []
         body = pack_sources(items, stream)
-        ids = (c_uint64 * n)()
+        out = (c_uint64 * n)()
         try:
-            _call("ecm_producer_sources_packed", self.handle, n, body, len(body), ids)
+            _call("ecm_producer_sources_packed", self.handle, n, body, len(body), out)
         finally:
+            # One slice turns the ids into ints in C; iterating the ctypes
+            # array converts each in a Python-level call, twice.
+            ids = out[:]
             for source_id, (_, array) in zip(ids, items):
                 if source_id:
                     self._sources[source_id] = array
-        return list(ids)
+        return ids
 
     @property
     def held_sources(self) -> int:
