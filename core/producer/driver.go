@@ -443,6 +443,7 @@ func (p *Producer) startWriteLocked(dest, addr string, ws []push.Write, items []
 		cancel()
 		return nil
 	}
+	trace.StampAll(trace.WriteStarted, ws, writeKey)
 	return &startedWrite{inBand: inBand, finish: func() []error {
 		defer cancel()
 		errs := finish()

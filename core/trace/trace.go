@@ -45,6 +45,12 @@ const (
 	// producer's step.
 	SourcesEntered
 	SourcesChecked
+	// WriteStarted is the data plane's Start returning in the hand-over
+	// (transport.Starter; cuda_ipc): the items announced to the shard and
+	// their copies and ready words queued. It splits WriteEnqueued ->
+	// WriteEnded into what the hand-over's thread spends starting the
+	// write and what the copy and its wait take after.
+	WriteStarted
 	hopEnd
 )
 
@@ -62,6 +68,7 @@ var names = [...]string{
 	ReserveReplied:   "reserve_replied",
 	SourcesEntered:   "sources_entered",
 	SourcesChecked:   "sources_checked",
+	WriteStarted:     "write_started",
 }
 
 func (h Hop) String() string {

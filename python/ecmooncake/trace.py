@@ -56,6 +56,7 @@ HOPS: tuple[tuple[str, str, str], ...] = (
     ("sources_entered", "producer, Go", "the hand-over's batch decoded in the library"),
     ("sources_checked", "producer, Go", "its GPU sources checked, their readiness events recorded"),
     ("write_enqueued", "producer, Go", "the write (copy) handed to the data plane"),
+    ("write_started", "producer, Go", "cuda_ipc: the items announced, their copies and ready words queued, in the hand-over"),
     ("write_ended", "producer, Go", "the data plane says the write ended (host side; cuda_ipc: its copy's event completed)"),
     ("complete_sent", "producer, Go", "complete_batch sent"),
     ("ready_word_seen", "shard, Go", "cuda_ipc: the ready word the producer's GPU stored after the copies seen"),

@@ -335,6 +335,9 @@ func TestGPUHandOverQueuesTheCopies(t *testing.T) {
 
 	stream := c.host.NewStream()
 	stream.Hold()
+	// Let go before the cluster closes, so that a failing check below does
+	// not leave the batch held (and the test hung until its timeout).
+	t.Cleanup(stream.Release)
 	dev, err := c.host.Device(0)
 	require.NoError(t, err)
 	var srcs []producer.Source
@@ -346,15 +349,37 @@ func TestGPUHandOverQueuesTheCopies(t *testing.T) {
 		srcs = append(srcs, producer.Source{MMHash: it.hash, Dev: &transport.DeviceSrc{Addr: addr, Len: uint64(len(it.data)), Ready: ready}})
 	}
 	queuedBefore, _ := c.host.QueuedBatches()
+	trace.Enable(1 << 12)
+	t.Cleanup(func() { trace.Enable(0) })
 	_, errs := p.Sources(srcs)
 	queued, unwaited := c.host.QueuedBatches()
+	stamps := trace.Drain().Entries
 	for _, err := range errs {
 		require.NoError(t, err)
 	}
 	require.Equal(t, queuedBefore+1, queued, "the hand-over queued the batch's copies itself")
 	require.Equal(t, 1, unwaited, "the batch waits for the encoder's stream")
-
 	stream.Release()
+	// The hand-over stamps its start of the write once an item, after the
+	// write was handed to the plane, before Sources returns.
+	for _, it := range items {
+		var enqueued, started []int64
+		for _, e := range stamps {
+			if e.Key != it.hash {
+				continue
+			}
+			switch e.Hop {
+			case trace.WriteEnqueued:
+				enqueued = append(enqueued, e.NS)
+			case trace.WriteStarted:
+				started = append(started, e.NS)
+			}
+		}
+		require.Len(t, enqueued, 1, "write_enqueued of %s", it.hash)
+		require.Len(t, started, 1, "write_started of %s", it.hash)
+		require.LessOrEqual(t, enqueued[0], started[0])
+	}
+
 	require.Len(t, c.wait(tids(items), 10*time.Second).Available, len(items))
 	// The fake GPU's copies are Go writes, ordered before the reads below
 	// (for the race detector) by the producer's Done, not by the ready
