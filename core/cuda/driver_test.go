@@ -292,20 +292,28 @@ func TestRecordEventReusesClosedEventsUpToTheBound(t *testing.T) {
 	require.Equal(t, maxRecorded, kept)
 }
 
+// wordRegion is n bytes of shared host memory registered with dev, as a
+// shard's ready-word region is; the test is skipped on a driver that
+// cannot store words there. Both are undone at the test's end.
+func wordRegion(t testing.TB, dev *Device, n int) ([]byte, gpu.HostRegistration) {
+	mem, err := syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED|syscall.MAP_ANONYMOUS)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = syscall.Munmap(mem) })
+	reg, err := dev.RegisterHost(mem)
+	if err != nil {
+		t.Skipf("no ready words on this driver: %v", err)
+	}
+	t.Cleanup(func() { require.NoError(t, reg.Close()) })
+	return mem, reg
+}
+
 // TestReadyWordFollowsTheCopy: a word stored from the copy stream into
 // registered host memory (a shared mapping, as a shard's ready-word
 // region is) holds its value once the batch returns, and the bytes of the
 // copy before it are in place.
 func TestReadyWordFollowsTheCopy(t *testing.T) {
 	dev := gpuDevice(t)
-	mem, err := syscall.Mmap(-1, 0, 4096, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED|syscall.MAP_ANONYMOUS)
-	require.NoError(t, err)
-	defer syscall.Munmap(mem)
-	reg, err := dev.RegisterHost(mem)
-	if err != nil {
-		t.Skipf("no ready words on this driver: %v", err)
-	}
-	defer func() { require.NoError(t, reg.Close()) }()
+	mem, reg := wordRegion(t, dev, 4096)
 	src, err := dev.memAlloc(1 << 20)
 	require.NoError(t, err)
 	defer dev.memFree(src)
@@ -329,14 +337,7 @@ func TestReadyWordFollowsTheCopy(t *testing.T) {
 func TestBatchPastTheDriversChunks(t *testing.T) {
 	dev := gpuDevice(t)
 	const copies, words, item = 70, 300, 4096
-	mem, err := syscall.Mmap(-1, 0, 8*words, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED|syscall.MAP_ANONYMOUS)
-	require.NoError(t, err)
-	defer syscall.Munmap(mem)
-	reg, err := dev.RegisterHost(mem)
-	if err != nil {
-		t.Skipf("no ready words on this driver: %v", err)
-	}
-	defer func() { require.NoError(t, reg.Close()) }()
+	mem, reg := wordRegion(t, dev, 8*words)
 	src, err := dev.memAlloc(copies * item)
 	require.NoError(t, err)
 	defer dev.memFree(src)
@@ -387,13 +388,7 @@ func benchWords(b *testing.B, withWords bool) {
 	var gpuNS, waitNS, queueNS time.Duration
 	benchCopy(b, item*n, func(dev *Device, dst, src uintptr, _ []byte) error {
 		if withWords && then == nil {
-			mem, err := syscall.Mmap(-1, 0, 4096, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED|syscall.MAP_ANONYMOUS)
-			require.NoError(b, err)
-			reg, err := dev.RegisterHost(mem)
-			if err != nil {
-				b.Skipf("no ready words on this driver: %v", err)
-			}
-			b.Cleanup(func() { _ = reg.Close(); _ = syscall.Munmap(mem) })
+			_, reg := wordRegion(b, dev, 4096)
 			for i := range n {
 				then = append(then, gpu.ValueWrite{Addr: reg.DevAddr() + uintptr(8*i), Value: uint64(i + 1)})
 			}
