@@ -244,11 +244,8 @@ func (p *Producer) readyEvents(srcs []DeviceSource) (ready []gpu.Event, bad []er
 	}
 	for _, k := range order {
 		idx := groups[k]
-		dev, err := p.devs.Device(k.ordinal)
-		var ev gpu.Event
-		if err == nil {
-			ev, err = dev.RecordEvent(k.handle)
-		}
+		// The device the checks found: a source reaches here only checked.
+		ev, err := byOrdinal[k.ordinal].dev.RecordEvent(k.handle)
 		if err != nil {
 			for _, i := range idx {
 				refuse(i, err)
