@@ -394,7 +394,7 @@ func (d *Device) QueueCopyThen(ops []gpu.DeviceCopy, then []gpu.ValueWrite) (gpu
 		words[i] = C.ecm_value_write{addr: C.ecm_CUdeviceptr(w.Addr), value: C.uint64_t(w.Value)}
 	}
 	p := &pending{d: d, what: fmt.Sprintf("%s: %d device copies, %d ready words", d.Name(), len(ops), len(then)), queued: true}
-	var queueNS C.int64_t
+	var queueNS [3]C.int64_t
 	err := d.with(func() error {
 		evs, err := d.getTimed()
 		if err != nil {
@@ -404,7 +404,7 @@ func (d *Device) QueueCopyThen(ops []gpu.DeviceCopy, then []gpu.ValueWrite) (gpu
 		// Batches from concurrent writers queue one after the other, so
 		// that each one's start and done events bracket its own copies.
 		d.queueMu.Lock()
-		r := C.ecm_cu_copy_batch_queue(d.d2x, evs[0], evs[1], &cops[0], C.int(len(ops)), &words[0], C.int(len(then)), &queueNS, &failed)
+		r := C.ecm_cu_copy_batch_queue(d.d2x, evs[0], evs[1], &cops[0], C.int(len(ops)), &words[0], C.int(len(then)), &queueNS[0], &failed)
 		d.queueMu.Unlock()
 		if r != C.ECM_CUDA_SUCCESS {
 			// A failed copy can leave the events recorded or not; fresh
@@ -419,7 +419,7 @@ func (d *Device) QueueCopyThen(ops []gpu.DeviceCopy, then []gpu.ValueWrite) (gpu
 	if err != nil {
 		return nil, err
 	}
-	p.queue = time.Duration(queueNS)
+	p.queue = [3]time.Duration{time.Duration(queueNS[0]), time.Duration(queueNS[1]), time.Duration(queueNS[2])}
 	return p, nil
 }
 
@@ -430,7 +430,7 @@ type pending struct {
 	what   string
 	queued bool // false: an empty batch
 	evs    [2]C.ecm_CUevent
-	queue  time.Duration
+	queue  [3]time.Duration // whole, the waits, the copies (ecm_cu_copy_batch_queue)
 	once   sync.Once
 	tm     gpu.CopyTiming
 	err    error
@@ -457,7 +457,7 @@ func (p *pending) Wait() (gpu.CopyTiming, error) {
 		if p.err != nil {
 			return
 		}
-		p.tm = gpu.CopyTiming{Queue: p.queue, Wait: time.Duration(waitNS)}
+		p.tm = gpu.CopyTiming{Queue: p.queue[0], QueueWaits: p.queue[1], QueueCopies: p.queue[2], Wait: time.Duration(waitNS)}
 		if gpuMS >= 0 {
 			p.tm.GPU = time.Duration(float64(gpuMS) * float64(time.Millisecond))
 		}

@@ -207,7 +207,9 @@ func TestTimedCopyReportsTheGPUsTime(t *testing.T) {
 		require.NoError(t, err)
 		require.Positive(t, tm.GPU, "the driver's timing events measured the copies")
 		require.Positive(t, tm.Wait)
-		t.Logf("64 MiB in two copies: queue %v, GPU %v, host wait %v", tm.Queue, tm.GPU, tm.Wait)
+		require.Positive(t, tm.QueueCopies, "the copy calls' part of the queueing")
+		require.LessOrEqual(t, tm.QueueWaits+tm.QueueCopies, tm.Queue, "the parts lie inside the whole")
+		t.Logf("64 MiB in two copies: queue %v (waits %v, copies %v), GPU %v, host wait %v", tm.Queue, tm.QueueWaits, tm.QueueCopies, tm.GPU, tm.Wait)
 	}
 }
 
@@ -378,33 +380,80 @@ func TestBatchPastTheDriversChunks(t *testing.T) {
 // without a word stored after the copies for each item (b.ReportMetric
 // gives the host's time to queue the batch, the GPU's time and the host's
 // wait per batch).
-func BenchmarkCopy8x32MiBTimed(b *testing.B) { benchWords(b, false) }
+func BenchmarkCopy8x32MiBTimed(b *testing.B) { benchWords(b, wordsBench{}) }
 
-func BenchmarkCopy8x32MiBThenWords(b *testing.B) { benchWords(b, true) }
+func BenchmarkCopy8x32MiBThenWords(b *testing.B) { benchWords(b, wordsBench{words: true}) }
 
-func benchWords(b *testing.B, withWords bool) {
+// What the product's batches have and the ones above do not, one at a
+// time, to tell which one its copy_queue phase pays for: the stream
+// waiting on the sources' event (recorded on another stream, as the
+// encoder's), and the next batch queued while the one before still runs.
+func BenchmarkCopy8x32MiBAfterEventThenWords(b *testing.B) {
+	benchWords(b, wordsBench{words: true, after: true})
+}
+
+func BenchmarkCopy8x32MiBInFlightThenWords(b *testing.B) {
+	benchWords(b, wordsBench{words: true, after: true, inFlight: true})
+}
+
+type wordsBench struct{ words, after, inFlight bool }
+
+func benchWords(b *testing.B, mode wordsBench) {
 	const item, n = 32 << 20, 8
 	var then []gpu.ValueWrite
-	var gpuNS, waitNS, queueNS time.Duration
+	var gpuNS, waitNS, queueNS, waitsNS, copiesNS time.Duration
+	var prev gpu.Pending
+	waitFor := func(p gpu.Pending) error {
+		tm, err := p.Wait()
+		gpuNS += tm.GPU
+		waitNS += tm.Wait
+		queueNS += tm.Queue
+		waitsNS += tm.QueueWaits
+		copiesNS += tm.QueueCopies
+		return err
+	}
 	benchCopy(b, item*n, func(dev *Device, dst, src uintptr, _ []byte) error {
-		if withWords && then == nil {
+		if mode.words && then == nil {
 			_, reg := wordRegion(b, dev, 4096)
 			for i := range n {
 				then = append(then, gpu.ValueWrite{Addr: reg.DevAddr() + uintptr(8*i), Value: uint64(i + 1)})
 			}
 		}
+		var after gpu.Event
+		if mode.after {
+			ev, err := dev.RecordEvent(0)
+			if err != nil {
+				return err
+			}
+			defer ev.Close()
+			after = ev
+		}
 		ops := make([]gpu.DeviceCopy, n)
 		for i := range ops {
 			off := uintptr(i) * item
-			ops[i] = gpu.DeviceCopy{Dst: dst + off, Src: src + off, N: item}
+			ops[i] = gpu.DeviceCopy{Dst: dst + off, Src: src + off, N: item, After: after}
 		}
-		tm, err := dev.CopyDeviceThen(ops, then)
-		gpuNS += tm.GPU
-		waitNS += tm.Wait
-		queueNS += tm.Queue
+		p, err := dev.QueueCopyThen(ops, then)
+		if err != nil {
+			return err
+		}
+		if !mode.inFlight {
+			return waitFor(p)
+		}
+		// This batch was queued behind the one before, still running.
+		if prev != nil {
+			err = waitFor(prev)
+		}
+		prev = p
 		return err
 	})
-	b.ReportMetric(float64(queueNS.Nanoseconds())/1e3/float64(b.N+1), "queue-us/op")
-	b.ReportMetric(float64(gpuNS.Microseconds())/float64(b.N+1), "gpu-us/op")
-	b.ReportMetric(float64(waitNS.Microseconds())/float64(b.N+1), "wait-us/op")
+	if prev != nil {
+		require.NoError(b, waitFor(prev))
+	}
+	per := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 / float64(b.N+1) }
+	b.ReportMetric(per(queueNS), "queue-us/op")
+	b.ReportMetric(per(waitsNS), "queue-waits-us/op")
+	b.ReportMetric(per(copiesNS), "queue-copies-us/op")
+	b.ReportMetric(per(gpuNS), "gpu-us/op")
+	b.ReportMetric(per(waitNS), "wait-us/op")
 }

@@ -327,25 +327,29 @@ static ecm_CUresult queue_words(ecm_CUstream s, const ecm_value_write *writes, i
 }
 
 ecm_CUresult ecm_cu_copy_batch_queue(ecm_CUstream s, ecm_CUevent start, ecm_CUevent done, const ecm_copy *ops, int n,
-                                     const ecm_value_write *writes, int nw, int64_t *queue_ns, const char **failed) {
+                                     const ecm_value_write *writes, int nw, int64_t queue_ns[3], const char **failed) {
 	int64_t t0 = now_ns();
-	*queue_ns = 0;
+	queue_ns[0] = queue_ns[1] = queue_ns[2] = 0;
 	for (int i = 0; i < n; i++) {
 		if (ops[i].after != NULL) {
 			TRY(cu.cuStreamWaitEvent(s, ops[i].after, 0), "cuStreamWaitEvent");
 		}
 	}
+	int64_t t1 = now_ns();
 	TRY(cu.cuEventRecord(start, s), "cuEventRecord");
 	ecm_CUresult r = queue_copies(s, ops, n, failed);
 	if (r != ECM_CUDA_SUCCESS) {
 		return r;
 	}
+	int64_t t2 = now_ns();
 	r = queue_words(s, writes, nw, failed);
 	if (r != ECM_CUDA_SUCCESS) {
 		return r;
 	}
 	TRY(cu.cuEventRecord(done, s), "cuEventRecord");
-	*queue_ns = now_ns() - t0;
+	queue_ns[0] = now_ns() - t0;
+	queue_ns[1] = t1 - t0;
+	queue_ns[2] = t2 - t1;
 	return ECM_CUDA_SUCCESS;
 }
 

@@ -121,11 +121,13 @@ ecm_CUresult ecm_cu_host_unregister(void *p);
  * batches from interleaving with its queueing: ecm_cu_copy_batch_queue
  * queues every wait first, then records start, the copies and done (both
  * events keep time), with the nw ready words stored after the copies and
- * before done (flags 0: fenced after them), and says how long queueing took; ecm_cu_wait_timed
+ * before done (flags 0: fenced after them), and says how long queueing took
+ * (queue_ns[0]) and, of that, the stream's waits for the sources' events
+ * (queue_ns[1]) and the start event with the copies (queue_ns[2]); ecm_cu_wait_timed
  * waits for done and reports the wait and the GPU's milliseconds from
  * start to done (negative when the driver cannot say). */
 ecm_CUresult ecm_cu_copy_batch_queue(ecm_CUstream s, ecm_CUevent start, ecm_CUevent done, const ecm_copy *ops, int n,
-                                     const ecm_value_write *writes, int nw, int64_t *queue_ns, const char **failed);
+                                     const ecm_value_write *writes, int nw, int64_t queue_ns[3], const char **failed);
 ecm_CUresult ecm_cu_wait_timed(ecm_CUevent start, ecm_CUevent done, int64_t *wait_ns, float *gpu_ms, const char **failed);
 ecm_CUresult ecm_cu_copy_dtoh(ecm_CUstream s, ecm_CUevent done, ecm_CUevent after, void *dst, ecm_CUdeviceptr src, size_t n, const char **failed);
 ecm_CUresult ecm_cu_copy_htod(ecm_CUstream s, ecm_CUevent done, ecm_CUdeviceptr dst, const void *src, size_t n, const char **failed);

@@ -501,14 +501,19 @@ func (d *fakeDevice) RegisterHost(mem []byte) (HostRegistration, error) {
 // runs the batch on its own (a goroutine: it waits for the sources'
 // events, copies, then stores the words) while the caller goes on, and
 // its Pending waits for that.
+// Its queueing is its bookkeeping, all of it the copies' part (a fake
+// stream has no waits to queue: the goroutine waits for the events).
 func (d *fakeDevice) QueueCopyThen(ops []DeviceCopy, then []ValueWrite) (Pending, error) {
+	start := time.Now()
 	d.h.mu.Lock()
 	d.h.queued++
 	d.h.mu.Unlock()
 	p := &fakePending{h: d.h, done: make(chan struct{})}
+	queued := time.Since(start)
 	go func() {
 		defer close(p.done)
 		p.tm, p.err = d.CopyDeviceThen(ops, then)
+		p.tm.Queue, p.tm.QueueCopies = queued, queued
 	}()
 	return p, nil
 }

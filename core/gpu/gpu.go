@@ -117,6 +117,11 @@ type Device interface {
 type CopyTiming struct {
 	// Queue is the host time spent queuing the copies and their event.
 	Queue time.Duration
+	// QueueWaits and QueueCopies are parts of Queue: the stream's waits
+	// for the sources' events, and the copies with their start event (the
+	// rest is the ready words and the done event); 0 where the device
+	// does not tell them apart.
+	QueueWaits, QueueCopies time.Duration
 	// GPU is the copies' own time on the GPU, from the first copy's start
 	// to the last one's end (timing events); 0 when the device cannot say.
 	GPU time.Duration

@@ -21,6 +21,11 @@ const (
 	PhaseWriteHandoff = "write_handoff"
 	// PhaseCopyQueue: host time to queue a batch's device copies.
 	PhaseCopyQueue = "copy_queue"
+	// PhaseCopyQueueWaits and PhaseCopyQueueCopies are parts of
+	// PhaseCopyQueue: the stream's waits for the sources' events, and the
+	// copies' own driver calls with their start event.
+	PhaseCopyQueueWaits  = "copy_queue_waits"
+	PhaseCopyQueueCopies = "copy_queue_copies"
 	// PhaseCopy: the copies' own time on the GPU (timing events).
 	PhaseCopy = "copy"
 	// PhaseEventWait: host time from the last copy queued to its event

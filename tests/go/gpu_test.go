@@ -224,7 +224,8 @@ func TestGPUReadyPathIsTimedByPhase(t *testing.T) {
 	c.push(cudaipc.Name, "req-phase", items, 0)
 	require.Len(t, c.wait(tids(items), 10*time.Second).Available, len(items))
 	after := p.Stats().Phases
-	for _, ph := range []string{metrics.PhaseReserveRTT, metrics.PhaseWriteHandoff, metrics.PhaseCopyQueue, metrics.PhaseWrite} {
+	for _, ph := range []string{metrics.PhaseReserveRTT, metrics.PhaseWriteHandoff, metrics.PhaseCopyQueue,
+		metrics.PhaseCopyQueueWaits, metrics.PhaseCopyQueueCopies, metrics.PhaseWrite} {
 		require.Equal(t, uint64(1), after[ph].Count-before[ph].Count, "phase %s: once per batch", ph)
 	}
 	for _, ph := range []string{metrics.PhaseCompleteHandoff, metrics.PhaseCompleteRTT} {

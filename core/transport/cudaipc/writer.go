@@ -580,6 +580,8 @@ func copyTimed(dev gpu.Device, ops []gpu.DeviceCopy) error {
 // GPU and the host's wait beyond that.
 func observeCopy(tm gpu.CopyTiming) {
 	metrics.Phase(metrics.PhaseCopyQueue, tm.Queue)
+	metrics.Phase(metrics.PhaseCopyQueueWaits, tm.QueueWaits)
+	metrics.Phase(metrics.PhaseCopyQueueCopies, tm.QueueCopies)
 	if tm.GPU > 0 {
 		metrics.Phase(metrics.PhaseCopy, tm.GPU)
 		metrics.Phase(metrics.PhaseEventWait, max(0, tm.Wait-tm.GPU))

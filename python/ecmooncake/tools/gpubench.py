@@ -281,11 +281,12 @@ def _expect(sched: Scheduler, tids: list[str]) -> None:
 # The readiness path's phases as the library times them (Stats "phases"):
 # the reserve_batch round trip and the hand-off from its reply to the write
 # (which also waits for the sources, handed over at once here), the copies (their GPU time, the host's wait for their event
-# beyond it, the time to queue them), its write batch, the hand-off to and
+# beyond it, the time to queue them and, of that, the stream's waits for the
+# sources' events and the copy calls), its write batch, the hand-off to and
 # round trip of complete_batch, and the scheduler's receipt of each
 # readiness event. Each is observed once per batch, event_delivery once per
 # item and shard.
-READY_PATH = ["reserve_rtt", "write_handoff", "copy_queue", "copy", "event_wait", "write", "complete_handoff", "complete_rtt",
+READY_PATH = ["reserve_rtt", "write_handoff", "copy_queue", "copy_queue_waits", "copy_queue_copies", "copy", "event_wait", "write", "complete_handoff", "complete_rtt",
               "event_delivery"]
 
 
