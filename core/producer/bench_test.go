@@ -27,9 +27,10 @@ func (tcpNamed) Name() string { return "tcp" }
 // hotBench is one producer and a one-shard consumer over in-memory links
 // and data plane, as the encoder's per-batch calls meet them.
 type hotBench struct {
-	prod  *producer.Producer
-	shard string // the consumer's control endpoint
-	item  []byte
+	prod     *producer.Producer
+	consumer *node.Consumer
+	shard    string // the consumer's control endpoint
+	item     []byte
 }
 
 func newHotBench(tb testing.TB) *hotBench {
@@ -49,7 +50,7 @@ func newHotBench(tb testing.TB) *hotBench {
 	prod, err := producer.Open(pcfg, producer.Options{Transport: tcpNamed{transport.NewInmem(data)}, Log: log, Links: ctl.Links("producer")})
 	require.NoError(tb, err)
 	tb.Cleanup(func() { require.NoError(tb, prod.Close()) })
-	return &hotBench{prod: prod, shard: shard.Info().Control, item: make([]byte, 4<<10)}
+	return &hotBench{prod: prod, consumer: shard, shard: shard.Info().Control, item: make([]byte, 4<<10)}
 }
 
 // batch is batch b's pushes and sources: n items, each a distinct mm_hash.
@@ -66,9 +67,12 @@ func (h *hotBench) batch(b, n int) ([]producer.Push, []producer.Source) {
 }
 
 // finish waits until every push of a batch is done and its source
-// released, so that no batch queues behind the one before.
-func (h *hotBench) finish(tb testing.TB, n int) {
+// released, so that no batch queues behind the one before; then the
+// consumer loads and frees the items, as a PD does, so that the slab
+// can evict them for later batches however many the benchmark runs.
+func (h *hotBench) finish(tb testing.TB, srcs []producer.Source) {
 	tb.Helper()
+	n := len(srcs)
 	done, released := 0, 0
 	deadline := time.Now().Add(30 * time.Second)
 	for done < n || released < n {
@@ -77,6 +81,16 @@ func (h *hotBench) finish(tb testing.TB, n int) {
 		require.Empty(tb, o.Failed)
 		done += len(o.Done)
 		released += len(o.Released)
+	}
+	hashes := make([]string, n)
+	for i, s := range srcs {
+		hashes[i] = s.MMHash
+	}
+	for _, l := range h.consumer.Acquire(hashes) {
+		require.Empty(tb, l.Error)
+	}
+	for _, err := range h.consumer.Release(hashes) {
+		require.NoError(tb, err)
 	}
 }
 
@@ -106,7 +120,7 @@ func benchHot(b *testing.B, timeSubmit bool) {
 		for _, err := range errs {
 			require.NoError(b, err)
 		}
-		h.finish(b, n)
+		h.finish(b, srcs)
 	}
 	// The first batch looks the consumer up; later ones find it known.
 	run(-1, false)
