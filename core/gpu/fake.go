@@ -501,6 +501,7 @@ func (d *fakeDevice) RegisterHost(mem []byte) (HostRegistration, error) {
 // runs the batch on its own (a goroutine: it waits for the sources'
 // events, copies, then stores the words) while the caller goes on, and
 // its Pending waits for that.
+//
 // Its queueing is its bookkeeping, all of it the copies' part (a fake
 // stream has no waits to queue: the goroutine waits for the events).
 func (d *fakeDevice) QueueCopyThen(ops []DeviceCopy, then []ValueWrite) (Pending, error) {
