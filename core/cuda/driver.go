@@ -419,7 +419,7 @@ func (d *Device) QueueCopyThen(ops []gpu.DeviceCopy, then []gpu.ValueWrite) (gpu
 	if err != nil {
 		return nil, err
 	}
-	p.tm = gpu.CopyTiming{Queue: time.Duration(queueNS[0]), QueueWaits: time.Duration(queueNS[1]), QueueCopies: time.Duration(queueNS[2])}
+	p.queue = [3]time.Duration{time.Duration(queueNS[0]), time.Duration(queueNS[1]), time.Duration(queueNS[2])}
 	return p, nil
 }
 
@@ -430,8 +430,9 @@ type pending struct {
 	what   string
 	queued bool // false: an empty batch
 	evs    [2]C.ecm_CUevent
+	queue  [3]time.Duration // whole, the waits, the copies (ecm_cu_copy_batch_queue)
 	once   sync.Once
-	tm     gpu.CopyTiming // its queueing from the start, the rest once waited for
+	tm     gpu.CopyTiming
 	err    error
 }
 
@@ -454,10 +455,9 @@ func (p *pending) Wait() (gpu.CopyTiming, error) {
 			return nil
 		})
 		if p.err != nil {
-			p.tm = gpu.CopyTiming{} // a failed batch has no timing
 			return
 		}
-		p.tm.Wait = time.Duration(waitNS)
+		p.tm = gpu.CopyTiming{Queue: p.queue[0], QueueWaits: p.queue[1], QueueCopies: p.queue[2], Wait: time.Duration(waitNS)}
 		if gpuMS >= 0 {
 			p.tm.GPU = time.Duration(float64(gpuMS) * float64(time.Millisecond))
 		}
