@@ -247,6 +247,16 @@ func SchedulerHas(h uint64, mmHash string) (bool, error) {
 	return s.Has(mmHash), nil
 }
 
+// SchedulerPoll applies the same-host shards' events that have arrived,
+// on the calling thread, and returns how many.
+func SchedulerPoll(h uint64) (int, error) {
+	s, err := schedulers.get(h)
+	if err != nil {
+		return 0, err
+	}
+	return s.Poll(), nil
+}
+
 // SchedulerWatch makes the scheduler store its generation into *counter
 // whenever its table changes, until it is closed.
 func SchedulerWatch(h uint64, counter *uint64) error {

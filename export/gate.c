@@ -115,6 +115,7 @@ GATED(scheduler_step, (ecm_handle_t h, const char *in_json, char **out_json, cha
       (h, IN(in_json), out_json, err))
 GATED(scheduler_has, (ecm_handle_t h, const char *mm_hash, int32_t *out, char **err), (h, IN(mm_hash), out, err))
 GATED(scheduler_watch, (ecm_handle_t h, uint64_t *counter, char **err), (h, counter, err))
+GATED(scheduler_poll, (ecm_handle_t h, int32_t *out, char **err), (h, out, err))
 GATED(scheduler_wait, (ecm_handle_t h, const char *in_json, int32_t timeout_ms, char **out_json, char **err),
       (h, IN(in_json), timeout_ms, out_json, err))
 

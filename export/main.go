@@ -15,6 +15,7 @@ static void *ecm_host_ptr(uintptr_t p) { return (void *)p; }
 import "C"
 
 import (
+	"math"
 	"unsafe"
 
 	"github.com/ecmooncake/ecmooncake/capi"
@@ -300,6 +301,12 @@ func ecmgo_scheduler_watch(h C.uint64_t, counter *C.uint64_t, errOut **C.char) C
 		}
 		return capi.SchedulerWatch(uint64(h), (*uint64)(unsafe.Pointer(counter)))
 	})
+}
+
+//export ecmgo_scheduler_poll
+func ecmgo_scheduler_poll(h C.uint64_t, out *C.int32_t, errOut **C.char) C.int {
+	return finishOut(errOut, "ecm_scheduler_poll", "out", out, func() (int, error) { return capi.SchedulerPoll(uint64(h)) },
+		func(n int) C.int32_t { return C.int32_t(min(n, math.MaxInt32)) })
 }
 
 //export ecmgo_scheduler_wait

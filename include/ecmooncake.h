@@ -192,6 +192,12 @@ int ecm_scheduler_has(ecm_handle_t h, const char *mm_hash, int32_t *out,
  * (vLLM's ensure_cache_available) reads one word instead of calling in.
  * The counter only grows; nothing writes it once ecm_close returned. */
 int ecm_scheduler_watch(ecm_handle_t h, uint64_t *counter, char **err);
+/* Applies, on the calling thread and without waiting, the readiness
+ * events that same-host shards sent and that wait in their sockets;
+ * *out = how many. A caller that polls anyway (the engine's loop while a
+ * request waits) sees an item as soon as its event arrived, instead of
+ * after the wake of the library's reader thread. Every step polls too. */
+int ecm_scheduler_poll(ecm_handle_t h, int32_t *out, char **err);
 /* Blocks up to timeout_ms until every named transfer is available or has
  * failed (for tools and tests; the engine never calls it). in:
  * {"transfer_ids": [...]}; out: {"available": [...], "failed": [...],

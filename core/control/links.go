@@ -51,6 +51,27 @@ type Subscriber interface {
 	Close() error
 }
 
+// Poller is a Subscriber whose caller can take same-host publishers'
+// events on its own thread. A thread that polls anyway (vLLM's engine
+// loop steps without pause while a request waits) then sees an event as
+// soon as it is in the socket, instead of after the wake of a reader
+// thread that slept, which costs tens of microseconds after an idle gap.
+type Poller interface {
+	Subscriber
+	// Direct makes the events of publishers followed on this host go to
+	// fn instead of Events: called with one message's events, in order per
+	// publisher, once each, by the reader goroutine or by Poll, never two
+	// at a time for one publisher. Call it before Connect; fn must not
+	// block for long, nor call back into the subscriber.
+	Direct(fn func([]wire.Event))
+	// Poll delivers to Direct's fn, on the calling goroutine, whatever has
+	// arrived and not been delivered yet, without waiting for more, and
+	// returns how many events it delivered. A publisher whose reader is
+	// delivering at that moment is skipped: its events are being
+	// delivered. Without Direct it delivers nothing.
+	Poll() int
+}
+
 // Links opens the control-plane links of one process object, which owns
 // them: it closes every link it opened, then the Links.
 type Links interface {

@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"maps"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -353,7 +355,8 @@ func appendFrameTo(b, f []byte) []byte {
 
 // UnixEventSub follows same-host publishers over their Unix names and the
 // others, and those it could not reach so, over the ZeroMQ subscriber it
-// wraps; Events merges both.
+// wraps; Events merges both, unless Direct sends the Unix path's events
+// to a function of the caller's.
 type UnixEventSub struct {
 	zmq  Subscriber // nil: Unix alone (tests)
 	key  []byte
@@ -363,9 +366,13 @@ type UnixEventSub struct {
 
 	out  chan []wire.Event
 	quit chan struct{}
+	// direct, when set (before the first Connect), takes the Unix path's
+	// events instead of out.
+	direct func([]wire.Event)
 
 	mu      sync.Mutex
 	follows map[string]*unixFollow // by connect endpoint
+	polled  []*unixFollow          // follows' values, for Poll without a map walk
 	onZMQ   map[string]bool        // endpoints followed over ZeroMQ
 	closed  bool
 	wg      sync.WaitGroup
@@ -377,9 +384,27 @@ type unixFollow struct {
 	name string
 	mu   sync.Mutex
 	c    *net.UnixConn // the live connection; nil while redialling
+	rc   syscall.RawConn
+
+	// in guards the stream's reading and delivery, which the reader
+	// goroutine and Poll take turns at: the bytes read and not yet framed,
+	// the seq of the last event (0 before the first; a redial keeps it),
+	// and a read error that Poll met and the reader must act on.
+	in   sync.Mutex
+	buf  []byte
+	last uint64
+	err  error
 }
 
-var _ Subscriber = (*UnixEventSub)(nil)
+var (
+	_ Subscriber = (*UnixEventSub)(nil)
+	_ Poller     = (*UnixEventSub)(nil)
+)
+
+// unixReadChunk is the most the reader asks of the socket at a time; a
+// frame longer than what is buffered grows the buffer to the frame's
+// length, which the header check bounds by wire.MaxMessage.
+const unixReadChunk = 64 << 10
 
 func newUnixEventSub(zs Subscriber, sec Security, log *slog.Logger, opt unixOptions, fell func(string)) *UnixEventSub {
 	if log == nil {
@@ -407,6 +432,143 @@ func (s *UnixEventSub) forward() {
 			return
 		}
 	}
+}
+
+// Direct implements Poller.
+func (s *UnixEventSub) Direct(fn func([]wire.Event)) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.direct = fn
+}
+
+// Poll implements Poller: for each publisher followed over Unix whose
+// reader is not delivering, it reads what the socket holds without
+// waiting and delivers its whole frames.
+func (s *UnixEventSub) Poll() int {
+	s.mu.Lock()
+	fs, direct := s.polled, s.direct
+	s.mu.Unlock()
+	if direct == nil {
+		return 0
+	}
+	n := 0
+	for _, f := range fs {
+		n += s.pollFollow(f)
+	}
+	return n
+}
+
+func (s *UnixEventSub) pollFollow(f *unixFollow) int {
+	if !f.in.TryLock() {
+		return 0 // the reader is at it
+	}
+	defer f.in.Unlock()
+	f.mu.Lock()
+	c, rc := f.c, f.rc
+	f.mu.Unlock()
+	if c == nil || f.err != nil {
+		return 0
+	}
+	n := 0
+	// Control holds a reference to the descriptor, not the read lock the
+	// reader waits under, so it runs beside a reader parked in the poller.
+	cerr := rc.Control(func(fd uintptr) {
+		var err error
+		n, err = s.pull(f, int(fd))
+		if err != nil {
+			// The reader, woken by the close, acts on it: it owns the
+			// connection's end and the redial.
+			f.err = err
+			_ = c.Close()
+		}
+	})
+	_ = cerr // closed meanwhile: the reader redials
+	return n
+}
+
+// pull reads what fd holds without waiting and delivers its whole frames;
+// it returns the number of events delivered, and an error when the
+// stream ended or is not ours. Called with f.in held.
+func (s *UnixEventSub) pull(f *unixFollow, fd int) (int, error) {
+	delivered := 0
+	for {
+		if len(f.buf) == cap(f.buf) {
+			f.buf = slices.Grow(f.buf, unixReadChunk)
+		}
+		free := f.buf[len(f.buf):cap(f.buf)]
+		n, err := syscall.Read(fd, free)
+		switch {
+		case err == syscall.EINTR:
+			continue
+		case err == syscall.EAGAIN:
+			return delivered, nil
+		case err != nil:
+			return delivered, fmt.Errorf("control: unix events read: %w", err)
+		case n == 0:
+			return delivered, io.EOF
+		}
+		f.buf = f.buf[:len(f.buf)+n]
+		m, err := s.deliverFrames(f)
+		delivered += m
+		if err != nil {
+			return delivered, err
+		}
+	}
+}
+
+// deliverFrames delivers the whole frames at the front of f.buf and keeps
+// the rest, growing the buffer to hold a frame whose header came in.
+func (s *UnixEventSub) deliverFrames(f *unixFollow) (int, error) {
+	delivered := 0
+	rest := f.buf
+	for {
+		frame, after, ok, err := decodeUnixFrame(rest)
+		if err != nil {
+			return delivered, err
+		}
+		if !ok {
+			break
+		}
+		rest = after
+		delivered += s.deliver(f, frame)
+	}
+	keep := copy(f.buf, rest)
+	f.buf = f.buf[:keep]
+	if keep >= unixFrameHeader {
+		if n, err := unixFrameLen(f.buf); err == nil && cap(f.buf) < unixFrameHeader+n {
+			f.buf = slices.Grow(f.buf, unixFrameHeader+n-keep)
+		}
+	}
+	if cap(f.buf) > unixReadChunk && len(f.buf) == 0 {
+		f.buf = nil // a long frame's buffer goes with it
+	}
+	return delivered, nil
+}
+
+// deliver decodes one frame and hands its events on; it returns how many.
+func (s *UnixEventSub) deliver(f *unixFollow, frame []byte) int {
+	evs, err := wire.DecodeEvents(frame)
+	if err != nil {
+		badEvent(s.log, &s.bad, &s.legacy, err)
+		return 0
+	}
+	// A seq at or below the last starts again: a new incarnation on the
+	// same name, no gap. The seqs of one message run without a hole.
+	if first := evs[0].Seq; f.last != 0 && first > f.last+1 {
+		s.gaps.Add(first - f.last - 1)
+	}
+	f.last = evs[len(evs)-1].Seq
+	s.received.Add(uint64(len(evs)))
+	s.messages.Add(1)
+	if s.direct != nil {
+		s.direct(evs)
+		return len(evs)
+	}
+	select {
+	case s.out <- evs:
+	case <-s.quit:
+	}
+	return len(evs)
 }
 
 // Connect follows the publisher of endpoint: over its Unix name when it
@@ -451,7 +613,11 @@ func (s *UnixEventSub) Connect(endpoint string) error {
 		s.mu.Unlock()
 		return s.connectZMQ(endpoint)
 	}
-	f := &unixFollow{name: name, c: c}
+	f := &unixFollow{name: name}
+	if err := f.attach(c); err != nil {
+		_ = c.Close()
+		return fmt.Errorf("control: connect events %s: %w", endpoint, err)
+	}
 	s.mu.Lock()
 	if _, dup := s.follows[target]; dup || s.closed {
 		closed := s.closed
@@ -463,9 +629,22 @@ func (s *UnixEventSub) Connect(endpoint string) error {
 		return nil
 	}
 	s.follows[target] = f
+	s.polled = append(s.polled, f)
 	s.wg.Add(1)
 	s.mu.Unlock()
 	go s.read(f)
+	return nil
+}
+
+// attach makes c the follow's live connection.
+func (f *unixFollow) attach(c *net.UnixConn) error {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return err
+	}
+	f.mu.Lock()
+	f.c, f.rc = c, rc
+	f.mu.Unlock()
 	return nil
 }
 
@@ -489,22 +668,24 @@ func (s *UnixEventSub) dial(name string) (*net.UnixConn, error) {
 // connection is lost, until the subscriber closes.
 func (s *UnixEventSub) read(f *unixFollow) {
 	defer s.wg.Done()
-	var last uint64
 	backoff := 50 * time.Millisecond
 	for {
 		f.mu.Lock()
-		c := f.c
+		c, rc := f.c, f.rc
 		f.mu.Unlock()
 		if c != nil {
-			err := s.readConn(c, &last)
+			err := s.readConn(f, rc)
 			_ = c.Close()
 			if s.quitting() {
 				return
 			}
 			s.log.Info("control: unix event subscription lost; redialling", "name", f.name, "err", err)
+			f.in.Lock()
 			f.mu.Lock()
-			f.c = nil
+			f.c, f.rc = nil, nil
 			f.mu.Unlock()
+			f.buf, f.err = f.buf[:0], nil // a new stream starts at a frame
+			f.in.Unlock()
 			backoff = 50 * time.Millisecond
 		}
 		if !due.Sleep(s.quit, backoff) {
@@ -515,10 +696,11 @@ func (s *UnixEventSub) read(f *unixFollow) {
 		if err != nil {
 			continue
 		}
+		if err := f.attach(nc); err != nil {
+			_ = nc.Close()
+			continue
+		}
 		s.redials.Add(1)
-		f.mu.Lock()
-		f.c = nc
-		f.mu.Unlock()
 		if s.quitting() { // Close may have missed it
 			_ = nc.Close()
 			return
@@ -526,33 +708,37 @@ func (s *UnixEventSub) read(f *unixFollow) {
 	}
 }
 
-// readConn reads frames until the connection fails; last is the seq of
-// the last event of this publisher, 0 before the first.
-func (s *UnixEventSub) readConn(c *net.UnixConn, last *uint64) error {
-	for {
-		frame, err := readUnixFrame(c)
-		if err != nil {
-			return err
+// readConn reads and delivers frames until the connection fails, taking
+// turns with Poll: each time the socket turns readable it takes f.in and
+// reads what is there, or finds that Poll took it first.
+func (s *UnixEventSub) readConn(f *unixFollow, rc syscall.RawConn) error {
+	var failed error
+	err := rc.Read(func(fd uintptr) bool {
+		f.in.Lock()
+		defer f.in.Unlock()
+		if f.err != nil { // Poll met the end first
+			failed = f.err
+			return true
 		}
-		evs, err := wire.DecodeEvents(frame)
-		if err != nil {
-			badEvent(s.log, &s.bad, &s.legacy, err)
-			continue
+		if _, err := s.pull(f, int(fd)); err != nil {
+			failed = err
+			return true
 		}
-		// A seq at or below the last starts again: a new incarnation on the
-		// same name, no gap. The seqs of one message run without a hole.
-		if first := evs[0].Seq; *last != 0 && first > *last+1 {
-			s.gaps.Add(first - *last - 1)
+		if s.quitting() {
+			failed = ErrClosed
+			return true
 		}
-		*last = evs[len(evs)-1].Seq
-		s.received.Add(uint64(len(evs)))
-		s.messages.Add(1)
-		select {
-		case s.out <- evs:
-		case <-s.quit:
-			return ErrClosed
-		}
+		return false // nothing more there: wait for the socket
+	})
+	if failed != nil {
+		return failed
 	}
+	f.in.Lock()
+	defer f.in.Unlock()
+	if f.err != nil { // Poll met the end and closed the connection
+		return f.err
+	}
+	return err
 }
 
 func (s *UnixEventSub) quitting() bool { return isClosed(s.quit) }
@@ -587,7 +773,7 @@ func (s *UnixEventSub) Close() error {
 	}
 	s.closed = true
 	close(s.quit)
-	for _, f := range s.follows {
+	for _, f := range s.polled {
 		f.mu.Lock()
 		if f.c != nil {
 			_ = f.c.Close()

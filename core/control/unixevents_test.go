@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -303,4 +305,93 @@ func backlogLen(p *UnixEventPub) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return len(p.backlog)
+}
+
+// TestUnixEventsPolledByTheCaller: with Direct, a same-host publisher's
+// events go to the caller's function, not to Events, and Poll delivers on
+// the caller's own goroutine whatever has arrived, without waiting for
+// the reader goroutine's wake. The reader and Poll take turns on one
+// stream: every event is delivered once, in order, whoever read it.
+func TestUnixEventsPolledByTheCaller(t *testing.T) {
+	shard, sched := unixLinks(t, secretA, defaultUnixOptions()), unixLinks(t, secretA, defaultUnixOptions())
+	pub := publishOn(t, shard)
+	sub := subscribeOn(t, sched)
+	polled, ok := sub.(Poller)
+	require.True(t, ok, "the Unix subscriber can be polled")
+
+	var mu sync.Mutex
+	var got []uint64
+	byPoll := 0
+	inPoll := false
+	polled.Direct(func(evs []wire.Event) {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, ev := range evs {
+			got = append(got, ev.Seq)
+			if inPoll {
+				byPoll++
+			}
+		}
+	})
+	require.NoError(t, sub.Connect(pub.Endpoint()))
+
+	const n = 2000
+	for i := range n {
+		pub.Send(readyEvent(1, fmt.Sprintf("t-%d", i)))
+		if i%3 == 0 {
+			mu.Lock()
+			inPoll = true
+			mu.Unlock()
+			polled.Poll()
+			mu.Lock()
+			inPoll = false
+			mu.Unlock()
+		}
+	}
+	require.Eventually(t, func() bool {
+		polled.Poll()
+		mu.Lock()
+		defer mu.Unlock()
+		return len(got) >= n
+	}, settle, time.Millisecond, "every event delivered")
+	mu.Lock()
+	defer mu.Unlock()
+	require.Len(t, got, n, "nothing delivered twice")
+	for i, seq := range got {
+		require.EqualValues(t, i+1, seq, "in order")
+	}
+	select {
+	case evs := <-sub.Events():
+		t.Fatalf("a directly delivered event also went to Events: %v", evs)
+	default:
+	}
+	t.Logf("%d of %d events delivered by Poll", byPoll, n)
+}
+
+// TestUnixEventsPollDeliversWithoutTheReader: Poll reads the socket
+// itself. Each round sends one event and polls until it is delivered;
+// the reader goroutine, which must first be woken, may win a round, but
+// not all of them.
+func TestUnixEventsPollDeliversWithoutTheReader(t *testing.T) {
+	shard, sched := unixLinks(t, "", defaultUnixOptions()), unixLinks(t, "", defaultUnixOptions())
+	pub := publishOn(t, shard)
+	sub := subscribeOn(t, sched)
+	polled, ok := sub.(Poller)
+	require.True(t, ok, "the Unix subscriber can be polled")
+	var got atomic.Int64
+	polled.Direct(func(evs []wire.Event) { got.Add(int64(len(evs))) })
+	require.NoError(t, sub.Connect(pub.Endpoint()))
+
+	const rounds = 200
+	byPoll := 0
+	for i := range rounds {
+		pub.Send(readyEvent(1, fmt.Sprintf("t-%d", i)))
+		deadline := time.Now().Add(settle)
+		for got.Load() <= int64(i) && time.Now().Before(deadline) {
+			byPoll += polled.Poll()
+		}
+		require.EqualValues(t, i+1, got.Load(), "round %d delivered once", i)
+	}
+	require.Positive(t, byPoll, "Poll delivered none of %d events: it does not read the socket", rounds)
+	t.Logf("%d of %d events delivered by Poll", byPoll, rounds)
 }

@@ -63,3 +63,57 @@ func TestEventMessageIsAppliedInOneStep(t *testing.T) {
 	require.EqualValues(t, 1, st.Table.EventSteps, "8 events, one step")
 	require.True(t, s.Step(StepIn{Ensure: []string{"r1"}}).Ensure["r1"].Ready)
 }
+
+// A same-host shard's readiness reaches the table when the engine polls:
+// Poll reads the event socket on the caller's goroutine and applies what
+// is there, and Step polls first, so an event that has arrived is in the
+// answer of the next Step without any other thread's wake. The events go
+// to the table once each, whoever read them.
+func TestPollAppliesArrivedEvents(t *testing.T) {
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	secret := func() (string, error) { return "poll-test-secret-0123456789abcdef", nil }
+	shardLinks, _, err := control.OpenLinks("shard", secret, false, nil, control.WithUnixPath(true))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = shardLinks.Close() })
+	pub, err := shardLinks.Publish("127.0.0.1", log)
+	require.NoError(t, err)
+	srv, err := shardLinks.Serve("tcp://127.0.0.1:0", control.HandlerFunc(func(req wire.Request) wire.Reply {
+		if req.Op != wire.OpEventPort {
+			return wire.ErrReply(req.ID, wire.CodeUnknownOp, "not served here")
+		}
+		return wire.OKReply(req.ID, wire.EventPortReply{Endpoint: pub.Endpoint(), Epoch: "e1"})
+	}), log)
+	require.NoError(t, err)
+
+	cfg := config.DefaultScheduler()
+	cfg.Shards = []string{srv.Endpoint()}
+	cfg.Secret = config.Secret(must(secret()))
+	s, err := Open(cfg, Options{Log: log})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = s.Close() })
+
+	const rounds = 100
+	polled := 0
+	for i := range rounds {
+		id, h := fmt.Sprintf("t%d", i), fmt.Sprintf("h%d", i)
+		require.Empty(t, s.Step(StepIn{Expect: []ExpectIn{{RequestID: fmt.Sprintf("r%d", i), Items: []sched.Expected{{TransferID: id, MMHash: h}}}}}).ExpectErrors)
+		pub.Send(wire.Event{Shard: 0, TransferID: id, MMHash: h, Ready: true, NBytes: 1 << 20})
+		deadline := time.Now().Add(time.Minute)
+		for !s.Has(h) && time.Now().Before(deadline) {
+			polled += s.Poll()
+		}
+		require.True(t, s.Has(h), "round %d: the event arrived", i)
+	}
+	require.Positive(t, polled, "Poll applied none of %d events", rounds)
+	st := s.Stats()
+	require.EqualValues(t, rounds, st.Events.ReceivedUnix, "each event received once, over Unix")
+	require.EqualValues(t, rounds, st.Table.EventSteps, "and applied once")
+	t.Logf("%d of %d events applied by Poll", polled, rounds)
+}
+
+func must(v string, err error) string {
+	if err != nil {
+		panic(err)
+	}
+	return v
+}

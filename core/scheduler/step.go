@@ -81,10 +81,12 @@ type StepOut struct {
 	Since uint64 `json:"since"`
 }
 
-// Step applies one scheduler step's worth of changes and answers its
-// questions under one lock acquisition, with no I/O: cancels for finished
-// requests are queued for the shard goroutines.
+// Step applies the events that have arrived (Poll), then one scheduler
+// step's worth of changes, and answers its questions under one lock
+// acquisition, with no other I/O: cancels for finished requests are queued
+// for the shard goroutines.
 func (s *Scheduler) Step(in StepIn) StepOut {
+	s.Poll()
 	now := time.Now()
 	var out StepOut
 	s.mu.Lock()

@@ -103,6 +103,7 @@ PROTOTYPES: dict[str, tuple[object, tuple[object, ...]]] = {
         (ecm_handle_t, c_char_p, POINTER(c_int32), c_str_out),
     ),
     "ecm_scheduler_watch": (c_int, (ecm_handle_t, POINTER(c_uint64), c_str_out)),
+    "ecm_scheduler_poll": (c_int, (ecm_handle_t, POINTER(c_int32), c_str_out)),
     "ecm_scheduler_wait": (
         c_int,
         (ecm_handle_t, c_char_p, c_int32, c_str_out, c_str_out),

@@ -390,6 +390,7 @@ class Scheduler(_Handle):
         # that can alter an answer (ecm_scheduler_watch), until close:
         # reading it is a memory load, not a call.
         self.generation_counter = c_uint64(0)
+        self._poll_out = c_int32(0)  # poll's answer, allocated once
         self._open("ecm_scheduler_open", _encode(with_auth_default(config), "scheduler config"))
         try:
             _call("ecm_scheduler_watch", self._h, byref(self.generation_counter))
@@ -411,6 +412,12 @@ class Scheduler(_Handle):
         out = c_int32(0)
         _call("ecm_scheduler_has", self.handle, mm_hash.encode("utf-8"), byref(out))
         return bool(out.value)
+
+    def poll(self) -> int:
+        """Applies the same-host shards' events that have arrived, on this
+        thread, without waiting; returns how many (ecm_scheduler_poll)."""
+        _call("ecm_scheduler_poll", self.handle, byref(self._poll_out))
+        return self._poll_out.value
 
     def wait(self, transfer_ids: list[str], timeout_ms: int) -> dict:
         """Blocks until each transfer is available or failed, or the timeout."""

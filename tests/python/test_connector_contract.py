@@ -220,7 +220,11 @@ class _CountingSteps:
     """Counts the native scheduler's steps, passing each through."""
 
     def __init__(self, native):
-        self.native, self.steps, self.lookups = native, 0, 0
+        self.native, self.steps, self.lookups, self.polls = native, 0, 0, 0
+
+    def poll(self):
+        self.polls += 1
+        return self.native.poll()
 
     def step(self, body):
         self.steps += 1
@@ -257,6 +261,26 @@ def test_hooks_ask_the_library_only_when_something_changed(instance):
         assert [s.ensure_cache_available(r, 0) for r in reqs] == [True, False, False]
         assert [s.has_cache_item(it.identifier) for it in items] == [True, False, False]
     assert (native.steps, native.lookups) == (0, 0), "nothing changed: every answer from memory"
+
+
+def test_each_scheduling_pass_reads_arrived_events_once(instance):
+    # The engine's loop steps without pause while a request waits: the
+    # first hook of each pass takes the events already in the shards'
+    # sockets itself (no reader thread's wake between an event and the
+    # answer), and the rest of the pass answers from memory.
+    items = [Item(f"poll/{i}", 48 + i, WIDTH) for i in range(3)]
+    reqs = [instance.expect(f"pd-poll{i}", [it], [f"poll{i}"]) for i, it in enumerate(items)]
+    native = counting(instance)
+    s = instance.consumer_sched
+    s.build_connector_meta(SchedulerOutput.make_empty())  # a pass of its own
+    for _ in range(20):
+        assert [s.ensure_cache_available(r, 0) for r in reqs] == [False] * 3
+        assert [s.has_cache_item(it.identifier) for it in items] == [False] * 3
+    assert native.polls == 1, "one read of the sockets in a pass"
+    s.build_connector_meta(SchedulerOutput.make_empty())
+    assert s.has_cache_item(items[0].identifier) is False
+    assert s.ensure_cache_available(reqs[0], 0) is False
+    assert native.polls == 2, "and one in the next pass"
 
 
 def test_one_call_refreshes_every_waiting_request(instance):

@@ -114,6 +114,11 @@ class _ConsumerScheduler:
         # questions for every waiting request on every schedule pass, and
         # while the generation stands the answers do (sched.Generation).
         self._counter = self._native.generation_counter
+        # Whether this scheduling pass read the shards' sockets: the first
+        # hook of a pass applies the events already there (Scheduler.poll),
+        # so an arrival costs the engine's loop, which steps without pause
+        # while a request waits, no wake of the library's reader thread.
+        self._polled = False
         self._at = -1  # the generation of _has and _failed; -1: none
         # mm_hash -> has_cache_item's answer at _at: every item of every
         # registered request after a snapshot, and hashes asked one by one.
@@ -145,7 +150,13 @@ class _ConsumerScheduler:
                 self._asked_at.setdefault(it.mm_hash, now)
         return items
 
+    def _poll(self) -> None:
+        if not self._polled:
+            self._polled = True
+            self._native.poll()
+
     def has_cache_item(self, identifier: str) -> bool:
+        self._poll()
         generation = self._counter.value
         found = self._has.get(identifier) if generation == self._at else None
         if found is False:
@@ -175,6 +186,7 @@ class _ConsumerScheduler:
         }
         if not remaining:
             return True
+        self._poll()
         if rid not in self._registered:
             if not self._register(rid, items):
                 return False
@@ -351,6 +363,7 @@ class _ConsumerScheduler:
                 self._freed.append(h)
         plans, self._to_load = self._to_load, {}
         self._said_yes.clear()
+        self._polled = False
         body: dict[str, Any] = {}
         if self._to_register:
             body["expect"] = [self._expect_entry(rid, items) for rid, items in self._to_register.items()]

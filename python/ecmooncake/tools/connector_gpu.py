@@ -433,12 +433,15 @@ class Deployment:
         tids = [f"{tag}-t{i}" for i in range(len(items))]
         req = make_request(f"pd-{tag}", items, {"ec_items": [{"mm_hash": it.identifier, "transfer_id": t} for it, t in zip(items, tids)]})
         deadline = time.monotonic() + timeout
+        # As vLLM's engine loop while a request waits: passes without pause,
+        # each ended by build_connector_meta (its metadata, with nothing to
+        # load, goes nowhere here), so each reads the arrived events anew.
         while not self.pd_sched.ensure_cache_available(req, 0):
             if req.request_id in self.pd_sched.take_unavailable_requests():
                 raise RuntimeError(f"{tag}: the PD failed the request")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{tag}: items not available within {timeout:.0f}s")
-            time.sleep(0.0002)
+            self.pd_sched.build_connector_meta(scheduler_output())
         return req
 
     def load(self, req: Request, items: list[Item], check: bool = True) -> list[dict]:

@@ -6,7 +6,11 @@ shard (its receive slab on one GPU) and two producers (their outputs on a
 GPU; one free to choose cuda_ipc for the same host, one told to use TCP) run
 in spawned processes; the consumer scheduler runs in this process. An item's
 time runs from the producer's submit until the scheduler sees it available
-(reserve, copy, complete, readiness event). In the same run it measures the
+(reserve, copy, complete, readiness event). This process watches for it as
+vLLM's engine loop does while a request waits: it steps without pause,
+each pass reading the events already in the shards' sockets
+(``Scheduler.poll``); ``--available-by wait`` blocks in the library's wait
+instead, so that the reader thread's wake is on the clock. In the same run it measures the
 ceilings the figures are compared with:
 
 - PyTorch's own device-to-device copy between the same two devices, at each
@@ -317,7 +321,7 @@ def _nbytes(p: dict) -> int:
     return int(p["mib"] * MiB)
 
 
-def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, p: dict) -> dict:
+def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, p: dict, spin: bool = True) -> dict:
     """One warm-up round, then p["rounds"] timed ones. A serial phase sends
     one batch per round and waits for it; a stream phase sends p["inflight"]
     batches back to back per round."""
@@ -346,7 +350,7 @@ def _phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, p
             producer.send("push", items=batches[0], consumer=address, timeout_s=timeout, fill="zeros", encode_s=encode_s)
         else:
             producer.send("push_stream", batches=batches, consumer=address, timeout_s=timeout, fill="zeros")
-        available, unavailable = await_available(sched, tids, timeout + 5)
+        available, unavailable = await_available(sched, tids, timeout + 5, spin=spin)
         pushed = producer.result(timeout + 30)
         if r >= 0:
             timed += tids
@@ -418,7 +422,7 @@ TRACE_CAPACITY = 1 << 18
 
 
 def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progress: bool = True,
-        phases: list[dict] | None = None) -> dict:
+        phases: list[dict] | None = None, available_by: str = "poll") -> dict:
     torch = _torch()
     phases = phases or PHASES
     gomaxprocs, tcp_conns = 4, 4
@@ -469,7 +473,7 @@ def run(consumer_device: str = "cuda:0", producer_device: str = "cuda:0", progre
                 if progress:
                     print(f"gpubench: {p['name']}: {p['rounds']} rounds of {p.get('inflight', 1)} batches of "
                           f"{p['batch']} x {size_label(_nbytes(p))} over {p['plane']}", file=sys.stderr, flush=True)
-                results.append(_phase(sched, consumer, producers[p["plane"]], address, p))
+                results.append(_phase(sched, consumer, producers[p["plane"]], address, p, spin=available_by == "poll"))
         planes = consumer.call("stats", 30).get("data_planes") or {}
         measure_ceilings(ceilings.AFTER)
     finally:
@@ -600,6 +604,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--producer-device", default="cuda:0")
     parser.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--available-by", choices=("poll", "wait"), default="poll",
+                        help="how this process watches for availability: polling as vLLM's engine loop does (default), or blocked in the library's wait")
     parser.add_argument("--phases", help="comma-separated phase names to run, e.g. tcp-4m,tcp-32m,tcp-32m-stream (default: all)")
     add_plot_argument(parser)
 
@@ -617,7 +623,7 @@ def _phases(spec: str | None) -> list[dict] | None:
 def main(args: argparse.Namespace) -> int:
     return report(
         "gpubench",
-        lambda: run(args.consumer_device, args.producer_device, progress=not args.quiet, phases=_phases(args.phases)),
+        lambda: run(args.consumer_device, args.producer_device, progress=not args.quiet, phases=_phases(args.phases), available_by=args.available_by),
         format_summary,
         plot_path=args.plot,
         json_path=args.json,

@@ -352,15 +352,28 @@ class Worker(_Worker):
         super().__init__(ROLES[role], name, **kwargs)
 
 
-def await_available(scheduler: Scheduler, transfer_ids: list[str], timeout_s: float) -> tuple[dict, dict]:
-    """Polls until every transfer is available or failed; returns
-    ({transfer_id: time available}, {transfer_id: reason not available})."""
+def await_available(scheduler: Scheduler, transfer_ids: list[str], timeout_s: float, spin: bool = False) -> tuple[dict, dict]:
+    """Waits until every transfer is available or failed; returns
+    ({transfer_id: time available}, {transfer_id: reason not available}).
+    With spin, as vLLM's engine loop while a request waits: without pause,
+    each pass reading the events already in the sockets (Scheduler.poll)
+    and asking only when the table's generation moved; a core's worth of
+    CPU. Else blocked in the library's wait, a slice at a time."""
     available: dict[str, float] = {}
     unavailable: dict[str, str] = {}
     waiting = list(transfer_ids)
     deadline = time.monotonic() + timeout_s
+    seen = -1
     while waiting and time.monotonic() < deadline:
-        out = scheduler.wait(waiting, _WAIT_SLICE_MS)
+        if spin:
+            scheduler.poll()
+            generation = scheduler.generation()
+            if generation == seen:
+                continue
+            seen = generation
+            out = scheduler.wait(waiting, 0)
+        else:
+            out = scheduler.wait(waiting, _WAIT_SLICE_MS)
         now = time.monotonic()
         for tid in out.get("available") or ():
             available.setdefault(tid, now)
