@@ -2,6 +2,8 @@ package control
 
 import (
 	"fmt"
+	"io"
+	"log/slog"
 	"os"
 	"runtime"
 	"sync"
@@ -394,4 +396,44 @@ func TestUnixEventsPollDeliversWithoutTheReader(t *testing.T) {
 	}
 	require.Positive(t, byPoll, "Poll delivered none of %d events: it does not read the socket", rounds)
 	t.Logf("%d of %d events delivered by Poll", byPoll, rounds)
+}
+
+// FuzzUnixEventStream: whatever an admitted publisher's stream holds, cut
+// wherever the socket cuts it, the subscriber delivers the same events as
+// from the whole stream at once, stops at the first bad length, keeps at
+// most one frame's bytes, and never panics.
+func FuzzUnixEventStream(f *testing.F) {
+	ev := readyEvent(1, "t-0")
+	ev.V, ev.Seq = wire.Version, 1
+	msg, err := wire.EncodeEvents([]wire.Event{ev})
+	require.NoError(f, err)
+	one, _ := appendUnixFrame(nil, msg)
+	f.Add(one, uint8(3))
+	f.Add(append(append([]byte{}, one...), one[:7]...), uint8(1))
+	f.Add([]byte{0, 0, 0, 2, '{', '}'}, uint8(0))
+	f.Add([]byte{0xff, 0xff, 0xff, 0xff}, uint8(2))
+	f.Fuzz(func(t *testing.T, stream []byte, cut uint8) {
+		feed := func(step int) (delivered int, failed bool) {
+			s := &UnixEventSub{log: slog.New(slog.NewTextHandler(io.Discard, nil)), quit: make(chan struct{})}
+			s.direct = func(evs []wire.Event) { delivered += len(evs) }
+			fl := &unixFollow{}
+			for rest := stream; len(rest) > 0; {
+				n := min(step, len(rest))
+				fl.buf = append(fl.buf, rest[:n]...)
+				rest = rest[n:]
+				if _, err := s.deliverFrames(fl); err != nil {
+					return delivered, true
+				}
+				if len(fl.buf) > unixFrameHeader+wire.MaxMessage {
+					t.Fatalf("%d bytes kept", len(fl.buf))
+				}
+			}
+			return delivered, false
+		}
+		whole, wholeFailed := feed(len(stream) + 1)
+		cutN, cutFailed := feed(int(cut%16) + 1)
+		if whole != cutN || wholeFailed != cutFailed {
+			t.Fatalf("cut every %d bytes: %d events (failed %v); whole: %d (failed %v)", cut%16+1, cutN, cutFailed, whole, wholeFailed)
+		}
+	})
 }
