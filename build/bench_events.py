@@ -24,7 +24,7 @@ from ecmooncake.tools.report import MiB
 
 
 def phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, name: str, nbytes: int, batch: int,
-          rounds: int) -> dict:
+          rounds: int, spin: bool = True) -> dict:
     """One warm-up batch, then `rounds` timed ones, one at a time, each
     from its submit until the scheduler has every item available."""
     seconds, failures, totals = 0.0, [], {}
@@ -36,7 +36,7 @@ def phase(sched: Scheduler, consumer: Worker, producer: Worker, address: str, na
         _expect(sched, tids)
         timeout = 30 + batch * nbytes / (50 * MiB)
         producer.send("push", items=items, consumer=address, timeout_s=timeout, fill="zeros")
-        available, unavailable = await_available(sched, tids, timeout + 5)
+        available, unavailable = await_available(sched, tids, timeout + 5, spin=spin)
         pushed = producer.result(timeout + 30)
         if r >= 0:
             if available:
@@ -56,6 +56,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=32, help="timed batches, one at a time (default 32)")
     ap.add_argument("--gomaxprocs", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="print the phase as JSON")
+    ap.add_argument("--available-by", choices=("poll", "wait"), default="poll",
+                    help="watch for availability as vLLM's engine loop does (poll, default) or blocked in the library's wait")
     a = ap.parse_args()
     settings = {"log_level": "warn", "gomaxprocs": a.gomaxprocs}
     ip = "127.0.0.1"
@@ -69,7 +71,8 @@ def main() -> int:
             w.wait_ready(120)
         configure(**settings)
         with Scheduler({"ec_ip": ip, "ec_port": port, "tp_size": 1, "dp_rank": 0}) as sched:
-            out = phase(sched, consumer, producer, f"tcp://{ip}:{port}", f"{a.plane}-{a.mib}m", a.mib * MiB, a.batch, a.rounds)
+            out = phase(sched, consumer, producer, f"tcp://{ip}:{port}", f"{a.plane}-{a.mib}m", a.mib * MiB, a.batch, a.rounds,
+                        spin=a.available_by == "poll")
             out["events"] = sched.stats().get("events")
     finally:
         harness.stop_all([consumer, producer])
