@@ -47,11 +47,23 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 
 def pytest_configure(config) -> None:
+    # Told to stop (build/test.sh's trap signals the process group of a
+    # phase that runs beside a failed one), the run first stops what its
+    # tests started: a server in a session of its own is outside the group
+    # and would outlive the run, holding its memory and ports.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop_on_term)
     config.addinivalue_line(
         "markers",
         "deadline(seconds, env=None): this test's deadline instead of TEST_DEADLINE_S "
         "(the environment variable env, when set, overrides it)",
     )
+
+
+def _stop_on_term(signum, _frame) -> None:
+    stop_descendants()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def deadline_of(node) -> float:
