@@ -5,10 +5,14 @@ One class serves both roles vLLM gives a connector:
 * **scheduler role** (the engine-core process). On a consumer (prefill/decode)
   instance it owns a native :class:`~ecmooncake.native.Scheduler`, whose
   background goroutines keep a transfer table current from the shards'
-  readiness events. ``has_cache_item`` and ``ensure_cache_available``
-  answer from memory while the table's generation (a counter the library
-  keeps current in this process's memory) stands, and with one
-  non-blocking call for every waiting request when it moved. Everything else a step needs
+  readiness events. The first of ``has_cache_item`` and
+  ``ensure_cache_available`` in a schedule pass applies, on the engine's
+  thread and without waiting, the same-host shards' events already in their
+  sockets (``Scheduler.poll``), so a request the engine spins on does not
+  wait for the reader thread's wake. Both answer from memory while the
+  table's generation (a counter the library keeps current in this
+  process's memory) stands, and with one non-blocking call for every
+  waiting request when it moved. Everything else a step needs
   (expectations, load outcomes, frees, finished requests, new loads) goes in
   one ``step()`` call from ``build_connector_meta``. On a producer (encoder)
   instance it is plain bookkeeping: which pushes to announce, and what
