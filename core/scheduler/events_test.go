@@ -21,22 +21,10 @@ import (
 func TestEventMessageIsAppliedInOneStep(t *testing.T) {
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	ctl := control.NewInmemNetwork()
-	shard := ctl.Links("shard-0")
-	t.Cleanup(func() { _ = shard.Close() })
-	pub, err := shard.Publish("127.0.0.1", log)
-	require.NoError(t, err)
-	// The shard answers only event_port: a status resync fails, so every
-	// step of the table that applies events is the message's.
-	srv, err := shard.Serve("tcp://127.0.0.1:0", control.HandlerFunc(func(req wire.Request) wire.Reply {
-		if req.Op != wire.OpEventPort {
-			return wire.ErrReply(req.ID, wire.CodeUnknownOp, "not served here")
-		}
-		return wire.OKReply(req.ID, wire.EventPortReply{Endpoint: pub.Endpoint(), Epoch: "e1"})
-	}), log)
-	require.NoError(t, err)
+	pub, endpoint := eventsOnlyShard(t, ctl.Links("shard-0"), log)
 
 	cfg := config.DefaultScheduler()
-	cfg.Shards = []string{srv.Endpoint()}
+	cfg.Shards = []string{endpoint}
 	s, err := Open(cfg, Options{Log: log, Links: ctl.Links("scheduler")})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = s.Close() })
@@ -74,19 +62,10 @@ func TestPollAppliesArrivedEvents(t *testing.T) {
 	secret := func() (string, error) { return "poll-test-secret-0123456789abcdef", nil }
 	shardLinks, _, err := control.OpenLinks("shard", secret, false, nil, control.WithUnixPath(true))
 	require.NoError(t, err)
-	t.Cleanup(func() { _ = shardLinks.Close() })
-	pub, err := shardLinks.Publish("127.0.0.1", log)
-	require.NoError(t, err)
-	srv, err := shardLinks.Serve("tcp://127.0.0.1:0", control.HandlerFunc(func(req wire.Request) wire.Reply {
-		if req.Op != wire.OpEventPort {
-			return wire.ErrReply(req.ID, wire.CodeUnknownOp, "not served here")
-		}
-		return wire.OKReply(req.ID, wire.EventPortReply{Endpoint: pub.Endpoint(), Epoch: "e1"})
-	}), log)
-	require.NoError(t, err)
+	pub, endpoint := eventsOnlyShard(t, shardLinks, log)
 
 	cfg := config.DefaultScheduler()
-	cfg.Shards = []string{srv.Endpoint()}
+	cfg.Shards = []string{endpoint}
 	cfg.Secret = config.Secret(must(secret()))
 	s, err := Open(cfg, Options{Log: log})
 	require.NoError(t, err)
@@ -109,6 +88,25 @@ func TestPollAppliesArrivedEvents(t *testing.T) {
 	require.EqualValues(t, rounds, st.Events.ReceivedUnix, "each event received once, over Unix")
 	require.EqualValues(t, rounds, st.Table.EventSteps, "and applied once")
 	t.Logf("%d of %d events applied by Poll", polled, rounds)
+}
+
+// eventsOnlyShard is a shard on links that publishes events and answers
+// only event_port: a status resync fails, so every step of the table that
+// applies events is a message's. It returns the publisher and the control
+// endpoint; the links close with the test.
+func eventsOnlyShard(t *testing.T, links control.Links, log *slog.Logger) (control.Publisher, string) {
+	t.Helper()
+	t.Cleanup(func() { _ = links.Close() })
+	pub, err := links.Publish("127.0.0.1", log)
+	require.NoError(t, err)
+	srv, err := links.Serve("tcp://127.0.0.1:0", control.HandlerFunc(func(req wire.Request) wire.Reply {
+		if req.Op != wire.OpEventPort {
+			return wire.ErrReply(req.ID, wire.CodeUnknownOp, "not served here")
+		}
+		return wire.OKReply(req.ID, wire.EventPortReply{Endpoint: pub.Endpoint(), Epoch: "e1"})
+	}), log)
+	require.NoError(t, err)
+	return pub, srv.Endpoint()
 }
 
 func must(v string, err error) string {
