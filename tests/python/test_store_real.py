@@ -320,9 +320,12 @@ def test_master_killed_mid_run_inside_the_namespace(master):
     assert f"{IP}:{master.rpc}" in listening, f"the master does not listen on the namespace's address:\n{listening}"
     master.signal(signal.SIGKILL)
     master.proc.wait(10)
-    # Puts while the master is gone: taken or dropped, never raised.
-    for i in range(4, 8):
-        tier.put_async(f"ecm1/k{i}/0", ctypes.addressof(src), n)
+    # Puts while the master is gone: taken or dropped, never raised. A
+    # taken put reads src until it releases it, maybe after the tier's
+    # close: the test keeps src until then (it once returned first, and
+    # the put thread's copy from the freed buffer segfaulted).
+    released = threading.Semaphore(0)
+    taken = sum(tier.put_async(f"ecm1/k{i}/0", ctypes.addressof(src), n, release=released.release) for i in range(4, 8))
     _wait(lambda: tier.stats()["get_unavailable"] >= 50, "gets falling back at once after the kill")
     stop.set()
     for t in readers:
@@ -336,6 +339,8 @@ def test_master_killed_mid_run_inside_the_namespace(master):
     # The client of a gone master closes within its bound or is left
     # behind; the process does not hang on it.
     tier.close(5)
+    for _ in range(taken):
+        assert released.acquire(timeout=120), "a taken put never released its source"
 
 
 @inside
