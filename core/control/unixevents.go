@@ -473,16 +473,16 @@ func (s *UnixEventSub) pollFollow(f *unixFollow) int {
 	// Control holds a reference to the descriptor, not the read lock the
 	// reader waits under, so it runs beside a reader parked in the poller.
 	cerr := rc.Control(func(fd uintptr) {
-		var err error
-		n, err = s.pull(f, int(fd))
-		if err != nil {
-			// The reader, woken by the close, acts on it: it owns the
-			// connection's end and the redial.
-			f.err = err
-			_ = c.Close()
-		}
+		n, f.err = s.pull(f, int(fd))
 	})
 	_ = cerr // closed meanwhile: the reader redials
+	if f.err != nil {
+		// After Control: Close waits for every reference to the
+		// descriptor, Control's own included. The reader, woken by the
+		// close, acts on the error: it owns the connection's end and the
+		// redial.
+		_ = c.Close()
+	}
 	return n
 }
 

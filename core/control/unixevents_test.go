@@ -4,10 +4,12 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -436,4 +438,45 @@ func FuzzUnixEventStream(f *testing.F) {
 			t.Fatalf("cut every %d bytes: %d events (failed %v); whole: %d (failed %v)", cut%16+1, cutN, cutFailed, whole, wholeFailed)
 		}
 	})
+}
+
+// TestUnixEventsPollEndsABadStream: a stream that Poll finds is not ours
+// (a frame length no frame may have) is ended there: the frames before it
+// are delivered, the error is kept for the reader, which owns the redial,
+// and the connection is closed so that the reader wakes to it.
+func TestUnixEventsPollEndsABadStream(t *testing.T) {
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	require.NoError(t, err)
+	peer := os.NewFile(uintptr(fds[1]), "peer")
+	defer peer.Close()
+	ours := os.NewFile(uintptr(fds[0]), "ours")
+	fc, err := net.FileConn(ours)
+	require.NoError(t, err)
+	_ = ours.Close() // FileConn holds its own duplicate
+	c := fc.(*net.UnixConn)
+	defer c.Close()
+
+	s := newUnixEventSub(nil, Security{}, slog.New(slog.NewTextHandler(io.Discard, nil)), defaultUnixOptions(), nil)
+	var got []wire.Event
+	s.Direct(func(evs []wire.Event) { got = append(got, evs...) })
+	f := &unixFollow{name: "test"}
+	require.NoError(t, f.attach(c))
+	s.polled = append(s.polled, f) // followed, with no reader started
+
+	ev := readyEvent(1, "t-0")
+	ev.V, ev.Seq = wire.Version, 1
+	msg, err := wire.EncodeEvents([]wire.Event{ev})
+	require.NoError(t, err)
+	stream, err := appendUnixFrame(nil, msg)
+	require.NoError(t, err)
+	stream = append(stream, 0, 0, 0, 0) // a length of 0: not a frame of ours
+	_, err = peer.Write(stream)
+	require.NoError(t, err)
+
+	require.Equal(t, 1, s.Poll(), "the frame before the bad one is delivered")
+	require.Len(t, got, 1)
+	require.ErrorIs(t, f.err, errUnixFrame, "the reader is told why the stream ended")
+	_, err = c.Read(make([]byte, 1))
+	require.ErrorIs(t, err, net.ErrClosed, "the connection is closed, waking the reader")
+	require.Zero(t, s.Poll(), "a stream that ended is not read again")
 }
