@@ -71,6 +71,11 @@ class _CountingNative:
         self._native = native
         self.steps = 0
         self.lookups = 0
+        self.polls = 0
+
+    def poll(self) -> int:
+        self.polls += 1
+        return self._native.poll()
 
     def step(self, body: Any) -> Any:
         self.steps += 1
@@ -262,6 +267,7 @@ def _drive(args: argparse.Namespace, sched: Any, producer: Any, port: int, rows:
         "schedule_pass": _percentiles(schedule_ns),
         "native_steps_from_hooks": native.steps,
         "native_lookups_from_has": native.lookups,
+        "socket_reads_from_hooks": native.polls,
     }
 
 
@@ -288,7 +294,8 @@ def format_summary(r: dict[str, Any]) -> str:
         _row("schedule() pass", r["schedule_pass"]),
         f"  native calls from the hooks: {r['native_steps_from_hooks']} steps for "
         f"{r['ensure_cache_available']['calls']} ensure_cache_available, {r['native_lookups_from_has']} lookups for "
-        f"{r['has_cache_item']['calls']} has_cache_item",
+        f"{r['has_cache_item']['calls']} has_cache_item; {r['socket_reads_from_hooks']} reads of the shards' "
+        f"sockets (Scheduler.poll) in {r['steps']} passes",
     ]
     if ref["calls"]:
         for name in ("has_cache_item", "ensure_cache_available"):
