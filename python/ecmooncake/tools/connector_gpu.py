@@ -1,6 +1,8 @@
 """The connector with CUDA tensors on a host where vLLM cannot be installed:
-its scheduler roles in this process and its worker roles in spawned
-processes (one encoder, one per PD TP rank), driven through the hooks in the
+its scheduler roles in this process and its worker roles where vLLM runs
+them (the encoder in a spawned process; the PD's model runner in this
+process at TP 1, as vLLM's uni executor runs it in its engine core, and in
+a spawned process per rank at TP > 1), driven through the hooks in the
 order vLLM's scheduler and model runner call them (see
 tests/python/vllm_engine.py, which does the same with vLLM's own objects).
 
@@ -30,7 +32,7 @@ from .. import trace
 from ..connector.hooks import _Connector
 from ..connector.metadata import _WorkerReport
 from ..connector.names import OPTIONAL_HOOKS
-from .worker import Worker
+from .worker import InProcess, Worker
 
 MiB = 1 << 20
 
@@ -264,11 +266,12 @@ class PDHost:
     def ready(self) -> dict:
         return {"device": str(self.device)}
 
-    def op_step(self, meta: bytes, gather: list, free: list, check: bool = True) -> dict:
+    def op_step(self, meta: Any, gather: list, free: list, check: bool = True) -> dict:
         torch, c = self.torch, self.connector
         for h in free:
             self.cache.pop(h, None)
-        m = pickle.loads(meta)
+        # Pickled to a rank's process; the object itself in the scheduler's.
+        m = pickle.loads(meta) if isinstance(meta, bytes) else meta
         c.bind_connector_metadata(m)
         c.start_load_caches(self.cache)
         loaded = time.monotonic()
@@ -334,11 +337,12 @@ class PDHost:
 
 @dataclass
 class Deployment:
-    """An encoder and a PD instance of tp_size ranks; the scheduler roles here."""
+    """An encoder and a PD instance of tp_size ranks; the scheduler roles
+    here, and at TP 1 the PD's one rank too (an InProcess)."""
 
     port: int
     encoder: Worker
-    ranks: list[Worker]
+    ranks: list[Worker | InProcess]
     enc_sched: Any
     pd_sched: Any
     width: int
@@ -350,13 +354,21 @@ class Deployment:
         pd_cfg = vllm_config("ec_consumer", port=port, tp_size=tp_size, buffer_size=buffer_size, extra={**base, **(pd_extra or {})})
         enc_cfg = vllm_config("ec_producer", port=port, extra={**base, **(enc_extra or {})})
         pd_devices = pd_devices or [f"cuda:{r}" for r in range(tp_size)]
-        ranks = [Worker(PDHost, f"pd-rank{r}", timeout=120, config=pickle.dumps(pd_cfg), device=pd_devices[r], rank=r, trace=trace) for r in range(tp_size)]
         encoder = Worker(EncoderHost, "encoder", timeout=120, config=pickle.dumps(enc_cfg), device=encoder_device, trace=trace)
         if trace:
             # The scheduler roles run here: the PD scheduler's hops.
             from ..native import trace_enable
 
             trace_enable(trace)
+        # As vLLM lays out the PD's engine core: at TP 1 its model runner
+        # in the scheduler's process (the uni executor), a step's metadata
+        # handed over by reference; at TP > 1 a process per rank.
+        host = InProcess if tp_size == 1 else Worker
+        try:
+            ranks = [host(PDHost, f"pd-rank{r}", timeout=120, config=pickle.dumps(pd_cfg), device=pd_devices[r], rank=r, trace=trace) for r in range(tp_size)]
+        except BaseException:
+            encoder.kill()
+            raise
         try:
             for w in [*ranks, encoder]:
                 w.wait_ready(180)
@@ -450,9 +462,9 @@ class Deployment:
         for i, it in enumerate(items):
             assert s.has_cache_item(it.identifier), f"{it.identifier}: the scheduler does not have it"
             s.update_state_after_alloc(req, i)
-        meta = pickle.dumps(s.build_connector_meta(scheduler_output()))
-        for w in self.ranks:
-            w.send("step", meta=meta, gather=[(it.identifier, it.shape) for it in items], free=[], check=check)
+        meta = _for_ranks(self.ranks, s.build_connector_meta(scheduler_output()))
+        for w, m in zip(self.ranks, meta):
+            w.send("step", meta=m, gather=[(it.identifier, it.shape) for it in items], free=[], check=check)
         results = [w.result(120) for w in self.ranks]
         self._pd_output(results)
         self.held[req.request_id] = [it.identifier for it in items]
@@ -463,9 +475,9 @@ class Deployment:
         s = self.pd_sched
         s.request_finished(req)
         hashes = self.held.pop(req.request_id, [])
-        meta = pickle.dumps(s.build_connector_meta(scheduler_output(hashes)))
-        for w in self.ranks:
-            w.send("step", meta=meta, gather=[], free=hashes)
+        meta = _for_ranks(self.ranks, s.build_connector_meta(scheduler_output(hashes)))
+        for w, m in zip(self.ranks, meta):
+            w.send("step", meta=m, gather=[], free=hashes)
         self._pd_output([w.result(120) for w in self.ranks])
 
     def _pd_output(self, results: list[dict]) -> None:
@@ -477,6 +489,20 @@ class Deployment:
         for r in reports[1:]:
             merged = merged.aggregate(r)
         self.pd_sched.update_connector_output(types.SimpleNamespace(ec_connector_worker_meta=merged))
+
+
+def _for_ranks(ranks: list[Any], meta: Any) -> list[Any]:
+    """A step's metadata as each rank takes it: the object for a rank in
+    this process, its pickle (once) for the others."""
+    pickled = None
+    out = []
+    for w in ranks:
+        if isinstance(w, InProcess):
+            out.append(meta)
+        else:
+            pickled = pickled if pickled is not None else pickle.dumps(meta)
+            out.append(pickled)
+    return out
 
 
 def planes(rank: Worker, transport: str = "tcp") -> dict[str, int]:

@@ -181,6 +181,78 @@ class Worker:
         self.stop()
 
 
+class InProcess:
+    """A host run in this process behind :class:`Worker`'s calls: vLLM's
+    engine core at TP 1 runs its model runner in the scheduler's own
+    process (the ``uni`` executor), with no pipe between a step's
+    metadata and the worker. A command runs when sent; its answer, or
+    its exception, is what :meth:`result` gives back."""
+
+    def __init__(self, host: type | str, name: str, *, timeout: float = 60.0, **kwargs: Any):
+        self.name = name
+        self.timeout = timeout
+        self.info: Any = None
+        self._answer: tuple[bool, Any] = (True, None)
+        self._host: Any = None
+        self._op = "start"
+        self._run(lambda: self._start(host, kwargs))
+
+    def _start(self, host: type | str, kwargs: dict) -> Any:
+        self._host = _host_class(host)(**kwargs)
+        return self._host.ready()
+
+    def _run(self, fn: Any) -> None:
+        try:
+            self._answer = (True, fn())
+        except Exception as exc:
+            self._answer = (False, exc)
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
+    @property
+    def alive(self) -> bool:
+        return self._host is not None
+
+    def wait_ready(self, timeout: float) -> Any:
+        self.info = self.result(timeout)
+        return self.info
+
+    def call(self, op: str, timeout: float | None = None, **args: Any) -> Any:
+        self.send(op, **args)
+        return self.result(self.timeout if timeout is None else timeout)
+
+    def send(self, op: str, **args: Any) -> None:
+        if self._host is None:
+            raise WorkerError(f"{self.name}: not running (its start failed, or it stopped)")
+        self._op = op
+        self._run(lambda: getattr(self._host, "op_" + op)(**args))
+
+    def result(self, timeout: float) -> Any:
+        ok, value = self._answer
+        self._answer = (True, None)
+        if ok:
+            return value
+        if isinstance(value, EcmError):
+            raise value
+        raise WorkerError(f"{self.name}: {self._op!r} raised {type(value).__name__}: {value}") from value
+
+    def kill(self) -> None:
+        self.stop()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        host, self._host = self._host, None
+        if host is not None:
+            host.close()
+
+    def __enter__(self) -> "InProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
 def stop_all(workers: list[Worker], timeout: float = 10.0) -> None:
     """Stops every worker, even when some of them fail to stop."""
     for worker in workers:
