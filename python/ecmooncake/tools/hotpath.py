@@ -152,6 +152,7 @@ def _finish(producer: Any, tids: set[str], timeout_s: float) -> None:
 def run(args: argparse.Namespace) -> dict:
     import numpy as np
 
+    from .. import native
     from ..native import Producer
     from .harness import Worker, free_port_range, stop_all
 
@@ -179,10 +180,12 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
         meta = json.dumps({"dtype": "uint8", "shape": [1, nbytes]}, separators=(",", ":"))
         floor, released = _Floor(), _Floor(release_gil=True)
-        times: dict[str, list[int]] = {"floor": [], "submit": [], "hand_over": [], "gil_released": []}
-        cpu: dict[str, list[int]] = {"floor": [], "submit": [], "hand_over": [], "gil_released": []}
+        names = ("floor", "submit", "submit_call", "hand_over", "hand_over_call", "gil_released")
+        times: dict[str, list[int]] = {name: [] for name in names}
+        cpu: dict[str, list[int]] = {name: [] for name in names}
         busy = _Busy() if args.busy_thread else contextlib.nullcontext()
-        with busy, Producer({"transport": "tcp", "control_timeout_s": 10}) as producer:
+        calls = _CallTimer(native)
+        with busy, calls, Producer({"transport": "tcp", "control_timeout_s": 10}) as producer:
             for b in range(total):
                 pushes = [
                     {"transfer_id": f"hp-{b}-{i}", "mm_hash": f"{b:032x}{i:032x}", "nbytes": nbytes, "consumer": address, "meta": meta}
@@ -212,6 +215,9 @@ def run(args: argparse.Namespace) -> dict:
                     cpu["submit"].append(c1 - c0)
                     cpu["hand_over"].append(c2 - c1)
                     cpu["floor"].append(f_cpu)
+                    for call, name in (("submit_call", "ecm_producer_submit_packed"), ("hand_over_call", "ecm_producer_sources_packed")):
+                        times[call].append(calls.wall[name])
+                        cpu[call].append(calls.cpu[name])
                 _finish(producer, {p["transfer_id"] for p in pushes}, args.timeout)
     finally:
         stop_all([consumer], timeout=10)
@@ -232,6 +238,36 @@ def run(args: argparse.Namespace) -> dict:
         "figures": figures,
         "cpu_figures": cpu_figures,
     }
+
+
+class _CallTimer:
+    """Times each call into the library that Producer's methods make
+    (native._call, replaced while in use), so that a method's time splits
+    into the library's call (the ctypes crossing and the Go side) and
+    Python's packing and bookkeeping around it: the last call of each
+    function, wall and thread CPU time."""
+
+    def __init__(self, native: Any):
+        self._native = native
+        self._inner = native._call
+        self.wall: dict[str, int] = {}
+        self.cpu: dict[str, int] = {}
+
+    def __enter__(self) -> "_CallTimer":
+        inner, wall, cpu = self._inner, self.wall, self.cpu
+
+        def timed(name: str, *args: Any, **kwargs: Any) -> Any:
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+            try:
+                return inner(name, *args, **kwargs)
+            finally:
+                wall[name], cpu[name] = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
+
+        self._native._call = timed
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._native._call = self._inner
 
 
 def _ratios(times: dict[str, list[int]]) -> dict[str, dict[str, float]]:
@@ -265,7 +301,8 @@ def summary(report: dict) -> str:
     lines.append(
         f"  (floor = one ctypes call of {report['floor']} {what}, {gil}; gil_released = the same call through "
         "the CDLL handle, which releases the GIL and takes it back; submit and hand_over per batch, "
-        "timed around Producer.submit and Producer.sources; the cpu rows are the calling thread's CPU time "
+        "timed around Producer.submit and Producer.sources, and their _call rows around the library call inside "
+        "each (the ctypes crossing and the Go side; the rest of the method is Python's); the cpu rows are the calling thread's CPU time "
         "for the same calls, each ratio to the floor's)"
     )
     return "\n".join(lines)
