@@ -79,7 +79,38 @@ def _serve(conn: Any, host_spec: type | str, kwargs: dict) -> None:
             pass
 
 
-class Worker:
+class _Driven:
+    """What drives a host, in a process of its own or in this one: a
+    command and its answer (send, result, stop are each kind's own)."""
+
+    timeout: float
+    info: Any
+
+    def send(self, op: str, **args: Any) -> None:
+        raise NotImplementedError
+
+    def result(self, timeout: float) -> Any:
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
+
+    def wait_ready(self, timeout: float) -> Any:
+        self.info = self.result(timeout)
+        return self.info
+
+    def call(self, op: str, timeout: float | None = None, **args: Any) -> Any:
+        self.send(op, **args)
+        return self.result(self.timeout if timeout is None else timeout)
+
+    def __enter__(self) -> "_Driven":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class Worker(_Driven):
     """A spawned process hosting one object (see the module docstring).
 
     Use :meth:`call` for one command, or :meth:`send` then :meth:`result` to
@@ -107,14 +138,6 @@ class Worker:
     @property
     def alive(self) -> bool:
         return self._proc.is_alive()
-
-    def wait_ready(self, timeout: float) -> Any:
-        self.info = self.result(timeout)
-        return self.info
-
-    def call(self, op: str, timeout: float | None = None, **args: Any) -> Any:
-        self.send(op, **args)
-        return self.result(self.timeout if timeout is None else timeout)
 
     def send(self, op: str, **args: Any) -> None:
         if self._broken:
@@ -174,14 +197,8 @@ class Worker:
             self.kill()
         self._conn.close()
 
-    def __enter__(self) -> "Worker":
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-
-class InProcess:
+class InProcess(_Driven):
     """A host run in this process behind :class:`Worker`'s calls: vLLM's
     engine core at TP 1 runs its model runner in the scheduler's own
     process (the ``uni`` executor), with no pipe between a step's
@@ -215,14 +232,6 @@ class InProcess:
     def alive(self) -> bool:
         return self._host is not None
 
-    def wait_ready(self, timeout: float) -> Any:
-        self.info = self.result(timeout)
-        return self.info
-
-    def call(self, op: str, timeout: float | None = None, **args: Any) -> Any:
-        self.send(op, **args)
-        return self.result(self.timeout if timeout is None else timeout)
-
     def send(self, op: str, **args: Any) -> None:
         if self._host is None:
             raise WorkerError(f"{self.name}: not running (its start failed, or it stopped)")
@@ -245,12 +254,6 @@ class InProcess:
         host, self._host = self._host, None
         if host is not None:
             host.close()
-
-    def __enter__(self) -> "InProcess":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
 def stop_all(workers: list[Worker], timeout: float = 10.0) -> None:
