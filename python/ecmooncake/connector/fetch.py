@@ -74,6 +74,10 @@ class _StoreFetcher:
         self._native: Producer | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        # Fetches taken (written by the scheduler's thread alone) and ended
+        # (by the fetch thread alone): unequal while one is in flight.
+        self._taken = 0
+        self._ended = 0
 
     @property
     def deadline_s(self) -> float:
@@ -98,6 +102,7 @@ class _StoreFetcher:
             return False
         try:
             self._jobs.put_nowait(_Job(transfer_id, mm_hash, deadline))
+            self._taken += 1
         except queue.Full:
             self._count("fetch_queue_full")
             throttle.warn("store-fetch-full", "ecmooncake: Store fetch of %s not made: %d fetches queued already",
@@ -114,8 +119,21 @@ class _StoreFetcher:
     def _count(self, name: str) -> None:
         self._tier._count(name)
 
+    def busy(self, counts: bool = True) -> bool:
+        """Whether a fetch is in flight, or (with counts: where vLLM takes
+        the connector's stats) a count it made is not reported yet. vLLM
+        sends a connector's stats with each step and steps only while it
+        has work, so that an engine whose last request ended before its
+        fetch's outcome must step once more for the count to reach its
+        /metrics (has_pending_push_work). A fetch thread that is gone ends
+        nothing more: it keeps no engine stepping."""
+        if self._thread is None or not self._thread.is_alive():
+            return False
+        return self._taken != self._ended or (counts and self._tier.moved())
+
     def _fail(self, job_tid: str, mm_hash: str, counter: str, why: str) -> None:
         self._count(counter)
+        self._ended += 1
         with self._lock:
             self._failed[job_tid] = why
         throttle.warn(f"store-{counter}", "ecmooncake: item %s (transfer %s) not got from Mooncake Store: %s; "
@@ -178,6 +196,7 @@ class _StoreFetcher:
         for tid in out.get("done") or ():
             if pushing.pop(tid, None) is not None:
                 self._count("fetch_pushed")
+                self._ended += 1
         for failure in out.get("failed") or ():
             tid = failure.get("transfer_id") or ""
             p = pushing.pop(tid, None)

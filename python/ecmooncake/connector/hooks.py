@@ -146,6 +146,7 @@ class _Connector:
                     outcomes=self._outcomes(),
                     can_fail=self._hooks.get("take_unavailable_requests", True),
                     fetcher=make_fetcher(self._cfg, vllm_config),
+                    stats_hook=self._hooks.get("get_ec_connector_stats", True),
                 )
             if self._cfg.is_producer:
                 self._producer_sched = _ProducerScheduler(self._cfg, vllm_config)

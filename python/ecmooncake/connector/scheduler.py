@@ -53,8 +53,11 @@ class _ConsumerScheduler:
     """Consumer instance, engine core: what may load, from Go-side state."""
 
     def __init__(self, cfg: ec_config.ECMooncakeConfig, ensure_hook: bool, outcomes: bool = True, can_fail: bool = True,
-                 fetcher: Any = None):
+                 fetcher: Any = None, stats_hook: bool = True):
         self._cfg = cfg
+        # Whether this vLLM takes the connector's stats each step
+        # (get_ec_connector_stats): only then does a count wait for a step.
+        self._stats_hook = stats_hook
         # Gets items from Mooncake Store (.fetch._StoreFetcher), or None.
         # Its fetches start from ensure_cache_available: without that hook
         # (vLLM < 0.26) an item from the Store is encoded by the engine.
@@ -464,7 +467,11 @@ class _ConsumerScheduler:
         # Outcomes, frees and finished requests reach the table with the next
         # step; asking for one keeps an otherwise idle engine from sitting on
         # them (cancels of finished requests free slab space on the shards).
-        return bool(self._reports or self._freed or self._finished or self._to_register or self._local_encodes)
+        # A Store fetch in flight, or its count not yet sent with a step's
+        # stats, keeps the engine stepping too (_StoreFetcher.busy).
+        return bool(self._reports or self._freed or self._finished or self._to_register or self._local_encodes) or (
+            self._fetcher is not None and self._fetcher.busy(self._stats_hook)
+        )
 
     def stats(self) -> dict[str, Any]:
         out = self._native.stats()

@@ -188,6 +188,10 @@ class _Tier:
         self._lock = threading.Lock()
         self._own = dict.fromkeys(OWN_COUNTERS, 0)
         self._reported: dict[str, int] = {}
+        # How often _own moved, and how often as of the last increments():
+        # unequal, a count waits for a step to report it (moved()).
+        self._moves = 0
+        self._reported_moves = 0
         factory = backend_factory or load_store_class()
         self.tier = StoreTier(self.settings, factory)
         self._device: _DeviceStaging | None = None
@@ -238,6 +242,7 @@ class _Tier:
     def _count(self, name: str) -> None:
         with self._lock:
             self._own[name] += 1
+            self._moves += 1
 
     def put(self, mm_hash: str, tensor: Any, stream: Any = None) -> None:
         """Offers one encoder output to the Store; never raises, never
@@ -286,11 +291,18 @@ class _Tier:
         """The counters that moved since the last call, by how much (the
         bytes in flight, which are no counters, and ``fallbacks``, a sum of
         others, are left out)."""
+        with self._lock:
+            moves = self._moves  # before the snapshot: a later move is reported next time
         now = {k: v for k, v in self.stats().items() if not k.endswith("_inflight_bytes") and k != "fallbacks"}
         with self._lock:
             out = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
             self._reported = now
+            self._reported_moves = moves
         return out
+
+    def moved(self) -> bool:
+        """Whether this module's counters moved since the last increments()."""
+        return self._moves != self._reported_moves
 
 
 def make(cfg: ec_config.ECMooncakeConfig, vllm_config: Any) -> _Tier | None:

@@ -607,6 +607,17 @@ def test_store_serves_a_repeated_image_to_a_second_pd_and_survives_the_master(re
             def events(vllm_text: str, event: str) -> float:
                 return metric(vllm_text, "vllm:ec_mooncake_store_events_total", event=event)
 
+            def settled(url: str, ok, text: str) -> str:
+                """vLLM's /metrics at url once ok(text) holds, or after 30 s:
+                the fetch thread may count an item after its request's
+                last step, and the engine takes one more step to send that
+                count (has_pending_push_work) just after the answers."""
+                deadline = time.monotonic() + 30
+                while not ok(text) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    text = run_client(_plan(proxy, model, [], [url]), netns=ns.pd)["metrics"][url]
+                return text
+
             # 1. PD a alone: both images encoded (and put into the Store).
             join("a")
             got, prx, _, ecm_a = send(requests_, "a")
@@ -622,6 +633,7 @@ def test_store_serves_a_repeated_image_to_a_second_pd_and_survives_the_master(re
             assert metric(prx, "ecm_proxy_media_items_total", outcome="store") == 2, prx
             assert metric(prx, "ecm_proxy_media_items_total", outcome="encoded") == 2, "the encoder was called again: " + prx
             assert metric(prx, "ecm_proxy_media_items_total", outcome="fallback") == 0, prx
+            vllm_b = settled(pds["b"]["vllm"], lambda t: events(t, "fetch_pushed") >= 2, vllm_b)
             assert events(vllm_b, "fetch_pushed") == 2, vllm_b[-4000:]
             assert events(vllm_b, "get_hit") >= 2, vllm_b[-4000:]
             assert "ecm_local_encodes_total" in ecm_b and metric(ecm_b, "ecm_local_encodes_total") == 0, ecm_b
@@ -643,7 +655,9 @@ def test_store_serves_a_repeated_image_to_a_second_pd_and_survives_the_master(re
             assert metric(prx, "ecm_proxy_media_items_total", outcome="store") == 4, prx
             assert metric(prx, "ecm_proxy_media_items_total", outcome="encoded") == 4, prx
             assert metric(ecm_a, "ecm_local_encodes_total") == 2, ecm_a
-            failed = sum(events(vllm_a, e) for e in ("fetch_get_failed", "fetch_expired", "fetch_queue_full", "fetch_push_failed"))
+            fetch_failures = ("fetch_get_failed", "fetch_expired", "fetch_queue_full", "fetch_push_failed")
+            vllm_a = settled(pds["a"]["vllm"], lambda t: sum(events(t, e) for e in fetch_failures) >= 2, vllm_a)
+            failed = sum(events(vllm_a, e) for e in fetch_failures)
             assert failed == 2 and events(vllm_a, "fetch_pushed") == 0, vllm_a[-4000:]
             sockets_inside()
     finally:
