@@ -280,7 +280,7 @@ def _cores() -> int:
 def _row(name: str, p: dict[str, Any]) -> str:
     if not p["calls"]:
         return f"  {name:<34} no calls"
-    return f"  {name:<34} p50 {p['p50_us']:8.2f} µs   p99 {p['p99_us']:8.2f} µs   ({p['calls']} calls)"
+    return f"  {name:<34} p50 {p['p50_us']:8.2f} µs   p99 {p['p99_us']:8.2f} µs   worst {p['max_us']:9.1f} µs   ({p['calls']} calls)"
 
 
 def format_summary(r: dict[str, Any]) -> str:
