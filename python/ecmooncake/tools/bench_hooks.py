@@ -25,6 +25,7 @@ calls the connector made.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import tempfile
@@ -50,7 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class _Timed:
-    """Times every call of one bound method into a list of nanoseconds."""
+    """Times every call of one bound method into a list of nanoseconds.
+    ``inside`` (one flag for every _Timed) says whether a timed hook is
+    running, for _GcWatch."""
+
+    inside = False
 
     def __init__(self, fn: Any):
         self.fn = fn
@@ -58,10 +63,51 @@ class _Timed:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter_ns()
+        _Timed.inside = True
         try:
             return self.fn(*args, **kwargs)
         finally:
+            _Timed.inside = False
             self.ns.append(time.perf_counter_ns() - start)
+
+
+class _GcWatch:
+    """Python's garbage collections during the run (gc.callbacks): how
+    many of each generation, their longest pause, and how many began while
+    a timed hook was running, so that a hook's worst call can be told from
+    a collection that stopped the interpreter under it."""
+
+    def __init__(self) -> None:
+        self.runs = [0, 0, 0]
+        self.during_hooks = [0, 0, 0]
+        self.longest_us = 0.0
+        self._t0 = 0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        gen = min(2, int(info.get("generation", 0)))
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+            self.runs[gen] += 1
+            if _Timed.inside:
+                self.during_hooks[gen] += 1
+        elif self._t0:
+            self.longest_us = max(self.longest_us, (time.perf_counter_ns() - self._t0) / 1000.0)
+
+    def summary(self) -> dict[str, Any]:
+        return {"runs": self.runs, "during_hooks": self.during_hooks, "longest_us": round(self.longest_us, 1)}
+
+
+def _freeze_heap() -> None:
+    """What vLLM's engine core does once it is built (freeze_gc_heap): the
+    objects of startup move to the permanent generation, which collections
+    no longer walk."""
+    try:
+        from vllm.utils.gc_utils import freeze_gc_heap
+    except ImportError:  # a vLLM without it: the same steps
+        gc.collect()
+        gc.freeze()
+        return
+    freeze_gc_heap()
 
 
 class _CountingNative:
@@ -235,6 +281,36 @@ def _drive(args: argparse.Namespace, sched: Any, producer: Any, port: int, rows:
             failures.append(f"{type(exc).__name__}: {exc}")
 
     pusher = threading.Thread(target=push, name="ecm-bench-pusher", daemon=True)
+    _freeze_heap()
+    watch = _GcWatch()
+    gc.callbacks.append(watch)
+    try:
+        steps, schedule_ns, elapsed = _loop(args, sched, pusher, report_cls)
+    finally:
+        gc.callbacks.remove(watch)
+    unfinished = len(sched.requests)
+    return {
+        "machine": f"{platform.machine()}, {_cores()} cores",
+        "requests": args.requests,
+        "item_bytes": nbytes,
+        "steps": steps,
+        "seconds": round(elapsed, 3),
+        "unfinished": unfinished,
+        "push_failures": failures[:5],
+        "has_cache_item": _percentiles(has.ns),
+        "ensure_cache_available": _percentiles(ensure.ns),
+        "check_and_update_cache": _percentiles(reference.ns),
+        "schedule_pass": _percentiles(schedule_ns),
+        "native_steps_from_hooks": native.steps,
+        "native_lookups_from_has": native.lookups,
+        "socket_reads_from_hooks": native.polls,
+        "gc": watch.summary(),
+    }
+
+
+def _loop(args: argparse.Namespace, sched: Any, pusher: threading.Thread, report_cls: Any) -> tuple[int, list[int], float]:
+    """vLLM's engine loop over the scheduler while the pusher pushes:
+    passes, each pass's time, and the seconds it took."""
     steps = 0
     schedule_ns: list[int] = []
     started = time.monotonic()
@@ -252,23 +328,7 @@ def _drive(args: argparse.Namespace, sched: Any, producer: Any, port: int, rows:
             time.sleep(0.0002)  # nothing to run: an idle engine loop spins too
     elapsed = time.monotonic() - started
     pusher.join(5)
-    unfinished = len(sched.requests)
-    return {
-        "machine": f"{platform.machine()}, {_cores()} cores",
-        "requests": args.requests,
-        "item_bytes": nbytes,
-        "steps": steps,
-        "seconds": round(elapsed, 3),
-        "unfinished": unfinished,
-        "push_failures": failures[:5],
-        "has_cache_item": _percentiles(has.ns),
-        "ensure_cache_available": _percentiles(ensure.ns),
-        "check_and_update_cache": _percentiles(reference.ns),
-        "schedule_pass": _percentiles(schedule_ns),
-        "native_steps_from_hooks": native.steps,
-        "native_lookups_from_has": native.lookups,
-        "socket_reads_from_hooks": native.polls,
-    }
+    return steps, schedule_ns, elapsed
 
 
 def _cores() -> int:
@@ -297,6 +357,12 @@ def format_summary(r: dict[str, Any]) -> str:
         f"{r['has_cache_item']['calls']} has_cache_item; {r['socket_reads_from_hooks']} reads of the shards' "
         f"sockets (Scheduler.poll) in {r['steps']} passes",
     ]
+    if "gc" in r:
+        g = r["gc"]
+        lines.append(
+            f"  garbage collections (startup heap frozen, as vLLM's engine core does): {g['runs']} of generations 0/1/2, "
+            f"{g['during_hooks']} of them begun inside a hook call; the longest {g['longest_us']} µs"
+        )
     if ref["calls"]:
         for name in ("has_cache_item", "ensure_cache_available"):
             p = r[name]
