@@ -18,7 +18,25 @@ import (
 // few table calls under the mutex: no I/O, so the server never stalls.
 type handler struct{ s *Shard }
 
-var _ control.Handler = handler{}
+var (
+	_ control.Handler     = handler{}
+	_ control.PeerWatcher = handler{}
+)
+
+// PeerGone: a producer's connection ended (on the Unix path), perhaps
+// with its process. The writes it was granted stay as they are, but
+// another producer's reserve of their content may take them over
+// (reserve.Table.PeerGone), so that an item the proxy sends to a second
+// encoder does not wait out the dead writer's lease.
+func (h handler) PeerGone(peer string) {
+	s := h.s
+	s.mu.Lock()
+	n := s.table.PeerGone(peer, time.Now())
+	s.mu.Unlock()
+	if n > 0 {
+		s.log.Warn("a writer's connection ended; its writes may be taken over", "peer", peer, "writes", n)
+	}
+}
 
 func (h handler) Handle(req wire.Request) wire.Reply {
 	s := h.s
@@ -101,6 +119,9 @@ func (s *Shard) reserve(peer string, b wire.ReserveBatch) wire.ReserveBatchReply
 			s.log.Warn("reserve refused", "transfer_id", g.TransferID, "mm_hash", items[i].MMHash, "nbytes", items[i].NBytes, "cause", g.Err)
 		} else if g.Kind == reserve.KindWrite {
 			w.Res, w.Token, w.Addr = uint64(g.Res), g.Token, s.remoteAddr(g)
+			if g.TookOver {
+				s.log.Warn("write taken over from a writer whose connection ended", "transfer_id", g.TransferID, "mm_hash", items[i].MMHash, "peer", peer)
+			}
 		}
 		out.Grants[i] = w
 	}

@@ -29,6 +29,8 @@ func (s *Shard) probe(e *metrics.Emitter) {
 	for reason, n := range st.Table.OverQuota {
 		e.Set(metrics.OverQuota, float64(n), reason)
 	}
+	e.Set(metrics.OrphanedWrites, float64(st.Table.Orphaned), "orphaned")
+	e.Set(metrics.OrphanedWrites, float64(st.Table.TakenOver), "taken_over")
 	for reason, n := range st.Data.Closed {
 		e.Set(metrics.DataConnsClosed, float64(n), reason)
 	}

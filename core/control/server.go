@@ -24,6 +24,15 @@ type Handler interface {
 	Handle(req wire.Request) wire.Reply
 }
 
+// PeerWatcher is a Handler that hears when a connection it served ended
+// (peer as in Request.Peer): nothing more comes on it, and the process
+// behind it may be dead. The Unix path tells it, from the connection's
+// own goroutine, after the connection's last request was answered; a
+// ZeroMQ peer's connections are libzmq's, and it is not told of them.
+type PeerWatcher interface {
+	PeerGone(peer string)
+}
+
 // HandlerFunc adapts a function to Handler.
 type HandlerFunc func(req wire.Request) wire.Reply
 

@@ -106,6 +106,15 @@ func (s *serialHandler) Handle(req wire.Request) wire.Reply {
 	return s.h.Handle(req)
 }
 
+// PeerGone tells h, one call at a time as for Handle, when it watches.
+func (s *serialHandler) PeerGone(peer string) {
+	if w, ok := s.h.(PeerWatcher); ok {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		w.PeerGone(peer)
+	}
+}
+
 // UnixServer answers the control requests of same-host peers on an
 // abstract Unix socket, read by Go's network poller: one goroutine per
 // connection, requests answered in their order, the handler called one
@@ -166,6 +175,9 @@ func (s *UnixServer) serveConn(c *net.UnixConn, uid uint32) {
 	// The kernel vouched for the uid at accept; the connection's number
 	// tells two connections of one uid apart.
 	peer := fmt.Sprintf("unix:uid=%d:conn=%d", uid, s.conns.Add(1))
+	if w, ok := s.h.(PeerWatcher); ok {
+		defer w.PeerGone(peer)
+	}
 	var out []byte
 	for {
 		_ = c.SetReadDeadline(time.Now().Add(unixServerIdle))

@@ -541,3 +541,53 @@ func FuzzUnixFrames(f *testing.F) {
 		}
 	})
 }
+
+// watcher records the peers of the requests it answered and those whose
+// connection it was told ended.
+type watcher struct {
+	mu     sync.Mutex
+	served []string
+	gone   chan string
+}
+
+func (w *watcher) Handle(req wire.Request) wire.Reply {
+	w.mu.Lock()
+	w.served = append(w.served, req.Peer)
+	w.mu.Unlock()
+	return statusEcho(req)
+}
+
+func (w *watcher) PeerGone(peer string) { w.gone <- peer }
+
+// TestUnixPeerGoneNamesTheEndedConnection: a handler that watches peers
+// hears, once, that the connection a request came on ended when its
+// client went away, under the same name the request carried.
+func TestUnixPeerGoneNamesTheEndedConnection(t *testing.T) {
+	l := unixLinks(t, "peer-gone-secret-0123456789abcdef", defaultUnixOptions())
+	w := &watcher{gone: make(chan string, 4)}
+	s, err := l.Serve("tcp://127.0.0.1:0", w, nil)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = s.Close() })
+
+	client := unixLinks(t, "peer-gone-secret-0123456789abcdef", defaultUnixOptions())
+	c, err := client.Dial(s.Endpoint(), nil)
+	require.NoError(t, err)
+	require.NoError(t, statusCall(c, "x"))
+	require.Equal(t, uint64(1), unixServed(s))
+	select {
+	case p := <-w.gone:
+		t.Fatalf("told %q ended while its client was still connected", p)
+	default:
+	}
+	require.NoError(t, c.Close())
+
+	var gone string
+	select {
+	case gone = <-w.gone:
+	case <-time.After(settle):
+		t.Fatal("the handler never heard that the connection ended")
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	require.Equal(t, w.served, []string{gone})
+}

@@ -20,6 +20,7 @@ const (
 	ReceivedFrames    = "ecm_received_frames_total"
 	RejectedWrites    = "ecm_rejected_writes_total"
 	OverQuota         = "ecm_reserve_over_quota_total"
+	OrphanedWrites    = "ecm_orphaned_writes_total"
 	DataConnsClosed   = "ecm_data_conns_closed_total"
 	Pushes            = "ecm_pushes"
 	PushesEnded       = "ecm_pushes_ended_total"
@@ -55,6 +56,7 @@ var table = map[string]spec{
 	ReceivedFrames:    {"Consumer shard: frames landed by the data plane, by transport.", prometheus.CounterValue, []string{"transport"}},
 	RejectedWrites:    {"Consumer shard: data-plane writes refused, by reason.", prometheus.CounterValue, []string{"reason"}},
 	OverQuota:         {"Consumer shard: reservations refused for the quota of their connection, by reason (pending, pending_bytes, followers, peer_followers, requesters_per_peer).", prometheus.CounterValue, []string{"reason"}},
+	OrphanedWrites:    {"Consumer shard: writes whose writer's control connection ended (orphaned), and those of them another producer's reserve of the content took over (taken_over).", prometheus.CounterValue, []string{"outcome"}},
 	DataConnsClosed:   {"Consumer shard: data-plane connections closed or refused to protect the shard, by reason (limit, evicted, idle, frame_timeout, peer_uid, bad_hello, bad_nonce).", prometheus.CounterValue, []string{"reason"}},
 	Pushes:            {"Producer: live pushes by state.", prometheus.GaugeValue, []string{"state"}},
 	PushesEnded:       {"Producer: pushes that reached each terminal state.", prometheus.CounterValue, []string{"state"}},

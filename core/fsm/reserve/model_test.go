@@ -109,8 +109,12 @@ func runModel(t *testing.T, seed uint64, steps int, shape modelShape) (searches 
 				if it, ok := h.items[tid]; ok && rng.IntN(4) > 0 {
 					hash, n = it.MMHash, it.NBytes
 				}
-				items = append(items, item(tid, hash, n))
+				// Two requesters on a connection each: a connection's end
+				// (PeerGone, below) lets the other take a write over.
+				owner := fmt.Sprint("o", rng.IntN(2))
+				items = append(items, Item{TransferID: tid, MMHash: hash, NBytes: n, Owner: owner, Peer: "conn-" + owner})
 			}
+			takenBefore := h.tab.Stats().TakenOver
 			for j, g := range h.tab.Reserve(items, h.now) {
 				if g.Err != nil {
 					if _, ok := h.items[items[j].TransferID]; !ok {
@@ -120,6 +124,20 @@ func runModel(t *testing.T, seed uint64, steps int, shape modelShape) (searches 
 				}
 				tid := items[j].TransferID
 				if prev, ok := h.grants[tid]; ok {
+					if g.Kind == KindWrite && g.Res != prev.Res {
+						// The write of an orphaned transfer, taken over by
+						// another requester: a new region of its own.
+						require.Greater(t, h.tab.Stats().TakenOver, takenBefore, "step %d: a new grant for a known transfer", i)
+						h.grants[tid] = g
+						writers = append(writers, tid)
+						continue
+					}
+					if prev.Kind == KindWrite && g.Kind == KindFollow {
+						// Its write was taken over under another id: it
+						// follows that write now.
+						require.Positive(t, h.tab.Stats().TakenOver, "step %d: a writer turned follower", i)
+						continue
+					}
 					require.Equal(t, prev, g, "step %d: a repeated reserve repeats the grant", i)
 					continue
 				}
@@ -129,6 +147,9 @@ func runModel(t *testing.T, seed uint64, steps int, shape modelShape) (searches 
 				if g.Kind == KindWrite {
 					writers = append(writers, tid)
 				}
+			}
+			if h.tab.Stats().TakenOver > takenBefore {
+				seen["taken over"]++
 			}
 		case op < 40:
 			g := pickWrite()
@@ -198,6 +219,10 @@ func runModel(t *testing.T, seed uint64, steps int, shape modelShape) (searches 
 			} else {
 				require.ErrorIs(t, err, ErrNotPinned, "step %d", i)
 			}
+		case op < 100 && rng.IntN(2) == 0:
+			if h.tab.PeerGone(fmt.Sprint("conn-o", rng.IntN(2)), h.now) > 0 {
+				seen["orphaned"]++
+			}
 		default:
 			h.tab.EvictResidents()
 		}
@@ -209,7 +234,7 @@ func runModel(t *testing.T, seed uint64, steps int, shape modelShape) (searches 
 		seen["resident"] += st.Residents
 		seen["pinned"] += st.Pinned
 	}
-	for _, what := range []string{"write", "follow", "cached", "complete", "pending", "resident", "pinned"} {
+	for _, what := range []string{"write", "follow", "cached", "complete", "pending", "resident", "pinned", "orphaned", "taken over"} {
 		require.Positive(t, seen[what], "the run never reached %q", what)
 	}
 

@@ -64,6 +64,9 @@ const (
 	ReasonExpired   = "lease expired"
 	ReasonEvicted   = "evicted"
 	ReasonAbandoned = "abandoned"
+	// ReasonTakenOver: a write whose writer's connection ended, taken over
+	// by another requester's reserve of its content (PeerGone).
+	ReasonTakenOver = "taken over: its writer's connection ended"
 	// ReasonCopyGone: Status of a follower or cached transfer whose
 	// content this shard no longer holds ready.
 	ReasonCopyGone = "copy gone"
@@ -170,6 +173,8 @@ type Grant struct {
 	Offset uint64
 	NBytes uint64
 	Err    error
+	// TookOver: this write grant took over an orphaned write (PeerGone).
+	TookOver bool
 }
 
 // Event is the terminal news of one transfer: ready, or failed with a
@@ -221,6 +226,9 @@ type region struct {
 	// region ends Cancelled rather than Expired.
 	abandoned bool
 	reason    string
+	// orphaned: the connection its write grant came on ended (PeerGone),
+	// so another requester's reserve of its content takes the write over.
+	orphaned bool
 
 	writer    *transfer   // nil once the writer's transfer is detached
 	followers []*transfer // live KindFollow transfers, in join order
@@ -276,6 +284,11 @@ type Stats struct {
 	// write in flight, a bad token, bytes landing twice or scattered past
 	// maxLanded runs.
 	InBandRefused uint64
+	// Orphaned counts Writing regions whose writer's connection ended
+	// (PeerGone); TakenOver those of them whose write another requester
+	// took over.
+	Orphaned  uint64
+	TakenOver uint64
 	// OverQuota counts reservations refused for quota, by reason
 	// (QuotaPending, QuotaPendingBytes, QuotaFollowers,
 	// QuotaPeerFollowers, QuotaRequesters).
@@ -311,6 +324,8 @@ type Table struct {
 	rejected      Rejections
 	unmatchedEnds uint64
 	inBandRefused uint64
+	orphaned      uint64
+	takenOver     uint64
 	cancelled     uint64
 	expired       uint64
 	evictions     uint64
@@ -390,7 +405,15 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 		// complete and abandon: only the requester that made it gets it
 		// again (a retry after a lost reply).
 		if tr.kind == KindWrite && tr.owner != it.Owner {
+			if g, ok := t.takeOver(tr.region, it, now); ok {
+				return g
+			}
 			return fail(fmt.Errorf("reserve transfer %s (%s): %w", it.TransferID, it.MMHash, ErrInProgress))
+		}
+		if tr.kind == KindWrite {
+			// Its writer is back (a new connection, the old one idled
+			// out): the write is its own again.
+			tr.region.orphaned = false
 		}
 		return grantFor(tr)
 	}
@@ -411,6 +434,11 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 		if r.nbytes != it.NBytes {
 			return fail(fmt.Errorf("reserve transfer %s: mm_hash %s holds %d bytes, asked %d: %w",
 				it.TransferID, it.MMHash, r.nbytes, it.NBytes, ErrSizeMismatch))
+		}
+		if r.owner != it.Owner {
+			if g, ok := t.takeOver(r, it, now); ok {
+				return g
+			}
 		}
 		if r.state == Writing {
 			if err := t.followQuota(it, r); err != nil {
@@ -454,6 +482,79 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 		return fail(err)
 	}
 	return grantFor(t.newRegion(it, off, tok, now))
+}
+
+// PeerGone says the connection peer ended; the process behind it may be
+// dead (an encoder killed after its reserve). Each region it was writing
+// is orphaned and otherwise unchanged: its lease runs on, a write in
+// flight still lands, its writer may still complete it. But the next
+// reserve of its content by another requester (the same transfer sent to
+// a second encoder, or a new request for the content) takes the write
+// over (takeOver) instead of being refused (ErrInProgress) or following
+// a write that may never come. A writer whose connection only idled out
+// loses nothing it needs: the content is the same, its transfers are
+// served by the new write, and its own late complete fails with ErrGone.
+// It returns how many regions it orphaned.
+func (t *Table) PeerGone(peer string, now time.Time) int {
+	n := 0
+	for _, r := range t.regions {
+		if r.state == Writing && r.peer == peer && !r.orphaned {
+			r.orphaned = true
+			n++
+		}
+	}
+	t.orphaned += uint64(n)
+	return n
+}
+
+// takeOver gives it the write of old, an orphaned Writing region of its
+// content, when there is room: a new region of its own (the old writer
+// may still have a one-sided write landing in the old one, whose memory
+// waits for it as for any cancel), which the old region's transfers now
+// follow. A transfer with its id is its own write now. Without room or
+// quota nothing changes, and ok is false: the caller answers as if old
+// were not orphaned.
+func (t *Table) takeOver(old *region, it Item, now time.Time) (g Grant, ok bool) {
+	if old.state != Writing || !old.orphaned || old.nbytes != it.NBytes {
+		return Grant{}, false
+	}
+	if t.pendingQuota(it) != nil {
+		return Grant{}, false
+	}
+	tok, err := t.tokens.NewToken()
+	if err != nil {
+		return Grant{}, false
+	}
+	off, err := t.alloc(it)
+	if err != nil {
+		return Grant{}, false
+	}
+	prev, moved := old.writer, old.followers
+	old.writer, old.followers = nil, nil
+	delete(t.byHash, old.mmHash)
+	if prev != nil && prev.id == it.TransferID {
+		// Replaced by the new writer's record below, before any event:
+		// the transfer keeps exactly one terminal event.
+		delete(t.transfers, prev.id)
+		prev = nil
+	}
+	tr := t.newRegion(it, off, tok, now)
+	r := tr.region
+	if prev != nil {
+		prev.kind = KindFollow
+		t.hold(prev.peer, prev.owner, func(u *peerUse) { u.followers++ })
+		moved = append([]*transfer{prev}, moved...)
+	}
+	for _, f := range moved {
+		f.region = r
+		r.followers = append(r.followers, f)
+		r.joined++
+	}
+	t.doom(old, Cancelled, ReasonTakenOver)
+	t.takenOver++
+	g = grantFor(tr)
+	g.TookOver = true
+	return g, true
 }
 
 // newRegion files a Writing region for it over the slab allocation at off,
@@ -1090,6 +1191,8 @@ func (t *Table) Stats() Stats {
 		RejectedWrites: t.rejected,
 		UnmatchedEnds:  t.unmatchedEnds,
 		InBandRefused:  t.inBandRefused,
+		Orphaned:       t.orphaned,
+		TakenOver:      t.takenOver,
 		OverQuota:      maps.Clone(t.overQuota),
 		Credit:         t.creditStats(),
 	}
