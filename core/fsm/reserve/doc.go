@@ -94,6 +94,15 @@
 // like a refusal for room, so a flood costs only tombstones, which are
 // bounded. The table only compares peers: naming them is the caller's.
 //
+// A writer's connection that ended (PeerGone: its process may be dead)
+// orphans the regions it was writing. An orphaned region is otherwise
+// unchanged, but another requester's reserve of its content (its own
+// transfer id, or a new one) takes the write over instead of getting
+// ErrInProgress or following a write that may never come: a new region
+// is its own, the old region's transfers follow it, and the old one is
+// cancelled, its memory waiting for writes in flight like any cancel
+// (Stats.Orphaned, Stats.TakenOver).
+//
 // # Safety of the data plane
 //
 // BeginWrite admits a write only into a Writing region, with that region's
