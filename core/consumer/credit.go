@@ -88,6 +88,7 @@ func (s *Shard) claim(peer string, b wire.ClaimBatch) wire.ClaimBatchReply {
 			s.log.Warn("claim refused", "transfer_id", g.TransferID, "mm_hash", claims[i].MMHash, "offset", claims[i].Offset, "nbytes", claims[i].NBytes, "cause", g.Err)
 		} else if g.Kind == reserve.KindWrite {
 			w.Res, w.Token = uint64(g.Res), g.Token
+			s.tookOver(g, claims[i].MMHash, peer)
 		}
 		out.Grants[i] = w
 	}

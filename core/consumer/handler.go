@@ -69,6 +69,14 @@ func answer[B interface{ Validate() error }, R any](req wire.Request, op func(B)
 	return wire.OKReply(req.ID, op(body))
 }
 
+// tookOver logs a write grant that took over an orphaned write (counted
+// by the table: ecm_orphaned_writes_total{outcome="taken_over"}).
+func (s *Shard) tookOver(g reserve.Grant, mmHash, peer string) {
+	if g.TookOver {
+		s.log.Warn("write taken over from a writer whose connection ended", "transfer_id", g.TransferID, "mm_hash", mmHash, "peer", peer)
+	}
+}
+
 // peers describes the whole consumer as this shard knows it: every shard's
 // control endpoint follows from the port convention, but only this shard's
 // data-plane address is known here, so a producer asks each shard once.
@@ -119,9 +127,7 @@ func (s *Shard) reserve(peer string, b wire.ReserveBatch) wire.ReserveBatchReply
 			s.log.Warn("reserve refused", "transfer_id", g.TransferID, "mm_hash", items[i].MMHash, "nbytes", items[i].NBytes, "cause", g.Err)
 		} else if g.Kind == reserve.KindWrite {
 			w.Res, w.Token, w.Addr = uint64(g.Res), g.Token, s.remoteAddr(g)
-			if g.TookOver {
-				s.log.Warn("write taken over from a writer whose connection ended", "transfer_id", g.TransferID, "mm_hash", items[i].MMHash, "peer", peer)
-			}
+			s.tookOver(g, items[i].MMHash, peer)
 		}
 		out.Grants[i] = w
 	}

@@ -275,7 +275,10 @@ func (t *Table) windowPieces() []Extent {
 //     nothing), and the extent stays in the window;
 //   - an mm_hash this shard holds or is receiving is answered cached or
 //     follower, as Reserve would, and the extent stays in the window:
-//     its bytes were written for nothing (CreditStats.Wasted);
+//     its bytes were written for nothing (CreditStats.Wasted); but where
+//     its only write is orphaned (PeerGone) and of the same size, the
+//     extent becomes the content's copy, as below, and that write's
+//     transfers are served with it;
 //   - otherwise the extent becomes a region already written: Ready, its
 //     Ready events out as for Complete.
 func (t *Table) Claim(claims []Claim, now time.Time) []Grant {
@@ -318,7 +321,8 @@ func (t *Table) claim(c Claim, now time.Time) Grant {
 		return refuse(ClaimOutOfRoom, fmt.Errorf("claim transfer %s (%s): [%d,+%d) is not free room of window %d: %w",
 			c.TransferID, c.MMHash, c.Offset, c.NBytes, w.gen, ErrOutOfBounds))
 	}
-	if t.byHash[c.MMHash] != nil {
+	old := t.byHash[c.MMHash]
+	if old != nil && !orphanOf(old, c.Item) {
 		t.credit.Wasted++
 		t.credit.WastedB += c.NBytes
 		return t.reserve(c.Item, now)
@@ -331,12 +335,19 @@ func (t *Table) claim(c Claim, now time.Time) Grant {
 		return Grant{Err: t.fault(err)}
 	}
 	tr := t.newRegion(c.Item, c.Offset, tok, now)
+	if old != nil {
+		// The content's only write is orphaned (PeerGone): these bytes
+		// are its copy, and its transfers are served with the claim's.
+		t.adopt(old, tr.region)
+	}
 	if err := t.Complete(tr.region.res, tok, now); err != nil {
 		return Grant{Err: t.fault(fmt.Errorf("claim transfer %s (%s): %w", c.TransferID, c.MMHash, err))}
 	}
 	t.credit.Claimed++
 	t.credit.ClaimedB += c.NBytes
-	return grantFor(tr)
+	g := grantFor(tr)
+	g.TookOver = old != nil
+	return g
 }
 
 // known reports whether id names a live or remembered transfer.

@@ -115,3 +115,28 @@ func TestAWriterBackOnANewConnectionKeepsItsWrite(t *testing.T) {
 	require.Zero(t, tab.Stats().TakenOver)
 	require.NoError(t, tab.CheckInvariants())
 }
+
+// A producer with standing credit wrote the content into its window while
+// the only write of it is orphaned: its claim files those bytes as the
+// ready copy (nothing wasted, no second copy), and the orphan's transfers
+// are served by it at once.
+func TestAClaimOfOrphanedContentIsTheCopy(t *testing.T) {
+	tab := newCreditTable(t, 1<<20)
+	dead := tab.Reserve([]Item{owned("a", "t1", "h1", 4096)}, epoch)[0]
+	require.NoError(t, dead.Err)
+	tab.PeerGone("conn-a", epoch)
+	tab.Ready()
+	c := creditOf(t, tab, "p", epoch)
+	base := c.Extents[0].Off
+	g := tab.Claim([]Claim{claimAt("p", "t2", "h1", 4096, base, c)}, epoch)[0]
+	require.NoError(t, g.Err)
+	require.Equal(t, KindWrite, g.Kind)
+	require.True(t, g.TookOver)
+	require.Equal(t, base, g.Offset)
+	require.ElementsMatch(t, []string{"t1", "t2"}, readyOf(tab.Ready().Events))
+	s := tab.Stats()
+	require.Zero(t, s.Credit.Wasted)
+	require.Equal(t, uint64(1), s.TakenOver)
+	require.Equal(t, uint64(creditWindow), s.BytesInUse, "the old region's room went back")
+	require.NoError(t, tab.CheckInvariants())
+}

@@ -511,14 +511,11 @@ func (t *Table) PeerGone(peer string, now time.Time) int {
 // content, when there is room: a new region of its own (the old writer
 // may still have a one-sided write landing in the old one, whose memory
 // waits for it as for any cancel), which the old region's transfers now
-// follow. A transfer with its id is its own write now. Without room or
-// quota nothing changes, and ok is false: the caller answers as if old
-// were not orphaned.
+// follow (adopt). A transfer with its id is its own write now. Without
+// room or quota nothing changes, and ok is false: the caller answers as
+// if old were not orphaned.
 func (t *Table) takeOver(old *region, it Item, now time.Time) (g Grant, ok bool) {
-	if old.state != Writing || !old.orphaned || old.nbytes != it.NBytes {
-		return Grant{}, false
-	}
-	if t.pendingQuota(it) != nil {
+	if !orphanOf(old, it) || t.pendingQuota(it) != nil {
 		return Grant{}, false
 	}
 	tok, err := t.tokens.NewToken()
@@ -529,17 +526,31 @@ func (t *Table) takeOver(old *region, it Item, now time.Time) (g Grant, ok bool)
 	if err != nil {
 		return Grant{}, false
 	}
-	prev, moved := old.writer, old.followers
-	old.writer, old.followers = nil, nil
-	delete(t.byHash, old.mmHash)
-	if prev != nil && prev.id == it.TransferID {
+	if prev := old.writer; prev != nil && prev.id == it.TransferID {
 		// Replaced by the new writer's record below, before any event:
 		// the transfer keeps exactly one terminal event.
+		old.writer = nil
 		delete(t.transfers, prev.id)
-		prev = nil
 	}
 	tr := t.newRegion(it, off, tok, now)
-	r := tr.region
+	t.adopt(old, tr.region)
+	g = grantFor(tr)
+	g.TookOver = true
+	return g, true
+}
+
+// orphanOf reports whether it may take over old's write: old is an
+// orphaned write of the same size, and it is another requester's.
+func orphanOf(old *region, it Item) bool {
+	return old.state == Writing && old.orphaned && old.owner != it.Owner && old.nbytes == it.NBytes
+}
+
+// adopt makes old's transfers, its writer's included, follow r, the write
+// that took old over, and cancels old (newRegion filed r as the content's
+// region already).
+func (t *Table) adopt(old, r *region) {
+	prev, moved := old.writer, old.followers
+	old.writer, old.followers = nil, nil
 	if prev != nil {
 		prev.kind = KindFollow
 		t.hold(prev.peer, prev.owner, func(u *peerUse) { u.followers++ })
@@ -552,9 +563,6 @@ func (t *Table) takeOver(old *region, it Item, now time.Time) (g Grant, ok bool)
 	}
 	t.doom(old, Cancelled, ReasonTakenOver)
 	t.takenOver++
-	g = grantFor(tr)
-	g.TookOver = true
-	return g, true
 }
 
 // newRegion files a Writing region for it over the slab allocation at off,
