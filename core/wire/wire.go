@@ -277,6 +277,13 @@ func canonical(raw json.RawMessage) json.RawMessage {
 	if len(raw) == 0 || bytes.Equal(raw, null) {
 		return nil
 	}
+	if bytes.IndexAny(raw, " \t\r\n") < 0 {
+		// Nothing to take out, as in what the encoders here write: a
+		// 256-item reserve's body takes ~140 µs to compact on the 2-core
+		// machine, ~16 to search. raw is valid JSON: it was decoded as a
+		// raw value.
+		return raw
+	}
 	var buf bytes.Buffer
 	if err := json.Compact(&buf, raw); err != nil {
 		return raw
