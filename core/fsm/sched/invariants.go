@@ -21,6 +21,22 @@ func (t *Table) CheckInvariants() error {
 		}
 	}
 
+	indexed := 0
+	for hash, of := range t.earlyOf {
+		if len(of) == 0 {
+			bad("early index keeps an empty set for %s", hash)
+		}
+		for id, e := range of {
+			if t.early[id] != e || e.hash != hash {
+				bad("early index names transfer %s under %s, which is not its early entry", id, hash)
+			}
+			indexed++
+		}
+	}
+	if indexed != len(t.early) {
+		bad("early index holds %d entries, early %d", indexed, len(t.early))
+	}
+
 	for id, r := range t.records {
 		if id != r.id {
 			bad("record keyed %s names %s", id, r.id)

@@ -115,8 +115,12 @@ type Table struct {
 	// request asks again); it stays while the content is wanted.
 	wants map[string]int
 
-	early  map[string]*early
-	earlyQ []queued // arrival order of early; may hold stale entries
+	early map[string]*early
+	// earlyOf indexes early by content (hash → transfer id): a Gone
+	// event touches the early events of its content only, without a
+	// scan of up to MaxEarlyEvents entries per event.
+	earlyOf map[string]map[string]*early
+	earlyQ  []queued // arrival order of early; may hold stale entries
 
 	tombs map[string]tombstone
 	tombQ []string // eviction order of tombs
@@ -201,6 +205,7 @@ func New(cfg Config) *Table {
 		requests: make(map[string]*request),
 		wants:    make(map[string]int),
 		early:    make(map[string]*early),
+		earlyOf:  make(map[string]map[string]*early),
 		tombs:    make(map[string]tombstone),
 	}
 }
@@ -370,10 +375,9 @@ func (t *Table) onGone(ev Event, now time.Time) {
 	}
 	// Early events of the content that this shard reported ready came
 	// from the same copy: their transfer, once expected, would otherwise
-	// look available. Early events are few (they wait only for the
-	// proxy's request to arrive), so a scan is cheap.
-	for _, e := range t.early {
-		if e.hash == ev.MMHash && e.shards.has(ev.Shard) {
+	// look available.
+	for _, e := range t.earlyOf[ev.MMHash] {
+		if e.shards.has(ev.Shard) {
 			e.shards.remove(ev.Shard)
 			if e.reason == "" {
 				e.reason = reason
@@ -462,7 +466,7 @@ func (t *Table) keepEarly(ev Event, now time.Time) {
 		}
 		t.seq++
 		e = &early{hash: ev.MMHash, shards: newShardSet(t.cfg.Shards), expires: now.Add(t.cfg.EventWait), seq: t.seq}
-		t.early[ev.TransferID] = e
+		t.putEarly(ev.TransferID, e)
 		t.earlyQ = append(t.earlyQ, queued{ev.TransferID, e.seq})
 		t.compactEarlyQ()
 	}
@@ -485,12 +489,34 @@ func (t *Table) keepEarly(ev Event, now time.Time) {
 	e.events++
 }
 
+// putEarly files e, the early events of transfer id.
+func (t *Table) putEarly(id string, e *early) {
+	t.early[id] = e
+	of := t.earlyOf[e.hash]
+	if of == nil {
+		of = make(map[string]*early)
+		t.earlyOf[e.hash] = of
+	}
+	of[id] = e
+}
+
+// dropEarly forgets e, the early events of transfer id.
+func (t *Table) dropEarly(id string, e *early) {
+	delete(t.early, id)
+	if of := t.earlyOf[e.hash]; of != nil {
+		delete(of, id)
+		if len(of) == 0 {
+			delete(t.earlyOf, e.hash)
+		}
+	}
+}
+
 func (t *Table) dropOldestEarly() {
 	for len(t.earlyQ) > 0 {
 		q := t.earlyQ[0]
 		t.earlyQ = t.earlyQ[1:]
 		if e := t.early[q.id]; e != nil && e.seq == q.seq {
-			delete(t.early, q.id)
+			t.dropEarly(q.id, e)
 			t.earlyDropped++
 			return
 		}
@@ -515,7 +541,7 @@ func (t *Table) applyEarly(r *record, now time.Time) {
 	if e == nil {
 		return
 	}
-	delete(t.early, r.id)
+	t.dropEarly(r.id, e)
 	if e.hash != r.hash {
 		t.ignoredEvents += uint64(e.events)
 		return
@@ -898,7 +924,7 @@ func (t *Table) advance(now time.Time) {
 			if e.expires.After(now) {
 				break
 			}
-			delete(t.early, q.id)
+			t.dropEarly(q.id, e)
 			t.earlyDropped++
 		}
 		t.earlyQ = t.earlyQ[1:]
