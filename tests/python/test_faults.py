@@ -124,3 +124,38 @@ def test_push_to_a_silent_consumer_fails_in_time():
 
         wait_until(reported, 15, interval=0, what="the failure of a push to nobody")
         assert failed[0]["transfer_id"] == "t-void" and failed[0]["reason"]
+
+
+def test_a_killed_producers_grant_is_taken_over_by_the_same_transfer(workers):
+    """An encoder killed after its reserve and before its write: the proxy
+    sends the item, under the same transfer id, to a second encoder. The
+    shard heard the first one's connection end, so the second push takes
+    the dead grant over and lands bit-exact, long before the lease (five
+    minutes here) would have ended the grant; before, it was refused
+    in_progress and the request waited out its push deadline."""
+    port = free_port_range(1, IP)
+    shard = workers("consumer", "consumer-takeover", config={**consumer_config(port, 0, 1), "lease_s": 300}, slab_bytes=64 * MiB)
+    producer_config = {"transport": "tcp", "control_timeout_s": 5, "push_wait_timeout_s": 30}
+    first = workers("producer", "producer-killed", config=producer_config)
+    second = workers("producer", "producer-second", config=producer_config)
+    for worker in (shard, first, second):
+        worker.wait_ready(60)
+    it = {"transfer_id": "t-taken", "mm_hash": "d" * 64, "nbytes": 3 * MiB + 5, "seed": 9}
+    scheduler_config = {"ec_ip": IP, "ec_port": port, "tp_size": 1, "dp_rank": 0, "push_wait_timeout_s": 30, "load_timeout_s": 5}
+    with Scheduler(scheduler_config) as scheduler:
+        out = scheduler.step({"expect": [{"request_id": "r", "items": [{"transfer_id": it["transfer_id"], "mm_hash": it["mm_hash"]}]}]})
+        assert not out.get("expect_errors"), out
+        submitted = first.call("submit", 30, pushes=[{**push(it["transfer_id"], it["mm_hash"], port), "nbytes": it["nbytes"]}])
+        assert not submitted[0].get("error"), submitted
+        wait_until(lambda: in_use(shard) >= it["nbytes"], 20, what="the first producer's reservation")
+        first.kill()
+        # The connection's end reaches the shard on its own goroutine.
+        wait_until(lambda: shard.call("stats", 10)["table"]["Orphaned"] == 1, 20, what="the shard hearing the connection end")
+
+        pushed = second.call("push", 90, items=[it], consumer=f"tcp://{IP}:{port}", timeout_s=60)
+        assert pushed["failed"] == {} and list(pushed["done"]) == [it["transfer_id"]], pushed
+        waited = scheduler.wait([it["transfer_id"]], 20_000)
+        assert waited["available"] == [it["transfer_id"]], waited
+        (verdict,) = shard.call("verify", 60, items=[it])
+        assert verdict["ok"], verdict
+        assert shard.call("stats", 10)["table"]["TakenOver"] == 1
