@@ -171,11 +171,29 @@ class Master:
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
+        if sig == signal.SIGSTOP:
+            # kill() returns before the stop takes: each of the master's
+            # threads stops only once it runs again, and on a loaded
+            # machine a request can be answered meanwhile.
+            _wait(lambda: _all_stopped(self.proc.pid), "every thread of the master stopped")
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def _all_stopped(pid: int) -> bool:
+    """Whether every thread of pid is stopped (state T in /proc)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                # The state follows the command, whose name may hold spaces.
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:
+            continue
+    return bool(states) and all(st in ("T", "t") for st in states)
 
 
 @pytest.fixture
