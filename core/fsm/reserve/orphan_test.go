@@ -140,3 +140,24 @@ func TestAClaimOfOrphanedContentIsTheCopy(t *testing.T) {
 	require.Equal(t, uint64(creditWindow), s.BytesInUse, "the old region's room went back")
 	require.NoError(t, tab.CheckInvariants())
 }
+
+// No room for a second region: nothing is taken over, and the reserve is
+// answered as if the write were not orphaned (the same transfer refused,
+// a new one following), so the orphan's transfers are left as they were.
+func TestNoTakeOverWithoutRoom(t *testing.T) {
+	tab := newGrantTable(8192, Config{})
+	dead := tab.Reserve([]Item{owned("a", "t1", "h1", 8192)}, epoch)[0]
+	require.NoError(t, dead.Err)
+	tab.PeerGone("conn-a", epoch)
+	require.ErrorIs(t, tab.Reserve([]Item{owned("b", "t1", "h1", 8192)}, epoch)[0].Err, ErrInProgress)
+	g := tab.Reserve([]Item{owned("b", "t2", "h1", 8192)}, epoch)[0]
+	require.NoError(t, g.Err)
+	require.Equal(t, KindFollow, g.Kind)
+	require.Zero(t, tab.Stats().TakenOver)
+	st, ok := tab.Status("t1")
+	require.True(t, ok)
+	require.Equal(t, KindWrite, st.Kind)
+	require.NoError(t, tab.Complete(dead.Res, dead.Token, epoch), "the orphaned writer may still complete")
+	require.ElementsMatch(t, []string{"t1", "t2"}, readyOf(tab.Ready().Events))
+	require.NoError(t, tab.CheckInvariants())
+}
