@@ -435,10 +435,8 @@ func (t *Table) reserve(it Item, now time.Time) Grant {
 			return fail(fmt.Errorf("reserve transfer %s: mm_hash %s holds %d bytes, asked %d: %w",
 				it.TransferID, it.MMHash, r.nbytes, it.NBytes, ErrSizeMismatch))
 		}
-		if r.owner != it.Owner {
-			if g, ok := t.takeOver(r, it, now); ok {
-				return g
-			}
+		if g, ok := t.takeOver(r, it, now); ok {
+			return g
 		}
 		if r.state == Writing {
 			if err := t.followQuota(it, r); err != nil {
