@@ -18,10 +18,12 @@
 //
 // Small frames travel in groups, with no change to the wire: the chunks of
 // one Write queued together for a connection go out in one writev (at most
-// 64 frames and 1 MiB), and the receiver, which parses frames that arrived
-// together from its read buffer, holds their acks back until its next read
-// would wait, then writes them together; the writer reads them with one
-// read. Every frame of a group keeps its own header and is checked on its
+// 64 frames and 1 MiB), and the receiver holds the acks of frames that
+// arrived together back until its next read would wait (it tries the
+// socket without waiting first), then writes them together; the writer
+// reads them with one read. That holds for payloads read straight into
+// the slab too, so a stream of 64 KiB frames costs one ack write per
+// pause of the stream, not one per frame. Every frame of a group keeps its own header and is checked on its
 // own (reservation id, token, offset, length): a refused frame inside a
 // group fails alone and the frames around it land, while bytes that do not
 // decode as a header end the connection after the frames before them were

@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"net"
+	"sync"
 	"testing"
 	"time"
 
@@ -216,4 +217,54 @@ func FuzzTCPFrameGroups(f *testing.F) {
 		}, eventually, 10*time.Millisecond)
 		require.Empty(t, sink.broken)
 	})
+}
+
+// gatedSink holds the first frame's BeginWrite until open is closed, so a
+// test can have a whole stream of frames queued in the socket before the
+// receiver reads past the first header.
+type gatedSink struct {
+	*memSink
+	open chan struct{}
+	once sync.Once
+}
+
+func (g *gatedSink) BeginWrite(res ids.ResID, tok ids.Token, off, n uint64) ([]byte, error) {
+	g.once.Do(func() { <-g.open })
+	return g.memSink.BeginWrite(res, tok, off, n)
+}
+
+func (g *gatedSink) EndWrite(res ids.ResID, ok bool) { g.memSink.EndWrite(res, ok) }
+
+// Frames whose payloads are too large for the read buffer, arriving back
+// to back, are still acked together: the receiver writes what it owes
+// only when its next read would wait, not before every payload it reads
+// into the slab (one write system call, and one wake of the writer's ack
+// reader, per frame).
+func TestTCPLargeFramesArrivedTogetherAreAckedTogether(t *testing.T) {
+	const frames, size = 8, 4 * readBuf
+	sink := &gatedSink{memSink: newMemSink(frames * size), open: make(chan struct{})}
+	// Socket buffers that hold the whole stream: once the test's write
+	// returned, every byte is in the receiver's socket.
+	r := listenTCP(t, newTCP(TCPConfig{SocketBuffer: 4 << 20}), sink)
+	res, tok := sink.reserve(t, frames*size)
+	c := dialProven(t, r.Addr())
+	require.NoError(t, c.(*net.TCPConn).SetWriteBuffer(4<<20))
+
+	want := randBytes(7, frames*size)
+	var stream []byte
+	for i := range frames {
+		h := Header{Seq: uint64(i + 1), Res: res, Token: tok, Offset: uint64(i * size), Length: size}
+		stream = append(AppendHeader(stream, h), want[i*size:(i+1)*size]...)
+	}
+	_, err := c.Write(stream)
+	require.NoError(t, err)
+	close(sink.open)
+	for i := range frames {
+		a := readAck(t, c)
+		require.Equal(t, uint64(i+1), a.Seq)
+		require.Equal(t, transport.StatusOK, a.Status, a.Msg)
+	}
+	require.Equal(t, want, sink.region(res))
+	require.Equal(t, uint64(1), r.ackWrites.Load(), "one write answered the %d frames that arrived together", frames)
+	sink.requireBalanced(t)
 }

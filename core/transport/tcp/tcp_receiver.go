@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"syscall"
 	"time"
 
 	"go.uber.org/atomic"
@@ -30,7 +31,7 @@ const drainBuf = 64 << 10
 const readBuf = 8 << 10
 
 // maxOwedAcks bounds the acks a connection holds back before it writes
-// them (see rconn.flushBefore).
+// them (see ackingReader).
 const maxOwedAcks = 16 << 10
 
 type tcpReceiver struct {
@@ -145,7 +146,8 @@ func (r *tcpReceiver) admit(c net.Conn) bool {
 		r.evictUnprovenLocked()
 	}
 	now := time.Now()
-	rc := &rconn{r: r, c: c, br: bufio.NewReaderSize(c, readBuf), peer: c.RemoteAddr().String(), acks: make([]byte, 0, AckHeaderLen+MaxAckMsg), idleSince: now, since: now}
+	rc := &rconn{r: r, c: c, peer: c.RemoteAddr().String(), acks: make([]byte, 0, AckHeaderLen+MaxAckMsg), idleSince: now, since: now}
+	rc.br = bufio.NewReaderSize(ackingReader{rc, rawConn(c)}, readBuf)
 	r.unproven++
 	r.conns[c] = rc
 	r.wg.Add(1)
@@ -232,9 +234,10 @@ type rconn struct {
 	peer    string
 	hdr     [HeaderLen]byte
 	scratch []byte
-	// acks owed to the writer, held back while more frames are already
-	// buffered, so that frames that arrive together are answered by one
-	// write; they go out before any read that would wait (flushBefore).
+	// acks owed to the writer, held back while more of the stream is
+	// already here, so that frames that arrive together are answered by
+	// one write; they go out before any read that would wait
+	// (ackingReader).
 	acks []byte
 
 	// open is the reservation whose frame end is owed, if any; end ends it.
@@ -500,9 +503,6 @@ func (rc *rconn) frame() bool {
 		rc.goodbye(transport.ClosedEvicted)
 		return false
 	}
-	if !rc.flushBefore(HeaderLen) {
-		return false
-	}
 	if _, err := io.ReadFull(rc.br, rc.hdr[:1]); err != nil {
 		// EOF between frames is a writer closing its pool.
 		switch {
@@ -549,10 +549,6 @@ func (rc *rconn) frame() bool {
 // payload reads an open frame's payload into dst and acks it.
 func (rc *rconn) payload(h Header, dst []byte) bool {
 	r := rc.r
-	if !rc.flushBefore(len(dst)) {
-		rc.endOpen(false)
-		return false
-	}
 	if n, err := io.ReadFull(rc.br, dst); err != nil {
 		rc.endOpen(false)
 		if timedOut(err) {
@@ -586,9 +582,6 @@ func (rc *rconn) refuse(h Header, cause error) bool {
 	}
 	for left := h.Length; left > 0; {
 		n := min(left, uint64(len(rc.scratch)))
-		if !rc.flushBefore(int(n)) {
-			return false
-		}
 		if _, err := io.ReadFull(rc.br, rc.scratch[:n]); err != nil {
 			if timedOut(err) {
 				rc.stalled(&h, int(h.Length-left), err)
@@ -610,14 +603,69 @@ func (rc *rconn) sendAck(a Ack) bool {
 	return true
 }
 
-// flushBefore writes the owed acks unless the next n bytes are already
-// buffered: a read that would wait for the network never waits with acks
-// held back, so a writer that waits for them is never stuck.
-func (rc *rconn) flushBefore(n int) bool {
-	if rc.br.Buffered() >= n {
-		return true
+// ackingReader is what a connection's bufio.Reader reads from: it writes
+// the acks owed before a read that would wait for the network, and only
+// then, so that a writer waiting for them is never stuck, while a stream
+// of frames already in the socket (a writer's group, a large item's
+// chunks) is answered by one write however large its payloads are. Where
+// the connection gives no raw access, it writes them before every read.
+type ackingReader struct {
+	rc  *rconn
+	raw syscall.RawConn
+}
+
+func rawConn(c net.Conn) syscall.RawConn {
+	if sc, ok := c.(syscall.Conn); ok {
+		if raw, err := sc.SyscallConn(); err == nil {
+			return raw
+		}
 	}
-	return rc.flush()
+	return nil
+}
+
+func (a ackingReader) Read(p []byte) (int, error) {
+	rc := a.rc
+	if len(rc.acks) > 0 && len(p) > 0 {
+		if a.raw != nil {
+			n, err, waits := tryRead(a.raw, p)
+			if !waits {
+				return n, err
+			}
+		}
+		if !rc.flush() {
+			return 0, errAckWrite
+		}
+	}
+	return rc.c.Read(p)
+}
+
+// errAckWrite ends a read whose owed acks could not be written: the
+// connection is of no more use.
+var errAckWrite = errors.New("transport: writing acks failed")
+
+// tryRead reads what the socket holds without waiting; waits reports
+// that it held nothing (the read would wait).
+func tryRead(raw syscall.RawConn, p []byte) (n int, err error, waits bool) {
+	var rerr error
+	cerr := raw.Read(func(fd uintptr) bool {
+		for {
+			n, rerr = syscall.Read(int(fd), p)
+			if rerr != syscall.EINTR {
+				return true
+			}
+		}
+	})
+	switch {
+	case cerr != nil:
+		return 0, cerr, false
+	case rerr == syscall.EAGAIN:
+		return 0, nil, true
+	case rerr != nil:
+		return 0, rerr, false
+	case n == 0:
+		return 0, io.EOF, false
+	}
+	return n, nil, false
 }
 
 func (rc *rconn) flush() bool {
