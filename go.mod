@@ -3,6 +3,7 @@ module github.com/ecmooncake/ecmooncake
 go 1.26.8
 
 require (
+	github.com/go-json-experiment/json v1.27.2
 	github.com/pebbe/zmq4 v1.4.0
 	github.com/prometheus/client_golang v1.25.0
 	github.com/prometheus/common v0.74.0

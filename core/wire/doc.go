@@ -31,6 +31,15 @@
 //
 // # Decoding
 //
+// The JSON envelopes and bodies are encoded and decoded with
+// github.com/go-json-experiment/json/v1: encoding/json's API and
+// semantics on the engine of encoding/json/v2 (what encoding/json itself
+// runs on from Go 1.27). A reserve of 256 items and its reply take half
+// the time they took with encoding/json (BenchmarkReserveRoundTrip256),
+// on the path of every batch. Differential fuzz targets (the
+// *AgreesWithStd ones) hold it to encoding/json: the same inputs accepted,
+// the same values decoded, the same bytes encoded.
+//
 // DecodeRequest and DecodeReply check, in order: size, JSON, version, op
 // (requests), required fields; DecodeEvents size, tag, version, bounds,
 // then each record's fields. Every failure wraps one of the

@@ -1,9 +1,11 @@
 package wire
 
 import (
+	"bytes"
 	"encoding/json"
 	"testing"
 
+	fastjson "github.com/go-json-experiment/json/v1"
 	"github.com/stretchr/testify/require"
 )
 
@@ -147,4 +149,56 @@ func FuzzDecodeCancelReply(f *testing.F) {
 
 func FuzzDecodeStatusReply(f *testing.F) {
 	fuzzBodyOf[StatusReply](f, `{"items":[{"transfer_id":"t","known":true}]}`, `{"items":[{"transfer_id":"t","nbytes":-1}]}`)
+}
+
+// The codec decodes and encodes with the v2 engine's v1 API
+// (github.com/go-json-experiment/json/v1, what encoding/json becomes in
+// Go 1.27) for its speed. These targets hold it to encoding/json: the same
+// input is accepted or refused by both, what both accept decodes to equal
+// values, and both encode those values to the same bytes.
+func agreesWithStd[T any](t *testing.T, b []byte) {
+	var fast, std T
+	errFast, errStd := fastjson.Unmarshal(b, &fast), json.Unmarshal(b, &std)
+	require.Equal(t, errStd == nil, errFast == nil, "encoding/json: %v; the codec's decoder: %v", errStd, errFast)
+	if errStd != nil {
+		return
+	}
+	require.Equal(t, std, fast)
+	var buf bytes.Buffer
+	enc := json.NewEncoder(&buf)
+	enc.SetEscapeHTML(false)
+	errStd = enc.Encode(std)
+	got, errFast := marshal(fast)
+	require.Equal(t, errStd == nil, errFast == nil, "encoding/json: %v; the codec's encoder: %v", errStd, errFast)
+	if errStd == nil {
+		require.Equal(t, string(bytes.TrimSuffix(buf.Bytes(), []byte{'\n'})), string(got))
+	}
+}
+
+func FuzzRequestAgreesWithStd(f *testing.F) {
+	seedRequests(f)
+	f.Add([]byte(`{"v":1,"ID":3,"Op":"cancel","id":4,"body":{"transfer_ids":["\xff"]}}`))
+	f.Fuzz(agreesWithStd[Request])
+}
+
+func FuzzReplyAgreesWithStd(f *testing.F) {
+	for i, tc := range bodies() {
+		b, err := EncodeReply(OKReply(uint64(i+1), tc.rep))
+		require.NoError(f, err)
+		f.Add(b)
+	}
+	f.Add([]byte(`{"v":1,"id":8,"err":{"code":"x","msg":"\ud800"}}`))
+	f.Fuzz(agreesWithStd[Reply])
+}
+
+func FuzzReserveBatchAgreesWithStd(f *testing.F) {
+	f.Add([]byte(`{"requester":"r","items":[{"transfer_id":"t","mm_hash":"h","nbytes":3,"meta":"{}","extra":[1,{"a":null}]}],"credit_bytes":1e3}`))
+	f.Add([]byte(`{"items":[{"Transfer_ID":"t","mm_hash":"h","mm_hash":"g","nbytes":-1}]}`))
+	f.Fuzz(agreesWithStd[ReserveBatch])
+}
+
+func FuzzReserveBatchReplyAgreesWithStd(f *testing.F) {
+	f.Add([]byte(`{"grants":[{"transfer_id":"t","kind":"write","res":1,"token":"00000000000000000000000000000001","nbytes":1,"addr":5}],"epoch":"e","data":{"tcp":"a:1"},"credit":{"gen":1,"extents":[{"off":0,"len":1}]}}`))
+	f.Add([]byte(`{"grants":[{"token":"zz"}]}`))
+	f.Fuzz(agreesWithStd[ReserveBatchReply])
 }

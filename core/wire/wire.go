@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+
+	fastjson "github.com/go-json-experiment/json/v1"
 )
 
 const (
@@ -237,7 +239,7 @@ var null = []byte("null")
 // and escaping would make a decoded body re-encode differently.
 func marshal(v any) ([]byte, error) {
 	var buf bytes.Buffer
-	enc := json.NewEncoder(&buf)
+	enc := fastjson.NewEncoder(&buf)
 	enc.SetEscapeHTML(false)
 	if err := enc.Encode(v); err != nil {
 		return nil, err
@@ -265,7 +267,7 @@ func decode(what string, b []byte, v any) error {
 	if len(b) > MaxMessage {
 		return fmt.Errorf("wire: decode %s: %w: %d bytes, limit %d", what, ErrTooLarge, len(b), MaxMessage)
 	}
-	if err := json.Unmarshal(b, v); err != nil {
+	if err := fastjson.Unmarshal(b, v); err != nil {
 		return fmt.Errorf("wire: decode %s: %w: %v", what, ErrMalformed, err)
 	}
 	return nil
