@@ -16,17 +16,20 @@ func (t *Table) CheckInvariants() error {
 		bad("internal fault: %w", t.broken)
 	}
 
-	if len(t.byOff) != len(t.regions) {
-		bad("%d regions in address order, %d live", len(t.byOff), len(t.regions))
+	if t.byOff.Len() != len(t.regions) {
+		bad("%d regions in address order, %d live", t.byOff.Len(), len(t.regions))
 	}
-	for i, r := range t.byOff {
+	var prev *region
+	t.byOff.Ascend(func(r *region) bool {
 		if t.regions[r.res] != r {
 			bad("region %d in address order is not live", r.res)
 		}
-		if i > 0 && t.byOff[i-1].off >= r.off {
-			bad("regions %d and %d out of address order (%d, %d)", t.byOff[i-1].res, r.res, t.byOff[i-1].off, r.off)
+		if prev != nil && prev.off >= r.off {
+			bad("regions %d and %d out of address order (%d, %d)", prev.res, r.res, prev.off, r.off)
 		}
-	}
+		prev = r
+		return true
+	})
 
 	// In-band landed bytes are sorted disjoint runs inside the region,
 	// bounded, and kept only while the region may still be written.

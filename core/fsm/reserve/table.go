@@ -8,6 +8,8 @@ import (
 	"slices"
 	"time"
 
+	"github.com/google/btree"
+
 	"github.com/ecmooncake/ecmooncake/core/fsm/slab"
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/internal/defaults"
@@ -309,8 +311,11 @@ type Table struct {
 
 	regions map[ids.ResID]*region
 	// byOff is every live region in address order, filed and unfiled
-	// with regions, so that making room need not sort them each time.
-	byOff     []*region
+	// with regions, so that making room need not sort them each time. A
+	// B-tree: filing and unfiling cost O(log n) however many residents a
+	// slab of small items holds (a sorted slice moved every region after
+	// the one filed: ~9 µs a reserve at 131,072 residents).
+	byOff     *btree.BTreeG[*region]
 	deadlines deadlineHeap       // lease ends, with stale entries skipped lazily
 	byHash    map[string]*region // the joinable (Writing or Ready) region of each mm_hash
 	transfers map[string]*transfer
@@ -356,6 +361,7 @@ func New(s *slab.Slab, cfg Config, tokens ids.TokenSource) *Table {
 		slab:      s,
 		tokens:    tokens,
 		regions:   make(map[ids.ResID]*region),
+		byOff:     btree.NewG(byOffDegree, func(a, b *region) bool { return a.off < b.off }),
 		byHash:    make(map[string]*region),
 		transfers: make(map[string]*transfer),
 		peers:     make(map[string]*peerUse),
@@ -672,7 +678,6 @@ func (t *Table) roomForScan(need uint64) []*region {
 	for e, i := t.residents.Back(), 0; e != nil; e, i = e.Prev(), i+1 {
 		e.Value.(*region).age = i // 0 is the least recently used
 	}
-	all := t.byOff
 
 	var best []*region
 	bestAge, bestBytes := -1, uint64(0)
@@ -716,18 +721,19 @@ func (t *Table) roomForScan(need uint64) []*region {
 	cuts := t.windowPieces()
 	var run []*region
 	lo := uint64(0)
-	for _, r := range all {
+	t.byOff.Ascend(func(r *region) bool {
 		for len(cuts) > 0 && cuts[0].Off < r.off {
 			consider(run, lo, cuts[0].Off)
 			run, lo, cuts = nil, cuts[0].end(), cuts[1:]
 		}
 		if r.lru != nil {
 			run = append(run, r)
-			continue
+			return true
 		}
 		consider(run, lo, r.off)
 		run, lo = nil, r.off+r.alloc
-	}
+		return true
+	})
 	for _, c := range cuts {
 		consider(run, lo, c.Off)
 		run, lo = nil, c.end()
@@ -736,17 +742,17 @@ func (t *Table) roomForScan(need uint64) []*region {
 	return slices.Clone(best)
 }
 
+// byOffDegree is the B-tree's degree: nodes of up to 63 pointers, a few
+// cache lines each.
+const byOffDegree = 32
+
 // fileByOff adds r to byOff at its address.
-func (t *Table) fileByOff(r *region) {
-	i, _ := slices.BinarySearchFunc(t.byOff, r.off, func(x *region, off uint64) int { return cmpUint(x.off, off) })
-	t.byOff = slices.Insert(t.byOff, i, r)
-}
+func (t *Table) fileByOff(r *region) { t.byOff.ReplaceOrInsert(r) }
 
 // unfileByOff removes r from byOff.
 func (t *Table) unfileByOff(r *region) {
-	i, found := slices.BinarySearchFunc(t.byOff, r.off, func(x *region, off uint64) int { return cmpUint(x.off, off) })
-	if found && t.byOff[i] == r {
-		t.byOff = slices.Delete(t.byOff, i, i+1)
+	if got, ok := t.byOff.Get(r); ok && got == r {
+		t.byOff.Delete(r)
 	}
 }
 
