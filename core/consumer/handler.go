@@ -206,6 +206,7 @@ var (
 	_ transport.RegionSink   = sink{}
 	_ transport.CompleteSink = sink{}
 	_ transport.RemoteSink   = sink{}
+	_ transport.FlushSink    = sink{}
 )
 
 func (k sink) BeginWrite(res ids.ResID, tok ids.Token, off, n uint64) ([]byte, error) {
@@ -250,8 +251,10 @@ func (k sink) EndWrite(res ids.ResID, ok bool) {
 
 // EndComplete ends a frame that carried its item's completion (TCP): the
 // frame that leaves every byte landed completes the item, and its Ready
-// events go out before the frame is acknowledged, so no complete_batch
-// follows the bytes.
+// events go out (Flush) before the frame is acknowledged, so no
+// complete_batch follows the bytes. The receiver calls Flush once for the
+// frames that arrived together, so that they cost the scheduler one event
+// message, not one each.
 //
 // A shard with a one-sided plane beside TCP opened the region's write for
 // a one-sided writer at the grant (direct.go); a frame that brings the
@@ -263,13 +266,24 @@ func (k sink) EndComplete(res ids.ResID, tok ids.Token, off, n uint64) error {
 	now := time.Now()
 	s.endRemoteLocked(res, tok, true, now)
 	err := s.table.EndComplete(res, tok, off, n, now)
-	s.flushLocked()
+	if next, ok := s.nextDeadlineLocked(); ok {
+		s.ticks.Due(next)
+	}
 	s.mu.Unlock()
 	if err != nil {
 		s.log.Warn("in-band complete refused", "res", res, "offset", off, "length", n, "cause", err)
 		return refusal(err)
 	}
 	return nil
+}
+
+// Flush sends the events the frames ended since the last call left
+// pending (transport.FlushSink); any other call that flushes the shard's
+// events sends them too, in order.
+func (k sink) Flush() {
+	k.s.mu.Lock()
+	k.s.sendEventsLocked()
+	k.s.mu.Unlock()
 }
 
 // refusal tags a table refusal with the data plane's reason, so the writer

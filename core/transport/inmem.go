@@ -210,7 +210,11 @@ func (r *inmemReceiver) deliver(it WriteItem, sp Span, tear int) error {
 		return fmt.Errorf("%w: injected tear after %d of %d bytes", ErrConnLost, tear, len(src))
 	}
 	copy(dst, src)
-	if err := end(true); err != nil {
+	err = end(true)
+	// Each frame is answered alone here: what it completed is published
+	// before its answer, as a FlushSink asks.
+	Flush(r.sink)
+	if err != nil {
 		err = rejected(err)
 		r.stats.Reject(statusOf(err))
 		return err

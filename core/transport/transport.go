@@ -120,6 +120,25 @@ type CompleteSink interface {
 	EndComplete(res ids.ResID, tok ids.Token, off, n uint64) error
 }
 
+// FlushSink is a Sink that holds back what the ends of in-band frames
+// publish (the shard's readiness events for the items they completed)
+// until Flush, so that frames that arrive together announce their items
+// in one message. A receiver calls Flush before it acknowledges any frame
+// that ended since the last call (a writer that hears its frame
+// acknowledged may count on its item being announced), and before it
+// waits for the network.
+type FlushSink interface {
+	Sink
+	Flush()
+}
+
+// Flush calls sink's Flush when it is a FlushSink.
+func Flush(sink Sink) {
+	if fs, ok := sink.(FlushSink); ok {
+		fs.Flush()
+	}
+}
+
 // RemoteSink is a Sink whose one-sided writes (see Direct) a receiver
 // can complete in-band: cuda_ipc's shard watches the ready word that the
 // writer's GPU stores after its copies, and completes the write when the

@@ -141,6 +141,10 @@ func (s *stagingSink) BeginWrite(ids.ResID, ids.Token, uint64, uint64) ([]byte, 
 
 func (s *stagingSink) EndWrite(res ids.ResID, ok bool) { s.inner.EndWrite(res, ok) }
 
+// Flush publishes what the frames staged so far completed, as the shard's
+// sink holds it (transport.FlushSink).
+func (s *stagingSink) Flush() { transport.Flush(s.inner) }
+
 func (s *stagingSink) BeginFrame(res ids.ResID, tok ids.Token, off, n uint64) (transport.Frame, error) {
 	at, err := s.inner.BeginRegion(res, tok, off, n)
 	if err != nil {

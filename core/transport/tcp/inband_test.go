@@ -1,6 +1,7 @@
 package tcp
 
 import (
+	"net"
 	"sync"
 	"testing"
 
@@ -81,4 +82,68 @@ func TestInBandRefusedBySinkWithout(t *testing.T) {
 		require.Zero(t, sink.beginCount(), "refused before the sink was asked")
 		require.Equal(t, uint64(1), r.Stats().Rejected["other"])
 	})
+}
+
+// publishingSink completes in-band and holds what each completion
+// publishes until Flush (transport.FlushSink): published counts the
+// completions Flush let out, flushes the calls that let any out.
+type publishingSink struct {
+	*gatedSink
+	mu                 sync.Mutex
+	held               int
+	published, flushes int
+}
+
+func (s *publishingSink) EndComplete(res ids.ResID, tok ids.Token, off, n uint64) error {
+	s.mu.Lock()
+	s.held++
+	s.mu.Unlock()
+	s.EndWrite(res, true)
+	return nil
+}
+
+func (s *publishingSink) Flush() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.held > 0 {
+		s.published += s.held
+		s.held = 0
+		s.flushes++
+	}
+}
+
+func (s *publishingSink) counts() (held, published, flushes int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.held, s.published, s.flushes
+}
+
+// Frames that complete in-band and arrive together publish what they
+// complete (the shard's readiness events) together, once, and before any
+// of their acks leaves: a writer that hears its frames acknowledged knows
+// their items are announced.
+func TestInBandFramesArrivedTogetherPublishOnceBeforeTheirAcks(t *testing.T) {
+	const frames, size = 8, 4 * readBuf
+	sink := &publishingSink{gatedSink: &gatedSink{memSink: newMemSink(frames * size), open: make(chan struct{})}}
+	r := listenTCP(t, newTCP(TCPConfig{SocketBuffer: 4 << 20}), sink)
+	c := dialProven(t, r.Addr())
+	require.NoError(t, c.(*net.TCPConn).SetWriteBuffer(4<<20))
+	var stream []byte
+	for i := range frames {
+		res, tok := sink.reserve(t, size)
+		stream = append(AppendHeader(stream, Header{Seq: uint64(i + 1), Res: res, Token: tok, Length: size, Complete: true}), randBytes(uint64(i), size)...)
+	}
+	_, err := c.Write(stream)
+	require.NoError(t, err)
+	close(sink.open)
+	a := readAck(t, c)
+	require.Equal(t, transport.StatusOK, a.Status, a.Msg)
+	held, published, flushes := sink.counts()
+	require.Zero(t, held, "nothing completed is held once an ack is out")
+	require.Equal(t, frames, published)
+	require.Equal(t, 1, flushes, "the frames that arrived together published together")
+	for i := 1; i < frames; i++ {
+		require.Equal(t, transport.StatusOK, readAck(t, c).Status)
+	}
+	sink.requireBalanced(t)
 }

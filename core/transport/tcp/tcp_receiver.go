@@ -34,6 +34,12 @@ const readBuf = 8 << 10
 // them (see ackingReader).
 const maxOwedAcks = 16 << 10
 
+// maxHeldFrames bounds the frames whose acks, and whose items' readiness
+// (transport.FlushSink), a connection holds back while more of its stream
+// is already here: at 64 KiB a frame, the first item of a long stream is
+// announced after 4 MiB more have landed, not after the whole stream.
+const maxHeldFrames = 64
+
 type tcpReceiver struct {
 	ln   net.Listener
 	sink transport.Sink
@@ -239,6 +245,7 @@ type rconn struct {
 	// one write; they go out before any read that would wait
 	// (ackingReader).
 	acks []byte
+	owed int // frames acks holds
 
 	// open is the reservation whose frame end is owed, if any; end ends it.
 	open    bool
@@ -597,7 +604,8 @@ func (rc *rconn) refuse(h Header, cause error) bool {
 // before the next read that would wait, or once they fill maxOwedAcks.
 func (rc *rconn) sendAck(a Ack) bool {
 	rc.acks = AppendAck(rc.acks, a)
-	if len(rc.acks) >= maxOwedAcks {
+	rc.owed++
+	if len(rc.acks) >= maxOwedAcks || rc.owed >= maxHeldFrames {
 		return rc.flush()
 	}
 	return true
@@ -668,12 +676,26 @@ func tryRead(raw syscall.RawConn, p []byte) (n int, err error, waits bool) {
 	return n, nil, false
 }
 
+// flush publishes what the frames it answers completed (their items'
+// readiness, transport.FlushSink), then writes their acks.
 func (rc *rconn) flush() bool {
 	if len(rc.acks) == 0 {
 		return true
 	}
+	rc.publish()
 	rc.r.ackWrites.Add(1)
 	_, err := rc.c.Write(rc.acks)
-	rc.acks = rc.acks[:0]
+	rc.acks, rc.owed = rc.acks[:0], 0
 	return err == nil
+}
+
+// publish is the sink's Flush; a panic in it is logged, and the acks
+// still go out (what the sink published or not is its own state).
+func (rc *rconn) publish() {
+	defer func() {
+		if p := recover(); p != nil {
+			serve.LogPanic(rc.r.log, p, "transport: panic in sink Flush", "peer", rc.peer)
+		}
+	}()
+	transport.Flush(rc.r.sink)
 }
