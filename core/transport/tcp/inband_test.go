@@ -147,3 +147,29 @@ func TestInBandFramesArrivedTogetherPublishOnceBeforeTheirAcks(t *testing.T) {
 	}
 	sink.requireBalanced(t)
 }
+
+// panickingFlushSink is a completing sink whose Flush panics.
+type panickingFlushSink struct{ *completingSink }
+
+func (panickingFlushSink) Flush() { panic("flush failed") }
+
+// A sink whose Flush panics costs neither the acks nor the connection:
+// the panic is logged and the frames it answers are still acknowledged.
+func TestAPanickingFlushStillAcks(t *testing.T) {
+	sink := panickingFlushSink{&completingSink{memSink: newMemSink(1 << 20), landed: map[ids.ResID]uint64{}}}
+	r := listenTCP(t, newTCP(TCPConfig{}), sink)
+	c := dialProven(t, r.Addr())
+	for i := range 3 {
+		res, tok := sink.reserve(t, 100)
+		sendFrame(t, c, Header{Seq: uint64(i + 1), Res: res, Token: tok, Length: 100, Complete: true}, randBytes(uint64(i), 100))
+		a := readAck(t, c)
+		require.Equal(t, uint64(i+1), a.Seq)
+		require.Equal(t, transport.StatusOK, a.Status, a.Msg)
+		sink.mu.Lock()
+		landed := sink.landed[res]
+		sink.mu.Unlock()
+		require.Equal(t, uint64(100), landed)
+	}
+	require.Equal(t, uint64(1), r.accepted.Load(), "one connection served every frame")
+	sink.requireBalanced(t)
+}
