@@ -601,7 +601,8 @@ func (rc *rconn) refuse(h Header, cause error) bool {
 }
 
 // sendAck owes the writer an ack; it is written with the others owed
-// before the next read that would wait, or once they fill maxOwedAcks.
+// before the next read that would wait, or once they fill maxOwedAcks or
+// answer maxHeldFrames frames.
 func (rc *rconn) sendAck(a Ack) bool {
 	rc.acks = AppendAck(rc.acks, a)
 	rc.owed++
