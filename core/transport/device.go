@@ -93,6 +93,33 @@ type Frame interface {
 	End(ok bool) error
 }
 
+// LaterFrame is a Frame whose end may finish after End returns: a
+// staging sink queues the frame's copy to the GPU and reads on, and waits
+// for the copies of all the frames that arrived together at once, in its
+// Flush. EndLater ends a frame whose every byte arrived, as End(true)
+// would or, when complete, as CompleteFrame's EndComplete would, and
+// returns how to learn the outcome. A LaterFrame's sink is a FlushSink.
+type LaterFrame interface {
+	Frame
+	EndLater(complete bool) Settle
+}
+
+// Settle tells how a frame's end went: what End(true) or EndComplete would
+// have returned. A receiver calls it exactly once, after the sink's Flush
+// (FlushSink), which finishes every frame ended before it, and only then
+// tells the writer; called before, it waits for its own frame.
+type Settle func() error
+
+// Settled is the Settle of an end that already happened.
+func Settled(err error) Settle {
+	if err == nil {
+		return settledOK
+	}
+	return func() error { return err }
+}
+
+var settledOK Settle = func() error { return nil }
+
 // StatusOf classifies a refusal for the wire, for transports outside this
 // package.
 func StatusOf(err error) Status { return statusOf(err) }

@@ -206,14 +206,15 @@ func (r *inmemReceiver) deliver(it WriteItem, sp Span, tear int) error {
 	src := it.Src[sp.Off:sp.End]
 	if tear >= 0 && tear < len(src) {
 		copy(dst, src[:tear])
-		_ = end(false)
+		end(false)()
 		return fmt.Errorf("%w: injected tear after %d of %d bytes", ErrConnLost, tear, len(src))
 	}
 	copy(dst, src)
-	err = end(true)
+	settle := end(true)
 	// Each frame is answered alone here: what it completed is published
 	// before its answer, as a FlushSink asks.
 	Flush(r.sink)
+	err = settle()
 	if err != nil {
 		err = rejected(err)
 		r.stats.Reject(statusOf(err))

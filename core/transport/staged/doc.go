@@ -13,12 +13,19 @@
 // straight through.
 //
 // Consumer side: a sink over a device slab admits each frame through the
-// shard's RegionSink, hands the transport a page-locked buffer to read the
-// payload into, and when the frame ends copies the buffer to its place in
-// the slab before ending the frame in the shard. A frame is acknowledged,
-// and so the item can be completed and published, only after its bytes
-// are on the GPU. Frames of different connections stage at the same time,
-// so one connection's PCIe copy overlaps the others' socket reads.
+// shard's RegionSink and hands the transport a page-locked buffer to read
+// the payload into. When the frame ends, its copy to its place in the
+// slab is queued (gpu.Uploader; transport.LaterFrame) and the receiver
+// reads the next frame while the copy engine moves this one. The
+// receiver's Flush, before it acknowledges anything (at the latest when
+// its next read would wait, or after 64 frames), waits for the copies
+// queued so far and only then ends each frame in the shard. So a frame is
+// acknowledged, and its item completed and published, only after its
+// bytes are on the GPU, and the socket reads and the PCIe copies of one
+// connection's stream overlap; those of different connections do too. A
+// device that cannot queue uploads, and a frame staged through pageable
+// memory, copy and wait in the frame's End instead. A receiving frame
+// that finds every buffer lent to queued frames finishes those first.
 //
 // The receive side never waits for a buffer: a frame that finds the
 // budget spent stages through ordinary (pageable) memory instead, slower

@@ -240,17 +240,19 @@ type rconn struct {
 	peer    string
 	hdr     [HeaderLen]byte
 	scratch []byte
-	// acks owed to the writer, held back while more of the stream is
-	// already here, so that frames that arrive together are answered by
-	// one write; they go out before any read that would wait
-	// (ackingReader).
-	acks []byte
-	owed int // frames acks holds
+	// owed are the acks owed to the writer, held back while more of the
+	// stream is already here, so that frames that arrive together are
+	// answered by one write; they go out before any read that would wait
+	// (ackingReader). owedBytes is about what they take on the wire;
+	// acks is the buffer they are written from.
+	owed      []owedAck
+	owedBytes int
+	acks      []byte
 
 	// open is the reservation whose frame end is owed, if any; end ends it.
 	open    bool
 	openRes ids.ResID
-	end     func(ok bool) error
+	end     func(ok bool) transport.Settle
 
 	// Guarded by r.mu. idleSince is when the connection last had no
 	// frame in flight (zero while one is); evicted says the accept loop
@@ -479,21 +481,21 @@ func (rc *rconn) stalled(h *Header, got int, err error) {
 	r.logs.warn(r.log, "transport: closing a connection whose frame stalled; the frame ends torn", args...)
 }
 
-// endOpen settles the owed EndWrite. It reports false when the sink
+// endOpen ends the open frame, and returns how to learn how its end went
+// (after the sink's Flush: see flush). It reports false when the sink
 // panicked: its state is then unknown, so the frame must not be acked.
-// failed is a frame sink's refusal of a frame whose bytes all arrived.
-func (rc *rconn) endOpen(ok bool) (settled bool, failed error) {
+func (rc *rconn) endOpen(ok bool) (settle transport.Settle, ended bool) {
 	if !rc.open {
-		return true, nil
+		return nil, true
 	}
 	rc.open = false
 	defer func() {
 		if p := recover(); p != nil {
 			serve.LogPanic(rc.r.log, p, "transport: panic in sink EndWrite", "res", rc.openRes)
-			settled = false
+			settle, ended = nil, false
 		}
 	}()
-	return true, rc.end(ok)
+	return rc.end(ok), true
 }
 
 // frame handles one frame and reports whether the connection is still in
@@ -555,7 +557,6 @@ func (rc *rconn) frame() bool {
 
 // payload reads an open frame's payload into dst and acks it.
 func (rc *rconn) payload(h Header, dst []byte) bool {
-	r := rc.r
 	if n, err := io.ReadFull(rc.br, dst); err != nil {
 		rc.endOpen(false)
 		if timedOut(err) {
@@ -563,17 +564,11 @@ func (rc *rconn) payload(h Header, dst []byte) bool {
 		}
 		return false
 	}
-	settled, failed := rc.endOpen(true)
-	if !settled {
+	settle, ended := rc.endOpen(true)
+	if !ended {
 		return false
 	}
-	if failed != nil {
-		st := transport.StatusOf(failed)
-		r.stats.Reject(st)
-		return rc.sendAck(Ack{Seq: h.Seq, Status: st, Msg: failed.Error()})
-	}
-	r.stats.Landed(h.Length)
-	return rc.sendAck(Ack{Seq: h.Seq, Status: transport.StatusOK})
+	return rc.owe(owedAck{seq: h.Seq, n: h.Length, settle: settle})
 }
 
 // refuse discards the payload so the connection stays in step, then tells
@@ -600,13 +595,29 @@ func (rc *rconn) refuse(h Header, cause error) bool {
 	return rc.sendAck(Ack{Seq: h.Seq, Status: st, Msg: cause.Error()})
 }
 
-// sendAck owes the writer an ack; it is written with the others owed
-// before the next read that would wait, or once they fill maxOwedAcks or
-// answer maxHeldFrames frames.
+// owedAck is an ack owed to the writer: for a frame that landed, its
+// length and how its end went (known once the sink flushed); for any
+// other, its status and message.
+type owedAck struct {
+	seq    uint64
+	n      uint64
+	settle transport.Settle // nil: status and msg say it already
+	status transport.Status
+	msg    string
+}
+
+// sendAck owes the writer an ack whose answer is known.
 func (rc *rconn) sendAck(a Ack) bool {
-	rc.acks = AppendAck(rc.acks, a)
-	rc.owed++
-	if len(rc.acks) >= maxOwedAcks || rc.owed >= maxHeldFrames {
+	return rc.owe(owedAck{seq: a.Seq, status: a.Status, msg: a.Msg})
+}
+
+// owe holds an ack back; it is written with the others owed before the
+// next read that would wait, or once they fill maxOwedAcks or answer
+// maxHeldFrames frames.
+func (rc *rconn) owe(a owedAck) bool {
+	rc.owed = append(rc.owed, a)
+	rc.owedBytes += AckHeaderLen + len(a.msg)
+	if rc.owedBytes >= maxOwedAcks || len(rc.owed) >= maxHeldFrames {
 		return rc.flush()
 	}
 	return true
@@ -634,7 +645,7 @@ func rawConn(c net.Conn) syscall.RawConn {
 
 func (a ackingReader) Read(p []byte) (int, error) {
 	rc := a.rc
-	if len(rc.acks) > 0 && len(p) > 0 {
+	if len(rc.owed) > 0 && len(p) > 0 {
 		if a.raw != nil {
 			n, err, waits := tryRead(a.raw, p)
 			if !waits {
@@ -677,17 +688,57 @@ func tryRead(raw syscall.RawConn, p []byte) (n int, err error, waits bool) {
 	return n, nil, false
 }
 
-// flush publishes what the frames it answers completed (their items'
-// readiness, transport.FlushSink), then writes their acks.
+// flush lets the sink finish and publish what the frames it answers
+// completed (their bytes on the GPU, their items' readiness:
+// transport.FlushSink), learns how each frame's end went, then writes
+// their acks. A frame whose end panicked in the sink is not acked, and
+// the connection ends after the others' acks.
 func (rc *rconn) flush() bool {
-	if len(rc.acks) == 0 {
+	if len(rc.owed) == 0 {
 		return true
 	}
 	rc.publish()
-	rc.r.ackWrites.Add(1)
+	r := rc.r
+	inStep := true
+	for i := range rc.owed {
+		a := &rc.owed[i]
+		if a.settle != nil {
+			err, ok := rc.settle(a)
+			if !ok {
+				inStep = false
+				continue
+			}
+			a.status, a.msg = transport.StatusOf(err), ""
+			if err != nil {
+				a.msg = err.Error()
+				r.stats.Reject(a.status)
+			} else {
+				r.stats.Landed(a.n)
+			}
+		}
+		rc.acks = AppendAck(rc.acks, Ack{Seq: a.seq, Status: a.status, Msg: a.msg})
+	}
+	clear(rc.owed) // the settles and messages they hold
+	rc.owed, rc.owedBytes = rc.owed[:0], 0
+	if len(rc.acks) == 0 {
+		return inStep
+	}
+	r.ackWrites.Add(1)
 	_, err := rc.c.Write(rc.acks)
-	rc.acks, rc.owed = rc.acks[:0], 0
-	return err == nil
+	rc.acks = rc.acks[:0]
+	return inStep && err == nil
+}
+
+// settle learns how an owed frame's end went; ok is false when the sink
+// panicked.
+func (rc *rconn) settle(a *owedAck) (err error, ok bool) {
+	defer func() {
+		if p := recover(); p != nil {
+			serve.LogPanic(rc.r.log, p, "transport: panic settling a frame's end", "peer", rc.peer, "seq", a.seq)
+			err, ok = nil, false
+		}
+	}()
+	return a.settle(), true
 }
 
 // publish is the sink's Flush; a panic in it is logged, and the acks
