@@ -618,12 +618,12 @@ func grantFor(tr *transfer) Grant {
 // the resident copies that open one (see roomFor), and only those: a
 // fragmented slab can hold many resident bytes none of which help.
 func (t *Table) alloc(it Item) (uint64, error) {
-	off, err := t.slab.Alloc(it.NBytes)
-	if err == nil {
-		return off, nil
-	}
-	if !errors.Is(err, slab.ErrFull) {
+	off, ok, err := t.slab.TryAlloc(it.NBytes)
+	switch {
+	case err != nil:
 		return 0, fmt.Errorf("reserve transfer %s (%s): %w", it.TransferID, it.MMHash, err)
+	case ok:
+		return off, nil
 	}
 	victims := t.roomFor(it.NBytes)
 	if victims == nil {

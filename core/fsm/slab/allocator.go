@@ -45,31 +45,47 @@ func NewAllocator(size uint64) *Allocator {
 
 // Alloc reserves n bytes (rounded up to Align) at the lowest offset that fits.
 func (a *Allocator) Alloc(n uint64) (off uint64, err error) {
+	off, ok, err := a.TryAlloc(n)
+	switch {
+	case err != nil:
+		return 0, err
+	case !ok:
+		return 0, fmt.Errorf("slab: alloc %d bytes: %w (largest free extent %d bytes, %d of %d bytes in use)",
+			n, ErrFull, a.LargestFree(), a.inUse, a.size)
+	}
+	return off, nil
+}
+
+// TryAlloc is Alloc that says "full" with ok false and a nil error: a
+// caller with a remedy for a full slab (the shard's table evicts resident
+// copies) learns it for nothing, where Alloc's message costs a pass over
+// the free extents and a format. err is for any other cause.
+func (a *Allocator) TryAlloc(n uint64) (off uint64, ok bool, err error) {
 	if n == 0 {
-		return 0, fmt.Errorf("slab: alloc: %w", ErrZeroSize)
+		return 0, false, fmt.Errorf("slab: alloc: %w", ErrZeroSize)
 	}
 	// Checked before rounding so that rounding can never overflow.
-	if n <= a.size {
-		need := roundUp(n)
-		for i := range a.free {
-			e := &a.free[i]
-			if e.len < need {
-				continue
-			}
-			off = e.off
-			if e.len == need {
-				a.free = append(a.free[:i], a.free[i+1:]...)
-			} else {
-				e.off += need
-				e.len -= need
-			}
-			a.live[off] = need
-			a.inUse += need
-			return off, nil
-		}
+	if n > a.size {
+		return 0, false, nil
 	}
-	return 0, fmt.Errorf("slab: alloc %d bytes: %w (largest free extent %d bytes, %d of %d bytes in use)",
-		n, ErrFull, a.LargestFree(), a.inUse, a.size)
+	need := roundUp(n)
+	for i := range a.free {
+		e := &a.free[i]
+		if e.len < need {
+			continue
+		}
+		off = e.off
+		if e.len == need {
+			a.free = append(a.free[:i], a.free[i+1:]...)
+		} else {
+			e.off += need
+			e.len -= need
+		}
+		a.live[off] = need
+		a.inUse += need
+		return off, true, nil
+	}
+	return 0, false, nil
 }
 
 // Free returns the allocation that starts at off, merging it with free

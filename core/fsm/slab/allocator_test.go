@@ -147,6 +147,26 @@ func TestAllocatorFullErrorNamesSizes(t *testing.T) {
 	require.EqualError(t, err, "slab: alloc 1000 bytes: slab full (largest free extent 256 bytes, 768 of 1024 bytes in use)")
 }
 
+// TryAlloc tells want of room (ok false, no error) from a request no room
+// could serve (an error), and allocates as Alloc does.
+func TestTryAllocTellsFullFromInvalid(t *testing.T) {
+	a := NewAllocator(4 * Align)
+	off, ok, err := a.TryAlloc(3 * Align)
+	require.NoError(t, err)
+	require.True(t, ok)
+	require.Zero(t, off)
+	_, ok, err = a.TryAlloc(2 * Align)
+	require.NoError(t, err, "a full slab is no error here")
+	require.False(t, ok)
+	_, ok, err = a.TryAlloc(5 * Align)
+	require.NoError(t, err, "more than the slab holds is want of room too, as in Alloc")
+	require.False(t, ok)
+	_, ok, err = a.TryAlloc(0)
+	require.ErrorIs(t, err, ErrZeroSize)
+	require.False(t, ok)
+	require.Equal(t, uint64(3*Align), a.InUse(), "nothing refused took room")
+}
+
 func TestAllocatorAccessors(t *testing.T) {
 	a := NewAllocator(8 * Align)
 	require.Equal(t, uint64(8*Align), a.Size())

@@ -71,6 +71,14 @@ func (s *Slab) Alloc(n uint64) (off uint64, err error) {
 	return s.alloc.Alloc(n)
 }
 
+// TryAlloc is Alloc with want of room told apart (Allocator.TryAlloc).
+func (s *Slab) TryAlloc(n uint64) (off uint64, ok bool, err error) {
+	if s.state != Open {
+		return 0, false, fmt.Errorf("slab: alloc %d bytes: slab is %s: %w", n, s.state, ErrClosed)
+	}
+	return s.alloc.TryAlloc(n)
+}
+
 // Split cuts the allocation at off in two at at (Allocator.Split); a
 // Closing slab splits too, since no byte changes hands.
 func (s *Slab) Split(off, at uint64) error {
