@@ -11,6 +11,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/atomic"
 )
 
 // Frames that arrive together are checked one by one and answered
@@ -226,10 +227,17 @@ type gatedSink struct {
 	*memSink
 	open chan struct{}
 	once sync.Once
+	// opened, when set, runs as the gate opens.
+	opened func()
 }
 
 func (g *gatedSink) BeginWrite(res ids.ResID, tok ids.Token, off, n uint64) ([]byte, error) {
-	g.once.Do(func() { <-g.open })
+	g.once.Do(func() {
+		<-g.open
+		if g.opened != nil {
+			g.opened()
+		}
+	})
 	return g.memSink.BeginWrite(res, tok, off, n)
 }
 
@@ -266,5 +274,41 @@ func TestTCPLargeFramesArrivedTogetherAreAckedTogether(t *testing.T) {
 	}
 	require.Equal(t, want, sink.region(res))
 	require.Equal(t, uint64(1), r.ackWrites.Load(), "one write answered the %d frames that arrived together", frames)
+	sink.requireBalanced(t)
+}
+
+// A frame whose payload is larger than the read buffer is read in one
+// system call with the next frame's header (a readv into the slab and the
+// buffer), not in two: one for the header (which fills the buffer) and
+// one for the rest of the payload.
+func TestTCPLargeFramesArrivedTogetherAreReadInOneCallEach(t *testing.T) {
+	const frames, size = 8, 4 * readBuf
+	sink := &gatedSink{memSink: newMemSink(frames * size), open: make(chan struct{})}
+	r := listenTCP(t, newTCP(TCPConfig{SocketBuffer: 4 << 20}), sink)
+	// The gate holds the first frame after its header was read; it opens
+	// once the whole stream is in the receiver's socket.
+	var atGate atomic.Uint64
+	sink.opened = func() { atGate.Store(r.reads.Load()) }
+	res, tok := sink.reserve(t, frames*size)
+	c := dialProven(t, r.Addr())
+	require.NoError(t, c.(*net.TCPConn).SetWriteBuffer(4<<20))
+	want := randBytes(8, frames*size)
+	var stream []byte
+	for i := range frames {
+		h := Header{Seq: uint64(i + 1), Res: res, Token: tok, Offset: uint64(i * size), Length: size}
+		stream = append(AppendHeader(stream, h), want[i*size:(i+1)*size]...)
+	}
+	_, err := c.Write(stream)
+	require.NoError(t, err)
+	close(sink.open)
+	for i := range frames {
+		a := readAck(t, c)
+		require.Equal(t, uint64(i+1), a.Seq)
+		require.Equal(t, transport.StatusOK, a.Status, a.Msg)
+	}
+	require.Equal(t, want, sink.region(res))
+	// From the first payload on: one a frame, the read that found the
+	// socket empty before the acks went out, and the one that then waits.
+	require.LessOrEqual(t, r.reads.Load()-atGate.Load(), uint64(frames+2), "read system calls for %d frames", frames)
 	sink.requireBalanced(t)
 }

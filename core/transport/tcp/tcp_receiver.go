@@ -1,7 +1,6 @@
 package tcp
 
 import (
-	"bufio"
 	"crypto/hmac"
 	"crypto/rand"
 	"errors"
@@ -9,11 +8,13 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
 	"sync"
 	"syscall"
 	"time"
 
 	"go.uber.org/atomic"
+	"golang.org/x/sys/unix"
 
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/transport"
@@ -50,6 +51,7 @@ type tcpReceiver struct {
 	stats     transport.RecvCounters
 	accepted  atomic.Uint64
 	ackWrites atomic.Uint64 // writes that carried acks, for tests
+	reads     atomic.Uint64 // read system calls on data connections, for tests
 
 	done      chan struct{}
 	closeOnce sync.Once
@@ -153,7 +155,7 @@ func (r *tcpReceiver) admit(c net.Conn) bool {
 	}
 	now := time.Now()
 	rc := &rconn{r: r, c: c, peer: c.RemoteAddr().String(), acks: make([]byte, 0, AckHeaderLen+MaxAckMsg), idleSince: now, since: now}
-	rc.br = bufio.NewReaderSize(ackingReader{rc, rawConn(c)}, readBuf)
+	rc.br = newFrameReader(rc, c)
 	r.unproven++
 	r.conns[c] = rc
 	r.wg.Add(1)
@@ -236,7 +238,7 @@ func (rc *rconn) promote() bool {
 type rconn struct {
 	r       *tcpReceiver
 	c       net.Conn
-	br      *bufio.Reader
+	br      *frameReader
 	peer    string
 	hdr     [HeaderLen]byte
 	scratch []byte
@@ -623,70 +625,118 @@ func (rc *rconn) owe(a owedAck) bool {
 	return true
 }
 
-// ackingReader is what a connection's bufio.Reader reads from: it writes
-// the acks owed before a read that would wait for the network, and only
-// then, so that a writer waiting for them is never stuck, while a stream
-// of frames already in the socket (a writer's group, a large item's
-// chunks) is answered by one write however large its payloads are. Where
-// the connection gives no raw access, it writes them before every read.
-type ackingReader struct {
-	rc  *rconn
-	raw syscall.RawConn
+// frameReader is a connection's buffered reader. It writes the acks owed
+// before a read that would wait for the network, and only then, so that a
+// writer waiting for them is never stuck, while a stream of frames already
+// in the socket (a writer's group, a large item's chunks) is answered by
+// one write however large its payloads are. A read at least as large as
+// its buffer (a payload going straight into the slab) is one readv into
+// the caller's bytes and the buffer, so that the next frame's header comes
+// with the payload before it: one system call a frame. Where the
+// connection gives no raw access, it reads plainly and writes the acks
+// owed before every read.
+type frameReader struct {
+	rc   *rconn
+	raw  syscall.RawConn
+	buf  []byte
+	r, w int // buf[r:w] is read and not yet taken
 }
 
-func rawConn(c net.Conn) syscall.RawConn {
+func newFrameReader(rc *rconn, c net.Conn) *frameReader {
+	fr := &frameReader{rc: rc, buf: make([]byte, readBuf)}
 	if sc, ok := c.(syscall.Conn); ok {
 		if raw, err := sc.SyscallConn(); err == nil {
-			return raw
+			fr.raw = raw
 		}
 	}
-	return nil
+	return fr
 }
 
-func (a ackingReader) Read(p []byte) (int, error) {
-	rc := a.rc
-	if len(rc.owed) > 0 && len(p) > 0 {
-		if a.raw != nil {
-			n, err, waits := tryRead(a.raw, p)
-			if !waits {
-				return n, err
-			}
+// Read implements io.Reader: what the buffer holds first; else a read
+// into the buffer for a small p, or into p and the buffer for a large one.
+func (fr *frameReader) Read(p []byte) (int, error) {
+	if len(p) == 0 {
+		return 0, nil
+	}
+	if fr.r < fr.w {
+		n := copy(p, fr.buf[fr.r:fr.w])
+		fr.r += n
+		return n, nil
+	}
+	fr.r, fr.w = 0, 0
+	if len(p) < len(fr.buf) {
+		n, err := fr.read(fr.buf, nil)
+		if n == 0 {
+			return 0, err
 		}
-		if !rc.flush() {
+		fr.w = n
+		n = copy(p, fr.buf[:n])
+		fr.r = n
+		return n, nil
+	}
+	n, err := fr.read(p, fr.buf)
+	if n > len(p) {
+		fr.w = n - len(p)
+		return len(p), nil
+	}
+	return n, err
+}
+
+// read is one read system call into a, then b (nil: a alone), that writes
+// the acks owed first when it would wait; at least one byte, or an error.
+func (fr *frameReader) read(a, b []byte) (int, error) {
+	rc := fr.rc
+	if fr.raw == nil {
+		if len(rc.owed) > 0 && !rc.flush() {
 			return 0, errAckWrite
 		}
+		rc.r.reads.Add(1)
+		return rc.c.Read(a)
 	}
-	return rc.c.Read(p)
+	for {
+		// With acks owed, a read that would wait returns instead: they
+		// are written, and the read is tried again, waiting this time.
+		wait := len(rc.owed) == 0
+		var n int
+		var rerr error
+		cerr := fr.raw.Read(func(fd uintptr) bool {
+			for {
+				rc.r.reads.Add(1)
+				n, rerr = readv(int(fd), a, b)
+				if rerr != syscall.EINTR {
+					break
+				}
+			}
+			return rerr != syscall.EAGAIN || !wait
+		})
+		switch {
+		case cerr != nil:
+			return 0, cerr
+		case rerr == syscall.EAGAIN:
+			if !rc.flush() {
+				return 0, errAckWrite
+			}
+			continue
+		case rerr != nil:
+			return 0, os.NewSyscallError("readv", rerr)
+		case n == 0:
+			return 0, io.EOF
+		}
+		return n, nil
+	}
+}
+
+// readv reads into a, then b when it is not nil.
+func readv(fd int, a, b []byte) (int, error) {
+	if b == nil {
+		return syscall.Read(fd, a)
+	}
+	return unix.Readv(fd, [][]byte{a, b})
 }
 
 // errAckWrite ends a read whose owed acks could not be written: the
 // connection is of no more use.
 var errAckWrite = errors.New("transport: writing acks failed")
-
-// tryRead reads what the socket holds without waiting; waits reports
-// that it held nothing (the read would wait).
-func tryRead(raw syscall.RawConn, p []byte) (n int, err error, waits bool) {
-	var rerr error
-	cerr := raw.Read(func(fd uintptr) bool {
-		for {
-			n, rerr = syscall.Read(int(fd), p)
-			if rerr != syscall.EINTR {
-				return true
-			}
-		}
-	})
-	switch {
-	case cerr != nil:
-		return 0, cerr, false
-	case rerr == syscall.EAGAIN:
-		return 0, nil, true
-	case rerr != nil:
-		return 0, rerr, false
-	case n == 0:
-		return 0, io.EOF, false
-	}
-	return n, nil, false
-}
 
 // flush lets the sink finish and publish what the frames it answers
 // completed (their bytes on the GPU, their items' readiness:

@@ -526,12 +526,19 @@ func (s *slot) send(g []*chunk) {
 	// Frames of the group sent in full before the break may still be
 	// acked; the others fail here.
 	s.retire(wc)
+	// A receiver that refused the connection closes it: the write that
+	// broke on that learns why from the refusal, not as a lost connection.
+	refused := wc.refusal()
 	for _, ch := range g {
 		if wc.take(ch.seq) == nil {
 			continue
 		}
 		if ctxErr := ctxEnded(c.ctx, err); ctxErr != nil {
 			ch.settle(ctxErr)
+			continue
+		}
+		if refused != nil {
+			ch.settle(refused)
 			continue
 		}
 		ch.settle(s.w.lost(err))
