@@ -14,7 +14,9 @@
 // nearly equal chunks dealt round-robin over the pool, so one large item
 // uses every connection at once. Header and payload go out in one writev
 // straight from Src, and the receiver reads a payload larger than what it
-// has buffered straight into the sink's dst.
+// has buffered straight into the sink's dst, in one readv with its read
+// buffer, so that the next frame's header comes with it: one read system
+// call a frame while the stream flows.
 //
 // Small frames travel in groups, with no change to the wire: the chunks of
 // one Write queued together for a connection go out in one writev (at most
