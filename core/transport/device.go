@@ -94,20 +94,22 @@ type Frame interface {
 }
 
 // LaterFrame is a Frame whose end may finish after End returns: a
-// staging sink queues the frame's copy to the GPU and reads on, and waits
-// for the copies of all the frames that arrived together at once, in its
-// Flush. EndLater ends a frame whose every byte arrived, as End(true)
-// would or, when complete, as CompleteFrame's EndComplete would, and
-// returns how to learn the outcome. A LaterFrame's sink is a FlushSink.
+// staging sink queues the frame's copy to the GPU and reads on, and the
+// receiver waits for the copy only before it acknowledges the frame, so
+// that the socket and the copy engine work at once. EndLater ends a frame
+// whose every byte arrived, as End(true) would or, when complete, as
+// CompleteFrame's EndComplete would, and returns how to learn the outcome.
+// A LaterFrame's sink is a FlushSink.
 type LaterFrame interface {
 	Frame
 	EndLater(complete bool) Settle
 }
 
-// Settle tells how a frame's end went: what End(true) or EndComplete would
-// have returned. A receiver calls it exactly once, after the sink's Flush
-// (FlushSink), which finishes every frame ended before it, and only then
-// tells the writer; called before, it waits for its own frame.
+// Settle finishes a frame's end and tells how it went: what End(true) or
+// EndComplete would have returned. A receiver calls it exactly once, before
+// the sink's Flush (FlushSink) that comes before the frame's ack: it waits
+// for the frame's own copy, ends the frame at the shard, and the Flush
+// then publishes what it completed.
 type Settle func() error
 
 // Settled is the Settle of an end that already happened.

@@ -210,11 +210,10 @@ func (r *inmemReceiver) deliver(it WriteItem, sp Span, tear int) error {
 		return fmt.Errorf("%w: injected tear after %d of %d bytes", ErrConnLost, tear, len(src))
 	}
 	copy(dst, src)
-	settle := end(true)
+	err = end(true)()
 	// Each frame is answered alone here: what it completed is published
 	// before its answer, as a FlushSink asks.
 	Flush(r.sink)
-	err = settle()
 	if err != nil {
 		err = rejected(err)
 		r.stats.Reject(statusOf(err))

@@ -329,8 +329,9 @@ func errOf(s Status) error {
 // OpenFrame runs the checks every transport owes the sink and asks it for
 // the destination bytes, and for the function that ends the frame (called
 // exactly once; ok says whether every byte arrived). That returns how the
-// end went, to be called after the sink's Flush (see Settle): at once for
-// most sinks, once the sink's copies landed for a LaterFrame's. A frame
+// end went, to be called before the sink's Flush that precedes the frame's
+// ack (see Settle): known at once for most sinks, once the sink's copy
+// landed for a LaterFrame's. A frame
 // that carries its item's completion (complete) ends, when every byte
 // arrived, through the sink's in-band completion (CompleteSink,
 // CompleteFrame); a sink without one refuses it with ErrNoInBand. The

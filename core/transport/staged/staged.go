@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime/debug"
+	"slices"
 	"sync"
 
 	"go.uber.org/atomic"
@@ -127,11 +128,12 @@ func (r *receiver) Close() error {
 // stagingSink admits frames into a device slab through host buffers.
 // Over a device that queues uploads (gpu.Uploader), a frame whose bytes
 // all arrived in a page-locked buffer is ended later (LaterFrame): its
-// copy is queued and the receiver reads the next frame meanwhile; Flush,
-// which the receiver calls before it acknowledges any frame, waits for
-// the copies queued so far, in order, and only then tells the shard of
-// each frame, so that nothing is published, and no writer hears of a
-// frame, before its bytes are on the GPU.
+// copy is queued and the receiver reads the next frame meanwhile; the
+// frame's Settle, which the receiver calls before it acknowledges the
+// frame, waits for that copy alone and only then ends the frame at the
+// shard, so that nothing is published, and no writer hears of a frame,
+// before its bytes are on the GPU, and no connection's ack waits for
+// another connection's copy.
 type stagingSink struct {
 	inner     transport.RegionSink
 	dev       gpu.Device
@@ -153,16 +155,13 @@ func (s *stagingSink) BeginWrite(ids.ResID, ids.Token, uint64, uint64) ([]byte, 
 
 func (s *stagingSink) EndWrite(res ids.ResID, ok bool) { s.inner.EndWrite(res, ok) }
 
-// Flush finishes every frame whose copy was queued (waits for it, then
-// ends the frame at the shard), then publishes what the frames staged so
-// far completed, as the shard's sink holds it (transport.FlushSink).
-func (s *stagingSink) Flush() {
-	s.finishQueued()
-	transport.Flush(s.inner)
-}
+// Flush publishes what the frames staged so far completed, as the shard's
+// sink holds it (transport.FlushSink).
+func (s *stagingSink) Flush() { transport.Flush(s.inner) }
 
-// finishQueued finishes the frames queued so far, in the order their
-// copies were queued (on one stream, so the first wait is the longest).
+// finishQueued finishes every frame whose copy is queued, in the order
+// the copies were queued (on one stream, so the first wait is the
+// longest): their buffers come back.
 func (s *stagingSink) finishQueued() {
 	s.mu.Lock()
 	q := s.queued
@@ -170,6 +169,15 @@ func (s *stagingSink) finishQueued() {
 	s.mu.Unlock()
 	for _, f := range q {
 		f.finish()
+	}
+}
+
+// dequeue takes a settled frame off the queue.
+func (s *stagingSink) dequeue(f *stagedFrame) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if i := slices.Index(s.queued, f); i >= 0 {
+		s.queued = slices.Delete(s.queued, i, i+1)
 	}
 }
 
@@ -254,8 +262,8 @@ func (f *stagedFrame) EndComplete() error {
 }
 
 // EndLater implements transport.LaterFrame: the copy of a frame in a
-// page-locked buffer is queued, and the frame is finished by the sink's
-// Flush; any other is ended now.
+// page-locked buffer is queued, and the frame is finished by its Settle
+// (or by a frame that needs its buffer); any other is ended now.
 func (f *stagedFrame) EndLater(complete bool) transport.Settle {
 	if f.s.up == nil || f.host == nil {
 		if complete {
@@ -298,6 +306,7 @@ func (f *stagedFrame) finish() {
 // settle is a queued frame's transport.Settle.
 func (f *stagedFrame) settle() error {
 	f.finish()
+	f.s.dequeue(f)
 	if f.panicked != nil {
 		panic(f.panicked)
 	}

@@ -18,8 +18,11 @@ import (
 // test chose for its reservation: landed, refused, or a panic.
 type laterSink struct {
 	mu       sync.Mutex
-	flushes  int
 	outcomes map[ids.ResID]string
+	// settled counts the frames settled; flushedAfter is, for each Flush,
+	// how many had been settled then.
+	settled      int
+	flushedAfter []int
 }
 
 func (s *laterSink) BeginWrite(ids.ResID, ids.Token, uint64, uint64) ([]byte, error) {
@@ -29,7 +32,7 @@ func (s *laterSink) EndWrite(ids.ResID, bool) {}
 func (s *laterSink) Flush() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.flushes++
+	s.flushedAfter = append(s.flushedAfter, s.settled)
 }
 func (s *laterSink) BeginFrame(res ids.ResID, _ ids.Token, _, n uint64) (transport.Frame, error) {
 	return &laterFrame{s: s, res: res, buf: make([]byte, n)}, nil
@@ -46,11 +49,10 @@ func (f *laterFrame) End(ok bool) error { return nil }
 func (f *laterFrame) EndLater(bool) transport.Settle {
 	return func() error {
 		f.s.mu.Lock()
-		flushed, outcome := f.s.flushes > 0, f.s.outcomes[f.res]
+		f.s.settled++
+		outcome := f.s.outcomes[f.res]
 		f.s.mu.Unlock()
 		switch {
-		case !flushed:
-			return fmt.Errorf("frame %d settled before the sink's Flush", f.res)
 		case outcome == "refuse":
 			return fmt.Errorf("injected refusal: %w", transport.ErrGone)
 		case outcome == "panic":
@@ -61,9 +63,9 @@ func (f *laterFrame) EndLater(bool) transport.Settle {
 }
 
 // TestFramesEndedLaterAreAckedAfterTheFlushWithTheirOutcome: frames whose
-// sink ends them later are answered only after its Flush, each with how
-// its end went; a frame whose end panicked is not answered, and the
-// connection ends after the others' answers.
+// sink ends them later are settled, then the sink flushed, and only then
+// answered, each with how its end went; a frame whose end panicked is not
+// answered, and the connection ends after the others' answers.
 func TestFramesEndedLaterAreAckedAfterTheFlushWithTheirOutcome(t *testing.T) {
 	sink := &laterSink{outcomes: map[ids.ResID]string{2: "refuse", 3: "panic"}}
 	r := listenTCP(t, newTCP(TCPConfig{}), sink)
@@ -85,6 +87,10 @@ func TestFramesEndedLaterAreAckedAfterTheFlushWithTheirOutcome(t *testing.T) {
 	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	_, err = io.ReadFull(c, make([]byte, 1))
 	require.ErrorIs(t, err, io.EOF, "the frame whose end panicked is not answered, and the connection ends")
+	sink.mu.Lock()
+	require.NotEmpty(t, sink.flushedAfter)
+	require.Equal(t, 3, sink.flushedAfter[len(sink.flushedAfter)-1], "a Flush came after the three frames were settled")
+	sink.mu.Unlock()
 	st := r.Stats()
 	require.Equal(t, uint64(1), st.Frames, "only the frame that landed counts as landed")
 	require.Equal(t, uint64(100), st.Bytes)

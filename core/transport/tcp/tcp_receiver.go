@@ -738,16 +738,16 @@ func readv(fd int, a, b []byte) (int, error) {
 // connection is of no more use.
 var errAckWrite = errors.New("transport: writing acks failed")
 
-// flush lets the sink finish and publish what the frames it answers
-// completed (their bytes on the GPU, their items' readiness:
-// transport.FlushSink), learns how each frame's end went, then writes
-// their acks. A frame whose end panicked in the sink is not acked, and
-// the connection ends after the others' acks.
+// flush finishes the ends of the frames it answers and learns how each
+// went (a staging sink waits for each one's copy to the GPU), lets the
+// sink publish what they completed (their items' readiness:
+// transport.FlushSink), then writes their acks. A frame whose end
+// panicked in the sink is not acked, and the connection ends after the
+// others' acks.
 func (rc *rconn) flush() bool {
 	if len(rc.owed) == 0 {
 		return true
 	}
-	rc.publish()
 	r := rc.r
 	inStep := true
 	for i := range rc.owed {
@@ -768,6 +768,7 @@ func (rc *rconn) flush() bool {
 		}
 		rc.acks = AppendAck(rc.acks, Ack{Seq: a.seq, Status: a.status, Msg: a.msg})
 	}
+	rc.publish()
 	clear(rc.owed) // the settles and messages they hold
 	rc.owed, rc.owedBytes = rc.owed[:0], 0
 	if len(rc.acks) == 0 {
