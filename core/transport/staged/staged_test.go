@@ -213,11 +213,7 @@ func (plainSink) EndWrite(ids.ResID, bool)                                      
 // frame that finds every buffer lent still lands, through pageable memory.
 func TestSpentBudgetStagesThroughPageableMemory(t *testing.T) {
 	host := gpu.NewFakeHost(1)
-	dev, _ := host.Device(0)
-	const size = 4 << 20
-	addr, window := host.Alloc(0, size)
-	regions := transporttest.NewDevice(size)
-	s := &stagingSink{inner: regions, dev: dev, slab: slab.DeviceMemory(addr, size, "cuda:0"), pool: newPool(1, receiveRound), log: transporttest.Quiet()}
+	s, regions, window := directSink(t, host, 4<<20, 1, false)
 	res, tok := regions.Reserve(2000)
 
 	first, err := s.BeginFrame(res, tok, 0, 1000)
@@ -343,11 +339,7 @@ func TestFramesArrivedTogetherCopyWhileTheNextAreRead(t *testing.T) {
 // takes a buffer back, rather than staging through pageable memory.
 func TestAFrameFindingEveryBufferQueuedFinishesThoseFirst(t *testing.T) {
 	host := gpu.NewFakeHost(1)
-	dev, _ := host.Device(0)
-	const size = 4 << 20
-	addr, window := host.Alloc(0, size)
-	regions := transporttest.NewDevice(size)
-	s := &stagingSink{inner: regions, dev: dev, up: dev.(gpu.Uploader), slab: slab.DeviceMemory(addr, size, "cuda:0"), pool: newPool(1, receiveRound), log: transporttest.Quiet()}
+	s, regions, window := directSink(t, host, 4<<20, 1, true)
 	res, tok := regions.Reserve(2000)
 	want := transporttest.RandBytes(4, 2000)
 
@@ -379,11 +371,7 @@ func TestAFrameFindingEveryBufferQueuedFinishesThoseFirst(t *testing.T) {
 // it still lands.
 func TestAQueuedCopyThatFailsTearsItsFrameOnly(t *testing.T) {
 	host := gpu.NewFakeHost(1)
-	dev, _ := host.Device(0)
-	const size = 4 << 20
-	addr, window := host.Alloc(0, size)
-	regions := transporttest.NewDevice(size)
-	s := &stagingSink{inner: regions, dev: dev, up: dev.(gpu.Uploader), slab: slab.DeviceMemory(addr, size, "cuda:0"), pool: newPool(4<<20, receiveRound), log: transporttest.Quiet()}
+	s, regions, window := directSink(t, host, 4<<20, 4<<20, true)
 	bad, badTok := regions.Reserve(100)
 	good, goodTok := regions.Reserve(100)
 	want := transporttest.RandBytes(5, 100)
@@ -412,4 +400,20 @@ func TestAQueuedCopyThatFailsTearsItsFrameOnly(t *testing.T) {
 	require.NoError(t, regions.Balance())
 	s.pool.close()
 	require.Zero(t, host.HostBuffers())
+}
+
+// directSink is a staging sink over a fake device's slab of size bytes,
+// driven directly by a test (no receiver), with a budget of pinned bytes;
+// up says whether its device queues uploads. window is the slab's bytes.
+func directSink(t *testing.T, host *gpu.FakeHost, size, budget int, up bool) (s *stagingSink, regions *transporttest.Regions, window []byte) {
+	t.Helper()
+	dev, err := host.Device(0)
+	require.NoError(t, err)
+	addr, window := host.Alloc(0, size)
+	regions = transporttest.NewDevice(uint64(size))
+	s = &stagingSink{inner: regions, dev: dev, slab: slab.DeviceMemory(addr, uint64(size), "cuda:0"), pool: newPool(budget, receiveRound), log: transporttest.Quiet()}
+	if up {
+		s.up = dev.(gpu.Uploader)
+	}
+	return s, regions, window
 }

@@ -249,32 +249,8 @@ func (g *gatedSink) EndWrite(res ids.ResID, ok bool) { g.memSink.EndWrite(res, o
 // into the slab (one write system call, and one wake of the writer's ack
 // reader, per frame).
 func TestTCPLargeFramesArrivedTogetherAreAckedTogether(t *testing.T) {
-	const frames, size = 8, 4 * readBuf
-	sink := &gatedSink{memSink: newMemSink(frames * size), open: make(chan struct{})}
-	// Socket buffers that hold the whole stream: once the test's write
-	// returned, every byte is in the receiver's socket.
-	r := listenTCP(t, newTCP(TCPConfig{SocketBuffer: 4 << 20}), sink)
-	res, tok := sink.reserve(t, frames*size)
-	c := dialProven(t, r.Addr())
-	require.NoError(t, c.(*net.TCPConn).SetWriteBuffer(4<<20))
-
-	want := randBytes(7, frames*size)
-	var stream []byte
-	for i := range frames {
-		h := Header{Seq: uint64(i + 1), Res: res, Token: tok, Offset: uint64(i * size), Length: size}
-		stream = append(AppendHeader(stream, h), want[i*size:(i+1)*size]...)
-	}
-	_, err := c.Write(stream)
-	require.NoError(t, err)
-	close(sink.open)
-	for i := range frames {
-		a := readAck(t, c)
-		require.Equal(t, uint64(i+1), a.Seq)
-		require.Equal(t, transport.StatusOK, a.Status, a.Msg)
-	}
-	require.Equal(t, want, sink.region(res))
-	require.Equal(t, uint64(1), r.ackWrites.Load(), "one write answered the %d frames that arrived together", frames)
-	sink.requireBalanced(t)
+	r, _ := largeFramesArrivedTogether(t, 7)
+	require.Equal(t, uint64(1), r.ackWrites.Load(), "one write answered the %d frames that arrived together", largeFrames)
 }
 
 // A frame whose payload is larger than the read buffer is read in one
@@ -282,17 +258,30 @@ func TestTCPLargeFramesArrivedTogetherAreAckedTogether(t *testing.T) {
 // buffer), not in two: one for the header (which fills the buffer) and
 // one for the rest of the payload.
 func TestTCPLargeFramesArrivedTogetherAreReadInOneCallEach(t *testing.T) {
-	const frames, size = 8, 4 * readBuf
+	r, atGate := largeFramesArrivedTogether(t, 8)
+	// From the first payload on: one a frame, the read that found the
+	// socket empty before the acks went out, and the one that then waits.
+	require.LessOrEqual(t, r.reads.Load()-atGate, uint64(largeFrames+2), "read system calls for %d frames", largeFrames)
+}
+
+const largeFrames, largeFrame = 8, 4 * readBuf
+
+// largeFramesArrivedTogether writes largeFrames frames too large for the
+// receiver's read buffer as one stream, whole in the receiver's socket
+// before it reads past the first header (a gate holds the first frame;
+// socket buffers hold the whole stream), reads their acks and checks the
+// bytes. atGate is the receiver's read calls when the gate opened.
+func largeFramesArrivedTogether(t *testing.T, seed uint64) (r *tcpReceiver, atGate uint64) {
+	t.Helper()
+	const frames, size = largeFrames, largeFrame
 	sink := &gatedSink{memSink: newMemSink(frames * size), open: make(chan struct{})}
-	r := listenTCP(t, newTCP(TCPConfig{SocketBuffer: 4 << 20}), sink)
-	// The gate holds the first frame after its header was read; it opens
-	// once the whole stream is in the receiver's socket.
-	var atGate atomic.Uint64
-	sink.opened = func() { atGate.Store(r.reads.Load()) }
+	r = listenTCP(t, newTCP(TCPConfig{SocketBuffer: 4 << 20}), sink)
+	var gate atomic.Uint64
+	sink.opened = func() { gate.Store(r.reads.Load()) }
 	res, tok := sink.reserve(t, frames*size)
 	c := dialProven(t, r.Addr())
 	require.NoError(t, c.(*net.TCPConn).SetWriteBuffer(4<<20))
-	want := randBytes(8, frames*size)
+	want := randBytes(seed, frames*size)
 	var stream []byte
 	for i := range frames {
 		h := Header{Seq: uint64(i + 1), Res: res, Token: tok, Offset: uint64(i * size), Length: size}
@@ -307,8 +296,6 @@ func TestTCPLargeFramesArrivedTogetherAreReadInOneCallEach(t *testing.T) {
 		require.Equal(t, transport.StatusOK, a.Status, a.Msg)
 	}
 	require.Equal(t, want, sink.region(res))
-	// From the first payload on: one a frame, the read that found the
-	// socket empty before the acks went out, and the one that then waits.
-	require.LessOrEqual(t, r.reads.Load()-atGate.Load(), uint64(frames+2), "read system calls for %d frames", frames)
 	sink.requireBalanced(t)
+	return r, gate.Load()
 }
