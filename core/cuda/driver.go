@@ -535,64 +535,6 @@ func (d *Device) CopyFromHost(dst uintptr, src []byte) error {
 	}, func() string { return fmt.Sprintf("%s: %d bytes from host to %#x", d.Name(), len(src), dst) })
 }
 
-// QueueFromHost implements gpu.Uploader: the copy and an event of the
-// free list after it, on the host-to-device stream that CopyFromHost
-// uses too, so that the two keep their order.
-func (d *Device) QueueFromHost(dst uintptr, src []byte) (gpu.Pending, error) {
-	u := &upload{d: d, what: fmt.Sprintf("%s: %d bytes from host to %#x", d.Name(), len(src), dst)}
-	if len(src) == 0 {
-		return u, nil
-	}
-	err := d.with(func() error {
-		done, err := d.getDone()
-		if err != nil {
-			return err
-		}
-		var failed *C.char
-		if r := C.ecm_cu_queue_htod(d.h2d, done, C.ecm_CUdeviceptr(dst), unsafe.Pointer(unsafe.SliceData(src)), C.size_t(len(src)), &failed); r != C.ECM_CUDA_SUCCESS {
-			C.ecm_cuEventDestroy(done)
-			return copyErr(u.what, failed, r)
-		}
-		u.done, u.queued = done, true
-		return nil
-	})
-	if err != nil {
-		return nil, err
-	}
-	return u, nil
-}
-
-// upload is a copy queued by QueueFromHost; its event goes back to the
-// free list once waited for.
-type upload struct {
-	d      *Device
-	what   string
-	queued bool // false: nothing was copied
-	done   C.ecm_CUevent
-	once   sync.Once
-	err    error
-}
-
-// Wait implements gpu.Pending; the timing it returns is zero (an upload
-// keeps no time). A second call returns the first's answer.
-func (u *upload) Wait() (gpu.CopyTiming, error) {
-	u.once.Do(func() {
-		if !u.queued {
-			return
-		}
-		u.err = u.d.with(func() error {
-			var failed *C.char
-			if r := C.ecm_cu_wait(u.done, &failed); r != C.ECM_CUDA_SUCCESS {
-				C.ecm_cuEventDestroy(u.done)
-				return copyErr(u.what, failed, r)
-			}
-			u.d.done.put(u.done)
-			return nil
-		})
-	})
-	return gpu.CopyTiming{}, u.err
-}
-
 // hostCopy runs one copy between host and device that records done, an
 // event of the free list, and waits for it. A failed copy's event is
 // destroyed, as its state is unknown, and its error names what.
@@ -765,7 +707,6 @@ var (
 	_ gpu.TimedCopier     = (*Device)(nil)
 	_ gpu.DeviceAllocator = (*Device)(nil)
 	_ gpu.ValueWriter     = (*Device)(nil)
-	_ gpu.Uploader        = (*Device)(nil)
 )
 
 // deviceMem is memory from cuMemAlloc.

@@ -93,35 +93,6 @@ func TestCopiesRoundTrip(t *testing.T) {
 	require.True(t, bytes.Equal(want, got), "bytes differ after host -> device -> device -> host")
 }
 
-// Uploads queued one after another land in order, each whole, and the
-// free list gets their events back once waited for.
-func TestQueuedUploadsLandInOrder(t *testing.T) {
-	dev := gpuDevice(t)
-	const n, k = 1<<20 + 77, 4
-	dst := devMem(t, dev, n)
-	var pends []gpu.Pending
-	var last []byte
-	for i := range k {
-		pinned := pinnedMem(t, dev, n)
-		last = pattern(n, byte(i+1))
-		copy(pinned.Bytes(), last)
-		p, err := dev.QueueFromHost(dst, pinned.Bytes())
-		require.NoError(t, err)
-		pends = append(pends, p)
-	}
-	for _, p := range pends {
-		_, err := p.Wait()
-		require.NoError(t, err)
-	}
-	got := make([]byte, n)
-	require.NoError(t, dev.CopyToHost(got, dst, nil))
-	require.True(t, bytes.Equal(last, got), "the last upload queued is the one the memory holds")
-	p, err := dev.QueueFromHost(dst, nil)
-	require.NoError(t, err)
-	_, err = p.Wait()
-	require.NoError(t, err, "an empty upload queues nothing and waits for nothing")
-}
-
 func TestCheckAndExport(t *testing.T) {
 	dev := gpuDevice(t)
 	const n = 4 << 20

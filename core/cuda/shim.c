@@ -422,21 +422,9 @@ ecm_CUresult ecm_cu_copy_dtoh(ecm_CUstream s, ecm_CUevent done, ecm_CUevent afte
 	return ECM_CUDA_SUCCESS;
 }
 
-ecm_CUresult ecm_cu_queue_htod(ecm_CUstream s, ecm_CUevent done, ecm_CUdeviceptr dst, const void *src, size_t n, const char **failed) {
+ecm_CUresult ecm_cu_copy_htod(ecm_CUstream s, ecm_CUevent done, ecm_CUdeviceptr dst, const void *src, size_t n, const char **failed) {
 	TRY(cu.cuMemcpyHtoDAsync(dst, src, n, s), "cuMemcpyHtoDAsync");
 	TRY(cu.cuEventRecord(done, s), "cuEventRecord");
-	return ECM_CUDA_SUCCESS;
-}
-
-ecm_CUresult ecm_cu_wait(ecm_CUevent done, const char **failed) {
 	TRY(wait_done(done), "cuEventSynchronize");
 	return ECM_CUDA_SUCCESS;
-}
-
-ecm_CUresult ecm_cu_copy_htod(ecm_CUstream s, ecm_CUevent done, ecm_CUdeviceptr dst, const void *src, size_t n, const char **failed) {
-	ecm_CUresult r = ecm_cu_queue_htod(s, done, dst, src, n, failed);
-	if (r != ECM_CUDA_SUCCESS) {
-		return r;
-	}
-	return ecm_cu_wait(done, failed);
 }

@@ -131,11 +131,6 @@ ecm_CUresult ecm_cu_copy_batch_queue(ecm_CUstream s, ecm_CUevent start, ecm_CUev
 ecm_CUresult ecm_cu_wait_timed(ecm_CUevent start, ecm_CUevent done, int64_t *wait_ns, float *gpu_ms, const char **failed);
 ecm_CUresult ecm_cu_copy_dtoh(ecm_CUstream s, ecm_CUevent done, ecm_CUevent after, void *dst, ecm_CUdeviceptr src, size_t n, const char **failed);
 ecm_CUresult ecm_cu_copy_htod(ecm_CUstream s, ecm_CUevent done, ecm_CUdeviceptr dst, const void *src, size_t n, const char **failed);
-/* ecm_cu_queue_htod queues what ecm_cu_copy_htod does without waiting
- * (src must be page-locked for the copy to be asynchronous); ecm_cu_wait
- * waits for its done event. */
-ecm_CUresult ecm_cu_queue_htod(ecm_CUstream s, ecm_CUevent done, ecm_CUdeviceptr dst, const void *src, size_t n, const char **failed);
-ecm_CUresult ecm_cu_wait(ecm_CUevent done, const char **failed);
 
 #pragma GCC visibility pop
 

@@ -33,11 +33,6 @@ type FakeHost struct {
 	wordsStored int
 	// batches queued by QueueCopyThen, and those of them waited for
 	queued, waited int
-	// host-to-device copies begun, and the gate they wait at while held
-	// (nil: not held)
-	uploads    int
-	uploadGate chan struct{}
-	lastUpload chan struct{} // the last queued upload's done
 
 	// counters read by tests
 	mappings, events, hostBufs int
@@ -378,67 +373,7 @@ func (d *fakeDevice) CopyToHost(dst []byte, src uintptr, after Event) error {
 }
 
 func (d *fakeDevice) CopyFromHost(dst uintptr, src []byte) error {
-	if gate := d.h.beginUpload(); gate != nil {
-		<-gate
-	}
 	return d.copy(func() error { return d.h.moveLocked("copy destination", dst, src, true) })
-}
-
-// QueueFromHost implements Uploader: the copy runs on its own (a
-// goroutine, after the uploads queued before it, and behind HoldUploads'
-// gate when held) while the caller goes on, and its Pending waits for it.
-func (d *fakeDevice) QueueFromHost(dst uintptr, src []byte) (Pending, error) {
-	p := &fakePending{h: d.h, done: make(chan struct{}), upload: true}
-	d.h.mu.Lock()
-	d.h.uploads++
-	gate, before := d.h.uploadGate, d.h.lastUpload
-	d.h.lastUpload = p.done
-	d.h.mu.Unlock()
-	go func() {
-		defer close(p.done)
-		// One stream: in the order queued.
-		if before != nil {
-			<-before
-		}
-		if gate != nil {
-			<-gate
-		}
-		p.err = d.copy(func() error { return d.h.moveLocked("copy destination", dst, src, true) })
-	}()
-	return p, nil
-}
-
-// HoldUploads makes host-to-device copies begun from now on wait until
-// ReleaseUploads, as a busy copy engine would: a test sees what a
-// receiver does while its copies are in flight.
-func (h *FakeHost) HoldUploads() {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if h.uploadGate == nil {
-		h.uploadGate = make(chan struct{})
-	}
-}
-
-// ReleaseUploads lets the held host-to-device copies run.
-func (h *FakeHost) ReleaseUploads() {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if h.uploadGate != nil {
-		close(h.uploadGate)
-		h.uploadGate = nil
-	}
-}
-
-// Uploads counts host-to-device copies begun (queued or synchronous).
-func (h *FakeHost) Uploads() int { return h.read(&h.uploads) }
-
-// beginUpload counts a host-to-device copy and returns the gate it waits
-// at (nil when uploads are not held).
-func (h *FakeHost) beginUpload() <-chan struct{} {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	h.uploads++
-	return h.uploadGate
 }
 
 // moveLocked copies host bytes to the fake memory at addr (toFake) or from
@@ -585,20 +520,16 @@ func (d *fakeDevice) QueueCopyThen(ops []DeviceCopy, then []ValueWrite) (Pending
 }
 
 type fakePending struct {
-	h      *FakeHost
-	done   chan struct{}
-	once   sync.Once
-	tm     CopyTiming
-	err    error
-	upload bool // QueueFromHost's, which QueuedBatches does not count
+	h    *FakeHost
+	done chan struct{}
+	once sync.Once
+	tm   CopyTiming
+	err  error
 }
 
 func (p *fakePending) Wait() (CopyTiming, error) {
 	<-p.done
 	p.once.Do(func() {
-		if p.upload {
-			return
-		}
 		p.h.mu.Lock()
 		p.h.waited++
 		p.h.mu.Unlock()
@@ -646,5 +577,4 @@ var (
 	_ Device      = (*fakeDevice)(nil)
 	_ TimedCopier = (*fakeDevice)(nil)
 	_ ValueWriter = (*fakeDevice)(nil)
-	_ Uploader    = (*fakeDevice)(nil)
 )

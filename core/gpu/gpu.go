@@ -244,19 +244,6 @@ type ValueWriter interface {
 	QueueCopyThen(ops []DeviceCopy, then []ValueWrite) (Pending, error)
 }
 
-// Uploader is a Device that can queue a copy from page-locked host
-// memory into device memory without waiting for it: a receiver reads the
-// next frame from the network while the copy engine moves the last one,
-// and waits once for all of them before it tells anyone they landed.
-type Uploader interface {
-	// QueueFromHost queues the copy of src to dst on the device's one
-	// host-to-device stream, after every copy queued there before. src
-	// must be this device's AllocHost memory (pageable memory would make
-	// the driver copy it synchronously) and stay unchanged until the
-	// Pending's Wait returned; Wait is called once.
-	QueueFromHost(dst uintptr, src []byte) (Pending, error)
-}
-
 // Pending is a batch queued on a device.
 type Pending interface {
 	// Wait returns once the batch completed, with its timing, or why it

@@ -93,35 +93,6 @@ type Frame interface {
 	End(ok bool) error
 }
 
-// LaterFrame is a Frame whose end may finish after End returns: a
-// staging sink queues the frame's copy to the GPU and reads on, and the
-// receiver waits for the copy only before it acknowledges the frame, so
-// that the socket and the copy engine work at once. EndLater ends a frame
-// whose every byte arrived, as End(true) would or, when complete, as
-// CompleteFrame's EndComplete would, and returns how to learn the outcome.
-// A LaterFrame's sink is a FlushSink.
-type LaterFrame interface {
-	Frame
-	EndLater(complete bool) Settle
-}
-
-// Settle finishes a frame's end and tells how it went: what End(true) or
-// EndComplete would have returned. A receiver calls it exactly once, before
-// the sink's Flush (FlushSink) that comes before the frame's ack: it waits
-// for the frame's own copy, ends the frame at the shard, and the Flush
-// then publishes what it completed.
-type Settle func() error
-
-// Settled is the Settle of an end that already happened.
-func Settled(err error) Settle {
-	if err == nil {
-		return settledOK
-	}
-	return func() error { return err }
-}
-
-var settledOK Settle = func() error { return nil }
-
 // StatusOf classifies a refusal for the wire, for transports outside this
 // package.
 func StatusOf(err error) Status { return statusOf(err) }

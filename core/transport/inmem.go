@@ -206,11 +206,11 @@ func (r *inmemReceiver) deliver(it WriteItem, sp Span, tear int) error {
 	src := it.Src[sp.Off:sp.End]
 	if tear >= 0 && tear < len(src) {
 		copy(dst, src[:tear])
-		end(false)()
+		_ = end(false)
 		return fmt.Errorf("%w: injected tear after %d of %d bytes", ErrConnLost, tear, len(src))
 	}
 	copy(dst, src)
-	err = end(true)()
+	err = end(true)
 	// Each frame is answered alone here: what it completed is published
 	// before its answer, as a FlushSink asks.
 	Flush(r.sink)

@@ -328,44 +328,33 @@ func errOf(s Status) error {
 
 // OpenFrame runs the checks every transport owes the sink and asks it for
 // the destination bytes, and for the function that ends the frame (called
-// exactly once; ok says whether every byte arrived). That returns how the
-// end went, to be called before the sink's Flush that precedes the frame's
-// ack (see Settle): known at once for most sinks, once the sink's copy
-// landed for a LaterFrame's. A frame
-// that carries its item's completion (complete) ends, when every byte
-// arrived, through the sink's in-band completion (CompleteSink,
-// CompleteFrame); a sink without one refuses it with ErrNoInBand. The
-// returned error always wraps ErrRejected.
-func OpenFrame(sink Sink, res ids.ResID, tok ids.Token, off, n uint64, complete bool) ([]byte, func(ok bool) Settle, error) {
+// exactly once). A frame that carries its item's completion (complete)
+// ends, when every byte arrived, through the sink's in-band completion
+// (CompleteSink, CompleteFrame); a sink without one refuses it with
+// ErrNoInBand. The returned error always wraps ErrRejected.
+func OpenFrame(sink Sink, res ids.ResID, tok ids.Token, off, n uint64, complete bool) ([]byte, func(ok bool) error, error) {
 	if off+n < off {
 		return nil, nil, fmt.Errorf("offset %d + length %d overflows: %w", off, n, ErrOutOfBounds)
 	}
 	var dst []byte
-	var end func(ok bool) Settle
+	var end func(ok bool) error
 	if fs, ok := sink.(FrameSink); ok {
 		f, err := fs.BeginFrame(res, tok, off, n)
 		if err != nil {
 			return nil, nil, rejected(err)
 		}
-		dst = f.Bytes()
-		cf, canComplete := f.(CompleteFrame)
-		if complete && !canComplete {
-			_ = f.End(false)
-			return nil, nil, ErrNoInBand
-		}
-		if lf, later := f.(LaterFrame); later {
-			end = func(ok bool) Settle {
-				if ok {
-					return lf.EndLater(complete)
-				}
-				return Settled(lf.End(false))
+		dst, end = f.Bytes(), f.End
+		if complete {
+			cf, ok := f.(CompleteFrame)
+			if !ok {
+				_ = f.End(false)
+				return nil, nil, ErrNoInBand
 			}
-		} else {
-			end = func(ok bool) Settle {
-				if ok && complete {
-					return Settled(cf.EndComplete())
+			end = func(ok bool) error {
+				if ok {
+					return cf.EndComplete()
 				}
-				return Settled(f.End(ok))
+				return cf.End(false)
 			}
 		}
 	} else {
@@ -377,17 +366,20 @@ func OpenFrame(sink Sink, res ids.ResID, tok ids.Token, off, n uint64, complete 
 		if dst, err = sink.BeginWrite(res, tok, off, n); err != nil {
 			return nil, nil, rejected(err)
 		}
-		end = func(ok bool) Settle {
-			if ok && complete {
-				return Settled(cs.EndComplete(res, tok, off, n))
+		end = func(ok bool) error { sink.EndWrite(res, ok); return nil }
+		if complete {
+			end = func(ok bool) error {
+				if ok {
+					return cs.EndComplete(res, tok, off, n)
+				}
+				sink.EndWrite(res, false)
+				return nil
 			}
-			sink.EndWrite(res, ok)
-			return settledOK
 		}
 	}
 	if uint64(len(dst)) != n {
 		// A sink bug must not let a frame write outside what it asked for.
-		end(false)()
+		_ = end(false)
 		return nil, nil, fmt.Errorf("%w: sink gave %d bytes for a %d-byte frame", ErrRejected, len(dst), n)
 	}
 	return dst, end, nil

@@ -13,21 +13,12 @@
 // straight through.
 //
 // Consumer side: a sink over a device slab admits each frame through the
-// shard's RegionSink and hands the transport a page-locked buffer to read
-// the payload into. When the frame ends, its copy to its place in the
-// slab is queued (gpu.Uploader; transport.LaterFrame) and the receiver
-// reads the next frame while the copy engine moves this one. Before it
-// acknowledges anything (at the latest when its next read would wait, or
-// after 64 frames), the receiver settles each frame it owes an ack
-// (transport.Settle): that waits for the frame's own copy and only then
-// ends the frame in the shard, and the sink's Flush publishes what they
-// completed. So a frame is acknowledged, and its item completed and
-// published, only after its bytes are on the GPU; the socket reads and
-// the PCIe copies of one connection's stream overlap, those of different
-// connections do too, and no connection's ack waits for another's copy. A
-// device that cannot queue uploads, and a frame staged through pageable
-// memory, copy and wait in the frame's End instead. A receiving frame
-// that finds every buffer lent to queued frames finishes those first.
+// shard's RegionSink, hands the transport a page-locked buffer to read the
+// payload into, and when the frame ends copies the buffer to its place in
+// the slab before ending the frame in the shard. A frame is acknowledged,
+// and so the item can be completed and published, only after its bytes
+// are on the GPU. Frames of different connections stage at the same time,
+// so one connection's PCIe copy overlaps the others' socket reads.
 //
 // The receive side never waits for a buffer: a frame that finds the
 // budget spent stages through ordinary (pageable) memory instead, slower

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime/debug"
-	"slices"
 	"sync"
 
 	"go.uber.org/atomic"
@@ -90,9 +89,8 @@ func (t *Transport) Listen(addr string, sink transport.Sink) (transport.Receiver
 	if !ok {
 		return nil, fmt.Errorf("staged: listen %s: a %T cannot place frames in device memory (it is no RegionSink)", addr, sink)
 	}
-	up, _ := t.cfg.SlabDevice.(gpu.Uploader)
 	s := &stagingSink{
-		inner: rs, dev: t.cfg.SlabDevice, up: up, slab: t.cfg.Slab,
+		inner: rs, dev: t.cfg.SlabDevice, slab: t.cfg.Slab,
 		pool: newPool(t.cfg.StagingBytes, receiveRound),
 		log:  t.cfg.Logger.With("transport", t.Name(), "staging", t.cfg.SlabDevice.Name()),
 	}
@@ -126,25 +124,13 @@ func (r *receiver) Close() error {
 }
 
 // stagingSink admits frames into a device slab through host buffers.
-// Over a device that queues uploads (gpu.Uploader), a frame whose bytes
-// all arrived in a page-locked buffer is ended later (LaterFrame): its
-// copy is queued and the receiver reads the next frame meanwhile; the
-// frame's Settle, which the receiver calls before it acknowledges the
-// frame, waits for that copy alone and only then ends the frame at the
-// shard, so that nothing is published, and no writer hears of a frame,
-// before its bytes are on the GPU, and no connection's ack waits for
-// another connection's copy.
 type stagingSink struct {
 	inner     transport.RegionSink
 	dev       gpu.Device
-	up        gpu.Uploader // nil: every frame's copy is waited for in its End
 	slab      slab.Memory
 	pool      *pool
 	log       *slog.Logger
 	fallbacks atomic.Uint64
-
-	mu     sync.Mutex
-	queued []*stagedFrame // ended later, not finished yet; in queue order
 }
 
 var _ transport.FrameSink = (*stagingSink)(nil)
@@ -159,28 +145,6 @@ func (s *stagingSink) EndWrite(res ids.ResID, ok bool) { s.inner.EndWrite(res, o
 // sink holds it (transport.FlushSink).
 func (s *stagingSink) Flush() { transport.Flush(s.inner) }
 
-// finishQueued finishes every frame whose copy is queued, in the order
-// the copies were queued (on one stream, so the first wait is the
-// longest): their buffers come back.
-func (s *stagingSink) finishQueued() {
-	s.mu.Lock()
-	q := s.queued
-	s.queued = nil
-	s.mu.Unlock()
-	for _, f := range q {
-		f.finish()
-	}
-}
-
-// dequeue takes a settled frame off the queue.
-func (s *stagingSink) dequeue(f *stagedFrame) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if i := slices.Index(s.queued, f); i >= 0 {
-		s.queued = slices.Delete(s.queued, i, i+1)
-	}
-}
-
 func (s *stagingSink) BeginFrame(res ids.ResID, tok ids.Token, off, n uint64) (transport.Frame, error) {
 	at, err := s.inner.BeginRegion(res, tok, off, n)
 	if err != nil {
@@ -193,14 +157,8 @@ func (s *stagingSink) BeginFrame(res ids.ResID, tok ids.Token, off, n uint64) (t
 		s.inner.EndWrite(res, false)
 		return nil, fmt.Errorf("staged: reservation %d maps to [%d,+%d), outside the %d-byte slab", res, at, n, s.slab.Len)
 	}
-	f := &stagedFrame{s: s, res: res, tok: tok, off: off, n: n, dst: s.slab.Addr + uintptr(at)}
+	f := &stagedFrame{s: s, res: res, tok: tok, off: off, dst: s.slab.Addr + uintptr(at)}
 	m, err := s.pool.get(context.Background(), s.dev, int(n), false)
-	if m == nil && err == nil && s.hasQueued() {
-		// The buffers are lent to frames whose copies are queued:
-		// finishing them gives theirs back.
-		s.finishQueued()
-		m, err = s.pool.get(context.Background(), s.dev, int(n), false)
-	}
 	switch {
 	case m != nil:
 		f.host, f.buf = m, m.Bytes()[:n]
@@ -213,129 +171,44 @@ func (s *stagingSink) BeginFrame(res ids.ResID, tok ids.Token, off, n uint64) (t
 	return f, nil
 }
 
-func (s *stagingSink) hasQueued() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return len(s.queued) > 0
-}
-
 type stagedFrame struct {
 	s    *stagingSink
 	res  ids.ResID
 	tok  ids.Token
 	off  uint64 // in the reservation
-	n    uint64
 	dst  uintptr
 	host gpu.HostMem // nil when buf is pageable
 	buf  []byte
-
-	// Ended later (EndLater): the queued copy, whether the frame
-	// completes its item, and, once finished, how its end went (or the
-	// panic of the shard's sink, which settle raises again).
-	pend     gpu.Pending
-	complete bool
-	once     sync.Once
-	err      error
-	panicked any
 }
 
 func (f *stagedFrame) Bytes() []byte { return f.buf }
 
-var (
-	_ transport.CompleteFrame = (*stagedFrame)(nil)
-	_ transport.LaterFrame    = (*stagedFrame)(nil)
-)
+var _ transport.CompleteFrame = (*stagedFrame)(nil)
 
 // End copies a complete frame to the GPU before the shard hears of it, so
 // that nothing is published before its bytes are there.
 func (f *stagedFrame) End(ok bool) error {
 	ok, err := f.copyOut(ok)
-	return f.conclude(ok, false, err)
+	f.s.inner.EndWrite(f.res, ok)
+	return err
 }
 
 // EndComplete is End(true) for a frame that carries its item's
 // completion: once its bytes are on the GPU, the shard counts them and
 // completes the item when it has every byte.
 func (f *stagedFrame) EndComplete() error {
+	n := uint64(len(f.buf))
 	ok, err := f.copyOut(true)
-	return f.conclude(ok, true, err)
-}
-
-// EndLater implements transport.LaterFrame: the copy of a frame in a
-// page-locked buffer is queued, and the frame is finished by its Settle
-// (or by a frame that needs its buffer); any other is ended now.
-func (f *stagedFrame) EndLater(complete bool) transport.Settle {
-	if f.s.up == nil || f.host == nil {
-		if complete {
-			return transport.Settled(f.EndComplete())
-		}
-		return transport.Settled(f.End(true))
-	}
-	p, err := f.s.up.QueueFromHost(f.dst, f.buf)
-	if err != nil {
-		f.release()
-		return transport.Settled(f.conclude(false, complete, f.torn(err)))
-	}
-	f.pend, f.complete = p, complete
-	f.s.mu.Lock()
-	f.s.queued = append(f.s.queued, f)
-	f.s.mu.Unlock()
-	return f.settle
-}
-
-// finish waits for a queued frame's copy, gives its buffer back and ends
-// the frame at the shard, once; a panic of the shard's sink is kept for
-// settle, so that the frames finished after it still are.
-func (f *stagedFrame) finish() {
-	f.once.Do(func() {
-		defer func() {
-			if p := recover(); p != nil {
-				f.panicked = p
-			}
-		}()
-		_, err := f.pend.Wait()
-		f.release()
-		if err != nil {
-			f.err = f.conclude(false, f.complete, f.torn(err))
-			return
-		}
-		f.err = f.conclude(true, f.complete, nil)
-	})
-}
-
-// settle is a queued frame's transport.Settle.
-func (f *stagedFrame) settle() error {
-	f.finish()
-	f.s.dequeue(f)
-	if f.panicked != nil {
-		panic(f.panicked)
-	}
-	return f.err
-}
-
-// conclude tells the shard how the frame ended: its bytes on the GPU (ok)
-// or not (err says why, when it can).
-func (f *stagedFrame) conclude(ok, complete bool, err error) error {
 	cs, inBand := f.s.inner.(transport.CompleteSink)
 	switch {
 	case !ok:
 		f.s.inner.EndWrite(f.res, false)
 		return err
-	case !complete:
-		f.s.inner.EndWrite(f.res, true)
-		return nil
 	case !inBand:
 		f.s.inner.EndWrite(f.res, false)
 		return transport.ErrNoInBand
 	}
-	return cs.EndComplete(f.res, f.tok, f.off, f.n)
-}
-
-// torn names a failed copy into the slab, and logs it.
-func (f *stagedFrame) torn(err error) error {
-	err = fmt.Errorf("staged: copy of %d bytes to the slab on %s: %w", f.n, f.s.dev.Name(), err)
-	f.s.log.Error("staged: frame torn", "res", f.res, "cause", err)
-	return err
+	return cs.EndComplete(f.res, f.tok, f.off, n)
 }
 
 // copyOut copies a frame that arrived whole to the GPU and gives its
@@ -345,19 +218,16 @@ func (f *stagedFrame) copyOut(ok bool) (bool, error) {
 	var err error
 	if ok {
 		if err = f.s.dev.CopyFromHost(f.dst, f.buf); err != nil {
-			err, ok = f.torn(err), false
+			err = fmt.Errorf("staged: copy of %d bytes to the slab on %s: %w", len(f.buf), f.s.dev.Name(), err)
+			f.s.log.Error("staged: frame torn", "res", f.res, "cause", err)
+			ok = false
 		}
 	}
-	f.release()
-	return ok, err
-}
-
-// release gives the frame's staging buffer back.
-func (f *stagedFrame) release() {
 	if f.host != nil {
 		f.s.pool.put(f.host)
 	}
 	f.host, f.buf = nil, nil
+	return ok, err
 }
 
 // writer stages device sources and passes host ones straight through.

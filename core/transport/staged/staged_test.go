@@ -213,7 +213,11 @@ func (plainSink) EndWrite(ids.ResID, bool)                                      
 // frame that finds every buffer lent still lands, through pageable memory.
 func TestSpentBudgetStagesThroughPageableMemory(t *testing.T) {
 	host := gpu.NewFakeHost(1)
-	s, regions, window := directSink(t, host, 4<<20, 1, false)
+	dev, _ := host.Device(0)
+	const size = 4 << 20
+	addr, window := host.Alloc(0, size)
+	regions := transporttest.NewDevice(size)
+	s := &stagingSink{inner: regions, dev: dev, slab: slab.DeviceMemory(addr, size, "cuda:0"), pool: newPool(1, receiveRound), log: transporttest.Quiet()}
 	res, tok := regions.Reserve(2000)
 
 	first, err := s.BeginFrame(res, tok, 0, 1000)
@@ -296,124 +300,4 @@ func TestChunksKeepTheGrantForOneSidedTransports(t *testing.T) {
 	require.NoError(t, write(t, w, "peer", item)[0])
 	require.Len(t, inner.frames, 4)
 	require.Equal(t, data, inner.slab[4096+512:4096+512+len(data)])
-}
-
-// TestFramesArrivedTogetherCopyWhileTheNextAreRead: the receiver queues
-// each frame's copy into the device slab and reads on; it waits for the
-// copies only before it acknowledges them, so that the network and the
-// copy engine work at once. While the copies are held, every frame is
-// read and queued, none is acknowledged, and the shard has heard of none.
-func TestFramesArrivedTogetherCopyWhileTheNextAreRead(t *testing.T) {
-	const items = 8
-	host := gpu.NewFakeHost(1)
-	c := listen(t, host, true, 16<<20)
-	w := newWriter(t, host, 2*chunk)
-	batch := make([]transport.WriteItem, items)
-	for i := range batch {
-		res, tok := c.regions.Reserve(chunk)
-		batch[i] = transport.WriteItem{Res: res, Token: tok, Src: transporttest.RandBytes(uint64(i), chunk)}
-	}
-	host.HoldUploads()
-	t.Cleanup(host.ReleaseUploads) // before the receiver's Close, which waits for its readers
-	done := make(chan []error, 1)
-	go func() { done <- write(t, w, c.recv.Addr(), batch...) }()
-	require.Eventually(t, func() bool { return host.Uploads() == items }, 20*time.Second, time.Millisecond,
-		"every frame's copy is queued while the first is still in flight")
-	select {
-	case errs := <-done:
-		t.Fatalf("the write ended before its copies landed: %v", errs)
-	default:
-	}
-	require.Error(t, c.regions.Balance(), "no frame is ended at the shard before its bytes are on the device")
-	host.ReleaseUploads()
-	for i, err := range <-done {
-		require.NoError(t, err, "item %d", i)
-		require.Equal(t, batch[i].Src, c.slabBytes(batch[i].Res, chunk), "item %d", i)
-	}
-	require.NoError(t, c.regions.Balance())
-}
-
-// TestAFrameFindingEveryBufferQueuedFinishesThoseFirst: the buffers a
-// budget allows are lent to frames whose copies are queued; the next
-// frame finishes them (their copies land, the shard hears of them) and
-// takes a buffer back, rather than staging through pageable memory.
-func TestAFrameFindingEveryBufferQueuedFinishesThoseFirst(t *testing.T) {
-	host := gpu.NewFakeHost(1)
-	s, regions, window := directSink(t, host, 4<<20, 1, true)
-	res, tok := regions.Reserve(2000)
-	want := transporttest.RandBytes(4, 2000)
-
-	first, err := s.BeginFrame(res, tok, 0, 1000)
-	require.NoError(t, err)
-	copy(first.Bytes(), want[:1000])
-	settleFirst := first.(transport.LaterFrame).EndLater(false)
-	require.Error(t, regions.Balance(), "the first frame is queued, not ended")
-
-	second, err := s.BeginFrame(res, tok, 1000, 1000)
-	require.NoError(t, err)
-	require.NotNil(t, second.(*stagedFrame).host, "the second frame gets the buffer the first gave back")
-	require.Zero(t, s.fallbacks.Load())
-	copy(second.Bytes(), want[1000:])
-	settleSecond := second.(transport.LaterFrame).EndLater(false)
-	require.NoError(t, settleFirst())
-	require.NoError(t, settleSecond())
-	s.Flush()
-	require.False(t, s.hasQueued())
-	off := regions.Offset(res)
-	require.Equal(t, want, window[off:off+2000])
-	require.NoError(t, regions.Balance())
-	s.pool.close()
-	require.Zero(t, host.HostBuffers())
-}
-
-// TestAQueuedCopyThatFailsTearsItsFrameOnly: a queued copy that fails is
-// its frame's refusal (the shard hears it torn); the frame queued behind
-// it still lands.
-func TestAQueuedCopyThatFailsTearsItsFrameOnly(t *testing.T) {
-	host := gpu.NewFakeHost(1)
-	s, regions, window := directSink(t, host, 4<<20, 4<<20, true)
-	bad, badTok := regions.Reserve(100)
-	good, goodTok := regions.Reserve(100)
-	want := transporttest.RandBytes(5, 100)
-	host.HoldUploads()
-	host.FailNextCopies(errors.New("injected copy failure"))
-	var settles []transport.Settle
-	for _, r := range []struct {
-		res ids.ResID
-		tok ids.Token
-	}{{bad, badTok}, {good, goodTok}} {
-		f, err := s.BeginFrame(r.res, r.tok, 0, 100)
-		require.NoError(t, err)
-		copy(f.Bytes(), want)
-		settles = append(settles, f.(transport.LaterFrame).EndLater(false))
-	}
-	host.ReleaseUploads()
-	err := settles[0]()
-	require.ErrorContains(t, err, "injected copy failure")
-	require.True(t, regions.Torn(bad))
-	require.NoError(t, settles[1]())
-	s.Flush()
-	require.False(t, s.hasQueued())
-	require.False(t, regions.Torn(good))
-	off := regions.Offset(good)
-	require.Equal(t, want, window[off:off+100])
-	require.NoError(t, regions.Balance())
-	s.pool.close()
-	require.Zero(t, host.HostBuffers())
-}
-
-// directSink is a staging sink over a fake device's slab of size bytes,
-// driven directly by a test (no receiver), with a budget of pinned bytes;
-// up says whether its device queues uploads. window is the slab's bytes.
-func directSink(t *testing.T, host *gpu.FakeHost, size, budget int, up bool) (s *stagingSink, regions *transporttest.Regions, window []byte) {
-	t.Helper()
-	dev, err := host.Device(0)
-	require.NoError(t, err)
-	addr, window := host.Alloc(0, size)
-	regions = transporttest.NewDevice(uint64(size))
-	s = &stagingSink{inner: regions, dev: dev, slab: slab.DeviceMemory(addr, uint64(size), "cuda:0"), pool: newPool(budget, receiveRound), log: transporttest.Quiet()}
-	if up {
-		s.up = dev.(gpu.Uploader)
-	}
-	return s, regions, window
 }

@@ -242,19 +242,17 @@ type rconn struct {
 	peer    string
 	hdr     [HeaderLen]byte
 	scratch []byte
-	// owed are the acks owed to the writer, held back while more of the
-	// stream is already here, so that frames that arrive together are
-	// answered by one write; they go out before any read that would wait
-	// (ackingReader). owedBytes is about what they take on the wire;
-	// acks is the buffer they are written from.
-	owed      []owedAck
-	owedBytes int
-	acks      []byte
+	// acks owed to the writer, held back while more of the stream is
+	// already here, so that frames that arrive together are answered by
+	// one write; they go out before any read that would wait
+	// (ackingReader).
+	acks []byte
+	owed int // frames acks holds
 
 	// open is the reservation whose frame end is owed, if any; end ends it.
 	open    bool
 	openRes ids.ResID
-	end     func(ok bool) transport.Settle
+	end     func(ok bool) error
 
 	// Guarded by r.mu. idleSince is when the connection last had no
 	// frame in flight (zero while one is); evicted says the accept loop
@@ -483,21 +481,21 @@ func (rc *rconn) stalled(h *Header, got int, err error) {
 	r.logs.warn(r.log, "transport: closing a connection whose frame stalled; the frame ends torn", args...)
 }
 
-// endOpen ends the open frame, and returns how to learn how its end went
-// (after the sink's Flush: see flush). It reports false when the sink
+// endOpen settles the owed EndWrite. It reports false when the sink
 // panicked: its state is then unknown, so the frame must not be acked.
-func (rc *rconn) endOpen(ok bool) (settle transport.Settle, ended bool) {
+// failed is a frame sink's refusal of a frame whose bytes all arrived.
+func (rc *rconn) endOpen(ok bool) (settled bool, failed error) {
 	if !rc.open {
-		return nil, true
+		return true, nil
 	}
 	rc.open = false
 	defer func() {
 		if p := recover(); p != nil {
 			serve.LogPanic(rc.r.log, p, "transport: panic in sink EndWrite", "res", rc.openRes)
-			settle, ended = nil, false
+			settled = false
 		}
 	}()
-	return rc.end(ok), true
+	return true, rc.end(ok)
 }
 
 // frame handles one frame and reports whether the connection is still in
@@ -559,6 +557,7 @@ func (rc *rconn) frame() bool {
 
 // payload reads an open frame's payload into dst and acks it.
 func (rc *rconn) payload(h Header, dst []byte) bool {
+	r := rc.r
 	if n, err := io.ReadFull(rc.br, dst); err != nil {
 		rc.endOpen(false)
 		if timedOut(err) {
@@ -566,11 +565,17 @@ func (rc *rconn) payload(h Header, dst []byte) bool {
 		}
 		return false
 	}
-	settle, ended := rc.endOpen(true)
-	if !ended {
+	settled, failed := rc.endOpen(true)
+	if !settled {
 		return false
 	}
-	return rc.owe(owedAck{seq: h.Seq, n: h.Length, settle: settle})
+	if failed != nil {
+		st := transport.StatusOf(failed)
+		r.stats.Reject(st)
+		return rc.sendAck(Ack{Seq: h.Seq, Status: st, Msg: failed.Error()})
+	}
+	r.stats.Landed(h.Length)
+	return rc.sendAck(Ack{Seq: h.Seq, Status: transport.StatusOK})
 }
 
 // refuse discards the payload so the connection stays in step, then tells
@@ -597,29 +602,13 @@ func (rc *rconn) refuse(h Header, cause error) bool {
 	return rc.sendAck(Ack{Seq: h.Seq, Status: st, Msg: cause.Error()})
 }
 
-// owedAck is an ack owed to the writer: for a frame that landed, its
-// length and how its end went (known once the sink flushed); for any
-// other, its status and message.
-type owedAck struct {
-	seq    uint64
-	n      uint64
-	settle transport.Settle // nil: status and msg say it already
-	status transport.Status
-	msg    string
-}
-
-// sendAck owes the writer an ack whose answer is known.
+// sendAck owes the writer an ack; it is written with the others owed
+// before the next read that would wait, or once they fill maxOwedAcks or
+// answer maxHeldFrames frames.
 func (rc *rconn) sendAck(a Ack) bool {
-	return rc.owe(owedAck{seq: a.Seq, status: a.Status, msg: a.Msg})
-}
-
-// owe holds an ack back; it is written with the others owed before the
-// next read that would wait, or once they fill maxOwedAcks or answer
-// maxHeldFrames frames.
-func (rc *rconn) owe(a owedAck) bool {
-	rc.owed = append(rc.owed, a)
-	rc.owedBytes += AckHeaderLen + len(a.msg)
-	if rc.owedBytes >= maxOwedAcks || len(rc.owed) >= maxHeldFrames {
+	rc.acks = AppendAck(rc.acks, a)
+	rc.owed++
+	if len(rc.acks) >= maxOwedAcks || rc.owed >= maxHeldFrames {
 		return rc.flush()
 	}
 	return true
@@ -687,7 +676,7 @@ func (fr *frameReader) Read(p []byte) (int, error) {
 func (fr *frameReader) read(a, b []byte) (int, error) {
 	rc := fr.rc
 	if fr.raw == nil {
-		if len(rc.owed) > 0 && !rc.flush() {
+		if len(rc.acks) > 0 && !rc.flush() {
 			return 0, errAckWrite
 		}
 		rc.r.reads.Add(1)
@@ -696,7 +685,7 @@ func (fr *frameReader) read(a, b []byte) (int, error) {
 	for {
 		// With acks owed, a read that would wait returns instead: they
 		// are written, and the read is tried again, waiting this time.
-		wait := len(rc.owed) == 0
+		wait := len(rc.acks) == 0
 		var n int
 		var rerr error
 		cerr := fr.raw.Read(func(fd uintptr) bool {
@@ -738,58 +727,17 @@ func readv(fd int, a, b []byte) (int, error) {
 // connection is of no more use.
 var errAckWrite = errors.New("transport: writing acks failed")
 
-// flush finishes the ends of the frames it answers and learns how each
-// went (a staging sink waits for each one's copy to the GPU), lets the
-// sink publish what they completed (their items' readiness:
-// transport.FlushSink), then writes their acks. A frame whose end
-// panicked in the sink is not acked, and the connection ends after the
-// others' acks.
+// flush publishes what the frames it answers completed (their items'
+// readiness, transport.FlushSink), then writes their acks.
 func (rc *rconn) flush() bool {
-	if len(rc.owed) == 0 {
+	if len(rc.acks) == 0 {
 		return true
 	}
-	r := rc.r
-	inStep := true
-	for i := range rc.owed {
-		a := &rc.owed[i]
-		if a.settle != nil {
-			err, ok := rc.settle(a)
-			if !ok {
-				inStep = false
-				continue
-			}
-			a.status, a.msg = transport.StatusOf(err), ""
-			if err != nil {
-				a.msg = err.Error()
-				r.stats.Reject(a.status)
-			} else {
-				r.stats.Landed(a.n)
-			}
-		}
-		rc.acks = AppendAck(rc.acks, Ack{Seq: a.seq, Status: a.status, Msg: a.msg})
-	}
 	rc.publish()
-	clear(rc.owed) // the settles and messages they hold
-	rc.owed, rc.owedBytes = rc.owed[:0], 0
-	if len(rc.acks) == 0 {
-		return inStep
-	}
-	r.ackWrites.Add(1)
+	rc.r.ackWrites.Add(1)
 	_, err := rc.c.Write(rc.acks)
-	rc.acks = rc.acks[:0]
-	return inStep && err == nil
-}
-
-// settle learns how an owed frame's end went; ok is false when the sink
-// panicked.
-func (rc *rconn) settle(a *owedAck) (err error, ok bool) {
-	defer func() {
-		if p := recover(); p != nil {
-			serve.LogPanic(rc.r.log, p, "transport: panic settling a frame's end", "peer", rc.peer, "seq", a.seq)
-			err, ok = nil, false
-		}
-	}()
-	return a.settle(), true
+	rc.acks, rc.owed = rc.acks[:0], 0
+	return err == nil
 }
 
 // publish is the sink's Flush; a panic in it is logged, and the acks
