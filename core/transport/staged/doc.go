@@ -9,7 +9,12 @@
 // handed to the inner writer as a frame of its own at its offset in the
 // reservation, while the next chunk is already being copied. So the PCIe
 // copy of chunk k+1 runs while chunk k is on the socket, and the number of
-// chunks in flight is bounded by the staging budget. Host sources pass
+// chunks in flight is bounded by the staging budget. Device items of up
+// to a chunk are packed instead: those of one Write and one device share
+// a buffer of at most a chunk, each copied to its own aligned place, and
+// go to the inner writer in one call, so that a plane which groups the
+// frames of a call (TCP's writev) sends them together and the budget holds
+// a chunk of small items per buffer rather than one. Host sources pass
 // straight through.
 //
 // Consumer side: a sink over a device slab admits each frame through the

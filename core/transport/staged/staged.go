@@ -278,13 +278,112 @@ func (w *writer) Write(ctx context.Context, dest string, items []transport.Write
 			}
 		})
 	}
+	// Device items of up to a chunk are packed into shared buffers, the
+	// rest cut into chunks.
+	packs := map[int]*pack{}
+	var order []*pack
 	for i, it := range items {
-		if it.Dev != nil {
+		switch {
+		case it.Dev == nil:
+		case it.Dev.Len > uint64(w.chunk):
 			w.stage(ctx, dest, &wg, it, func(err error) { fail(i, err) })
+		default:
+			p := packs[it.Dev.Ordinal]
+			if p == nil {
+				p = &pack{ordinal: it.Dev.Ordinal}
+				packs[it.Dev.Ordinal] = p
+				order = append(order, p)
+			}
+			if !p.fits(it.Dev.Len, w.chunk) {
+				w.stagePack(ctx, dest, &wg, items, p, fail)
+				*p = pack{ordinal: p.ordinal}
+			}
+			p.add(i, it.Dev.Len)
 		}
+	}
+	for _, p := range order {
+		w.stagePack(ctx, dest, &wg, items, p, fail)
 	}
 	wg.Wait()
 	return errs
+}
+
+// packAlign aligns each item of a pack in its buffer.
+const packAlign = 64
+
+// pack is device items of one device that share one staging buffer: at
+// most a chunk of bytes, each at its own aligned offset.
+type pack struct {
+	ordinal int
+	idx     []int
+	at      []uint64
+	end     uint64
+}
+
+func (p *pack) fits(n uint64, chunk int) bool {
+	return len(p.idx) == 0 || alignUp(p.end)+n <= uint64(chunk)
+}
+
+func (p *pack) add(i int, n uint64) {
+	at := alignUp(p.end)
+	p.idx, p.at, p.end = append(p.idx, i), append(p.at, at), at+n
+}
+
+func alignUp(n uint64) uint64 { return (n + packAlign - 1) &^ (packAlign - 1) }
+
+// stagePack copies a pack's items into one buffer and sends them in one
+// inner Write, so that a plane that groups the frames of a call (TCP's
+// writev) groups them, and the staging budget holds a chunk of small
+// items per buffer, not one item. An item whose copy fails fails alone.
+func (w *writer) stagePack(ctx context.Context, dest string, wg *sync.WaitGroup, items []transport.WriteItem, p *pack, fail func(int, error)) {
+	if len(p.idx) == 0 {
+		return
+	}
+	failAll := func(err error) {
+		for _, i := range p.idx {
+			it := items[i]
+			fail(i, transport.ItemErr(w.kind, dest, it.Res, it.Off, it.Off+it.Dev.Len, err))
+		}
+	}
+	dev, err := w.devs.Device(p.ordinal)
+	if err != nil {
+		failAll(err)
+		return
+	}
+	m, err := w.pool.get(ctx, dev, int(p.end), true)
+	if err != nil {
+		failAll(err)
+		return
+	}
+	frames := make([]transport.WriteItem, 0, len(p.idx))
+	owners := make([]int, 0, len(p.idx))
+	for j, i := range p.idx {
+		it := items[i]
+		buf := m.Bytes()[p.at[j] : p.at[j]+it.Dev.Len : p.at[j]+it.Dev.Len]
+		if err := dev.CopyToHost(buf, it.Dev.Addr, it.Dev.Ready); err != nil {
+			fail(i, transport.ItemErr(w.kind, dest, it.Res, it.Off, it.Off+it.Dev.Len, err))
+			continue
+		}
+		frame := it
+		frame.Dev, frame.Src = nil, buf
+		frames, owners = append(frames, frame), append(owners, i)
+	}
+	if len(frames) == 0 {
+		w.pool.put(m)
+		return
+	}
+	w.spawn(wg, func() {
+		defer w.pool.put(m)
+		for j, err := range w.inner.Write(ctx, dest, frames) {
+			if err != nil {
+				fail(owners[j], err)
+			}
+		}
+	}, func(err error) {
+		for _, i := range owners {
+			fail(i, err)
+		}
+	})
 }
 
 // stage copies one device item chunk by chunk and sends each chunk while

@@ -260,6 +260,7 @@ type recordingTransport struct {
 	slab   []byte
 	base   uint64
 	frames []transport.WriteItem
+	calls  int // Write calls
 }
 
 func (r *recordingTransport) Name() string { return "onesided" }
@@ -271,6 +272,7 @@ func (r *recordingTransport) Close() error                { return nil }
 func (r *recordingTransport) Write(_ context.Context, _ string, items []transport.WriteItem) []error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	r.calls++
 	errs := make([]error, len(items))
 	for i, it := range items {
 		r.frames = append(r.frames, it)
@@ -300,4 +302,35 @@ func TestChunksKeepTheGrantForOneSidedTransports(t *testing.T) {
 	require.NoError(t, write(t, w, "peer", item)[0])
 	require.Len(t, inner.frames, 4)
 	require.Equal(t, data, inner.slab[4096+512:4096+512+len(data)])
+}
+
+// Small device items of one Write share staging buffers and reach the
+// inner writer together: a budget of one chunk carries 16 items of a
+// sixteenth of a chunk in one page-locked buffer and one inner Write, so
+// that a plane which groups the frames of one call (TCP's writev) groups
+// them, and the budget is not spent one whole chunk per small item.
+func TestSmallDeviceItemsShareAStagingBuffer(t *testing.T) {
+	host := gpu.NewFakeHost(1)
+	inner := &recordingTransport{slab: make([]byte, 1<<20), base: 0x10000}
+	w := New(Config{Inner: inner, Devices: host, ChunkBytes: chunk, StagingBytes: chunk, Logger: transporttest.Quiet()}).NewWriter()
+	t.Cleanup(func() { _ = w.Close() })
+	const n, size = 16, chunk / 16
+	items := make([]transport.WriteItem, n)
+	want := make([][]byte, n)
+	for i := range items {
+		want[i] = transporttest.RandBytes(uint64(i), size)
+		addr, window := host.Alloc(0, size)
+		copy(window, want[i])
+		items[i] = transport.WriteItem{Res: ids.ResID(i + 1), Addr: inner.base + uint64(i*size), Size: size,
+			Dev: &transport.DeviceSrc{Addr: addr, Len: size}}
+	}
+	for i, err := range write(t, w, "peer", items...) {
+		require.NoError(t, err, "item %d", i)
+	}
+	for i := range items {
+		require.Equal(t, want[i], inner.slab[i*size:(i+1)*size], "item %d", i)
+	}
+	require.Equal(t, 1, inner.calls, "the items reach the inner writer in one call")
+	require.Len(t, inner.frames, n)
+	require.Equal(t, 1, host.HostBuffers(), "one page-locked buffer holds them all")
 }
