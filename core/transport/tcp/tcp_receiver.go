@@ -12,6 +12,7 @@ import (
 	"sync"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"go.uber.org/atomic"
 	"golang.org/x/sys/unix"
@@ -245,7 +246,7 @@ type rconn struct {
 	// acks owed to the writer, held back while more of the stream is
 	// already here, so that frames that arrive together are answered by
 	// one write; they go out before any read that would wait
-	// (ackingReader).
+	// (frameReader.read).
 	acks []byte
 	owed int // frames acks holds
 
@@ -629,6 +630,16 @@ type frameReader struct {
 	raw  syscall.RawConn
 	buf  []byte
 	r, w int // buf[r:w] is read and not yet taken
+
+	// The raw read's arguments and results, kept here with the callback
+	// made once, so that a read allocates nothing: a closure over locals
+	// and readv's iovecs would each cost an allocation a frame.
+	tryRead func(fd uintptr) bool
+	iov     [2]unix.Iovec
+	a, b    []byte
+	wait    bool
+	n       int
+	rerr    error
 }
 
 func newFrameReader(rc *rconn, c net.Conn) *frameReader {
@@ -636,6 +647,7 @@ func newFrameReader(rc *rconn, c net.Conn) *frameReader {
 	if sc, ok := c.(syscall.Conn); ok {
 		if raw, err := sc.SyscallConn(); err == nil {
 			fr.raw = raw
+			fr.tryRead = fr.readOnce
 		}
 	}
 	return fr
@@ -682,22 +694,14 @@ func (fr *frameReader) read(a, b []byte) (int, error) {
 		rc.r.reads.Add(1)
 		return rc.c.Read(a)
 	}
+	fr.a, fr.b = a, b
+	defer func() { fr.a, fr.b = nil, nil }()
 	for {
 		// With acks owed, a read that would wait returns instead: they
 		// are written, and the read is tried again, waiting this time.
-		wait := len(rc.acks) == 0
-		var n int
-		var rerr error
-		cerr := fr.raw.Read(func(fd uintptr) bool {
-			for {
-				rc.r.reads.Add(1)
-				n, rerr = readv(int(fd), a, b)
-				if rerr != syscall.EINTR {
-					break
-				}
-			}
-			return rerr != syscall.EAGAIN || !wait
-		})
+		fr.wait = len(rc.acks) == 0
+		cerr := fr.raw.Read(fr.tryRead)
+		n, rerr := fr.n, fr.rerr
 		switch {
 		case cerr != nil:
 			return 0, cerr
@@ -715,12 +719,35 @@ func (fr *frameReader) read(a, b []byte) (int, error) {
 	}
 }
 
-// readv reads into a, then b when it is not nil.
-func readv(fd int, a, b []byte) (int, error) {
-	if b == nil {
-		return syscall.Read(fd, a)
+// readOnce is the raw read's callback: one read system call into fr.a,
+// then fr.b when it is not nil, retried on EINTR; it reports whether the
+// read is over (it waits in the poller on EAGAIN unless fr.wait is off).
+func (fr *frameReader) readOnce(fd uintptr) bool {
+	for {
+		fr.rc.r.reads.Add(1)
+		fr.n, fr.rerr = fr.readv(int(fd))
+		if fr.rerr != syscall.EINTR {
+			break
+		}
 	}
-	return unix.Readv(fd, [][]byte{a, b})
+	return fr.rerr != syscall.EAGAIN || !fr.wait
+}
+
+// readv reads into fr.a, then fr.b when it is not nil, through the
+// reader's own iovecs.
+func (fr *frameReader) readv(fd int) (int, error) {
+	if fr.b == nil {
+		return syscall.Read(fd, fr.a)
+	}
+	fr.iov[0].Base, fr.iov[1].Base = unsafe.SliceData(fr.a), unsafe.SliceData(fr.b)
+	fr.iov[0].SetLen(len(fr.a))
+	fr.iov[1].SetLen(len(fr.b))
+	n, _, errno := unix.Syscall(unix.SYS_READV, uintptr(fd), uintptr(unsafe.Pointer(&fr.iov[0])), 2)
+	fr.iov[0].Base, fr.iov[1].Base = nil, nil
+	if errno != 0 {
+		return 0, errno
+	}
+	return int(n), nil
 }
 
 // errAckWrite ends a read whose owed acks could not be written: the
