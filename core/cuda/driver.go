@@ -513,16 +513,87 @@ func (d *Device) RegisterHost(mem []byte) (gpu.HostRegistration, error) {
 
 // CopyToHost implements gpu.Device.
 func (d *Device) CopyToHost(dst []byte, src uintptr, after gpu.Event) error {
-	if len(dst) == 0 {
-		return nil
+	return d.CopyToHostBatch([]gpu.HostCopy{{Dst: dst, Src: src, After: after}})[0]
+}
+
+// CopyToHostBatch implements gpu.Device: the ops are queued on d2x and
+// waited for once, so a batch of small copies costs one wait, not one
+// each. An op whose queueing fails fails alone, and the ops after it are
+// queued again in a batch of their own.
+func (d *Device) CopyToHostBatch(ops []gpu.HostCopy) []error {
+	errs := make([]error, len(ops))
+	what := func(i int) string {
+		return fmt.Sprintf("%s: %d bytes to host from %#x", d.Name(), len(ops[i].Dst), ops[i].Src)
 	}
-	ev, err := handleOf(after)
-	if err != nil {
-		return err
+	cops := make([]C.ecm_host_copy, 0, len(ops))
+	idx := make([]int, 0, len(ops))
+	// The host buffers may be Go memory: pinned while C holds them.
+	var pin runtime.Pinner
+	defer pin.Unpin()
+	var after []C.ecm_CUevent // each copy's event, before dedupe
+	for i, op := range ops {
+		if len(op.Dst) == 0 {
+			continue
+		}
+		ev, err := handleOf(op.After)
+		if err != nil {
+			errs[i] = err
+			continue
+		}
+		after = append(after, ev)
+		pin.Pin(unsafe.SliceData(op.Dst))
+		cops = append(cops, C.ecm_host_copy{dst: unsafe.Pointer(unsafe.SliceData(op.Dst)), src: C.ecm_CUdeviceptr(op.Src), n: C.uint64_t(len(op.Dst))})
+		idx = append(idx, i)
 	}
-	return d.hostCopy(func(done C.ecm_CUevent, failed **C.char) C.ecm_CUresult {
-		return C.ecm_cu_copy_dtoh(d.d2x, done, ev, unsafe.Pointer(unsafe.SliceData(dst)), C.ecm_CUdeviceptr(src), C.size_t(len(dst)), failed)
-	}, func() string { return fmt.Sprintf("%s: %d bytes to host from %#x", d.Name(), len(dst), src) })
+	for len(cops) > 0 {
+		// The stream waits once per event, however many copies of this
+		// call follow it (again after a failed op, whose wait may be the
+		// one that failed).
+		waited := map[C.ecm_CUevent]bool{}
+		for j, ev := range after {
+			cops[j].after = ev
+			if waited[ev] {
+				cops[j].after = nil
+			} else if ev != nil {
+				waited[ev] = true
+			}
+		}
+		failedAt := C.int(-1)
+		r := C.ecm_CUresult(C.ECM_CUDA_SUCCESS)
+		var failed *C.char
+		err := d.with(func() error {
+			done, err := d.getDone()
+			if err != nil {
+				return err
+			}
+			r = C.ecm_cu_copy_dtoh_batch(d.d2x, done, &cops[0], C.int(len(cops)), &failedAt, &failed)
+			if r != C.ECM_CUDA_SUCCESS {
+				// A failed batch's event state is unknown: destroyed.
+				C.ecm_cuEventDestroy(done)
+				return nil
+			}
+			d.done.put(done)
+			return nil
+		})
+		switch {
+		case err != nil:
+			for _, i := range idx {
+				errs[i] = fmt.Errorf("cuda: %s: %w", what(i), err)
+			}
+			return errs
+		case r == C.ECM_CUDA_SUCCESS:
+			return errs
+		case failedAt < 0:
+			for _, i := range idx {
+				errs[i] = copyErr(what(i), failed, r)
+			}
+			return errs
+		}
+		i := idx[failedAt]
+		errs[i] = copyErr(what(i), failed, r)
+		cops, idx, after = cops[failedAt+1:], idx[failedAt+1:], after[failedAt+1:]
+	}
+	return errs
 }
 
 // CopyFromHost implements gpu.Device.

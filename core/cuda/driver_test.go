@@ -468,3 +468,46 @@ func benchWords(b *testing.B, mode wordsBench) {
 	b.ReportMetric(per(gpuNS), "gpu-us/op")
 	b.ReportMetric(per(waitNS), "wait-us/op")
 }
+
+// A batch of device-to-host copies lands every op in its own buffer
+// (page-locked and Go memory alike), and an op that cannot be queued (a
+// source that is no device memory) fails alone: the ops on either side of
+// it still land.
+func TestHostCopyBatchFailsOnlyTheBadOp(t *testing.T) {
+	dev := gpuDevice(t)
+	const n, ops = 64<<10 + 5, 6
+	src := devMem(t, dev, n*ops)
+	pinned := pinnedMem(t, dev, n*ops)
+	want := pattern(n*ops, 11)
+	copy(pinned.Bytes(), want)
+	require.NoError(t, dev.CopyFromHost(src, pinned.Bytes()))
+	clear(pinned.Bytes())
+	ev, err := dev.RecordEvent(0)
+	require.NoError(t, err)
+	defer ev.Close()
+
+	batch := make([]gpu.HostCopy, ops)
+	for i := range batch {
+		dst := pinned.Bytes()[i*n : (i+1)*n]
+		if i%2 == 1 {
+			dst = make([]byte, n)
+		}
+		batch[i] = gpu.HostCopy{Dst: dst, Src: src + uintptr(i*n), After: ev}
+	}
+	const bad = 3
+	batch[bad].Src = 0x10 // no device memory
+	errs := dev.CopyToHostBatch(batch)
+	for i, op := range batch {
+		if i == bad {
+			require.Error(t, errs[i], "op %d reads from no device memory", i)
+			require.ErrorContains(t, errs[i], "bytes to host from 0x10")
+			continue
+		}
+		require.NoError(t, errs[i], "op %d", i)
+		require.True(t, bytes.Equal(want[i*n:(i+1)*n], op.Dst), "op %d's bytes differ", i)
+	}
+	// The device is still usable after the failed op.
+	got := make([]byte, n)
+	require.NoError(t, dev.CopyToHost(got, src, nil))
+	require.Equal(t, want[:n], got)
+}

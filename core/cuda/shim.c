@@ -412,14 +412,36 @@ ecm_CUresult ecm_cu_host_register(void *p, size_t n, ecm_CUdeviceptr *dev, const
 
 ecm_CUresult ecm_cu_host_unregister(void *p) { return cu.cuMemHostUnregister(p); }
 
-ecm_CUresult ecm_cu_copy_dtoh(ecm_CUstream s, ecm_CUevent done, ecm_CUevent after, void *dst, ecm_CUdeviceptr src, size_t n, const char **failed) {
-	if (after != NULL) {
-		TRY(cu.cuStreamWaitEvent(s, after, 0), "cuStreamWaitEvent");
+ecm_CUresult ecm_cu_copy_dtoh_batch(ecm_CUstream s, ecm_CUevent done, const ecm_host_copy *ops, int n, int *failed_at, const char **failed) {
+	ecm_CUresult r = ECM_CUDA_SUCCESS;
+	const char *what = NULL;
+	*failed_at = -1;
+	for (int i = 0; i < n; i++) {
+		if (ops[i].after != NULL && (r = cu.cuStreamWaitEvent(s, ops[i].after, 0)) != ECM_CUDA_SUCCESS) {
+			what = "cuStreamWaitEvent";
+		} else if ((r = cu.cuMemcpyDtoHAsync(ops[i].dst, ops[i].src, ops[i].n, s)) != ECM_CUDA_SUCCESS) {
+			what = "cuMemcpyDtoHAsync";
+		}
+		if (what != NULL) {
+			*failed_at = i;
+			break;
+		}
 	}
-	TRY(cu.cuMemcpyDtoHAsync(dst, src, n, s), "cuMemcpyDtoHAsync");
-	TRY(cu.cuEventRecord(done, s), "cuEventRecord");
-	TRY(wait_done(done), "cuEventSynchronize");
-	return ECM_CUDA_SUCCESS;
+	/* The copies queued before a failing one still run: they are waited
+	 * for, so that no host memory is written after this call returns. */
+	ecm_CUresult w = cu.cuEventRecord(done, s);
+	if (w == ECM_CUDA_SUCCESS) {
+		w = wait_done(done);
+	}
+	if (w != ECM_CUDA_SUCCESS) {
+		*failed_at = -1;
+		*failed = "cuEventRecord or cuEventSynchronize";
+		return w;
+	}
+	if (what != NULL) {
+		*failed = what;
+	}
+	return r;
 }
 
 ecm_CUresult ecm_cu_copy_htod(ecm_CUstream s, ecm_CUevent done, ecm_CUdeviceptr dst, const void *src, size_t n, const char **failed) {

@@ -129,7 +129,20 @@ ecm_CUresult ecm_cu_host_unregister(void *p);
 ecm_CUresult ecm_cu_copy_batch_queue(ecm_CUstream s, ecm_CUevent start, ecm_CUevent done, const ecm_copy *ops, int n,
                                      const ecm_value_write *writes, int nw, int64_t queue_ns[3], const char **failed);
 ecm_CUresult ecm_cu_wait_timed(ecm_CUevent start, ecm_CUevent done, int64_t *wait_ns, float *gpu_ms, const char **failed);
-ecm_CUresult ecm_cu_copy_dtoh(ecm_CUstream s, ecm_CUevent done, ecm_CUevent after, void *dst, ecm_CUdeviceptr src, size_t n, const char **failed);
+/* One device-to-host copy of a batch. */
+typedef struct {
+	void *dst;
+	ecm_CUdeviceptr src;
+	uint64_t n;
+	ecm_CUevent after; /* NULL: no wait */
+} ecm_host_copy;
+
+/* ecm_cu_copy_dtoh_batch queues the n copies (each behind its event) and
+ * waits for them once. When queueing op i fails, *failed_at is i, the ops
+ * before it still run and are waited for, and those after it are not
+ * queued; when the record or the wait fails, *failed_at is -1 and no op's
+ * outcome is known. */
+ecm_CUresult ecm_cu_copy_dtoh_batch(ecm_CUstream s, ecm_CUevent done, const ecm_host_copy *ops, int n, int *failed_at, const char **failed);
 ecm_CUresult ecm_cu_copy_htod(ecm_CUstream s, ecm_CUevent done, ecm_CUdeviceptr dst, const void *src, size_t n, const char **failed);
 
 #pragma GCC visibility pop

@@ -37,6 +37,7 @@ type FakeHost struct {
 	// counters read by tests
 	mappings, events, hostBufs int
 	copies, recorded, checks   int
+	hostBatches                int // CopyToHostBatch calls
 }
 
 type fakeAlloc struct {
@@ -129,6 +130,10 @@ func (h *FakeHost) HostBuffers() int { return h.read(&h.hostBufs) }
 
 // Copies counts copies performed.
 func (h *FakeHost) Copies() int { return h.read(&h.copies) }
+
+// HostCopyBatches counts device-to-host batches (CopyToHost and
+// CopyToHostBatch calls), each of which a real device waits for once.
+func (h *FakeHost) HostCopyBatches() int { return h.read(&h.hostBatches) }
 
 // Checks counts CheckDevices calls (each checks a batch of spans).
 func (h *FakeHost) Checks() int { return h.read(&h.checks) }
@@ -366,10 +371,23 @@ func (d *fakeDevice) CopyDeviceTimed(ops []DeviceCopy) (CopyTiming, error) {
 }
 
 func (d *fakeDevice) CopyToHost(dst []byte, src uintptr, after Event) error {
-	if err := waitAfter(after); err != nil {
-		return err
+	return d.CopyToHostBatch([]HostCopy{{Dst: dst, Src: src, After: after}})[0]
+}
+
+// CopyToHostBatch implements Device: each op in turn, so that an injected
+// failure (FailNextCopies) fails the op it falls on and no other.
+func (d *fakeDevice) CopyToHostBatch(ops []HostCopy) []error {
+	d.h.mu.Lock()
+	d.h.hostBatches++
+	d.h.mu.Unlock()
+	errs := make([]error, len(ops))
+	for i, op := range ops {
+		if errs[i] = waitAfter(op.After); errs[i] != nil {
+			continue
+		}
+		errs[i] = d.copy(func() error { return d.h.moveLocked("copy source", op.Src, op.Dst, false) })
 	}
-	return d.copy(func() error { return d.h.moveLocked("copy source", src, dst, false) })
+	return errs
 }
 
 func (d *fakeDevice) CopyFromHost(dst uintptr, src []byte) error {

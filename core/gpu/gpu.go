@@ -99,8 +99,13 @@ type Device interface {
 	RecordEvent(stream uintptr) (Event, error)
 	// CopyDevice performs ops and returns the first error.
 	CopyDevice(ops []DeviceCopy) error
-	// CopyToHost copies len(dst) bytes from src after `after`.
+	// CopyToHost copies len(dst) bytes from src after `after`: a batch
+	// of one.
 	CopyToHost(dst []byte, src uintptr, after Event) error
+	// CopyToHostBatch performs ops, queued together and waited for once;
+	// errs[i] is op i's error. A failed op fails alone where the device
+	// can tell which one failed, and every op after it is still tried.
+	CopyToHostBatch(ops []HostCopy) (errs []error)
 	// CopyFromHost copies src to dst.
 	CopyFromHost(dst uintptr, src []byte) error
 	// AllocHost allocates n bytes of page-locked host memory.
@@ -109,6 +114,14 @@ type Device interface {
 	ExportIPC(addr uintptr, n uint64) (Export, error)
 	// OpenIPC opens memory another process exported, for this device.
 	OpenIPC(h IPCHandle) (Mapping, error)
+}
+
+// HostCopy is one copy of len(Dst) bytes from device memory at Src to
+// host memory, ordered after After when that is not nil.
+type HostCopy struct {
+	Dst   []byte
+	Src   uintptr
+	After Event
 }
 
 // CopyTiming says where one batch of device copies spent its time, so

@@ -11,8 +11,9 @@
 // copy of chunk k+1 runs while chunk k is on the socket, and the number of
 // chunks in flight is bounded by the staging budget. Device items of up
 // to a chunk are packed instead: those of one Write and one device share
-// a buffer of at most a chunk, each copied to its own aligned place, and
-// go to the inner writer in one call, so that a plane which groups the
+// a buffer of at most a chunk, each copied to its own aligned place in one
+// batch of copies that is waited for once, and go to the inner writer in
+// one call, so that a plane which groups the
 // frames of a call (TCP's writev) sends them together and the budget holds
 // a chunk of small items per buffer rather than one. Host sources pass
 // straight through.

@@ -331,8 +331,8 @@ func (p *pack) add(i int, n uint64) {
 
 func alignUp(n uint64) uint64 { return (n + packAlign - 1) &^ (packAlign - 1) }
 
-// stagePack copies a pack's items into one buffer and sends them in one
-// inner Write, so that a plane that groups the frames of a call (TCP's
+// stagePack copies a pack's items into one buffer, in one batch of copies
+// waited for once, and sends them in one inner Write, so that a plane that groups the frames of a call (TCP's
 // writev) groups them, and the staging budget holds a chunk of small
 // items per buffer, not one item. An item whose copy fails fails alone.
 func (w *writer) stagePack(ctx context.Context, dest string, wg *sync.WaitGroup, items []transport.WriteItem, p *pack, fail func(int, error)) {
@@ -355,17 +355,23 @@ func (w *writer) stagePack(ctx context.Context, dest string, wg *sync.WaitGroup,
 		failAll(err)
 		return
 	}
-	frames := make([]transport.WriteItem, 0, len(p.idx))
-	owners := make([]int, 0, len(p.idx))
+	// One batch of copies, waited for once, for the whole pack.
+	ops := make([]gpu.HostCopy, len(p.idx))
 	for j, i := range p.idx {
 		it := items[i]
-		buf := m.Bytes()[p.at[j] : p.at[j]+it.Dev.Len : p.at[j]+it.Dev.Len]
-		if err := dev.CopyToHost(buf, it.Dev.Addr, it.Dev.Ready); err != nil {
+		ops[j] = gpu.HostCopy{Dst: m.Bytes()[p.at[j] : p.at[j]+it.Dev.Len : p.at[j]+it.Dev.Len], Src: it.Dev.Addr, After: it.Dev.Ready}
+	}
+	frames := make([]transport.WriteItem, 0, len(p.idx))
+	owners := make([]int, 0, len(p.idx))
+	for j, err := range dev.CopyToHostBatch(ops) {
+		i := p.idx[j]
+		it := items[i]
+		if err != nil {
 			fail(i, transport.ItemErr(w.kind, dest, it.Res, it.Off, it.Off+it.Dev.Len, err))
 			continue
 		}
 		frame := it
-		frame.Dev, frame.Src = nil, buf
+		frame.Dev, frame.Src = nil, ops[j].Dst
 		frames, owners = append(frames, frame), append(owners, i)
 	}
 	if len(frames) == 0 {

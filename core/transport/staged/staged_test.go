@@ -333,4 +333,5 @@ func TestSmallDeviceItemsShareAStagingBuffer(t *testing.T) {
 	require.Equal(t, 1, inner.calls, "the items reach the inner writer in one call")
 	require.Len(t, inner.frames, n)
 	require.Equal(t, 1, host.HostBuffers(), "one page-locked buffer holds them all")
+	require.Equal(t, 1, host.HostCopyBatches(), "their copies are one batch, waited for once")
 }
