@@ -266,17 +266,7 @@ func (w *writer) Write(ctx context.Context, dest string, items []transport.Write
 		for j, i := range host {
 			batch[j] = items[i]
 		}
-		w.spawn(&wg, func() {
-			for j, err := range w.inner.Write(ctx, dest, batch) {
-				if err != nil {
-					fail(host[j], err)
-				}
-			}
-		}, func(err error) {
-			for _, i := range host {
-				fail(i, err)
-			}
-		})
+		w.send(ctx, dest, &wg, batch, host, fail, func() {})
 	}
 	// Device items of up to a chunk are packed into shared buffers, the
 	// rest cut into chunks.
@@ -378,8 +368,15 @@ func (w *writer) stagePack(ctx context.Context, dest string, wg *sync.WaitGroup,
 		w.pool.put(m)
 		return
 	}
+	w.send(ctx, dest, wg, frames, owners, fail, func() { w.pool.put(m) })
+}
+
+// send writes frames through the inner writer on a goroutine under wg,
+// failing owners[j] with frame j's error (all of them on a panic), then
+// runs done.
+func (w *writer) send(ctx context.Context, dest string, wg *sync.WaitGroup, frames []transport.WriteItem, owners []int, fail func(int, error), done func()) {
 	w.spawn(wg, func() {
-		defer w.pool.put(m)
+		defer done()
 		for j, err := range w.inner.Write(ctx, dest, frames) {
 			if err != nil {
 				fail(owners[j], err)
