@@ -335,3 +335,34 @@ func TestSmallDeviceItemsShareAStagingBuffer(t *testing.T) {
 	require.Equal(t, 1, host.HostBuffers(), "one page-locked buffer holds them all")
 	require.Equal(t, 1, host.HostCopyBatches(), "their copies are one batch, waited for once")
 }
+
+// Packs are per device and bounded by the budget: small items of two
+// devices, interleaved with items larger than a chunk, through a budget
+// of two chunks (so packs wait for buffers to come back) all land
+// bit-exact, and every buffer is freed once the writer closes.
+func TestPacksOfTwoDevicesThroughASmallBudget(t *testing.T) {
+	host := gpu.NewFakeHost(2)
+	c := listen(t, host, false, 0)
+	w := newWriter(t, host, 2*chunk)
+	sizes := []int{100, chunk / 3, 2*chunk + 9, chunk / 2, 1, chunk, chunk/4 + 3, 3 * chunk, 4000, chunk / 3, chunk / 3}
+	var items []transport.WriteItem
+	var want [][]byte
+	for i, n := range sizes {
+		res, tok := c.regions.Reserve(uint64(n))
+		data := transporttest.RandBytes(uint64(100+i), n)
+		ordinal := i % 2
+		addr, window := host.Alloc(ordinal, n)
+		copy(window, data)
+		items = append(items, transport.WriteItem{Res: res, Token: tok, Dev: &transport.DeviceSrc{Addr: addr, Len: uint64(n), Ordinal: ordinal}})
+		want = append(want, data)
+	}
+	for i, err := range write(t, w, c.recv.Addr(), items...) {
+		require.NoError(t, err, "item %d", i)
+	}
+	for i, it := range items {
+		require.True(t, bytes.Equal(want[i], c.slabBytes(it.Res, sizes[i])), "item %d (%d bytes) differs", i, sizes[i])
+	}
+	require.NoError(t, c.regions.Balance())
+	require.NoError(t, w.Close())
+	require.Zero(t, host.HostBuffers(), "every page-locked buffer is freed once the writer is closed")
+}
