@@ -12,6 +12,7 @@ import (
 
 	"go.uber.org/atomic"
 
+	"github.com/ecmooncake/ecmooncake/core/internal/peercred"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/wire"
 )
@@ -89,7 +90,7 @@ type unixOptions struct {
 }
 
 func defaultUnixOptions() unixOptions {
-	return unixOptions{allowed: sameUser, uidOf: peerUID, maxConns: UnixMaxConns, maxPerUID: UnixMaxConnsPerUID,
+	return unixOptions{allowed: sameUser, uidOf: peercred.UID, maxConns: UnixMaxConns, maxPerUID: UnixMaxConnsPerUID,
 		writeTimeout: unixWriteTimeout, eventQueue: EventQueue, handshakeTimeout: unixHandshakeTimeout}
 }
 

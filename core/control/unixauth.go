@@ -10,7 +10,8 @@ import (
 	"io"
 	"net"
 	"os"
-	"syscall"
+
+	"github.com/ecmooncake/ecmooncake/core/internal/peercred"
 )
 
 // A Unix control connection is admitted twice before its first request:
@@ -132,31 +133,12 @@ func checkOpening(what, magic string, b []byte) (byte, error) {
 	return b[5], nil
 }
 
-// peerUID is the uid of the process at the other end of c.
-func peerUID(c *net.UnixConn) (uint32, error) {
-	raw, err := c.SyscallConn()
-	if err != nil {
-		return 0, err
-	}
-	var cred *syscall.Ucred
-	var cerr error
-	if err := raw.Control(func(fd uintptr) {
-		cred, cerr = syscall.GetsockoptUcred(int(fd), syscall.SOL_SOCKET, syscall.SO_PEERCRED)
-	}); err != nil {
-		return 0, err
-	}
-	if cerr != nil {
-		return 0, fmt.Errorf("SO_PEERCRED: %w", cerr)
-	}
-	return cred.Uid, nil
-}
-
 // sameUser admits our own uid and root's.
 func sameUser(uid uint32) bool { return uid == uint32(os.Getuid()) || uid == 0 }
 
 // admitUID applies the uid rule of a connection; a refusal names its uid.
 func admitUID(c *net.UnixConn, allowed func(uint32) bool) error {
-	uid, err := peerUID(c)
+	uid, err := peercred.UID(c)
 	if err != nil {
 		return fmt.Errorf("control: unix peer credentials: %w", err)
 	}

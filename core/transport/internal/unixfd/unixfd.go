@@ -8,7 +8,7 @@ import (
 	"strings"
 	"syscall"
 
-	"golang.org/x/sys/unix"
+	"github.com/ecmooncake/ecmooncake/core/internal/peercred"
 )
 
 // ErrBadRights is wrapped by every error about a message's descriptors.
@@ -55,30 +55,9 @@ func ParseRights(oob []byte, flags int) ([]int, error) {
 		len(fds), len(msgs), flags&syscall.MSG_CTRUNC != 0, ErrBadRights)
 }
 
-// PeerUID is the uid of the process at the other end of c, as the kernel
-// recorded it when the connection was made (SO_PEERCRED): a peer cannot
-// claim another.
-func PeerUID(c *net.UnixConn) (uint32, error) {
-	rc, err := c.SyscallConn()
-	if err != nil {
-		return 0, err
-	}
-	var cred *unix.Ucred
-	var serr error
-	if err := rc.Control(func(fd uintptr) {
-		cred, serr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	}); err != nil {
-		return 0, err
-	}
-	if serr != nil {
-		return 0, fmt.Errorf("SO_PEERCRED: %w", serr)
-	}
-	return cred.Uid, nil
-}
-
 // SameUser checks that c's peer runs as this process's uid.
 func SameUser(c *net.UnixConn) error {
-	uid, err := PeerUID(c)
+	uid, err := peercred.UID(c)
 	if err != nil {
 		return err
 	}
