@@ -185,8 +185,10 @@ func (m *Manager) CheckInvariants() error {
 	for _, tr := range m.transfers {
 		count(tr)
 	}
-	for _, tr := range m.tombs {
-		count(tr)
+	for _, t := range m.tombs {
+		if t.full != nil {
+			count(t.full)
+		}
 	}
 	if len(unanswered) != len(m.unanswered) {
 		bad("%d shard and content pairs with unanswered reservations, %d counted", len(unanswered), len(m.unanswered))
@@ -201,12 +203,23 @@ func (m *Manager) CheckInvariants() error {
 		bad("%d tombstones, %d queued, limit %d", len(m.tombs), len(m.tombQ), m.cfg.MaxTombstones)
 	}
 	for _, id := range m.tombQ {
-		tr := m.tombs[id]
-		if tr == nil {
+		t, ok := m.tombs[id]
+		if !ok {
 			bad("tombstone %s: queued but missing", id)
 			continue
 		}
-		for _, r := range tr.recs {
+		if t.full == nil {
+			for _, st := range t.status() {
+				if !st.Terminal() {
+					bad("tombstone %s: remembered as %s", id, st)
+				}
+			}
+			continue
+		}
+		if t.full.push.TransferID != id {
+			bad("tombstone %s: holds transfer %s", id, t.full.push.TransferID)
+		}
+		for _, r := range t.full.recs {
 			if !r.state.Terminal() || r.inFlight {
 				bad("tombstone %s: %s still live", id, r)
 			}

@@ -3,6 +3,7 @@ package push
 import (
 	"container/heap"
 	"fmt"
+	"hash/maphash"
 	"slices"
 	"time"
 
@@ -189,8 +190,9 @@ type Manager struct {
 
 	transfers map[string]*transfer // live, by transfer_id
 	contents  map[string]*content  // by mm_hash
-	tombs     map[string]*transfer
+	tombs     map[string]tomb
 	tombQ     []string
+	seed      maphash.Seed // of tomb digests
 
 	deadlines deadlineHeap
 	seq       uint64
@@ -334,7 +336,8 @@ func New(cfg Config) *Manager {
 		cfg:       cfg.withDefaults(),
 		transfers: make(map[string]*transfer),
 		contents:  make(map[string]*content),
-		tombs:     make(map[string]*transfer),
+		tombs:     make(map[string]tomb),
+		seed:      maphash.MakeSeed(),
 		checkSet:  make(map[string]struct{}),
 
 		cancelsOut: make(map[destTID]string),
@@ -354,16 +357,19 @@ func (m *Manager) Add(p Push, now time.Time) error {
 	if err := validate(p); err != nil {
 		return err
 	}
-	known := m.transfers[p.TransferID]
-	if known == nil {
-		known = m.tombs[p.TransferID]
-	}
-	if known != nil {
+	if known := m.transfers[p.TransferID]; known != nil {
 		if samePush(known.push, p) {
 			return nil
 		}
 		m.collisions++
 		return fmt.Errorf("add %s: %w: already announced as %s", describe(p), ErrCollision, describe(known.push))
+	}
+	if t, ok := m.tombs[p.TransferID]; ok {
+		if t.digest == m.digest(p) {
+			return nil
+		}
+		m.collisions++
+		return fmt.Errorf("add %s: %w: already announced, and ended, as another push", describe(p), ErrCollision)
 	}
 	c := m.contents[p.MMHash]
 	if c != nil && c.size() != 0 && c.size() != p.NBytes {
@@ -1013,10 +1019,11 @@ func (m *Manager) Pending() bool {
 func (m *Manager) Status(transferID string) (map[string]State, bool) {
 	tr := m.transfers[transferID]
 	if tr == nil {
-		tr = m.tombs[transferID]
-	}
-	if tr == nil {
-		return nil, false
+		t, ok := m.tombs[transferID]
+		if !ok {
+			return nil, false
+		}
+		return t.status(), true
 	}
 	out := make(map[string]State, len(tr.recs))
 	for _, r := range tr.recs {
@@ -1064,7 +1071,9 @@ func (m *Manager) Stats() Stats {
 func (m *Manager) find(transferID, dest string) *rec {
 	tr := m.transfers[transferID]
 	if tr == nil {
-		tr = m.tombs[transferID]
+		// A tombstone keeps its records only while one of them waits for
+		// its reservation's answer; any other answer would be ignored.
+		tr = m.tombs[transferID].full
 	}
 	if tr == nil {
 		return nil
@@ -1211,17 +1220,95 @@ func (m *Manager) maybeRetire(tr *transfer) {
 	c := m.contents[tr.push.MMHash]
 	c.transfers = slices.DeleteFunc(c.transfers, func(x *transfer) bool { return x == tr })
 	m.dropContent(tr.push.MMHash)
-	m.tombs[tr.push.TransferID] = tr
+	m.tombs[tr.push.TransferID] = m.tombOf(tr)
 	m.tombQ = append(m.tombQ, tr.push.TransferID)
 	for len(m.tombQ) > m.cfg.MaxTombstones {
-		for _, r := range m.tombs[m.tombQ[0]].recs {
-			if r.unanswered {
-				m.answer(r)
+		if full := m.tombs[m.tombQ[0]].full; full != nil {
+			for _, r := range full.recs {
+				if r.unanswered {
+					m.answer(r)
+				}
 			}
 		}
 		delete(m.tombs, m.tombQ[0])
 		m.tombQ = m.tombQ[1:]
 	}
+}
+
+// tomb is what the manager remembers of an ended transfer: the digest of
+// its push (the same transfer_id announced again must be the same push)
+// and its records' last states (Status), with no pointer to the transfer
+// and its records, which a producer ends by the tens of thousands and the
+// collector would scan on every cycle. A transfer one of whose records
+// still waits for its reservation's answer stays whole (full), so that
+// the answer finds that record.
+type tomb struct {
+	digest uint64
+	dest   string // the first destination's, and its record's state
+	state  State
+	more   []destState // the other destinations', in Dests order
+	full   *transfer
+}
+
+type destState struct {
+	dest  string
+	state State
+}
+
+func (m *Manager) tombOf(tr *transfer) tomb {
+	t := tomb{digest: m.digest(tr.push)}
+	for i, r := range tr.recs {
+		if i == 0 {
+			t.dest, t.state = r.dest, r.state
+		} else {
+			t.more = append(t.more, destState{r.dest, r.state})
+		}
+		if r.unanswered {
+			t.full = tr
+		}
+	}
+	return t
+}
+
+func (t tomb) status() map[string]State {
+	out := make(map[string]State, 1+len(t.more))
+	if t.full != nil {
+		for _, r := range t.full.recs {
+			out[r.dest] = r.state
+		}
+		return out
+	}
+	out[t.dest] = t.state
+	for _, d := range t.more {
+		out[d.dest] = d.state
+	}
+	return out
+}
+
+// digest hashes what samePush compares (destinations as a set), with the
+// manager's own seed: an ended push announced again matches its tomb.
+// Two pushes that differ share a digest with a chance of 2^-64, and then
+// the later one's Add is taken as the same push announced again instead
+// of being refused with ErrCollision: a caller that reuses a transfer_id
+// for other content after its push ended gets no error, once in 2^64.
+func (m *Manager) digest(p Push) uint64 {
+	var h maphash.Hash
+	h.SetSeed(m.seed)
+	h.WriteString(p.MMHash)
+	h.WriteByte(0)
+	maphash.WriteComparable(&h, p.NBytes)
+	h.WriteString(p.Meta)
+	h.WriteByte(0)
+	dests := p.Dests
+	if len(dests) > 1 {
+		dests = slices.Clone(dests)
+		slices.Sort(dests)
+	}
+	for _, d := range dests {
+		h.WriteString(d)
+		h.WriteByte(0)
+	}
+	return h.Sum64()
 }
 
 // dropContent forgets content that has neither pushes nor a source.

@@ -919,14 +919,15 @@ func TestCheckInvariantsCatchesCorruption(t *testing.T) {
 			m.liveRecs--
 		},
 		"content lists a dead transfer": func(m *Manager) {
-			m.contents["h2"].transfers = append(m.contents["h2"].transfers, m.tombs["t3"])
+			dead := &transfer{push: Push{TransferID: "t3", MMHash: "h2", NBytes: 100, Dests: []string{"d1"}}}
+			m.contents["h2"].transfers = append(m.contents["h2"].transfers, dead)
 		},
 		"source held, write not queued": func(m *Manager) {
 			m.contents["h2"].src, m.contents["h2"].srcBytes = 7, 100
 			m.held++
 		},
 		"tombstone not queued":   func(m *Manager) { m.tombs["t9"] = m.tombs["t3"] },
-		"both live and retired":  func(m *Manager) { m.tombs["t2"] = m.transfers["t2"] },
+		"both live and retired":  func(m *Manager) { m.tombs["t2"] = m.tombOf(m.transfers["t2"]) },
 		"held count":             func(m *Manager) { m.held++ },
 		"cancel out not counted": func(m *Manager) { m.cancelsOut[destTID{"d1", "t9"}] = "h1" },
 		"complete out while writing": func(m *Manager) {
@@ -963,5 +964,49 @@ func TestDeadlineHeapStaysBounded(t *testing.T) {
 		m.Cancel(id, base)
 	}
 	require.LessOrEqual(t, len(m.deadlines), 2*m.liveRecs+64)
+	require.NoError(t, m.CheckInvariants())
+}
+
+// A tombstone keeps the push's identity and its records' states, not the
+// transfer: an ended push of two shards, announced again with its shards
+// in the other order, is the same push; another size, meta, mm_hash or
+// set of shards under its transfer_id is a collision. Only a transfer with
+// a record still waiting for its reservation's answer stays whole, and
+// that late answer still finds the record.
+func TestTombstonesRememberIdentityNotTransfers(t *testing.T) {
+	m := New(Config{})
+	p := Push{TransferID: "t1", MMHash: "h1", NBytes: 100, Meta: "m", Dests: []string{"d1", "d2"}}
+	require.NoError(t, m.Add(p, base))
+	m.Ready(base)
+	m.Granted("t1", "d1", Grant{Kind: KindCached}, base)
+	m.Granted("t1", "d2", Grant{Kind: KindCached}, base)
+	require.Len(t, m.Ready(base).Done, 1)
+	require.Contains(t, m.tombs, "t1")
+	require.Nil(t, m.tombs["t1"].full, "an ended push with every record answered keeps no transfer")
+
+	again := p
+	again.Dests = []string{"d2", "d1"}
+	require.NoError(t, m.Add(again, base))
+	for _, other := range []Push{
+		{TransferID: "t1", MMHash: "h1", NBytes: 200, Meta: "m", Dests: p.Dests},
+		{TransferID: "t1", MMHash: "h1", NBytes: 100, Meta: "n", Dests: p.Dests},
+		{TransferID: "t1", MMHash: "h2", NBytes: 100, Meta: "m", Dests: p.Dests},
+		{TransferID: "t1", MMHash: "h1", NBytes: 100, Meta: "m", Dests: []string{"d1"}},
+	} {
+		require.ErrorIs(t, m.Add(other, base), ErrCollision, "%+v", other)
+	}
+	st, ok := m.Status("t1")
+	require.True(t, ok)
+	require.Equal(t, map[string]State{"d1": Done, "d2": Done}, st)
+
+	// t2 is cancelled while its reservation is out: its tombstone keeps the
+	// record, and the late grant is answered with a cancel of its region.
+	require.NoError(t, m.Add(Push{TransferID: "t2", MMHash: "h2", NBytes: 100, Dests: []string{"d1"}}, base))
+	m.Ready(base)
+	m.Cancel("t2", base)
+	m.Ready(base)
+	require.NotNil(t, m.tombs["t2"].full, "a record waiting for its answer keeps its transfer")
+	m.Granted("t2", "d1", Grant{Kind: KindWrite, Res: 7, Token: tokenFor(7), NBytes: 100}, base)
+	require.Len(t, m.Ready(base).Cancels["d1"], 1, "the late region is given up")
 	require.NoError(t, m.CheckInvariants())
 }
