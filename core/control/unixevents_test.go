@@ -84,6 +84,9 @@ func TestUnixEventsSameHost(t *testing.T) {
 				}
 				require.Equal(t, want, ev.TransferID)
 			}
+			// The publisher counts a write once it returned, which may be
+			// after the subscriber has read its events.
+			require.Eventually(t, func() bool { return pub.Stats().SentUnix >= before+after }, settle, time.Millisecond)
 			ps, ss := pub.Stats(), sub.Stats()
 			require.EqualValues(t, before+after, ps.SentUnix)
 			require.EqualValues(t, before+after, ps.Sent, "nothing but the Unix path's")
