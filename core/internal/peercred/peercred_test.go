@@ -11,15 +11,9 @@ import (
 
 // Both ends of a connection within this process see this process's uid.
 func TestUIDIsThePeersUID(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "s")
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	require.NoError(t, err)
-	defer ln.Close()
-	client, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: path, Net: "unix"})
+	client, server, err := pair(t)
 	require.NoError(t, err)
 	defer client.Close()
-	server, err := ln.AcceptUnix()
-	require.NoError(t, err)
 	defer server.Close()
 	for _, c := range []*net.UnixConn{client, server} {
 		uid, err := UID(c)
