@@ -118,10 +118,11 @@
 // # Identity
 //
 // A transfer_id names one push. Adding the same push again is a no-op,
-// even after it ended (tombstones, at most MaxTombstones, remember it by a
-// seeded 64-bit digest of what makes it the same push, and its records'
-// last states; the records themselves only while one waits for its
-// reservation's answer);
+// even after it ended (tombstones, at most MaxTombstones, keyed by a
+// seeded 64-bit hash of the transfer_id, remember it by a seeded 64-bit
+// digest of what makes it the same push, and its records' last states;
+// the records themselves only while one waits for its reservation's
+// answer; tomb.go says why they hold no pointer);
 // a transfer_id that names another mm_hash, size or set of destinations,
 // or an mm_hash announced with another size, is refused with ErrCollision
 // for that push alone.

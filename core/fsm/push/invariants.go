@@ -2,6 +2,7 @@ package push
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/ecmooncake/ecmooncake/core/internal/invariant"
 )
@@ -46,7 +47,7 @@ func (m *Manager) CheckInvariants() error {
 		if id != p.TransferID {
 			bad("transfer keyed %s names %s", id, p.TransferID)
 		}
-		if _, ok := m.tombs[id]; ok {
+		if _, ok := m.tombs.byKey[m.tombKey(id)]; ok {
 			bad("transfer %s: both live and a tombstone", id)
 		}
 		if len(tr.recs) != len(p.Dests) {
@@ -185,10 +186,8 @@ func (m *Manager) CheckInvariants() error {
 	for _, tr := range m.transfers {
 		count(tr)
 	}
-	for _, t := range m.tombs {
-		if t.full != nil {
-			count(t.full)
-		}
+	for _, full := range m.tombs.full {
+		count(full)
 	}
 	if len(unanswered) != len(m.unanswered) {
 		bad("%d shard and content pairs with unanswered reservations, %d counted", len(unanswered), len(m.unanswered))
@@ -199,32 +198,7 @@ func (m *Manager) CheckInvariants() error {
 		}
 	}
 
-	if len(m.tombs) != len(m.tombQ) || len(m.tombs) > m.cfg.MaxTombstones {
-		bad("%d tombstones, %d queued, limit %d", len(m.tombs), len(m.tombQ), m.cfg.MaxTombstones)
-	}
-	for _, id := range m.tombQ {
-		t, ok := m.tombs[id]
-		if !ok {
-			bad("tombstone %s: queued but missing", id)
-			continue
-		}
-		if t.full == nil {
-			for _, st := range t.status() {
-				if !st.Terminal() {
-					bad("tombstone %s: remembered as %s", id, st)
-				}
-			}
-			continue
-		}
-		if t.full.push.TransferID != id {
-			bad("tombstone %s: holds transfer %s", id, t.full.push.TransferID)
-		}
-		for _, r := range t.full.recs {
-			if !r.state.Terminal() || r.inFlight {
-				bad("tombstone %s: %s still live", id, r)
-			}
-		}
-	}
+	m.checkTombs(bad)
 	return rep.Err()
 }
 
@@ -287,4 +261,76 @@ func (m *Manager) checkRecord(r *rec, hasEntry bool, bad func(string, ...any)) {
 
 func (r *rec) String() string {
 	return fmt.Sprintf("transfer %s to %s (%s)", r.tr.push.TransferID, r.dest, r.state)
+}
+
+// checkTombs checks the tombstones: each queued once and kept, within
+// their bound, every state terminal, the side maps only of tombstones,
+// each destination list counted by the tombstones that name it.
+func (m *Manager) checkTombs(bad func(string, ...any)) {
+	ts := &m.tombs
+	if len(ts.byKey) != len(ts.queue) || len(ts.byKey) > m.cfg.MaxTombstones {
+		bad("%d tombstones, %d queued, limit %d", len(ts.byKey), len(ts.queue), m.cfg.MaxTombstones)
+	}
+	refs := make(map[uint32]int)
+	for _, k := range ts.queue {
+		t, ok := ts.byKey[k]
+		if !ok {
+			bad("tombstone %#x: queued but missing", k)
+			continue
+		}
+		if int(t.dests) >= len(ts.dests.lists) || ts.dests.lists[t.dests] == nil {
+			bad("tombstone %#x: names destination list %d, which is not kept", k, t.dests)
+			continue
+		}
+		refs[t.dests]++
+		dests := ts.dests.lists[t.dests]
+		if n := max(0, len(dests)-tombStates); len(ts.more[k]) != n {
+			bad("tombstone %#x: %d states past the first %d for %d destinations", k, len(ts.more[k]), tombStates, len(dests))
+		}
+		full := ts.full[k]
+		if full == nil {
+			st, _ := ts.status(k, "")
+			for d, s := range st {
+				if !s.Terminal() {
+					bad("tombstone %#x: %s remembered as %s", k, d, s)
+				}
+			}
+			continue
+		}
+		if m.tombKey(full.push.TransferID) != k {
+			bad("tombstone %#x: holds transfer %s", k, full.push.TransferID)
+		}
+		if !slices.Equal(full.push.Dests, dests) {
+			bad("tombstone %#x: destinations %v, transfer's %v", k, dests, full.push.Dests)
+		}
+		for _, r := range full.recs {
+			if !r.state.Terminal() || r.inFlight {
+				bad("tombstone %#x: %s still live", k, r)
+			}
+		}
+	}
+	for k := range ts.full {
+		if _, ok := ts.byKey[k]; !ok {
+			bad("transfer of tombstone %#x kept without its tombstone", k)
+		}
+	}
+	for k := range ts.more {
+		if _, ok := ts.byKey[k]; !ok {
+			bad("states of tombstone %#x kept without it", k)
+		}
+	}
+	for id, list := range ts.dests.lists {
+		n := refs[uint32(id)]
+		switch {
+		case list == nil && n > 0:
+			bad("destination list %d: forgotten, named by %d tombstones", id, n)
+		case list != nil && ts.dests.refs[id] != n:
+			bad("destination list %d %v: counted %d, named by %d tombstones", id, list, ts.dests.refs[id], n)
+		case list != nil && ts.dests.ids[string(ts.dests.keyOf(list))] != uint32(id):
+			bad("destination list %d %v: not found by its destinations", id, list)
+		}
+	}
+	if len(ts.dests.ids)+len(ts.dests.free) != len(ts.dests.lists) {
+		bad("%d destination lists, %d found by destinations, %d free", len(ts.dests.lists), len(ts.dests.ids), len(ts.dests.free))
+	}
 }

@@ -190,9 +190,8 @@ type Manager struct {
 
 	transfers map[string]*transfer // live, by transfer_id
 	contents  map[string]*content  // by mm_hash
-	tombs     map[string]tomb
-	tombQ     []string
-	seed      maphash.Seed // of tomb digests
+	tombs     tombstones
+	seed      maphash.Seed // of tomb keys and digests
 
 	deadlines deadlineHeap
 	seq       uint64
@@ -336,7 +335,7 @@ func New(cfg Config) *Manager {
 		cfg:       cfg.withDefaults(),
 		transfers: make(map[string]*transfer),
 		contents:  make(map[string]*content),
-		tombs:     make(map[string]tomb),
+		tombs:     newTombstones(),
 		seed:      maphash.MakeSeed(),
 		checkSet:  make(map[string]struct{}),
 
@@ -364,7 +363,7 @@ func (m *Manager) Add(p Push, now time.Time) error {
 		m.collisions++
 		return fmt.Errorf("add %s: %w: already announced as %s", describe(p), ErrCollision, describe(known.push))
 	}
-	if t, ok := m.tombs[p.TransferID]; ok {
+	if t, ok := m.tombs.byKey[m.tombKey(p.TransferID)]; ok {
 		if t.digest == m.digest(p) {
 			return nil
 		}
@@ -1019,11 +1018,7 @@ func (m *Manager) Pending() bool {
 func (m *Manager) Status(transferID string) (map[string]State, bool) {
 	tr := m.transfers[transferID]
 	if tr == nil {
-		t, ok := m.tombs[transferID]
-		if !ok {
-			return nil, false
-		}
-		return t.status(), true
+		return m.tombs.status(m.tombKey(transferID), transferID)
 	}
 	out := make(map[string]State, len(tr.recs))
 	for _, r := range tr.recs {
@@ -1040,7 +1035,7 @@ func (m *Manager) Stats() Stats {
 		Transfers:  len(m.transfers),
 		Ignored:    m.ignored,
 		Collisions: m.collisions,
-		Tombstones: len(m.tombs),
+		Tombstones: len(m.tombs.byKey),
 		Sources:    m.held,
 		CancelsOut: len(m.cancelsOut),
 
@@ -1073,7 +1068,9 @@ func (m *Manager) find(transferID, dest string) *rec {
 	if tr == nil {
 		// A tombstone keeps its records only while one of them waits for
 		// its reservation's answer; any other answer would be ignored.
-		tr = m.tombs[transferID].full
+		if full := m.tombs.full[m.tombKey(transferID)]; full != nil && full.push.TransferID == transferID {
+			tr = full
+		}
 	}
 	if tr == nil {
 		return nil
@@ -1220,69 +1217,7 @@ func (m *Manager) maybeRetire(tr *transfer) {
 	c := m.contents[tr.push.MMHash]
 	c.transfers = slices.DeleteFunc(c.transfers, func(x *transfer) bool { return x == tr })
 	m.dropContent(tr.push.MMHash)
-	m.tombs[tr.push.TransferID] = m.tombOf(tr)
-	m.tombQ = append(m.tombQ, tr.push.TransferID)
-	for len(m.tombQ) > m.cfg.MaxTombstones {
-		if full := m.tombs[m.tombQ[0]].full; full != nil {
-			for _, r := range full.recs {
-				if r.unanswered {
-					m.answer(r)
-				}
-			}
-		}
-		delete(m.tombs, m.tombQ[0])
-		m.tombQ = m.tombQ[1:]
-	}
-}
-
-// tomb is what the manager remembers of an ended transfer: the digest of
-// its push (the same transfer_id announced again must be the same push)
-// and its records' last states (Status), with no pointer to the transfer
-// and its records, which a producer ends by the tens of thousands and the
-// collector would scan on every cycle. A transfer one of whose records
-// still waits for its reservation's answer stays whole (full), so that
-// the answer finds that record.
-type tomb struct {
-	digest uint64
-	dest   string // the first destination's, and its record's state
-	state  State
-	more   []destState // the other destinations', in Dests order
-	full   *transfer
-}
-
-type destState struct {
-	dest  string
-	state State
-}
-
-func (m *Manager) tombOf(tr *transfer) tomb {
-	t := tomb{digest: m.digest(tr.push)}
-	for i, r := range tr.recs {
-		if i == 0 {
-			t.dest, t.state = r.dest, r.state
-		} else {
-			t.more = append(t.more, destState{r.dest, r.state})
-		}
-		if r.unanswered {
-			t.full = tr
-		}
-	}
-	return t
-}
-
-func (t tomb) status() map[string]State {
-	out := make(map[string]State, 1+len(t.more))
-	if t.full != nil {
-		for _, r := range t.full.recs {
-			out[r.dest] = r.state
-		}
-		return out
-	}
-	out[t.dest] = t.state
-	for _, d := range t.more {
-		out[d.dest] = d.state
-	}
-	return out
+	m.retire(tr)
 }
 
 // digest hashes what samePush compares (destinations as a set), with the

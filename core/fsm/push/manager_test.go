@@ -926,10 +926,12 @@ func TestCheckInvariantsCatchesCorruption(t *testing.T) {
 			m.contents["h2"].src, m.contents["h2"].srcBytes = 7, 100
 			m.held++
 		},
-		"tombstone not queued":   func(m *Manager) { m.tombs["t9"] = m.tombs["t3"] },
-		"both live and retired":  func(m *Manager) { m.tombs["t2"] = m.tombOf(m.transfers["t2"]) },
-		"held count":             func(m *Manager) { m.held++ },
-		"cancel out not counted": func(m *Manager) { m.cancelsOut[destTID{"d1", "t9"}] = "h1" },
+		"tombstone not queued":        func(m *Manager) { m.tombs.byKey[m.tombKey("t9")] = m.tombs.byKey[m.tombKey("t3")] },
+		"both live and retired":       func(m *Manager) { m.tombs.byKey[m.tombKey("t2")] = m.tombs.byKey[m.tombKey("t3")] },
+		"destination list miscounted": func(m *Manager) { m.tombs.dests.refs[m.tombs.byKey[m.tombKey("t3")].dests]++ },
+		"tombstone states kept alone": func(m *Manager) { m.tombs.more[m.tombKey("t9")] = []State{Done} },
+		"held count":                  func(m *Manager) { m.held++ },
+		"cancel out not counted":      func(m *Manager) { m.cancelsOut[destTID{"d1", "t9"}] = "h1" },
 		"complete out while writing": func(m *Manager) {
 			rec(m, "t1", 0).completeOut = true
 			m.completesOut["d1"]++
@@ -981,8 +983,8 @@ func TestTombstonesRememberIdentityNotTransfers(t *testing.T) {
 	m.Granted("t1", "d1", Grant{Kind: KindCached}, base)
 	m.Granted("t1", "d2", Grant{Kind: KindCached}, base)
 	require.Len(t, m.Ready(base).Done, 1)
-	require.Contains(t, m.tombs, "t1")
-	require.Nil(t, m.tombs["t1"].full, "an ended push with every record answered keeps no transfer")
+	require.Contains(t, m.tombs.byKey, m.tombKey("t1"))
+	require.NotContains(t, m.tombs.full, m.tombKey("t1"), "an ended push with every record answered keeps no transfer")
 
 	again := p
 	again.Dests = []string{"d2", "d1"}
@@ -1005,7 +1007,7 @@ func TestTombstonesRememberIdentityNotTransfers(t *testing.T) {
 	m.Ready(base)
 	m.Cancel("t2", base)
 	m.Ready(base)
-	require.NotNil(t, m.tombs["t2"].full, "a record waiting for its answer keeps its transfer")
+	require.Contains(t, m.tombs.full, m.tombKey("t2"), "a record waiting for its answer keeps its transfer")
 	m.Granted("t2", "d1", Grant{Kind: KindWrite, Res: 7, Token: tokenFor(7), NBytes: 100}, base)
 	require.Len(t, m.Ready(base).Cancels["d1"], 1, "the late region is given up")
 	require.NoError(t, m.CheckInvariants())
