@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"encoding/json"
 	"sync/atomic"
 	"testing"
 
@@ -93,4 +94,42 @@ func TestWatchStopsAtClose(t *testing.T) {
 	s.changedLocked()
 	s.mu.Unlock()
 	require.Equal(t, before, read(&counter))
+}
+
+// A step asked for the changes since the generation of the answers the
+// caller holds names only what moved: the contents of items that arrived
+// or failed, and the requests whose failures may have moved, in JSON as
+// the connector reads it.
+func TestStepAnswersChangesSince(t *testing.T) {
+	s := openIdle(t)
+	out := s.Step(StepIn{Expect: []ExpectIn{
+		{RequestID: "r1", Items: []sched.Expected{{TransferID: "t1", MMHash: "h1"}, {TransferID: "t2", MMHash: "h2"}}},
+		{RequestID: "r2", Items: []sched.Expected{{TransferID: "t3", MMHash: "h3"}}},
+		{RequestID: "r3", Items: []sched.Expected{{TransferID: "t4", MMHash: "h4"}}},
+	}, Snapshot: true})
+	at := out.Generation
+	s.apply(wire.Event{Shard: 0, TransferID: "t2", MMHash: "h2", Ready: true, NBytes: 8},
+		wire.Event{Shard: 0, TransferID: "t3", MMHash: "h3", Reason: "slab full"})
+	out = s.Step(StepIn{ChangesSince: &at})
+	require.True(t, out.Incremental)
+	require.Empty(t, out.Covered, "no snapshot")
+	require.Equal(t, map[string]bool{"h2": true, "h3": false}, out.Changed)
+	require.Len(t, out.ChangedFailed["r2"], 1)
+	require.Equal(t, "t3", out.ChangedFailed["r2"][0].TransferID)
+	require.Contains(t, out.ChangedFailed, "r1", "its item arrived: failures named, as none")
+	require.Empty(t, out.ChangedFailed["r1"])
+	require.NotContains(t, out.ChangedFailed, "r3", "nothing of it moved")
+	require.Equal(t, s.Generation(), out.Generation)
+
+	wireOut, err := json.Marshal(out)
+	require.NoError(t, err)
+	require.Contains(t, string(wireOut), `"incremental":true`)
+	require.Contains(t, string(wireOut), `"changed":{`)
+
+	// A generation the table never gave is answered with a snapshot.
+	future := out.Generation + 10
+	out = s.Step(StepIn{ChangesSince: &future})
+	require.False(t, out.Incremental)
+	require.Equal(t, []string{"h2"}, out.Covered)
+	require.Len(t, out.Failed["r2"], 1)
 }

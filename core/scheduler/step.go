@@ -42,6 +42,11 @@ type StepIn struct {
 	// Snapshot asks for every request's answer at once (StepOut.Covered
 	// and Failed): far less to encode than naming each.
 	Snapshot bool `json:"snapshot"`
+	// ChangesSince asks for what moved since the generation of answers
+	// the caller holds (StepOut.Changed and ChangedFailed, Incremental):
+	// in proportion to what moved, not to the live requests. Where the
+	// table no longer logs that far back, the step answers a Snapshot.
+	ChangesSince *uint64 `json:"changes_since"`
 }
 
 // LoadOut names the transfer a load reads, or why it cannot.
@@ -72,6 +77,14 @@ type StepOut struct {
 	// of each request that has any (absent: none).
 	Covered []string                   `json:"covered,omitempty"`
 	Failed  map[string][]sched.Failure `json:"failed,omitempty"`
+	// Incremental says that Changed and ChangedFailed answer ChangesSince:
+	// Has of each content whose answer may have moved that a live request
+	// asks for, and the failures of each live request whose failures may
+	// have moved (null: none now). False after ChangesSince: the step
+	// answered a Snapshot instead.
+	Incremental   bool                       `json:"incremental,omitempty"`
+	Changed       map[string]bool            `json:"changed,omitempty"`
+	ChangedFailed map[string][]sched.Failure `json:"changed_failed,omitempty"`
 	// Generation is the table's generation when the questions were
 	// answered: the answers stand for as long as it does not move.
 	Generation uint64 `json:"generation"`
@@ -141,7 +154,10 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 		}
 		out.Has[h] = s.table.Has(h)
 	}
-	if in.Snapshot {
+	if in.ChangesSince != nil {
+		out.Changed, out.ChangedFailed, out.Incremental = s.table.Changes(*in.ChangesSince, now)
+	}
+	if in.Snapshot || (in.ChangesSince != nil && !out.Incremental) {
 		out.Covered, out.Failed = s.table.Snapshot(now)
 	}
 	metrics.LocalEncodes(len(in.LocalEncodes))

@@ -9,8 +9,9 @@ import (
 )
 
 // BenchmarkStepRefresh300 answers 300 waiting requests: by naming each
-// request and content (json), and as the connector asks after the table's
-// generation moved (snapshot-json); step is the table work alone.
+// request and content (json), by a snapshot of them all (snapshot-json),
+// and as the connector asks after the table's generation moved, here
+// with nothing moved (changes-json); step is the table work alone.
 func BenchmarkStepRefresh300(b *testing.B) {
 	s := openIdle(b)
 	const n = 300
@@ -30,10 +31,12 @@ func BenchmarkStepRefresh300(b *testing.B) {
 		}
 	})
 	snap, _ := json.Marshal(StepIn{Snapshot: true})
+	at := s.Generation()
+	changes, _ := json.Marshal(StepIn{ChangesSince: &at})
 	for _, bc := range []struct {
 		name string
 		raw  []byte
-	}{{"snapshot-json", snap}, {"json", raw}} {
+	}{{"snapshot-json", snap}, {"changes-json", changes}, {"json", raw}} {
 		b.Run(bc.name, func(b *testing.B) {
 			for i := 0; i < b.N; i++ {
 				var in StepIn

@@ -128,6 +128,10 @@
 // pass) can keep the answers with the generation they were given at and
 // reuse them until it moves, instead of asking again. The random model
 // test checks that no answer changes while the generation stands still.
+// Once it moved, Changes answers only for the contents and requests the
+// generations since touched (a bounded log, changes.go), where Snapshot
+// answers for every live request; the model test keeps such an owner's
+// answers by Changes and checks them against the table after every step.
 //
 // # Usage
 //

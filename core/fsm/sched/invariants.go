@@ -194,6 +194,7 @@ func (t *Table) CheckInvariants() error {
 			bad("early entry %s: shard bitmap %x outside %d shards", id, []uint64(e.shards), t.cfg.Shards)
 		}
 	}
+	t.checkChanges(bad)
 	return rep.Err()
 }
 
@@ -202,4 +203,47 @@ func btoi(b bool) int {
 		return 1
 	}
 	return 0
+}
+
+// checkChanges checks the change log and the askers index: the log holds
+// each generation since changesFrom once, in order, up to the current one;
+// askers names exactly the live requests with an item of each content.
+func (t *Table) checkChanges(bad func(string, ...any)) {
+	want := t.changesFrom
+	for _, c := range t.changes {
+		if c.gen != want+1 {
+			bad("change log: generation %d after %d", c.gen, want)
+		}
+		want = c.gen
+	}
+	if want != t.gen {
+		bad("change log ends at generation %d, the table is at %d", want, t.gen)
+	}
+	if len(t.changes) > maxChanges {
+		bad("change log holds %d entries, limit %d", len(t.changes), maxChanges)
+	}
+	asked := make(map[string]map[string]struct{})
+	for id, req := range t.requests {
+		for _, it := range req.items {
+			if asked[it.MMHash] == nil {
+				asked[it.MMHash] = make(map[string]struct{})
+			}
+			asked[it.MMHash][id] = struct{}{}
+		}
+	}
+	if len(asked) != len(t.askers) {
+		bad("askers index %d contents, live requests ask for %d", len(t.askers), len(asked))
+	}
+	for h, ids := range asked {
+		got := t.askers[h]
+		if len(got) != len(ids) {
+			bad("askers of %s: %d indexed, %d live requests ask", h, len(got), len(ids))
+			continue
+		}
+		for id := range ids {
+			if _, ok := got[id]; !ok {
+				bad("askers of %s: request %s not indexed", h, id)
+			}
+		}
+	}
 }

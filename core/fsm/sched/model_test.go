@@ -87,6 +87,10 @@ func runModel(t *testing.T, rng *rand.Rand, steps int) (map[State]bool, Stats) {
 		return a
 	}
 	lastGen, lastAnswers := tb.Generation(), answers()
+	var cache engineCache
+	defer func() {
+		require.NotZero(t, cache.changes, "the run should bring answers up to date with Changes")
+	}()
 
 	// observe reads every known transfer's state once and derives from
 	// those states what Has must answer for each content: one pass over
@@ -250,6 +254,7 @@ func runModel(t *testing.T, rng *rand.Rand, steps int) (map[State]bool, Stats) {
 		require.NoError(t, tb.CheckInvariants(), where)
 		observe(where)
 		checkSnapshot(t, tb, now, where)
+		cache.catchUp(t, tb, now, rng.Intn(4) == 0, where)
 		gen, got := tb.Generation(), answers()
 		require.GreaterOrEqual(t, gen, lastGen, "%s: the generation went back", where)
 		if gen == lastGen && !lastAnswers.equal(got) {
@@ -320,6 +325,62 @@ func checkSnapshot(t *testing.T, tb *Table, now time.Time, where string) {
 	for id := range failed {
 		if _, ok := tb.requests[id]; !ok {
 			require.Contains(t, tb.requests, id, where)
+		}
+	}
+}
+
+// engineCache plays the engine loop's remembered answers (the connector's
+// scheduler): taken from a Snapshot, then brought up to date with Changes
+// or, now and then, with a Snapshot again. After each catch-up it must
+// answer Has for every content a live request asks for, and Failures for
+// every live request, as the table does.
+type engineCache struct {
+	gen      uint64
+	valid    bool
+	has      map[string]bool
+	failures map[string][]Failure
+	changes  int
+}
+
+func (c *engineCache) catchUp(t *testing.T, tb *Table, now time.Time, snapshot bool, where string) {
+	if !c.valid || snapshot {
+		covered, failed := tb.Snapshot(now)
+		c.has, c.failures = map[string]bool{}, map[string][]Failure{}
+		for _, req := range tb.requests {
+			for _, it := range req.items {
+				c.has[it.MMHash] = false
+			}
+		}
+		for _, h := range covered {
+			c.has[h] = true
+		}
+		for id, fs := range failed {
+			c.failures[id] = fs
+		}
+	} else {
+		has, failures, ok := tb.Changes(c.gen, now)
+		require.True(t, ok, "%s: changes since generation %d (table at %d, log from %d)", where, c.gen, tb.gen, tb.changesFrom)
+		for h, v := range has {
+			c.has[h] = v
+		}
+		for id, fs := range failures {
+			if len(fs) > 0 {
+				c.failures[id] = fs
+			} else {
+				delete(c.failures, id)
+			}
+		}
+		c.changes++
+	}
+	c.gen, c.valid = tb.Generation(), true
+	for id, req := range tb.requests {
+		if want := tb.Failures(id); len(want) != len(c.failures[id]) || !slices.Equal(want, c.failures[id]) {
+			require.Equal(t, want, c.failures[id], "%s: remembered failures of %s", where, id)
+		}
+		for _, it := range req.items {
+			if v, ok := c.has[it.MMHash]; !ok || v != tb.Has(it.MMHash) {
+				require.Fail(t, fmt.Sprintf("%s: remembered Has(%s) = %v (known: %v), the table says %v", where, it.MMHash, v, ok, tb.Has(it.MMHash)))
+			}
 		}
 	}
 }

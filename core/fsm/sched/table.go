@@ -130,6 +130,12 @@ type Table struct {
 
 	// gen counts the changes that can alter an answer (Generation).
 	gen uint64
+	// changes logs what each generation since changesFrom touched, for
+	// Changes; askers names the live requests by the contents of their
+	// items.
+	changes     []change
+	changesFrom uint64
+	askers      map[string]map[string]struct{}
 
 	// pending holds failures not yet handed out by Ready, in the order
 	// they arose, so that failures from events reach the caller as well.
@@ -207,6 +213,7 @@ func New(cfg Config) *Table {
 		early:    make(map[string]*early),
 		earlyOf:  make(map[string]map[string]*early),
 		tombs:    make(map[string]tombstone),
+		askers:   make(map[string]map[string]struct{}),
 	}
 }
 
@@ -243,14 +250,20 @@ func (t *Table) Expect(requestID string, items []Expected, now time.Time) error 
 	if req == nil {
 		req = &request{id: requestID, index: make(map[string]struct{}), failed: make(map[string]Failure), served: make(map[string]struct{})}
 		t.requests[requestID] = req
-		t.gen++
+		t.bump("", requestID)
 	}
 	for _, it := range items {
 		if _, ok := req.index[it.TransferID]; ok {
 			continue
 		}
-		t.gen++
+		t.bump(it.MMHash, requestID)
 		req.items = append(req.items, it)
+		ask := t.askers[it.MMHash]
+		if ask == nil {
+			ask = make(map[string]struct{}, 1)
+			t.askers[it.MMHash] = ask
+		}
+		ask[requestID] = struct{}{}
 		req.index[it.TransferID] = struct{}{}
 		t.wants[it.MMHash]++
 		if r := t.records[it.TransferID]; r != nil && r.state == Ready {
@@ -728,10 +741,16 @@ func (t *Table) Finish(requestID string, now time.Time) {
 		return
 	}
 	delete(t.requests, requestID)
-	t.gen++
+	t.bump("", requestID)
 	var hashes []string
 	for _, it := range req.items {
 		t.unwant(it.MMHash)
+		if ask := t.askers[it.MMHash]; ask != nil {
+			delete(ask, requestID)
+			if len(ask) == 0 {
+				delete(t.askers, it.MMHash)
+			}
+		}
 		if !slices.Contains(hashes, it.MMHash) {
 			hashes = append(hashes, it.MMHash)
 		}
@@ -954,7 +973,7 @@ func (t *Table) move(r *record, to State, now time.Time, reason string) {
 		return
 	}
 	r.state = to
-	t.gen++
+	t.bump(r.hash, "")
 	switch to {
 	case Available:
 		t.setDeadline(r, now.Add(t.cfg.AvailableTTL))

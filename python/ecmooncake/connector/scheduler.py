@@ -124,10 +124,11 @@ class _ConsumerScheduler:
         self._polled = False
         self._at = -1  # the generation of _has and _failed; -1: none
         # mm_hash -> has_cache_item's answer at _at: every item of every
-        # registered request after a snapshot, and hashes asked one by one.
+        # registered request (a snapshot, then what moved since), and
+        # hashes asked one by one.
         self._has: dict[str, bool] = {}
         # request id -> failures at _at, for every registered request
-        # (absent: none) when _at comes from a snapshot.
+        # (absent: none).
         self._failed: dict[str, list[dict[str, Any]]] = {}
         self.recorder = _Recorder()
         # mm_hash -> when a request first asked for it, for the wait statistic.
@@ -166,9 +167,9 @@ class _ConsumerScheduler:
             return False
         if found is None:
             found = self._native.has(identifier)
-            if generation != self._at:
-                self._at, self._has, self._failed = -1, {}, {}
-            else:
+            # Remembered only at the generation of the rest: the next
+            # catch-up brings those up to date from there.
+            if generation == self._at:
                 self._has[identifier] = found
         if found:
             self._said_yes.add(identifier)
@@ -195,7 +196,7 @@ class _ConsumerScheduler:
                 return False
             self._start_fetches(rid, [it for it in items if it.store and it.mm_hash in remaining])
         elif self._counter.value != self._at:
-            self._take(self._native.step({"snapshot": True}))
+            self._catch_up({})
         has = self._has
         if rid in self._store_deadline:
             lost = self._store_lost_for(rid, [h for h in remaining if not has.get(h)])
@@ -280,33 +281,42 @@ class _ConsumerScheduler:
         return lost
 
     def _register(self, rid: str, items: list[_Expected]) -> bool:
-        """Registers a new request and learns its answer in one native step.
-        When the remembered answers were current up to this step, the step's
-        own answer for the request's contents brings them up to date
-        (registering one request changes no other answer but those of its
-        contents); otherwise the step also takes a snapshot of every answer.
+        """Registers a new request and learns its answers in the same native
+        step, which brings the remembered answers up to date (_catch_up).
         False when the step refused the registration."""
-        current = self._counter.value == self._at
-        body: dict[str, Any] = {
-            "expect": [self._expect_entry(rid, items)],
-            "ensure": [rid],
-            "has": sorted({it.mm_hash for it in items}),
-        }
-        if not current:
-            body["snapshot"] = True
-        out = self._native.step(body)
-        if self._note_expect_errors(out):
-            return False
+        # Registered first: a snapshot answers for the registered requests.
         self._registered.add(rid)
-        if current and out.get("since") == self._at:
-            self._has.update(out.get("has") or {})
-            failed = ((out.get("ensure") or {}).get(rid) or {}).get("failed")
-            if failed:
-                self._failed[rid] = failed
+        out = self._catch_up({"expect": [self._expect_entry(rid, items)]})
+        if self._note_expect_errors(out):
+            self._registered.discard(rid)
+            return False
+        return True
+
+    def _catch_up(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Runs one native step of body that also brings the remembered
+        answers up to the table's generation: by what moved since the
+        generation they were taken at, in proportion to what moved; by a
+        snapshot of every registered request's answers when there are none
+        yet, when the table no longer logs that far back, or when the
+        remembered answers outgrew the registered requests (contents of
+        finished requests stay until a snapshot)."""
+        has_bound = 4 * (len(self._registered) + 256)
+        if self._at < 0 or len(self._has) > has_bound:
+            body["snapshot"] = True
+        else:
+            body["changes_since"] = self._at
+        out = self._native.step(body)
+        if out.get("incremental"):
+            self._has.update(out.get("changed") or {})
+            for rid, failed in (out.get("changed_failed") or {}).items():
+                if failed:
+                    self._failed[rid] = failed
+                else:
+                    self._failed.pop(rid, None)
             self._at = int(out.get("generation", -1))
         else:
-            self._take(out if "snapshot" in body else self._native.step({"snapshot": True}))
-        return True
+            self._take(out)
+        return out
 
     def _take(self, out: dict[str, Any]) -> None:
         """Remembers a snapshot: every registered request's answers."""
