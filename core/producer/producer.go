@@ -15,6 +15,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/fsm/push"
 	"github.com/ecmooncake/ecmooncake/core/ids"
 	"github.com/ecmooncake/ecmooncake/core/internal/due"
+	"github.com/ecmooncake/ecmooncake/core/internal/logqueue"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/transport"
 	"github.com/ecmooncake/ecmooncake/core/wire"
@@ -89,9 +90,9 @@ type consumerInfo struct {
 // Producer is safe for concurrent use.
 type Producer struct {
 	cfg config.Producer
-	// log never waits on its writer (logQueue): it is written to under mu.
+	// log never waits on its writer (logqueue): it is written to under mu.
 	log  *slog.Logger
-	logs *logQueue
+	logs *logqueue.Queue
 	// requester is this producer's identity on the wire (128 random bits,
 	// hex): shards hand a write grant's token only to the requester that
 	// made it, and count quotas per requester.
@@ -162,9 +163,9 @@ func Open(cfg config.Producer, opt Options) (_ *Producer, err error) {
 		return nil, err
 	}
 	wait := cfg.PushWait()
-	logs := newLogQueue()
+	logs := logqueue.New("producer")
 	p := &Producer{
-		cfg: cfg, log: slog.New(queuedHandler{opt.Log.Handler(), logs}).With("role", "producer"), logs: logs,
+		cfg: cfg, log: slog.New(logs.Handler(opt.Log.Handler())).With("role", "producer"), logs: logs,
 		tr: opt.Transport, writer: opt.Transport.NewWriter(), links: links,
 		requester: requester,
 		mgr: push.New(push.Config{
@@ -554,7 +555,7 @@ func (p *Producer) Close() error {
 	}
 	p.mu.Unlock()
 	errs = append(errs, p.links.Close())
-	p.logs.close()
+	p.logs.Close()
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("producer: close: %w", err)
 	}

@@ -133,3 +133,27 @@ func TestStepAnswersChangesSince(t *testing.T) {
 	require.Equal(t, []string{"h2"}, out.Covered)
 	require.Len(t, out.Failed["r2"], 1)
 }
+
+// A step that changes nothing (the engine loop asking again) wakes no
+// waiter and no ticker: on a host of few cores each wake is a thread the
+// engine loop then competes with.
+func TestAStepThatChangesNothingWakesNobody(t *testing.T) {
+	s := openIdle(t)
+	out := s.Step(StepIn{Expect: []ExpectIn{{RequestID: "r1", Items: []sched.Expected{{TransferID: "t1", MMHash: "h1"}}}}})
+	at := out.Generation
+	s.mu.Lock()
+	changed := s.changed
+	s.mu.Unlock()
+	s.Step(StepIn{ChangesSince: &at, Ensure: []string{"r1"}, Has: []string{"h1"}})
+	select {
+	case <-changed:
+		t.Fatal("a step that changed nothing woke the waiters")
+	default:
+	}
+	s.Step(StepIn{Finished: []string{"r1"}})
+	select {
+	case <-changed:
+	default:
+		t.Fatal("a step that finished a request woke nobody")
+	}
+}

@@ -13,6 +13,7 @@ import (
 	"github.com/ecmooncake/ecmooncake/core/control"
 	"github.com/ecmooncake/ecmooncake/core/fsm/sched"
 	"github.com/ecmooncake/ecmooncake/core/internal/due"
+	"github.com/ecmooncake/ecmooncake/core/internal/logqueue"
 	"github.com/ecmooncake/ecmooncake/core/metrics"
 	"github.com/ecmooncake/ecmooncake/core/trace"
 	"github.com/ecmooncake/ecmooncake/core/wire"
@@ -24,8 +25,11 @@ const resyncAge = time.Second
 
 // Scheduler is safe for concurrent use.
 type Scheduler struct {
-	cfg    config.Scheduler
+	cfg config.Scheduler
+	// log never waits on its writer (logqueue): the engine loop's step,
+	// which holds the caller's GIL, logs under mu.
 	log    *slog.Logger
+	logs   *logqueue.Queue
 	shards []string
 
 	mu       sync.Mutex // guards table, changed, stats; never held across I/O
@@ -79,10 +83,16 @@ func Open(cfg config.Scheduler, opt Options) (_ *Scheduler, err error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	log := opt.Log
-	if log == nil {
-		log = slog.Default()
+	if opt.Log == nil {
+		opt.Log = slog.Default()
 	}
+	logs := logqueue.New("scheduler")
+	defer func() {
+		if err != nil {
+			logs.Close()
+		}
+	}()
+	log := slog.New(logs.Handler(opt.Log.Handler()))
 	shards := cfg.Shards
 	if len(shards) == 0 {
 		for r := 0; r < cfg.TPSize; r++ {
@@ -101,7 +111,7 @@ func Open(cfg config.Scheduler, opt Options) (_ *Scheduler, err error) {
 		return nil, fmt.Errorf("scheduler: event socket: %w", err)
 	}
 	s := &Scheduler{
-		cfg: cfg, log: log.With("role", "scheduler"), shards: shards,
+		cfg: cfg, log: log.With("role", "scheduler"), logs: logs, shards: shards,
 		table:   sched.New(sched.Config{Shards: len(shards), EventWait: cfg.PushWait(), LoadWait: cfg.LoadTimeout()}),
 		changed: make(chan struct{}),
 		links:   links, sub: sub,
@@ -467,6 +477,7 @@ func (s *Scheduler) Close() error {
 	err := s.sub.Close()
 	s.wg.Wait()
 	err = errors.Join(err, s.links.Close())
+	s.logs.Close()
 	if err != nil {
 		return fmt.Errorf("scheduler: close: %w", err)
 	}

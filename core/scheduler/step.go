@@ -103,6 +103,7 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 	now := time.Now()
 	var out StepOut
 	s.mu.Lock()
+	before := s.table.Generation()
 	// Deadlines due now fire before Since is taken, so that what lies
 	// between Since and Generation is this step's own doing.
 	out.Cancelled = s.applyLocked(s.table.Ready(now))
@@ -165,7 +166,12 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 	out.Cancelled = append(out.Cancelled, s.applyLocked(s.table.Ready(now))...)
 	s.waits.settle(s.table, out.Cancelled, now)
 	out.Failures, s.failures = s.failures, nil
-	s.changedLocked()
+	// Every change that can alter an answer, a deadline or a failure
+	// moves the generation (sched.Generation): a step that moved nothing
+	// (the engine loop asking again) wakes no waiter and no ticker.
+	if s.table.Generation() != before || len(out.Cancelled) > 0 {
+		s.changedLocked()
+	}
 	s.mu.Unlock()
 	if len(out.Cancelled) > 0 {
 		s.queueCancels(out.Cancelled)

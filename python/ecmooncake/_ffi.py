@@ -26,9 +26,11 @@ whether the calling thread lets go of the GIL while the library runs.
   calls decode their records, hand them to the producer under its lock
   (never held across I/O; the network work runs on the library's own
   threads) and return; recording a CUDA event queues it on the stream and
-  does not wait for the stream. What the producer logs under its lock is
-  queued for a goroutine of its own to write (core/producer's logQueue),
-  so that a stderr pipe that no one drains holds up neither.
+  does not wait for the stream. The PD scheduler's step, poll and has
+  read the same-host shards' sockets without waiting and answer from the
+  table. What the producer and the scheduler log under their locks is
+  queued for a goroutine of its own to write (core/internal/logqueue), so
+  that a stderr pipe that no one drains holds up none of them.
 
 :func:`function` returns a function through the handle its name calls for;
 :func:`lib` is the CDLL, with every function, for callers that must not
@@ -124,6 +126,14 @@ HOLD_GIL: frozenset[str] = frozenset(
         "ecm_noop",
         "ecm_producer_submit_packed",
         "ecm_producer_sources_packed",
+        # The PD engine loop's calls, made many times a schedule pass while
+        # vLLM's output thread is busy: the step reads what the same-host
+        # shards' sockets hold without waiting (as poll does), applies it and
+        # the step's changes to the table under a lock never held across
+        # I/O, and answers; what it logs is queued (core/internal/logqueue).
+        "ecm_scheduler_step",
+        "ecm_scheduler_poll",
+        "ecm_scheduler_has",
     }
 )
 
