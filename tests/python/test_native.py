@@ -165,6 +165,26 @@ def test_scheduler_generation_is_read_without_a_call():
         assert scheduler.generation() > out["generation"]
 
 
+def test_scheduler_answers_what_moved_since_a_generation():
+    """The engine loop's catch-up (changes_since): only what moved since the
+    generation of the answers it holds; a snapshot where the table cannot
+    say (a generation it never gave)."""
+    port = free_port_range(1, IP)
+    with Scheduler(scheduler_config(port, 1)) as scheduler:
+        first = scheduler.step({"expect": [{"request_id": "r1", "items": [{"transfer_id": "t1", "mm_hash": "h1"}]}], "snapshot": True})
+        at = first["generation"]
+        out = scheduler.step({"expect": [{"request_id": "r2", "items": [{"transfer_id": "t2", "mm_hash": "h2"}]}], "changes_since": at})
+        assert out["incremental"] is True
+        assert out["changed"] == {"h2": False}, "r1's content did not move"
+        assert not out["changed_failed"]["r2"] and "r1" not in out["changed_failed"]
+        assert "covered" not in out and out["generation"] == scheduler.generation() > at
+        nothing = scheduler.step({"changes_since": out["generation"]})
+        assert nothing["incremental"] is True and not nothing.get("changed")
+        fallback = scheduler.step({"changes_since": scheduler.generation() + 100})
+        assert not fallback.get("incremental"), "a generation the table never gave: a snapshot instead"
+        assert fallback["generation"] == scheduler.generation()
+
+
 def test_scheduler_watch_checks_its_counter():
     with Scheduler(scheduler_config(free_port_range(1, IP), 1)) as scheduler:
         rc, msg = _raw_call("ecm_scheduler_watch", scheduler.handle, None)
