@@ -78,9 +78,8 @@ type StepOut struct {
 	Covered []string                   `json:"covered,omitempty"`
 	Failed  map[string][]sched.Failure `json:"failed,omitempty"`
 	// Incremental says that Changed and ChangedFailed answer ChangesSince:
-	// Has of each content whose answer may have moved that a live request
-	// asks for, and the failures of each live request whose failures may
-	// have moved (null: none now). False after ChangesSince: the step
+	// Has of each content whose answer may have moved, and the failures of
+	// each live request whose failures may have moved (null: none now). False after ChangesSince: the step
 	// answered a Snapshot instead.
 	Incremental   bool                       `json:"incremental,omitempty"`
 	Changed       map[string]bool            `json:"changed,omitempty"`

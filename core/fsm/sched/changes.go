@@ -38,9 +38,8 @@ func (t *Table) bump(hash, requestID string) {
 }
 
 // Changes brings answers taken at generation since up to date: Has of
-// every content whose answer may have moved and that a live request
-// still asks for, and the Failures of every live request whose failures
-// may have moved (nil: none now). ok is false when since is older than
+// every content whose answer may have moved, and the Failures of every
+// live request whose failures may have moved (nil: none now). ok is false when since is older than
 // the log or not a generation the table gave: then take a Snapshot.
 // Deadlines due at now are applied first, as Snapshot does, so the
 // answers stand at Generation after the call.
@@ -65,14 +64,13 @@ func (t *Table) Changes(since uint64, now time.Time) (has map[string]bool, failu
 		if _, seen := has[c.hash]; seen {
 			continue
 		}
-		ask := t.askers[c.hash]
-		if len(ask) == 0 {
-			continue
-		}
+		// Also content no live request asks for any more: the owner
+		// answers has_cache_item from what it remembers, and a request
+		// for that content may come before its registration.
 		has[c.hash] = t.covered(c.hash)
 		// A request's failures follow the records and coverage of its
 		// items' contents: served items whose copy is gone count too.
-		for id := range ask {
+		for id := range t.askers[c.hash] {
 			requests[id] = struct{}{}
 		}
 	}

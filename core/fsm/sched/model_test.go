@@ -89,7 +89,10 @@ func runModel(t *testing.T, rng *rand.Rand, steps int) (map[State]bool, Stats) {
 	lastGen, lastAnswers := tb.Generation(), answers()
 	var cache engineCache
 	defer func() {
-		require.NotZero(t, cache.changes, "the run should bring answers up to date with Changes")
+		// A fuzzer's run may be a handful of steps.
+		if steps >= 1000 {
+			require.NotZero(t, cache.changes, "the run should bring answers up to date with Changes")
+		}
 	}()
 
 	// observe reads every known transfer's state once and derives from
@@ -373,6 +376,13 @@ func (c *engineCache) catchUp(t *testing.T, tb *Table, now time.Time, snapshot b
 		c.changes++
 	}
 	c.gen, c.valid = tb.Generation(), true
+	// Every answer kept stands, also of content no live request asks for
+	// any more: the owner answers has_cache_item from it.
+	for h, v := range c.has {
+		if v != tb.Has(h) {
+			require.Fail(t, fmt.Sprintf("%s: remembered Has(%s) = %v, the table says %v", where, h, v, tb.Has(h)))
+		}
+	}
 	for id, req := range tb.requests {
 		if want := tb.Failures(id); len(want) != len(c.failures[id]) || !slices.Equal(want, c.failures[id]) {
 			require.Equal(t, want, c.failures[id], "%s: remembered failures of %s", where, id)
