@@ -459,6 +459,8 @@ class _ConsumerScheduler:
         self._store_lost.pop(rid, None)
         self._refused.discard(rid)
         self._unavailable.discard(rid)
+        # No catch-up names a finished request again.
+        self._failed.pop(rid, None)
         if rid in self._registered:
             self._registered.discard(rid)
             self._finished.append(rid)
