@@ -169,14 +169,20 @@ int ecm_scheduler_open(const char *config_json, ecm_handle_t *out, char **err);
  * [{"transfer_id", "mm_hash"}]}], "load": [mm_hash], "loaded":
  * [{"transfer_id", "ok", "reason"}], "freed": [mm_hash], "finished":
  * [request_id], "ensure": [request_id], "has": [mm_hash], "snapshot":
- * bool}; every key optional. out: {"expect_errors": {request_id: reason},
- * "load": [{"mm_hash", "transfer_id", "error"}], "ensure": {request_id:
- * {"ready", "failed": [...]}}, "has": {mm_hash: bool}, "covered":
- * [mm_hash], "failed": {request_id: [...]}, "failures": [...],
- * "generation": n, "since": n}. "since" is the generation before the
- * step changed anything (deadlines due are applied first). A snapshot answers for every registered request at
- * once: "covered" lists the contents of their items that can load now,
- * "failed" the items that will not come, by request. */
+ * bool, "changes_since": n}; every key optional. out: {"expect_errors":
+ * {request_id: reason}, "load": [{"mm_hash", "transfer_id", "error"}],
+ * "ensure": {request_id: {"ready", "failed": [...]}}, "has": {mm_hash:
+ * bool}, "covered": [mm_hash], "failed": {request_id: [...]},
+ * "incremental": bool, "changed": {mm_hash: bool}, "changed_failed":
+ * {request_id: [...] or null}, "failures": [...], "generation": n}. A
+ * snapshot answers for every registered request at once: "covered" lists
+ * the contents of their items that can load now, "failed" the items that
+ * will not come, by request. "changes_since" (a generation an earlier step
+ * named) answers only what moved since: "changed" for every content whose
+ * answer may have moved, "changed_failed" for every registered request
+ * whose failures may have moved (null: none now), with "incremental":
+ * true; where the scheduler no longer knows that far back it answers a
+ * snapshot instead. */
 int ecm_scheduler_step(ecm_handle_t h, const char *in_json, char **out_json,
                        char **err);
 /* has_cache_item: *out = 1 when mm_hash can be loaded now. */

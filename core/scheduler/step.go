@@ -87,10 +87,6 @@ type StepOut struct {
 	// Generation is the table's generation when the questions were
 	// answered: the answers stand for as long as it does not move.
 	Generation uint64 `json:"generation"`
-	// Since is the generation before this step changed anything. When it
-	// equals the generation of earlier answers, only this step's own
-	// changes lie between those answers and these.
-	Since uint64 `json:"since"`
 }
 
 // Step applies the events that have arrived (Poll), then one scheduler
@@ -103,10 +99,7 @@ func (s *Scheduler) Step(in StepIn) StepOut {
 	var out StepOut
 	s.mu.Lock()
 	before := s.table.Generation()
-	// Deadlines due now fire before Since is taken, so that what lies
-	// between Since and Generation is this step's own doing.
 	out.Cancelled = s.applyLocked(s.table.Ready(now))
-	out.Since = s.table.Generation()
 	for _, e := range in.Expect {
 		s.waits.expect(e.Items, now)
 		if err := s.table.Expect(e.RequestID, e.Items, now); err != nil {
