@@ -112,23 +112,6 @@ func (t *Table) CheckInvariants() error {
 		}
 	}
 
-	wants := make(map[string]int, len(t.wants))
-	for _, req := range t.requests {
-		for _, it := range req.items {
-			wants[it.MMHash]++
-		}
-	}
-	for h, n := range t.wants {
-		if n != wants[h] {
-			bad("mm_hash %s: counted %d live items, requests hold %d", h, n, wants[h])
-		}
-	}
-	for h, n := range wants {
-		if _, ok := t.wants[h]; !ok {
-			bad("mm_hash %s: requests hold %d live items, none counted", h, n)
-		}
-	}
-
 	for rid, req := range t.requests {
 		if rid != req.id {
 			bad("request keyed %s names %s", rid, req.id)

@@ -107,13 +107,6 @@ type Table struct {
 	records  map[string]*record   // live transfers by transfer_id
 	byHash   map[string][]*record // live transfers by mm_hash, oldest first
 	requests map[string]*request
-	// wants counts, by mm_hash, the items of live requests, served or
-	// not: whether some live request may still need the content through
-	// any transfer. Ensure answers by content, so an available transfer
-	// whose own requests finished may be what another request was told is
-	// there, also one served before whose copy is gone since (a preempted
-	// request asks again); it stays while the content is wanted.
-	wants map[string]int
 
 	early map[string]*early
 	// earlyOf indexes early by content (hash → transfer id): a Gone
@@ -131,11 +124,18 @@ type Table struct {
 	// gen counts the changes that can alter an answer (Generation).
 	gen uint64
 	// changes logs what each generation since changesFrom touched, for
-	// Changes; askers names the live requests by the contents of their
-	// items.
+	// Changes.
 	changes     []change
 	changesFrom uint64
-	askers      map[string]map[string]struct{}
+	// askers names, by mm_hash, the live requests with an item of that
+	// content, served or not: whether some live request may still need
+	// the content through any transfer. Ensure answers by content, so an
+	// available transfer whose own requests finished may be what another
+	// request was told is there, also one served before whose copy is
+	// gone since (a preempted request asks again); it stays while the
+	// content is asked for. Changes also answers their failures when the
+	// content moves.
+	askers map[string]map[string]struct{}
 
 	// pending holds failures not yet handed out by Ready, in the order
 	// they arose, so that failures from events reach the caller as well.
@@ -209,7 +209,6 @@ func New(cfg Config) *Table {
 		records:  make(map[string]*record),
 		byHash:   make(map[string][]*record),
 		requests: make(map[string]*request),
-		wants:    make(map[string]int),
 		early:    make(map[string]*early),
 		earlyOf:  make(map[string]map[string]*early),
 		tombs:    make(map[string]tombstone),
@@ -265,7 +264,6 @@ func (t *Table) Expect(requestID string, items []Expected, now time.Time) error 
 		}
 		ask[requestID] = struct{}{}
 		req.index[it.TransferID] = struct{}{}
-		t.wants[it.MMHash]++
 		if r := t.records[it.TransferID]; r != nil && r.state == Ready {
 			req.served[r.id] = struct{}{}
 			continue
@@ -744,7 +742,6 @@ func (t *Table) Finish(requestID string, now time.Time) {
 	t.bump("", requestID)
 	var hashes []string
 	for _, it := range req.items {
-		t.unwant(it.MMHash)
 		if ask := t.askers[it.MMHash]; ask != nil {
 			delete(ask, requestID)
 			if len(ask) == 0 {
@@ -780,17 +777,9 @@ func (t *Table) idle(r *record) bool {
 	case WaitingEvent:
 		return true
 	case Available:
-		return t.wants[r.hash] == 0
+		return len(t.askers[r.hash]) == 0
 	}
 	return false
-}
-
-func (t *Table) unwant(mmHash string) {
-	if t.wants[mmHash] <= 1 {
-		delete(t.wants, mmHash)
-		return
-	}
-	t.wants[mmHash]--
 }
 
 // Effects holds what Ready hands out: the transfers to cancel on the

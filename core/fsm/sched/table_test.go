@@ -742,14 +742,17 @@ func TestCheckInvariantsCatchesCorruption(t *testing.T) {
 		"tombstone not queued":     func(tb *Table) { tb.tombs["t8"] = tombstone{state: Cancelled} },
 		"early for a live record":  func(tb *Table) { tb.early["t1"] = tb.early["t9"] },
 		"early not queued":         func(tb *Table) { tb.earlyQ = nil },
-		"wanted content uncounted": func(tb *Table) { delete(tb.wants, "h1") },
-		"wanted content miscount":  func(tb *Table) { tb.wants["h2"] = 5 },
-		"unwanted content counted": func(tb *Table) { tb.wants["h9"] = 1 },
+		"wanted content uncounted": func(tb *Table) { delete(tb.askers, "h1") },
+		"wanted content miscount":  func(tb *Table) { tb.askers["h2"]["r9"] = struct{}{} },
+		"unwanted content counted": func(tb *Table) { tb.askers["h9"] = map[string]struct{}{"r1": {}} },
 		"available for nobody": func(tb *Table) {
 			// served without being loaded, and nobody else wants h1
 			tb.records["t1"].requests = nil
 			tb.requests["r1"].served["t1"] = struct{}{}
-			tb.unwant("h1")
+			delete(tb.askers["h1"], "r1")
+			if len(tb.askers["h1"]) == 0 {
+				delete(tb.askers, "h1")
+			}
 		},
 		"loaded with a request": func(tb *Table) {
 			r := tb.records["t1"]
